@@ -1,0 +1,62 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+import orjson
+
+# OpenAI's error ``type`` for each status the gateway produces itself.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class GatewayError(Exception):
+    """An error answered to the client as OpenAI-shaped JSON (or an SSE error event mid-stream)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def payload(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event, for failures after the first byte was sent."""
+        return b"data: " + self.body() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request")

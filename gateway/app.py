@@ -1,0 +1,186 @@
+"""The gateway ASGI application.
+
+A thin front door routes the three OpenAI data-path routes straight to :class:`Proxy` as plain
+ASGI handlers (no FastAPI request model, no middleware stack: about half the per-request CPU of
+a FastAPI route, see the performance notes); everything else (models, health, readiness,
+metrics, admin) is a FastAPI app behind it, which also owns the lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import ORJSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.api.proxy import Proxy, Receive, Scope, Send
+from gateway.api.request_parse import RouteKind
+from gateway.engines import adapter_for
+from gateway.fleet.monitor import FleetMonitor
+from gateway.fleet.registry import Fleet
+from gateway.router import Router, load_pipeline
+from gateway.settings import Settings
+from gateway.tracing import Tracing
+
+log = logging.getLogger("slogate.app")
+
+_DATA_ROUTES: dict[str, RouteKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+class Gateway:
+    """Process-wide state, created when the app starts and closed when it stops."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pipeline = load_pipeline(settings.routing_profile_path())  # fail before binding anything
+        self.tracing = Tracing(settings.tracing, settings.otlp_endpoint)
+        self.session: aiohttp.ClientSession | None = None
+        self.fleet: Fleet | None = None
+        self.monitor: FleetMonitor | None = None
+        self.proxy: Proxy | None = None
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=s.upstream_pool_size,
+            limit_per_host=s.upstream_pool_per_host,
+            keepalive_timeout=30.0,
+            enable_cleanup_closed=True,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=["User-Agent"]
+        )
+        adapters = [adapter_for(e, self.session, s.health_timeout_s) for e in s.engines]
+        self.fleet = Fleet(adapters, s.stale_after_s)
+        self.monitor = FleetMonitor(
+            self.fleet, s.monitor_interval_s, s.eject_after_failures, s.readmit_after_successes
+        )
+        self.monitor.start()
+        # Serve with real health information rather than guessing: wait for one round of checks.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
+        self.proxy = Proxy(s, self.fleet, Router(self.fleet, self.pipeline), self.session, self.tracing)
+
+    async def stop(self) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.session is not None:
+            await self.session.close()
+        self.tracing.shutdown()
+
+
+class FrontDoor:
+    """ASGI entry point: OpenAI data routes go straight to the proxy, the rest to FastAPI."""
+
+    def __init__(self, gateway: Gateway, api: FastAPI) -> None:
+        self.gateway = gateway
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            kind = _DATA_ROUTES.get(scope["path"])
+            proxy = self.gateway.proxy
+            if kind is not None and proxy is not None:
+                await proxy.handle(kind, scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def _error_response(error: GatewayError) -> ORJSONResponse:
+    headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else None
+    return ORJSONResponse(error.payload(), status_code=error.status, headers=headers)
+
+
+def build_api(gateway: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    api = FastAPI(
+        title="slogate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+        return _error_response(GatewayError(exc.status_code, str(exc.detail)))
+
+    def fleet() -> Fleet:
+        if gateway.fleet is None:
+            raise StarletteHTTPException(503, "gateway is starting")
+        return gateway.fleet
+
+    @api.get("/v1/models")
+    async def models() -> ORJSONResponse:
+        created = int(gateway.started_at)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "slogate"}
+            for m in sorted(fleet().models())
+        ]
+        return ORJSONResponse({"object": "list", "data": data})
+
+    @api.get("/health")
+    async def health() -> ORJSONResponse:
+        return ORJSONResponse({"status": "ok"})
+
+    @api.get("/ready")
+    async def ready() -> ORJSONResponse:
+        f = fleet()
+        missing = sorted(f.models() - f.healthy_models())
+        if not f.records or missing:
+            reason = (
+                "no engines configured" if not f.records else f"no healthy engine for: {', '.join(missing)}"
+            )
+            return _error_response(GatewayError(503, f"not ready: {reason}", code="not_ready"))
+        return ORJSONResponse({"status": "ready", "models": sorted(f.models())})
+
+    @api.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/admin/engines")
+    async def engines() -> ORJSONResponse:
+        out: list[dict[str, Any]] = []
+        for r in fleet().records.values():
+            out.append(
+                {
+                    "id": r.engine_id,
+                    "url": r.adapter.base_url,
+                    "kind": r.adapter.kind,
+                    "model": r.model,
+                    "role": r.adapter.role.value,
+                    "healthy": r.healthy,
+                    "in_flight": r.in_flight,
+                    "last_error": r.last_error or None,
+                    "state": asdict(r.state) if r.state else None,
+                    "state_age_s": round(time.monotonic() - r.state_at, 3) if r.state else None,
+                }
+            )
+        return ORJSONResponse({"engines": out})
+
+    return api
+
+
+def create_app(settings: Settings) -> FrontDoor:
+    """The ASGI app for ``settings``; engines are contacted only when the lifespan starts."""
+    gateway = Gateway(settings)
+    return FrontDoor(gateway, build_api(gateway))

@@ -1,0 +1,90 @@
+"""``slogate``: the command-line entry point.
+
+Subcommands: ``serve`` (the gateway), ``up`` (gateway + simulated engines on one machine),
+``sim-engine`` (one simulated vLLM-compatible engine), ``real-engine`` (provision and run real
+vLLM / llama.cpp locally) and ``bench`` (benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from gateway.settings import load_settings_or_exit
+
+    overrides: dict[str, object] = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    settings = load_settings_or_exit(args.config, **overrides)
+    serve(settings)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from gateway.up import run_up
+
+    return run_up(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from gateway.bench.overhead import bench_overhead_main
+
+    return bench_overhead_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # These two own their flags entirely; hand them the rest of the command line untouched.
+    if argv and argv[0] == "sim-engine":
+        from gateway.sim.cli import sim_engine_main
+
+        return sim_engine_main(argv[1:])
+    if argv and argv[0] == "real-engine":
+        from gateway.realengines.cli import real_engine_main
+
+        return real_engine_main(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="slogate", description="SLO-aware gateway for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway")
+    p.add_argument("--config", type=Path, help="YAML settings file (environment SLOGATE_* overrides it)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("up", help="run the gateway with simulated engines on this machine")
+    p.add_argument("--config", type=Path, help="extra gateway settings (YAML)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--engines", type=int, default=2, help="number of simulated engines")
+    p.add_argument("--profile", default="qwen-7b", help="engine profile for the simulated engines")
+    p.add_argument("--model", default=None, help="served model name (default: the profile's)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run simulated time this many times faster")
+    p.set_defaults(func=_up)
+
+    sub.add_parser("sim-engine", help="run one simulated vLLM-compatible engine (see --help)")
+    sub.add_parser("real-engine", help="provision / run a real local vLLM or llama.cpp engine (see --help)")
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    from gateway.bench.overhead import add_overhead_arguments
+
+    add_overhead_arguments(
+        bench_sub.add_parser("overhead", help="gateway overhead vs calling the engine directly")
+    )
+    p.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

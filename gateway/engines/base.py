@@ -1,0 +1,132 @@
+"""The engine adapter seam: one typed base class, one subclass per engine kind.
+
+An adapter knows how to talk to one engine: where its OpenAI routes are, how its ``/metrics``
+map onto :class:`EngineState`, how to check its health, and which lifecycle hooks (sleep, wake,
+weight loading, role changes) it supports. All upstream HTTP goes through one shared aiohttp
+session with an explicit connection pool, owned by the gateway and passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import aiohttp
+
+from gateway.engines import prom_text
+from gateway.settings import EngineConfig
+from policies.api import EngineState, Role
+
+
+class HookUnsupportedError(RuntimeError):
+    """The engine kind has no such lifecycle hook (e.g. sleep on a generic OpenAI server)."""
+
+
+class EngineAdapter:
+    """Base adapter. Subclasses set ``kind`` and override :meth:`parse_metrics` and hooks."""
+
+    kind: ClassVar[str] = "openai"
+    #: whether the engine's scheduler understands the body field ``priority`` (lower first)
+    supports_priority_field: ClassVar[bool] = False
+    #: path of the Prometheus endpoint, or None when the engine publishes none
+    metrics_path: ClassVar[str | None] = "/metrics"
+    health_path: ClassVar[str] = "/health"
+
+    def __init__(self, config: EngineConfig, session: aiohttp.ClientSession, health_timeout_s: float) -> None:
+        self.config = config
+        self.session = session
+        self.engine_id = config.engine_id
+        self.base_url = config.base_url
+        self.role: Role = config.role
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        self._auth: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    @property
+    def accepts_priority(self) -> bool:
+        return self.supports_priority_field and self.config.priority_scheduling
+
+    # -- data path -------------------------------------------------------------------------------
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def upstream_headers(self, request_id: str) -> dict[str, str]:
+        """Headers for a data-path request; the body is sent as the client's JSON bytes."""
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        headers.update(self._auth)
+        return headers
+
+    def prepare_body(self, body: dict[str, Any]) -> bool:
+        """Adjust a parsed request body for this engine in place; return True if it changed.
+
+        The default removes the vLLM ``priority`` field for engines that would reject it.
+        """
+        if "priority" in body and not self.accepts_priority:
+            del body["priority"]
+            return True
+        return False
+
+    # -- monitoring ------------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True when the engine answers its health route with 2xx within the health timeout."""
+        try:
+            async with self.session.get(
+                self.url(self.health_path), timeout=self._health_timeout, headers=self._auth
+            ) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def scrape(self) -> EngineState | None:
+        """Read and parse the engine's metrics; None when it publishes none."""
+        if self.metrics_path is None:
+            return None
+        async with self.session.get(
+            self.url(self.metrics_path), timeout=self._health_timeout, headers=self._auth
+        ) as resp:
+            resp.raise_for_status()
+            text = await resp.text()
+        return self.parse_metrics(text)
+
+    async def list_models(self) -> list[str]:
+        async with self.session.get(
+            self.url("/v1/models"), timeout=self._health_timeout, headers=self._auth
+        ) as resp:
+            resp.raise_for_status()
+            data = await resp.json(content_type=None)
+        return [str(m["id"]) for m in data.get("data", []) if isinstance(m, Mapping) and "id" in m]
+
+    def parse_metrics(self, text: str) -> EngineState | None:
+        return None
+
+    # -- lifecycle hooks (warm pool, scaling, P/D role changes) ----------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        raise HookUnsupportedError(f"{self.kind} engines have no sleep hook")
+
+    async def wake_up(self) -> None:
+        raise HookUnsupportedError(f"{self.kind} engines have no wake_up hook")
+
+    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
+        raise HookUnsupportedError(f"{self.kind} engines have no weight-loading hook")
+
+    async def set_role(self, role: Role) -> None:
+        raise HookUnsupportedError(f"{self.kind} engines cannot change role at run time")
+
+    async def abort(self, request_id: str) -> None:
+        """Best-effort abort by id. Closing the upstream connection is the primary abort path."""
+        return None
+
+    async def _post_json(self, path: str, payload: Mapping[str, Any] | None = None, **params: str) -> Any:
+        async with self.session.post(
+            self.url(path), json=payload, params=params or None, headers=self._auth
+        ) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
+
+def gauge(samples: prom_text.Samples, *names: str) -> float:
+    value = prom_text.total(samples, *names)
+    return 0.0 if value is None else value

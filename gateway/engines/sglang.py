@@ -1,0 +1,54 @@
+"""SGLang: its ``sglang:*`` metrics and memory-release hooks."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.engines import prom_text
+from gateway.engines.base import EngineAdapter, gauge
+from policies.api import EngineState
+
+_WANTED = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:prompt_tokens_total",
+    "sglang:cached_tokens_total",
+    "sglang:max_total_num_tokens",
+)
+
+
+def parse_sglang_metrics(text: str) -> EngineState:
+    samples = prom_text.parse(text, _WANTED)
+    max_tokens = prom_text.total(samples, "sglang:max_total_num_tokens")
+    return EngineState(
+        num_running=int(gauge(samples, "sglang:num_running_reqs")),
+        num_waiting=int(gauge(samples, "sglang:num_queue_reqs")),
+        kv_usage=gauge(samples, "sglang:token_usage"),
+        prefix_queries=gauge(samples, "sglang:prompt_tokens_total"),
+        prefix_hits=gauge(samples, "sglang:cached_tokens_total"),
+        block_size=1,  # SGLang's radix cache works at token granularity
+        num_gpu_blocks=int(max_tokens) if max_tokens else None,
+    )
+
+
+class SglangAdapter(EngineAdapter):
+    kind: ClassVar[str] = "sglang"
+    supports_priority_field: ClassVar[bool] = True
+
+    def parse_metrics(self, text: str) -> EngineState | None:
+        return parse_sglang_metrics(text)
+
+    async def sleep(self, level: int = 1) -> None:
+        tags = ["kv_cache"] if level <= 1 else ["weights", "kv_cache"]
+        await self._post_json("/release_memory_occupation", {"tags": tags})
+
+    async def wake_up(self) -> None:
+        await self._post_json("/resume_memory_occupation", {})
+
+    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
+        if source != "disk":
+            raise NotImplementedError(
+                "SGLang peer loading is chosen at launch (--load-format remote_instance)"
+            )
+        await self._post_json("/update_weights_from_disk", {"model_path": self.config.model})

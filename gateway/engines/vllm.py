@@ -1,0 +1,74 @@
+"""vLLM (0.33 names, with fallbacks for older releases) and the simulated engine, which speaks vLLM."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.engines import prom_text
+from gateway.engines.base import EngineAdapter, gauge
+from policies.api import EngineState
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_NEW, _KV_OLD = "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"
+_QUERIES = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries",
+)
+_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
+_CACHE_INFO = "vllm:cache_config_info"
+_SLEEP = "vllm:engine_sleep_state"
+_WANTED = (_RUNNING, _WAITING, _KV_NEW, _KV_OLD, *_QUERIES, *_HITS, _CACHE_INFO, _SLEEP)
+
+
+def parse_vllm_metrics(text: str) -> EngineState:
+    """Map vLLM's ``/metrics`` onto EngineState, summing over data-parallel ``engine`` labels."""
+    samples = prom_text.parse(text, _WANTED)
+    kv_samples = samples.get(_KV_NEW) or samples.get(_KV_OLD) or []
+    kv_usage = max((v for _, v in kv_samples), default=0.0)
+    block_size: int | None = None
+    num_blocks: int | None = None
+    for labels, _ in samples.get(_CACHE_INFO, []):
+        if labels.get("block_size", "").isdigit():
+            block_size = int(labels["block_size"])
+        if labels.get("num_gpu_blocks", "").isdigit():
+            num_blocks = int(labels["num_gpu_blocks"])
+    sleeping = any(
+        labels.get("sleep_state") not in (None, "awake") and value > 0
+        for labels, value in samples.get(_SLEEP, [])
+    )
+    return EngineState(
+        num_running=int(gauge(samples, _RUNNING)),
+        num_waiting=int(gauge(samples, _WAITING)),
+        kv_usage=kv_usage,
+        prefix_queries=gauge(samples, *_QUERIES),
+        prefix_hits=gauge(samples, *_HITS),
+        block_size=block_size,
+        num_gpu_blocks=num_blocks,
+        sleeping=sleeping,
+    )
+
+
+class VllmAdapter(EngineAdapter):
+    kind: ClassVar[str] = "vllm"
+    supports_priority_field: ClassVar[bool] = True
+
+    def parse_metrics(self, text: str) -> EngineState | None:
+        return parse_vllm_metrics(text)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._post_json("/sleep", None, level=str(level))
+
+    async def wake_up(self) -> None:
+        await self._post_json("/wake_up")
+
+
+class SimAdapter(VllmAdapter):
+    """The simulated engine: vLLM's wire protocol plus documented weight-loading and fault hooks."""
+
+    kind: ClassVar[str] = "sim"
+
+    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
+        payload = {"source": source} | ({"peer_url": peer_url} if peer_url else {})
+        await self._post_json("/sim/load_weights", payload)

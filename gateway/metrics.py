@@ -1,0 +1,86 @@
+"""Every Prometheus metric the gateway exports, defined in this one place.
+
+All metrics live in :data:`REGISTRY` (not prometheus_client's global one) so tests and several
+apps in one process do not collide. Label values are engine ids, model names and fixed enums,
+never request data, to keep cardinality bounded.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
+_FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 0.025)
+
+REQUESTS = Counter(
+    "slogate_requests",
+    "Requests answered, by route, model and HTTP status class",
+    ["route", "model", "status"],
+    registry=REGISTRY,
+)
+REQUEST_LATENCY = Histogram(
+    "slogate_request_duration_seconds",
+    "Time from request arrival to the last byte sent",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TTFT = Histogram(
+    "slogate_time_to_first_token_seconds",
+    "Time from arrival to the first streamed event relayed to the client",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "slogate_tokens",
+    "Tokens reported by upstream usage, by kind (prompt, completion, cached)",
+    ["model", "kind"],
+    registry=REGISTRY,
+)
+SSE_EVENTS = Counter("slogate_sse_events_relayed", "SSE events relayed to clients", registry=REGISTRY)
+UPSTREAM_ERRORS = Counter(
+    "slogate_upstream_errors",
+    "Upstream failures by engine and kind (connect, status, stream_cut, timeout)",
+    ["engine", "kind"],
+    registry=REGISTRY,
+)
+CLIENT_DISCONNECTS = Counter(
+    "slogate_client_disconnects", "Clients that went away before the response ended", registry=REGISTRY
+)
+DISPATCHES = Counter(
+    "slogate_dispatches", "Requests sent to an engine (retries count again)", ["engine"], registry=REGISTRY
+)
+NO_ENGINE = Counter(
+    "slogate_no_engine",
+    "Requests refused because no healthy engine serves the model",
+    ["model"],
+    registry=REGISTRY,
+)
+POLICY_CALL = Histogram(
+    "slogate_policy_call_seconds",
+    "Wall time of each policy plugin call, recorded by the framework",
+    ["plugin"],
+    buckets=_FAST_BUCKETS,
+    registry=REGISTRY,
+)
+ENGINE_HEALTHY = Gauge(
+    "slogate_engine_healthy", "1 when the engine is in rotation", ["engine"], registry=REGISTRY
+)
+ENGINE_IN_FLIGHT = Gauge(
+    "slogate_engine_in_flight",
+    "Requests this gateway has in flight on the engine",
+    ["engine"],
+    registry=REGISTRY,
+)
+ENGINE_WAITING = Gauge(
+    "slogate_engine_waiting", "Engine-reported waiting requests", ["engine"], registry=REGISTRY
+)
+ENGINE_RUNNING = Gauge(
+    "slogate_engine_running", "Engine-reported running requests", ["engine"], registry=REGISTRY
+)
+ENGINE_KV_USAGE = Gauge(
+    "slogate_engine_kv_usage", "Engine-reported KV cache usage 0..1", ["engine"], registry=REGISTRY
+)

@@ -1,0 +1,109 @@
+"""Engine selection for one request: snapshot the fleet, run the routing pipeline, time the plugins.
+
+The pipeline itself is pure (``policies.pipeline``); this module owns the mutable picker state
+and the metric for each plugin call, so policies never see a clock or a metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+import yaml
+
+from gateway import metrics
+from gateway.fleet.registry import EngineRecord, Fleet
+from policies.api import EngineSnapshot, Filter, Picker, RequestView, Role, Scorer
+from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
+
+_DATA_ROLES = frozenset({Role.COLLOCATED})
+
+
+class _TimedFilter:
+    def __init__(self, name: str, inner: Filter) -> None:
+        self.inner = inner
+        self.hist = metrics.POLICY_CALL.labels(f"filter:{name}")
+
+    def filter(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], now: float
+    ) -> Sequence[EngineSnapshot]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.filter(request, engines, now)
+        finally:
+            self.hist.observe(time.perf_counter() - t0)
+
+
+class _TimedScorer:
+    def __init__(self, name: str, inner: Scorer) -> None:
+        self.inner = inner
+        self.hist = metrics.POLICY_CALL.labels(f"scorer:{name}")
+
+    def score(self, request: RequestView, engines: Sequence[EngineSnapshot], now: float) -> Sequence[float]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.score(request, engines, now)
+        finally:
+            self.hist.observe(time.perf_counter() - t0)
+
+
+class _TimedPicker:
+    def __init__(self, name: str, inner: Picker) -> None:
+        self.inner = inner
+        self.hist = metrics.POLICY_CALL.labels(f"picker:{name}")
+
+    def initial_state(self) -> object:
+        return self.inner.initial_state()
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], scores: Sequence[float], state: object
+    ) -> tuple[EngineSnapshot, object]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.pick(request, engines, scores, state)
+        finally:
+            self.hist.observe(time.perf_counter() - t0)
+
+
+def load_pipeline(path: Path) -> RoutingPipeline:
+    """Compile a routing profile file; raises PolicyConfigError/ValueError with the file named."""
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a routing profile must be a mapping")
+    try:
+        return compile_profile(data)
+    except ValueError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+
+
+def timed(pipeline: RoutingPipeline) -> RoutingPipeline:
+    """The same pipeline with every plugin call recorded in ``slogate_policy_call_seconds``."""
+    return RoutingPipeline(
+        filters=tuple((name, _TimedFilter(name, f)) for name, f in pipeline.filters),
+        scorers=tuple(
+            WeightedScorer(s.name, _TimedScorer(s.name, s.scorer), s.weight) for s in pipeline.scorers
+        ),
+        picker_name=pipeline.picker_name,
+        picker=_TimedPicker(pipeline.picker_name, pipeline.picker),
+    )
+
+
+class Router:
+    """Chooses an engine for a request from the current fleet snapshot."""
+
+    def __init__(self, fleet: Fleet, pipeline: RoutingPipeline) -> None:
+        self.fleet = fleet
+        self.pipeline = timed(pipeline)
+        self._picker_state = self.pipeline.picker.initial_state()
+
+    def choose(self, request: RequestView, exclude: Collection[str] = ()) -> EngineRecord | None:
+        now = time.monotonic()
+        snapshot = self.fleet.snapshot(now)
+        candidates = self.pipeline.candidates(request, snapshot.engines, _DATA_ROLES)
+        if exclude:
+            candidates = [e for e in candidates if e.engine_id not in exclude]
+        if not candidates:
+            return None
+        chosen, self._picker_state = self.pipeline.choose(request, candidates, self._picker_state, now)
+        return None if chosen is None else self.fleet.records[chosen.engine_id]

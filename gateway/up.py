@@ -1,0 +1,66 @@
+"""``slogate up``: simulated engines plus the gateway on this machine, in-memory state.
+
+Engines run as child processes (so they use the second core); the gateway runs in this
+process. Ctrl-C or SIGTERM stops the gateway first (draining in-flight requests), then every
+engine; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gateway.procs import ChildProcess, spawn_sim_engine
+from gateway.server import serve
+from gateway.settings import load_settings_or_exit
+
+
+def run_up(args: argparse.Namespace) -> int:
+    engines: list[ChildProcess] = []
+    try:
+        for i in range(args.engines):
+            extra = [
+                "--profile",
+                args.profile,
+                "--time-scale",
+                str(args.time_scale),
+                "--engine-id",
+                f"sim-{i}",
+            ]
+            if args.model:
+                extra += ["--model", args.model]
+            engines.append(spawn_sim_engine(*extra, name=f"sim-{i}"))
+        model = args.model or _served_model(engines[0].url)
+        settings = load_settings_or_exit(
+            args.config,
+            host=args.host,
+            port=args.port,
+            engines=[{"url": e.url, "kind": "sim", "model": model, "name": e.name} for e in engines],
+        )
+        base = f"http://{settings.host}:{settings.port}"
+        print(f"slogate gateway on {base}  ({len(engines)} simulated engines, model {model!r})", flush=True)
+        for e in engines:
+            print(f"  engine {e.name}: {e.url}", flush=True)
+        print(
+            f"try:\n  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+            f'"max_tokens": 32}}\'\nCtrl-C stops everything.',
+            flush=True,
+        )
+        serve(settings)
+        return 0
+    except RuntimeError as exc:
+        print(f"slogate up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def _served_model(url: str) -> str:
+    import urllib.request
+
+    import orjson
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
+        return str(orjson.loads(resp.read())["data"][0]["id"])

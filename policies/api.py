@@ -1,0 +1,152 @@
+"""The policy API: the only module plugin authors import.
+
+Policies are pure, synchronous functions over immutable snapshots. They never do I/O, never touch
+asyncio, and never import from ``gateway``. The live gateway and the offline simulator build the
+same snapshots and call the same policies, so a decision made in an experiment is the decision the
+gateway would make.
+
+Time is always passed in (``now``, seconds on a monotonic clock chosen by the caller) and any
+memory a policy needs is explicit state that it returns, never hidden module globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+
+class Role(StrEnum):
+    """What an engine does in the serving pipeline."""
+
+    COLLOCATED = "collocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What an engine reported about itself at its last scrape.
+
+    Counts are requests; ``kv_usage`` is the fraction of KV blocks in use (0..1); prefix counters
+    are cumulative tokens since engine start. ``block_size`` and ``num_gpu_blocks`` are ``None``
+    when the engine does not publish them.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    sleeping: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """One engine as the dispatcher sees it at one instant.
+
+    ``in_flight`` counts requests this gateway has dispatched to the engine and not yet seen
+    finish (updated immediately on dispatch, unlike ``state``). ``in_flight_at_scrape`` is what
+    ``in_flight`` was when ``state`` was scraped, so the two can be combined without counting the
+    same request twice (see :func:`estimated_load`). ``state`` is ``None`` for engines that
+    publish no metrics or have not been scraped yet; ``stale`` means it is older than the
+    monitor's staleness limit.
+    """
+
+    engine_id: str
+    model: str
+    role: Role = Role.COLLOCATED
+    healthy: bool = True
+    stale: bool = False
+    weight: float = 1.0
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    in_flight_at_scrape: int = 0
+    state: EngineState | None = None
+    accepts_priority: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """All engines at one instant; ``taken_at`` is the caller's monotonic clock in seconds."""
+
+    engines: tuple[EngineSnapshot, ...]
+    taken_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What routing knows about a request: never the body itself.
+
+    ``prompt_tokens`` is the gateway's estimate; ``max_output_tokens`` is the client's bound
+    (or the gateway default). ``arrival`` is on the same clock as ``FleetSnapshot.taken_at``.
+    """
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_output_tokens: int
+    arrival: float = 0.0
+    tenant: str = "default"
+    task: str | None = None
+    priority: int = 0
+    session_key: str | None = None
+    prefix_hashes: tuple[int, ...] = field(default_factory=tuple)
+
+
+def estimated_load(engine: EngineSnapshot) -> float:
+    """Requests queued or running on the engine now, as well as this gateway can tell.
+
+    The engine's own count (running + waiting) already includes the requests this gateway had in
+    flight when it was scraped; replace those with the current shadow count so dispatches made
+    since the scrape are visible at once. Falls back to the shadow count without fresh metrics.
+    """
+    state = engine.state
+    if state is None or engine.stale:
+        return float(engine.in_flight)
+    reported = state.num_running + state.num_waiting
+    return float(max(engine.in_flight, reported - engine.in_flight_at_scrape + engine.in_flight))
+
+
+@runtime_checkable
+class Filter(Protocol):
+    """Drops engines that must not take the request. Returning no engine is allowed."""
+
+    def filter(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], now: float
+    ) -> Sequence[EngineSnapshot]: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores every candidate in [0, 1], higher is better; one score per engine, same order."""
+
+    def score(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], now: float
+    ) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class Picker(Protocol):
+    """Chooses one engine from scored candidates, threading its own explicit state.
+
+    ``state`` is whatever ``initial_state`` returned the first time and ``pick`` returned since;
+    the caller stores it and passes it back. Candidates are never empty.
+    """
+
+    def initial_state(self) -> object: ...
+
+    def pick(
+        self,
+        request: RequestView,
+        engines: Sequence[EngineSnapshot],
+        scores: Sequence[float],
+        state: object,
+    ) -> tuple[EngineSnapshot, object]: ...
+
+
+class PolicyConfigError(ValueError):
+    """A profile names an unknown plugin or gives it bad parameters; the message says how to fix it."""

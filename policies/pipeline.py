@@ -1,0 +1,106 @@
+"""The filter -> weighted scorer -> picker pipeline (the baseline dispatcher).
+
+Each scorer returns scores in [0, 1]; they are clamped and summed with the profile's weights. The
+picker then chooses among the surviving engines. The pipeline is a value: build it once at start-up
+from a routing profile, then call :meth:`RoutingPipeline.choose` per request with a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from policies import plugins as _plugins  # noqa: F401  (registers the built-in plugins)
+from policies.api import (
+    EngineSnapshot,
+    Filter,
+    Picker,
+    PolicyConfigError,
+    RequestView,
+    Role,
+    Scorer,
+)
+from policies.registry import build
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPipeline:
+    """A compiled routing profile. Stateless apart from the picker state the caller threads."""
+
+    filters: tuple[tuple[str, Filter], ...]
+    scorers: tuple[WeightedScorer, ...]
+    picker_name: str
+    picker: Picker
+
+    def candidates(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], roles: frozenset[Role]
+    ) -> list[EngineSnapshot]:
+        """Engines that serve the model, are healthy and have an acceptable role."""
+        return [e for e in engines if e.healthy and e.model == request.model and e.role in roles]
+
+    def choose(
+        self,
+        request: RequestView,
+        engines: Sequence[EngineSnapshot],
+        state: object,
+        now: float,
+    ) -> tuple[EngineSnapshot | None, object]:
+        """Run filters, scorers and the picker over ``engines`` (already the candidates).
+
+        Returns ``(None, state)`` when no engine survives the filters.
+        """
+        for _, plugin in self.filters:
+            engines = plugin.filter(request, engines, now)
+            if not engines:
+                return None, state
+        totals = [0.0] * len(engines)
+        for ws in self.scorers:
+            for i, s in enumerate(ws.scorer.score(request, engines, now)):
+                totals[i] += ws.weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+        return self.picker.pick(request, engines, totals, state)
+
+
+def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
+    """Build a pipeline from a routing profile mapping (already parsed YAML).
+
+    Shape::
+
+        filters: [{name: ..., params: {...}}]
+        scorers: [{name: ..., weight: 1.0, params: {...}}]
+        picker: {name: max_score, params: {...}}
+    """
+    allowed = {"name", "description", "dispatcher", "filters", "scorers", "picker"}
+    extra = sorted(set(profile) - allowed)
+    if extra:
+        raise PolicyConfigError(f"routing profile has unknown keys {extra}; allowed: {sorted(allowed)}")
+
+    def entries(key: str) -> list[Mapping[str, Any]]:
+        value = profile.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) and "name" in v for v in value):
+            raise PolicyConfigError(f"routing profile {key!r} must be a list of {{name: ..., params: ...}}")
+        return value
+
+    filters = tuple(
+        (str(f["name"]), cast(Filter, build("filter", str(f["name"]), f.get("params"))))
+        for f in entries("filters")
+    )
+    scorers = []
+    for s in entries("scorers"):
+        weight = s.get("weight", 1.0)
+        if not isinstance(weight, int | float) or weight < 0:
+            raise PolicyConfigError(f"scorer {s['name']!r}: weight must be a number >= 0, got {weight!r}")
+        scorer = cast(Scorer, build("scorer", str(s["name"]), s.get("params")))
+        scorers.append(WeightedScorer(str(s["name"]), scorer, float(weight)))
+    picker_entry = profile.get("picker") or {"name": "max_score"}
+    if not isinstance(picker_entry, Mapping) or "name" not in picker_entry:
+        raise PolicyConfigError("routing profile 'picker' must be {name: ..., params: ...}")
+    picker = cast(Picker, build("picker", str(picker_entry["name"]), picker_entry.get("params")))
+    return RoutingPipeline(filters, tuple(scorers), str(picker_entry["name"]), picker)
