@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import socket
+
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import FrontDoor, create_app
 from gateway.logs import setup_logging
 from gateway.settings import Settings
 
 
-def uvicorn_config(settings: Settings) -> uvicorn.Config:
+def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(settings),
+        app or create_app(settings),
         host=settings.host,
         port=settings.port,
         http="httptools",
@@ -24,7 +26,19 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
+class _AnnouncingServer(uvicorn.Server):
+    """Prints ``slogate listening on http://HOST:PORT`` once bound (the real port when 0 was asked)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            for server in self.servers:
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    print(f"slogate listening on http://{host}:{port}", flush=True)
+
+
 def serve(settings: Settings) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown."""
     setup_logging(settings.log_level)
-    uvicorn.Server(uvicorn_config(settings)).run()
+    _AnnouncingServer(uvicorn_config(settings)).run()

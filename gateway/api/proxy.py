@@ -161,7 +161,8 @@ class Proxy:
                 )
             raw = await read_body(receive, self.settings.max_body_bytes)
             request = parse_request(kind, raw, self.settings.default_max_tokens)
-            model = request.model
+            # label by served model only, so arbitrary client strings cannot grow the metric set
+            model = request.model if request.model in self.fleet.served_models else "(unknown)"
             status = await self._serve(request, rid.decode(), rid, arrival, receive, send)
         except GatewayError as error:
             status = error.status
@@ -189,7 +190,7 @@ class Proxy:
         )
 
     def _no_engine(self, model: str) -> GatewayError:
-        if model not in self.fleet.models():
+        if model not in self.fleet.served_models:
             served = ", ".join(sorted(self.fleet.models())) or "none"
             return GatewayError(
                 404,

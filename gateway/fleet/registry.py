@@ -45,12 +45,14 @@ class Fleet:
     def __init__(self, adapters: Iterable[EngineAdapter], stale_after_s: float) -> None:
         self.records: dict[str, EngineRecord] = {a.engine_id: EngineRecord(a) for a in adapters}
         self.stale_after_s = stale_after_s
+        #: models configured on any engine; fixed for the life of the registry
+        self.served_models: frozenset[str] = frozenset(r.model for r in self.records.values())
         self._snapshot: FleetSnapshot | None = None
 
     # -- reads -----------------------------------------------------------------------------------
 
     def models(self) -> set[str]:
-        return {r.model for r in self.records.values()}
+        return set(self.served_models)
 
     def healthy_models(self) -> set[str]:
         return {r.model for r in self.records.values() if r.healthy}

@@ -1,0 +1,79 @@
+"""Fixtures for gateway tests: simulated engines as real processes, gateways in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+
+from gateway.procs import ChildProcess, spawn_sim_engine
+
+MODEL = "m"
+#: a 7B-class engine run 4x faster than real time: decode steps of a few ms, so streams take
+#: long enough to interrupt but the suite stays fast
+SIM_ARGS = ("--profile", "qwen-7b", "--model", MODEL, "--time-scale", "4")
+
+
+def engine_entry(engine: ChildProcess, **extra: object) -> dict[str, object]:
+    return {"url": engine.url, "kind": "sim", "model": MODEL, "name": engine.name, **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def two_engines() -> Iterator[list[ChildProcess]]:
+    with spawn_sim_engine(*SIM_ARGS, name="e0") as e0, spawn_sim_engine(*SIM_ARGS, name="e1") as e1:
+        yield [e0, e1]
+
+
+class BrokenEngine:
+    """A real HTTP server that answers every data-path call with a fixed status (an engine bug).
+
+    Runs its own event loop in a thread so it answers while the test (or its loop) blocks.
+    """
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> BrokenEngine:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        async def fail(_: web.Request) -> web.Response:
+            error = {"message": "engine exploded", "type": "InternalServerError", "param": None, "code": self.status}
+            return web.json_response({"error": error}, status=self.status)
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", fail)
+        app.router.add_post("/v1/completions", fail)
+        app.router.add_get("/health", ok)
+        app.router.add_get("/metrics", ok)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"

@@ -1,0 +1,60 @@
+"""Run a real gateway (uvicorn + httptools + uvloop) in a background thread for in-process tests.
+
+A thread rather than the test's own loop, so the synchronous OpenAI client can call it too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from gateway.app import FrontDoor, Gateway, create_app
+from gateway.server import uvicorn_config
+from gateway.settings import load_settings
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: FrontDoor
+    server: uvicorn.Server
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app.gateway
+
+
+@contextmanager
+def run_gateway(**overrides: Any) -> Iterator[RunningGateway]:
+    settings = load_settings(None, host="127.0.0.1", port=0, **overrides)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn_config(settings, app))
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield RunningGateway(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "gateway thread did not stop"
+
+
+def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

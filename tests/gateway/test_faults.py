@@ -1,0 +1,118 @@
+"""Faults: dead engines are skipped and ejected, disconnects abort upstream, cuts become error events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.engines.vllm import parse_vllm_metrics
+from gateway.procs import ChildProcess, spawn_sim_engine
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def running_on(engine: ChildProcess) -> int:
+    return parse_vllm_metrics(httpx.get(engine.url + "/metrics").text).num_running
+
+
+def engine_health(gw: RunningGateway) -> dict[str, bool]:
+    return {e["id"]: e["healthy"] for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+
+
+@pytest.fixture()
+def one_engine() -> Iterator[ChildProcess]:
+    with spawn_sim_engine(*SIM_ARGS, name="solo") as engine:
+        yield engine
+
+
+def test_down_engine_is_skipped_and_ejected(one_engine: ChildProcess) -> None:
+    dead = {"url": f"http://127.0.0.1:{free_port()}", "kind": "sim", "model": MODEL, "name": "dead"}
+    with run_gateway(engines=[dead, engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for _ in range(6):
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            assert raw.headers["x-slogate-engine"] == "solo"
+        assert engine_health(gw) == {"dead": False, "solo": True}
+        ready = httpx.get(gw.url + "/ready")
+        assert ready.status_code == 200
+
+
+def test_all_engines_down_is_503_with_a_clear_message() -> None:
+    dead = [{"url": f"http://127.0.0.1:{free_port()}", "kind": "sim", "model": MODEL, "name": f"d{i}"} for i in (1, 2)]
+    with run_gateway(engines=dead, monitor_interval_s=0.2) as gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == f"no healthy engine is serving model {MODEL!r}; retry later"
+        assert int(r.headers["retry-after"]) >= 1
+        assert httpx.get(gw.url + "/ready").status_code == 503
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert info.value.status_code == 503
+
+
+def test_engine_is_readmitted_when_it_recovers() -> None:
+    port = free_port()
+    args = (*SIM_ARGS, "--port", str(port))
+    engine = spawn_sim_engine(*args, name="flappy")
+    try:
+        with run_gateway(engines=[engine_entry(engine)], monitor_interval_s=0.1, eject_after_failures=2) as gw:
+            assert engine_health(gw) == {"flappy": True}
+            engine.stop()
+            assert wait_until(lambda: engine_health(gw) == {"flappy": False}, timeout=5)
+            engine = spawn_sim_engine(*args, name="flappy")
+            assert wait_until(lambda: engine_health(gw) == {"flappy": True}, timeout=5)
+            r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) -> None:
+    with run_gateway(engines=[engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=10) as http, http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+            seen = 0
+            for chunk in r.iter_bytes():
+                seen += chunk.count(b"data: ")
+                if seen >= 5:
+                    break
+            assert running_on(one_engine) == 1
+            closed_at = time.monotonic()
+        # the client is gone: the engine must stop working on it promptly
+        assert wait_until(lambda: running_on(one_engine) == 0, timeout=2, interval=0.005)
+        abort_s = time.monotonic() - closed_at
+        assert abort_s < 1.0, abort_s
+        assert wait_until(lambda: gw.gateway.fleet.records["solo"].in_flight == 0, timeout=2)  # type: ignore[union-attr]
+
+
+def test_engine_crash_mid_stream_ends_with_an_error_event(one_engine: ChildProcess) -> None:
+    with run_gateway(engines=[engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=200, stream=True,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Sim-Fault": "crash-after=5"},
+        )
+        got = 0
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                got += bool(chunk.choices and chunk.choices[0].delta.content)
+        assert 1 <= got < 200
+        assert "mid-stream" in str(info.value.message) or "before it was complete" in str(info.value.message)
+
+
+def test_stalled_engine_times_out_with_an_error_event(one_engine: ChildProcess) -> None:
+    settings = {"monitor_interval_s": 0.2, "first_token_timeout_s": 0.5, "idle_timeout_s": 0.5}
+    with run_gateway(engines=[engine_entry(one_engine)], **settings) as gw:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True}
+        t0 = time.monotonic()
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"X-Sim-Fault": "hang"}, timeout=10)
+        assert r.status_code == 200  # headers were sent before the stall
+        assert b'"code":"upstream_timeout"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
+        assert time.monotonic() - t0 < 3

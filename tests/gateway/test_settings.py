@@ -1,0 +1,58 @@
+"""Settings: env prefix, YAML file, precedence, and a one-line exit-2 error for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.settings import describe_error, load_settings
+
+ENGINE = {"url": "http://127.0.0.1:9", "kind": "sim", "model": "m"}
+
+
+def test_yaml_then_env_then_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("port: 7001\nmonitor_interval_s: 0.5\nengines:\n  - {url: 'http://127.0.0.1:9', model: m}\n")
+    assert load_settings(cfg).port == 7001
+    monkeypatch.setenv("SLOGATE_PORT", "7002")
+    settings = load_settings(cfg)
+    assert (settings.port, settings.monitor_interval_s) == (7002, 0.5)
+    assert settings.engines[0].kind == "vllm" and settings.engines[0].engine_id == "127.0.0.1:9"
+    assert load_settings(cfg, port=7003).port == 7003
+
+
+def test_engines_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOGATE_ENGINES", '[{"url": "http://127.0.0.1:5", "model": "a", "name": "e1"}]')
+    assert load_settings().engines[0].engine_id == "e1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"port": 70000}, "port: Input should be less than or equal to 65535"),
+        ({"engines": [{"url": "not a url", "model": "m"}]}, "engines.0.url"),
+        ({"engines": [{**ENGINE, "kind": "tgi"}]}, "engines.0.kind"),
+        ({"engines": [ENGINE, ENGINE]}, "duplicate engine id '127.0.0.1:9'"),
+        ({"routing_profile": "nope"}, "routing profile 'nope' not found; known: ['least-load', 'round-robin']"),
+        ({"monitor_interval_s": 0}, "monitor_interval_s: Input should be greater than 0"),
+        ({"unknown_key": 1}, "unknown_key: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_values_name_the_key(overrides: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        load_settings(**overrides)
+    assert fragment in describe_error(info.value)
+
+
+def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("port: many\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "port" in lines[0] and "integer" in lines[0], proc.stderr
