@@ -111,7 +111,8 @@ def _upstream_error(status: int, body: bytes) -> GatewayError:
     with contextlib.suppress(orjson.JSONDecodeError):
         data = orjson.loads(body)
         if isinstance(data, dict):
-            inner = data.get("error") if isinstance(data.get("error"), dict) else data
+            nested = data.get("error")
+            inner: dict[str, Any] = nested if isinstance(nested, dict) else data
             message = str(inner.get("message") or message)
             code = inner.get("code") if isinstance(inner.get("code"), str) else None
     return GatewayError(status, message, code=code)
