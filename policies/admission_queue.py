@@ -1,0 +1,324 @@
+"""The admission queue: a pure, synchronous priority queue of waiting requests for one queue order.
+
+Who calls it: the gateway's dispatch loop (``gateway/dispatch``) and the offline simulator. It does
+no I/O and reads no clock: every call that orders passes ``now`` (seconds, monotonic, never
+decreasing between calls) and the :class:`OrderContext` in effect.
+
+How it stays O(log n):
+
+* a binary heap of ``sort_key + (generation, slot)`` entries; removal is lazy (the slot is marked
+  dead and skipped when it surfaces), and the heap is compacted when dead entries outnumber live
+  ones, so memory stays O(live) and the amortised cost O(log n);
+* a second heap on each key's ``valid_until``: before any read, keys whose piece has ended are
+  recomputed and pushed again (the old entry becomes dead). Each order documents how many times a
+  request can change key (once for aging / S-EDF / RED, a bounded geometric number for Kairos);
+* a third heap on ``queue_deadline`` for :meth:`AdmissionQueue.expire`.
+
+Context changes: a context-sensitive order keys with the context the queue holds; a new context
+replaces it (and every key is recomputed, O(n)) only when one of its estimates moved by more than
+``context_tolerance`` (relative), so an online estimator's jitter does not rebuild the heap on
+every event.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, with_prefill_backlog
+
+_INF = math.inf
+_COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
+
+
+class _Slot:
+    """One queued request. ``entry`` is its live heap entry, ``None`` once it has left the queue."""
+
+    __slots__ = ("entry", "item")
+
+    def __init__(self, item: QueuedRequest) -> None:
+        self.item = item
+        self.entry: tuple[Any, ...] | None = None
+
+
+def _moved(old: OrderContext, new: OrderContext, tolerance: float) -> bool:
+    """True when any estimate of ``new`` differs from ``old`` by more than ``tolerance`` (relative)."""
+    pairs = (
+        (old.prefill_tokens_per_s, new.prefill_tokens_per_s),
+        (old.decode_step_s, new.decode_step_s),
+        (old.prefill_base_s, new.prefill_base_s),
+    )
+    for a, b in pairs:
+        if abs(a - b) > tolerance * max(abs(a), abs(b)):
+            return True
+    return old.prefill_engines != new.prefill_engines
+
+
+class AdmissionQueue:
+    """Requests waiting for dispatch, ordered by one :class:`QueueOrder`.
+
+    Items leave exactly once: by :meth:`pop`, :meth:`remove` or :meth:`expire`. ``pop``/``peek``
+    do not expire anything themselves; the dispatcher calls :meth:`expire` first so an expired
+    request is reported (and answered) rather than dropped silently. Request ids are unique among
+    queued items. ``context_tolerance`` (>= 0) is the relative change of an estimate that makes a
+    context-sensitive order re-key everything; 0 re-keys on any change.
+    """
+
+    def __init__(self, order: QueueOrder, *, context_tolerance: float = 0.05) -> None:
+        if not (context_tolerance >= 0 and math.isfinite(context_tolerance)):
+            raise ValueError(f"context_tolerance must be a finite number >= 0, got {context_tolerance}")
+        self.order = order
+        self._key = order.key
+        self._context_sensitive: bool = getattr(order, "context_sensitive", True)
+        self._uses_backlog: bool = getattr(order, "uses_backlog", False)
+        self._tolerance = context_tolerance
+        self._ctx: OrderContext | None = None
+        self._seen_ctx: OrderContext | None = None  # last object passed in, to skip the comparison
+        self._heap: list[tuple[Any, ...]] = []
+        self._rekeys: list[tuple[float, int, _Slot]] = []
+        self._deadlines: list[tuple[float, int, _Slot]] = []
+        self._slots: dict[str, _Slot] = {}
+        self._generation = 0
+        self._dead_in_heap = 0
+        self._queued_prompt_tokens = 0
+        self._structure_version = 0  # bumped when the heap array changes shape (see iter_in_order)
+
+    # -- size and membership ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._slots
+
+    def get(self, request_id: str) -> QueuedRequest | None:
+        """The queued item with this id (as stored, e.g. with its stamped backlog), or ``None``."""
+        slot = self._slots.get(request_id)
+        return None if slot is None else slot.item
+
+    def items(self) -> list[QueuedRequest]:
+        """Every queued item, in no particular order (O(n); for tests, metrics and shedding scans)."""
+        return [slot.item for slot in self._slots.values()]
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Sum of ``prompt_tokens`` over queued items."""
+        return self._queued_prompt_tokens
+
+    @property
+    def context(self) -> OrderContext | None:
+        """The context keys are currently computed with (``None`` before the first call)."""
+        return self._ctx
+
+    # -- mutation --------------------------------------------------------------------------------
+
+    def push(self, item: QueuedRequest, now: float, ctx: OrderContext) -> None:
+        """Queue ``item`` at time ``now``. Raises ``ValueError`` if its request id is already queued.
+
+        For orders that predict from the FCFS backlog (Kairos) an item without
+        ``prefill_tokens_ahead`` is stored stamped with the prompt tokens queued at this moment.
+        """
+        request_id = item.view.request_id
+        if request_id in self._slots:
+            raise ValueError(f"request {request_id!r} is already queued")
+        ctx = self._adopt(ctx, now)
+        if self._uses_backlog and item.prefill_tokens_ahead is None:
+            item = with_prefill_backlog(item, self._queued_prompt_tokens)
+        slot = _Slot(item)
+        self._slots[request_id] = slot
+        self._queued_prompt_tokens += item.view.prompt_tokens
+        self._insert(slot, now, ctx)
+        deadline = item.queue_deadline
+        if deadline != _INF:
+            heapq.heappush(self._deadlines, (deadline, self._generation, slot))
+        self._structure_version += 1
+        if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(self._slots):
+            self._compact()
+
+    def pop(self, now: float, ctx: OrderContext) -> QueuedRequest | None:
+        """Remove and return the first item in order at ``now``; ``None`` when empty."""
+        self._refresh(now, ctx)
+        heap = self._heap
+        while heap:
+            entry = heapq.heappop(heap)
+            slot: _Slot = entry[-1]
+            if slot.entry is entry:
+                self._structure_version += 1
+                self._forget(slot)
+                return slot.item
+            self._dead_in_heap -= 1
+        self._structure_version += 1
+        return None
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        """Take the request out of the queue in O(1) (lazily); ``None`` if it is not queued.
+
+        Safe while an :meth:`iter_in_order` iterator is open: the heap array is not restructured.
+        """
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return None
+        self._forget(slot)
+        self._dead_in_heap += 1
+        return slot.item
+
+    def expire(self, now: float) -> list[QueuedRequest]:
+        """Remove and return every item whose ``queue_deadline <= now``, earliest deadline first.
+
+        O(k log n) for k expired items. Like :meth:`remove`, safe while iterating.
+        """
+        expired: list[QueuedRequest] = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            slot = heapq.heappop(deadlines)[2]
+            if slot.entry is not None:
+                self._forget(slot)
+                self._dead_in_heap += 1
+                expired.append(slot.item)
+        return expired
+
+    def next_expiry(self) -> float:
+        """Earliest ``queue_deadline`` of a queued item (``inf`` if none): when to wake for :meth:`expire`."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].entry is None:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else _INF
+
+    # -- reading in order ------------------------------------------------------------------------
+
+    def peek(self, now: float, ctx: OrderContext) -> QueuedRequest | None:
+        """The first item in order at ``now`` without removing it; ``None`` when empty."""
+        self._refresh(now, ctx)
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            slot: _Slot = entry[-1]
+            if slot.entry is entry:
+                return slot.item
+            heapq.heappop(heap)
+            self._dead_in_heap -= 1
+            self._structure_version += 1
+        return None
+
+    def iter_in_order(self, now: float, ctx: OrderContext, limit: int) -> Iterator[QueuedRequest]:
+        """The first ``limit`` items in order at ``now``, lazily, without removing them.
+
+        Costs O(k log k) for the k items actually consumed (a best-first walk of the heap tree).
+        :meth:`remove` and :meth:`expire` may be called while iterating (removed items are then
+        skipped); :meth:`push` or :meth:`pop` during iteration make the next step raise
+        ``RuntimeError``.
+        """
+        self._refresh(now, ctx)
+        return self._walk(max(0, limit))
+
+    def _walk(self, limit: int) -> Iterator[QueuedRequest]:
+        heap = self._heap
+        version = self._structure_version
+        frontier: list[tuple[tuple[Any, ...], int]] = [(heap[0], 0)] if heap and limit else []
+        size = len(heap)
+        produced = 0
+        while frontier and produced < limit:
+            if self._structure_version != version:
+                raise RuntimeError("admission queue changed shape during iter_in_order")
+            entry, index = heapq.heappop(frontier)
+            child = 2 * index + 1
+            if child < size:
+                heapq.heappush(frontier, (heap[child], child))
+                if child + 1 < size:
+                    heapq.heappush(frontier, (heap[child + 1], child + 1))
+            slot: _Slot = entry[-1]
+            if slot.entry is entry:
+                produced += 1
+                yield slot.item
+
+    def key_of(self, request_id: str) -> tuple[float, ...] | None:
+        """The sort key the queue currently holds for a request (as of the last read), or ``None``."""
+        slot = self._slots.get(request_id)
+        if slot is None or slot.entry is None:
+            return None
+        return tuple(slot.entry[:-2])
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _insert(self, slot: _Slot, now: float, ctx: OrderContext) -> None:
+        key, valid_until = self._key(slot.item, now, ctx)
+        self._generation += 1
+        generation = self._generation
+        entry = (*key, generation, slot)
+        slot.entry = entry
+        heapq.heappush(self._heap, entry)
+        if valid_until != _INF:
+            if not valid_until > now:  # an order broke the contract; re-key at the next read instead
+                valid_until = math.nextafter(now, _INF)
+            heapq.heappush(self._rekeys, (valid_until, generation, slot))
+
+    def _forget(self, slot: _Slot) -> None:
+        slot.entry = None
+        item = slot.item
+        del self._slots[item.view.request_id]
+        self._queued_prompt_tokens -= item.view.prompt_tokens
+
+    def _adopt(self, ctx: OrderContext, now: float) -> OrderContext:
+        """The context to key with: the held one unless ``ctx`` moved past the tolerance."""
+        held = self._ctx
+        if ctx is self._seen_ctx and held is not None:
+            return held
+        self._seen_ctx = ctx
+        if held is None:
+            self._ctx = ctx
+            return ctx
+        if self._context_sensitive and _moved(held, ctx, self._tolerance):
+            self._ctx = ctx
+            self._rebuild(now, ctx)
+            return ctx
+        return held
+
+    def _refresh(self, now: float, ctx: OrderContext) -> None:
+        """Adopt ``ctx`` if it moved, then recompute every key whose piece ended at or before ``now``."""
+        ctx = self._adopt(ctx, now)
+        rekeys = self._rekeys
+        if rekeys and rekeys[0][0] <= now:
+            changed = False
+            while rekeys and rekeys[0][0] <= now:
+                _, generation, slot = heapq.heappop(rekeys)
+                entry = slot.entry
+                if entry is not None and entry[-2] == generation:
+                    self._insert(slot, now, ctx)
+                    self._dead_in_heap += 1
+                    changed = True
+            if changed:
+                self._structure_version += 1
+        if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(self._slots):
+            self._compact()
+
+    def _rebuild(self, now: float, ctx: OrderContext) -> None:
+        """Recompute every key (context change): O(n)."""
+        slots = list(self._slots.values())
+        self._heap = []
+        self._rekeys = []
+        self._dead_in_heap = 0
+        self._structure_version += 1
+        key = self._key
+        for slot in slots:
+            sort_key, valid_until = key(slot.item, now, ctx)
+            self._generation += 1
+            entry = (*sort_key, self._generation, slot)
+            slot.entry = entry
+            self._heap.append(entry)
+            if valid_until != _INF:
+                self._rekeys.append((max(valid_until, math.nextafter(now, _INF)), self._generation, slot))
+        heapq.heapify(self._heap)
+        heapq.heapify(self._rekeys)
+
+    def _compact(self) -> None:
+        """Drop dead entries from all three heaps: O(n), run when dead entries outnumber live ones."""
+        self._heap = [slot.entry for slot in self._slots.values() if slot.entry is not None]
+        heapq.heapify(self._heap)
+        self._rekeys = [r for r in self._rekeys if r[2].entry is not None and r[2].entry[-2] == r[1]]
+        heapq.heapify(self._rekeys)
+        self._deadlines = [d for d in self._deadlines if d[2].entry is not None]
+        heapq.heapify(self._deadlines)
+        self._dead_in_heap = 0
+        self._structure_version += 1

@@ -1,0 +1,446 @@
+"""Admission-queue orders: pure key functions the dispatcher sorts waiting requests by.
+
+Who calls it: :class:`policies.admission_queue.AdmissionQueue` (the gateway's dispatch loop and the
+offline simulator own one) calls ``order.key(item, now, ctx)`` when a request is pushed and again
+whenever the key it returned last has expired. Profiles pick an order by name through
+:func:`make_order`.
+
+Contract of ``key(item, now, ctx) -> (sort_key, valid_until)``:
+
+* ``sort_key`` is a tuple of floats, smaller is dispatched first, and it always ends with
+  ``item.seq`` so that any two queued requests compare strictly (a total order).
+* The key is a *piecewise-constant* function of time: it takes the same value for every ``t`` in
+  ``[now, valid_until)`` and ``valid_until > now`` (``math.inf`` if it never changes by itself).
+  Because the key depends only on ``(item, t, ctx)``, the queue may recompute it at any time in a
+  piece and get the same answer; each request changes key a bounded number of times (documented
+  per order), so a lazily re-keyed heap stays O(log n) per operation.
+* Times are seconds on the caller's monotonic clock (the same one as ``RequestView.arrival``).
+
+Orders that use the context (``context_sensitive = True``) must be re-keyed when the estimates in
+:class:`OrderContext` change; the queue does that, with a tolerance so that estimator noise does
+not force a rebuild on every event.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from policies.api import PolicyConfigError, RequestView
+
+SortKey = tuple[float, ...]
+KeyResult = tuple[SortKey, float]
+
+_INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """One request waiting for dispatch, as the queue orders see it.
+
+    ``ttft_slo``/``tpot_slo`` are the request's targets in seconds. ``seq`` is the admission
+    number (strictly increasing per queue) and the final tie-break of every order.
+    ``queue_deadline`` is the absolute time (same clock as ``view.arrival``) at which the request
+    must leave the queue whatever happens (:meth:`AdmissionQueue.expire`); ``inf`` = never.
+    ``effective_deadline`` is the MFS robust effective deadline of the batch the request was
+    admitted with (see :func:`with_batch_red`); ``None`` means the request's own TTFT deadline.
+    ``prefill_tokens_ahead`` is the prompt-token backlog queued ahead of the request when it was
+    admitted (Kairos Algorithm 2); ``None`` lets the queue stamp it at push for orders that use it.
+    """
+
+    view: RequestView
+    ttft_slo: float
+    tpot_slo: float
+    seq: int
+    queue_deadline: float = _INF
+    effective_deadline: float | None = None
+    prefill_tokens_ahead: int | None = None
+
+    @property
+    def ttft_deadline(self) -> float:
+        """Absolute time by which the first token is due: ``arrival + ttft_slo`` (seconds)."""
+        return self.view.arrival + self.ttft_slo
+
+
+@dataclass(frozen=True, slots=True)
+class OrderContext:
+    """Current fleet estimates that SLO-aware orders predict with.
+
+    ``prefill_tokens_per_s``: prefill throughput of one engine (tokens/s, > 0), the online estimate
+    (e.g. ``1 / b`` of the fitted latency model). ``decode_step_s``: one decode iteration (s, >= 0);
+    no current order needs it, it is carried for orders that budget decode time.
+    ``prefill_base_s``: constant part of a prefill's latency (s, >= 0), added to every predicted
+    prefill. ``prefill_engines``: how many engines drain the queue in parallel (>= 1); the queued
+    backlog ahead of a request drains at ``prefill_engines * prefill_tokens_per_s``.
+    """
+
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    prefill_base_s: float = 0.0
+    prefill_engines: int = 1
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
+            raise ValueError(
+                f"prefill_tokens_per_s must be a finite number > 0, got {self.prefill_tokens_per_s}"
+            )
+        if not (self.decode_step_s >= 0 and math.isfinite(self.decode_step_s)):
+            raise ValueError(f"decode_step_s must be a finite number >= 0, got {self.decode_step_s}")
+        if not (self.prefill_base_s >= 0 and math.isfinite(self.prefill_base_s)):
+            raise ValueError(f"prefill_base_s must be a finite number >= 0, got {self.prefill_base_s}")
+        if self.prefill_engines < 1:
+            raise ValueError(f"prefill_engines must be >= 1, got {self.prefill_engines}")
+
+    def predicted_prefill_s(self, prompt_tokens: int) -> float:
+        """Predicted prefill time of ``prompt_tokens`` on one engine, seconds (base + tokens / rate)."""
+        return self.prefill_base_s + max(0, prompt_tokens) / self.prefill_tokens_per_s
+
+
+class QueueOrder(Protocol):
+    """A named queue order; see the module docstring for the ``key`` contract.
+
+    ``name`` is read-only (a property here) so frozen dataclass orders satisfy the protocol.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> tuple[tuple[float, ...], float]: ...
+
+
+def _after(t: float, now: float) -> float:
+    """``t`` clamped to be strictly after ``now``: guards the ``valid_until > now`` contract against
+    floating-point rounding at a piece boundary (the key is then recomputed one ulp later)."""
+    return t if t > now else math.nextafter(now, _INF)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int subclass; ``theta_age_s: true`` in a YAML profile is a mistake, not 1 second
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Fcfs:
+    """First come, first served: ``(arrival, seq)``. Never changes; ignores the context."""
+
+    name: str = field(default="fcfs", init=False)
+    context_sensitive: bool = field(default=False, init=False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        return (item.view.arrival, item.seq), _INF
+
+
+@dataclass(frozen=True, slots=True)
+class StrictPriority:
+    """Strict priority, lower ``view.priority`` first, FCFS within a level: ``(priority, arrival, seq)``.
+
+    Static. A steady stream of high-priority work starves lower levels by design; combine with a
+    ``queue_deadline`` so nothing waits forever.
+    """
+
+    name: str = field(default="strict_priority", init=False)
+    context_sensitive: bool = field(default=False, init=False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        return (float(item.view.priority), item.view.arrival, item.seq), _INF
+
+
+@dataclass(frozen=True, slots=True)
+class SjfAging:
+    """Gimbal Algorithm 2 (§III-C): shortest prefill first, with aging after ``theta_age_s``.
+
+    While waiting time ``w = now - arrival < theta_age_s`` the priority is the prompt length
+    (Algorithm 2 line 6): key ``(1, prompt_tokens, arrival, seq)``. At ``w >= theta_age_s``
+    (line 3) the request is "promoted to high priority regardless of size": key
+    ``(0, arrival, 0, seq)``, i.e. aged requests go before every young one and among themselves
+    keep arrival order (the paper sorts a FCFS waiting queue by priority, so equal priorities stay
+    FCFS). One key change per request, at ``arrival + theta_age_s``. The paper recommends a value
+    below the P99 TTFT under normal load and uses 5 s (§IV).
+    """
+
+    theta_age_s: float = 5.0
+    name: str = field(default="sjf_aging", init=False)
+    context_sensitive: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_number(self.theta_age_s) and self.theta_age_s >= 0,
+            f"theta_age_s must be a finite number of seconds >= 0, got {self.theta_age_s!r}",
+        )
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        view = item.view
+        promote_at = view.arrival + self.theta_age_s
+        if now >= promote_at:
+            return (0.0, view.arrival, 0.0, item.seq), _INF
+        return (1.0, float(view.prompt_tokens), view.arrival, item.seq), promote_at
+
+
+@dataclass(frozen=True, slots=True)
+class SlackEdf:
+    """FlowPrefill S-EDF (§5.2, eq. 3): ``priority = sgn(slack) / deadline``, highest first.
+
+    ``deadline = arrival + ttft_slo``; ``slack = deadline - now - TTFT_hat`` with
+    ``TTFT_hat = ctx.predicted_prefill_s(prompt_tokens)`` (the paper fits TTFT to token count; we
+    use the online throughput estimate). The paper calls the top request "the one with the earliest
+    deadline and non-negative slack", so slack 0 counts as feasible.
+
+    Rank-equivalent key (eq. 3 assumes deadlines > 0, true for the paper's timestamps; on a
+    monotonic clock with an arbitrary origin ``1/deadline`` would misbehave, the ranking below does
+    not): feasible requests ``(0, deadline, seq)`` — larger ``1/deadline`` is earlier deadline;
+    infeasible requests ``(1, -deadline, seq)`` — ``-1/deadline`` is largest for the *latest*
+    deadline, so among doomed requests the most recent goes first, all of them after every feasible
+    one. One key change per request, when slack crosses zero at ``deadline - TTFT_hat``.
+    """
+
+    name: str = field(default="sedf", init=False)
+    context_sensitive: bool = field(default=True, init=False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        deadline = item.view.arrival + item.ttft_slo
+        last_feasible = deadline - ctx.predicted_prefill_s(item.view.prompt_tokens)
+        if now <= last_feasible:
+            # still feasible at last_feasible itself (slack 0), so the flip happens just after it
+            return (0.0, deadline, item.seq), _after(math.nextafter(last_feasible, _INF), now)
+        return (1.0, -deadline, item.seq), _INF
+
+
+def _piece_open_low(x: float, step: float, ratio: float, log_ratio: float) -> tuple[float, float]:
+    """For ``x > 0``: ``(lo, hi)`` on the grid ``{0, step, step*ratio, step*ratio^2, ...}`` with
+    ``lo < x <= hi``. Deterministic in ``x`` so that re-evaluating inside a piece agrees."""
+    if x <= step:
+        return 0.0, step
+    j = max(1, math.ceil(math.log(x / step) / log_ratio))
+    hi = step * ratio**j
+    while hi < x:  # fix log rounding in either direction
+        j += 1
+        hi = step * ratio**j
+    lo = step * ratio ** (j - 1)
+    while j > 1 and lo >= x:
+        j -= 1
+        hi, lo = lo, step * ratio ** (j - 1)
+    return lo, hi
+
+
+def _piece_closed_low(x: float, step: float, ratio: float, log_ratio: float) -> tuple[float, float]:
+    """For ``x >= 0``: ``(lo, hi)`` on the same grid with ``lo <= x < hi``."""
+    if x < step:
+        return 0.0, step
+    j = max(0, math.floor(math.log(x / step) / log_ratio))
+    hi = step * ratio ** (j + 1)
+    while hi <= x:
+        j += 1
+        hi = step * ratio ** (j + 1)
+    lo = step * ratio**j
+    while j > 0 and lo > x:
+        j -= 1
+        hi, lo = lo, step * ratio**j
+    return lo, hi
+
+
+@dataclass(frozen=True, slots=True)
+class KairosUrgency:
+    """Kairos urgency (§3.1, eq. 1) normalised by input length (Algorithm 1 line 8), highest first.
+
+    ``u = (SLO - (T_finish - arrival)) / SLO / input_len``, sorted descending (Algorithm 1 line 11).
+    ``T_finish`` is Algorithm 2's FCFS prediction: the backlog queued ahead drains at
+    ``prefill_engines * prefill_tokens_per_s`` (the online estimate from ``ctx``), then the request
+    prefills for ``ctx.predicted_prefill_s(input_len)``.
+
+    Static phase (exact). With backlog ``B`` stamped at admission (``prefill_tokens_ahead``), the
+    request's FCFS start is ``S = arrival + B / fleet_rate``. Evaluated at any ``t < S`` while the
+    fleet drains at the estimated rate, Algorithm 2 gives ``T_finish = t + (B - rate * (t -
+    arrival)) / rate + d = S + d``: the same value, so the urgency is a per-request constant and a
+    static key is exactly the paper's order until ``S`` (rate changes re-key via the context).
+
+    Moving phase (bounded granularity). Past ``S`` the backlog ahead is taken as drained (a lower
+    bound on Algorithm 2's estimate), ``T_finish = t + d`` and ``u(t) = (L - t) / (SLO * len)`` with
+    ``L = arrival + SLO - d``. Two such lines with different ``SLO * len`` cross, so no static key is
+    rank-equivalent. We re-key on a geometric grid of the slack ``L - t`` (and of the lateness
+    ``t - L`` once negative): grid points ``0, min_step_s, min_step_s*(1+rel_precision), ...``.
+    Inside a piece the key uses the slack at the piece's start, so keys are within a factor
+    ``1 + rel_precision`` of the exact urgency and each request is re-keyed about
+    ``log(slack / min_step_s) / log(1 + rel_precision)`` times (≈ 21 for 1 s of slack with the
+    defaults) plus the same for each decade of lateness.
+
+    Key: feasible ``(0, -u, arrival, seq)``; late ``(1, |u|, -SLO*len, seq)`` (the least late per
+    unit of work first, ties to the larger job whose urgency falls slowest).
+    """
+
+    rel_precision: float = 0.25
+    min_step_s: float = 0.01
+    name: str = field(default="kairos", init=False)
+    context_sensitive: bool = field(default=True, init=False)
+    uses_backlog: bool = field(default=True, init=False)
+    _ratio: float = field(default=0.0, init=False, repr=False, compare=False)
+    _log_ratio: float = field(default=0.0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_number(self.rel_precision) and 0 < self.rel_precision <= 10,
+            f"rel_precision must be a number in (0, 10], got {self.rel_precision!r}",
+        )
+        _require(
+            _is_number(self.min_step_s) and self.min_step_s > 0,
+            f"min_step_s must be a finite number of seconds > 0, got {self.min_step_s!r}",
+        )
+        # cached for the key's hot path; frozen dataclasses set derived fields this way
+        object.__setattr__(self, "_ratio", 1.0 + self.rel_precision)
+        object.__setattr__(self, "_log_ratio", math.log1p(self.rel_precision))
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        view = item.view
+        arrival = view.arrival
+        prompt = view.prompt_tokens
+        rate = ctx.prefill_tokens_per_s
+        slo = item.ttft_slo if item.ttft_slo > 1e-9 else 1e-9
+        weight = slo * (prompt if prompt > 1 else 1)  # u = slack / weight
+        latest_start = arrival + slo - ctx.prefill_base_s - (prompt if prompt > 0 else 0) / rate
+        backlog = item.prefill_tokens_ahead
+        fcfs_start = arrival + backlog / (rate * ctx.prefill_engines) if backlog else arrival
+        if now < fcfs_start:
+            slack = latest_start - fcfs_start
+            if slack > 0:
+                return (0.0, -slack / weight, view.arrival, item.seq), fcfs_start
+            return (1.0, -slack / weight, -weight, item.seq), fcfs_start
+        slack = latest_start - now
+        if slack > 0:
+            lo, hi = _piece_open_low(slack, self.min_step_s, self._ratio, self._log_ratio)
+            return (0.0, -hi / weight, view.arrival, item.seq), _after(latest_start - lo, now)
+        lo, hi = _piece_closed_low(-slack, self.min_step_s, self._ratio, self._log_ratio)
+        return (1.0, lo / weight, -weight, item.seq), _after(latest_start + hi, now)
+
+
+def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
+    """``item`` with ``prefill_tokens_ahead = tokens``; equal to ``dataclasses.replace`` but ~4x faster.
+
+    The queue stamps every Kairos push with it, and ``replace`` on a frozen slotted dataclass costs
+    several µs (field introspection + ``__init__``). Keep in step with the fields of QueuedRequest
+    (a test compares it against ``replace``).
+    """
+    clone = object.__new__(QueuedRequest)
+    put = object.__setattr__
+    put(clone, "view", item.view)
+    put(clone, "ttft_slo", item.ttft_slo)
+    put(clone, "tpot_slo", item.tpot_slo)
+    put(clone, "seq", item.seq)
+    put(clone, "queue_deadline", item.queue_deadline)
+    put(clone, "effective_deadline", item.effective_deadline)
+    put(clone, "prefill_tokens_ahead", tokens)
+    return clone
+
+
+def robust_effective_deadline(deadlines: Sequence[float]) -> float:
+    """MFS Robust Effective Deadline of one batch (§4.4.2, Appendix B step 1), seconds.
+
+    Sort the deadlines, split at the largest gap ``k* = argmax_k (d_{k+1} - d_k)`` (first one on
+    ties) into a tight and a loose sub-batch, and return ``f * D_min^T + (1 - f) * D_min^Lo`` with
+    ``f = k* / n`` the share of tight requests. A single deadline is its own RED.
+    """
+    if not deadlines:
+        raise ValueError("robust_effective_deadline needs at least one deadline")
+    ordered = sorted(deadlines)
+    n = len(ordered)
+    if n == 1:
+        return ordered[0]
+    split = max(range(1, n), key=lambda k: (ordered[k] - ordered[k - 1], -k))
+    tight_share = split / n
+    return tight_share * ordered[0] + (1.0 - tight_share) * ordered[split]
+
+
+def with_batch_red(items: Sequence[QueuedRequest]) -> list[QueuedRequest]:
+    """The items of one batch (admitted together) stamped with the batch's RED over TTFT deadlines."""
+    if not items:
+        return []
+    red = robust_effective_deadline([i.ttft_deadline for i in items])
+    return [replace(i, effective_deadline=red) for i in items]
+
+
+@dataclass(frozen=True, slots=True)
+class RobustEffectiveDeadline:
+    """MFS RED ordering (§4.4.2) with soft overload control (Appendix B steps 2-3).
+
+    Main queue, ascending RED: ``(0, RED, ttft_deadline, seq)`` where RED is
+    ``item.effective_deadline`` (stamped per admitted batch by :func:`with_batch_red`, so an
+    outlier-tight member cannot hijack its batch's priority — the Piggyback effect) or, for a
+    request admitted alone, its own TTFT deadline (a batch of one). Black Hole control: once the
+    request can no longer meet its own TTFT deadline even if dispatched now
+    (``now > deadline - ctx.predicted_prefill_s(prompt_tokens)``) it is demoted, not dropped, to the
+    Scavenger class ``(1, RED, ttft_deadline, seq)`` served only when the main class is empty.
+    One key change per request (the demotion); RED itself is static, computed at batch arrival as
+    the paper does ("triggered upon batch arrival and departure", no per-step updates).
+    ``scavenger=False`` disables the demotion (pure RED order, static).
+    """
+
+    scavenger: bool = True
+    name: str = field(default="red", init=False)
+    context_sensitive: bool = field(default=True, init=False)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.scavenger, bool), f"scavenger must be true or false, got {self.scavenger!r}")
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        deadline = item.view.arrival + item.ttft_slo
+        red = deadline if item.effective_deadline is None else item.effective_deadline
+        if not self.scavenger:
+            return (0.0, red, deadline, item.seq), _INF
+        last_feasible = deadline - ctx.predicted_prefill_s(item.view.prompt_tokens)
+        if now <= last_feasible:
+            return (0.0, red, deadline, item.seq), _after(math.nextafter(last_feasible, _INF), now)
+        return (1.0, red, deadline, item.seq), _INF
+
+
+ORDERS: dict[str, Callable[..., QueueOrder]] = {
+    "fcfs": Fcfs,
+    "strict_priority": StrictPriority,
+    "sjf_aging": SjfAging,
+    "sedf": SlackEdf,
+    "kairos": KairosUrgency,
+    "red": RobustEffectiveDeadline,
+}
+
+
+def _accepted_params(factory: Callable[..., QueueOrder]) -> dict[str, Any]:
+    """Parameter name -> default of a factory (``inspect.Parameter.empty`` when required)."""
+    return {
+        p.name: p.default
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def _describe(accepted: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "no parameters"
+
+
+def make_order(name: str, params: Mapping[str, Any] | None = None) -> QueueOrder:
+    """Build the queue order ``name`` with profile ``params``.
+
+    Raises :class:`PolicyConfigError` naming the order and listing its accepted parameters (with
+    defaults) on an unknown name, an unknown parameter or a bad value.
+    """
+    factory = ORDERS.get(name)
+    if factory is None:
+        raise PolicyConfigError(
+            f"unknown queue order {name!r}; known queue orders: {', '.join(sorted(ORDERS))}"
+        )
+    given = dict(params or {})
+    accepted = _accepted_params(factory)
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        raise PolicyConfigError(
+            f"queue order {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"it accepts: {_describe(accepted)}"
+        )
+    try:
+        return factory(**given)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"queue order {name!r}: {exc}; it accepts: {_describe(accepted)}") from exc
