@@ -1,0 +1,254 @@
+"""Latency re-fit (eq.(1)/(2), appendix A), token budget (eq.(5)) and maturity time (Algorithm 1)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from policies.latency_fit import (
+    UNBOUNDED_TOKENS,
+    Coeffs,
+    DecodeSample,
+    LatencyModel,
+    PrefillSample,
+    fit_decode,
+    fit_prefill,
+    maturity_time,
+    predict_decode,
+    predict_prefill,
+    prediction_error,
+    token_budget,
+)
+
+# 7B-class engine: 15 ms prefill overhead, 80 us/token, quadratic 1.5e-8 s/token²;
+# decode step 8 ms + 2 us per token of context + 0.1 ms per request
+TRUE_PREFILL: Coeffs = (0.015, 8e-5, 1.5e-8)
+TRUE_DECODE: Coeffs = (0.008, 2e-6, 1e-4)
+FAR_PRIOR: Coeffs = (1.0, 1.0, 1.0)
+
+
+def prefill_samples(seed: int, n: int, noise: float, log_lengths: bool = False) -> list[PrefillSample]:
+    """Batches of 1-16 prompts (appendix A profiles lengths 4..2020), multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        batch = int(rng.choice([1, 2, 4, 8, 16]))
+        if log_lengths:
+            lengths = tuple(int(x) for x in np.exp(rng.uniform(math.log(4), math.log(2020), batch)))
+        else:
+            lengths = tuple(int(x) for x in rng.integers(4, 2021, batch))
+        seconds = predict_prefill(TRUE_PREFILL, lengths) * (1.0 + rng.normal(0.0, noise))
+        out.append(PrefillSample(lengths, seconds))
+    return out
+
+
+def decode_samples(seed: int, n: int, noise: float) -> list[DecodeSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        batch = int(rng.integers(1, 193))  # appendix A batch sizes 1..192
+        total = int(batch * rng.uniform(50, 1500))
+        out.append(
+            DecodeSample(
+                total, batch, predict_decode(TRUE_DECODE, total, batch) * (1.0 + rng.normal(0, noise))
+            )
+        )
+    return out
+
+
+def rel(got: Coeffs, want: Coeffs) -> list[float]:
+    return [abs(g / w - 1.0) for g, w in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_prefill_fit_recovers_known_coefficients(seed: int) -> None:
+    got = fit_prefill(prefill_samples(seed, 400, noise=0.02), FAR_PRIOR)
+    a_err, b_err, c_err = rel(got, TRUE_PREFILL)
+    assert a_err < 0.05 and b_err < 0.03
+    assert c_err < 0.10  # the quadratic term is small next to the linear one, so less determined
+    truth = [PrefillSample((n,), predict_prefill(TRUE_PREFILL, (n,))) for n in (4, 64, 512, 2020)]
+    truth.append(PrefillSample((2020,) * 16, predict_prefill(TRUE_PREFILL, (2020,) * 16)))
+    assert prediction_error(got, truth) < 0.01
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_decode_fit_recovers_known_coefficients(seed: int) -> None:
+    got = fit_decode(decode_samples(seed, 400, noise=0.02), FAR_PRIOR)
+    assert max(rel(got, TRUE_DECODE)) < 0.05
+
+
+def test_relative_weighting_is_better_on_small_latencies() -> None:
+    # short single prompts: where an absolute-error fit pays for fitting the long prefills
+    probe = [PrefillSample((n,), predict_prefill(TRUE_PREFILL, (n,))) for n in (4, 8, 16, 32, 64)]
+    weighted, plain = [], []
+    for seed in range(10):
+        samples = prefill_samples(seed, 200, noise=0.05, log_lengths=True)
+        weighted.append(prediction_error(fit_prefill(samples, FAR_PRIOR), probe))
+        plain.append(prediction_error(fit_prefill(samples, FAR_PRIOR, relative=False), probe))
+    assert np.mean(weighted) < 0.5 * np.mean(plain)
+    assert np.mean(weighted) < 0.015
+
+
+def test_coefficients_are_never_negative() -> None:
+    # a true negative intercept: unconstrained least squares would return a < 0
+    samples = [PrefillSample((n,), 1e-4 * n - 0.005) for n in range(100, 2000, 50)]
+    got = fit_prefill(samples, FAR_PRIOR)
+    assert got[0] == 0.0 and got[1] > 0.0 and got[2] >= 0.0
+    assert prediction_error(got, samples) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("samples", "why"),
+    [
+        ([PrefillSample((100,), 0.02)] * 7, "too few"),
+        ([PrefillSample((n,), 0.01 + 1e-4 * n) for n in range(10, 17)], "7 usable < 8"),
+        ([PrefillSample((100,), 0.02 + 1e-4 * i) for i in range(50)], "one length: b, c and a collinear"),
+        ([PrefillSample((50, 50), 0.02), PrefillSample((), 0.02)] * 2, "too few, one empty"),
+        ([PrefillSample((n,), 0.0) for n in range(10, 60)], "no usable seconds"),
+        ([PrefillSample((n,), -1.0) for n in range(10, 60)], "negative seconds"),
+    ],
+)
+def test_prefill_falls_back_to_the_prior(samples: list[PrefillSample], why: str) -> None:
+    assert fit_prefill(samples, TRUE_PREFILL) == TRUE_PREFILL, why
+
+
+def test_decode_with_one_batch_size_falls_back_to_the_prior() -> None:
+    samples = [
+        DecodeSample(total, 4, predict_decode(TRUE_DECODE, total, 4)) for total in range(100, 5000, 100)
+    ]
+    prior: Coeffs = (0.01, 1e-6, 1e-3)
+    assert fit_decode(samples, prior) == prior  # a' and c' * 4 cannot be told apart
+
+
+def test_unusable_samples_are_ignored_not_fatal() -> None:
+    good = decode_samples(5, 100, noise=0.0)
+    bad = [DecodeSample(100, 1, math.nan), DecodeSample(100, 0, 0.01), DecodeSample(100, 1, -0.01)]
+    assert max(rel(fit_decode(good + bad, FAR_PRIOR), TRUE_DECODE)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("coeffs", "samples", "expected"),
+    [
+        ((1.0, 0.0, 0.0), [PrefillSample((5,), 1.0)], 0.0),
+        ((1.0, 0.0, 0.0), [PrefillSample((5,), 2.0)], 0.5),
+        # a + b*sum + c*sum of squares = 0.5 + 0.1*3 + 0.01*5 = 0.85 vs 1.0
+        ((0.5, 0.1, 0.01), [PrefillSample((1, 2), 1.0)], 0.15),
+        # a' + b'*L + c'*B = 0.1 + 0.001*100 + 0.05*2 = 0.3 vs 0.2 -> 0.5; and vs 0.3 -> 0
+        ((0.1, 0.001, 0.05), [DecodeSample(100, 2, 0.2), DecodeSample(100, 2, 0.3)], 0.25),
+        ((1.0, 0.0, 0.0), [PrefillSample((5,), 0.0)], math.nan),
+        ((1.0, 0.0, 0.0), [], math.nan),
+    ],
+)
+def test_prediction_error(
+    coeffs: Coeffs, samples: list[PrefillSample | DecodeSample], expected: float
+) -> None:
+    got = prediction_error(coeffs, samples)
+    assert math.isnan(got) if math.isnan(expected) else got == pytest.approx(expected)
+
+
+def test_latency_model_rings_and_refit() -> None:
+    prior_prefill: Coeffs = (0.05, 2e-4, 0.0)
+    prior_decode: Coeffs = (0.02, 1e-5, 0.0)
+    model = LatencyModel.from_prior(prior_prefill, prior_decode, capacity=64)
+    assert model.refit() == model  # no samples: priors stay
+    samples = prefill_samples(9, 100, noise=0.01)
+    steps = decode_samples(9, 100, noise=0.01)
+    start = model
+    for sample in samples:
+        model = model.observe_prefill(sample)
+    for step in steps:
+        model = model.observe_decode(step)
+    assert start.prefill_samples == () and start.decode_samples == ()  # values, not mutation
+    assert model.prefill_samples == tuple(samples[-64:])
+    assert model.decode_samples == tuple(steps[-64:])
+    assert model.prefill == prior_prefill  # observing alone does not refit
+    fitted = model.refit()
+    assert fitted.prior_prefill == prior_prefill
+    assert max(rel(fitted.decode, TRUE_DECODE)) < 0.1
+    assert fitted.prefill_error() < 0.02 < model.prefill_error()
+    assert fitted.decode_error() < 0.02 < model.decode_error()
+    assert fitted.predict_decode(1000, 4) == pytest.approx(predict_decode(fitted.decode, 1000, 4))
+    assert fitted.predict_prefill([10, 20]) == pytest.approx(predict_prefill(fitted.prefill, [10, 20]))
+
+
+def test_latency_model_refits_to_the_prior_when_the_ring_is_too_small() -> None:
+    model = LatencyModel.from_prior(TRUE_PREFILL, TRUE_DECODE, capacity=4)
+    for sample in prefill_samples(1, 20, noise=0.0):
+        model = model.observe_prefill(sample)
+    assert len(model.prefill_samples) == 4
+    assert model.refit().prefill == TRUE_PREFILL
+    with pytest.raises(ValueError):
+        LatencyModel.from_prior(TRUE_PREFILL, TRUE_DECODE, capacity=0)
+
+
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "e_d", "a", "b", "expected"),
+    [
+        # (2*0.5 - 2*0.25 - 0.5*0.5) / (0.001*0.5) = 0.25 / 0.0005
+        (2.0, 0.5, 0.25, 0.5, 0.001, 500),
+        # medical_qa (Table 1) on a 7B worker: (0.35 - 0.021 - 0.0075) / 4e-5 = 8037.5
+        (0.7, 0.5, 0.03, 0.015, 8e-5, 8037),
+        # gsm8k: (0.14 - 0.7*0.05 - 0.015*0.2) / (8e-5*0.2) = 0.102 / 1.6e-5 = 6375
+        (0.7, 0.2, 0.05, 0.015, 8e-5, 6375),
+        # no decode running: (1*0.1 - 0.02*0.1) / (1e-4*0.1) = 0.098 / 1e-5 = 9800
+        (1.0, 0.1, 0.0, 0.02, 1e-4, 9800),
+        # infeasible: decoding already takes all of TPOT, or more
+        (1.0, 0.05, 0.05, 0.01, 1e-4, 0),
+        (1.0, 0.04, 0.05, 0.01, 1e-4, 0),
+        # infeasible: the intercept alone breaks TTFT (0.01 - 0.005 - 0.02 < 0)
+        (0.1, 0.1, 0.05, 0.2, 1e-4, 0),
+        # exactly zero slack: zero tokens
+        (1.0, 0.5, 0.25, 0.5, 1e-4, 0),
+        # unbounded: no per-token cost, or no TTFT
+        (1.0, 0.5, 0.1, 0.01, 0.0, UNBOUNDED_TOKENS),
+        (math.inf, 0.5, 0.1, 0.01, 1e-4, UNBOUNDED_TOKENS),
+        (1.0, 0.0, 0.0, 0.01, 1e-4, 0),
+    ],
+)
+def test_token_budget(ttft: float, tpot: float, e_d: float, a: float, b: float, expected: int) -> None:
+    assert token_budget(ttft, tpot, e_d, a, b) == expected
+
+
+def test_token_budget_is_the_largest_n_satisfying_eq7() -> None:
+    # appendix B: E_P * TPOT / (TPOT - E_d) <= TTFT with E_P = a + b*n
+    rng = random.Random(11)
+    for _ in range(500):
+        ttft, tpot = rng.uniform(0.2, 20), rng.uniform(0.05, 1.0)
+        e_d, a, b = rng.uniform(0, tpot * 0.9), rng.uniform(0, 0.05), rng.uniform(1e-5, 1e-3)
+        n = token_budget(ttft, tpot, e_d, a, b)
+        if n == 0:
+            continue
+
+        def amortised(tokens: int) -> float:
+            return (a + b * tokens) * tpot / (tpot - e_d)  # noqa: B023
+
+        assert amortised(n) <= ttft * (1 + 1e-9)
+        assert amortised(n + 1) > ttft
+
+
+@pytest.mark.parametrize(
+    ("now", "e_p", "e_d", "min_tpot", "expected"),
+    [
+        # relax = 0.1 - 0.05 = 0.05: 0.2/0.05 = 4 decode steps of 0.05 amortise the prefill
+        (10.0, 0.2, 0.05, 0.1, 10.4),
+        # relax = 0.5 - 0.25 = 0.25: 100 + 1 + (1/0.25)*0.25
+        (100.0, 1.0, 0.25, 0.5, 102.0),
+        # nothing decoding: just the prefill
+        (5.0, 0.3, 0.0, 0.1, 5.3),
+        # nothing to amortise
+        (5.0, 0.0, 0.2, 0.1, 5.0),
+        # decoding never catches up with the tightest TPOT
+        (5.0, 0.3, 0.1, 0.1, math.inf),
+        (5.0, 0.3, 0.2, 0.1, math.inf),
+    ],
+)
+def test_maturity_time(now: float, e_p: float, e_d: float, min_tpot: float, expected: float) -> None:
+    assert maturity_time(now, e_p, e_d, min_tpot) == pytest.approx(expected)
+
+
+def test_maturity_time_rejects_negative_durations() -> None:
+    with pytest.raises(ValueError):
+        maturity_time(0.0, -0.1, 0.0, 0.1)
