@@ -213,34 +213,43 @@ class SlackEdf:
         return (1.0, -deadline, item.seq), _INF
 
 
-def _piece_open_low(x: float, step: float, ratio: float, log_ratio: float) -> tuple[float, float]:
-    """For ``x > 0``: ``(lo, hi)`` on the grid ``{0, step, step*ratio, step*ratio^2, ...}`` with
-    ``lo < x <= hi``. Deterministic in ``x`` so that re-evaluating inside a piece agrees."""
-    if x <= step:
+def _piece_before(
+    now: float, target: float, step: float, ratio: float, log_ratio: float
+) -> tuple[float, float]:
+    """For ``now < target``: ``(lo, hi)`` on the grid ``{0, step, step*ratio, step*ratio^2, ...}`` with
+    ``target - hi <= now < target - lo``.
+
+    Membership is tested in time (not on ``target - now``) so it agrees bit for bit with the
+    ``valid_until = target - lo`` the caller returns: re-evaluating anywhere in the piece gives the
+    same piece.
+    """
+    if now >= target - step:
         return 0.0, step
-    j = max(1, math.ceil(math.log(x / step) / log_ratio))
+    j = max(1, math.ceil(math.log((target - now) / step) / log_ratio))
     hi = step * ratio**j
-    while hi < x:  # fix log rounding in either direction
+    while now < target - hi:  # fix log rounding in either direction
         j += 1
         hi = step * ratio**j
     lo = step * ratio ** (j - 1)
-    while j > 1 and lo >= x:
+    while j > 1 and now >= target - lo:
         j -= 1
         hi, lo = lo, step * ratio ** (j - 1)
     return lo, hi
 
 
-def _piece_closed_low(x: float, step: float, ratio: float, log_ratio: float) -> tuple[float, float]:
-    """For ``x >= 0``: ``(lo, hi)`` on the same grid with ``lo <= x < hi``."""
-    if x < step:
+def _piece_after(
+    now: float, target: float, step: float, ratio: float, log_ratio: float
+) -> tuple[float, float]:
+    """For ``now >= target``: ``(lo, hi)`` on the same grid with ``target + lo <= now < target + hi``."""
+    if now < target + step:
         return 0.0, step
-    j = max(0, math.floor(math.log(x / step) / log_ratio))
+    j = max(0, math.floor(math.log((now - target) / step) / log_ratio))
     hi = step * ratio ** (j + 1)
-    while hi <= x:
+    while now >= target + hi:
         j += 1
         hi = step * ratio ** (j + 1)
     lo = step * ratio**j
-    while j > 0 and lo > x:
+    while j > 0 and now < target + lo:
         j -= 1
         hi, lo = lo, step * ratio**j
     return lo, hi
@@ -307,15 +316,15 @@ class KairosUrgency:
         backlog = item.prefill_tokens_ahead
         fcfs_start = arrival + backlog / (rate * ctx.prefill_engines) if backlog else arrival
         if now < fcfs_start:
+            # static phase: Algorithm 2's prediction does not move while the backlog drains on time
             slack = latest_start - fcfs_start
             if slack > 0:
-                return (0.0, -slack / weight, view.arrival, item.seq), fcfs_start
+                return (0.0, -slack / weight, arrival, item.seq), fcfs_start
             return (1.0, -slack / weight, -weight, item.seq), fcfs_start
-        slack = latest_start - now
-        if slack > 0:
-            lo, hi = _piece_open_low(slack, self.min_step_s, self._ratio, self._log_ratio)
-            return (0.0, -hi / weight, view.arrival, item.seq), _after(latest_start - lo, now)
-        lo, hi = _piece_closed_low(-slack, self.min_step_s, self._ratio, self._log_ratio)
+        if now < latest_start:
+            lo, hi = _piece_before(now, latest_start, self.min_step_s, self._ratio, self._log_ratio)
+            return (0.0, -hi / weight, arrival, item.seq), _after(latest_start - lo, now)
+        lo, hi = _piece_after(now, latest_start, self.min_step_s, self._ratio, self._log_ratio)
         return (1.0, lo / weight, -weight, item.seq), _after(latest_start + hi, now)
 
 

@@ -1,0 +1,290 @@
+"""AdmissionQueue: literal scenarios plus hypothesis properties against a brute-force model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadtest import queue_bench
+from policies.admission_queue import AdmissionQueue
+from policies.api import RequestView
+from policies.queue_order import ORDERS, OrderContext, QueuedRequest, make_order
+
+CTX = OrderContext(prefill_tokens_per_s=1000.0, decode_step_s=0.02)
+
+
+def req(
+    seq: int, *, arrival: float = 0.0, prompt: int = 100, ttft: float = 10.0, deadline: float = math.inf
+) -> QueuedRequest:
+    view = RequestView(
+        request_id=f"r{seq}", model="m", prompt_tokens=prompt, max_output_tokens=8, arrival=arrival
+    )
+    return QueuedRequest(view=view, ttft_slo=ttft, tpot_slo=0.05, seq=seq, queue_deadline=deadline)
+
+
+def drain(queue: AdmissionQueue, now: float, ctx: OrderContext = CTX) -> list[int]:
+    out = []
+    while (item := queue.pop(now, ctx)) is not None:
+        out.append(item.seq)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_empty_queue(name: str) -> None:
+    queue = AdmissionQueue(make_order(name))
+    assert len(queue) == 0 and not queue
+    assert queue.peek(0.0, CTX) is None
+    assert queue.pop(0.0, CTX) is None
+    assert list(queue.iter_in_order(0.0, CTX, 10)) == []
+    assert queue.expire(1e9) == []
+    assert queue.remove("nope") is None
+    assert queue.next_expiry() == math.inf
+
+
+def test_fcfs_push_pop_peek_and_duplicates() -> None:
+    queue = AdmissionQueue(make_order("fcfs"))
+    for seq, arrival in [(0, 3.0), (1, 1.0), (2, 2.0), (3, 1.0)]:
+        queue.push(req(seq, arrival=arrival), 4.0, CTX)
+    with pytest.raises(ValueError, match="already queued"):
+        queue.push(req(0), 4.0, CTX)
+    assert len(queue) == 4 and "r1" in queue and queue.queued_prompt_tokens == 400
+    first = queue.peek(4.0, CTX)
+    assert first is not None and first.seq == 1
+    assert [i.seq for i in queue.iter_in_order(4.0, CTX, 3)] == [1, 3, 2]
+    assert [i.seq for i in queue.iter_in_order(4.0, CTX, 0)] == []
+    assert drain(queue, 4.0) == [1, 3, 2, 0]
+    assert queue.queued_prompt_tokens == 0
+
+
+def test_remove_and_expire_leave_exactly_once() -> None:
+    queue = AdmissionQueue(make_order("fcfs"))
+    for seq in range(5):
+        queue.push(req(seq, arrival=float(seq), deadline=10.0 + seq), float(seq), CTX)
+    removed = queue.remove("r2")
+    assert removed is not None and removed.seq == 2
+    assert queue.remove("r2") is None
+    assert queue.next_expiry() == 10.0
+    assert [i.seq for i in queue.expire(11.0)] == [0, 1]
+    assert queue.next_expiry() == 13.0
+    assert queue.expire(11.5) == []
+    assert drain(queue, 12.0) == [3, 4]
+    assert queue.expire(100.0) == []  # popped items never expire afterwards
+
+
+def test_aging_promotes_lazily() -> None:
+    queue = AdmissionQueue(make_order("sjf_aging"))  # theta_age 5 s
+    queue.push(req(0, arrival=0.0, prompt=4000), 0.0, CTX)
+    for seq in range(1, 4):
+        queue.push(req(seq, arrival=float(seq), prompt=10), float(seq), CTX)
+    head = queue.peek(4.99, CTX)
+    assert head is not None and head.seq == 1
+    head = queue.peek(5.0, CTX)
+    assert head is not None and head.seq == 0
+    assert queue.key_of("r0") == (0.0, 0.0, 0.0, 0)
+    assert drain(queue, 5.0) == [0, 1, 2, 3]
+
+
+def test_sedf_demotes_infeasible_lazily() -> None:
+    queue = AdmissionQueue(make_order("sedf"))
+    queue.push(req(0, ttft=2.0, prompt=1000), 0.0, CTX)  # infeasible after t = 1.0
+    queue.push(req(1, ttft=5.0, prompt=10), 0.0, CTX)
+    assert [i.seq for i in queue.iter_in_order(1.0, CTX, 5)] == [0, 1]
+    assert [i.seq for i in queue.iter_in_order(1.5, CTX, 5)] == [1, 0]
+
+
+def test_iter_in_order_survives_remove_but_not_push() -> None:
+    queue = AdmissionQueue(make_order("fcfs"))
+    for seq in range(20):
+        queue.push(req(seq, arrival=float(seq)), 0.0, CTX)
+    seen = []
+    for item in queue.iter_in_order(0.0, CTX, 100):
+        seen.append(item.seq)
+        if item.seq == 3:
+            queue.remove("r4")
+            queue.remove("r10")
+    assert seen == [s for s in range(20) if s not in (4, 10)]
+    iterator = queue.iter_in_order(0.0, CTX, 100)
+    next(iterator)
+    queue.push(req(99), 0.0, CTX)
+    with pytest.raises(RuntimeError):
+        next(iterator)
+
+
+def test_context_tolerance() -> None:
+    queue = AdmissionQueue(make_order("sedf"), context_tolerance=0.05)
+    queue.push(req(0, ttft=2.0, prompt=1000), 0.0, CTX)
+    nudged = OrderContext(prefill_tokens_per_s=1020.0, decode_step_s=0.02)
+    queue.peek(0.0, nudged)
+    assert queue.context is CTX  # 2 % is estimator noise: keys stay
+    slow = OrderContext(prefill_tokens_per_s=400.0, decode_step_s=0.02)
+    queue.peek(0.0, slow)
+    assert queue.context is slow
+    assert queue.key_of("r0") == (1.0, -2.0, 0)  # 2.5 s of prefill cannot meet a 2 s deadline
+    fcfs = AdmissionQueue(make_order("fcfs"))
+    fcfs.push(req(0), 0.0, CTX)
+    fcfs.peek(0.0, slow)
+    assert fcfs.context is CTX  # order ignores the context: never rebuilds
+
+
+def test_kairos_stamps_fcfs_backlog() -> None:
+    queue = AdmissionQueue(make_order("kairos"))
+    queue.push(req(0, prompt=300), 0.0, CTX)
+    queue.push(req(1, prompt=200), 0.0, CTX)
+    stamped = queue.get("r1")
+    assert stamped is not None and stamped.prefill_tokens_ahead == 300
+    first = queue.get("r0")
+    assert first is not None and first.prefill_tokens_ahead == 0
+    fcfs = AdmissionQueue(make_order("fcfs"))
+    fcfs.push(req(0), 0.0, CTX)
+    assert fcfs.get("r0") == req(0)  # only orders that use the backlog pay for the stamp
+
+
+def test_compaction_bounds_dead_entries() -> None:
+    queue = AdmissionQueue(make_order("sjf_aging"))
+    for seq in range(1000):
+        queue.push(req(seq, arrival=0.0, prompt=seq % 97), 0.0, CTX)
+    for seq in range(0, 1000, 2):
+        queue.remove(f"r{seq}")
+    for seq in range(1000, 1200):
+        queue.push(req(seq, arrival=1.0), 1.0, CTX)
+    queue.peek(6.0, CTX)  # every request ages: one dead entry each
+    assert len(queue._heap) <= 2 * len(queue) + 64
+    assert len(drain(queue, 6.0)) == 700
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Push:
+    prompt: int
+    ttft_ms: int
+    age_ms: int
+    timeout_ms: int | None
+
+
+@dataclass(frozen=True)
+class Pop:
+    pass
+
+
+@dataclass(frozen=True)
+class Remove:
+    index: int
+
+
+@dataclass(frozen=True)
+class Expire:
+    pass
+
+
+@dataclass(frozen=True)
+class Advance:
+    ms: int
+
+
+@dataclass(frozen=True)
+class Scan:
+    limit: int
+
+
+@dataclass(frozen=True)
+class Retune:
+    rate: int
+
+
+Op = Push | Pop | Remove | Expire | Advance | Scan | Retune
+
+OPS = st.one_of(
+    st.builds(
+        Push,
+        prompt=st.integers(0, 3000),
+        ttft_ms=st.integers(1, 4000),
+        age_ms=st.integers(0, 3000),
+        timeout_ms=st.none() | st.integers(0, 8000),
+    ),
+    st.just(Pop()),
+    st.builds(Remove, index=st.integers(0, 200)),
+    st.just(Expire()),
+    st.builds(Advance, ms=st.integers(0, 2500)),
+    st.builds(Scan, limit=st.integers(0, 12)),
+    st.builds(Retune, rate=st.sampled_from([250, 1000, 1030, 4000])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(sorted(ORDERS)), ops=st.lists(OPS, max_size=80))
+def test_queue_matches_brute_force(name: str, ops: list[Op]) -> None:
+    """Any interleaving: every pushed request leaves exactly once, and pop / peek / iter_in_order
+    agree with a brute-force sort of every queued item's current key."""
+    order = make_order(name, {"theta_age_s": 2.0} if name == "sjf_aging" else None)
+    queue = AdmissionQueue(order)
+    ctx = CTX
+    now_ms = 10_000
+    pushed: list[str] = []
+    left: list[str] = []
+    seq = 0
+
+    def brute(now: float) -> list[QueuedRequest]:
+        held = queue.context or ctx
+        return sorted(queue.items(), key=lambda i: order.key(i, now, held)[0])
+
+    for op in ops:
+        now = now_ms / 1000
+        if isinstance(op, Push):
+            arrival = (now_ms - op.age_ms) / 1000
+            deadline = math.inf if op.timeout_ms is None else arrival + op.timeout_ms / 1000
+            item = req(seq, arrival=arrival, prompt=op.prompt, ttft=op.ttft_ms / 1000, deadline=deadline)
+            queue.push(item, now, ctx)
+            pushed.append(item.view.request_id)
+            seq += 1
+        elif isinstance(op, Pop):
+            queue.peek(now, ctx)  # adopt the context first so the brute force uses the same one
+            expected = brute(now)
+            got = queue.pop(now, ctx)
+            if not expected:
+                assert got is None
+            else:
+                assert got is not None and got.seq == expected[0].seq
+                left.append(got.view.request_id)
+        elif isinstance(op, Remove):
+            queued = sorted(queue.items(), key=lambda i: i.seq)
+            if queued:
+                victim = queued[op.index % len(queued)].view.request_id
+                assert queue.remove(victim) is not None
+                left.append(victim)
+        elif isinstance(op, Expire):
+            due = {i.view.request_id for i in queue.items() if i.queue_deadline <= now}
+            expired = queue.expire(now)
+            assert {i.view.request_id for i in expired} == due
+            assert [i.queue_deadline for i in expired] == sorted(i.queue_deadline for i in expired)
+            left.extend(due)
+        elif isinstance(op, Advance):
+            now_ms += op.ms
+        elif isinstance(op, Scan):
+            scanned = [i.seq for i in queue.iter_in_order(now, ctx, op.limit)]
+            assert scanned == [i.seq for i in brute(now)[: op.limit]]
+        else:
+            ctx = OrderContext(prefill_tokens_per_s=float(op.rate), decode_step_s=0.02)
+        assert len(queue) == len(pushed) - len(left)
+        head = queue.peek(now_ms / 1000, ctx)
+        expected_all = brute(now_ms / 1000)
+        assert (head.seq if head else None) == (expected_all[0].seq if expected_all else None)
+
+    now = now_ms / 1000
+    left.extend(i.view.request_id for i in queue.expire(math.inf))
+    while (popped := queue.pop(now, ctx)) is not None:
+        left.append(popped.view.request_id)
+    assert len(queue) == 0
+    assert sorted(left) == sorted(pushed)  # nothing lost, nothing duplicated
+
+
+def test_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    results = queue_bench.run(count=200, seed=3, peeks=10)
+    assert [r.order for r in results] == list(ORDERS)
+    assert all(r.items == 200 and r.push_us > 0 and r.pop_us > 0 for r in results)
+    assert "kairos" in capsys.readouterr().out

@@ -1,0 +1,320 @@
+"""Table-driven tests of every queue order on literal QueuedRequests."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from policies.api import PolicyConfigError, RequestView
+from policies.queue_order import (
+    ORDERS,
+    KairosUrgency,
+    OrderContext,
+    QueuedRequest,
+    QueueOrder,
+    make_order,
+    robust_effective_deadline,
+    with_batch_red,
+    with_prefill_backlog,
+)
+
+CTX = OrderContext(prefill_tokens_per_s=1000.0, decode_step_s=0.02)  # 1000 tokens = 1 s of prefill
+
+
+def req(
+    seq: int,
+    *,
+    arrival: float = 0.0,
+    prompt: int = 100,
+    priority: int = 0,
+    ttft: float = 10.0,
+    backlog: int | None = None,
+    red: float | None = None,
+) -> QueuedRequest:
+    return QueuedRequest(
+        view=RequestView(
+            request_id=f"r{seq}",
+            model="m",
+            prompt_tokens=prompt,
+            max_output_tokens=16,
+            arrival=arrival,
+            priority=priority,
+        ),
+        ttft_slo=ttft,
+        tpot_slo=0.05,
+        seq=seq,
+        effective_deadline=red,
+        prefill_tokens_ahead=backlog,
+    )
+
+
+def order_at(order: QueueOrder, items: list[QueuedRequest], now: float, ctx: OrderContext = CTX) -> list[int]:
+    """Sequence numbers in dispatch order at ``now``."""
+    return [i.seq for i in sorted(items, key=lambda i: order.key(i, now, ctx)[0])]
+
+
+# (order, params, items, now, expected seq order)
+CASES: list[tuple[str, dict[str, Any], list[QueuedRequest], float, list[int]]] = [
+    # FCFS: arrival, ties (equal arrival) by seq whatever the insertion order
+    ("fcfs", {}, [req(2, arrival=1.0), req(1, arrival=2.0), req(0, arrival=1.0)], 5.0, [0, 2, 1]),
+    ("fcfs", {}, [req(0, prompt=5000), req(1, prompt=1)], 0.0, [0, 1]),
+    # strict priority: lower value first, then arrival, then seq
+    (
+        "strict_priority",
+        {},
+        [req(0, arrival=0.0, priority=2), req(1, arrival=1.0, priority=0), req(2, arrival=0.5, priority=0)],
+        3.0,
+        [2, 1, 0],
+    ),
+    ("strict_priority", {}, [req(1, priority=-1), req(0, priority=1)], 0.0, [1, 0]),
+    ("strict_priority", {}, [req(3, priority=1), req(2, priority=1)], 0.0, [2, 3]),
+    # SJF with aging (Gimbal Algorithm 2): before theta_age the shortest prompt wins ...
+    ("sjf_aging", {}, [req(0, arrival=0.0, prompt=3000), req(1, arrival=1.0, prompt=10)], 4.99, [1, 0]),
+    # ... at exactly theta_age (w >= theta) the long one is promoted above every young request
+    ("sjf_aging", {}, [req(0, arrival=0.0, prompt=3000), req(1, arrival=1.0, prompt=10)], 5.0, [0, 1]),
+    # aged requests keep arrival order among themselves regardless of size
+    (
+        "sjf_aging",
+        {},
+        [req(0, arrival=1.0, prompt=10), req(1, arrival=0.0, prompt=3000), req(2, arrival=9.0, prompt=1)],
+        9.5,
+        [1, 0, 2],
+    ),
+    # equal prompts while young: arrival, then seq
+    ("sjf_aging", {}, [req(1, arrival=0.0), req(0, arrival=0.0), req(2, arrival=-1.0)], 0.0, [2, 0, 1]),
+    ("sjf_aging", {"theta_age_s": 0.5}, [req(0, prompt=900), req(1, arrival=0.2, prompt=1)], 0.5, [0, 1]),
+    (
+        "sjf_aging",
+        {"theta_age_s": 0},
+        [req(0, arrival=0.0, prompt=900), req(1, arrival=0.0, prompt=1)],
+        0.0,
+        [0, 1],
+    ),
+    # S-EDF: feasible requests by earliest deadline
+    ("sedf", {}, [req(0, ttft=5.0), req(1, ttft=3.0), req(2, arrival=1.0, ttft=1.5)], 0.0, [2, 1, 0]),
+    # request 1's deadline is 2.0 but its prefill takes 1 s: infeasible after t = 1.0, so it goes last
+    ("sedf", {}, [req(0, ttft=5.0), req(1, ttft=2.0, prompt=1000)], 1.0, [1, 0]),
+    ("sedf", {}, [req(0, ttft=5.0), req(1, ttft=2.0, prompt=1000)], 1.01, [0, 1]),
+    # among infeasible requests eq. 3 (-1/deadline) ranks the latest deadline first
+    (
+        "sedf",
+        {},
+        [req(0, ttft=1.0, prompt=900), req(1, ttft=2.0, prompt=1900), req(2, ttft=9.0)],
+        1.5,
+        [2, 1, 0],
+    ),
+    # equal deadlines: seq
+    ("sedf", {}, [req(1, ttft=2.0), req(0, ttft=2.0)], 0.0, [0, 1]),
+    # Kairos: at equal slack fraction the shorter request's urgency is amplified by 1/len
+    ("kairos", {}, [req(0, prompt=2000, ttft=10.0), req(1, prompt=100, ttft=10.0)], 0.0, [1, 0]),
+    # Kairos §3.1 example: a long request that arrived first keeps positive slack under FCFS, short
+    # requests queued behind a large backlog are predicted late, so the long one goes first
+    (
+        "kairos",
+        {},
+        [req(0, prompt=3000, ttft=5.0, backlog=0), req(1, arrival=0.1, prompt=100, ttft=1.0, backlog=3000)],
+        0.1,
+        [0, 1],
+    ),
+    # ... while with no backlog ahead the short one wins
+    (
+        "kairos",
+        {},
+        [req(0, prompt=3000, ttft=5.0, backlog=0), req(1, arrival=0.1, prompt=100, ttft=1.0, backlog=0)],
+        0.1,
+        [1, 0],
+    ),
+    # late requests (negative slack) come after every feasible one
+    ("kairos", {}, [req(0, prompt=100, ttft=0.05), req(1, prompt=5000, ttft=60.0)], 0.0, [1, 0]),
+    # RED: a singleton is EDF on its TTFT deadline
+    ("red", {}, [req(0, ttft=5.0), req(1, ttft=3.0)], 0.0, [1, 0]),
+    # a batch whose one tight outlier (deadline 1) sits with three loose members (deadline 10) has
+    # RED 7.75, so a lone request with deadline 5 goes first (no Piggyback)
+    (
+        "red",
+        {},
+        [
+            *with_batch_red([req(0, ttft=1.0), req(1, ttft=10.0), req(2, ttft=10.0), req(3, ttft=10.0)]),
+            req(4, ttft=5.0),
+        ],
+        0.0,
+        [4, 0, 1, 2, 3],
+    ),
+    # Scavenger: a request that can no longer meet its deadline is demoted behind feasible ones
+    ("red", {}, [req(0, ttft=1.5, prompt=1000), req(1, ttft=9.0)], 0.6, [1, 0]),
+    ("red", {"scavenger": False}, [req(0, ttft=1.5, prompt=1000), req(1, ttft=9.0)], 0.6, [0, 1]),
+]
+
+
+@pytest.mark.parametrize(("name", "params", "items", "now", "expected"), CASES)
+def test_order_table(
+    name: str, params: dict[str, Any], items: list[QueuedRequest], now: float, expected: list[int]
+) -> None:
+    assert order_at(make_order(name, params), items, now) == expected
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_every_key_ends_with_seq_and_is_valid_now(name: str) -> None:
+    order = make_order(name)
+    assert order.name == name
+    items = [
+        req(i, arrival=0.1 * i, prompt=50 * (i + 1), ttft=0.5 + i % 3, backlog=100 * i) for i in range(12)
+    ]
+    for now in (0.0, 0.3, 1.0, 2.5, 7.0, 100.0):
+        for item in items:
+            key, valid_until = order.key(item, now, CTX)
+            assert key[-1] == item.seq
+            assert valid_until > now
+            assert all(isinstance(x, float | int) for x in key)
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_keys_are_piecewise_constant(name: str) -> None:
+    """Recomputing anywhere in [t, valid_until) gives the same key (the lazy re-keying relies on it)."""
+    order = make_order(name)
+    items = [req(i, arrival=0.2 * i, prompt=300 * i + 1, ttft=1.0 + i % 4, backlog=200 * i) for i in range(8)]
+    for item in items:
+        now = 0.0
+        changes = 0
+        while now < 40.0:
+            key, valid_until = order.key(item, now, CTX)
+            end = min(valid_until, 40.0)
+            for frac in (0.25, 0.5, 0.999):
+                assert order.key(item, now + (end - now) * frac, CTX)[0] == key
+            if valid_until == math.inf:
+                break
+            assert order.key(item, valid_until, CTX)[0] != key or name == "kairos"
+            now = valid_until
+            changes += 1
+        # aging, S-EDF and RED change key at most once; Kairos once per geometric step of slack
+        # (down to min_step_s) plus once per step of lateness, plus the end of the static phase
+        geometric = math.ceil(math.log(40.0 / 0.01) / math.log(1.25))
+        assert changes <= (1 if name != "kairos" else 2 * geometric + 3)
+
+
+def test_empty_and_single_item_orders() -> None:
+    for name in ORDERS:
+        order = make_order(name)
+        assert order_at(order, [], 0.0) == []
+        assert order_at(order, [req(7)], 3.0) == [7]
+
+
+def test_sjf_aging_valid_until_is_promotion_time() -> None:
+    order = make_order("sjf_aging", {"theta_age_s": 2.0})
+    key, valid_until = order.key(req(0, arrival=1.0, prompt=10), 1.5, CTX)
+    assert valid_until == 3.0 and key[0] == 1.0
+    key, valid_until = order.key(req(0, arrival=1.0, prompt=10), 3.0, CTX)
+    assert valid_until == math.inf and key[0] == 0.0
+
+
+def test_sedf_flip_and_throughput_dependence() -> None:
+    order = make_order("sedf")
+    item = req(0, ttft=2.0, prompt=1000)  # deadline 2.0, prefill 1 s: slack 0 at t = 1.0
+    key, valid_until = order.key(item, 0.0, CTX)
+    assert key[0] == 0.0 and 1.0 < valid_until < 1.0 + 1e-9
+    assert order.key(item, 1.0, CTX)[0][0] == 0.0  # slack exactly 0 is still feasible
+    assert order.key(item, valid_until, CTX)[0][0] == 1.0
+    slow = OrderContext(prefill_tokens_per_s=100.0, decode_step_s=0.02)  # 10 s of prefill: hopeless
+    assert order.key(item, 0.0, slow)[0][0] == 1.0
+
+
+def test_kairos_static_phase_until_fcfs_start() -> None:
+    order = make_order("kairos")
+    ctx = OrderContext(prefill_tokens_per_s=1000.0, decode_step_s=0.02, prefill_engines=2)
+    item = req(0, arrival=1.0, prompt=500, ttft=5.0, backlog=4000)  # FCFS start 1 + 4000/2000 = 3.0
+    key, valid_until = order.key(item, 1.0, ctx)
+    assert valid_until == 3.0
+    slack = (1.0 + 5.0 - 0.5) - 3.0  # latest start 5.5 minus FCFS start
+    assert key == (0.0, -slack / (5.0 * 500), 1.0, 0)
+    assert order.key(item, 2.9, ctx)[0] == key
+
+
+def test_kairos_moving_phase_precision() -> None:
+    """Past the FCFS start the key is within a factor (1 + rel_precision) of the exact urgency."""
+    order = KairosUrgency(rel_precision=0.1, min_step_s=0.001)
+    item = req(0, prompt=1000, ttft=3.0)  # latest start 2.0
+    weight = 3.0 * 1000
+    for now in (0.0, 0.5, 1.0, 1.9, 1.999, 2.0, 2.5, 10.0):
+        key, valid_until = order.key(item, now, CTX)
+        slack = 2.0 - now
+        if slack > 0:
+            assert key[0] == 0.0
+            approx = -key[1] * weight
+            assert slack <= approx <= max(slack * 1.1, 0.001) + 1e-12
+        else:
+            assert key[0] == 1.0
+            approx = key[1] * weight
+            assert approx <= -slack and (-slack < 0.001 or approx >= -slack / 1.1 - 1e-12)
+        assert valid_until > now
+
+
+def test_robust_effective_deadline() -> None:
+    assert robust_effective_deadline([4.0]) == 4.0
+    assert robust_effective_deadline([10.0, 1.0, 10.0, 10.0]) == pytest.approx(0.25 * 1.0 + 0.75 * 10.0)
+    assert robust_effective_deadline([1.0, 2.0]) == pytest.approx(1.5)
+    assert robust_effective_deadline([3.0, 3.0, 3.0]) == pytest.approx(3.0)
+    # the split is at the largest gap: {1, 1.5} tight, {9, 9.2} loose, f = 1/2
+    assert robust_effective_deadline([1.0, 1.5, 9.0, 9.2]) == pytest.approx(0.5 * 1.0 + 0.5 * 9.0)
+    with pytest.raises(ValueError):
+        robust_effective_deadline([])
+    assert with_batch_red([]) == []
+    stamped = with_batch_red([req(0, ttft=1.0), req(1, ttft=2.0)])
+    assert [i.effective_deadline for i in stamped] == [pytest.approx(1.5)] * 2
+
+
+def test_with_prefill_backlog_matches_replace() -> None:
+    item = replace(req(3, arrival=2.0, red=4.0), queue_deadline=9.0)
+    assert with_prefill_backlog(item, 77) == replace(item, prefill_tokens_ahead=77)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "fragment"),
+    [
+        ("lifo", None, "known queue orders: fcfs, kairos, red, sedf, sjf_aging, strict_priority"),
+        ("sjf_aging", {"theta": 5}, "'sjf_aging' has no parameter 'theta'; it accepts: theta_age_s=5.0"),
+        ("sjf_aging", {"theta_age_s": -1}, "theta_age_s must be"),
+        ("sjf_aging", {"theta_age_s": "5"}, "theta_age_s must be"),
+        ("sjf_aging", {"theta_age_s": True}, "theta_age_s must be"),
+        ("sjf_aging", {"theta_age_s": math.nan}, "theta_age_s must be"),
+        ("fcfs", {"x": 1}, "it accepts: no parameters"),
+        ("kairos", {"rel_precision": 0}, "rel_precision must be"),
+        ("kairos", {"min_step_s": -0.1}, "it accepts: rel_precision=0.25, min_step_s=0.01"),
+        ("red", {"scavenger": "yes"}, "scavenger must be true or false"),
+    ],
+)
+def test_make_order_errors(name: str, params: dict[str, Any] | None, fragment: str) -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        make_order(name, params)
+    assert fragment in str(info.value)
+    assert repr(name) in str(info.value)
+
+
+def test_make_order_accepts_params() -> None:
+    order = make_order("sjf_aging", {"theta_age_s": 2})
+    assert order.key(req(0, prompt=9), 2.0, CTX)[0][0] == 0.0
+    kairos = make_order("kairos", {"rel_precision": 0.5, "min_step_s": 0.05})
+    assert isinstance(kairos, KairosUrgency) and kairos.rel_precision == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prefill_tokens_per_s": 0.0, "decode_step_s": 0.01},
+        {"prefill_tokens_per_s": math.inf, "decode_step_s": 0.01},
+        {"prefill_tokens_per_s": 1.0, "decode_step_s": -0.01},
+        {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "prefill_base_s": -1.0},
+        {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "prefill_engines": 0},
+    ],
+)
+def test_order_context_validation(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        OrderContext(**kwargs)
+
+
+def test_ttft_deadline_and_prediction() -> None:
+    assert req(0, arrival=2.0, ttft=1.5).ttft_deadline == 3.5
+    ctx = OrderContext(prefill_tokens_per_s=2000.0, decode_step_s=0.0, prefill_base_s=0.1)
+    assert ctx.predicted_prefill_s(1000) == pytest.approx(0.6)
