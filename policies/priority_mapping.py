@@ -91,7 +91,7 @@ class PriorityMappingConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class _Completion:
+class WindowEntry:
     """One window entry in insertion order; ``seq`` makes equal latencies distinguishable."""
 
     seq: int
@@ -118,7 +118,7 @@ class PriorityMappingState:
     config: PriorityMappingConfig
     ttft_records: tuple[tuple[float, float, int], ...] = ()
     tpot_records: tuple[tuple[float, int], ...] = ()
-    order: tuple[_Completion, ...] = ()
+    order: tuple[WindowEntry, ...] = ()
     counts: tuple[int, ...] = ()
     last_queue_time: tuple[float | None, ...] = ()
     pending: tuple[int, ...] = ()
@@ -179,7 +179,7 @@ def observe_completion(
         if not 0.0 <= value < float("inf"):
             raise ValueError(f"{label} must be finite and >= 0, got {value}")
     seq = state.next_seq
-    entry = _Completion(seq, priority, ttft_s, queue_time_s, tpot_s)
+    entry = WindowEntry(seq, priority, ttft_s, queue_time_s, tpot_s)
     ttft_records = list(state.ttft_records)
     tpot_records = list(state.tpot_records)
     insort(ttft_records, (ttft_s, queue_time_s, seq))

@@ -40,6 +40,7 @@ from policies.priority_mapping import (
     PriorityMappingConfig,
     PriorityMappingState,
     assign,
+    initial_state,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +289,11 @@ def _resolve(
     return SloTarget(fb_ttft, fb_tpot, fb.slo_class, fb.source), state
 
 
+def initial_priority_state(profile: SloProfile) -> PriorityMappingState | None:
+    """An empty priority-mapping state for ``profile``, ``None`` when it defines no priority levels."""
+    return None if profile.priority is None else initial_state(profile.priority.mapping_config())
+
+
 def classify(hints: SloHints, profile: SloProfile) -> SloTarget:
     """Targets for a request with static priority targets (each level's range midpoint).
 
@@ -303,7 +309,8 @@ def classify_mapped(
 ) -> tuple[SloTarget, PriorityMappingState]:
     """Like :func:`classify`, but priority targets come from Algorithm 2 over ``state``.
 
-    ``state`` must have been built from ``profile.priority.mapping_config()``. The returned
+    ``state`` must come from :func:`initial_priority_state` for this profile (then threaded
+    through ``classify_mapped`` and :func:`policies.priority_mapping.observe_completion`). The returned
     state is ``state`` itself unless the priority step supplied a target.
     """
     target, new_state = _resolve(hints, profile, state)

@@ -20,6 +20,7 @@ from policies.slo import (
     SloTarget,
     classify,
     classify_mapped,
+    initial_priority_state,
     parse_slo_profile,
     slo_profile_from_mapping,
 )
@@ -128,6 +129,12 @@ def test_classify_mapped_leaves_state_alone_when_the_mapper_is_not_used(hints: S
     state = observe_completion(initial_state(WITH_PRIORITY.priority.mapping_config()), 0, 0.3, 0.03, 0.2)
     _, after = classify_mapped(hints, WITH_PRIORITY, state)
     assert after is state
+
+
+def test_initial_priority_state() -> None:
+    assert initial_priority_state(WITHOUT_PRIORITY) is None
+    state = initial_priority_state(WITH_PRIORITY)
+    assert state is not None and state.config.window == 10 and state.counts == (0, 0)
 
 
 def test_queue_limits_by_class_name() -> None:
