@@ -121,20 +121,33 @@ class AdmissionQueue:
         ``prefill_tokens_ahead`` is stored stamped with the prompt tokens queued at this moment.
         """
         request_id = item.view.request_id
-        if request_id in self._slots:
+        slots = self._slots
+        if request_id in slots:
             raise ValueError(f"request {request_id!r} is already queued")
-        ctx = self._adopt(ctx, now)
+        held = self._ctx
+        if ctx is not self._seen_ctx or held is None:
+            held = self._adopt(ctx, now)
         if self._uses_backlog and item.prefill_tokens_ahead is None:
             item = with_prefill_backlog(item, self._queued_prompt_tokens)
+        # _insert inlined: push is the hot path of a burst of arrivals
+        sort_key, valid_until = self._key(item, now, held)
+        self._generation += 1
+        generation = self._generation
         slot = _Slot(item)
-        self._slots[request_id] = slot
+        entry = (*sort_key, generation, slot)
+        slot.entry = entry
+        slots[request_id] = slot
         self._queued_prompt_tokens += item.view.prompt_tokens
-        self._insert(slot, now, ctx)
+        heapq.heappush(self._heap, entry)
+        if valid_until != _INF:
+            if not valid_until > now:  # an order broke the contract; re-key at the next read instead
+                valid_until = math.nextafter(now, _INF)
+            heapq.heappush(self._rekeys, (valid_until, generation, slot))
         deadline = item.queue_deadline
         if deadline != _INF:
-            heapq.heappush(self._deadlines, (deadline, self._generation, slot))
+            heapq.heappush(self._deadlines, (deadline, generation, slot))
         self._structure_version += 1
-        if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(self._slots):
+        if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(slots):
             self._compact()
 
     def pop(self, now: float, ctx: OrderContext) -> QueuedRequest | None:
