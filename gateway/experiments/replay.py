@@ -1,0 +1,152 @@
+"""Replay a workload against a live gateway and measure every request as a client sees it.
+
+Each request streams (so TTFT and TPOT are observed at the client), carries its task and SLO
+targets as headers, and sets its exact output length with ``max_tokens`` + ``ignore_eos`` (and the
+simulated engine's ``X-Sim-Output-Len``). Engines run ``time_scale`` times faster than the
+profile they simulate, so arrival times are divided and measured latencies multiplied by it:
+everything reported is in simulated (profile) seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from gateway.experiments.workload import RequestSpec, prompt_text
+
+
+@dataclass(slots=True)
+class Outcome:
+    spec: RequestSpec
+    status: int
+    ttft_s: float  # simulated seconds; inf when no token arrived
+    tpot_s: float
+    e2e_s: float
+    tokens: int
+    start_s: float  # when it was sent, simulated seconds since the run began
+    engine: str = ""
+
+    @property
+    def ttft_met(self) -> bool:
+        return self.status == 200 and self.ttft_s <= self.spec.ttft_s
+
+    @property
+    def tpot_met(self) -> bool:
+        return self.status == 200 and self.tpot_s <= self.spec.tpot_s
+
+    @property
+    def met(self) -> bool:
+        return self.ttft_met and self.tpot_met
+
+
+async def _one(
+    session: aiohttp.ClientSession, base: str, model: str, spec: RequestSpec, prompt: str, scale: float, t0: float
+) -> Outcome:
+    body = orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": spec.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "X-Sim-Output-Len": str(spec.output_tokens),
+        "x-slo-task": spec.task,
+        "x-priority": str(spec.priority),
+        # Targets in the engines' (scaled) time, so the gateway plans against what it observes.
+        "x-slo-ttft-ms": f"{spec.ttft_s * 1000 / scale:.3f}",
+        "x-slo-tpot-ms": f"{spec.tpot_s * 1000 / scale:.3f}",
+    }
+    sent = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    status = 0
+    engine = ""
+    try:
+        async with session.post(base + "/v1/chat/completions", data=body, headers=headers) as resp:
+            status = resp.status
+            engine = resp.headers.get("x-slogate-engine", "")
+            if status == 200:
+                async for line in resp.content:
+                    if not line.startswith(b"data: {") or b'"content"' not in line:
+                        continue
+                    now = time.perf_counter()
+                    if not first:
+                        first = now
+                    last = now
+                    tokens += 1
+            else:
+                await resp.read()
+    except aiohttp.ClientError:
+        status = 599
+    done = time.perf_counter()
+    ttft = (first - sent) * scale if first else float("inf")
+    tpot = (last - first) / (tokens - 1) * scale if tokens > 1 else 0.0
+    return Outcome(spec, status, ttft, tpot, (done - sent) * scale, tokens, (sent - t0) * scale, engine)
+
+
+async def replay(
+    base: str,
+    model: str,
+    workload: Sequence[RequestSpec],
+    time_scale: float,
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "",
+) -> list[Outcome]:
+    """Send each request at its (scaled) arrival time; wait for all; return outcomes in order sent."""
+    rng = random.Random(seed)
+    prompts = [prompt_text(s.prompt_tokens, rng) for s in workload]
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks: list[asyncio.Task[Outcome]] = []
+        for i, (spec, prompt) in enumerate(zip(workload, prompts, strict=True)):
+            delay = t0 + spec.at / time_scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(session, base, model, spec, prompt, time_scale, t0)))
+            if progress and (i + 1) % max(1, len(workload) // 10) == 0:
+                print(f"  [{label}] sent {i + 1}/{len(workload)}", file=sys.stderr, flush=True)
+        return list(await asyncio.gather(*tasks))
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    requests: int
+    attainment: float  # fraction meeting both TTFT and TPOT
+    ttft_attainment: float
+    tpot_attainment: float
+    e2e_mean_s: float
+    e2e_p99_s: float
+    errors: int
+    makespan_s: float
+
+
+def summarize(outcomes: Sequence[Outcome]) -> Summary:
+    n = len(outcomes)
+    if n == 0:
+        return Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+    ok = [o for o in outcomes if o.status == 200]
+    e2e = sorted(o.e2e_s for o in ok) or [0.0]
+    return Summary(
+        requests=n,
+        attainment=sum(o.met for o in outcomes) / n,
+        ttft_attainment=sum(o.ttft_met for o in outcomes) / n,
+        tpot_attainment=sum(o.tpot_met for o in outcomes) / n,
+        e2e_mean_s=sum(e2e) / len(e2e),
+        e2e_p99_s=e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
+        errors=n - len(ok),
+        makespan_s=max(o.start_s + o.e2e_s for o in outcomes),
+    )

@@ -1,0 +1,167 @@
+"""``slogate experiment``: replay workloads against the live gateway with simulated engines.
+
+For every (policy, QPS) point the runner starts fresh simulated engines (time-scaled) and a
+gateway with that routing profile as child processes, replays a Poisson workload, and reports SLO
+attainment, E2E latency and cost (instance active time, HyperFlexis eq.(3): engines x makespan,
+in 50 ms units) per policy. Results go to a JSON file, a table on stdout and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gateway.experiments.replay import Outcome, Summary, replay, summarize
+from gateway.experiments.workload import HYPERFLEXIS_2TASK, HYPERFLEXIS_4TASK, TaskSpec, poisson_workload
+from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+
+MODEL = "exp-model"
+TASK_SETS: dict[str, tuple[TaskSpec, ...]] = {"hyperflexis-4task": HYPERFLEXIS_4TASK, "hyperflexis-2task": HYPERFLEXIS_2TASK}
+COST_UNIT_S = 0.05  # HyperFlexis §7.5: one unit = one instance active for 50 ms
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    policy: str
+    qps: float
+    summary: Summary
+    cost_units: float
+
+
+def _progress(message: str) -> None:
+    print(f"[experiment] {message}", file=sys.stderr, flush=True)
+
+
+class Stack:
+    """Simulated engines + one gateway, as child processes; stopped on exit."""
+
+    def __init__(self, policy: str, engines: int, profile: str, time_scale: float, slo_profile: str) -> None:
+        self.policy = policy
+        self.engine_args = ("--profile", profile, "--model", MODEL, "--time-scale", str(time_scale))
+        self.n_engines = engines
+        self.profile = profile
+        self.time_scale = time_scale
+        self.slo_profile = slo_profile
+        self.engines: list[ChildProcess] = []
+        self.gateway: ChildProcess | None = None
+
+    def __enter__(self) -> Stack:
+        try:
+            for i in range(self.n_engines):
+                self.engines.append(spawn_sim_engine(*self.engine_args, "--engine-id", f"sim-{i}", name=f"sim-{i}"))
+            engines = [
+                {"url": e.url, "kind": "sim", "model": MODEL, "name": e.name, "latency_profile": self.profile,
+                 "time_scale": self.time_scale}
+                for e in self.engines
+            ]
+            env = {
+                "SLOGATE_ENGINES": json.dumps(engines),
+                "SLOGATE_PORT": "0",
+                "SLOGATE_ROUTING_PROFILE": self.policy,
+                "SLOGATE_SLO_PROFILE": self.slo_profile,
+                "SLOGATE_LOG_LEVEL": "warning",
+                "SLOGATE_MONITOR_INTERVAL_S": str(max(0.05, 1.0 / self.time_scale)),
+            }
+            self.gateway = spawn_listening([sys.executable, "-m", "gateway.cli", "serve"], "gateway", env=env)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        for e in self.engines:
+            e.stop()
+
+
+def run_point(
+    policy: str, qps: float, tasks: Sequence[TaskSpec], per_task: int, engines: int, profile: str,
+    time_scale: float, slo_profile: str, seed: int,
+) -> tuple[PointResult, list[Outcome]]:
+    workload = poisson_workload(tasks, qps, per_task, seed=seed)
+    with Stack(policy, engines, profile, time_scale, slo_profile) as stack:
+        assert stack.gateway is not None
+        outcomes = asyncio.run(replay(stack.gateway.url, MODEL, workload, time_scale, seed, label=f"{policy} {qps}"))
+    summary = summarize(outcomes)
+    return PointResult(policy, qps, summary, engines * summary.makespan_s / COST_UNIT_S), outcomes
+
+
+def render(results: Sequence[PointResult]) -> str:
+    header = f"{'policy':<14} {'QPS':>6} {'attain':>7} {'TTFT ok':>8} {'TPOT ok':>8} {'E2E mean':>9} " \
+             f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}"
+    lines = [header, "-" * len(header)]
+    for r in sorted(results, key=lambda r: (r.qps, r.policy)):
+        s = r.summary
+        lines.append(
+            f"{r.policy:<14} {r.qps:>6.2f} {s.attainment:>7.1%} {s.ttft_attainment:>8.1%} {s.tpot_attainment:>8.1%} "
+            f"{s.e2e_mean_s:>8.2f}s {s.e2e_p99_s:>7.2f}s {s.errors:>6} {r.cost_units:>11.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[PointResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for policy in sorted({r.policy for r in results}):
+        points = sorted((r.qps, r.summary.attainment * 100) for r in results if r.policy == policy)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+    ax.set_xlabel("QPS (simulated time)")
+    ax.set_ylabel("SLO attainment, TTFT and TPOT (%)")
+    ax.set_ylim(0, 102)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", choices=sorted(TASK_SETS), default="hyperflexis-4task")
+    parser.add_argument("--slo-profile", default=None, help="gateway SLO profile (default: same as --tasks)")
+    parser.add_argument("--policies", default="round-robin,least-load,hyperflexis")
+    parser.add_argument("--qps", default="2,4,6,8,10", help="comma-separated total QPS (simulated time)")
+    parser.add_argument("--per-task", type=int, default=300)
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--profile", default="qwen-7b")
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/experiment-a"))
+
+
+def experiment_main(args: argparse.Namespace) -> int:
+    tasks = TASK_SETS[args.tasks]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rates = [float(q) for q in args.qps.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[PointResult] = []
+    total = len(policies) * len(rates)
+    for i, (qps, policy) in enumerate(((q, p) for q in rates for p in policies), 1):
+        _progress(f"({i}/{total}) policy={policy} qps={qps}: {len(tasks) * args.per_task} requests")
+        result, _ = run_point(
+            policy, qps, tasks, args.per_task, args.engines, args.profile, args.time_scale,
+            args.slo_profile or args.tasks, args.seed,
+        )
+        _progress(f"  attainment {result.summary.attainment:.1%}")
+        results.append(result)
+    table = render(results)
+    print(table)
+    (args.out / "table.txt").write_text(table + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps([{"policy": r.policy, "qps": r.qps, "cost_units": r.cost_units, **asdict(r.summary)}
+                    for r in results], indent=2)
+    )
+    png = args.out / "attainment_vs_qps.png"
+    plot(results, png, f"{args.tasks}, {args.engines} x {args.profile} (sim)")
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'table.txt'} and {png}")
+    return 0

@@ -1,0 +1,221 @@
+"""HyperFlexis SLO-aware dispatcher (paper §5.1, Algorithm 1), as a pure function.
+
+Each call looks at the queue (already in the profile's queue order) and at every worker's shadow
+state, and for each worker whose *maturity time* has come it:
+
+1. computes a token budget: min(free KV tokens, eq.(5) budget for the tightest TTFT/TPOT);
+2. scans a prefix of the queue and admits a request when its probability of meeting its TTFT
+   (``admission_probability``) is at least ``theta`` and its prompt fits the remaining budget;
+3. updates the worker's shadow and its next maturity time ``now + E_p + (E_p / relax)·E_d`` with
+   ``relax = min TPOT - E_d``: the worker can take more once the prefill it was just given has
+   been amortised by the time decoding saves against the tightest TPOT.
+
+It returns the assignments, every touched worker's new maturity time (explicit state the caller
+keeps and passes back) and when to call again if nothing else happens. Arrivals and completions
+should also trigger a call: they change the queue and the shadows.
+
+Interpretation of ``calculate_p`` (the paper gives only its inputs): the chance that the request's
+first token arrives before its deadline, modelled as a logistic in the remaining slack
+``t_remaining = arrival + TTFT - (now + expected prefill)`` with a spread that grows with the
+worker's utilisation (a busier worker's predictions are less certain). Requests with no slack get
+p < 0.5 and wait for a better worker; a worker with nothing else to do still takes the head of
+the queue (``idle_backfill``), so hopeless requests are served late rather than never.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
+from policies.queue_order import QueuedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """A request the gateway has placed on a worker and not seen finish (the shadow)."""
+
+    prompt_tokens: int
+    generated: int
+    tpot_slo: float
+    prefilled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One engine as the dispatcher sees it. ``maturity`` is the dispatcher's own state."""
+
+    engine_id: str
+    prefill_coeffs: Coeffs
+    decode_coeffs: Coeffs
+    running: tuple[RunningRequest, ...] = ()
+    free_kv_tokens: int = 1 << 30
+    max_num_seqs: int = 256
+    maturity: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HyperFlexisParams:
+    theta: float = 0.5
+    #: how many queued requests one worker examines per turn (bounds the cost per event)
+    max_scan: int = 128
+    #: logistic spread of the slack, as a fraction of the request's TTFT target
+    slack_scale: float = 0.1
+    #: an idle worker takes the queue head even when its TTFT can no longer be met
+    idle_backfill: bool = True
+    #: when a worker took nothing although requests wait, look again after this long (seconds)
+    recheck_s: float = 0.01
+    #: a worker is never held longer than this (seconds), even when relax <= 0 says "never"
+    max_hold_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.theta <= 1.0:
+            raise ValueError(f"theta must be in [0, 1], got {self.theta}")
+        if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
+            raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    request_id: str
+    engine_id: str
+    #: False when the request was admitted by idle backfill with p < theta
+    feasible: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class HyperFlexisDecision:
+    assignments: tuple[Assignment, ...]
+    maturity: Mapping[str, float] = field(default_factory=dict)
+    wake_at: float = math.inf
+
+
+def admission_probability(
+    arrival: float,
+    ttft_slo: float,
+    now: float,
+    expected_prefill_s: float,
+    utilization: float,
+    slack_scale: float,
+) -> float:
+    """Probability in (0, 1) that the first token beats ``arrival + ttft_slo`` if dispatched now."""
+    remaining = arrival + ttft_slo - (now + expected_prefill_s)
+    spread = max(1e-4, slack_scale * ttft_slo * (1.0 + max(0.0, utilization)))
+    z = remaining / spread
+    if z >= 40:
+        return 1.0
+    if z <= -40:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def _decode_step(coeffs: Coeffs, running: Sequence[RunningRequest]) -> float:
+    if not running:
+        return 0.0
+    return predict_decode(coeffs, sum(r.prompt_tokens + r.generated for r in running), len(running))
+
+
+def dispatch(
+    queue: Sequence[QueuedRequest],
+    workers: Sequence[WorkerView],
+    now: float,
+    params: HyperFlexisParams = HyperFlexisParams(),
+) -> HyperFlexisDecision:
+    """Run Algorithm 1 once. ``queue`` is in dispatch order; each request is assigned at most once."""
+    if not queue or not workers:
+        return HyperFlexisDecision((), {}, math.inf)
+    order = [(w.maturity, i) for i, w in enumerate(workers)]
+    heapq.heapify(order)
+    running = {w.engine_id: list(w.running) for w in workers}
+    taken: set[str] = set()
+    assignments: list[Assignment] = []
+    maturity: dict[str, float] = {}
+
+    while order and order[0][0] <= now and len(taken) < len(queue):
+        _, index = heapq.heappop(order)
+        worker = workers[index]
+        shadow = running[worker.engine_id]
+        admitted = _fill_worker(queue, worker, shadow, taken, now, params)
+        for item, feasible in admitted:
+            taken.add(item.view.request_id)
+            assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
+            shadow.append(RunningRequest(item.view.prompt_tokens, 0, item.tpot_slo, False))
+        next_time = _next_maturity(worker, shadow, now, bool(admitted), params)
+        maturity[worker.engine_id] = next_time
+        heapq.heappush(order, (next_time, index))
+
+    wake_at = order[0][0] if order and len(taken) < len(queue) else math.inf
+    return HyperFlexisDecision(tuple(assignments), maturity, wake_at)
+
+
+def _fill_worker(
+    queue: Sequence[QueuedRequest],
+    worker: WorkerView,
+    shadow: list[RunningRequest],
+    taken: set[str],
+    now: float,
+    params: HyperFlexisParams,
+) -> list[tuple[QueuedRequest, bool]]:
+    coeffs = worker.prefill_coeffs
+    decode_s = _decode_step(worker.decode_coeffs, shadow)
+    waiting_prefill = [r.prompt_tokens for r in shadow if not r.prefilled]
+    utilization = len(shadow) / max(1, worker.max_num_seqs)
+    free_seqs = worker.max_num_seqs - len(shadow)
+    kv_left = worker.free_kv_tokens
+    budget_left: int | None = None
+    admitted: list[tuple[QueuedRequest, bool]] = []
+    scanned = 0
+    for item in queue:
+        if scanned >= params.max_scan or free_seqs <= 0:
+            break
+        if item.view.request_id in taken:
+            continue
+        scanned += 1
+        if budget_left is None:
+            # eq.(5) with the tightest targets among what runs here and the strictest candidate
+            tpot = min([r.tpot_slo for r in shadow] + [item.tpot_slo])
+            budget_left = token_budget(item.ttft_slo, tpot, decode_s, coeffs[0], coeffs[1])
+        prompt = item.view.prompt_tokens
+        need_kv = prompt + item.view.max_output_tokens
+        if prompt > budget_left or need_kv > kv_left:
+            continue
+        expected = predict_prefill(coeffs, [*waiting_prefill, prompt])
+        p = admission_probability(
+            item.view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
+        )
+        if p < params.theta:
+            continue
+        admitted.append((item, True))
+        waiting_prefill.append(prompt)
+        budget_left -= prompt
+        kv_left -= need_kv
+        free_seqs -= 1
+    if not admitted and not shadow and params.idle_backfill:
+        for item in queue:
+            if item.view.request_id not in taken:
+                if item.view.prompt_tokens + item.view.max_output_tokens <= worker.free_kv_tokens:
+                    admitted.append((item, False))
+                break
+    return admitted
+
+
+def _next_maturity(
+    worker: WorkerView,
+    shadow: Sequence[RunningRequest],
+    now: float,
+    took_work: bool,
+    params: HyperFlexisParams,
+) -> float:
+    if not shadow:
+        return now + params.recheck_s
+    waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
+    e_p = predict_prefill(worker.prefill_coeffs, waiting) if waiting else 0.0
+    e_d = _decode_step(worker.decode_coeffs, shadow)
+    if not took_work:
+        # nothing fitted: look again after the next decode step frees budget or slack changes
+        return now + max(params.recheck_s, e_d)
+    min_tpot = min(r.tpot_slo for r in shadow)
+    held = maturity_time(now, e_p, e_d, min_tpot)
+    return min(now + params.max_hold_s, max(now + params.recheck_s, held))

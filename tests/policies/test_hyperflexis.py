@@ -1,0 +1,121 @@
+"""HyperFlexis dispatcher (Algorithm 1) on literal queues and workers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policies.api import RequestView
+from policies.hyperflexis import (
+    HyperFlexisParams,
+    RunningRequest,
+    WorkerView,
+    admission_probability,
+    dispatch,
+)
+from policies.queue_order import QueuedRequest
+
+PREFILL = (0.02, 1e-4, 0.0)  # 20 ms + 0.1 ms per prompt token
+DECODE = (0.01, 1e-6, 1e-4)  # 10 ms per step + context + batch terms
+
+
+def req(
+    rid: str, prompt: int = 100, arrival: float = 0.0, ttft: float = 1.0, tpot: float = 0.1, out: int = 50
+):
+    view = RequestView(
+        request_id=rid, model="m", prompt_tokens=prompt, max_output_tokens=out, arrival=arrival
+    )
+    return QueuedRequest(
+        view=view, ttft_slo=ttft, tpot_slo=tpot, seq=int.from_bytes(rid.encode(), "big") % 10_000
+    )
+
+
+def worker(
+    wid: str, maturity: float = 0.0, running: tuple[RunningRequest, ...] = (), kv: int = 1 << 30
+) -> WorkerView:
+    return WorkerView(wid, PREFILL, DECODE, running=running, free_kv_tokens=kv, maturity=maturity)
+
+
+def test_nothing_to_do() -> None:
+    assert dispatch([], [worker("w")], 0.0).assignments == ()
+    decision = dispatch([req("a")], [], 0.0)
+    assert decision.assignments == () and math.isinf(decision.wake_at)
+
+
+def test_idle_worker_takes_feasible_requests_and_matures_later() -> None:
+    decision = dispatch([req("a"), req("b")], [worker("w")], now=0.0)
+    assert [(a.request_id, a.engine_id, a.feasible) for a in decision.assignments] == [
+        ("a", "w", True),
+        ("b", "w", True),
+    ]
+    # E_p = 0.02 + 200e-4 = 0.04; E_d over 2 requests = 0.01 + 200e-6 + 2e-4 = 0.0104; relax = 0.1 - E_d
+    e_p, e_d = 0.04, 0.0104
+    assert decision.maturity["w"] == pytest.approx(e_p + e_p / (0.1 - e_d) * e_d)
+    assert math.isinf(decision.wake_at)  # queue drained
+
+
+def test_immature_worker_waits_and_says_when() -> None:
+    decision = dispatch([req("a")], [worker("w", maturity=0.3)], now=0.1)
+    assert decision.assignments == () and decision.wake_at == 0.3
+
+
+def test_token_budget_limits_the_batch() -> None:
+    # ttft 0.1, tpot 0.05, idle: budget = (0.1*0.05 - 0 - 0.02*0.05) / (1e-4*0.05) = 800 tokens
+    queue = [
+        req("a", prompt=500, ttft=0.1, tpot=0.05),
+        req("b", prompt=400, ttft=0.1, tpot=0.05),
+        req("c", prompt=250, ttft=0.1, tpot=0.05),
+    ]
+    taken = [a.request_id for a in dispatch(queue, [worker("w")], 0.0).assignments]
+    assert taken == ["a", "c"]  # b would overflow the budget; c still fits behind it
+
+
+def test_kv_space_is_respected() -> None:
+    queue = [req("big", prompt=900, out=200), req("small", prompt=50, out=50)]
+    taken = [a.request_id for a in dispatch(queue, [worker("w", kv=500)], 0.0).assignments]
+    assert taken == ["small"]
+
+
+def test_hopeless_request_only_by_idle_backfill() -> None:
+    late = req("late", arrival=-5.0, ttft=1.0)
+    assert [(a.request_id, a.feasible) for a in dispatch([late], [worker("w")], 0.0).assignments] == [
+        ("late", False)
+    ]
+    busy = worker("w", running=(RunningRequest(100, 5, 0.1, True),))
+    assert dispatch([late], [busy], 0.0).assignments == ()
+    no_backfill = HyperFlexisParams(idle_backfill=False)
+    assert dispatch([late], [worker("w")], 0.0, no_backfill).assignments == ()
+
+
+def test_feasible_requests_go_before_backfill_and_each_request_once() -> None:
+    queue = [req(f"r{i}", prompt=100) for i in range(6)]
+    decision = dispatch(queue, [worker("w1"), worker("w2")], 0.0)
+    ids = [a.request_id for a in decision.assignments]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(6)) and len(set(ids)) == 6
+    assert {a.engine_id for a in decision.assignments} == {"w1"}  # the first mature worker had budget for all
+    assert set(decision.maturity) == {"w1", "w2"} or set(decision.maturity) == {"w1"}
+
+
+def test_busy_worker_holds_when_relax_is_negative() -> None:
+    # decoding already slower than the tightest TPOT: relax <= 0, capped by max_hold_s
+    slow = worker("w", running=(RunningRequest(100, 5, 0.005, True),))
+    decision = dispatch([req("a", tpot=0.5, ttft=5.0)], [slow], 0.0, HyperFlexisParams(max_hold_s=0.7))
+    assert decision.maturity["w"] <= 0.7
+
+
+@pytest.mark.parametrize(
+    ("slack", "expected"),
+    [(0.0, 0.5), (1.0, 1.0), (-1.0, 0.0)],
+)
+def test_admission_probability(slack: float, expected: float) -> None:
+    p = admission_probability(
+        arrival=0.0, ttft_slo=1.0, now=1.0 - slack, expected_prefill_s=0.0, utilization=0.0, slack_scale=0.1
+    )
+    assert p == pytest.approx(expected, abs=1e-3)
+
+
+def test_admission_probability_falls_with_utilization_when_slack_is_positive() -> None:
+    low = admission_probability(0.0, 1.0, 0.8, 0.0, 0.0, 0.1)
+    high = admission_probability(0.0, 1.0, 0.8, 0.0, 1.0, 0.1)
+    assert low > high > 0.5
