@@ -1,0 +1,84 @@
+"""``slogate sim-engine``: one simulated vLLM-compatible engine.
+
+Prints ``slogate-sim listening on http://HOST:PORT`` once bound (the real port when ``--port 0``)
+and stops cleanly on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from gateway.sim.profiles import ProfileError, load_profile
+from gateway.sim.server import SimConfig, SimServer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slogate sim-engine", description="simulated vLLM-compatible engine")
+    p.add_argument("--profile", default="qwen-7b", help="name in profiles/engines or a YAML path")
+    p.add_argument("--model", help="served model name (default: the profile's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--role", choices=["collocated", "prefill", "decode"], default="collocated")
+    p.add_argument("--time-scale", type=float, default=1.0, help="simulated time runs this many times faster")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--kv-events-endpoint", help="ZMQ endpoint for KV events, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-topic", default="kv")
+    p.add_argument("--engine-id", default="0", help="the 'engine' metric label and KV-transfer engine id")
+    return p
+
+
+async def _serve(config: SimConfig) -> None:
+    server = SimServer(config)
+    url = await server.start()
+    print(f"slogate-sim listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+def sim_engine_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.time_scale <= 0:
+        print("slogate sim-engine: --time-scale must be > 0", file=sys.stderr)
+        return 2
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as exc:
+        print(f"slogate sim-engine: {exc}", file=sys.stderr)
+        return 2
+    overrides = {
+        k: v
+        for k, v in (("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
+                     ("num_gpu_blocks", args.num_gpu_blocks))
+        if v is not None
+    }
+    if overrides:
+        profile = profile.model_copy(update=overrides)
+    config = SimConfig(
+        profile=profile, model=args.model or profile.model, engine_id=args.engine_id, role=args.role,
+        time_scale=args.time_scale, scheduling_policy=args.scheduling_policy, host=args.host, port=args.port,
+        kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
+    )
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(_serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(sim_engine_main(sys.argv[1:]))

@@ -1,0 +1,150 @@
+"""Per-request output of the simulated engine: stop strings, SSE chunks and final bodies as vLLM.
+
+:class:`OutputState` turns generated token ids into text deltas, holding back the last
+``len(longest stop) - 1`` characters while streaming so a stop string is never partly sent.
+:class:`ResponseFormat` renders vLLM 0.33's chat and completion shapes; the constant prefix of
+every streamed chunk is built once per request so each token costs one small orjson call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.tokenizer import EOS_ID, token_text
+
+
+@dataclass(slots=True)
+class OutputState:
+    stops: tuple[str, ...] = ()
+    text: str = ""
+    sent: int = 0  # characters of ``text`` already handed out
+    token_ids: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def holdback(self) -> int:
+        return max((len(s) for s in self.stops), default=1) - 1
+
+    def add(self, token: int) -> bool:
+        """Append a token; True when a stop string ended the output (the text is cut before it)."""
+        if token == EOS_ID:
+            return False
+        self.token_ids.append(token)
+        if not self.stops:
+            self.text += token_text(token)
+            return False
+        start = max(0, len(self.text) - self.holdback)
+        self.text += token_text(token)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return self.stopped
+
+    def delta(self, final: bool) -> str:
+        """New text that can be sent now (everything on the final call)."""
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.holdback)
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+class ResponseFormat:
+    """Body and chunk builders for one request (``chat`` or ``completion``)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, return_token_ids: bool) -> None:
+        self.kind = kind
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.model = model
+        self.return_token_ids = return_token_ids
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        head = orjson.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model})
+        self._chunk_head = b"data: " + head[:-1] + b',"choices":[{"index":0,'
+
+    def chunk(self, text: str, token_ids: Sequence[int], finish_reason: str | None, first: bool = False,
+              prompt_token_ids: Sequence[int] | None = None) -> bytes:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            body: dict[str, Any] = {"delta": delta}
+        else:
+            body = {"text": text}
+        body["logprobs"] = None
+        body["finish_reason"] = finish_reason
+        if self.return_token_ids:
+            body["token_ids"] = list(token_ids)
+            if prompt_token_ids is not None and self.kind == "completion":
+                body["prompt_token_ids"] = list(prompt_token_ids)
+        tail = b"]"
+        if self.return_token_ids and prompt_token_ids is not None and self.kind == "chat":
+            tail += b',"prompt_token_ids":' + orjson.dumps(list(prompt_token_ids))
+        return self._chunk_head + orjson.dumps(body)[1:] + tail + b"}\n\n"
+
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return b"data: " + orjson.dumps(
+            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
+             "usage": usage}
+        ) + b"\n\n"
+
+    def final_chunk_with_params(self, finish_reason: str, kv_transfer_params: dict[str, Any] | None) -> bytes:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice.update({"delta": {}} if self.kind == "chat" else {"text": ""})
+        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                                "choices": [choice]}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def full(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        finish_reason: str,
+        usage: dict[str, Any],
+        prompt_token_ids: Sequence[int],
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> bytes:
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if self.kind == "chat":
+                body["prompt_token_ids"] = list(prompt_token_ids)
+            else:
+                choice["prompt_token_ids"] = list(prompt_token_ids)
+        body["kv_transfer_params"] = kv_transfer_params
+        return orjson.dumps(body)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    return orjson.dumps(
+        {"error": {"message": message, "type": kinds.get(status, "InternalServerError"), "param": param, "code": status}}
+    )
