@@ -38,6 +38,13 @@ class EngineConfig(BaseModel):
     priority_scheduling: bool = Field(
         default=False, description="engine runs with priority scheduling and accepts the body 'priority'"
     )
+    latency_profile: str | None = Field(
+        default=None,
+        description="profiles/engines/<name>.yaml: prior latency coefficients for the dispatcher",
+    )
+    time_scale: float = Field(
+        default=1.0, gt=0, description="engine runs this many times faster than its profile"
+    )
 
     @property
     def base_url(self) -> str:
@@ -63,6 +70,14 @@ class Settings(BaseSettings):
     engines: list[EngineConfig] = Field(default_factory=list)
     profiles_dir: Path = DEFAULT_PROFILES_DIR
     routing_profile: str = Field(default="least-load", description="name in profiles/routing or a path")
+    slo_profile: str = Field(default="hyperflexis-4task", description="name in profiles/slo or a path")
+    api_key_tasks: dict[str, str] = Field(
+        default_factory=dict, description="API key -> default task (SLO class)"
+    )
+    api_key_tenants: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
+    max_engine_load: int | None = Field(
+        default=None, ge=1, description="pipeline dispatcher: queue when every engine has this many requests"
+    )
 
     monitor_interval_s: float = Field(default=1.0, gt=0)
     stale_after_s: float = Field(default=3.0, gt=0)
@@ -99,20 +114,30 @@ class Settings(BaseSettings):
         return engines
 
     @model_validator(mode="after")
-    def _profile_exists(self) -> Settings:
+    def _profiles_exist(self) -> Settings:
         self.routing_profile_path()
+        self.slo_profile_path()
+        for engine in self.engines:
+            if engine.latency_profile is not None:
+                self.profile_path("engines", engine.latency_profile)
         return self
 
-    def routing_profile_path(self) -> Path:
-        candidate = Path(self.routing_profile)
-        if candidate.suffix in (".yaml", ".yml"):
-            path = candidate
-        else:
-            path = self.profiles_dir / "routing" / f"{self.routing_profile}.yaml"
+    def profile_path(self, kind: str, name: str) -> Path:
+        """``profiles/<kind>/<name>.yaml``, or ``name`` itself when it is a YAML path."""
+        candidate = Path(name)
+        path = (
+            candidate if candidate.suffix in (".yaml", ".yml") else self.profiles_dir / kind / f"{name}.yaml"
+        )
         if not path.is_file():
-            known = sorted(p.stem for p in (self.profiles_dir / "routing").glob("*.yaml"))
-            raise ValueError(f"routing profile {self.routing_profile!r} not found; known: {known}")
+            known = sorted(p.stem for p in (self.profiles_dir / kind).glob("*.yaml"))
+            raise ValueError(f"{kind} profile {name!r} not found; known: {known}")
         return path
+
+    def routing_profile_path(self) -> Path:
+        return self.profile_path("routing", self.routing_profile)
+
+    def slo_profile_path(self) -> Path:
+        return self.profile_path("slo", self.slo_profile)
 
 
 def _read_yaml(config_file: Path | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -22,7 +23,7 @@ import orjson
 from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import ParsedRequest, RouteKind, parse_request
-from gateway.fleet.registry import EngineRecord, Fleet
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from gateway.settings import Settings
 from gateway.tracing import Tracing
@@ -46,6 +47,8 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+#: client headers relayed upstream: W3C trace context and the simulated engine's controls
+_FORWARDED_PREFIXES = (b"x-sim-", b"traceparent", b"tracestate")
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
@@ -162,6 +165,9 @@ class Proxy:
                 )
             raw = await read_body(receive, self.settings.max_body_bytes)
             request = parse_request(kind, raw, self.settings.default_max_tokens)
+            request.forward_headers = {
+                k.decode(): v.decode() for k, v in scope["headers"] if k.startswith(_FORWARDED_PREFIXES)
+            }
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             status = await self._serve(request, rid.decode(), rid, arrival, receive, send)
@@ -261,8 +267,11 @@ class Proxy:
         adapter = record.adapter
         engine_id = record.engine_id
         payload = self._body_for(request, record)
-        tokens = request.prompt_tokens + request.max_tokens
-        self.fleet.on_dispatch(engine_id, tokens)
+        self.fleet.on_dispatch(
+            engine_id,
+            rid,
+            RunningEntry(request.prompt_tokens, request.max_tokens, math.inf, time.monotonic()),
+        )
         metrics.DISPATCHES.labels(engine_id).inc()
         try:
             with self.tracing.span("upstream", request_id=rid, engine=engine_id):
@@ -270,7 +279,7 @@ class Proxy:
                     response = await self.session.post(
                         adapter.url(_PATHS[request.kind]),
                         data=payload,
-                        headers=adapter.upstream_headers(rid),
+                        headers=adapter.upstream_headers(rid, request.forward_headers),
                         timeout=self._stream_timeout if request.stream else self._plain_timeout,
                     )
                 except _CONNECT_ERRORS as exc:
@@ -301,7 +310,7 @@ class Proxy:
                 finally:
                     response.close()
         finally:
-            self.fleet.on_finish(engine_id, tokens)
+            self.fleet.on_finish(engine_id, rid)
 
     # -- relays ----------------------------------------------------------------------------------
 
@@ -357,7 +366,7 @@ class Proxy:
         events = 0
         pending = b""
         try:
-            async with asyncio.timeout(loop.time() + self.settings.first_token_timeout_s) as deadline:
+            async with asyncio.timeout_at(loop.time() + self.settings.first_token_timeout_s) as deadline:
                 last_rearm = loop.time()
                 async for chunk in response.content.iter_any():
                     data = pending + chunk if pending else chunk

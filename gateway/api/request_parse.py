@@ -7,7 +7,7 @@ understands and the gateway does not is the engine's business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -32,6 +32,7 @@ class ParsedRequest:
     max_tokens: int
     prompt_tokens: int
     priority: int
+    forward_headers: dict[str, str] = field(default_factory=dict)
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:

@@ -50,9 +50,15 @@ class EngineAdapter:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    def upstream_headers(self, request_id: str) -> dict[str, str]:
-        """Headers for a data-path request; the body is sent as the client's JSON bytes."""
+    def upstream_headers(self, request_id: str, passthrough: dict[str, str] | None = None) -> dict[str, str]:
+        """Headers for a data-path request; the body is sent as the client's JSON bytes.
+
+        ``passthrough`` carries the client headers the gateway forwards (trace context, and the
+        simulated engine's ``x-sim-*`` controls); the client's own Authorization never goes up.
+        """
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        if passthrough:
+            headers.update(passthrough)
         headers.update(self._auth)
         return headers
 

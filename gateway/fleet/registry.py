@@ -9,10 +9,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.engines import EngineAdapter
 from policies.api import EngineSnapshot, EngineState, FleetSnapshot
+
+
+@dataclass(slots=True)
+class RunningEntry:
+    """One request this gateway has in flight on an engine (the dispatcher's shadow of it)."""
+
+    prompt_tokens: int
+    max_tokens: int
+    tpot_slo: float
+    dispatched_at: float
+    generated: int = 0
+    prefilled: bool = False
 
 
 @dataclass(slots=True)
@@ -29,6 +41,7 @@ class EngineRecord:
     in_flight: int = 0
     in_flight_tokens: int = 0
     last_error: str = ""
+    running: dict[str, RunningEntry] = field(default_factory=dict)
 
     @property
     def engine_id(self) -> str:
@@ -37,6 +50,12 @@ class EngineRecord:
     @property
     def model(self) -> str:
         return self.adapter.config.model
+
+    def in_flight_tokens_since_scrape(self) -> int:
+        """KV tokens reserved by requests dispatched after the last scrape (not yet in its usage)."""
+        return sum(
+            r.prompt_tokens + r.max_tokens for r in self.running.values() if r.dispatched_at > self.state_at
+        )
 
 
 class Fleet:
@@ -90,17 +109,21 @@ class Fleet:
 
     # -- shadow state, written by the dispatch path -----------------------------------------------
 
-    def on_dispatch(self, engine_id: str, tokens: int) -> None:
+    def on_dispatch(self, engine_id: str, request_id: str, entry: RunningEntry) -> None:
         record = self.records[engine_id]
         record.in_flight += 1
-        record.in_flight_tokens += tokens
+        record.in_flight_tokens += entry.prompt_tokens + entry.max_tokens
+        record.running[request_id] = entry
         self._snapshot = None
 
-    def on_finish(self, engine_id: str, tokens: int) -> None:
+    def on_finish(self, engine_id: str, request_id: str) -> RunningEntry | None:
         record = self.records[engine_id]
-        record.in_flight -= 1
-        record.in_flight_tokens -= tokens
-        self._snapshot = None
+        entry = record.running.pop(request_id, None)
+        if entry is not None:
+            record.in_flight -= 1
+            record.in_flight_tokens -= entry.prompt_tokens + entry.max_tokens
+            self._snapshot = None
+        return entry
 
     # -- health and state, written by the monitor and by data-path failures -----------------------
 

@@ -61,7 +61,12 @@ class BrokenEngine:
 
     async def _start(self) -> None:
         async def fail(_: web.Request) -> web.Response:
-            error = {"message": "engine exploded", "type": "InternalServerError", "param": None, "code": self.status}
+            error = {
+                "message": "engine exploded",
+                "type": "InternalServerError",
+                "param": None,
+                "code": self.status,
+            }
             return web.json_response({"error": error}, status=self.status)
 
         async def ok(_: web.Request) -> web.Response:

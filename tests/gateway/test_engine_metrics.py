@@ -43,7 +43,12 @@ def test_vllm_033_sums_dp_ranks_and_reads_cache_config() -> None:
 
 def test_vllm_old_names() -> None:
     state = parse_vllm_metrics(VLLM_OLD)
-    assert (state.num_running, state.kv_usage, state.prefix_queries, state.prefix_hits) == (1, 0.75, 10.0, 5.0)
+    assert (state.num_running, state.kv_usage, state.prefix_queries, state.prefix_hits) == (
+        1,
+        0.75,
+        10.0,
+        5.0,
+    )
 
 
 def test_vllm_sleeping() -> None:
@@ -74,7 +79,12 @@ llamacpp:requests_processing 2
 llamacpp:requests_deferred 1
 """
     state = parse_llamacpp_metrics(text)
-    assert (state.num_running, state.num_waiting, state.prefix_queries, state.prefix_hits) == (2, 1, 120.0, 40.0)
+    assert (state.num_running, state.num_waiting, state.prefix_queries, state.prefix_hits) == (
+        2,
+        1,
+        120.0,
+        40.0,
+    )
 
 
 def test_parser_tolerates_junk_escapes_and_nan() -> None:

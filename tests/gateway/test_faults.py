@@ -36,7 +36,9 @@ def test_down_engine_is_skipped_and_ejected(one_engine: ChildProcess) -> None:
     with run_gateway(engines=[dead, engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         for _ in range(6):
-            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2
+            )
             assert raw.headers["x-slogate-engine"] == "solo"
         assert engine_health(gw) == {"dead": False, "solo": True}
         ready = httpx.get(gw.url + "/ready")
@@ -44,7 +46,10 @@ def test_down_engine_is_skipped_and_ejected(one_engine: ChildProcess) -> None:
 
 
 def test_all_engines_down_is_503_with_a_clear_message() -> None:
-    dead = [{"url": f"http://127.0.0.1:{free_port()}", "kind": "sim", "model": MODEL, "name": f"d{i}"} for i in (1, 2)]
+    dead = [
+        {"url": f"http://127.0.0.1:{free_port()}", "kind": "sim", "model": MODEL, "name": f"d{i}"}
+        for i in (1, 2)
+    ]
     with run_gateway(engines=dead, monitor_interval_s=0.2) as gw:
         r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
         assert r.status_code == 503
@@ -62,13 +67,17 @@ def test_engine_is_readmitted_when_it_recovers() -> None:
     args = (*SIM_ARGS, "--port", str(port))
     engine = spawn_sim_engine(*args, name="flappy")
     try:
-        with run_gateway(engines=[engine_entry(engine)], monitor_interval_s=0.1, eject_after_failures=2) as gw:
+        with run_gateway(
+            engines=[engine_entry(engine)], monitor_interval_s=0.1, eject_after_failures=2
+        ) as gw:
             assert engine_health(gw) == {"flappy": True}
             engine.stop()
             assert wait_until(lambda: engine_health(gw) == {"flappy": False}, timeout=5)
             engine = spawn_sim_engine(*args, name="flappy")
             assert wait_until(lambda: engine_health(gw) == {"flappy": True}, timeout=5)
-            r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+            r = httpx.post(
+                gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+            )
             assert r.status_code == 200
     finally:
         engine.stop()
@@ -77,12 +86,14 @@ def test_engine_is_readmitted_when_it_recovers() -> None:
 def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) -> None:
     with run_gateway(engines=[engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=10) as http, http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r,
+        ):
+            chunks = r.iter_bytes()  # kept open: leaving a for-loop early would close the stream
             seen = 0
-            for chunk in r.iter_bytes():
-                seen += chunk.count(b"data: ")
-                if seen >= 5:
-                    break
+            while seen < 5:
+                seen += next(chunks).count(b"data: ")
             assert running_on(one_engine) == 1
             closed_at = time.monotonic()
         # the client is gone: the engine must stop working on it promptly
@@ -96,8 +107,12 @@ def test_engine_crash_mid_stream_ends_with_an_error_event(one_engine: ChildProce
     with run_gateway(engines=[engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=200, stream=True,
-            extra_body={"ignore_eos": True}, extra_headers={"X-Sim-Fault": "crash-after=5"},
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Sim-Fault": "crash-after=5"},
         )
         got = 0
         with pytest.raises(openai.APIError) as info:
@@ -112,7 +127,9 @@ def test_stalled_engine_times_out_with_an_error_event(one_engine: ChildProcess) 
     with run_gateway(engines=[engine_entry(one_engine)], **settings) as gw:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True}
         t0 = time.monotonic()
-        r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"X-Sim-Fault": "hang"}, timeout=10)
+        r = httpx.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"X-Sim-Fault": "hang"}, timeout=10
+        )
         assert r.status_code == 200  # headers were sent before the stall
         assert b'"code":"upstream_timeout"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
         assert time.monotonic() - t0 < 3

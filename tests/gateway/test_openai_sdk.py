@@ -39,7 +39,9 @@ def test_models_lists_the_fleet(client: openai.OpenAI) -> None:
 
 
 def test_chat_non_stream_and_stream_give_the_same_text(client: openai.OpenAI) -> None:
-    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}
+    )
     text = plain.choices[0].message.content
     assert text and plain.usage is not None
     assert plain.usage.completion_tokens == 12 and plain.usage.prompt_tokens > 5
@@ -81,8 +83,9 @@ def test_request_id_is_forwarded_and_returned(client: openai.OpenAI) -> None:
 
 
 async def test_async_client_completions_stream_and_not(aclient: openai.AsyncOpenAI) -> None:
-    plain = await aclient.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
-                                             extra_body={"ignore_eos": True})
+    plain = await aclient.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=8, extra_body={"ignore_eos": True}
+    )
     stream = await aclient.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True, extra_body={"ignore_eos": True}
     )
@@ -127,13 +130,17 @@ def test_upstream_400_passes_through(client: openai.OpenAI) -> None:
 
 def test_body_too_large_is_413(gw: RunningGateway) -> None:
     big = "x" * (gw.gateway.settings.max_body_bytes + 10)
-    r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": big}]})
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": big}]}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_sync_client_from_threads(client: openai.OpenAI) -> None:
     def call(_: int) -> int:
-        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert r.usage is not None
         return r.usage.completion_tokens
 
@@ -152,7 +159,9 @@ def test_api_keys_are_enforced(two_engines: list[ChildProcess]) -> None:
 
 
 @pytest.mark.parametrize(("status", "exc"), [(500, openai.InternalServerError), (429, openai.RateLimitError)])
-def test_upstream_errors_are_the_matching_sdk_exception(status: int, exc: type[openai.APIStatusError]) -> None:
+def test_upstream_errors_are_the_matching_sdk_exception(
+    status: int, exc: type[openai.APIStatusError]
+) -> None:
     with BrokenEngine(status) as broken:
         entry = {"url": broken.url, "kind": "vllm", "model": MODEL, "name": "broken"}
         with run_gateway(engines=[entry], monitor_interval_s=0.2) as running:

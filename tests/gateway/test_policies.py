@@ -21,7 +21,9 @@ def eng(
     **kw: object,
 ) -> EngineSnapshot:
     state = None if running is None else EngineState(num_running=running, num_waiting=waiting, kv_usage=0.5)
-    return EngineSnapshot(engine_id, "m", in_flight=in_flight, in_flight_at_scrape=at_scrape, state=state, **kw)  # type: ignore[arg-type]
+    return EngineSnapshot(
+        engine_id, "m", in_flight=in_flight, in_flight_at_scrape=at_scrape, state=state, **kw
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -122,8 +124,14 @@ def test_empty_fleet_has_no_candidates() -> None:
 @pytest.mark.parametrize(
     ("profile", "message"),
     [
-        ({"scorers": [{"name": "nope"}]}, "unknown scorer plugin 'nope'; known scorer plugins: kv_free, least_load"),
-        ({"filters": [{"name": "not_saturated", "params": {"max": 3}}]}, "has no parameter 'max'; it accepts: max_load"),
+        (
+            {"scorers": [{"name": "nope"}]},
+            "unknown scorer plugin 'nope'; known scorer plugins: kv_free, least_load",
+        ),
+        (
+            {"filters": [{"name": "not_saturated", "params": {"max": 3}}]},
+            "has no parameter 'max'; it accepts: max_load",
+        ),
         ({"filters": [{"name": "not_saturated", "params": {"max_load": 0}}]}, "max_load must be >= 1"),
         ({"scorers": [{"name": "least_load", "weight": -1}]}, "weight must be a number >= 0"),
         ({"picker": {"name": "random"}}, "unknown picker plugin 'random'"),
@@ -131,7 +139,9 @@ def test_empty_fleet_has_no_candidates() -> None:
         ({"scorers": "least_load"}, "must be a list"),
     ],
 )
-def test_bad_profiles_fail_with_a_message_that_says_how_to_fix(profile: dict[str, object], message: str) -> None:
+def test_bad_profiles_fail_with_a_message_that_says_how_to_fix(
+    profile: dict[str, object], message: str
+) -> None:
     with pytest.raises(PolicyConfigError) as info:
         compile_profile(profile)
     assert message in str(info.value)

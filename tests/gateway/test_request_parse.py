@@ -56,7 +56,10 @@ def test_completion_prompt_forms(prompt: object) -> None:
 
 
 def test_token_id_prompt_counts_exactly() -> None:
-    assert parse_request("completions", orjson.dumps({"model": "m", "prompt": list(range(50))}), 1).prompt_tokens == 50
+    assert (
+        parse_request("completions", orjson.dumps({"model": "m", "prompt": list(range(50))}), 1).prompt_tokens
+        == 50
+    )
 
 
 @pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], {"x": 1}])
@@ -68,7 +71,9 @@ def test_bad_completion_prompts(prompt: object) -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -76,7 +81,9 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(
     st.dictionaries(
-        st.sampled_from(["model", "messages", "prompt", "stream", "max_tokens", "stream_options", "priority", "x"]),
+        st.sampled_from(
+            ["model", "messages", "prompt", "stream", "max_tokens", "stream_options", "priority", "x"]
+        ),
         json_values,
     ),
     st.sampled_from(["chat", "completions", "embeddings"]),

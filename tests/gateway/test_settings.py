@@ -15,7 +15,9 @@ ENGINE = {"url": "http://127.0.0.1:9", "kind": "sim", "model": "m"}
 
 def test_yaml_then_env_then_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text("port: 7001\nmonitor_interval_s: 0.5\nengines:\n  - {url: 'http://127.0.0.1:9', model: m}\n")
+    cfg.write_text(
+        "port: 7001\nmonitor_interval_s: 0.5\nengines:\n  - {url: 'http://127.0.0.1:9', model: m}\n"
+    )
     assert load_settings(cfg).port == 7001
     monkeypatch.setenv("SLOGATE_PORT", "7002")
     settings = load_settings(cfg)
@@ -36,7 +38,10 @@ def test_engines_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"engines": [{"url": "not a url", "model": "m"}]}, "engines.0.url"),
         ({"engines": [{**ENGINE, "kind": "tgi"}]}, "engines.0.kind"),
         ({"engines": [ENGINE, ENGINE]}, "duplicate engine id '127.0.0.1:9'"),
-        ({"routing_profile": "nope"}, "routing profile 'nope' not found; known: ['least-load', 'round-robin']"),
+        (
+            {"routing_profile": "nope"},
+            "routing profile 'nope' not found; known: ['least-load', 'round-robin']",
+        ),
         ({"monitor_interval_s": 0}, "monitor_interval_s: Input should be greater than 0"),
         ({"unknown_key": 1}, "unknown_key: Extra inputs are not permitted"),
     ],
@@ -51,7 +56,10 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("port: many\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

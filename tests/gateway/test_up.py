@@ -31,7 +31,18 @@ def _alive(pid: int) -> bool:
 def test_up_serves_and_stops_cleanly() -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--engines", "2", "--time-scale", "10"],
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "up",
+            "--port",
+            str(port),
+            "--engines",
+            "2",
+            "--time-scale",
+            "10",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -51,7 +62,11 @@ def test_up_serves_and_stops_cleanly() -> None:
         assert model, output
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={"model": model.group(1), "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+            json={
+                "model": model.group(1),
+                "messages": [{"role": "user", "content": "Hello!"}],
+                "max_tokens": 8,
+            },
             timeout=30,
         )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
