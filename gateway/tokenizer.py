@@ -96,13 +96,18 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+        return "".join(
+            p.get("text", "") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+        )
     return ""
 
 
 def apply_chat_template(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
     """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant header."""
-    parts = [f"<|im_start|>{m.get('role', 'user')}\n{_content_text(m.get('content'))}<|im_end|>\n" for m in messages]
+    parts = [
+        f"<|im_start|>{m.get('role', 'user')}\n{_content_text(m.get('content'))}<|im_end|>\n"
+        for m in messages
+    ]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)

@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-endpoint", help="ZMQ endpoint for KV events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-topic", default="kv")
     p.add_argument("--engine-id", default="0", help="the 'engine' metric label and KV-transfer engine id")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="selects the deterministic output function; engines that continue each other's "
+        "requests must share it",
+    )
     return p
 
 
@@ -58,25 +65,35 @@ def sim_engine_main(argv: list[str]) -> int:
         return 2
     overrides = {
         k: v
-        for k, v in (("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens),
-                     ("num_gpu_blocks", args.num_gpu_blocks))
+        for k, v in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("num_gpu_blocks", args.num_gpu_blocks),
+        )
         if v is not None
     }
     if overrides:
         profile = profile.model_copy(update=overrides)
     config = SimConfig(
-        profile=profile, model=args.model or profile.model, engine_id=args.engine_id, role=args.role,
-        time_scale=args.time_scale, scheduling_policy=args.scheduling_policy, host=args.host, port=args.port,
-        kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
+        profile=profile,
+        model=args.model or profile.model,
+        engine_id=args.engine_id,
+        role=args.role,
+        time_scale=args.time_scale,
+        scheduling_policy=args.scheduling_policy,
+        host=args.host,
+        port=args.port,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        seed=args.seed,
     )
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(_serve(config))
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(_serve(config))
+        else:
+            uvloop.run(_serve(config))
     return 0
 
 

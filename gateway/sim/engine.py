@@ -23,7 +23,7 @@ from enum import Enum
 from gateway.sim.kv_cache import KVCache, SeqBlocks, prefix_hashes
 from gateway.sim.output import TokenStream
 from gateway.sim.profiles import EngineProfile
-from policies.latency_fit import predict_decode, predict_prefill
+from policies.latency import batch_step_time
 
 
 class Phase(Enum):
@@ -44,6 +44,9 @@ class SimRequest:
     arrival: float
     priority: int = 0
     ignore_eos: bool = False
+    #: workload-set natural length (``sim_output_len``): the model "emits EOS" after this many
+    #: tokens (finish_reason "stop") and never earlier; None = EOS comes from the output function
+    output_len: int | None = None
     #: prefill only: compute the prompt, emit one token, then hold the KV for a decode engine
     prefill_only: bool = False
     #: KV arrives from elsewhere (P/D): no prefill compute; ready at ``kv_ready_at``
@@ -106,8 +109,16 @@ class Counters:
 
 
 class EngineModel:
-    def __init__(self, profile: EngineProfile, *, priority_scheduling: bool = False, slow_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        profile: EngineProfile,
+        *,
+        priority_scheduling: bool = False,
+        slow_factor: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         self.profile = profile
+        self.seed = seed
         self.cache = KVCache(profile.num_gpu_blocks, profile.block_size)
         self.priority_scheduling = priority_scheduling
         self.slow_factor = slow_factor
@@ -117,7 +128,9 @@ class EngineModel:
         self.held: dict[str, SimRequest] = {}
         self.requests: dict[str, SimRequest] = {}
         self.counters = Counters()
+        self.coefficients = profile.latency.coefficients
         self.paused = False  # asleep or loading weights: nothing is scheduled
+        self.admitting = True  # False while draining for /sleep?mode=wait: running ones finish
         self._order = 0
 
     # -- admission -------------------------------------------------------------------------------
@@ -128,7 +141,8 @@ class EngineModel:
         self._order += 1
         request.order = self._order
         if request.stream is None:
-            request.stream = TokenStream(request.prompt, request.ignore_eos)
+            ignore_eos = request.ignore_eos or request.output_len is not None
+            request.stream = TokenStream(request.prompt, ignore_eos, self.seed)
         self.requests[request.request_id] = request
         (self.transferring if request.remote_kv else self.waiting).append(request)
 
@@ -157,7 +171,11 @@ class EngineModel:
         return request
 
     def expire_held(self, now: float, lease_s: float) -> list[str]:
-        expired = [rid for rid, r in self.held.items() if r.first_token_at is not None and now - r.first_token_at > lease_s]
+        expired = [
+            rid
+            for rid, r in self.held.items()
+            if r.first_token_at is not None and now - r.first_token_at > lease_s
+        ]
         for rid in expired:
             self.release_held(rid)
         return expired
@@ -176,18 +194,23 @@ class EngineModel:
             return sorted(self.waiting, key=lambda r: (r.priority, r.arrival, r.order))
         return self.waiting
 
-    def _preempt_one(self, protect: SimRequest) -> bool:
+    def _preempt_one(self, protect: SimRequest) -> SimRequest | None:
+        """Preempt the running request vLLM would (lowest priority, then latest arrival)."""
         victims = [r for r in self.running if r is not protect]
         if not victims:
-            return False
+            return None
         victim = max(victims, key=lambda r: (r.priority, r.arrival, r.order))
+        self._preempt(victim)
+        return victim
+
+    def _preempt(self, victim: SimRequest) -> None:
+        # recompute, not swap: blocks go back to the pool and it re-prefills prompt + output later
         self.running.remove(victim)
         self.cache.release(victim.seq)
         victim.computed = 0
-        victim.phase = Phase.WAITING  # recomputes prompt + output when it restarts
+        victim.phase = Phase.WAITING
         self.counters.preemptions += 1
         self.waiting.insert(0, victim)
-        return True
 
     def _admit_transfers(self, now: float) -> None:
         for request in [r for r in self.transferring if r.kv_ready_at <= now]:
@@ -199,21 +222,24 @@ class EngineModel:
             request.computed = len(request.prompt) - 1  # the last prompt token yields the first output
             request.phase = Phase.RUNNING
             request.scheduled_at = now
-            self.cache.commit_full_blocks(request.seq, request.prompt[: request.computed])
+            self.cache.commit_full_blocks(request.seq, request.prompt, request.computed)
             self.running.append(request)
 
     def plan(self, now: float) -> Batch | None:
-        """The next batch at ``now``, or None when nothing can run."""
+        """The next batch at ``now`` (simulated s), or None when nothing can run.
+
+        Called by the driver before each step; the returned batch must be passed to
+        :meth:`finish` at ``now + batch.duration`` (or dropped if the engine died meanwhile).
+        """
         if self.paused:
             return None
         self._admit_transfers(now)
         budget = self.profile.max_num_batched_tokens
         prefills: list[tuple[SimRequest, int]] = []
         decodes: list[SimRequest] = []
-        bs = self.profile.block_size
         for request in list(self.running):
-            if request not in self.running or request.stuck or budget <= 0:
-                continue
+            if request.phase is not Phase.RUNNING or request.stuck or budget <= 0:
+                continue  # preempted earlier in this loop, or a fault holds it
             if request.prefilling:
                 chunk = min(request.pending, budget)
                 prefills.append((request, chunk))
@@ -221,13 +247,23 @@ class EngineModel:
                 continue
             # the sampled token needs a KV slot: allocate at a block boundary, preempting if full
             need = self.cache.blocks_needed(request.length + 1) - len(request.seq.blocks)
-            while need > 0 and not self.cache.allocate(request.seq, need):
-                if not self._preempt_one(request):
+            fits = need <= 0 or self.cache.allocate(request.seq, need)
+            while not fits:
+                victim = self._preempt_one(request)
+                if victim is None:
+                    self._preempt(request)  # alone and still no room: it waits for space itself
                     break
-            else:
+                if victim in decodes:
+                    decodes.remove(victim)
+                    budget += 1
+                for entry in [p for p in prefills if p[0] is victim]:
+                    prefills.remove(entry)
+                    budget += entry[1]
+                fits = self.cache.allocate(request.seq, need)
+            if fits:
                 decodes.append(request)
                 budget -= 1
-        for request in list(self._waiting_order()):
+        for request in list(self._waiting_order()) if self.admitting else ():
             if budget <= 0 or len(self.running) >= self.profile.max_num_seqs:
                 break
             if request.stuck:
@@ -256,7 +292,11 @@ class EngineModel:
         if total_blocks - hits > self.cache.available:
             return None
         uncached = len(tokens) - hits * bs
-        if not self.profile.chunked_prefill and uncached > budget and (self.running or self.waiting[0] is not request):
+        if (
+            not self.profile.chunked_prefill
+            and uncached > budget
+            and (self.running or self.waiting[0] is not request)
+        ):
             return None
         self.waiting.remove(request)
         request.computed = self.cache.acquire_prefix(request.seq, hashes[:hits])
@@ -271,15 +311,9 @@ class EngineModel:
         return uncached if not self.profile.chunked_prefill else min(uncached, budget)
 
     def _duration(self, prefills: Iterable[tuple[SimRequest, int]], decodes: list[SimRequest]) -> float:
-        lat = self.profile.latency
+        """Simulated seconds of one step: one forward pass over the chunks and decodes."""
         chunks = [n for _, n in prefills]
-        seconds = 0.0
-        if chunks:
-            seconds += predict_prefill(lat.prefill, chunks)
-        if decodes:
-            step = predict_decode(lat.decode, sum(r.length for r in decodes), len(decodes))
-            # one forward pass: the fixed per-step overhead is paid once for a mixed batch
-            seconds += step - (min(lat.prefill_a, lat.decode_a) if chunks else 0.0)
+        seconds = batch_step_time(self.coefficients, chunks, [r.length for r in decodes])
         return seconds * self.slow_factor
 
     # -- applying a step -------------------------------------------------------------------------
@@ -291,7 +325,7 @@ class EngineModel:
             if request.phase is not Phase.RUNNING:
                 continue  # aborted or preempted meanwhile
             request.computed = min(request.length, request.computed + chunk)
-            self.cache.commit_full_blocks(request.seq, request.all_tokens()[: request.computed])
+            self.cache.commit_full_blocks(request.seq, request.all_tokens(), request.computed)
             if request.computed >= request.length:
                 if not request.output:
                     self.counters.prompt_tokens += len(request.prompt)
@@ -311,11 +345,15 @@ class EngineModel:
         self.counters.generation_tokens += 1
         result.tokens.append((request, token))
         if request.computed % self.profile.block_size == 0:
-            self.cache.commit_full_blocks(request.seq, request.all_tokens()[: request.computed])
+            self.cache.commit_full_blocks(request.seq, request.all_tokens(), request.computed)
+        produced = len(request.output)
         reason = None
-        if token == request.stream.eos_id and not request.ignore_eos:
+        if request.output_len is not None:
+            if produced >= request.output_len:
+                reason = "stop"  # the workload-set natural end stands in for a sampled EOS
+        elif token == request.stream.eos_id and not request.ignore_eos:
             reason = "stop"
-        elif len(request.output) >= request.max_tokens or request.prefill_only:
+        if reason is None and (produced >= request.max_tokens or request.prefill_only):
             reason = "length"
         if reason is not None:
             self.complete(request, reason)
@@ -336,6 +374,11 @@ class EngineModel:
         else:
             request.phase = Phase.FINISHED
             self.cache.release(request.seq)
+
+    def preempt_all(self) -> None:
+        """Send every running request back to waiting (its KV is being discarded; it recomputes)."""
+        for request in list(self.running):
+            self._preempt(request)
 
     def reset(self) -> list[SimRequest]:
         """Drop every request (crash, or sleep that discards the KV cache); returns what was lost."""

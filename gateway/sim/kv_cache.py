@@ -128,27 +128,40 @@ class KVCache:
             seq.blocks.append(block)
         return True
 
-    def commit_full_blocks(self, seq: SeqBlocks, tokens: Sequence[int]) -> None:
-        """Hash and publish every block of ``seq`` that ``tokens`` (its computed tokens) fills."""
+    def commit_full_blocks(self, seq: SeqBlocks, tokens: Sequence[int], computed: int) -> None:
+        """Hash and publish every block of ``seq`` filled by its first ``computed`` ``tokens``.
+
+        A block whose hash another block already holds (two requests computed the same prefix at
+        the same time) stays private and is not announced; each contiguous run of newly cached
+        blocks becomes one ``BlockStored`` whose ``parent_block_hash`` is the block before it.
+        """
         bs = self.block_size
-        full = min(len(tokens) // bs, len(seq.blocks))
-        new_hashes: list[int] = []
-        parent_before = seq.last_hash if seq.hashed else None
-        first = seq.hashed
+        full = min(computed // bs, len(seq.blocks))
+        run: list[int] = []
+        run_parent: int | None = None
+        run_start = 0
         while seq.hashed < full:
             i = seq.hashed
-            h = block_hash(seq.last_hash, tokens[i * bs : (i + 1) * bs])
+            parent = seq.last_hash
+            h = block_hash(parent, tokens[i * bs : (i + 1) * bs])
             block = seq.blocks[i]
             if h not in self.by_hash and self.hash_of[block] is None:
                 self.by_hash[h] = block
                 self.hash_of[block] = h
-                new_hashes.append(h)
+                if not run:
+                    run_parent = parent if i > 0 else None
+                    run_start = i
+                run.append(h)
+            elif run:
+                self._stored(run, run_parent, tokens[run_start * bs : i * bs])
+                run = []
             seq.last_hash = h
             seq.hashed += 1
-        if new_hashes:
-            self.events.append(
-                BlockStored(tuple(new_hashes), parent_before, tuple(tokens[first * bs : full * bs]), bs)
-            )
+        if run:
+            self._stored(run, run_parent, tokens[run_start * bs : full * bs])
+
+    def _stored(self, hashes: list[int], parent: int | None, tokens: Sequence[int]) -> None:
+        self.events.append(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))
 
     def release(self, seq: SeqBlocks) -> None:
         """Drop ``seq``'s references; hashed blocks stay cached (evictable), the rest become free."""

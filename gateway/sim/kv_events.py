@@ -42,7 +42,7 @@ def binds(endpoint: str) -> bool:
 
 class KVEventPublisher:
     def __init__(self, endpoint: str, topic: str = "kv", dp_rank: int = 0) -> None:
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -55,7 +55,9 @@ class KVEventPublisher:
         self._seq = 0
 
     def publish(self, events: Sequence[KVEvent]) -> None:
-        payload = msgpack.packb([time.time(), [event_map(e) for e in events], self._dp_rank], use_bin_type=True)
+        payload = msgpack.packb(
+            [time.time(), [event_map(e) for e in events], self._dp_rank], use_bin_type=True
+        )
         self._socket.send_multipart([self._topic, self._seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
         self._seq += 1
 

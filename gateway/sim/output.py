@@ -34,8 +34,10 @@ def _avalanche(x: int) -> int:
     return x ^ (x >> 33)
 
 
-def sequence_state(tokens: Iterable[int]) -> int:
-    state = 0xCBF29CE484222325
+def sequence_state(tokens: Iterable[int], seed: int = 0) -> int:
+    """Rolling state after ``tokens``; ``seed`` (the engine's ``--seed``) selects a different
+    but equally deterministic "model", so continuation works only between same-seed engines."""
+    state = 0xCBF29CE484222325 ^ _avalanche(seed & _MASK) if seed else 0xCBF29CE484222325
     for token in tokens:
         state = _mix(state, token)
     return state
@@ -56,8 +58,8 @@ class TokenStream:
 
     __slots__ = ("eos_id", "ignore_eos", "state")
 
-    def __init__(self, prompt: Iterable[int], ignore_eos: bool) -> None:
-        self.state = sequence_state(prompt)
+    def __init__(self, prompt: Iterable[int], ignore_eos: bool, seed: int = 0) -> None:
+        self.state = sequence_state(prompt, seed)
         self.ignore_eos = ignore_eos
         self.eos_id = EOS_ID
 

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.settings import DEFAULT_PROFILES_DIR
+from policies.latency import LatencyCoefficients
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +39,13 @@ class Latency(BaseModel):
     @property
     def decode(self) -> tuple[float, float, float]:
         return (self.decode_a, self.decode_b, self.decode_c)
+
+    @property
+    def coefficients(self) -> LatencyCoefficients:
+        """The same numbers as the pure step-time model's value type."""
+        return LatencyCoefficients(
+            self.prefill_a, self.prefill_b, self.prefill_c, self.decode_a, self.decode_b, self.decode_c
+        )
 
 
 class Transfer(BaseModel):

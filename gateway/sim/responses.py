@@ -67,8 +67,14 @@ class ResponseFormat:
         head = orjson.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model})
         self._chunk_head = b"data: " + head[:-1] + b',"choices":[{"index":0,'
 
-    def chunk(self, text: str, token_ids: Sequence[int], finish_reason: str | None, first: bool = False,
-              prompt_token_ids: Sequence[int] | None = None) -> bytes:
+    def chunk(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        finish_reason: str | None,
+        first: bool = False,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> bytes:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             body: dict[str, Any] = {"delta": delta}
@@ -87,17 +93,35 @@ class ResponseFormat:
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return b"data: " + orjson.dumps(
-            {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-             "usage": usage}
-        ) + b"\n\n"
+        return (
+            b"data: "
+            + orjson.dumps(
+                {
+                    "id": self.id,
+                    "object": obj,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+            + b"\n\n"
+        )
 
     def final_chunk_with_params(self, finish_reason: str, kv_transfer_params: dict[str, Any] | None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-        choice.update({"delta": {}} if self.kind == "chat" else {"text": ""})
-        body: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                                "choices": [choice]}
+        if self.kind == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         return b"data: " + orjson.dumps(body) + b"\n\n"
@@ -144,7 +168,19 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    kinds = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    kinds = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
     return orjson.dumps(
-        {"error": {"message": message, "type": kinds.get(status, "InternalServerError"), "param": param, "code": status}}
+        {
+            "error": {
+                "message": message,
+                "type": kinds.get(status, "InternalServerError"),
+                "param": param,
+                "code": status,
+            }
+        }
     )

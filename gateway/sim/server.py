@@ -19,28 +19,22 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import generate_latest
 
+from gateway.sim.admin import AdminRoutes
 from gateway.sim.engine import EngineModel, Phase, SimRequest
 from gateway.sim.kv_events import KVEventPublisher
+from gateway.sim.metrics import SimMetrics
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
 from gateway.tokenizer import apply_chat_template, decode, encode
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HELD_LEASE_S = 30.0
 
@@ -74,87 +68,40 @@ class SimConfig:
     port: int = 0
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
-
-
-class _Collector:
-    """Gauges and counters read from the model at scrape time: no per-token cost."""
-
-    def __init__(self, server: SimServer) -> None:
-        self.server = server
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.server
-        m = s.model
-        labels = ["model_name", "engine"]
-        values = [s.config.model, s.config.engine_id]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests in the running batch", len(m.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting", len(m.waiting) + len(m.transferring))
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%", m.cache.usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens)", m.counters.prefix_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens)", m.counters.prefix_hits)
-        yield counter("vllm:prompt_tokens", "Prefill tokens processed", m.counters.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Generation tokens processed", m.counters.generation_tokens)
-        yield counter("vllm:num_preemptions", "Preemptions", m.counters.preemptions)
-        success = CounterMetricFamily("vllm:request_success", "Finished requests", labels=[*labels, "finished_reason"])
-        for reason, n in sorted(m.counters.finished.items()):
-            success.add_metric([*values, reason], n)
-        yield success
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info", "Cache configuration",
-            labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine", "num_gpu_blocks"],
-        )
-        info.add_metric([str(m.profile.block_size), "auto", "True", s.config.engine_id,
-                         str(m.profile.num_gpu_blocks)], 1.0)
-        yield info
-        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Sleep state", labels=[*labels, "sleep_state"])
-        for state in ("awake", "weights_offloaded", "discard_all"):
-            sleep.add_metric([*values, state], 1.0 if s.sleep_state == state else 0.0)
-        yield sleep
+    seed: int = 0
 
 
 class SimServer:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.profile = config.profile
-        self.model = EngineModel(config.profile, priority_scheduling=config.scheduling_policy == "priority")
+        self.model = EngineModel(
+            config.profile, priority_scheduling=config.scheduling_policy == "priority", seed=config.seed
+        )
+        self.started_at = int(time.time())
         self.scale = config.time_scale
         self.channels: dict[str, Channel] = {}
         self.crashed = False
         self.hung = False
-        self.sleep_state = "awake"
-        self.sleep_level = 0
+        self.admin = AdminRoutes(self)
         self.url = ""
         self._wake = asyncio.Event()
         self._t0 = 0.0
         self._driver: asyncio.Task[None] | None = None
         self._crash_after: dict[str, int] = {}
-        self._rooms: dict[str, asyncio.Event] = {}
+        self.rooms: dict[str, asyncio.Event] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic) if (
-            config.kv_events_endpoint) else None
+        self._publisher = (
+            KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
+            if (config.kv_events_endpoint)
+            else None
+        )
         self._runner: web.AppRunner | None = None
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))  # type: ignore[arg-type]
-        labels = ["model_name", "engine"]
-        self.h_ttft = Histogram("vllm:time_to_first_token_seconds", "TTFT", labels, buckets=_TTFT_BUCKETS,
-                                registry=self.registry).labels(config.model, config.engine_id)
-        self.h_itl = Histogram("vllm:inter_token_latency_seconds", "ITL", labels, buckets=_ITL_BUCKETS,
-                               registry=self.registry).labels(config.model, config.engine_id)
-        self.h_e2e = Histogram("vllm:e2e_request_latency_seconds", "E2E", labels, buckets=_E2E_BUCKETS,
-                               registry=self.registry).labels(config.model, config.engine_id)
-        self.h_queue = Histogram("vllm:request_queue_time_seconds", "Queue time", labels, buckets=_E2E_BUCKETS,
-                                 registry=self.registry).labels(config.model, config.engine_id)
+        self.metrics_ = SimMetrics(self)
+        self.h_ttft = self.metrics_.ttft
+        self.h_itl = self.metrics_.itl
+        self.h_e2e = self.metrics_.e2e
+        self.h_queue = self.metrics_.queue
 
     # -- clock and driver ------------------------------------------------------------------------
 
@@ -200,25 +147,35 @@ class SimServer:
                 if channel is not None:
                     channel.done = True
                     channel.event.set()
-            self._publish()
+            self.publish_kv_events()
             if loop.time() - last_lease_check > 1.0:
                 last_lease_check = loop.time()
                 self.model.expire_held(self.now(), HELD_LEASE_S)
 
-    def _publish(self) -> None:
+    def publish_kv_events(self) -> None:
         events = self.model.cache.drain_events()
         if events and self._publisher is not None:
             self._publisher.publish(events)
 
-    def crash(self) -> None:
-        """Engine death: every in-flight stream is cut, /health answers 503 until restart."""
-        self.crashed = True
-        for request in self.model.reset():
+    def wake_driver(self) -> None:
+        """Tell the driver loop that work (or a state change) arrived."""
+        self._wake.set()
+
+    def end_requests(self, requests: list[SimRequest], crashed: bool) -> None:
+        """Wake the handlers of requests the model dropped: crashed streams are cut, others end
+        normally with their finish_reason (e.g. "abort")."""
+        for request in requests:
             channel = self.channels.get(request.request_id)
             if channel is not None:
-                channel.crashed = True
+                channel.crashed = crashed
+                channel.done = True
                 channel.event.set()
-        self._publish()
+
+    def crash(self) -> None:
+        """Engine death: every in-flight stream is cut, /health answers 503 until cleared."""
+        self.crashed = True
+        self.end_requests(self.model.reset(), crashed=True)
+        self.publish_kv_events()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -232,13 +189,7 @@ class SimServer:
         r.add_get("/metrics", self.metrics)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
-        r.add_post("/sleep", self.sleep)
-        r.add_post("/wake_up", self.wake_up)
-        r.add_get("/is_sleeping", self.is_sleeping)
-        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        r.add_post("/sim/load_weights", self.load_weights)
-        r.add_post("/sim/fault", self.fault)
-        r.add_post("/sim/kv/pull", self.kv_pull)
+        self.admin.register(app)
         return app
 
     async def start(self) -> str:
@@ -276,7 +227,11 @@ class SimServer:
     def _prompt(self, kind: str, body: dict[str, Any]) -> list[int]:
         if kind == "chat":
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) for m in messages)
+            ):
                 raise BadRequest(400, "'messages' must be a non-empty list of objects", "messages")
             return encode(apply_chat_template(messages))
         prompt = body.get("prompt")
@@ -284,9 +239,15 @@ class SimServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             return list(prompt)
-        raise BadRequest(400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+        raise BadRequest(
+            400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
+        )
 
     async def _generate(self, http: web.Request, kind: str) -> web.StreamResponse:
         try:
@@ -300,27 +261,48 @@ class SimServer:
             return _error(400, f"invalid JSON: {exc}")
         except BadRequest as exc:
             return _error(exc.status, str(exc), exc.param)
+        except ConnectionAbortedError as exc:  # the engine died under a non-streamed request
+            return _error(500, f"EngineDeadError: {exc}")
 
     def _limits(self, http: web.Request, body: dict[str, Any], prompt_len: int) -> int:
         max_len = self.profile.max_model_len
         if prompt_len >= max_len:
             raise BadRequest(
-                400, f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.", "messages")
+                400,
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                "messages",
+            )
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise BadRequest(400, "max_tokens must be an integer >= 1", "max_tokens")
         if limit is not None and prompt_len + limit > max_len:
-            raise BadRequest(400, f"max_tokens ({limit}) plus the prompt ({prompt_len} tokens) exceeds the maximum "
-                             f"context length of {max_len}", "max_tokens")
-        limit = limit or max_len - prompt_len
+            raise BadRequest(
+                400,
+                f"max_tokens ({limit}) plus the prompt ({prompt_len} tokens) exceeds the maximum "
+                f"context length of {max_len}",
+                "max_tokens",
+            )
+        return int(limit or max_len - prompt_len)
+
+    @staticmethod
+    def _output_len(http: web.Request, body: dict[str, Any]) -> int | None:
+        """The workload-set natural length: body ``sim_output_len`` or header ``X-Sim-Output-Len``
+        (the smaller if both); None when neither is given."""
+        lengths: list[int] = []
         for extra in (body.get("sim_output_len"), http.headers.get("X-Sim-Output-Len")):
-            if extra is not None:
-                try:
-                    limit = min(limit, max(1, int(extra)))
-                except (TypeError, ValueError):
-                    raise BadRequest(400, f"sim_output_len must be an integer, got {extra!r}") from None
-        return int(limit)
+            if extra is None:
+                continue
+            try:
+                value = int(extra)
+            except (TypeError, ValueError):
+                raise BadRequest(
+                    400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len"
+                ) from None
+            if value < 1:
+                raise BadRequest(400, f"sim_output_len must be >= 1, got {value}", "sim_output_len")
+            lengths.append(value)
+        return min(lengths) if lengths else None
 
     async def _run(self, http: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
         model = body.get("model")
@@ -338,38 +320,57 @@ class SimServer:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise BadRequest(400, "priority must be an integer", "priority")
         if priority != 0 and self.config.scheduling_policy != "priority":
-            raise BadRequest(400, "Got priority != 0 but the scheduling policy is not 'priority'.", "priority")
+            raise BadRequest(
+                400, "Got priority != 0 but the scheduling policy is not 'priority'.", "priority"
+            )
         base_id = http.headers.get("X-Request-Id") or str(body.get("request_id") or os.urandom(8).hex())
         rid = f"{base_id}-{os.urandom(4).hex()}"
         params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
         room = body.get("bootstrap_room")
         prefill_only = bool(params and params.get("do_remote_decode")) or (
-            room is not None and self.config.role == "prefill")
-        sim = SimRequest(rid, prompt, 1 if prefill_only else max_tokens, self.now(), priority=priority,
-                         ignore_eos=bool(body.get("ignore_eos")), prefill_only=prefill_only)
+            room is not None and self.config.role == "prefill"
+        )
+        sim = SimRequest(
+            rid,
+            prompt,
+            1 if prefill_only else max_tokens,
+            self.now(),
+            priority=priority,
+            ignore_eos=bool(body.get("ignore_eos")),
+            prefill_only=prefill_only,
+            output_len=None if prefill_only else self._output_len(http, body),
+        )
         if params and params.get("do_remote_prefill"):
-            await self._pull_kv(sim, f"http://{params.get('remote_host')}:{params.get('remote_port')}",
-                                {"request_id": params.get("remote_request_id")})
+            await self._pull_kv(
+                sim,
+                f"http://{params.get('remote_host')}:{params.get('remote_port')}",
+                {"request_id": params.get("remote_request_id")},
+            )
         elif room is not None and self.config.role == "decode":
-            await self._pull_kv(sim, f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}",
-                                {"room": str(room), "wait_s": 30})
+            await self._pull_kv(
+                sim,
+                f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}",
+                {"room": str(room), "wait_s": 30},
+            )
         self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
         fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")))
         out = OutputState(stops)
         channel = Channel()
         self.channels[rid] = channel
         self.model.add(sim)
-        self._wake.set()
+        self.wake_driver()
         try:
             if stream:
-                return await self._stream(http, sim, fmt, out, channel, bool(options.get("include_usage")), room)
+                return await self._stream(
+                    http, sim, fmt, out, channel, bool(options.get("include_usage")), room
+                )
             return await self._complete(sim, fmt, out, channel, room)
         finally:
             self.channels.pop(rid, None)
             self._crash_after.pop(rid, None)
             if sim.phase is not Phase.FINISHED and sim.phase is not Phase.HELD:
                 self.model.abort(rid)  # client went away: free the slot and its blocks
-                self._wake.set()
+                self.wake_driver()
 
     def _apply_fault_header(self, header: str | None, sim: SimRequest) -> None:
         if not header:
@@ -388,8 +389,9 @@ class SimServer:
     async def _pull_kv(self, sim: SimRequest, source: str, payload: dict[str, Any]) -> None:
         assert self._session is not None
         try:
-            async with self._session.post(source + "/sim/kv/pull", json=payload,
-                                          timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            async with self._session.post(
+                source + "/sim/kv/pull", json=payload, timeout=aiohttp.ClientTimeout(total=60)
+            ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status != 200:
                     raise BadRequest(400, f"KV transfer failed: {data}")
@@ -418,18 +420,26 @@ class SimServer:
         if not sim.prefill_only:
             return None
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(sim.seq.blocks),
-                "remote_engine_id": self.config.engine_id, "remote_request_id": sim.request_id,
-                "remote_host": host, "remote_port": int(port), "tp_size": 1}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(sim.seq.blocks),
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": sim.request_id,
+            "remote_host": host,
+            "remote_port": int(port),
+            "tp_size": 1,
+        }
 
     def _held(self, sim: SimRequest, room: object) -> None:
         if room is not None and sim.prefill_only:
             key = f"room:{room}"
             self.model.held[key] = self.model.held.pop(sim.request_id, sim)
-            self._rooms.setdefault(key, asyncio.Event()).set()
+            self.rooms.setdefault(key, asyncio.Event()).set()
 
-    async def _complete(self, sim: SimRequest, fmt: ResponseFormat, out: OutputState, channel: Channel,
-                        room: object) -> web.StreamResponse:
+    async def _complete(
+        self, sim: SimRequest, fmt: ResponseFormat, out: OutputState, channel: Channel, room: object
+    ) -> web.StreamResponse:
         first: float | None = None
         while not channel.done:
             tokens = await self._tokens(channel)
@@ -443,12 +453,26 @@ class SimServer:
         self._held(sim, room)
         self._observe(sim, first, time.monotonic(), len(out.token_ids))
         usage = usage_of(len(sim.prompt), len(out.token_ids), sim.cached_tokens)
-        body = fmt.full(out.delta(True), out.token_ids, sim.finish_reason or "length", usage, sim.prompt,
-                        self._kv_params(sim))
+        body = fmt.full(
+            out.delta(True),
+            out.token_ids,
+            sim.finish_reason or "length",
+            usage,
+            sim.prompt,
+            self._kv_params(sim),
+        )
         return web.Response(body=body, content_type="application/json")
 
-    async def _stream(self, http: web.Request, sim: SimRequest, fmt: ResponseFormat, out: OutputState,
-                      channel: Channel, include_usage: bool, room: object) -> web.StreamResponse:
+    async def _stream(
+        self,
+        http: web.Request,
+        sim: SimRequest,
+        fmt: ResponseFormat,
+        out: OutputState,
+        channel: Channel,
+        include_usage: bool,
+        room: object,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE)
         await resp.prepare(http)
         first_sent = False
@@ -473,8 +497,15 @@ class SimServer:
                     text = out.delta(channel.done)
                     ids = [token] if out.token_ids and out.token_ids[-1] == token else []
                     if text or ids or not first_sent:
-                        parts.append(fmt.chunk(text, ids, None, first=not first_sent,
-                                               prompt_token_ids=None if first_sent else sim.prompt))
+                        parts.append(
+                            fmt.chunk(
+                                text,
+                                ids,
+                                None,
+                                first=not first_sent,
+                                prompt_token_ids=None if first_sent else sim.prompt,
+                            )
+                        )
                         first_sent = True
                     if stopped:
                         break
@@ -496,16 +527,31 @@ class SimServer:
     # -- other routes ----------------------------------------------------------------------------
 
     async def models(self, _: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.config.model, "object": "model", "created": int(self._t0), "owned_by": "vllm",
-            "root": self.config.model, "parent": None, "max_model_len": self.profile.max_model_len,
-            "permission": []}]})
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": self.started_at,
+                        "owned_by": "vllm",
+                        "root": self.config.model,
+                        "parent": None,
+                        "max_model_len": self.profile.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=503 if self.crashed else 200)
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=generate_latest(self.metrics_.registry), content_type="text/plain", charset="utf-8"
+        )
 
     async def tokenize(self, http: web.Request) -> web.Response:
         body = orjson.loads(await http.read())
@@ -524,89 +570,12 @@ class SimServer:
             return _error(400, "'tokens' must be a list of integers", "tokens")
         return _json({"prompt": decode(tokens)})
 
-    async def sleep(self, http: web.Request) -> web.Response:
-        level = int(http.query.get("level", "1"))
-        if level not in (0, 1, 2):
-            return _error(400, "level must be 0, 1 or 2", "level")
-        self.model.paused = True
-        self.sleep_level = level
-        if level >= 1:
-            for request in self.model.reset():  # vLLM's default mode=abort
-                channel = self.channels.get(request.request_id)
-                if channel is not None:
-                    channel.crashed = True
-                    channel.event.set()
-            self._publish()
-            self.sleep_state = "weights_offloaded" if level == 1 else "discard_all"
-        return _json({"status": "sleeping", "level": level})
-
-    async def wake_up(self, _: web.Request) -> web.Response:
-        if self.sleep_level >= 1:
-            source = "cpu" if self.sleep_level == 1 else "disk"
-            await asyncio.sleep(self.profile.weights.load_time_s(source) / self.scale)
-        self.sleep_state, self.sleep_level = "awake", 0
-        self.model.paused = False
-        self._wake.set()
-        return _json({"status": "awake"})
-
-    async def is_sleeping(self, _: web.Request) -> web.Response:
-        return _json({"is_sleeping": self.model.paused})
-
-    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
-        self.model.cache.clear()
-        self._publish()
-        return _json({"success": True})
-
-    async def load_weights(self, http: web.Request) -> web.Response:
-        body = orjson.loads(await http.read() or b"{}")
-        source = body.get("source", "disk")
-        if source not in ("disk", "cpu", "peer"):
-            return _error(400, "source must be disk, cpu or peer", "source")
-        if source == "peer" and not body.get("peer_url"):
-            return _error(400, "peer loading needs 'peer_url' (a running engine with the weights)", "peer_url")
-        seconds = self.profile.weights.load_time_s(source)
-        self.model.paused = True
-        try:
-            await asyncio.sleep(seconds / self.scale)
-        finally:
-            self.model.paused = self.sleep_level > 0
-            self._wake.set()
-        return _json({"status": "loaded", "source": source, "seconds": seconds})
-
-    async def fault(self, http: web.Request) -> web.Response:
-        body = orjson.loads(await http.read() or b"{}")
-        mode = body.get("mode")
-        if body.get("clear"):
-            self.crashed = self.hung = False
-            self.model.slow_factor = 1.0
-            self._wake.set()
-        elif mode == "crash":
-            self.crash()
-        elif mode == "hang":
-            self.hung = True
-        elif mode == "slow":
-            self.model.slow_factor = float(body.get("factor", 2.0))
-        else:
-            return _error(400, "mode must be crash, hang or slow (or clear: true)", "mode")
-        return _json({"crashed": self.crashed, "hung": self.hung, "slow_factor": self.model.slow_factor})
-
-    async def kv_pull(self, http: web.Request) -> web.Response:
-        body = orjson.loads(await http.read())
-        key = str(body.get("request_id")) if body.get("request_id") else f"room:{body.get('room')}"
-        if key.startswith("room:") and key not in self.model.held:
-            event = self._rooms.setdefault(key, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), float(body.get("wait_s", 0)))
-            self._rooms.pop(key, None)
-        held = self.model.release_held(key)
-        if held is None:
-            return _error(404, f"no KV held for {key!r} (never prefilled here, already read, or lease expired)")
-        return _json({"tokens": len(held.prompt), "bytes": len(held.prompt) * self.profile.kv_bytes_per_token})
-
 
 def _json(data: Any) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, param), content_type="application/json")
+    return web.Response(
+        status=status, body=error_body(status, message, param), content_type="application/json"
+    )

@@ -1,0 +1,194 @@
+"""Lifecycle and operator routes of the simulated engine: sleep/wake (vLLM dev-mode API), weight
+loading, fault injection, the P/D KV side channel and prefix-cache reset.
+
+Registered by :class:`gateway.sim.server.SimServer` on its aiohttp app. Times are modelled:
+a weight load sleeps ``profile.weights.load_time_s(source) / time_scale`` real seconds.
+
+* ``POST /sleep?level=0|1|2&mode=abort|wait|keep`` -> ``{"status":"sleeping","level":N}``.
+  Level 0 pauses scheduling; 1 also "offloads weights" and discards the KV cache; 2 discards
+  everything (weights reload from disk on wake). ``abort`` ends in-flight requests with
+  finish_reason "abort"; ``wait`` stops admitting and waits for running requests to finish;
+  ``keep`` keeps them queued (at level >= 1 they are recomputed after wake).
+* ``POST /wake_up[?tags=weights&tags=kv_cache&tags=scheduling]`` -> ``{"status":"awake"|"sleeping",
+  "tags":[...]}``; waking ``weights`` from level 1 costs the CPU-offload load time, from level 2
+  the disk load time. ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``.
+* ``POST /sim/load_weights {"source":"disk"|"cpu"|"peer","peer_url"?}`` pauses the engine for the
+  profile's load time and answers ``{"status":"loaded","source":..,"seconds":..}``.
+* ``POST /sim/fault {"mode":"crash"|"hang"|"slow","factor":F}`` or ``{"clear":true}``.
+* ``POST /sim/kv/pull {"request_id":..}`` or ``{"room":..,"wait_s":..}``: a decode engine takes the
+  KV a prefill left here (the blocks are freed) and learns how many tokens it covers.
+* ``POST /reset_prefix_cache`` -> ``{"success": bool}`` (false while a request is running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from gateway.sim.server import SimServer
+
+ALL_TAGS = ("weights", "kv_cache", "scheduling")
+SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _bad(message: str, param: str | None = None, status: int = 400) -> web.Response:
+    from gateway.sim.responses import error_body
+
+    return web.Response(
+        status=status, body=error_body(status, message, param), content_type="application/json"
+    )
+
+
+async def _body(http: web.Request) -> dict[str, Any]:
+    raw = await http.read()
+    data = orjson.loads(raw) if raw else {}
+    if not isinstance(data, dict):
+        raise web.HTTPBadRequest(text="body must be a JSON object")
+    return data
+
+
+class AdminRoutes:
+    """Handlers bound to one :class:`SimServer`; state lives on the server."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+        self.asleep: set[str] = set()
+        self.level = 0
+
+    def register(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/sleep", self.sleep)
+        r.add_post("/wake_up", self.wake_up)
+        r.add_get("/is_sleeping", self.is_sleeping)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_post("/sim/load_weights", self.load_weights)
+        r.add_post("/sim/fault", self.fault)
+        r.add_post("/sim/kv/pull", self.kv_pull)
+
+    @property
+    def sleep_state(self) -> str:
+        return SLEEP_STATES[self.level] if self.asleep else "awake"
+
+    async def sleep(self, http: web.Request) -> web.Response:
+        s = self.server
+        try:
+            level = int(http.query.get("level", "1"))
+        except ValueError:
+            level = -1
+        if level not in SLEEP_STATES:
+            return _bad("level must be 0, 1 or 2", "level")
+        mode = http.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return _bad("mode must be abort, wait or keep", "mode")
+        if mode == "wait":
+            s.model.admitting = False
+            try:
+                while s.model.running or s.model.transferring:
+                    await asyncio.sleep(0.005)
+            finally:
+                s.model.admitting = True
+        s.model.paused = True
+        if mode == "abort":
+            s.end_requests(s.model.reset(), crashed=False)
+        elif level >= 1:
+            s.model.preempt_all()  # their KV is discarded: they recompute after wake
+        if level >= 1:
+            s.model.cache.clear()
+            s.publish_kv_events()
+        self.level = max(self.level, level) if self.asleep else level
+        self.asleep = {"scheduling"} if level == 0 else set(ALL_TAGS)
+        return _json({"status": "sleeping", "level": level})
+
+    async def wake_up(self, http: web.Request) -> web.Response:
+        s = self.server
+        tags = http.query.getall("tags", []) or list(ALL_TAGS)
+        unknown = [t for t in tags if t not in ALL_TAGS]
+        if unknown:
+            return _bad(f"unknown tags {unknown}; use {list(ALL_TAGS)}", "tags")
+        if "weights" in tags and "weights" in self.asleep:
+            source = "cpu" if self.level == 1 else "disk"
+            await asyncio.sleep(s.profile.weights.load_time_s(source) / s.scale)
+        self.asleep.difference_update(tags)
+        if not self.asleep:
+            self.level = 0
+            s.model.paused = False
+            s.wake_driver()
+        return _json({"status": "sleeping" if self.asleep else "awake", "tags": tags})
+
+    async def is_sleeping(self, _: web.Request) -> web.Response:
+        return _json({"is_sleeping": bool(self.asleep)})
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        s = self.server
+        if s.model.running:
+            return _json({"success": False})
+        s.model.cache.clear()
+        s.publish_kv_events()
+        return _json({"success": True})
+
+    async def load_weights(self, http: web.Request) -> web.Response:
+        s = self.server
+        body = await _body(http)
+        source = body.get("source", "disk")
+        if source not in ("disk", "cpu", "peer"):
+            return _bad("source must be disk, cpu or peer", "source")
+        if source == "peer" and not body.get("peer_url"):
+            return _bad("peer loading needs 'peer_url' (a running engine with the weights)", "peer_url")
+        seconds = s.profile.weights.load_time_s(source)
+        s.model.paused = True
+        try:
+            await asyncio.sleep(seconds / s.scale)
+        finally:
+            s.model.paused = bool(self.asleep)
+            s.wake_driver()
+        return _json({"status": "loaded", "source": source, "seconds": seconds})
+
+    async def fault(self, http: web.Request) -> web.Response:
+        s = self.server
+        body = await _body(http)
+        mode = body.get("mode")
+        if body.get("clear"):
+            s.crashed = s.hung = False
+            s.model.slow_factor = 1.0
+            s.wake_driver()
+        elif mode == "crash":
+            s.crash()
+        elif mode == "hang":
+            s.hung = True
+        elif mode == "slow":
+            try:
+                factor = float(body.get("factor", 2.0))
+            except (TypeError, ValueError):
+                factor = 0.0
+            if not factor > 0:
+                return _bad("factor must be a number > 0", "factor")
+            s.model.slow_factor = factor
+        else:
+            return _bad("mode must be crash, hang or slow (or clear: true)", "mode")
+        return _json({"crashed": s.crashed, "hung": s.hung, "slow_factor": s.model.slow_factor})
+
+    async def kv_pull(self, http: web.Request) -> web.Response:
+        s = self.server
+        body = await _body(http)
+        key = str(body["request_id"]) if body.get("request_id") else f"room:{body.get('room')}"
+        if key.startswith("room:") and key not in s.model.held:
+            event = s.rooms.setdefault(key, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), float(body.get("wait_s", 0)))
+            s.rooms.pop(key, None)
+        held = s.model.release_held(key)
+        if held is None:
+            return _bad(
+                f"no KV held for {key!r} (never prefilled here, already read, or lease expired)", status=404
+            )
+        s.publish_kv_events()
+        return _json({"tokens": len(held.prompt), "bytes": len(held.prompt) * s.profile.kv_bytes_per_token})

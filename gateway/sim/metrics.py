@@ -1,0 +1,178 @@
+"""Prometheus metrics of one simulated engine, with vLLM 0.33's names, labels and buckets.
+
+Gauges and counters are read from the engine model at scrape time (a custom collector), so the
+per-token hot path pays nothing for them; only the latency histograms are observed per request
+(TTFT, e2e, queue time) or per streamed token (inter-token latency). Each engine has its own
+:class:`CollectorRegistry`, so several engines can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from gateway.sim.server import SimServer
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class _Collector:
+    """Gauges and counters read from the model at scrape time: no per-token cost."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.server
+        m = s.model
+        labels = ["model_name", "engine"]
+        values = [s.config.model, s.config.engine_id]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch", len(m.running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting", len(m.waiting) + len(m.transferring))
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%", m.cache.usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens)", m.counters.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens)", m.counters.prefix_hits)
+        yield counter("vllm:prompt_tokens", "Prefill tokens processed", m.counters.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generation tokens processed", m.counters.generation_tokens)
+        yield counter("vllm:num_preemptions", "Preemptions", m.counters.preemptions)
+        success = CounterMetricFamily(
+            "vllm:request_success", "Finished requests", labels=[*labels, "finished_reason"]
+        )
+        for reason, n in sorted(m.counters.finished.items()):
+            success.add_metric([*values, reason], n)
+        yield success
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Cache configuration",
+            labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine", "num_gpu_blocks"],
+        )
+        info.add_metric(
+            [str(m.profile.block_size), "auto", "True", s.config.engine_id, str(m.profile.num_gpu_blocks)],
+            1.0,
+        )
+        yield info
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Sleep state", labels=[*labels, "sleep_state"])
+        for state in ("awake", "weights_offloaded", "discard_all"):
+            sleep.add_metric([*values, state], 1.0 if s.admin.sleep_state == state else 0.0)
+        yield sleep
+
+
+class SimMetrics:
+    """The registry and the four latency histograms, labelled with ``model_name`` and ``engine``."""
+
+    def __init__(self, server: SimServer) -> None:
+        config = server.config
+        labels = ["model_name", "engine"]
+        values = (config.model, config.engine_id)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(server))
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (s)",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Inter-token latency (s)",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency (s)",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent waiting (s)",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(*values)
