@@ -1,0 +1,306 @@
+"""The sim engine over HTTP: vLLM 0.33 wire shapes, timing, prefix cache, continuation, stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.tokenizer import decode, encode
+from tests.sim.helpers import MODEL
+from tests.support.sim_process import SimProcess, start_sim_engine
+
+
+async def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def stream(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], list[float], float]:
+    """SSE events (parsed), the arrival time of each content event, and the send time."""
+    events: list[dict[str, Any]] = []
+    times: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        sent = time.perf_counter()
+        async with s.post(url, json={**body, "stream": True}, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    events.append({"done": True})
+                    break
+                event = orjson.loads(payload)
+                events.append(event)
+                if event.get("choices") and (
+                    event["choices"][0].get("text") or event["choices"][0].get("delta", {}).get("content")
+                ):
+                    times.append(time.perf_counter())
+    return events, times, sent
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- wire shapes ------------------------------------------------------------------------------
+
+
+async def test_chat_non_stream_shape(engine: SimProcess) -> None:
+    status, body = await post(
+        engine.url + "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 5,
+            "return_token_ids": True,
+        },
+        headers={"X-Request-Id": "abc123"},
+    )
+    assert status == 200
+    assert body["id"] == "chatcmpl-abc123" and body["object"] == "chat.completion" and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("length", "stop")
+    assert decode(choice["token_ids"]) == choice["message"]["content"]
+    assert body["prompt_token_ids"] == encode(
+        "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(body["prompt_token_ids"])
+    assert usage["completion_tokens"] == len(choice["token_ids"])
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+async def test_completion_stream_with_usage(engine: SimProcess) -> None:
+    events, _, _ = await stream(
+        engine.url + "/v1/completions",
+        {
+            "prompt": "once upon a time",
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        },
+    )
+    assert events[-1] == {"done": True}
+    usage_event = events[-2]
+    assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 6
+    finals = [e for e in events[:-2] if e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    ids = [t for e in events[:-2] for t in e["choices"][0].get("token_ids", [])]
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert len(ids) == 6 and decode(ids) == text
+    assert events[0]["choices"][0]["prompt_token_ids"] == encode("once upon a time")
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+
+
+async def test_errors_are_openai_shaped(engine: SimProcess) -> None:
+    status, body = await post(engine.url + "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == 404 and body["error"]["param"] == "model"
+    status, body = await post(engine.url + "/v1/completions", {"prompt": list(range(300, 300 + 40000))})
+    assert status == 400 and "maximum context length" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = await post(
+        engine.url + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}
+    )
+    assert status == 400
+    status, body = await post(engine.url + "/v1/completions", {"prompt": "x", "priority": 3})
+    assert status == 400  # priority needs --scheduling-policy priority, as in vLLM
+
+
+async def test_models_health_tokenize_detokenize(engine: SimProcess) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(engine.url + "/v1/models") as r:
+            models = await r.json()
+        assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+        assert models["data"][0]["owned_by"] == "vllm" and models["data"][0]["max_model_len"] > 0
+        async with s.get(engine.url + "/health") as r:
+            assert r.status == 200 and await r.read() == b""
+    _, tok = await post(engine.url + "/tokenize", {"prompt": "hello world"})
+    assert tok["tokens"] == encode("hello world") and tok["count"] == len(tok["tokens"])
+    _, chat = await post(engine.url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["count"] == len(encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+    _, detok = await post(engine.url + "/detokenize", {"tokens": tok["tokens"]})
+    assert detok == {"prompt": "hello world"}
+
+
+async def test_metrics_names_and_labels(engine: SimProcess) -> None:
+    await post(engine.url + "/v1/completions", {"prompt": "warm up", "max_tokens": 2})
+    async with aiohttp.ClientSession() as s, s.get(engine.url + "/metrics") as r:
+        text = await r.text()
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:cache_config_info",
+        "vllm:engine_sleep_state",
+        "vllm:num_preemptions_total",
+        "vllm:request_success_total",
+    ):
+        assert f"\n{name}{{" in text, name
+    assert f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}' in text
+    assert 'block_size="16"' in text and 'num_gpu_blocks="12000"' in text
+    assert 'le="2560.0"' in text and 'le="7680.0"' in text
+
+
+# -- (a) timing -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+async def test_ttft_and_itl_match_the_model(timing_profile: Path, scale: float) -> None:
+    with start_sim_engine(
+        "--profile", str(timing_profile), "--model", MODEL, "--time-scale", str(scale)
+    ) as proc:
+        url = proc.url + "/v1/completions"
+        await post(url, {"prompt": "warm", "max_tokens": 1})  # first-request costs (imports, pools)
+        ttfts, itls = [], []
+        for _ in range(2):
+            _, times, sent = await stream(
+                url, {"prompt": "timing test", "max_tokens": 16, "ignore_eos": True}
+            )
+            assert len(times) == 16
+            ttfts.append(times[0] - sent)
+            itls.append((times[-1] - times[0]) / 15)
+    ttft, itl = min(ttfts), sum(itls) / len(itls)
+    assert ttft == pytest.approx(0.3 / scale, rel=0.10), ttfts
+    assert itl == pytest.approx(0.04 / scale, rel=0.10), itls
+
+
+# -- (b) throughput and queueing --------------------------------------------------------------
+
+
+async def test_throughput_rises_until_the_batch_limit(profiles_dir: Path) -> None:
+    from tests.sim.helpers import write_profile
+
+    path = write_profile(
+        profiles_dir / "batching.yaml",
+        max_num_seqs=4,
+        latency={
+            "prefill_a": 0.02,
+            "prefill_b": 0.0,
+            "prefill_c": 0.0,
+            "decode_a": 0.02,
+            "decode_b": 0.0,
+            "decode_c": 0.001,
+        },
+    )
+    with start_sim_engine("--profile", str(path), "--model", MODEL, "--time-scale", "2") as proc:
+        url = proc.url + "/v1/completions"
+
+        async def burst(n: int, tokens: int = 40) -> float:
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    post(url, {"prompt": f"req {i} {n}", "max_tokens": tokens, "ignore_eos": True})
+                    for i in range(n)
+                )
+            )
+            return n * tokens / (time.perf_counter() - start)
+
+        rates = [await burst(n) for n in (1, 2, 4)]
+        assert rates[1] > 1.6 * rates[0] and rates[2] > 1.6 * rates[1], rates
+        over = asyncio.create_task(burst(8))
+        await asyncio.sleep(0.1)
+        waiting = await metric(proc.url, "vllm:num_requests_waiting")
+        running = await metric(proc.url, "vllm:num_requests_running")
+        rate8 = await over
+        assert running == 4 and waiting == 4
+        assert rate8 < 1.25 * rates[2]  # beyond the batch limit throughput stops rising
+
+
+# -- (c) prefix cache -------------------------------------------------------------------------
+
+
+async def test_shared_prefix_is_cached(engine: SimProcess) -> None:
+    rng = random.Random(7)
+    prefix = [rng.randrange(300, 36000) for _ in range(1000)]
+    url = engine.url + "/v1/completions"
+    hits_before = await metric(engine.url, "vllm:prefix_cache_hits_total")
+    queries_before = await metric(engine.url, "vllm:prefix_cache_queries_total")
+    _, t1, s1 = await stream(url, {"prompt": [*prefix, 11, 12], "max_tokens": 2, "ignore_eos": True})
+    events, t2, s2 = await stream(
+        url,
+        {
+            "prompt": [*prefix, 13, 14, 15],
+            "max_tokens": 2,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    usage = events[-2]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 960
+    assert t2[0] - s2 < 0.6 * (t1[0] - s1)
+    assert await metric(engine.url, "vllm:prefix_cache_hits_total") - hits_before >= 960
+    assert await metric(engine.url, "vllm:prefix_cache_queries_total") - queries_before >= 2000
+
+
+# -- (d) continuation -------------------------------------------------------------------------
+
+
+async def test_continuation_over_http(engine: SimProcess) -> None:
+    rng = random.Random(3)
+    url = engine.url + "/v1/completions"
+    for _ in range(4):
+        prompt = [rng.randrange(0, 36000) for _ in range(rng.randrange(1, 300))]
+        n = rng.randrange(5, 60)
+        _, full = await post(url, {"prompt": prompt, "max_tokens": n, "return_token_ids": True})
+        choice = full["choices"][0]
+        ids = choice["token_ids"]
+        k = rng.randrange(0, len(ids))
+        _, rest = await post(
+            url,
+            {"prompt": choice["prompt_token_ids"] + ids[:k], "max_tokens": n - k, "return_token_ids": True},
+        )
+        assert rest["choices"][0]["token_ids"] == ids[k:]
+        assert rest["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+# -- output length and stop strings -----------------------------------------------------------
+
+
+async def test_sim_output_len_body_and_header(engine: SimProcess) -> None:
+    url = engine.url + "/v1/completions"
+    _, body = await post(url, {"prompt": "x", "max_tokens": 100, "sim_output_len": 7})
+    assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "stop"
+    _, body = await post(url, {"prompt": "x", "max_tokens": 5}, headers={"X-Sim-Output-Len": "50"})
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_strings_non_stream_and_stream(engine: SimProcess) -> None:
+    url = engine.url + "/v1/completions"
+    base = {"prompt": "stop test", "max_tokens": 30, "ignore_eos": True}
+    _, free = await post(url, base)
+    text = free["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 5]
+    expected = text[: text.find(stop)]
+    _, cut = await post(url, {**base, "stop": [stop]})
+    assert cut["choices"][0]["text"] == expected and cut["choices"][0]["finish_reason"] == "stop"
+    events, _, _ = await stream(url, {**base, "stop": stop})
+    chunks = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert "".join(chunks) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
