@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 import aiohttp
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import ORJSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +27,9 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.api.proxy import Proxy, Receive, Scope, Send
 from gateway.api.request_parse import RouteKind
+from gateway.dispatch.loop import ClassLimits, DispatchLoop
+from gateway.dispatch.profile import dispatcher_config
+from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet
@@ -47,11 +51,15 @@ class Gateway:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.pipeline = load_pipeline(settings.routing_profile_path())  # fail before binding anything
+        # Every profile is read and validated here, before anything binds or connects.
+        self.pipeline = load_pipeline(settings.routing_profile_path())
+        self.dispatcher = dispatcher_config(yaml.safe_load(settings.routing_profile_path().read_text()))
+        self.slo = SloService(settings)
         self.tracing = Tracing(settings.tracing, settings.otlp_endpoint)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.monitor: FleetMonitor | None = None
+        self.dispatch: DispatchLoop | None = None
         self.proxy: Proxy | None = None
         self.started_at = time.time()
 
@@ -75,9 +83,29 @@ class Gateway:
         # Serve with real health information rather than guessing: wait for one round of checks.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
-        self.proxy = Proxy(s, self.fleet, Router(self.fleet, self.pipeline), self.session, self.tracing)
+        self.dispatch = DispatchLoop(
+            self.fleet,
+            Router(self.fleet, self.pipeline),
+            self.dispatcher.order,
+            self.slo.coefficients,
+            self._class_limits,
+            hyperflexis=self.dispatcher.hyperflexis,
+            max_engine_load=s.max_engine_load,
+        )
+        self.dispatch.start()
+        self.monitor.on_tick = self.dispatch.wake
+        self.proxy = Proxy(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
+
+    def _class_limits(self, slo_class: str) -> ClassLimits:
+        try:
+            limits = self.slo.profile.queue_limits(slo_class)
+        except KeyError:
+            return ClassLimits()
+        return ClassLimits(limits.max_queued, limits.timeout_s)
 
     async def stop(self) -> None:
+        if self.dispatch is not None:
+            await self.dispatch.stop()
         if self.monitor is not None:
             await self.monitor.stop()
         if self.session is not None:

@@ -87,3 +87,39 @@ ENGINE_RUNNING = Gauge(
 ENGINE_KV_USAGE = Gauge(
     "slogate_engine_kv_usage", "Engine-reported KV cache usage 0..1", ["engine"], registry=REGISTRY
 )
+
+# -- queueing, shedding and SLOs (per SLO class) ----------------------------------------------------
+QUEUE_DEPTH = Gauge(
+    "slogate_queue_depth", "Requests waiting in the admission queue", ["slo_class"], registry=REGISTRY
+)
+QUEUE_WAIT = Histogram(
+    "slogate_queue_wait_seconds",
+    "Time from arrival to dispatch (or shed) in the admission queue",
+    ["slo_class"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+SHEDS = Counter(
+    "slogate_sheds",
+    "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout)",
+    ["slo_class", "reason"],
+    registry=REGISTRY,
+)
+SLO_OUTCOMES = Counter(
+    "slogate_slo_outcomes",
+    "Requests by SLO class, objective (ttft, tpot, both) and outcome (met, missed)",
+    ["slo_class", "objective", "outcome"],
+    registry=REGISTRY,
+)
+LATENCY_COEFF = Gauge(
+    "slogate_latency_coefficient",
+    "Fitted latency model coefficients (HyperFlexis eq. 1 prefill a,b,c; eq. 2 decode a',b',c')",
+    ["engine", "stage", "name"],
+    registry=REGISTRY,
+)
+LATENCY_ERROR = Gauge(
+    "slogate_latency_prediction_error",
+    "Mean relative error of the fitted latency model on recent samples",
+    ["engine", "stage"],
+    registry=REGISTRY,
+)

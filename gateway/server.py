@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -27,7 +31,24 @@ def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.
 
 
 class _AnnouncingServer(uvicorn.Server):
-    """Prints ``slogate listening on http://HOST:PORT`` once bound (the real port when 0 was asked)."""
+    """Prints ``slogate listening on http://HOST:PORT`` once bound (the real port when 0 was asked).
+
+    SIGINT/SIGTERM make :meth:`run` return normally after a graceful shutdown. uvicorn would
+    re-raise the signal instead, which kills the process before the caller's cleanup runs
+    (``slogate up`` stops its engines after the gateway).
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

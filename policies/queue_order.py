@@ -154,6 +154,20 @@ class StrictPriority:
 
 
 @dataclass(frozen=True, slots=True)
+class SloTpot:
+    """HyperFlexis's request priority queue (Algorithm 1, Q_R): tightest TPOT first, then arrival.
+
+    Static: ``(tpot_slo, arrival, seq)``. The paper's default order for its dispatcher.
+    """
+
+    name: str = field(default="slo_tpot", init=False)
+    context_sensitive: bool = field(default=False, init=False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        return (item.tpot_slo, item.view.arrival, item.seq), _INF
+
+
+@dataclass(frozen=True, slots=True)
 class SjfAging:
     """Gimbal Algorithm 2 (§III-C): shortest prefill first, with aging after ``theta_age_s``.
 
@@ -410,6 +424,7 @@ class RobustEffectiveDeadline:
 ORDERS: dict[str, Callable[..., QueueOrder]] = {
     "fcfs": Fcfs,
     "strict_priority": StrictPriority,
+    "slo_tpot": SloTpot,
     "sjf_aging": SjfAging,
     "sedf": SlackEdf,
     "kairos": KairosUrgency,

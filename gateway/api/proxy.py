@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -23,11 +23,13 @@ import orjson
 from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import ParsedRequest, RouteKind, parse_request
+from gateway.dispatch.loop import DispatchLoop
+from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
-from gateway.router import Router
 from gateway.settings import Settings
 from gateway.tracing import Tracing
 from policies.api import RequestView
+from policies.slo import SloTarget
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -121,6 +123,27 @@ def _upstream_error(status: int, body: bytes) -> GatewayError:
     return GatewayError(status, message, code=code)
 
 
+@dataclass(slots=True)
+class Call:
+    """Everything the proxy tracks about one request while it is served."""
+
+    request: ParsedRequest
+    rid: str
+    rid_bytes: bytes
+    arrival: float
+    send: Send
+    watcher: asyncio.Task[bool]
+    target: SloTarget
+    reply_headers: tuple[tuple[bytes, bytes], ...] = ()
+    dispatched_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    content_events: int = 0
+    engine_id: str | None = None
+    batch_tokens: int = 0
+    batch_size: int = 0
+
+
 class Proxy:
     """Shared by the three OpenAI routes; one instance per app."""
 
@@ -128,16 +151,19 @@ class Proxy:
         self,
         settings: Settings,
         fleet: Fleet,
-        router: Router,
+        dispatch: DispatchLoop,
+        slo: SloService,
         session: aiohttp.ClientSession,
         tracing: Tracing,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
-        self.router = router
+        self.dispatch = dispatch
+        self.slo = slo
         self.session = session
         self.tracing = tracing
         self.api_keys = {f"Bearer {k}".encode() for k in settings.api_keys}
+        self._epoch = time.monotonic()
         self._stream_timeout = aiohttp.ClientTimeout(sock_connect=settings.connect_timeout_s)
         self._plain_timeout = aiohttp.ClientTimeout(
             total=settings.request_timeout_s, sock_connect=settings.connect_timeout_s
@@ -170,7 +196,8 @@ class Proxy:
             }
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
-            status = await self._serve(request, rid.decode(), rid, arrival, receive, send)
+            target = self.slo.classify(headers, request.priority)
+            status = await self._serve(request, target, rid, arrival, receive, send)
         except GatewayError as error:
             status = error.status
             await send_error(send, error, rid)
@@ -186,37 +213,16 @@ class Proxy:
 
     # -- dispatch with retries before the first byte ---------------------------------------------
 
-    def _view(self, request: ParsedRequest, rid: str, arrival: float) -> RequestView:
-        return RequestView(
-            request_id=rid,
-            model=request.model,
-            prompt_tokens=request.prompt_tokens,
-            max_output_tokens=request.max_tokens,
-            arrival=arrival,
-            priority=request.priority,
-        )
-
-    def _no_engine(self, model: str) -> GatewayError:
-        if model not in self.fleet.served_models:
-            served = ", ".join(sorted(self.fleet.models())) or "none"
-            return GatewayError(
-                404,
-                f"model {model!r} is not served here; available models: {served}",
-                param="model",
-                code="model_not_found",
-            )
-        metrics.NO_ENGINE.labels(model).inc()
-        return GatewayError(
-            503,
-            f"no healthy engine is serving model {model!r}; retry later",
-            code="no_healthy_engine",
-            retry_after_s=self.settings.monitor_interval_s,
-        )
-
-    def _body_for(self, request: ParsedRequest, record: EngineRecord) -> bytes:
+    def _body_for(self, call: Call, record: EngineRecord) -> bytes:
         """The bytes to send upstream: the client's own unless this engine needs a change."""
+        request = call.request
         body = request.body
         changed = record.adapter.prepare_body(body)
+        if record.adapter.accepts_priority:
+            # The engine orders its own queue by this: the request's TTFT deadline in ms since the
+            # gateway started, so the engine's order agrees with the gateway's deadline orders.
+            body["priority"] = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
+            changed = True
         if request.stream and not request.client_wants_usage:
             options = body.get("stream_options") or {}
             body["stream_options"] = {**options, "include_usage": True}
@@ -224,68 +230,125 @@ class Proxy:
         return orjson.dumps(body) if changed else request.raw
 
     async def _serve(
-        self, request: ParsedRequest, rid: str, rid_bytes: bytes, arrival: float, receive: Receive, send: Send
+        self,
+        request: ParsedRequest,
+        target: SloTarget,
+        rid_bytes: bytes,
+        arrival: float,
+        receive: Receive,
+        send: Send,
     ) -> int:
-        view = self._view(request, rid, arrival)
-        tried: list[str] = []
-        last_error: GatewayError | None = None
+        rid = rid_bytes.decode()
+        view = RequestView(
+            request_id=rid,
+            model=request.model,
+            prompt_tokens=request.prompt_tokens,
+            max_output_tokens=request.max_tokens,
+            arrival=arrival,
+            priority=request.priority,
+            task=target.slo_class,
+        )
         relay = asyncio.current_task()
         assert relay is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, relay))
+        reply = (
+            (b"x-request-id", rid_bytes),
+            (b"x-slo-class", target.slo_class.encode()),
+            (b"x-slo-ttft-ms", b"%d" % round(target.ttft_s * 1000)),
+            (b"x-slo-tpot-ms", b"%d" % round(target.tpot_s * 1000)),
+        )
+        call = Call(request, rid, rid_bytes, arrival, send, watcher, target, reply)
+        self.slo.started(request.priority)
+        tried: list[str] = []
+        last_error: GatewayError | None = None
+        status = 500
         try:
             for _ in range(self.settings.dispatch_attempts):
-                with self.tracing.span("dispatch", request_id=rid):
-                    record = self.router.choose(view, tried)
-                if record is None:
-                    break
+                with self.tracing.span("queue_wait", request_id=rid, slo_class=target.slo_class):
+                    try:
+                        record = await self.dispatch.place(
+                            view, target.ttft_s, target.tpot_s, target.slo_class, tried
+                        )
+                    except GatewayError:
+                        if not tried:
+                            raise
+                        break  # a retry found no other engine: report the engine's failure
                 tried.append(record.engine_id)
-                outcome = await self._try_engine(request, record, rid, rid_bytes, arrival, send, watcher)
+                outcome = await self._try_engine(call, record)
                 if isinstance(outcome, int):
+                    status = outcome
                     return outcome
                 last_error = outcome
-            raise last_error or self._no_engine(request.model)
+            raise last_error or self.dispatch.no_engine(request.model)
+        except GatewayError as error:
+            status = error.status
+            raise
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled() and watcher.result():
                 relay.uncancel()
                 metrics.CLIENT_DISCONNECTS.inc()
+                status = 499
                 return 499
             raise
         finally:
             watcher.cancel()
+            self._account(call, status)
 
-    async def _try_engine(
-        self,
-        request: ParsedRequest,
-        record: EngineRecord,
-        rid: str,
-        rid_bytes: bytes,
-        arrival: float,
-        send: Send,
-        watcher: asyncio.Task[bool],
-    ) -> int | GatewayError:
+    def _account(self, call: Call, status: int) -> None:
+        """Feed SLO metrics, the priority mapper and the latency model with what was observed."""
+        if status == 499:
+            self.slo.finished(call.target, call.request.priority, None, None, None, 0.0, 0, 0, 0)
+            return
+        observed = call.request.stream and status == 200 and call.first_at > 0
+        ttft = call.first_at - call.arrival if observed else None
+        tpot = (
+            (call.last_at - call.first_at) / (call.content_events - 1)
+            if observed and call.content_events > 1
+            else None
+        )
+        if status == 200 and not call.request.stream:
+            return  # no token timing without a stream: nothing to judge the SLO by
+        queue_s = (call.dispatched_at - call.arrival) if call.dispatched_at else 0.0
+        self.slo.finished(
+            call.target,
+            call.request.priority,
+            call.engine_id,
+            ttft,
+            tpot,
+            queue_s,
+            call.request.prompt_tokens,
+            call.batch_tokens,
+            call.batch_size,
+        )
+
+    async def _try_engine(self, call: Call, record: EngineRecord) -> int | GatewayError:
         """Send to one engine. Returns the status sent to the client, or a retryable error."""
+        request = call.request
         adapter = record.adapter
         engine_id = record.engine_id
-        payload = self._body_for(request, record)
-        self.fleet.on_dispatch(
-            engine_id,
-            rid,
-            RunningEntry(request.prompt_tokens, request.max_tokens, math.inf, time.monotonic()),
+        payload = self._body_for(call, record)
+        call.dispatched_at = time.monotonic()
+        call.engine_id = engine_id
+        entry = RunningEntry(
+            request.prompt_tokens, request.max_tokens, call.target.tpot_s, call.dispatched_at
         )
+        self.fleet.on_dispatch(engine_id, call.rid, entry)
+        call.batch_size = len(record.running)
+        call.batch_tokens = sum(r.prompt_tokens + r.generated for r in record.running.values())
         metrics.DISPATCHES.labels(engine_id).inc()
         try:
-            with self.tracing.span("upstream", request_id=rid, engine=engine_id):
+            with self.tracing.span("upstream", request_id=call.rid, engine=engine_id):
                 try:
                     response = await self.session.post(
                         adapter.url(_PATHS[request.kind]),
                         data=payload,
-                        headers=adapter.upstream_headers(rid, request.forward_headers),
+                        headers=adapter.upstream_headers(call.rid, request.forward_headers),
                         timeout=self._stream_timeout if request.stream else self._plain_timeout,
                     )
                 except _CONNECT_ERRORS as exc:
                     metrics.UPSTREAM_ERRORS.labels(engine_id, "connect").inc()
                     self.fleet.eject(engine_id, repr(exc))
-                    log.warning("engine %s unreachable: %r", engine_id, exc, extra={"request_id": rid})
+                    log.warning("engine %s unreachable: %r", engine_id, exc, extra={"request_id": call.rid})
                     return GatewayError(
                         502, f"engine {engine_id} is unreachable", code="upstream_unreachable"
                     )
@@ -303,26 +366,18 @@ class Proxy:
                             return error
                         raise error
                     if request.stream:
-                        return await self._relay_stream(
-                            request, response, engine_id, rid_bytes, arrival, send, watcher
-                        )
-                    return await self._relay_plain(request, response, engine_id, rid_bytes, send, watcher)
+                        return await self._relay_stream(call, response, entry)
+                    return await self._relay_plain(call, response)
                 finally:
                     response.close()
         finally:
-            self.fleet.on_finish(engine_id, rid)
+            self.fleet.on_finish(engine_id, call.rid)
+            self.dispatch.finished(engine_id)
 
     # -- relays ----------------------------------------------------------------------------------
 
-    async def _relay_plain(
-        self,
-        request: ParsedRequest,
-        response: aiohttp.ClientResponse,
-        engine_id: str,
-        rid: bytes,
-        send: Send,
-        watcher: asyncio.Task[bool],
-    ) -> int:
+    async def _relay_plain(self, call: Call, response: aiohttp.ClientResponse) -> int:
+        engine_id = call.engine_id or ""
         try:
             body = await response.read()
         except TimeoutError:
@@ -337,31 +392,31 @@ class Proxy:
             ) from None
         if b'"usage"' in body:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-                _record_usage(request.model, orjson.loads(body).get("usage"))
-        watcher.cancel()
-        await send_json(send, response.status, body, rid, ((b"x-slogate-engine", engine_id.encode()),))
+                _record_usage(call.request.model, orjson.loads(body).get("usage"))
+        call.watcher.cancel()
+        await call.send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [_JSON, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
+            }
+        )
+        await call.send({"type": "http.response.body", "body": body})
         return response.status
 
-    async def _relay_stream(
-        self,
-        request: ParsedRequest,
-        response: aiohttp.ClientResponse,
-        engine_id: str,
-        rid: bytes,
-        arrival: float,
-        send: Send,
-        watcher: asyncio.Task[bool],
-    ) -> int:
+    async def _relay_stream(self, call: Call, response: aiohttp.ClientResponse, entry: RunningEntry) -> int:
+        send = call.send
+        request = call.request
+        engine_id = call.engine_id or ""
         await send(
             {
                 "type": "http.response.start",
                 "status": response.status,
-                "headers": [*_SSE_HEADERS, (b"x-request-id", rid), (b"x-slogate-engine", engine_id.encode())],
+                "headers": [*_SSE_HEADERS, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
             }
         )
         loop = asyncio.get_running_loop()
         idle = self.settings.idle_timeout_s
-        first = True
         done = False
         events = 0
         pending = b""
@@ -375,16 +430,22 @@ class Proxy:
                         pending = data
                         continue
                     complete, pending = data[: end + 2], data[end + 2 :]
-                    if first:
-                        first = False
-                        metrics.TTFT.labels(request.model).observe(time.monotonic() - arrival)
-                    now = loop.time()
+                    now = time.monotonic()
+                    if not call.first_at:
+                        call.first_at = now
+                        entry.prefilled = True
+                        metrics.TTFT.labels(request.model).observe(now - call.arrival)
                     if now - last_rearm > 0.5:  # re-arm rarely: the idle limit is seconds, not µs
-                        deadline.reschedule(now + idle)
+                        deadline.reschedule(loop.time() + idle)
                         last_rearm = now
                     if b'"usage":' in complete or b"[DONE]" in complete:
                         complete, done = self._final_events(request, complete)
-                    events += complete.count(b"\n\n")
+                    n = complete.count(b"\n\n")
+                    if n and not done:
+                        call.last_at = now
+                        call.content_events += n
+                        entry.generated += n
+                    events += n
                     if complete:
                         await send({"type": "http.response.body", "body": complete, "more_body": True})
         except TimeoutError:
@@ -411,7 +472,7 @@ class Proxy:
                 ),
             )
             return 502
-        watcher.cancel()
+        call.watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return response.status
 

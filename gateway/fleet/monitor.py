@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -34,6 +35,8 @@ class FleetMonitor:
         self._tasks: list[asyncio.Task[None]] = []
         self.first_round = asyncio.Event()
         self._pending_first = len(fleet.records)
+        #: called after every check (the dispatch loop re-syncs with fresh engine state)
+        self.on_tick: Callable[[], None] | None = None
         if not self._pending_first:
             self.first_round.set()
 
@@ -91,4 +94,6 @@ class FleetMonitor:
                 if self._pending_first <= 0:
                     self.first_round.set()
             self.fleet.invalidate()  # re-evaluate staleness at least once per interval
+            if self.on_tick is not None:
+                self.on_tick()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,8 @@ async def test_async_concurrent_streams_spread_over_both_engines(aclient: openai
         raw = await aclient.chat.completions.with_raw_response.create(
             model=MODEL, messages=MESSAGES, max_tokens=30, stream=True, extra_body={"ignore_eos": True}
         )
-        stream = await raw.parse()
+        parsed = raw.parse()
+        stream = await parsed if inspect.isawaitable(parsed) else parsed
         n = 0
         async for chunk in stream:
             n += bool(chunk.choices and chunk.choices[0].delta.content)

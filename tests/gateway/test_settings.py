@@ -40,7 +40,7 @@ def test_engines_from_env_json(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"engines": [ENGINE, ENGINE]}, "duplicate engine id '127.0.0.1:9'"),
         (
             {"routing_profile": "nope"},
-            "routing profile 'nope' not found; known: ['least-load', 'round-robin']",
+            "routing profile 'nope' not found; known: ['hyperflexis', 'least-load', 'round-robin']",
         ),
         ({"monitor_interval_s": 0}, "monitor_interval_s: Input should be greater than 0"),
         ({"unknown_key": 1}, "unknown_key: Extra inputs are not permitted"),
