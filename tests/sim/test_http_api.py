@@ -54,9 +54,9 @@ async def metric(url: str, name: str, **labels: str) -> float:
         text = await r.text()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        matches = line.startswith((name + "{", name + " "))
+        if matches and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
