@@ -19,7 +19,8 @@ from typing import Any
 import aiohttp
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import ORJSONResponse, Response
+import orjson
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -130,9 +131,13 @@ class FrontDoor:
         await self.api(scope, receive, send)
 
 
-def _error_response(error: GatewayError) -> ORJSONResponse:
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
+
+
+def _error_response(error: GatewayError) -> Response:
     headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else None
-    return ORJSONResponse(error.payload(), status_code=error.status, headers=headers)
+    return _json(error.payload(), error.status, headers)
 
 
 def build_api(gateway: Gateway) -> FastAPI:
@@ -149,7 +154,7 @@ def build_api(gateway: Gateway) -> FastAPI:
     )
 
     @api.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return _error_response(GatewayError(exc.status_code, str(exc.detail)))
 
     def fleet() -> Fleet:
@@ -158,20 +163,20 @@ def build_api(gateway: Gateway) -> FastAPI:
         return gateway.fleet
 
     @api.get("/v1/models")
-    async def models() -> ORJSONResponse:
+    async def models() -> Response:
         created = int(gateway.started_at)
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "slogate"}
             for m in sorted(fleet().models())
         ]
-        return ORJSONResponse({"object": "list", "data": data})
+        return _json({"object": "list", "data": data})
 
     @api.get("/health")
-    async def health() -> ORJSONResponse:
-        return ORJSONResponse({"status": "ok"})
+    async def health() -> Response:
+        return _json({"status": "ok"})
 
     @api.get("/ready")
-    async def ready() -> ORJSONResponse:
+    async def ready() -> Response:
         f = fleet()
         missing = sorted(f.models() - f.healthy_models())
         if not f.records or missing:
@@ -179,14 +184,14 @@ def build_api(gateway: Gateway) -> FastAPI:
                 "no engines configured" if not f.records else f"no healthy engine for: {', '.join(missing)}"
             )
             return _error_response(GatewayError(503, f"not ready: {reason}", code="not_ready"))
-        return ORJSONResponse({"status": "ready", "models": sorted(f.models())})
+        return _json({"status": "ready", "models": sorted(f.models())})
 
     @api.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/admin/engines")
-    async def engines() -> ORJSONResponse:
+    async def engines() -> Response:
         out: list[dict[str, Any]] = []
         for r in fleet().records.values():
             out.append(
@@ -203,7 +208,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "state_age_s": round(time.monotonic() - r.state_at, 3) if r.state else None,
                 }
             )
-        return ORJSONResponse({"engines": out})
+        return _json({"engines": out})
 
     return api
 

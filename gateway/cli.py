@@ -32,6 +32,12 @@ def _up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    from gateway.experiments.runner import experiment_main
+
+    return experiment_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gateway.bench.overhead import bench_overhead_main
 
@@ -71,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("sim-engine", help="run one simulated vLLM-compatible engine (see --help)")
     sub.add_parser("real-engine", help="provision / run a real local vLLM or llama.cpp engine (see --help)")
+
+    p = sub.add_parser("experiment", help="replay workloads against live gateways with simulated engines")
+    exp_sub = p.add_subparsers(dest="experiment", required=True)
+    from gateway.experiments.runner import add_experiment_arguments
+
+    add_experiment_arguments(
+        exp_sub.add_parser("attainment", help="SLO attainment vs QPS per policy (Experiment A)")
+    )
+    p.set_defaults(func=_experiment)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)

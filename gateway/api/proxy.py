@@ -205,9 +205,9 @@ class Proxy:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
         finally:
-            metrics.REQUESTS.labels(kind, model, _status_class(status)).inc()
+            metrics.child(metrics.REQUESTS, kind, model, _status_class(status)).inc()
             if status < 400:
-                metrics.REQUEST_LATENCY.labels(model).observe(time.monotonic() - arrival)
+                metrics.child(metrics.REQUEST_LATENCY, model).observe(time.monotonic() - arrival)
             if self.settings.log_requests:
                 log.info("request done", extra={"request_id": rid.decode(), "model": model, "status": status})
 
@@ -335,7 +335,7 @@ class Proxy:
         self.fleet.on_dispatch(engine_id, call.rid, entry)
         call.batch_size = len(record.running)
         call.batch_tokens = sum(r.prompt_tokens + r.generated for r in record.running.values())
-        metrics.DISPATCHES.labels(engine_id).inc()
+        metrics.child(metrics.DISPATCHES, engine_id).inc()
         try:
             with self.tracing.span("upstream", request_id=call.rid, engine=engine_id):
                 try:
@@ -346,21 +346,21 @@ class Proxy:
                         timeout=self._stream_timeout if request.stream else self._plain_timeout,
                     )
                 except _CONNECT_ERRORS as exc:
-                    metrics.UPSTREAM_ERRORS.labels(engine_id, "connect").inc()
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
                     self.fleet.eject(engine_id, repr(exc))
                     log.warning("engine %s unreachable: %r", engine_id, exc, extra={"request_id": call.rid})
                     return GatewayError(
                         502, f"engine {engine_id} is unreachable", code="upstream_unreachable"
                     )
                 except TimeoutError:
-                    metrics.UPSTREAM_ERRORS.labels(engine_id, "timeout").inc()
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                     return GatewayError(
                         504, f"engine {engine_id} did not answer in time", code="upstream_timeout"
                     )
                 try:
                     if response.status >= 400:
                         body = await response.read()
-                        metrics.UPSTREAM_ERRORS.labels(engine_id, "status").inc()
+                        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
                         error = _upstream_error(response.status, body)
                         if response.status == 503:  # overloaded or sleeping: another engine may do
                             return error
@@ -381,12 +381,12 @@ class Proxy:
         try:
             body = await response.read()
         except TimeoutError:
-            metrics.UPSTREAM_ERRORS.labels(engine_id, "timeout").inc()
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
             raise GatewayError(
                 504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
             ) from None
         except aiohttp.ClientError as exc:
-            metrics.UPSTREAM_ERRORS.labels(engine_id, "stream_cut").inc()
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             raise GatewayError(
                 502, f"engine {engine_id} failed mid-response: {exc!r}", code="upstream_failed"
             ) from None
@@ -434,7 +434,7 @@ class Proxy:
                     if not call.first_at:
                         call.first_at = now
                         entry.prefilled = True
-                        metrics.TTFT.labels(request.model).observe(now - call.arrival)
+                        metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
                     if now - last_rearm > 0.5:  # re-arm rarely: the idle limit is seconds, not µs
                         deadline.reschedule(loop.time() + idle)
                         last_rearm = now
@@ -449,13 +449,13 @@ class Proxy:
                     if complete:
                         await send({"type": "http.response.body", "body": complete, "more_body": True})
         except TimeoutError:
-            metrics.UPSTREAM_ERRORS.labels(engine_id, "timeout").inc()
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
             await self._end_with_error(
                 send, GatewayError(504, f"engine {engine_id} stalled for too long", code="upstream_timeout")
             )
             return 504
         except aiohttp.ClientError as exc:
-            metrics.UPSTREAM_ERRORS.labels(engine_id, "stream_cut").inc()
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             await self._end_with_error(
                 send,
                 GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed"),
@@ -464,7 +464,7 @@ class Proxy:
         finally:
             metrics.SSE_EVENTS.inc(events)
         if not done:
-            metrics.UPSTREAM_ERRORS.labels(engine_id, "stream_cut").inc()
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             await self._end_with_error(
                 send,
                 GatewayError(
@@ -510,11 +510,11 @@ class Proxy:
 def _record_usage(model: str, usage: Any) -> None:
     if not isinstance(usage, dict):
         return
-    metrics.TOKENS.labels(model, "prompt").inc(usage.get("prompt_tokens") or 0)
-    metrics.TOKENS.labels(model, "completion").inc(usage.get("completion_tokens") or 0)
+    metrics.child(metrics.TOKENS, model, "prompt").inc(usage.get("prompt_tokens") or 0)
+    metrics.child(metrics.TOKENS, model, "completion").inc(usage.get("completion_tokens") or 0)
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
-        metrics.TOKENS.labels(model, "cached").inc(details.get("cached_tokens") or 0)
+        metrics.child(metrics.TOKENS, model, "cached").inc(details.get("cached_tokens") or 0)
 
 
 async def _watch_disconnect(receive: Receive, relay: asyncio.Task[Any]) -> bool:

@@ -47,7 +47,13 @@ class Outcome:
 
 
 async def _one(
-    session: aiohttp.ClientSession, base: str, model: str, spec: RequestSpec, prompt: str, scale: float, t0: float
+    session: aiohttp.ClientSession,
+    base: str,
+    model: str,
+    spec: RequestSpec,
+    prompt: str,
+    scale: float,
+    t0: float,
 ) -> Outcome:
     body = orjson.dumps(
         {

@@ -21,7 +21,10 @@ from gateway.experiments.workload import HYPERFLEXIS_2TASK, HYPERFLEXIS_4TASK, T
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
 
 MODEL = "exp-model"
-TASK_SETS: dict[str, tuple[TaskSpec, ...]] = {"hyperflexis-4task": HYPERFLEXIS_4TASK, "hyperflexis-2task": HYPERFLEXIS_2TASK}
+TASK_SETS: dict[str, tuple[TaskSpec, ...]] = {
+    "hyperflexis-4task": HYPERFLEXIS_4TASK,
+    "hyperflexis-2task": HYPERFLEXIS_2TASK,
+}
 COST_UNIT_S = 0.05  # HyperFlexis §7.5: one unit = one instance active for 50 ms
 
 
@@ -53,10 +56,18 @@ class Stack:
     def __enter__(self) -> Stack:
         try:
             for i in range(self.n_engines):
-                self.engines.append(spawn_sim_engine(*self.engine_args, "--engine-id", f"sim-{i}", name=f"sim-{i}"))
+                self.engines.append(
+                    spawn_sim_engine(*self.engine_args, "--engine-id", f"sim-{i}", name=f"sim-{i}")
+                )
             engines = [
-                {"url": e.url, "kind": "sim", "model": MODEL, "name": e.name, "latency_profile": self.profile,
-                 "time_scale": self.time_scale}
+                {
+                    "url": e.url,
+                    "kind": "sim",
+                    "model": MODEL,
+                    "name": e.name,
+                    "latency_profile": self.profile,
+                    "time_scale": self.time_scale,
+                }
                 for e in self.engines
             ]
             env = {
@@ -81,20 +92,31 @@ class Stack:
 
 
 def run_point(
-    policy: str, qps: float, tasks: Sequence[TaskSpec], per_task: int, engines: int, profile: str,
-    time_scale: float, slo_profile: str, seed: int,
+    policy: str,
+    qps: float,
+    tasks: Sequence[TaskSpec],
+    per_task: int,
+    engines: int,
+    profile: str,
+    time_scale: float,
+    slo_profile: str,
+    seed: int,
 ) -> tuple[PointResult, list[Outcome]]:
     workload = poisson_workload(tasks, qps, per_task, seed=seed)
     with Stack(policy, engines, profile, time_scale, slo_profile) as stack:
         assert stack.gateway is not None
-        outcomes = asyncio.run(replay(stack.gateway.url, MODEL, workload, time_scale, seed, label=f"{policy} {qps}"))
+        outcomes = asyncio.run(
+            replay(stack.gateway.url, MODEL, workload, time_scale, seed, label=f"{policy} {qps}")
+        )
     summary = summarize(outcomes)
     return PointResult(policy, qps, summary, engines * summary.makespan_s / COST_UNIT_S), outcomes
 
 
 def render(results: Sequence[PointResult]) -> str:
-    header = f"{'policy':<14} {'QPS':>6} {'attain':>7} {'TTFT ok':>8} {'TPOT ok':>8} {'E2E mean':>9} " \
-             f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}"
+    header = (
+        f"{'policy':<14} {'QPS':>6} {'attain':>7} {'TTFT ok':>8} {'TPOT ok':>8} {'E2E mean':>9} "
+        f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}"
+    )
     lines = [header, "-" * len(header)]
     for r in sorted(results, key=lambda r: (r.qps, r.policy)):
         s = r.summary
@@ -149,8 +171,15 @@ def experiment_main(args: argparse.Namespace) -> int:
     for i, (qps, policy) in enumerate(((q, p) for q in rates for p in policies), 1):
         _progress(f"({i}/{total}) policy={policy} qps={qps}: {len(tasks) * args.per_task} requests")
         result, _ = run_point(
-            policy, qps, tasks, args.per_task, args.engines, args.profile, args.time_scale,
-            args.slo_profile or args.tasks, args.seed,
+            policy,
+            qps,
+            tasks,
+            args.per_task,
+            args.engines,
+            args.profile,
+            args.time_scale,
+            args.slo_profile or args.tasks,
+            args.seed,
         )
         _progress(f"  attainment {result.summary.attainment:.1%}")
         results.append(result)
@@ -158,8 +187,13 @@ def experiment_main(args: argparse.Namespace) -> int:
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
     (args.out / "results.json").write_text(
-        json.dumps([{"policy": r.policy, "qps": r.qps, "cost_units": r.cost_units, **asdict(r.summary)}
-                    for r in results], indent=2)
+        json.dumps(
+            [
+                {"policy": r.policy, "qps": r.qps, "cost_units": r.cost_units, **asdict(r.summary)}
+                for r in results
+            ],
+            indent=2,
+        )
     )
     png = args.out / "attainment_vs_qps.png"
     plot(results, png, f"{args.tasks}, {args.engines} x {args.profile} (sim)")

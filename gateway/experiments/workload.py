@@ -90,4 +90,6 @@ def poisson_workload(
 def prompt_text(tokens: int, rng: random.Random) -> str:
     """Text of about ``tokens`` tokens: space-separated three-letter words (one token each)."""
     letters = _LETTERS
-    return "".join(" " + rng.choice(letters) + rng.choice(letters) + rng.choice(letters) for _ in range(tokens))
+    return "".join(
+        " " + rng.choice(letters) + rng.choice(letters) + rng.choice(letters) for _ in range(tokens)
+    )
