@@ -68,6 +68,15 @@ class SimProcess:
         return int(self.process.returncode)
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the parent dies, so none is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def launch_sim_engine(
     *args: str, env: dict[str, str] | None = None, startup_timeout: float = 15.0
 ) -> SimProcess:
