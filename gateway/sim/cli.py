@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import resource
 import signal
 import sys
 
@@ -53,7 +54,15 @@ async def _serve(config: SimConfig) -> None:
     await server.stop()
 
 
+def _raise_open_files_limit() -> None:
+    # every stream is a socket: the soft default (often 1024) would cap concurrency, as vLLM notes
+    with contextlib.suppress(ValueError, OSError):
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def sim_engine_main(argv: list[str]) -> int:
+    """Entry point of ``slogate sim-engine``; returns the process exit code (2 on bad arguments)."""
     args = build_parser().parse_args(argv)
     if args.time_scale <= 0:
         print("slogate sim-engine: --time-scale must be > 0", file=sys.stderr)
@@ -87,6 +96,7 @@ def sim_engine_main(argv: list[str]) -> int:
         kv_events_topic=args.kv_events_topic,
         seed=args.seed,
     )
+    _raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):
         try:
             import uvloop

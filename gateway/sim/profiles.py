@@ -102,7 +102,11 @@ def load_profile(name: str, profiles_dir: Path = DEFAULT_PROFILES_DIR) -> Engine
         known = sorted(p.stem for p in (profiles_dir / "engines").glob("*.yaml"))
         raise ProfileError(f"engine profile {name!r} not found ({path}); known: {known}")
     try:
-        return EngineProfile.model_validate(yaml.safe_load(path.read_text()))
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return EngineProfile.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"])

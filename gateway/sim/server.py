@@ -554,8 +554,13 @@ class SimServer:
         )
 
     async def tokenize(self, http: web.Request) -> web.Response:
-        body = orjson.loads(await http.read())
-        if "messages" in body:
+        try:
+            body = orjson.loads(await http.read())
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"invalid JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        if isinstance(body.get("messages"), list):
             tokens = encode(apply_chat_template(body["messages"]))
         elif isinstance(body.get("prompt"), str):
             tokens = encode(body["prompt"])
@@ -564,8 +569,11 @@ class SimServer:
         return _json({"count": len(tokens), "max_model_len": self.profile.max_model_len, "tokens": tokens})
 
     async def detokenize(self, http: web.Request) -> web.Response:
-        body = orjson.loads(await http.read())
-        tokens = body.get("tokens")
+        try:
+            body = orjson.loads(await http.read())
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"invalid JSON: {exc}")
+        tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return _error(400, "'tokens' must be a list of integers", "tokens")
         return _json({"prompt": decode(tokens)})
