@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
 import aiohttp
+import orjson
 import yaml
 from fastapi import FastAPI, Request
-import orjson
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -92,6 +93,7 @@ class Gateway:
             self._class_limits,
             hyperflexis=self.dispatcher.hyperflexis,
             max_engine_load=s.max_engine_load,
+            tightest_ttft_s=min((c.ttft_s for c in self.slo.profile.classes.values()), default=math.inf),
         )
         self.dispatch.start()
         self.monitor.on_tick = self.dispatch.wake

@@ -69,10 +69,15 @@ class HyperFlexisParams:
     recheck_s: float = 0.01
     #: a worker is never held longer than this (seconds), even when relax <= 0 says "never"
     max_hold_s: float = 1.0
+    #: share of the tightest TTFT that one dispatch's prefill may use in eq.(5); the rest is
+    #: headroom for the next urgent arrival's own prefill, which the paper's bound leaves out
+    budget_ttft_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
             raise ValueError(f"theta must be in [0, 1], got {self.theta}")
+        if not 0.0 < self.budget_ttft_share <= 1.0:
+            raise ValueError(f"budget_ttft_share must be in (0, 1], got {self.budget_ttft_share}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
@@ -122,8 +127,14 @@ def dispatch(
     workers: Sequence[WorkerView],
     now: float,
     params: HyperFlexisParams = HyperFlexisParams(),
+    tightest_ttft_s: float = math.inf,
 ) -> HyperFlexisDecision:
-    """Run Algorithm 1 once. ``queue`` is in dispatch order; each request is assigned at most once."""
+    """Run Algorithm 1 once. ``queue`` is in dispatch order; each request is assigned at most once.
+
+    ``tightest_ttft_s`` is the tightest TTFT target the fleet serves (eq.(5) budgets against it,
+    so a long batch dispatched for a lax class cannot block the next strict arrival); the
+    candidates' own targets are used when it is larger.
+    """
     if not queue or not workers:
         return HyperFlexisDecision((), {}, math.inf)
     order = [(w.maturity, i) for i, w in enumerate(workers)]
@@ -137,7 +148,7 @@ def dispatch(
         _, index = heapq.heappop(order)
         worker = workers[index]
         shadow = running[worker.engine_id]
-        admitted = _fill_worker(queue, worker, shadow, taken, now, params)
+        admitted = _fill_worker(queue, worker, shadow, taken, now, params, tightest_ttft_s)
         for item, feasible in admitted:
             taken.add(item.view.request_id)
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
@@ -157,6 +168,7 @@ def _fill_worker(
     taken: set[str],
     now: float,
     params: HyperFlexisParams,
+    tightest_ttft_s: float,
 ) -> list[tuple[QueuedRequest, bool]]:
     coeffs = worker.prefill_coeffs
     decode_s = _decode_step(worker.decode_coeffs, shadow)
@@ -174,9 +186,10 @@ def _fill_worker(
             continue
         scanned += 1
         if budget_left is None:
-            # eq.(5) with the tightest targets among what runs here and the strictest candidate
+            # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
             tpot = min([r.tpot_slo for r in shadow] + [item.tpot_slo])
-            budget_left = token_budget(item.ttft_slo, tpot, decode_s, coeffs[0], coeffs[1])
+            ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
+            budget_left = token_budget(ttft, tpot, decode_s, coeffs[0], coeffs[1])
         prompt = item.view.prompt_tokens
         need_kv = prompt + item.view.max_output_tokens
         if prompt > budget_left or need_kv > kv_left:

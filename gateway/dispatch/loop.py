@@ -59,6 +59,7 @@ class DispatchLoop:
         limits: Callable[[str], ClassLimits],
         hyperflexis: HyperFlexisParams | None = None,
         max_engine_load: int | None = None,
+        tightest_ttft_s: float = math.inf,
     ) -> None:
         self.fleet = fleet
         self.router = router
@@ -67,6 +68,7 @@ class DispatchLoop:
         self.limits = limits
         self.hyperflexis = hyperflexis
         self.max_engine_load = max_engine_load
+        self.tightest_ttft_s = tightest_ttft_s
         self.queue = AdmissionQueue(order)
         self.tickets: dict[str, Ticket] = {}
         self.queued_per_class: dict[str, int] = {}
@@ -297,7 +299,7 @@ class DispatchLoop:
                 for e in snapshot.engines
                 if e.healthy and e.model == model and e.role.value == "collocated"
             ]
-            decision = hyperflexis_dispatch(items, workers, now, params)
+            decision = hyperflexis_dispatch(items, workers, now, params, self.tightest_ttft_s)
             self.maturity.update(decision.maturity)
             for assignment in decision.assignments:
                 self._assign(assignment.request_id, self.fleet.records[assignment.engine_id])

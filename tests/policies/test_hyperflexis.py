@@ -67,8 +67,20 @@ def test_token_budget_limits_the_batch() -> None:
         req("b", prompt=400, ttft=0.1, tpot=0.05),
         req("c", prompt=250, ttft=0.1, tpot=0.05),
     ]
-    taken = [a.request_id for a in dispatch(queue, [worker("w")], 0.0).assignments]
+    full = HyperFlexisParams(budget_ttft_share=1.0)
+    taken = [a.request_id for a in dispatch(queue, [worker("w")], 0.0, full).assignments]
     assert taken == ["a", "c"]  # b would overflow the budget; c still fits behind it
+    half = [a.request_id for a in dispatch(queue, [worker("w")], 0.0).assignments]
+    assert half == ["c"]  # default: half the TTFT for this batch -> 300-token budget
+
+
+def test_lax_requests_are_budgeted_against_the_tightest_ttft_served() -> None:
+    lax = [req(f"w{i}", prompt=600, ttft=20.0, tpot=1.0) for i in range(20)]
+    full = HyperFlexisParams(budget_ttft_share=1.0)
+    alone = dispatch(lax, [worker("w")], 0.0, full).assignments
+    strict = dispatch(lax, [worker("w")], 0.0, full, tightest_ttft_s=0.1).assignments
+    # TTFT 0.1 s, TPOT 1 s: budget = (0.1 - 0.02) / 1e-4 = 800 tokens -> one 600-token prompt
+    assert len(alone) == 20 and len(strict) == 1
 
 
 def test_kv_space_is_respected() -> None:
