@@ -9,9 +9,11 @@ Two measurements against a real ``python -m gateway.sim.cli`` child process:
 2. **Concurrent streams under one core.** The engine runs ``--profile`` (default ``qwen-7b``) at
    time scale 1 with the batch limit lifted (``--max-num-seqs``), and the concurrency is ramped
    over ``--levels``. At each level all streams start together; the report shows the engine's
-   CPU in cores, the client-side mean inter-token time, the model's inter-token time for that
-   batch (eq.(2) at the mean context length) and whether both hold: CPU < 1 core and measured ITL
-   within ``--itl-tolerance`` of the model. The answer is the highest level where both hold.
+   CPU in cores, the engine's own mean inter-token latency (its ``vllm:inter_token_latency_seconds``
+   histogram, i.e. when it wrote each token), the model's inter-token time for that batch (eq.(2)
+   at the mean context length), the client-side steady-state gap, and whether both conditions
+   hold: CPU < 1 core and engine ITL within ``--itl-tolerance`` of the model. The answer is the
+   highest level where both hold. Short prompts keep the run decode-bound (one prefill step).
 
 Run::
 
@@ -59,7 +61,8 @@ class LevelResult:
     tokens: int
     wall_s: float
     cpu_s: float
-    itl_ms: float
+    itl_ms: float  # engine side: vllm:inter_token_latency_seconds over the level
+    client_itl_ms: float  # client side, steady state only; inflated when the client is CPU-bound
     model_itl_ms: float
     errors: int
 
@@ -116,6 +119,19 @@ async def run_level(
     return sum(len(r) for r in ok), wall, cpu, steady_gaps(ok), streams - len(ok)
 
 
+async def engine_itl(url: str) -> tuple[float, float]:
+    """(sum s, count) of the engine's own inter-token latency histogram."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum{"):
+            total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count{"):
+            count = float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 @contextlib.contextmanager
 def _engine(profile: str, extra: list[str]) -> Iterator[tuple[str, int]]:
     """A sim engine child process; yields (url, pid)."""
@@ -162,18 +178,24 @@ async def main_async(args: argparse.Namespace) -> int:
     with _engine(args.profile, ["--time-scale", "1", "--max-num-seqs", str(max(levels))]) as (url, pid):
         await run_level(url, pid, 2, 4, args.prompt_tokens)
         for level in levels:
+            itl_sum0, itl_n0 = await engine_itl(url)
             tokens, wall, cpu, gaps, errors = await run_level(
                 url, pid, level, args.tokens, args.prompt_tokens
             )
+            itl_sum1, itl_n1 = await engine_itl(url)
+            itl = (itl_sum1 - itl_sum0) / max(1.0, itl_n1 - itl_n0)
             mean_len = args.prompt_tokens + args.tokens / 2  # mid-stream context length
             model_itl = decode_step_time(coeffs, [int(mean_len)] * level)
-            itl = sum(gaps) / len(gaps) if gaps else float("nan")
-            result = LevelResult(level, tokens, wall, cpu, itl * 1e3, model_itl * 1e3, errors)
+            client_itl = sum(gaps) / len(gaps) if gaps else float("nan")
+            result = LevelResult(
+                level, tokens, wall, cpu, itl * 1e3, client_itl * 1e3, model_itl * 1e3, errors
+            )
             results.append(result)
             print(
                 f"      {level:>6} streams: {result.cores:.2f} cores, "
                 f"{result.cpu_us_per_token:6.1f} us/token, "
-                f"ITL {result.itl_ms:6.2f} ms (model {result.model_itl_ms:6.2f} ms), errors {errors}",
+                f"ITL {result.itl_ms:6.2f} ms (model {result.model_itl_ms:6.2f} ms, "
+                f"client {result.client_itl_ms:6.2f} ms), errors {errors}",
                 flush=True,
             )
 
@@ -182,14 +204,15 @@ async def main_async(args: argparse.Namespace) -> int:
 
     print()
     print(
-        f"{'streams':>8} {'cores':>6} {'us/token':>9} {'ITL ms':>8} {'model ms':>9} {'ITL err':>8} {'ok':>3}"
+        f"{'streams':>8} {'cores':>6} {'us/token':>9} {'ITL ms':>8} {'model ms':>9} {'ITL err':>8} "
+        f"{'client ms':>9} {'ok':>3}"
     )
     for r in results:
         err = r.itl_ms / r.model_itl_ms - 1
         print(
             f"{r.streams:>8} {r.cores:>6.2f} {r.cpu_us_per_token:>9.1f} {r.itl_ms:>8.2f} "
             f"{r.model_itl_ms:>9.2f} "
-            f"{err:>+8.1%} {'yes' if ok(r) else 'no':>3}"
+            f"{err:>+8.1%} {r.client_itl_ms:>9.2f} {'yes' if ok(r) else 'no':>3}"
         )
     best = max((r.streams for r in results if ok(r)), default=0)
     print()
@@ -206,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="qwen-7b")
     p.add_argument("--levels", default="64,128,256,512,1024,2048,3072,4096")
     p.add_argument("--tokens", type=int, default=60, help="tokens per stream")
-    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=4, help="short, so the run is decode-bound")
     p.add_argument("--zero-streams", type=int, default=64)
     p.add_argument("--itl-tolerance", type=float, default=0.10)
     return asyncio.run(main_async(p.parse_args(argv)))
