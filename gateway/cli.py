@@ -33,6 +33,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
+    if args.experiment == "priority-ramp":
+        from gateway.experiments.priority_ramp import ramp_main
+
+        return ramp_main(args)
     from gateway.experiments.runner import experiment_main
 
     return experiment_main(args)

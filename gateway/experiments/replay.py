@@ -32,6 +32,13 @@ class Outcome:
     tokens: int
     start_s: float  # when it was sent, simulated seconds since the run began
     engine: str = ""
+    #: the targets the gateway assigned (x-slo-ttft-ms / x-slo-tpot-ms), simulated seconds
+    assigned_ttft_s: float = 0.0
+    assigned_tpot_s: float = 0.0
+
+    @property
+    def assigned_ttft_met(self) -> bool:
+        return self.status == 200 and self.ttft_s <= self.assigned_ttft_s
 
     @property
     def ttft_met(self) -> bool:
@@ -54,6 +61,7 @@ async def _one(
     prompt: str,
     scale: float,
     t0: float,
+    explicit_slo: bool,
 ) -> Outcome:
     body = orjson.dumps(
         {
@@ -67,21 +75,27 @@ async def _one(
     headers = {
         "Content-Type": "application/json",
         "X-Sim-Output-Len": str(spec.output_tokens),
-        "x-slo-task": spec.task,
         "x-priority": str(spec.priority),
-        # Targets in the engines' (scaled) time, so the gateway plans against what it observes.
-        "x-slo-ttft-ms": f"{spec.ttft_s * 1000 / scale:.3f}",
-        "x-slo-tpot-ms": f"{spec.tpot_s * 1000 / scale:.3f}",
     }
+    if explicit_slo:
+        headers["x-slo-task"] = spec.task
+        # Targets in the engines' (scaled) time, so the gateway plans against what it observes.
+        headers["x-slo-ttft-ms"] = f"{spec.ttft_s * 1000 / scale:.3f}"
+        headers["x-slo-tpot-ms"] = f"{spec.tpot_s * 1000 / scale:.3f}"
     sent = time.perf_counter()
     first = last = 0.0
     tokens = 0
     status = 0
     engine = ""
+    assigned = (0.0, 0.0)
     try:
         async with session.post(base + "/v1/chat/completions", data=body, headers=headers) as resp:
             status = resp.status
             engine = resp.headers.get("x-slogate-engine", "")
+            assigned = (
+                float(resp.headers.get("x-slo-ttft-ms", 0)) / 1000 * scale,
+                float(resp.headers.get("x-slo-tpot-ms", 0)) / 1000 * scale,
+            )
             if status == 200:
                 async for line in resp.content:
                     if not line.startswith(b"data: {") or b'"content"' not in line:
@@ -98,7 +112,9 @@ async def _one(
     done = time.perf_counter()
     ttft = (first - sent) * scale if first else float("inf")
     tpot = (last - first) / (tokens - 1) * scale if tokens > 1 else 0.0
-    return Outcome(spec, status, ttft, tpot, (done - sent) * scale, tokens, (sent - t0) * scale, engine)
+    return Outcome(
+        spec, status, ttft, tpot, (done - sent) * scale, tokens, (sent - t0) * scale, engine, *assigned
+    )
 
 
 async def replay(
@@ -109,6 +125,7 @@ async def replay(
     seed: int = 0,
     progress: bool = True,
     label: str = "",
+    explicit_slo: bool = True,
 ) -> list[Outcome]:
     """Send each request at its (scaled) arrival time; wait for all; return outcomes in order sent."""
     rng = random.Random(seed)
@@ -122,7 +139,9 @@ async def replay(
             delay = t0 + spec.at / time_scale - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, base, model, spec, prompt, time_scale, t0)))
+            tasks.append(
+                asyncio.create_task(_one(session, base, model, spec, prompt, time_scale, t0, explicit_slo))
+            )
             if progress and (i + 1) % max(1, len(workload) // 10) == 0:
                 print(f"  [{label}] sent {i + 1}/{len(workload)}", file=sys.stderr, flush=True)
         return list(await asyncio.gather(*tasks))

@@ -121,7 +121,8 @@ def render(results: Sequence[PointResult]) -> str:
     for r in sorted(results, key=lambda r: (r.qps, r.policy)):
         s = r.summary
         lines.append(
-            f"{r.policy:<14} {r.qps:>6.2f} {s.attainment:>7.1%} {s.ttft_attainment:>8.1%} {s.tpot_attainment:>8.1%} "
+            f"{r.policy:<14} {r.qps:>6.2f} {s.attainment:>7.1%} {s.ttft_attainment:>8.1%} "
+            f"{s.tpot_attainment:>8.1%} "
             f"{s.e2e_mean_s:>8.2f}s {s.e2e_p99_s:>7.2f}s {s.errors:>6} {r.cost_units:>11.0f}"
         )
     return "\n".join(lines)

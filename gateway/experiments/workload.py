@@ -93,3 +93,37 @@ def prompt_text(tokens: int, rng: random.Random) -> str:
     return "".join(
         " " + rng.choice(letters) + rng.choice(letters) + rng.choice(letters) for _ in range(tokens)
     )
+
+
+def priority_ramp(
+    tasks: Sequence[TaskSpec],
+    qps_per_client: float,
+    join_every_s: float,
+    duration_s: float,
+    seed: int = 0,
+) -> list[RequestSpec]:
+    """HyperFlexis Fig. 6: the lowest priority starts alone; each join_every_s another client
+    with the next higher priority joins at the same rate, until all run. ``tasks`` are given
+    from priority 0 (highest) down; task i is sent with priority i."""
+    rng = random.Random(seed)
+    out: list[RequestSpec] = []
+    levels = len(tasks)
+    for priority, task in enumerate(tasks):
+        t = (levels - 1 - priority) * join_every_s
+        while True:
+            t += rng.expovariate(qps_per_client)
+            if t >= duration_s:
+                break
+            out.append(
+                RequestSpec(
+                    at=t,
+                    task=task.name,
+                    priority=priority,
+                    prompt_tokens=_length(rng, task.input_mean, task.input_std, 3500),
+                    output_tokens=_length(rng, task.output_mean, task.output_std, 1500),
+                    ttft_s=task.ttft_s,
+                    tpot_s=task.tpot_s,
+                )
+            )
+    out.sort(key=lambda r: r.at)
+    return out
