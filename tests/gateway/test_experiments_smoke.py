@@ -1,0 +1,65 @@
+"""Small runs of both experiments so the runners cannot rot (real figures come from the CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from gateway.experiments.priority_ramp import ramp_main
+from gateway.experiments.replay import Outcome, summarize
+from gateway.experiments.runner import run_point
+from gateway.experiments.workload import HYPERFLEXIS_4TASK, RequestSpec, poisson_workload, priority_ramp
+
+
+def test_workloads_have_the_requested_shape() -> None:
+    load = poisson_workload(HYPERFLEXIS_4TASK, qps=8.0, per_task=50, seed=1)
+    assert len(load) == 200 and all(a.at <= b.at for a, b in zip(load, load[1:], strict=False))
+    assert 180 / 8.0 < load[-1].at < 320 / 8.0  # ~25 s of arrivals at 8 QPS
+    ramp = priority_ramp(HYPERFLEXIS_4TASK, qps_per_client=10, join_every_s=2, duration_s=8, seed=1)
+    first_p0 = min(r.at for r in ramp if r.priority == 0)
+    assert first_p0 >= 6 and min(r.at for r in ramp if r.priority == 3) < 1
+
+
+def test_summary_counts_both_objectives() -> None:
+    spec = RequestSpec(0.0, "t", 0, 10, 5, ttft_s=1.0, tpot_s=0.1)
+    outcomes = [
+        Outcome(spec, 200, 0.5, 0.05, 1.0, 5, 0.0),  # both met
+        Outcome(spec, 200, 0.5, 0.50, 1.0, 5, 0.0),  # TPOT missed
+        Outcome(spec, 429, float("inf"), 0.0, 0.0, 0, 0.0),  # shed
+    ]
+    s = summarize(outcomes)
+    assert (s.attainment, s.ttft_attainment, s.errors) == (1 / 3, 2 / 3, 1)
+
+
+def test_attainment_point_smoke() -> None:
+    result, outcomes = run_point(
+        "hyperflexis",
+        20.0,
+        HYPERFLEXIS_4TASK,
+        per_task=5,
+        engines=2,
+        profile="qwen-7b",
+        time_scale=10.0,
+        slo_profile="hyperflexis-4task",
+        seed=0,
+    )
+    assert len(outcomes) == 20 and all(o.status == 200 for o in outcomes)
+    assert 0.0 <= result.summary.attainment <= 1.0 and result.cost_units > 0
+
+
+def test_priority_ramp_smoke(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        policies="hyperflexis",
+        qps=8.0,
+        join_every=0.5,
+        duration=2.5,
+        engines=1,
+        profile="qwen-7b",
+        time_scale=5.0,
+        seed=0,
+        out=tmp_path,
+    )
+    assert ramp_main(args) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["hyperflexis"] and (tmp_path / "ttft_over_time.png").stat().st_size > 1000
