@@ -17,25 +17,29 @@ _NOOP = contextlib.nullcontext()
 
 class Tracing:
     def __init__(
-        self, enabled: bool, otlp_endpoint: str | None = None, service_name: str = "slogate"
+        self,
+        enabled: bool,
+        otlp_endpoint: str | None = None,
+        service_name: str = "slogate",
+        exporter: Any = None,
     ) -> None:
+        """``exporter`` (an OpenTelemetry SpanExporter) overrides the OTLP/console choice."""
         self.enabled = enabled
         self._tracer: Any = None
         self._provider: Any = None
         if enabled:
-            self._setup(otlp_endpoint, service_name)
+            self._setup(otlp_endpoint, service_name, exporter)
 
-    def _setup(self, otlp_endpoint: str | None, service_name: str) -> None:
+    def _setup(self, otlp_endpoint: str | None, service_name: str, exporter: Any) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-        exporter: SpanExporter
-        if otlp_endpoint:
+        if exporter is None and otlp_endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=otlp_endpoint)
-        else:
+        elif exporter is None:
             exporter = ConsoleSpanExporter()
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self._provider.add_span_processor(BatchSpanProcessor(exporter))

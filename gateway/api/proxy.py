@@ -264,17 +264,18 @@ class Proxy:
         status = 500
         try:
             for _ in range(self.settings.dispatch_attempts):
-                with self.tracing.span("queue_wait", request_id=rid, slo_class=target.slo_class):
-                    try:
-                        record = await self.dispatch.place(
-                            view, target.ttft_s, target.tpot_s, target.slo_class, tried
-                        )
-                    except GatewayError:
-                        if not tried:
-                            raise
-                        break  # a retry found no other engine: report the engine's failure
-                tried.append(record.engine_id)
-                outcome = await self._try_engine(call, record)
+                with self.tracing.span("dispatch", request_id=rid, slo_class=target.slo_class):
+                    with self.tracing.span("queue_wait", request_id=rid):
+                        try:
+                            record = await self.dispatch.place(
+                                view, target.ttft_s, target.tpot_s, target.slo_class, tried
+                            )
+                        except GatewayError:
+                            if not tried:
+                                raise
+                            break  # a retry found no other engine: report the engine's failure
+                    tried.append(record.engine_id)
+                    outcome = await self._try_engine(call, record)
                 if isinstance(outcome, int):
                     status = outcome
                     return outcome

@@ -50,16 +50,34 @@ class OverheadResult:
     def checks(self) -> list[tuple[str, str, str, bool]]:
         """(figure, measured, target, met) rows for the issue's targets."""
         return [
-            ("CPU per non-streaming request", f"{self.cpu_ms_per_request:.3f} ms", "<= 1.0 ms",
-             self.cpu_ms_per_request <= 1.0),
-            ("CPU per relayed SSE event", f"{self.cpu_us_per_sse_event:.1f} µs", "<= 30 µs",
-             self.cpu_us_per_sse_event <= 30.0),
+            (
+                "CPU per non-streaming request",
+                f"{self.cpu_ms_per_request:.3f} ms",
+                "<= 1.0 ms",
+                self.cpu_ms_per_request <= 1.0,
+            ),
+            (
+                "CPU per relayed SSE event",
+                f"{self.cpu_us_per_sse_event:.1f} µs",
+                "<= 30 µs",
+                self.cpu_us_per_sse_event <= 30.0,
+            ),
             ("added latency p50 (c=1)", f"{self.added_p50_ms:.3f} ms", "<= 1 ms", self.added_p50_ms <= 1.0),
             ("added latency p99 (c=1)", f"{self.added_p99_ms:.3f} ms", "<= 3 ms", self.added_p99_ms <= 3.0),
-            ("added TTFT p50 (c=1)", f"{self.added_ttft_p50_ms:.3f} ms", "<= 1 ms", self.added_ttft_p50_ms <= 1.0),
+            (
+                "added TTFT p50 (c=1)",
+                f"{self.added_ttft_p50_ms:.3f} ms",
+                "<= 1 ms",
+                self.added_ttft_p50_ms <= 1.0,
+            ),
             ("RPS at c=32", f"{self.rps_c32:.0f}", "(reported)", True),
-            ("CPU/request c=256 vs c=1", f"{self.cpu_ms_per_request_c256:.3f} / {self.cpu_ms_per_request_c1:.3f} ms "
-             f"(x{self.cpu_ratio_c256_vs_c1:.2f})", "within 20 %", self.cpu_ratio_c256_vs_c1 <= 1.2),
+            (
+                "CPU/request c=256 vs c=1",
+                f"{self.cpu_ms_per_request_c256:.3f} / {self.cpu_ms_per_request_c1:.3f} ms "
+                f"(x{self.cpu_ratio_c256_vs_c1:.2f})",
+                "within 20 %",
+                self.cpu_ratio_c256_vs_c1 <= 1.2,
+            ),
             ("idle RSS", f"{self.idle_rss_mb:.1f} MB", "<= 150 MB", self.idle_rss_mb <= 150.0),
         ]
 
@@ -95,7 +113,11 @@ class LoadGenerator:
     def __init__(self, session: aiohttp.ClientSession, stream_tokens: int) -> None:
         self.session = session
         self.plain_body = orjson.dumps(
-            {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 1}
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+                "max_tokens": 1,
+            }
         )
         self.stream_body = orjson.dumps(
             {
@@ -110,7 +132,9 @@ class LoadGenerator:
 
     async def plain(self, base: str) -> float:
         t0 = time.perf_counter()
-        async with self.session.post(base + "/v1/chat/completions", data=self.plain_body, headers=self.headers) as r:
+        async with self.session.post(
+            base + "/v1/chat/completions", data=self.plain_body, headers=self.headers
+        ) as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"{base}: HTTP {r.status}")
@@ -121,7 +145,9 @@ class LoadGenerator:
         t0 = time.perf_counter()
         ttft = 0.0
         events = 0
-        async with self.session.post(base + "/v1/chat/completions", data=self.stream_body, headers=self.headers) as r:
+        async with self.session.post(
+            base + "/v1/chat/completions", data=self.stream_body, headers=self.headers
+        ) as r:
             if r.status != 200:
                 raise RuntimeError(f"{base}: HTTP {r.status}")
             async for chunk in r.content.iter_any():
@@ -218,18 +244,27 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
 def run_overhead(n: int = 2000, stream_tokens: int = 64) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both. Blocking."""
     _progress("starting a zero-latency simulated engine and a single-worker gateway")
-    with spawn_sim_engine("--profile", "zero", "--model", MODEL, "--max-num-seqs", "1024", name="bench-engine") as engine:
+    with spawn_sim_engine(
+        "--profile", "zero", "--model", MODEL, "--max-num-seqs", "1024", name="bench-engine"
+    ) as engine:
         settings = {
-            "SLOGATE_ENGINES": json.dumps([{"url": engine.url, "kind": "sim", "model": MODEL, "name": "bench-engine"}]),
+            "SLOGATE_ENGINES": json.dumps(
+                [{"url": engine.url, "kind": "sim", "model": MODEL, "name": "bench-engine"}]
+            ),
             "SLOGATE_PORT": "0",
             "SLOGATE_LOG_LEVEL": "warning",
         }
-        with spawn_listening([sys.executable, "-m", "gateway.cli", "serve"], "gateway", env=settings) as gateway:
+        with spawn_listening(
+            [sys.executable, "-m", "gateway.cli", "serve"], "gateway", env=settings
+        ) as gateway:
             return asyncio.run(_measure(engine, gateway, n, stream_tokens))
 
 
 def render_table(result: OverheadResult) -> str:
-    rows = [("figure", "measured", "target", "met"), *[(a, b, c, "yes" if ok else "NO") for a, b, c, ok in result.checks()]]
+    rows = [
+        ("figure", "measured", "target", "met"),
+        *[(a, b, c, "yes" if ok else "NO") for a, b, c, ok in result.checks()],
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))

