@@ -172,7 +172,11 @@ def _fill_worker(
 ) -> list[tuple[QueuedRequest, bool]]:
     coeffs = worker.prefill_coeffs
     decode_s = _decode_step(worker.decode_coeffs, shadow)
-    waiting_prefill = [r.prompt_tokens for r in shadow if not r.prefilled]
+    waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
+    # eq.(1) over (waiting + candidate) kept as running sums: O(1) per candidate examined
+    a, b, c = coeffs
+    waiting_sum = sum(waiting)
+    waiting_squares = sum(n * n for n in waiting)
     utilization = len(shadow) / max(1, worker.max_num_seqs)
     free_seqs = worker.max_num_seqs - len(shadow)
     kv_left = worker.free_kv_tokens
@@ -192,16 +196,19 @@ def _fill_worker(
             budget_left = token_budget(ttft, tpot, decode_s, coeffs[0], coeffs[1])
         prompt = item.view.prompt_tokens
         need_kv = prompt + item.view.max_output_tokens
-        if prompt > budget_left or need_kv > kv_left:
+        # The budget bounds how much is batched per turn; a prompt longer than any budget would
+        # otherwise never be dispatched, so an otherwise empty turn may take one such request.
+        if (prompt > budget_left and admitted) or need_kv > kv_left:
             continue
-        expected = predict_prefill(coeffs, [*waiting_prefill, prompt])
+        expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
         p = admission_probability(
             item.view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
         )
         if p < params.theta:
             continue
         admitted.append((item, True))
-        waiting_prefill.append(prompt)
+        waiting_sum += prompt
+        waiting_squares += prompt * prompt
         budget_left -= prompt
         kv_left -= need_kv
         free_seqs -= 1

@@ -142,6 +142,8 @@ class Call:
     engine_id: str | None = None
     batch_tokens: int = 0
     batch_size: int = 0
+    #: prompts dispatched to the same engine and not yet prefilled when this one was sent
+    prefill_ahead: tuple[int, ...] = ()
 
 
 class Proxy:
@@ -320,6 +322,7 @@ class Proxy:
             call.request.prompt_tokens,
             call.batch_tokens,
             call.batch_size,
+            call.prefill_ahead,
         )
 
     async def _try_engine(self, call: Call, record: EngineRecord) -> int | GatewayError:
@@ -333,9 +336,11 @@ class Proxy:
         entry = RunningEntry(
             request.prompt_tokens, request.max_tokens, call.target.tpot_s, call.dispatched_at
         )
+        running = record.running.values()
+        call.batch_size = len(record.running) + 1
+        call.batch_tokens = sum(r.prompt_tokens + r.generated for r in running) + request.prompt_tokens
+        call.prefill_ahead = tuple(r.prompt_tokens for r in running if not r.prefilled)
         self.fleet.on_dispatch(engine_id, call.rid, entry)
-        call.batch_size = len(record.running)
-        call.batch_tokens = sum(r.prompt_tokens + r.generated for r in record.running.values())
         metrics.child(metrics.DISPATCHES, engine_id).inc()
         try:
             with self.tracing.span("upstream", request_id=call.rid, engine=engine_id):

@@ -172,9 +172,12 @@ class DispatchLoop:
             self._forget(view.request_id)
 
     def finished(self, engine_id: str) -> None:
-        """A request left ``engine_id``: capacity freed, so the dispatcher should look again."""
+        """A request left ``engine_id``: capacity freed, so the dispatcher should look again.
+
+        The engine's maturity time is left alone: it paces how fast new prefill work is handed
+        out, and a completion does not make the engine's pending prefill finish sooner.
+        """
         if self.tickets:
-            self.maturity[engine_id] = min(self.maturity.get(engine_id, 0.0), time.monotonic())
             self._wake.set()
 
     def _forget(self, request_id: str) -> None:
@@ -290,6 +293,10 @@ class DispatchLoop:
         params = self.hyperflexis
         ctx = self.context()
         snapshot = self.fleet.snapshot(now)
+        healthy = [e.engine_id for e in snapshot.engines if e.healthy]
+        next_mature = min((self.maturity.get(e, now) for e in healthy), default=math.inf)
+        if next_mature > now:
+            return next_mature  # no engine can take work yet: skip the queue scan entirely
         wake_at = math.inf
         queued = list(self.queue.iter_in_order(now, ctx, params.max_scan * max(1, len(snapshot.engines))))
         for model in {i.view.model for i in queued}:

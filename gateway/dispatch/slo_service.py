@@ -103,6 +103,7 @@ class SloService:
         prompt_tokens: int,
         batch_tokens: int,
         batch_size: int,
+        prefill_ahead: tuple[int, ...] = (),
     ) -> None:
         """Account one request that left the gateway (served, failed or shed)."""
         self.pending_by_priority[priority] = max(0, self.pending_by_priority.get(priority, 1) - 1)
@@ -121,11 +122,12 @@ class SloService:
         model = self.models.get(engine_id)
         if model is None:
             return
-        # The gateway sees whole requests, not engine steps: TTFT after the queue approximates the
-        # prefill of this prompt, the mean inter-token time one decode step of the batch it ran in.
+        # The gateway sees whole requests, not engine steps. The first token comes once every prompt
+        # that was ahead of this one on the engine and this one are prefilled: that is the batch.
+        # The mean inter-token time approximates one decode step of the batch it ran in.
         prefill_s = ttft_s - queue_s
         if prefill_s > 0:
-            model = model.observe_prefill(PrefillSample((prompt_tokens,), prefill_s))
+            model = model.observe_prefill(PrefillSample((*prefill_ahead, prompt_tokens), prefill_s))
         if tpot_s is not None and tpot_s > 0 and batch_size > 0:
             model = model.observe_decode(DecodeSample(batch_tokens, batch_size, tpot_s))
         count = self._observations.get(engine_id, 0) + 1

@@ -71,7 +71,9 @@ def test_token_budget_limits_the_batch() -> None:
     taken = [a.request_id for a in dispatch(queue, [worker("w")], 0.0, full).assignments]
     assert taken == ["a", "c"]  # b would overflow the budget; c still fits behind it
     half = [a.request_id for a in dispatch(queue, [worker("w")], 0.0).assignments]
-    assert half == ["c"]  # default: half the TTFT for this batch -> 300-token budget
+    # default: half the TTFT for this batch -> a 300-token budget; the first request of a turn
+    # may exceed it (else long prompts would starve), and then nothing else fits
+    assert half == ["a"]
 
 
 def test_lax_requests_are_budgeted_against_the_tightest_ttft_served() -> None:
