@@ -27,6 +27,8 @@ VLLM_FCFS_NAME = "tiny-vllm"
 VLLM_PRIORITY_NAME = "tiny-vllm-prio"
 LLAMACPP_NAME = "tiny-llamacpp"
 
+TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
+
 _memory_report: dict[str, dict[str, float]] = {}
 
 
@@ -52,6 +54,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.real_engines)
+            # Session fixtures provision (cold: ~15 min) and start servers inside the first test's
+            # setup, far beyond the suite's default per-test timeout.
+            item.add_marker(pytest.mark.timeout(TIER_TIMEOUT))
             if not enabled:
                 item.add_marker(skip)
 
