@@ -117,7 +117,8 @@ SHEDS = Counter(
 )
 SLO_OUTCOMES = Counter(
     "slogate_slo_outcomes",
-    "Requests by SLO class, objective (ttft, tpot, both) and outcome (met, missed)",
+    "Streamed requests by SLO class, objective (ttft, tpot, both) and outcome (met, missed); "
+    "failed, shed and cancelled ones count as missed; non-streamed ones have no token timing",
     ["slo_class", "objective", "outcome"],
     registry=REGISTRY,
 )

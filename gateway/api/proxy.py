@@ -134,6 +134,8 @@ class Call:
     send: Send
     watcher: asyncio.Task[bool]
     target: SloTarget
+    #: effective priority (header or body, clamped to the SLO profile's levels); None if not given
+    priority: int | None = None
     reply_headers: tuple[tuple[bytes, bytes], ...] = ()
     dispatched_at: float = 0.0
     first_at: float = 0.0
@@ -198,14 +200,23 @@ class Proxy:
             }
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
-            target = self.slo.classify(headers, request.priority)
-            status = await self._serve(request, target, rid, arrival, receive, send)
+            target, priority = self.slo.classify(headers, request.priority)
+            status = await self._serve(request, target, priority, rid, arrival, receive, send)
         except GatewayError as error:
             status = error.status
             await send_error(send, error, rid)
         except ClientGone:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
+        except Exception:
+            # A bug, not a client or engine problem: still an OpenAI-shaped answer, never a bare
+            # traceback page. If the response had already started the send fails and the
+            # connection is closed, which the client sees as a cut stream.
+            status = 500
+            log.exception("internal error", extra={"request_id": rid.decode()})
+            with contextlib.suppress(Exception):
+                internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
+                await send_error(send, internal, rid)
         finally:
             metrics.child(metrics.REQUESTS, kind, model, _status_class(status)).inc()
             if status < 400:
@@ -235,6 +246,7 @@ class Proxy:
         self,
         request: ParsedRequest,
         target: SloTarget,
+        priority: int | None,
         rid_bytes: bytes,
         arrival: float,
         receive: Receive,
@@ -247,7 +259,7 @@ class Proxy:
             prompt_tokens=request.prompt_tokens,
             max_output_tokens=request.max_tokens,
             arrival=arrival,
-            priority=request.priority,
+            priority=0 if priority is None else priority,
             task=target.slo_class,
         )
         relay = asyncio.current_task()
@@ -259,8 +271,8 @@ class Proxy:
             (b"x-slo-ttft-ms", b"%d" % round(target.ttft_s * 1000)),
             (b"x-slo-tpot-ms", b"%d" % round(target.tpot_s * 1000)),
         )
-        call = Call(request, rid, rid_bytes, arrival, send, watcher, target, reply)
-        self.slo.started(request.priority)
+        call = Call(request, rid, rid_bytes, arrival, send, watcher, target, priority, reply)
+        self.slo.started(priority)
         tried: list[str] = []
         last_error: GatewayError | None = None
         status = 500
@@ -299,8 +311,9 @@ class Proxy:
 
     def _account(self, call: Call, status: int) -> None:
         """Feed SLO metrics, the priority mapper and the latency model with what was observed."""
+        self.slo.left(call.priority)
         if status == 499:
-            self.slo.finished(call.target, call.request.priority, None, None, None, 0.0, 0, 0, 0)
+            self.slo.finished(call.target, call.priority, None, None, None, 0.0, 0, 0, 0)
             return
         observed = call.request.stream and status == 200 and call.first_at > 0
         ttft = call.first_at - call.arrival if observed else None
@@ -314,7 +327,7 @@ class Proxy:
         queue_s = (call.dispatched_at - call.arrival) if call.dispatched_at else 0.0
         self.slo.finished(
             call.target,
-            call.request.priority,
+            call.priority,
             call.engine_id,
             ttft,
             tpot,
@@ -382,7 +395,8 @@ class Proxy:
 
     # -- relays ----------------------------------------------------------------------------------
 
-    async def _relay_plain(self, call: Call, response: aiohttp.ClientResponse) -> int:
+    async def _relay_plain(self, call: Call, response: aiohttp.ClientResponse) -> int | GatewayError:
+        """Relay a whole JSON answer; a cut while reading it is retryable (the client saw nothing)."""
         engine_id = call.engine_id or ""
         try:
             body = await response.read()
@@ -393,9 +407,10 @@ class Proxy:
             ) from None
         except aiohttp.ClientError as exc:
             metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
-            raise GatewayError(
+            log.warning("engine %s failed mid-response: %r", engine_id, exc, extra={"request_id": call.rid})
+            return GatewayError(
                 502, f"engine {engine_id} failed mid-response: {exc!r}", code="upstream_failed"
-            ) from None
+            )
         if b'"usage"' in body:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 _record_usage(call.request.model, orjson.loads(body).get("usage"))

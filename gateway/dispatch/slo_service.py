@@ -59,43 +59,59 @@ class SloService:
             prefill = (prefill[0] / scale, prefill[1] / scale, prefill[2] / scale)
             decode = (decode[0] / scale, decode[1] / scale, decode[2] / scale)
             self.models[engine.engine_id] = LatencyModel.from_prior(prefill, decode)
+        self.levels = len(self.profile.priority.levels) if self.profile.priority else 0
         self.pending_by_priority: dict[int, int] = {}
 
     # -- classification --------------------------------------------------------------------------
 
-    def classify(self, headers: Mapping[bytes, bytes], body_priority: int) -> SloTarget:
+    def classify(self, headers: Mapping[bytes, bytes], body_priority: int) -> tuple[SloTarget, int | None]:
+        """The request's targets and its effective priority.
+
+        The priority comes from ``x-priority`` or else the body's ``priority`` (vLLM's field);
+        ``None`` when the request gave neither. With a priority profile it is clamped into the
+        profile's levels, so every later use (queue order, pending counts, the mapper's windows)
+        sees the same level the targets came from.
+        """
         auth = headers.get(b"authorization")
         task = headers.get(b"x-slo-task")
         priority_header = headers.get(b"x-priority")
-        priority = body_priority
+        priority: int | None = body_priority if body_priority else None
         if priority_header is not None and priority_header.lstrip(b"-").isdigit():
             priority = int(priority_header)
+        if priority is not None and self.levels:
+            priority = min(max(priority, 0), self.levels - 1)
         hints = SloHints(
             ttft_ms=_float(headers.get(b"x-slo-ttft-ms")),
             tpot_ms=_float(headers.get(b"x-slo-tpot-ms")),
             task=task.decode() if task else (self.key_tasks.get(auth) if auth else None),
-            priority=priority if (priority_header is not None or body_priority) else None,
+            priority=priority,
             tenant=self.key_tenants.get(auth) if auth else None,
         )
         if self.mapping is None:
-            return classify(hints, self.profile)
+            return classify(hints, self.profile), priority
         target, self.mapping = classify_mapped(hints, self.profile, self.mapping)
-        return target
+        return target, priority
 
     # -- pending and completions -----------------------------------------------------------------
 
-    def started(self, priority: int) -> None:
+    def started(self, priority: int | None) -> None:
+        """A request with ``priority`` entered the gateway (the mapper's contention rule counts it)."""
+        if priority is None or self.mapping is None:
+            return
         self.pending_by_priority[priority] = self.pending_by_priority.get(priority, 0) + 1
-        self._sync_pending()
+        self.mapping = set_pending(self.mapping, self.pending_by_priority)
 
-    def _sync_pending(self) -> None:
-        if self.mapping is not None:
-            self.mapping = set_pending(self.mapping, dict(self.pending_by_priority))
+    def left(self, priority: int | None) -> None:
+        """The request counted by :meth:`started` left the gateway, however it ended."""
+        if priority is None or self.mapping is None:
+            return
+        self.pending_by_priority[priority] = max(0, self.pending_by_priority.get(priority, 1) - 1)
+        self.mapping = set_pending(self.mapping, self.pending_by_priority)
 
     def finished(
         self,
         target: SloTarget,
-        priority: int,
+        priority: int | None,
         engine_id: str | None,
         ttft_s: float | None,
         tpot_s: float | None,
@@ -105,19 +121,21 @@ class SloService:
         batch_size: int,
         prefill_ahead: tuple[int, ...] = (),
     ) -> None:
-        """Account one request that left the gateway (served, failed or shed)."""
-        self.pending_by_priority[priority] = max(0, self.pending_by_priority.get(priority, 1) - 1)
-        self._sync_pending()
+        """Judge one request whose token timing is known (or that failed, ``ttft_s`` None).
+
+        TPOT counts as met when the request was served and its mean inter-token time is within
+        target, or it produced a single token (nothing to be late by).
+        """
         cls = target.slo_class
+        served = ttft_s is not None
         ttft_ok = ttft_s is not None and ttft_s <= target.ttft_s
-        tpot_ok = ttft_ok and (tpot_s is None or tpot_s <= target.tpot_s)
+        tpot_ok = served and (tpot_s is None or tpot_s <= target.tpot_s)
         metrics.SLO_OUTCOMES.labels(cls, "ttft", "met" if ttft_ok else "missed").inc()
         metrics.SLO_OUTCOMES.labels(cls, "tpot", "met" if tpot_ok else "missed").inc()
         metrics.SLO_OUTCOMES.labels(cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
         if ttft_s is None or engine_id is None:
             return
-        levels = len(self.profile.priority.levels) if self.profile.priority else 0
-        if self.mapping is not None and tpot_s is not None and 0 <= priority < levels:
+        if self.mapping is not None and tpot_s is not None and priority is not None:
             self.mapping = observe_completion(self.mapping, priority, ttft_s, tpot_s, queue_s)
         model = self.models.get(engine_id)
         if model is None:

@@ -99,7 +99,7 @@ def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) 
         # the client is gone: the engine must stop working on it promptly
         assert wait_until(lambda: running_on(one_engine) == 0, timeout=2, interval=0.005)
         abort_s = time.monotonic() - closed_at
-        assert abort_s < 1.0, abort_s
+        assert abort_s < 0.1, abort_s  # the bound; measured 37-62 ms with both cores busy
         assert wait_until(lambda: gw.gateway.fleet.records["solo"].in_flight == 0, timeout=2)  # type: ignore[union-attr]
 
 

@@ -60,6 +60,26 @@ def test_priority_profile_maps_priorities_to_bounded_targets(engine: ChildProces
         assert body_priority.status_code == 200 and body_priority.headers["x-slo-class"] == "p1"
 
 
+def test_priority_reaches_the_mapper_and_pending_counts_return_to_zero(engine: ChildProcess) -> None:
+    with run_gateway(engines=[engine_entry(engine)], slo_profile="priority") as gw:
+        slo = gw.gateway.slo
+        stream_body = {**BODY, "stream": True, "max_tokens": 6, "ignore_eos": True}
+        for headers, body in (
+            ({"x-priority": "2"}, stream_body),  # header only: must be filed as P2, not P0
+            ({"x-priority": "2"}, BODY),  # non-streamed successes must leave the pending count too
+            ({}, {**BODY, "priority": 1}),
+            ({"x-priority": "9"}, BODY),  # beyond the last level: clamped to P3, not an error
+            ({}, {**BODY, "priority": 7}),
+        ):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+        assert r.headers["x-slo-class"] == "p3"
+        assert all(n == 0 for n in slo.pending_by_priority.values()), slo.pending_by_priority
+        assert slo.mapping is not None and slo.mapping.pending == (0, 0, 0, 0)
+        # the one streamed completion (P2) is the only one in the windows, counted for P2
+        assert slo.mapping.size == 1 and slo.mapping.counts == (0, 0, 1, 0)
+
+
 def _tight_profile(tmp_path: Path) -> Path:
     path = tmp_path / "tight.yaml"
     path.write_text(
