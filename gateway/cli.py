@@ -84,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("experiment", help="replay workloads against live gateways with simulated engines")
     exp_sub = p.add_subparsers(dest="experiment", required=True)
+    from gateway.experiments.priority_ramp import add_ramp_arguments
     from gateway.experiments.runner import add_experiment_arguments
 
     add_experiment_arguments(
         exp_sub.add_parser("attainment", help="SLO attainment vs QPS per policy (Experiment A)")
+    )
+    add_ramp_arguments(
+        exp_sub.add_parser("priority-ramp", help="P3..P0 join one by one; P0 TTFT per window (Experiment B)")
     )
     p.set_defaults(func=_experiment)
 

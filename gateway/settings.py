@@ -16,9 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, fie
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.api import Role
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PROFILES_DIR = REPO_ROOT / "profiles"
+from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
 

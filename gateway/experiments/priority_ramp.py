@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, replay
 from gateway.experiments.runner import MODEL, Stack
 from gateway.experiments.workload import HYPERFLEXIS_4TASK, priority_ramp
@@ -49,11 +50,7 @@ def windows(outcomes: Sequence[Outcome], priority: int, duration_s: float) -> li
 
 
 def plot(results: dict[str, list[Outcome]], path: Path, duration_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), sharey=True, squeeze=False)
     for ax, (policy, outcomes) in zip(axes[0], results.items(), strict=True):
         for priority in range(4):
@@ -97,6 +94,7 @@ def add_ramp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def ramp_main(args: argparse.Namespace) -> int:
+    pyplot()  # fail now, not after the runs, if matplotlib is missing
     workload = priority_ramp(HYPERFLEXIS_4TASK, args.qps, args.join_every, args.duration, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[Outcome]] = {}

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, Summary, replay, summarize
 from gateway.experiments.workload import HYPERFLEXIS_2TASK, HYPERFLEXIS_4TASK, TaskSpec, poisson_workload
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
@@ -129,11 +130,7 @@ def render(results: Sequence[PointResult]) -> str:
 
 
 def plot(results: Sequence[PointResult], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy in sorted({r.policy for r in results}):
         points = sorted((r.qps, r.summary.attainment * 100) for r in results if r.policy == policy)
@@ -163,6 +160,7 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def experiment_main(args: argparse.Namespace) -> int:
+    pyplot()  # fail now, not after the runs, if matplotlib is missing
     tasks = TASK_SETS[args.tasks]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rates = [float(q) for q in args.qps.split(",")]

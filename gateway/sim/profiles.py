@@ -11,8 +11,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.settings import DEFAULT_PROFILES_DIR
 from policies.latency import LatencyCoefficients
+from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
 
-from gateway.experiments.priority_ramp import ramp_main
+from gateway.cli import main as cli_main
 from gateway.experiments.replay import Outcome, summarize
 from gateway.experiments.runner import run_point
 from gateway.experiments.workload import HYPERFLEXIS_4TASK, RequestSpec, poisson_workload, priority_ramp
@@ -50,17 +49,9 @@ def test_attainment_point_smoke() -> None:
 
 
 def test_priority_ramp_smoke(tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        policies="hyperflexis",
-        qps=8.0,
-        join_every=0.5,
-        duration=2.5,
-        engines=1,
-        profile="qwen-7b",
-        time_scale=5.0,
-        seed=0,
-        out=tmp_path,
-    )
-    assert ramp_main(args) == 0
+    # through the CLI, so the command's registration is covered too
+    argv = ["experiment", "priority-ramp", "--policies", "hyperflexis", "--qps", "8", "--join-every", "0.5"]
+    argv += ["--duration", "2.5", "--engines", "1", "--time-scale", "5", "--out", str(tmp_path)]
+    assert cli_main(argv) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["hyperflexis"] and (tmp_path / "ttft_over_time.png").stat().st_size > 1000
