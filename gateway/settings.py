@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
     priority_scheduling: bool = Field(
         default=False, description="engine runs with priority scheduling and accepts the body 'priority'"
     )
+    priority_low_first: bool | None = Field(
+        default=None,
+        description="the engine schedules lower 'priority' values first; default per kind: vLLM yes, "
+        "SGLang no (unless launched with --schedule-low-priority-values-first)",
+    )
     latency_profile: str | None = Field(
         default=None,
         description="profiles/engines/<name>.yaml: prior latency coefficients for the dispatcher",

@@ -234,7 +234,8 @@ class Proxy:
         if record.adapter.accepts_priority:
             # The engine orders its own queue by this: the request's TTFT deadline in ms since the
             # gateway started, so the engine's order agrees with the gateway's deadline orders.
-            body["priority"] = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
+            deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
+            body["priority"] = record.adapter.engine_priority(deadline_ms)
             changed = True
         if request.stream and not request.client_wants_usage:
             options = body.get("stream_options") or {}

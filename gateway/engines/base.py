@@ -26,8 +26,10 @@ class EngineAdapter:
     """Base adapter. Subclasses set ``kind`` and override :meth:`parse_metrics` and hooks."""
 
     kind: ClassVar[str] = "openai"
-    #: whether the engine's scheduler understands the body field ``priority`` (lower first)
+    #: whether the engine's scheduler understands the body field ``priority``
     supports_priority_field: ClassVar[bool] = False
+    #: the kind's default direction: does its scheduler run lower ``priority`` values first?
+    priority_low_first_default: ClassVar[bool] = True
     #: path of the Prometheus endpoint, or None when the engine publishes none
     metrics_path: ClassVar[str | None] = "/metrics"
     health_path: ClassVar[str] = "/health"
@@ -44,6 +46,13 @@ class EngineAdapter:
     @property
     def accepts_priority(self) -> bool:
         return self.supports_priority_field and self.config.priority_scheduling
+
+    def engine_priority(self, urgency: int) -> int:
+        """The body ``priority`` that makes this engine run ``urgency`` (lower = sooner) in order."""
+        low_first = self.config.priority_low_first
+        if low_first is None:
+            low_first = self.priority_low_first_default
+        return urgency if low_first else -urgency
 
     # -- data path -------------------------------------------------------------------------------
 

@@ -35,6 +35,8 @@ def parse_sglang_metrics(text: str) -> EngineState:
 class SglangAdapter(EngineAdapter):
     kind: ClassVar[str] = "sglang"
     supports_priority_field: ClassVar[bool] = True
+    # SGLang's scheduler runs higher values first unless --schedule-low-priority-values-first
+    priority_low_first_default: ClassVar[bool] = False
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_sglang_metrics(text)

@@ -38,11 +38,14 @@ class BrokenEngine:
     """A real HTTP server that answers every data-path call with a fixed status (an engine bug).
 
     Runs its own event loop in a thread so it answers while the test (or its loop) blocks.
+    Records what reached it (headers and JSON body of every data-path call), so tests can check
+    what the gateway forwarded.
     """
 
     def __init__(self, status: int) -> None:
         self.status = status
         self.url = ""
+        self.received: list[tuple[dict[str, str], dict[str, object]]] = []
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -60,7 +63,8 @@ class BrokenEngine:
         self._loop.close()
 
     async def _start(self) -> None:
-        async def fail(_: web.Request) -> web.Response:
+        async def fail(request: web.Request) -> web.Response:
+            self.received.append(({k.lower(): v for k, v in request.headers.items()}, await request.json()))
             error = {
                 "message": "engine exploded",
                 "type": "InternalServerError",

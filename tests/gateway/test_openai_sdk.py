@@ -73,14 +73,46 @@ def test_stream_usage_when_asked(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 5
 
 
-def test_request_id_is_forwarded_and_returned(client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": "req-abc-123"}
-    )
-    assert raw.headers["x-request-id"] == "req-abc-123"
-    assert raw.parse().id.endswith("req-abc-123") or raw.headers["x-request-id"] == "req-abc-123"
-    generated = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-    assert len(generated.headers["x-request-id"]) >= 16
+def test_request_id_is_forwarded_and_returned() -> None:
+    with BrokenEngine(500) as engine:
+        entry = {"url": engine.url, "kind": "vllm", "model": MODEL, "name": "recorder"}
+        with run_gateway(engines=[entry], monitor_interval_s=0.2) as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as given:
+                client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": "req-abc-123"}
+                )
+            with pytest.raises(openai.InternalServerError) as generated:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    # the client's id reaches the engine and comes back; without one the gateway makes one up
+    assert given.value.response.headers["x-request-id"] == "req-abc-123"
+    assert engine.received[0][0]["x-request-id"] == "req-abc-123"
+    made_up = generated.value.response.headers["x-request-id"]
+    assert len(made_up) >= 16 and engine.received[1][0]["x-request-id"] == made_up
+
+
+@pytest.mark.parametrize(("kind", "low_first", "sign"), [("vllm", None, 1), ("sglang", None, -1), ("sglang", True, 1)])
+def test_engine_priority_follows_each_engines_direction(kind: str, low_first: bool | None, sign: int) -> None:
+    """The gateway sends its TTFT-deadline order as ``priority``; SGLang runs high values first."""
+    with BrokenEngine(500) as engine:
+        entry = {
+            "url": engine.url,
+            "kind": kind,
+            "model": MODEL,
+            "priority_scheduling": True,
+            "priority_low_first": low_first,
+        }
+        with run_gateway(engines=[entry], slo_profile="hyperflexis-4task") as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
+            for task in ("wikisql", "medical_qa"):  # lax (20 s TTFT) first, then urgent (0.7 s)
+                with pytest.raises(openai.InternalServerError):
+                    client.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"x-slo-task": task}
+                    )
+    lax, urgent = (body["priority"] for _, body in engine.received)
+    assert isinstance(lax, int) and isinstance(urgent, int)
+    # the urgent request must run first in the engine's own order
+    assert (urgent < lax) if sign > 0 else (urgent > lax), (lax, urgent)
 
 
 async def test_async_client_completions_stream_and_not(aclient: openai.AsyncOpenAI) -> None:
@@ -160,7 +192,16 @@ def test_api_keys_are_enforced(two_engines: list[ChildProcess]) -> None:
         assert good.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices
 
 
-@pytest.mark.parametrize(("status", "exc"), [(500, openai.InternalServerError), (429, openai.RateLimitError)])
+@pytest.mark.parametrize(
+    ("status", "exc"),
+    [
+        (500, openai.InternalServerError),
+        (429, openai.RateLimitError),
+        (422, openai.UnprocessableEntityError),
+        (502, openai.InternalServerError),
+        (504, openai.InternalServerError),
+    ],
+)
 def test_upstream_errors_are_the_matching_sdk_exception(
     status: int, exc: type[openai.APIStatusError]
 ) -> None:
