@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ import uvicorn
 from gateway.app import FrontDoor, create_app
 from gateway.logs import setup_logging
 from gateway.settings import Settings
+from policies.api import PolicyConfigError
 
 
 def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.Config:
@@ -60,6 +62,15 @@ class _AnnouncingServer(uvicorn.Server):
 
 
 def serve(settings: Settings) -> None:
-    """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown."""
+    """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown.
+
+    A profile that names an unknown plugin or holds a bad value is a configuration error like any
+    other: one line on stderr and exit status 2, before anything listens.
+    """
     setup_logging(settings.log_level)
-    _AnnouncingServer(uvicorn_config(settings)).run()
+    try:
+        app = create_app(settings)
+    except PolicyConfigError as exc:
+        print(f"slogate: invalid profile: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _AnnouncingServer(uvicorn_config(settings, app)).run()

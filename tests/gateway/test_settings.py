@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.settings import describe_error, load_settings
+from profiles import PROFILES_DIR
 
 ENGINE = {"url": "http://127.0.0.1:9", "kind": "sim", "model": "m"}
 
@@ -64,3 +65,35 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "port" in lines[0] and "integer" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("profile_key", "edit", "fragment"),
+    [
+        (
+            "routing_profile",
+            ("routing/least-load.yaml", "name: least_load", "name: no_such_scorer"),
+            "no_such_scorer",
+        ),
+        ("slo_profile", ("slo/priority.yaml", "ttft_s: [0.525, 0.875]", "ttft_s: [0.9, 0.1]"), "min <= max"),
+    ],
+)
+def test_a_bad_profile_exits_2_with_its_reason(
+    tmp_path: Path, profile_key: str, edit: tuple[str, str, str], fragment: str
+) -> None:
+    source, old, new = edit
+    text = (PROFILES_DIR / source).read_text()
+    assert old in text
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(text.replace(old, new, 1))
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(f'{profile_key}: {profile}\nengines:\n  - {{url: "http://127.0.0.1:9", model: m}}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and fragment in proc.stderr, proc.stderr
+    assert "listening" not in proc.stdout
