@@ -111,7 +111,7 @@ QUEUE_WAIT = Histogram(
 )
 SHEDS = Counter(
     "slogate_sheds",
-    "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout)",
+    "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout, no_engine)",
     ["slo_class", "reason"],
     registry=REGISTRY,
 )

@@ -263,6 +263,13 @@ class DispatchLoop:
                 )
         if not self.tickets:
             return math.inf
+        healthy = self.fleet.healthy_models()
+        for ticket in [t for t in self.tickets.values() if t.item.view.model not in healthy]:
+            # every engine of its model was ejected while it waited: say so now rather than let
+            # it sit out the queue timeout (new arrivals for the model get the same 503 at once)
+            self._reject(ticket, "no_engine", self.no_engine(ticket.item.view.model))
+        if not self.tickets:
+            return math.inf
         if self.hyperflexis is not None:
             return self._dispatch_hyperflexis(now)
         return self._dispatch_pipeline(now)

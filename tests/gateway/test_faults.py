@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -60,6 +63,41 @@ def test_all_engines_down_is_503_with_a_clear_message() -> None:
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model=MODEL, messages=MESSAGES)
         assert info.value.status_code == 503
+
+
+def test_queued_requests_get_503_as_soon_as_their_last_engine_is_ejected() -> None:
+    engine = spawn_sim_engine(*SIM_ARGS, name="last")
+    try:
+        # one request at a time per engine: the rest wait in the gateway's queue (timeout 30 s)
+        with run_gateway(engines=[engine_entry(engine)], monitor_interval_s=0.1, max_engine_load=1) as gw:
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True}
+            with ThreadPoolExecutor(3) as pool:
+                futures = [
+                    pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=body, timeout=60)
+                    for _ in range(3)
+                ]
+                assert wait_until(lambda: _queued(gw) == 2, timeout=5)
+                os.kill(engine.pid, signal.SIGKILL)  # a crash: no graceful drain
+                stopped_at = time.monotonic()
+                answers = [f.result() for f in futures]
+            waited = time.monotonic() - stopped_at
+            queued = [r for r in answers if r.json()["error"]["code"] == "no_healthy_engine"]
+            assert len(queued) >= 2 and all(r.status_code == 503 for r in queued), [r.text for r in answers]
+            assert waited < 5, waited  # ejection takes a few monitor ticks, not the 30 s queue timeout
+            assert _queued(gw) == 0
+    finally:
+        engine.stop()
+
+
+def _queued(gw: RunningGateway) -> int:
+    text = httpx.get(gw.url + "/metrics").text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("slogate_queue_depth{")
+        )
+    )
 
 
 def test_engine_is_readmitted_when_it_recovers() -> None:
