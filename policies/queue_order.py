@@ -99,6 +99,16 @@ class OrderContext:
         return self.prefill_base_s + max(0, prompt_tokens) / self.prefill_tokens_per_s
 
 
+def last_feasible_start(item: QueuedRequest, ctx: OrderContext) -> float:
+    """The latest dispatch time at which the request's prefill still meets its TTFT deadline."""
+    return item.ttft_deadline - ctx.predicted_prefill_s(item.view.prompt_tokens)
+
+
+def ttft_infeasible(item: QueuedRequest, now: float, ctx: OrderContext) -> bool:
+    """True when even an immediate dispatch would miss the TTFT deadline: serving it is wasted work."""
+    return now > last_feasible_start(item, ctx)
+
+
 class QueueOrder(Protocol):
     """A named queue order; see the module docstring for the ``key`` contract.
 
@@ -219,8 +229,8 @@ class SlackEdf:
     context_sensitive: bool = field(default=True, init=False)
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
-        deadline = item.view.arrival + item.ttft_slo
-        last_feasible = deadline - ctx.predicted_prefill_s(item.view.prompt_tokens)
+        deadline = item.ttft_deadline
+        last_feasible = last_feasible_start(item, ctx)
         if now <= last_feasible:
             # still feasible at last_feasible itself (slack 0), so the flip happens just after it
             return (0.0, deadline, item.seq), _after(math.nextafter(last_feasible, _INF), now)

@@ -28,7 +28,7 @@ from policies.api import RequestView, estimated_load
 from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
-from policies.queue_order import OrderContext, QueuedRequest, QueueOrder
+from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible
 
 log = logging.getLogger("slogate.dispatch")
 
@@ -207,12 +207,14 @@ class DispatchLoop:
         )
 
     def _prune_black_hole(self, slo_class: str, now: float) -> bool:
-        """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning)."""
-        for item in self.queue.iter_in_order(now, self.context(), len(self.queue)):
+        """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning):
+        its deadline is nearer than even an immediate dispatch's predicted prefill."""
+        ctx = self.context()
+        for item in self.queue.iter_in_order(now, ctx, len(self.queue)):
             ticket = self.tickets.get(item.view.request_id)
             if ticket is None or ticket.slo_class != slo_class:
                 continue
-            if item.view.arrival + item.ttft_slo < now:
+            if ttft_infeasible(item, now, ctx):
                 self._reject(
                     ticket,
                     "infeasible",

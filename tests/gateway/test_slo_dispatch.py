@@ -114,6 +114,32 @@ def test_full_queue_sheds_with_429_and_queued_requests_time_out(engine: ChildPro
         assert 'slogate_sheds_total{reason="timeout",slo_class="batch"} 2.0' in metrics
 
 
+def test_a_full_queue_sheds_a_request_that_can_no_longer_make_its_ttft(
+    engine: ChildProcess, tmp_path: Path
+) -> None:
+    profile = tmp_path / "doomed.yaml"
+    profile.write_text(
+        "version: 1\nname: doomed\ndefault_class: chat\n"
+        "classes:\n  chat: {ttft_s: 0.3, tpot_s: 1, queue: {max_queued: 1, timeout_s: 20}}\n"
+    )
+    settings = {"slo_profile": str(profile), "max_engine_load": 1}
+    with run_gateway(engines=[engine_entry(engine)], **settings) as gw:
+        long_body = {**BODY, "max_tokens": 400, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            busy = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=long_body, timeout=30)
+            time.sleep(0.2)  # the engine has its one request
+            doomed = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=BODY, timeout=30)
+            time.sleep(0.4)  # queued past its 0.3 s TTFT: it can only be late now
+            fresh = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=BODY, timeout=30)
+            shed = doomed.result()
+            # the queue was full, but the late request gives its place to one that can still make it
+            assert shed.status_code == 429 and shed.json()["error"]["code"] == "slo_infeasible", shed.text
+            assert fresh.result().status_code == 200
+            assert busy.result().status_code == 200
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'slogate_sheds_total{reason="infeasible",slo_class="chat"} 1.0' in metrics
+
+
 def test_hyperflexis_dispatcher_serves_and_reports_attainment(engine: ChildProcess) -> None:
     with run_gateway(
         engines=[engine_entry(engine, latency_profile="qwen-7b", time_scale=4.0)],

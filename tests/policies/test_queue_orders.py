@@ -17,6 +17,7 @@ from policies.queue_order import (
     QueueOrder,
     make_order,
     robust_effective_deadline,
+    ttft_infeasible,
     with_batch_red,
     with_prefill_backlog,
 )
@@ -318,3 +319,17 @@ def test_ttft_deadline_and_prediction() -> None:
     assert req(0, arrival=2.0, ttft=1.5).ttft_deadline == 3.5
     ctx = OrderContext(prefill_tokens_per_s=2000.0, decode_step_s=0.0, prefill_base_s=0.1)
     assert ctx.predicted_prefill_s(1000) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize(
+    ("now", "prompt", "infeasible"),
+    [
+        (0.0, 100, False),  # 0.1 s of prefill, 10 s of budget
+        (9.9, 100, False),  # dispatched now it finishes exactly at the deadline
+        (9.91, 100, True),  # its deadline has not passed, but its prefill cannot fit any more
+        (2.0, 9000, True),  # 9 s of prefill from t=2 ends after the 10 s deadline
+        (0.5, 9000, False),
+    ],
+)
+def test_ttft_infeasible_counts_the_predicted_prefill(now: float, prompt: int, infeasible: bool) -> None:
+    assert ttft_infeasible(req(1, prompt=prompt, ttft=10.0), now, CTX) is infeasible
