@@ -1,4 +1,4 @@
-"""``slogate up`` as a user runs it: engines + gateway come up, answer, and all stop on SIGTERM."""
+"""``slogate up`` as a user runs it: engines + gateway come up, answer, and all stop on any signal."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.gateway.conftest import free_port
 
@@ -28,7 +29,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_up_serves_and_stops_cleanly() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
+    """Ctrl-C and SIGTERM stop everything cleanly; even SIGKILL (no cleanup runs) orphans nothing."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -73,9 +76,9 @@ def test_up_serves_and_stops_cleanly() -> None:
         engines = _children(proc.pid)
         assert len(engines) == 2
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         code = proc.wait(20)
-    assert code == 0
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in engines) and time.monotonic() < deadline:
         time.sleep(0.05)
