@@ -238,8 +238,12 @@ def vllm_server_command(
     scheduling_policy: SchedulingPolicy = "fcfs",
     kv_events_config: Mapping[str, object] | None = None,
     extra_args: Sequence[str] = (),
+    aliases: Sequence[str] = (),
 ) -> list[str]:
-    """The vLLM OpenAI server command line known to work on this CPU-only machine."""
+    """The vLLM OpenAI server command line known to work on this CPU-only machine.
+
+    ``aliases`` are further served model names (vLLM answers to any of them and reports the first),
+    so two differently configured servers can stand behind one model name at the gateway."""
     cmd = [
         str(python),
         "-m",
@@ -248,6 +252,7 @@ def vllm_server_command(
         str(model_dir),
         "--served-model-name",
         name,
+        *aliases,
         "--host",
         "127.0.0.1",
         "--port",
@@ -258,6 +263,10 @@ def vllm_server_command(
         "float32",
         "--enforce-eager",
         "--enable-prompt-tokens-details",
+        # The model runs inside the engine-core process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, see
+        # vllm_env). vLLM's CPU default adds a worker process that the engine core spin-waits on.
+        "--distributed-executor-backend",
+        "uni",
     ]
     if scheduling_policy != "fcfs":
         cmd += ["--scheduling-policy", scheduling_policy]
@@ -268,10 +277,22 @@ def vllm_server_command(
 
 
 def vllm_env(name: str) -> dict[str, str]:
-    """Environment for a vLLM CPU server: offline, 1 GiB KV cache, a private cache root per name."""
+    """Environment for a vLLM CPU server: offline, 1 GiB KV cache, a private cache root per name.
+
+    CPU on a 2-core box: by default the model runs in a worker process that the engine core
+    spin-waits on, and the OpenMP thread is pinned to core 0. Measured under 5 concurrent streams:
+    the two busy processes starved the API server *and* unrelated processes (the client's own
+    threads slept 4-10 s past their timers), streams arrived seconds after the engine had finished
+    them and ``/metrics`` took up to 7 s. With the worker in the engine-core process (no spinning
+    peer), one unbound OpenMP thread (plenty for the tiny model), ``/metrics`` answers in ~50 ms,
+    tokens stream at the pace they are made, and nothing else on the machine stalls.
+    """
     root = cache_dir() / "vllm-cache" / name
     root.mkdir(parents=True, exist_ok=True)
     return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -294,6 +315,7 @@ def start_vllm(
     wait: bool = True,
     ready_timeout: float | None = None,
     model_dir: Path | None = None,
+    aliases: Sequence[str] = (),
 ) -> RunningEngine:
     """Start a vLLM CPU server serving the tiny HF model as ``name`` (provisions the venv/model if needed).
 
@@ -323,6 +345,7 @@ def start_vllm(
         scheduling_policy=scheduling_policy,
         kv_events_config=kv_config,
         extra_args=extra_args,
+        aliases=aliases,
     )
     full_env = vllm_env(name)
     full_env.update(env or {})

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -31,8 +32,9 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(**overrides: Any) -> Iterator[RunningGateway]:
-    settings = load_settings(None, host="127.0.0.1", port=0, **overrides)
+def run_gateway(config_file: Path | None = None, **overrides: Any) -> Iterator[RunningGateway]:
+    """A gateway on a runtime port; ``config_file`` is a YAML file as ``slogate serve --config`` reads."""
+    settings = load_settings(config_file, host="127.0.0.1", port=0, **overrides)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn_config(settings, app))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)

@@ -1,13 +1,15 @@
 """Fixtures for the real-engine tier: real vLLM (CPU build) and llama.cpp servers on tiny local models.
 
-The tier is opt-in because a cold cache costs ~15 minutes (vLLM venv ~4 min, llama.cpp build ~9 min);
-with warm caches (``~/.cache/slogate`` or ``$SLOGATE_CACHE_DIR``) it takes a couple of minutes, most of
-it vLLM start-up. Run it with either of::
+The tier runs with the rest of the suite (the README's test command and ``.ci/run``). A cold cache
+costs ~15 minutes of provisioning (vLLM venv ~4 min, llama.cpp build ~9 min); with warm caches
+(``~/.cache/slogate`` or ``$SLOGATE_CACHE_DIR``) it takes a few minutes, most of it vLLM start-up.
+Skip it with ``SLOGATE_REAL_ENGINES=0`` or ``-m "not real_engines"``; run only it with
+``pytest tests/realengines``.
 
-    pytest -m real_engines tests/realengines
-    SLOGATE_REAL_ENGINES=1 pytest tests/realengines
-
-Servers are session-scoped and shared by all tests; the two vLLM servers start concurrently.
+Servers are session-scoped and shared by all tests; the two vLLM servers start concurrently. Both
+run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
+priority and least-load tests need one; the default batch limit would run everything at once), and
+both also answer to the shared model name ``tiny-vllm`` so the gateway can balance between them.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from pathlib import Path
 import pytest
 
 from gateway.realengines._common import logs_dir
-from gateway.realengines.servers import RunningEngine, start_llamacpp, start_vllm
+from gateway.realengines.servers import RunningEngine, SchedulingPolicy, start_llamacpp, start_vllm
 
-VLLM_FCFS_NAME = "tiny-vllm"
+VLLM_FCFS_NAME = "tiny-vllm-fcfs"
 VLLM_PRIORITY_NAME = "tiny-vllm-prio"
+VLLM_SHARED_NAME = "tiny-vllm"  # both vLLM servers answer to it
+VLLM_ARGS = ("--max-num-seqs", "2")
 LLAMACPP_NAME = "tiny-llamacpp"
 
 TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
@@ -38,19 +42,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _tier_enabled(config: pytest.Config) -> bool:
-    if os.environ.get("SLOGATE_REAL_ENGINES", "") not in ("", "0"):
-        return True
-    expr = str(config.getoption("markexpr", "") or "")
-    return "real_engines" in expr and "not real_engines" not in expr
+def _tier_enabled() -> bool:
+    return os.environ.get("SLOGATE_REAL_ENGINES", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    enabled = _tier_enabled(config)
-    skip = pytest.mark.skip(
-        reason="real-engine tier is opt-in: use -m real_engines or SLOGATE_REAL_ENGINES=1"
-    )
+    enabled = _tier_enabled()
+    skip = pytest.mark.skip(reason="real-engine tier switched off by SLOGATE_REAL_ENGINES=0")
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.real_engines)
@@ -76,10 +75,15 @@ def _record(engine: RunningEngine) -> None:
 def vllm_servers() -> Iterator[dict[str, RunningEngine]]:
     """Two vLLM servers started concurrently: FCFS and ``--scheduling-policy priority``."""
     started = time.monotonic()
-    fcfs = start_vllm(VLLM_FCFS_NAME, wait=False)
-    servers = {"fcfs": fcfs}
+
+    def start(name: str, policy: SchedulingPolicy) -> RunningEngine:
+        return start_vllm(
+            name, scheduling_policy=policy, extra_args=VLLM_ARGS, aliases=(VLLM_SHARED_NAME,), wait=False
+        )
+
+    servers = {"fcfs": start(VLLM_FCFS_NAME, "fcfs")}
     try:
-        servers["priority"] = start_vllm(VLLM_PRIORITY_NAME, scheduling_policy="priority", wait=False)
+        servers["priority"] = start(VLLM_PRIORITY_NAME, "priority")
         for engine in servers.values():
             engine.wait_ready()
         print(f"\nvLLM servers ready after {time.monotonic() - started:.1f} s")
