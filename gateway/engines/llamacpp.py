@@ -1,8 +1,19 @@
-"""llama.cpp's ``llama-server``: ``llamacpp:*`` metrics; it ignores the request's ``model``."""
+"""llama.cpp's ``llama-server``: ``llamacpp:*`` metrics plus ``/slots`` for KV occupancy.
+
+Quirks handled here: ``prompt_tokens_total`` excludes cached tokens (so the prompt tokens queried
+are its sum with ``prompt_tokens_cached_total``); the metrics carry no KV-cache gauge, so KV use and
+capacity come from ``/slots`` (one context of ``n_ctx`` tokens per slot, token granularity); the
+server ignores the request's ``model`` in single-model mode, which is harmless because the gateway
+routes by model name before the request reaches it.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import aiohttp
 
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
@@ -19,17 +30,54 @@ _WANTED = (
 
 def parse_llamacpp_metrics(text: str) -> EngineState:
     samples = prom_text.parse(text, _WANTED)
+    computed = gauge(samples, "llamacpp:prompt_tokens_total")
+    cached = gauge(samples, "llamacpp:prompt_tokens_cached_total")
     return EngineState(
         num_running=int(gauge(samples, "llamacpp:requests_processing")),
         num_waiting=int(gauge(samples, "llamacpp:requests_deferred")),
-        kv_usage=gauge(samples, "llamacpp:kv_cache_usage_ratio"),
-        prefix_queries=gauge(samples, "llamacpp:prompt_tokens_total"),
-        prefix_hits=gauge(samples, "llamacpp:prompt_tokens_cached_total"),
+        kv_usage=gauge(samples, "llamacpp:kv_cache_usage_ratio"),  # older builds only
+        prefix_queries=computed + cached,
+        prefix_hits=cached,
     )
+
+
+def with_slots(state: EngineState, slots: Sequence[Mapping[str, Any]]) -> EngineState:
+    """``state`` with KV use and capacity read off ``/slots`` (tokens held by busy slots / all contexts)."""
+    capacity = sum(int(slot.get("n_ctx") or 0) for slot in slots)
+    if capacity <= 0:
+        return state
+    used = 0
+    for slot in slots:
+        if slot.get("is_processing"):
+            decoded = sum(int(t.get("n_decoded") or 0) for t in slot.get("next_token") or ())
+            used += int(slot.get("n_prompt_tokens") or 0) + decoded
+    return replace(state, kv_usage=min(1.0, used / capacity), block_size=1, num_gpu_blocks=capacity)
 
 
 class LlamaCppAdapter(EngineAdapter):
     kind: ClassVar[str] = "llamacpp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # a server started without --slots answers 501; stop asking after the first refusal
+        self._slots_enabled = True
+
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_llamacpp_metrics(text)
+
+    async def scrape(self) -> EngineState | None:
+        state = await super().scrape()
+        if state is None or not self._slots_enabled:
+            return state
+        try:
+            async with self.session.get(
+                self.url("/slots"), timeout=self._health_timeout, headers=self._auth
+            ) as resp:
+                if resp.status in (404, 501):
+                    self._slots_enabled = False
+                    return state
+                resp.raise_for_status()
+                slots = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return state  # the metrics alone are still a valid reading
+        return with_slots(state, slots) if isinstance(slots, list) else state

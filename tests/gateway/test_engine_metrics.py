@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.engines import prom_text
-from gateway.engines.llamacpp import parse_llamacpp_metrics
+from gateway.engines.llamacpp import parse_llamacpp_metrics, with_slots
 from gateway.engines.sglang import parse_sglang_metrics
 from gateway.engines.vllm import parse_vllm_metrics
 
@@ -72,19 +74,43 @@ sglang:max_total_num_tokens{model_name="m"} 65536
 
 def test_llamacpp() -> None:
     text = """\
-# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
 llamacpp:prompt_tokens_total 120
 llamacpp:prompt_tokens_cached_total 40
 llamacpp:requests_processing 2
 llamacpp:requests_deferred 1
 """
     state = parse_llamacpp_metrics(text)
+    # the engine counts computed and cached prompt tokens apart: 160 were queried, 40 hit
     assert (state.num_running, state.num_waiting, state.prefix_queries, state.prefix_hits) == (
         2,
         1,
-        120.0,
+        160.0,
         40.0,
     )
+
+
+def test_llamacpp_slots_give_kv_use_and_capacity() -> None:
+    slots = [  # the fields llama-server's /slots returns that matter here (others elided)
+        {
+            "id": 0,
+            "n_ctx": 2048,
+            "is_processing": True,
+            "n_prompt_tokens": 300,
+            "next_token": [{"n_decoded": 100}],
+        },
+        {
+            "id": 1,
+            "n_ctx": 2048,
+            "is_processing": False,
+            "n_prompt_tokens": 900,
+            "next_token": [{"n_decoded": 5}],
+        },
+    ]
+    state = with_slots(parse_llamacpp_metrics("llamacpp:requests_processing 1\n"), slots)
+    assert state.num_gpu_blocks == 4096 and state.block_size == 1
+    assert state.kv_usage == pytest.approx(400 / 4096)  # an idle slot's leftover context is cache, not use
+    assert with_slots(state, []) == state
 
 
 def test_parser_tolerates_junk_escapes_and_nan() -> None:

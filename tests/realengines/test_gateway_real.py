@@ -49,7 +49,9 @@ def write_config(path: Path, text: str) -> Path:
 
 @pytest.fixture(scope="module")
 def gateway(
-    vllm_servers: dict[str, RunningEngine], llamacpp_server: RunningEngine, tmp_path_factory: pytest.TempPathFactory
+    vllm_servers: dict[str, RunningEngine],
+    llamacpp_server: RunningEngine,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RunningGateway]:
     text = CONFIG.format(
         fcfs=vllm_servers["fcfs"].url,
@@ -97,7 +99,10 @@ def test_sdk_chat_stream_and_not_match_the_engine(
     direct = direct_chat(engine)["choices"][0]["message"]["content"]
 
     raw = sdk.chat.completions.with_raw_response.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=16  # type: ignore[arg-type]
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=16,  # type: ignore[arg-type]
     )
     whole = raw.parse()
     assert raw.headers["x-slogate-engine"] in {"vllm-fcfs", "vllm-prio", "llama"}
@@ -123,7 +128,11 @@ def test_sdk_chat_stream_and_not_match_the_engine(
     # the gateway asks upstream for usage on every stream, and hides it from clients who did not ask
     plain = list(
         sdk.chat.completions.create(
-            model=model, messages=MESSAGES, temperature=0, max_tokens=16, stream=True  # type: ignore[arg-type]
+            model=model,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=16,
+            stream=True,  # type: ignore[arg-type]
         )
     )
     assert all(c.usage is None for c in plain)
@@ -205,14 +214,22 @@ def test_engine_state_is_scraped_under_load_and_least_load_routes_away(
         assert fcfs["num_running"] == 2 and fcfs["kv_usage"] > 0, fcfs
         assert fcfs["block_size"] and fcfs["num_gpu_blocks"], fcfs
         assert wait_until(
-            lambda: (gateway_view(gateway)["llama"]["state"] or {}).get("num_running", 0) >= 1, timeout=30
+            lambda: (gateway_view(gateway)["llama"]["state"] or {}).get("kv_usage", 0) > 0, timeout=30
+        ), gateway_view(gateway)["llama"]
+        llama = gateway_view(gateway)["llama"]["state"]
+        # llama-server publishes no KV gauge: use and capacity come from its /slots (2 slots x 2048)
+        assert llama["num_running"] == 1 and llama["num_gpu_blocks"] == 4096 and llama["block_size"] == 1, (
+            llama
         )
         # least load: the other vLLM server takes every request for the shared model
         sdk = client(gateway)
         served = []
         for _ in range(4):
             raw = sdk.chat.completions.with_raw_response.create(
-                model=VLLM_SHARED_NAME, messages=MESSAGES, temperature=0, max_tokens=4  # type: ignore[arg-type]
+                model=VLLM_SHARED_NAME,
+                messages=MESSAGES,
+                temperature=0,
+                max_tokens=4,  # type: ignore[arg-type]
             )
             served.append(raw.headers["x-slogate-engine"])
         assert served == ["vllm-prio"] * 4
@@ -230,7 +247,10 @@ def test_engine_state_is_scraped_under_load_and_least_load_routes_away(
         heads = list(
             pool.map(
                 lambda _: sdk.chat.completions.with_raw_response.create(
-                    model=VLLM_SHARED_NAME, messages=MESSAGES, temperature=0, max_tokens=32  # type: ignore[arg-type]
+                    model=VLLM_SHARED_NAME,
+                    messages=MESSAGES,
+                    temperature=0,
+                    max_tokens=32,  # type: ignore[arg-type]
                 ).headers["x-slogate-engine"],
                 range(8),
             )
@@ -256,7 +276,9 @@ def test_prefix_cache_hits_reach_engine_state(
 # -- engine-side priority -------------------------------------------------------------------------
 
 
-def _admission_order(gw: RunningGateway, model: str, low: int, max_tokens: int, engine: RunningEngine) -> list[str]:
+def _admission_order(
+    gw: RunningGateway, model: str, low: int, max_tokens: int, engine: RunningEngine
+) -> list[str]:
     """Send ``low`` priority-3 streams, wait until the engine queues some, then one priority-0 stream;
     return the labels in the order the engine started them (first streamed token).
 
@@ -295,7 +317,7 @@ def test_priority_zero_overtakes_a_queue_on_a_priority_engine(
     def config(engine: RunningEngine, name: str, priority_scheduling: bool) -> Path:
         return write_config(
             tmp_path / f"{name}.yaml",
-            f"slo_profile: priority\nengines:\n  - {{name: {name}, url: \"{engine.url}\", kind: vllm, "
+            f'slo_profile: priority\nengines:\n  - {{name: {name}, url: "{engine.url}", kind: vllm, '
             f"model: {VLLM_SHARED_NAME}, priority_scheduling: {str(priority_scheduling).lower()}}}\n",
         )
 
@@ -314,9 +336,16 @@ def test_priority_zero_overtakes_a_queue_on_a_priority_engine(
 
 @pytest.mark.parametrize("model", [VLLM_SHARED_NAME, LLAMACPP_NAME])
 def test_client_disconnect_aborts_the_real_engine_request(
-    gateway: RunningGateway, vllm_servers: dict[str, RunningEngine], llamacpp_server: RunningEngine, model: str
+    gateway: RunningGateway,
+    vllm_servers: dict[str, RunningEngine],
+    llamacpp_server: RunningEngine,
+    model: str,
 ) -> None:
-    by_id = {"vllm-fcfs": vllm_servers["fcfs"], "vllm-prio": vllm_servers["priority"], "llama": llamacpp_server}
+    by_id = {
+        "vllm-fcfs": vllm_servers["fcfs"],
+        "vllm-prio": vllm_servers["priority"],
+        "llama": llamacpp_server,
+    }
     body = {
         "model": model,
         "messages": MESSAGES,
@@ -325,7 +354,10 @@ def test_client_disconnect_aborts_the_real_engine_request(
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.Client(timeout=60) as http, http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as r:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as r,
+    ):
         engine = by_id[r.headers["x-slogate-engine"]]
         chunks = r.iter_bytes()
         seen = 0
@@ -355,7 +387,10 @@ def test_killed_engine_is_ejected_and_requests_keep_succeeding(tmp_path: Path) -
 
             def ask(i: int) -> str:
                 raw = sdk.chat.completions.with_raw_response.create(
-                    model=alias, messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=24, temperature=0
+                    model=alias,
+                    messages=[{"role": "user", "content": f"hello {i}"}],
+                    max_tokens=24,
+                    temperature=0,
                 )
                 assert raw.parse().choices[0].message.content
                 return raw.headers["x-slogate-engine"]
