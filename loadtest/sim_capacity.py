@@ -10,8 +10,9 @@ Two measurements against a real ``python -m gateway.sim.cli`` child process:
    time scale 1 with the batch limit lifted (``--max-num-seqs``), and the concurrency is ramped
    over ``--levels``. At each level all streams start together; the report shows the engine's
    CPU in cores, the engine's own mean inter-token latency (its ``vllm:inter_token_latency_seconds``
-   histogram, i.e. when it wrote each token), the model's inter-token time for that batch (eq.(2)
-   at the mean context length), the client-side steady-state gap, and whether both conditions
+   histogram, i.e. when it wrote each token), the model's mean inter-token time for the same
+   workload (the engine model run offline on a virtual clock: same token budget, same prefill
+   steps, eq.(1)/(2) step times), the client-side steady-state gap, and whether both conditions
    hold: CPU < 1 core and engine ITL within ``--itl-tolerance`` of the model. The answer is the
    highest level where both hold. Short prompts keep the run decode-bound (one prefill step).
 
@@ -42,8 +43,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.sim.profiles import load_profile
-from policies.latency import decode_step_time
+from gateway.sim.engine import EngineModel, SimRequest
+from gateway.sim.profiles import EngineProfile, load_profile
 from tests.support.sim_process import launch_sim_engine
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -108,7 +109,7 @@ async def run_level(
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=600)
     ) as session:
-        prompts = [[300 + (i * 7 + j) % 30000 for j in range(prompt_tokens)] for i in range(streams)]
+        prompts = level_prompts(streams, prompt_tokens)
         cpu0, t0 = cpu_seconds(pid), time.perf_counter()
         results = await asyncio.gather(
             *(_one_stream(session, url + "/v1/completions", p, tokens) for p in prompts),
@@ -117,6 +118,33 @@ async def run_level(
         wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     ok = [r for r in results if isinstance(r, list) and r]
     return sum(len(r) for r in ok), wall, cpu, steady_gaps(ok), streams - len(ok)
+
+
+def offline_itl(profile: EngineProfile, prompts: list[list[int]], tokens: int) -> float:
+    """Mean inter-token time of the same workload run through the engine model on a virtual clock.
+
+    This is what the live engine should reproduce: the same batching (token budget, prefill steps
+    mixed with decodes) and the same eq.(1)/(2) step times, without any wall-clock overhead."""
+    model = EngineModel(profile)
+    for i, prompt in enumerate(prompts):
+        model.add(SimRequest(f"r{i}", list(prompt), tokens, 0.0, ignore_eos=True))
+    now, gap_sum, gaps = 0.0, 0.0, 0
+    last: dict[str, float] = {}
+    while model.has_work:
+        batch = model.plan(now)
+        if batch is None:
+            break
+        now += batch.duration
+        for request, _ in model.finish(batch, now).tokens:
+            previous = last.get(request.request_id)
+            if previous is not None:
+                gap_sum, gaps = gap_sum + now - previous, gaps + 1
+            last[request.request_id] = now
+    return gap_sum / gaps if gaps else float("nan")
+
+
+def level_prompts(streams: int, prompt_tokens: int) -> list[list[int]]:
+    return [[300 + (i * 7 + j) % 30000 for j in range(prompt_tokens)] for i in range(streams)]
 
 
 async def engine_itl(url: str) -> tuple[float, float]:
@@ -166,8 +194,6 @@ async def main_async(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    profile = load_profile(args.profile)
-    coeffs = profile.latency.coefficients
     levels = [int(x) for x in args.levels.split(",") if x]
     print(
         f"[2/2] concurrent streams at time scale 1: profile {args.profile}, levels {levels}, "
@@ -175,6 +201,7 @@ async def main_async(args: argparse.Namespace) -> int:
         flush=True,
     )
     results: list[LevelResult] = []
+    profile = load_profile(args.profile).model_copy(update={"max_num_seqs": max(levels)})
     with _engine(args.profile, ["--time-scale", "1", "--max-num-seqs", str(max(levels))]) as (url, pid):
         await run_level(url, pid, 2, 4, args.prompt_tokens)
         for level in levels:
@@ -184,8 +211,7 @@ async def main_async(args: argparse.Namespace) -> int:
             )
             itl_sum1, itl_n1 = await engine_itl(url)
             itl = (itl_sum1 - itl_sum0) / max(1.0, itl_n1 - itl_n0)
-            mean_len = args.prompt_tokens + args.tokens / 2  # mid-stream context length
-            model_itl = decode_step_time(coeffs, [int(mean_len)] * level)
+            model_itl = offline_itl(profile, level_prompts(level, args.prompt_tokens), args.tokens)
             client_itl = sum(gaps) / len(gaps) if gaps else float("nan")
             result = LevelResult(
                 level, tokens, wall, cpu, itl * 1e3, client_itl * 1e3, model_itl * 1e3, errors
