@@ -35,6 +35,8 @@ class PointResult:
     qps: float
     summary: Summary
     cost_units: float
+    #: SLO attainment per task (the class the request was sent as)
+    by_task: dict[str, float]
 
 
 def _progress(message: str) -> None:
@@ -110,13 +112,17 @@ def run_point(
             replay(stack.gateway.url, MODEL, workload, time_scale, seed, label=f"{policy} {qps}")
         )
     summary = summarize(outcomes)
-    return PointResult(policy, qps, summary, engines * summary.makespan_s / COST_UNIT_S), outcomes
+    by_task = {
+        task.name: summarize([o for o in outcomes if o.spec.task == task.name]).attainment for task in tasks
+    }
+    return PointResult(policy, qps, summary, engines * summary.makespan_s / COST_UNIT_S, by_task), outcomes
 
 
 def render(results: Sequence[PointResult]) -> str:
+    tasks = list(results[0].by_task) if results else []
     header = (
         f"{'policy':<14} {'QPS':>6} {'attain':>7} {'TTFT ok':>8} {'TPOT ok':>8} {'E2E mean':>9} "
-        f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}"
+        f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}" + "".join(f" {t[:12]:>12}" for t in tasks)
     )
     lines = [header, "-" * len(header)]
     for r in sorted(results, key=lambda r: (r.qps, r.policy)):
@@ -125,6 +131,7 @@ def render(results: Sequence[PointResult]) -> str:
             f"{r.policy:<14} {r.qps:>6.2f} {s.attainment:>7.1%} {s.ttft_attainment:>8.1%} "
             f"{s.tpot_attainment:>8.1%} "
             f"{s.e2e_mean_s:>8.2f}s {s.e2e_p99_s:>7.2f}s {s.errors:>6} {r.cost_units:>11.0f}"
+            + "".join(f" {r.by_task.get(t, 0.0):>12.1%}" for t in tasks)
         )
     return "\n".join(lines)
 
@@ -188,7 +195,13 @@ def experiment_main(args: argparse.Namespace) -> int:
     (args.out / "results.json").write_text(
         json.dumps(
             [
-                {"policy": r.policy, "qps": r.qps, "cost_units": r.cost_units, **asdict(r.summary)}
+                {
+                    "policy": r.policy,
+                    "qps": r.qps,
+                    "cost_units": r.cost_units,
+                    **asdict(r.summary),
+                    "attainment_by_task": r.by_task,
+                }
                 for r in results
             ],
             indent=2,

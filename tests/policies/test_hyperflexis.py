@@ -91,15 +91,33 @@ def test_kv_space_is_respected() -> None:
     assert taken == ["small"]
 
 
-def test_hopeless_request_only_by_idle_backfill() -> None:
-    late = req("late", arrival=-5.0, ttft=1.0)
+def test_late_requests_fill_leftover_budget_and_idle_workers() -> None:
+    late = req("late", arrival=-5.0, ttft=1.0)  # its deadline passed 4 s ago
     assert [(a.request_id, a.feasible) for a in dispatch([late], [worker("w")], 0.0).assignments] == [
         ("late", False)
     ]
+    # a busy worker still has budget: the late request uses it rather than waiting for an idle worker
     busy = worker("w", running=(RunningRequest(100, 5, 0.1, True),))
-    assert dispatch([late], [busy], 0.0).assignments == ()
-    no_backfill = HyperFlexisParams(idle_backfill=False)
+    assert [(a.request_id, a.feasible) for a in dispatch([late], [busy], 0.0).assignments] == [
+        ("late", False)
+    ]
+    no_late = HyperFlexisParams(late_backfill=False)
+    assert dispatch([late], [busy], 0.0, no_late).assignments == ()
+    no_backfill = HyperFlexisParams(idle_backfill=False, late_backfill=False)
     assert dispatch([late], [worker("w")], 0.0, no_backfill).assignments == ()
+
+
+def test_feasible_requests_come_first_and_unlucky_ones_wait_for_a_better_worker() -> None:
+    late = req("late", arrival=-5.0, ttft=1.0, prompt=100)
+    fresh = req("fresh", arrival=0.0, ttft=1.0, prompt=100)
+    # behind a long queued prefill on w1, "tight" cannot make 0.3 s there, but could on an idle worker
+    tight = req("tight", arrival=0.0, ttft=0.3, prompt=100)
+    long_prefill = RunningRequest(3000, 0, 0.1, False)
+    loaded = worker("w1", running=(long_prefill,))
+    decision = dispatch([tight, late, fresh], [loaded], 0.0, HyperFlexisParams(budget_ttft_share=1.0))
+    taken = {a.request_id: a.feasible for a in decision.assignments}
+    assert "tight" not in taken  # not hopeless anywhere: it is left for another worker
+    assert taken.get("fresh") is True and taken.get("late") is False
 
 
 def test_feasible_requests_go_before_backfill_and_each_request_once() -> None:
