@@ -49,9 +49,12 @@ def test_idle_worker_takes_feasible_requests_and_matures_later() -> None:
         ("a", "w", True),
         ("b", "w", True),
     ]
-    # E_p = 0.02 + 200e-4 = 0.04; E_d over 2 requests = 0.01 + 200e-6 + 2e-4 = 0.0104; relax = 0.1 - E_d
+    # E_p = 0.02 + 200e-4 = 0.04; E_d over 2 requests = 0.01 + 200e-6 + 2e-4 = 0.0104; relax = 0.1 - E_d.
+    # Algorithm 1 gives E_p + (E_p / relax) * E_d = 0.0446, less than one step carrying the prefill
+    # chunk and the decodes (E_p + E_d = 0.0504): the worker matures after that step.
     e_p, e_d = 0.04, 0.0104
-    assert decision.maturity["w"] == pytest.approx(e_p + e_p / (0.1 - e_d) * e_d)
+    assert e_p + e_p / (0.1 - e_d) * e_d < e_p + e_d
+    assert decision.maturity["w"] == pytest.approx(e_p + e_d)
     assert math.isinf(decision.wake_at)  # queue drained
 
 
@@ -127,6 +130,13 @@ def test_feasible_requests_go_before_backfill_and_each_request_once() -> None:
     assert sorted(ids) == sorted(f"r{i}" for i in range(6)) and len(set(ids)) == 6
     assert {a.engine_id for a in decision.assignments} == {"w1"}  # the first mature worker had budget for all
     assert set(decision.maturity) == {"w1", "w2"} or set(decision.maturity) == {"w1"}
+
+
+def test_maturity_follows_algorithm_1_when_decoding_amortises_slowly() -> None:
+    # tight TPOT: relax = 0.012 - E_d is small, so (E_p / relax) * E_d exceeds one decode step
+    decision = dispatch([req("a", tpot=0.012)], [worker("w")], now=0.0)
+    e_p, e_d = 0.02 + 100e-4, 0.01 + 100e-6 + 1e-4
+    assert decision.maturity["w"] == pytest.approx(e_p + e_p / (0.012 - e_d) * e_d)
 
 
 def test_busy_worker_holds_when_relax_is_negative() -> None:
