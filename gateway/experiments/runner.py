@@ -37,6 +37,8 @@ class PointResult:
     cost_units: float
     #: SLO attainment per task (the class the request was sent as)
     by_task: dict[str, float]
+    #: attainment of each repetition (one per seed); the summary pools their requests
+    runs: tuple[float, ...] = ()
 
 
 def _progress(message: str) -> None:
@@ -111,18 +113,38 @@ def run_point(
         outcomes = asyncio.run(
             replay(stack.gateway.url, MODEL, workload, time_scale, seed, label=f"{policy} {qps}")
         )
-    summary = summarize(outcomes)
+    cost = engines * summarize(outcomes).makespan_s / COST_UNIT_S
+    return pooled(policy, qps, tasks, [outcomes], [cost]), outcomes
+
+
+def pooled(
+    policy: str,
+    qps: float,
+    tasks: Sequence[TaskSpec],
+    runs: Sequence[Sequence[Outcome]],
+    costs: Sequence[float],
+) -> PointResult:
+    """One table row from repeated runs of a point: requests pooled, cost averaged."""
+    everything = [o for run in runs for o in run]
     by_task = {
-        task.name: summarize([o for o in outcomes if o.spec.task == task.name]).attainment for task in tasks
+        task.name: summarize([o for o in everything if o.spec.task == task.name]).attainment for task in tasks
     }
-    return PointResult(policy, qps, summary, engines * summary.makespan_s / COST_UNIT_S, by_task), outcomes
+    return PointResult(
+        policy,
+        qps,
+        summarize(everything),
+        sum(costs) / len(costs),
+        by_task,
+        tuple(summarize(run).attainment for run in runs),
+    )
 
 
 def render(results: Sequence[PointResult]) -> str:
     tasks = list(results[0].by_task) if results else []
     header = (
         f"{'policy':<14} {'QPS':>6} {'attain':>7} {'TTFT ok':>8} {'TPOT ok':>8} {'E2E mean':>9} "
-        f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11}" + "".join(f" {t[:12]:>12}" for t in tasks)
+        f"{'E2E p99':>8} {'errors':>6} {'cost(units)':>11} {'runs min-max':>13}"
+        + "".join(f" {t[:12]:>12}" for t in tasks)
     )
     lines = [header, "-" * len(header)]
     for r in sorted(results, key=lambda r: (r.qps, r.policy)):
@@ -131,6 +153,7 @@ def render(results: Sequence[PointResult]) -> str:
             f"{r.policy:<14} {r.qps:>6.2f} {s.attainment:>7.1%} {s.ttft_attainment:>8.1%} "
             f"{s.tpot_attainment:>8.1%} "
             f"{s.e2e_mean_s:>8.2f}s {s.e2e_p99_s:>7.2f}s {s.errors:>6} {r.cost_units:>11.0f}"
+            f" {min(r.runs, default=0):>6.1%}-{max(r.runs, default=0):>6.1%}"
             + "".join(f" {r.by_task.get(t, 0.0):>12.1%}" for t in tasks)
         )
     return "\n".join(lines)
@@ -163,6 +186,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="qwen-7b")
     parser.add_argument("--time-scale", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per point, seeds seed..seed+N-1; requests are pooled"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/experiment-a"))
 
 
@@ -173,22 +199,33 @@ def experiment_main(args: argparse.Namespace) -> int:
     rates = [float(q) for q in args.qps.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[PointResult] = []
-    total = len(policies) * len(rates)
-    for i, (qps, policy) in enumerate(((q, p) for q in rates for p in policies), 1):
-        _progress(f"({i}/{total}) policy={policy} qps={qps}: {len(tasks) * args.per_task} requests")
-        result, _ = run_point(
-            policy,
-            qps,
-            tasks,
-            args.per_task,
-            args.engines,
-            args.profile,
-            args.time_scale,
-            args.slo_profile or args.tasks,
-            args.seed,
-        )
-        _progress(f"  attainment {result.summary.attainment:.1%}")
-        results.append(result)
+    total = len(policies) * len(rates) * args.repeat
+    step = 0
+    for qps in rates:
+        for policy in policies:
+            runs: list[list[Outcome]] = []
+            costs: list[float] = []
+            for seed in range(args.seed, args.seed + args.repeat):
+                step += 1
+                _progress(
+                    f"({step}/{total}) policy={policy} qps={qps} seed={seed}: "
+                    f"{len(tasks) * args.per_task} requests"
+                )
+                result, outcomes = run_point(
+                    policy,
+                    qps,
+                    tasks,
+                    args.per_task,
+                    args.engines,
+                    args.profile,
+                    args.time_scale,
+                    args.slo_profile or args.tasks,
+                    seed,
+                )
+                _progress(f"  attainment {result.summary.attainment:.1%}")
+                runs.append(outcomes)
+                costs.append(result.cost_units)
+            results.append(pooled(policy, qps, tasks, runs, costs))
     table = render(results)
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
@@ -201,6 +238,7 @@ def experiment_main(args: argparse.Namespace) -> int:
                     "cost_units": r.cost_units,
                     **asdict(r.summary),
                     "attainment_by_task": r.by_task,
+                    "attainment_per_run": list(r.runs),
                 }
                 for r in results
             ],

@@ -46,6 +46,18 @@ def test_attainment_point_smoke() -> None:
     )
     assert len(outcomes) == 20 and all(o.status == 200 for o in outcomes)
     assert 0.0 <= result.summary.attainment <= 1.0 and result.cost_units > 0
+    assert set(result.by_task) == {t.name for t in HYPERFLEXIS_4TASK} and len(result.runs) == 1
+
+
+def test_attainment_cli_pools_repeated_runs(tmp_path: Path) -> None:
+    argv = ["experiment", "attainment", "--policies", "round-robin", "--qps", "20", "--per-task", "2"]
+    argv += ["--repeat", "2", "--out", str(tmp_path)]
+    assert cli_main(argv) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())
+    assert row["requests"] == 16 and len(row["attainment_per_run"]) == 2  # 4 tasks x 2 x 2 seeds
+    assert row["attainment"] == sum(row["attainment_per_run"]) / 2  # equal-sized runs pool to the mean
+    assert "runs min-max" in (tmp_path / "table.txt").read_text()
+    assert (tmp_path / "attainment_vs_qps.png").stat().st_size > 1000
 
 
 def test_priority_ramp_smoke(tmp_path: Path) -> None:
