@@ -233,7 +233,9 @@ def _fill_worker(
             scanned += 1
             prompt = item.view.prompt_tokens
             need_kv = prompt + item.view.max_output_tokens
-            if (prompt > budget_left and admitted) or need_kv > kv_left:
+            # strictly within what is left: a long late prompt must not stretch the turn that
+            # the next urgent arrival waits behind (it still goes to an idle worker)
+            if prompt > budget_left or need_kv > kv_left:
                 continue
             alone = a + b * prompt + c * prompt * prompt
             if item.view.arrival + item.ttft_slo >= now + alone:

@@ -110,6 +110,15 @@ def test_late_requests_fill_leftover_budget_and_idle_workers() -> None:
     assert dispatch([late], [worker("w")], 0.0, no_backfill).assignments == ()
 
 
+def test_a_long_late_prompt_never_stretches_a_busy_workers_turn() -> None:
+    # budget with TTFT 1 s x 0.5 and TPOT 0.1 s is a few thousand tokens; this prompt exceeds it
+    long_late = req("long", arrival=-20.0, ttft=1.0, prompt=20_000, out=10)
+    busy = worker("w", running=(RunningRequest(100, 5, 0.1, True),))
+    assert dispatch([long_late], [busy], 0.0).assignments == ()
+    # an idle worker has no turn to protect: it takes it
+    assert [a.request_id for a in dispatch([long_late], [worker("w")], 0.0).assignments] == ["long"]
+
+
 def test_feasible_requests_come_first_and_unlucky_ones_wait_for_a_better_worker() -> None:
     late = req("late", arrival=-5.0, ttft=1.0, prompt=100)
     fresh = req("fresh", arrival=0.0, ttft=1.0, prompt=100)
