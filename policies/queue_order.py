@@ -165,16 +165,20 @@ class StrictPriority:
 
 @dataclass(frozen=True, slots=True)
 class SloTpot:
-    """HyperFlexis's request priority queue (Algorithm 1, Q_R): tightest TPOT first, then arrival.
+    """HyperFlexis's request priority queue (Algorithm 1, Q_R): tightest TPOT first, then arrival,
+    within a priority level (0 first; requests without one are all level 0).
 
-    Static: ``(tpot_slo, arrival, seq)``. The paper's default order for its dispatcher.
+    Static: ``(priority, tpot_slo, arrival, seq)``. The level comes first because mapped targets
+    can collide: while no P0 traffic runs, Algorithm 2 relaxes lower levels' floors down to P0's,
+    and when P0 joins it would queue behind that backlog on equal TPOT (measured: 35 % of P0 on
+    time in the join window of Experiment B, against 95-100 % with the level first).
     """
 
     name: str = field(default="slo_tpot", init=False)
     context_sensitive: bool = field(default=False, init=False)
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
-        return (item.tpot_slo, item.view.arrival, item.seq), _INF
+        return (float(item.view.priority), item.tpot_slo, item.view.arrival, item.seq), _INF
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,28 @@ CASES: list[tuple[str, dict[str, Any], list[QueuedRequest], float, list[int]]] =
         3.0,
         [2, 1, 0],
     ),
+    (
+        "slo_tpot",
+        {},
+        [replace(req(0), tpot_slo=0.9), replace(req(1, arrival=1.0), tpot_slo=0.5)],
+        2.0,
+        [1, 0],
+    ),
+    (
+        "slo_tpot",
+        {},
+        [replace(req(1, arrival=1.0), tpot_slo=0.5), replace(req(0), tpot_slo=0.5)],
+        2.0,
+        [0, 1],
+    ),
+    # a lower level never overtakes a higher one, whatever targets the mapping gave them
+    (
+        "slo_tpot",
+        {},
+        [replace(req(0, priority=3), tpot_slo=0.3), replace(req(1, arrival=5.0), tpot_slo=0.5)],
+        6.0,
+        [1, 0],
+    ),
     ("strict_priority", {}, [req(1, priority=-1), req(0, priority=1)], 0.0, [1, 0]),
     ("strict_priority", {}, [req(3, priority=1), req(2, priority=1)], 0.0, [2, 3]),
     # SJF with aging (Gimbal Algorithm 2): before theta_age the shortest prompt wins ...
