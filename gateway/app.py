@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -93,7 +92,7 @@ class Gateway:
             self._class_limits,
             hyperflexis=self.dispatcher.hyperflexis,
             max_engine_load=s.max_engine_load,
-            tightest_ttft_s=min((c.ttft_s for c in self.slo.profile.classes.values()), default=math.inf),
+            tightest_ttft_s=self.slo.profile.tightest_ttft_s,
         )
         self.dispatch.start()
         self.monitor.on_tick = self.dispatch.wake

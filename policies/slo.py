@@ -147,6 +147,16 @@ class SloProfile(BaseModel):
                 seen.add(level.name)
         return self
 
+    @property
+    def tightest_ttft_s(self) -> float:
+        """The tightest TTFT a request can be given: any class's, or the floor of any priority
+        level (Algorithm 2 can assign down to it). The dispatcher budgets against it so that work
+        handed out while only lax requests wait cannot block the next strict arrival."""
+        targets = [c.ttft_s for c in self.classes.values()]
+        if self.priority is not None:
+            targets += [level.ttft_s[0] for level in self.priority.levels]
+        return min(targets)
+
     def queue_limits(self, slo_class: str) -> QueueLimits:
         """Queue limits of a class or priority level by name (``SloTarget.slo_class``)."""
         if slo_class in self.classes:

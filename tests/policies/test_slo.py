@@ -144,6 +144,29 @@ def test_queue_limits_by_class_name() -> None:
         WITH_PRIORITY.queue_limits("nope")
 
 
+@pytest.mark.parametrize(
+    ("profile", "tightest"),
+    [
+        (WITHOUT_PRIORITY, 0.5),  # the "chat" class
+        (WITH_PRIORITY, 0.2),  # p0's floor: the mapper can assign down to it
+        (
+            slo_profile_from_mapping(
+                {
+                    **PROFILE,
+                    "priority": {
+                        **PROFILE["priority"],
+                        "levels": [{"name": "p0", "ttft_s": [0.9, 1.0], "tpot_s": [0.1, 0.2], "queue": Q}],
+                    },
+                }
+            ),
+            0.5,
+        ),
+    ],
+)
+def test_tightest_ttft_counts_classes_and_priority_floors(profile: SloProfile, tightest: float) -> None:
+    assert profile.tightest_ttft_s == tightest
+
+
 def mutate(path: str, value: Any) -> dict[str, Any]:
     """A copy of PROFILE with ``path`` (dotted, list indexes allowed) set, or deleted if value is DEL."""
     data = copy.deepcopy(PROFILE)
