@@ -211,10 +211,17 @@ class LatencyModel:
     decode_samples: tuple[DecodeSample, ...] = ()
     capacity: int = 512
     min_samples: int = MIN_SAMPLES
+    #: no fitted coefficient goes below this share of the prior's. The gateway's samples are whole
+    #: requests: under load a TTFT is mostly waiting, so the relative-error fit can explain it with
+    #: a constant and drive ``b`` to 0, and a zero per-token cost makes the eq.(5) budget
+    #: unbounded (measured: 70 k prompt tokens handed to one engine in a turn, P0 timed out for 5 s).
+    prior_floor: float = 0.25
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if not 0.0 <= self.prior_floor <= 1.0:
+            raise ValueError(f"prior_floor must be in [0, 1], got {self.prior_floor}")
 
     @classmethod
     def from_prior(
@@ -232,12 +239,19 @@ class LatencyModel:
         return replace(self, decode_samples=(*self.decode_samples, sample)[-self.capacity :])
 
     def refit(self) -> LatencyModel:
-        """Re-fit both stages on the rings (relative error, non-negative), priors as fallback."""
+        """Re-fit both stages on the rings (relative error, non-negative), priors as fallback and
+        ``prior_floor`` times the priors as lower bounds."""
+        prefill = fit_prefill(self.prefill_samples, self.prior_prefill, min_samples=self.min_samples)
+        decode = fit_decode(self.decode_samples, self.prior_decode, min_samples=self.min_samples)
         return replace(
             self,
-            prefill=fit_prefill(self.prefill_samples, self.prior_prefill, min_samples=self.min_samples),
-            decode=fit_decode(self.decode_samples, self.prior_decode, min_samples=self.min_samples),
+            prefill=self._floored(prefill, self.prior_prefill),
+            decode=self._floored(decode, self.prior_decode),
         )
+
+    def _floored(self, fitted: Coeffs, prior: Coeffs) -> Coeffs:
+        a, b, c = (max(f, self.prior_floor * p) for f, p in zip(fitted, prior, strict=True))
+        return (a, b, c)
 
     def predict_prefill(self, input_lengths: Sequence[int]) -> float:
         return predict_prefill(self.prefill, input_lengths)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -151,7 +152,7 @@ def test_prediction_error(
 
 def test_latency_model_rings_and_refit() -> None:
     prior_prefill: Coeffs = (0.05, 2e-4, 0.0)
-    prior_decode: Coeffs = (0.02, 1e-5, 0.0)
+    prior_decode: Coeffs = (0.02, 5e-6, 0.0)
     model = LatencyModel.from_prior(prior_prefill, prior_decode, capacity=64)
     assert model.refit() == model  # no samples: priors stay
     samples = prefill_samples(9, 100, noise=0.01)
@@ -172,6 +173,24 @@ def test_latency_model_rings_and_refit() -> None:
     assert fitted.decode_error() < 0.02 < model.decode_error()
     assert fitted.predict_decode(1000, 4) == pytest.approx(predict_decode(fitted.decode, 1000, 4))
     assert fitted.predict_prefill([10, 20]) == pytest.approx(predict_prefill(fitted.prefill, [10, 20]))
+
+
+def test_refit_never_goes_below_a_share_of_the_prior() -> None:
+    # TTFTs that are all waiting: the same 0.5 s whatever the prompt length. The unconstrained
+    # fit explains them with a constant (b = c = 0), which would make the eq.(5) budget unbounded.
+    flat = [PrefillSample((n,), 0.5) for n in range(100, 2100, 100)]
+    assert fit_prefill(flat, TRUE_PREFILL)[1:] == (0.0, 0.0)
+    model = LatencyModel.from_prior(TRUE_PREFILL, TRUE_DECODE)
+    for sample in flat:
+        model = model.observe_prefill(sample)
+    a, b, c = model.refit().prefill
+    assert a == pytest.approx(0.5) and (b, c) == pytest.approx(
+        (0.25 * TRUE_PREFILL[1], 0.25 * TRUE_PREFILL[2])
+    )
+    unfloored = replace(model, prior_floor=0.0).refit().prefill
+    assert unfloored[1:] == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        LatencyModel(TRUE_PREFILL, TRUE_DECODE, TRUE_PREFILL, TRUE_DECODE, prior_floor=1.5)
 
 
 def test_latency_model_refits_to_the_prior_when_the_ring_is_too_small() -> None:
