@@ -80,7 +80,10 @@ def test_request_id_is_forwarded_and_returned() -> None:
             client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
             with pytest.raises(openai.InternalServerError) as given:
                 client.chat.completions.create(
-                    model=MODEL, messages=MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": "req-abc-123"}
+                    model=MODEL,
+                    messages=MESSAGES,
+                    max_tokens=2,
+                    extra_headers={"X-Request-Id": "req-abc-123"},
                 )
             with pytest.raises(openai.InternalServerError) as generated:
                 client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
@@ -91,7 +94,9 @@ def test_request_id_is_forwarded_and_returned() -> None:
     assert len(made_up) >= 16 and engine.received[1][0]["x-request-id"] == made_up
 
 
-@pytest.mark.parametrize(("kind", "low_first", "sign"), [("vllm", None, 1), ("sglang", None, -1), ("sglang", True, 1)])
+@pytest.mark.parametrize(
+    ("kind", "low_first", "sign"), [("vllm", None, 1), ("sglang", None, -1), ("sglang", True, 1)]
+)
 def test_engine_priority_follows_each_engines_direction(kind: str, low_first: bool | None, sign: int) -> None:
     """The gateway sends its TTFT-deadline order as ``priority``; SGLang runs high values first."""
     with BrokenEngine(500) as engine:

@@ -29,7 +29,9 @@ def outcome(objective: str, result: str) -> float:
         (None, None, set()),  # failed or shed
     ],
 )
-def test_each_objective_is_judged_on_its_own(ttft_s: float | None, tpot_s: float | None, met: set[str]) -> None:
+def test_each_objective_is_judged_on_its_own(
+    ttft_s: float | None, tpot_s: float | None, met: set[str]
+) -> None:
     slo = SloService(load_settings(None))
     before = {(o, r): outcome(o, r) for o in ("ttft", "tpot", "both") for r in ("met", "missed")}
     slo.finished(TARGET, None, "e0", ttft_s, tpot_s, 0.0, 10, 10, 1)
