@@ -237,8 +237,7 @@ def _fill_worker(
             # the next urgent arrival waits behind (it still goes to an idle worker)
             if prompt > budget_left or need_kv > kv_left:
                 continue
-            alone = a + b * prompt + c * prompt * prompt
-            if item.view.arrival + item.ttft_slo >= now + alone:
+            if item.ttft_deadline >= now + predict_prefill(coeffs, (prompt,)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
             admitted.append((item, False))
             budget_left -= prompt
