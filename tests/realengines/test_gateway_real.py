@@ -162,7 +162,7 @@ def test_sdk_errors_map_to_the_right_exceptions(gateway: RunningGateway) -> None
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.completions.create(model=VLLM_SHARED_NAME, prompt=too_long, max_tokens=4)
     assert bad.value.status_code == 400
-    # llama.cpp: 2 slots share -c 4096, so 2048 tokens per request
+    # llama.cpp: 2 slots share -c 8192, so 4096 tokens per request; the prompt is 5000
     with pytest.raises(openai.BadRequestError):
         sdk.completions.create(model=LLAMACPP_NAME, prompt=too_long, max_tokens=4)
     # the gateway's own validation
@@ -175,7 +175,8 @@ def test_sdk_errors_map_to_the_right_exceptions(gateway: RunningGateway) -> None
 
 
 def _load(engine: RunningEngine, n: int, max_tokens: int, stop: threading.Event) -> list[threading.Thread]:
-    """``n`` long streams sent straight to ``engine`` (not through the gateway), closed when ``stop`` is set."""
+    """``n`` streams sent straight to ``engine`` (not through the gateway), each re-sent when it ends,
+    until ``stop`` is set (llama.cpp finishes 1500 tokens in under a second)."""
 
     def one() -> None:
         body = {
@@ -186,10 +187,11 @@ def _load(engine: RunningEngine, n: int, max_tokens: int, stop: threading.Event)
             "ignore_eos": True,
             "stream": True,
         }
-        with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=300) as r:
-            for _ in r.iter_bytes():
-                if stop.is_set():
-                    return
+        while not stop.is_set():
+            with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=300) as r:
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        return
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
     for t in threads:
@@ -213,14 +215,15 @@ def test_engine_state_is_scraped_under_load_and_least_load_routes_away(
         fcfs = view["vllm-fcfs"]["state"]
         assert fcfs["num_running"] == 2 and fcfs["kv_usage"] > 0, fcfs
         assert fcfs["block_size"] and fcfs["num_gpu_blocks"], fcfs
-        assert wait_until(
-            lambda: (gateway_view(gateway)["llama"]["state"] or {}).get("kv_usage", 0) > 0, timeout=30
-        ), gateway_view(gateway)["llama"]
-        llama = gateway_view(gateway)["llama"]["state"]
-        # llama-server publishes no KV gauge: use and capacity come from its /slots (2 slots x 2048)
-        assert llama["num_running"] == 1 and llama["num_gpu_blocks"] == 4096 and llama["block_size"] == 1, (
-            llama
-        )
+
+        def llama_busy() -> dict[str, Any] | None:
+            state: dict[str, Any] = gateway_view(gateway)["llama"]["state"] or {}
+            return state if state.get("kv_usage", 0) > 0 and state.get("num_running") == 1 else None
+
+        assert wait_until(lambda: llama_busy() is not None, timeout=30), gateway_view(gateway)["llama"]
+        llama = llama_busy() or gateway_view(gateway)["llama"]["state"]
+        # llama-server publishes no KV gauge: use and capacity come from its /slots (2 slots x 4096)
+        assert llama["num_gpu_blocks"] == 8192 and llama["block_size"] == 1, llama
         # least load: the other vLLM server takes every request for the shared model
         sdk = client(gateway)
         served = []
@@ -334,6 +337,13 @@ def test_priority_zero_overtakes_a_queue_on_a_priority_engine(
 # -- disconnects and failures ---------------------------------------------------------------------
 
 
+def tokens_generated(engine: RunningEngine) -> float:
+    """The engine's own count of tokens it has decoded, aborted requests included."""
+    name = "llamacpp:n_decode_total" if engine.kind == "llamacpp" else "vllm:generation_tokens_total"
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
 @pytest.mark.parametrize("model", [VLLM_SHARED_NAME, LLAMACPP_NAME])
 def test_client_disconnect_aborts_the_real_engine_request(
     gateway: RunningGateway,
@@ -346,19 +356,24 @@ def test_client_disconnect_aborts_the_real_engine_request(
         "vllm-prio": vllm_servers["priority"],
         "llama": llamacpp_server,
     }
+    # as long as each engine allows: vLLM (max-model-len 2048) needs seconds for 1500 tokens, llama.cpp
+    # decodes ~2,500 tokens/s and gets 4000 (its slot holds 4096)
+    max_tokens = 4000 if model == LLAMACPP_NAME else 1500
     body = {
         "model": model,
         "messages": MESSAGES,
-        "max_tokens": 1500,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
+    before = {name: tokens_generated(engine) for name, engine in by_id.items()}
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as r,
     ):
-        engine = by_id[r.headers["x-slogate-engine"]]
+        name = r.headers["x-slogate-engine"]
+        engine = by_id[name]
         chunks = r.iter_bytes()
         seen = 0
         while seen < 5:
@@ -367,8 +382,12 @@ def test_client_disconnect_aborts_the_real_engine_request(
         closed_at = time.monotonic()
     assert wait_until(lambda: engine_state(engine).num_running == 0, timeout=10, interval=0.02)
     abort_s = time.monotonic() - closed_at
-    # 1500 tokens at a few ms each would run for seconds: it stopped because the gateway aborted it
     assert abort_s < 2.0, abort_s
+    # the engine stopped because the gateway aborted it, not because it had finished
+    generated = tokens_generated(engine) - before[name]
+    assert 5 <= generated < max_tokens / 2, generated
+    time.sleep(0.3)
+    assert tokens_generated(engine) - before[name] == generated
 
 
 def test_killed_engine_is_ejected_and_requests_keep_succeeding(tmp_path: Path) -> None:
