@@ -107,7 +107,7 @@ def vllm_priority(vllm_servers: dict[str, RunningEngine]) -> RunningEngine:
 
 @pytest.fixture(scope="session")
 def llamacpp_server() -> Iterator[RunningEngine]:
-    # 2 slots x 4096 tokens (the GGUF's trained context): the tiny model decodes ~2,500 tokens/s, so a
+    # 2 slots x 4096 tokens (the GGUF's trained context): the tiny model decodes ~1,250 tokens/s, so a
     # request needs thousands of tokens to still be running when a test looks at it
     engine = start_llamacpp(LLAMACPP_NAME, ctx_size=8192)
     try:
