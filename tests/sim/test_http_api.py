@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -185,7 +187,8 @@ async def test_ttft_and_itl_match_the_model(timing_profile: Path, scale: float) 
         "--profile", str(timing_profile), "--model", MODEL, "--time-scale", str(scale)
     ) as proc:
         url = proc.url + "/v1/completions"
-        ttfts, itls = [], []
+        ttfts: list[float] = []
+        gaps: list[float] = []
         async with aiohttp.ClientSession() as session:
             # first-request costs (imports, pools, the connection) are not the model's latency
             await stream(url, {"prompt": "warm", "max_tokens": 1}, session=session)
@@ -195,10 +198,12 @@ async def test_ttft_and_itl_match_the_model(timing_profile: Path, scale: float) 
                 )
                 assert len(times) == 16
                 ttfts.append(times[0] - sent)
-                itls.append((times[-1] - times[0]) / 15)
-    ttft, itl = min(ttfts), sum(itls) / len(itls)
-    assert ttft == pytest.approx(0.3 / scale, rel=0.10), ttfts
-    assert itl == pytest.approx(0.04 / scale, rel=0.10), itls
+                gaps += [b - a for a, b in itertools.pairwise(times)]
+    # best TTFT and median gap: a scheduling hiccup of the 2-core machine delays one step, not the model;
+    # TTFT also carries the HTTP round trip, which does not shrink with the time scale (hence abs=)
+    ttft, itl = min(ttfts), statistics.median(gaps)
+    assert ttft == pytest.approx(0.3 / scale, rel=0.10, abs=0.005), ttfts
+    assert itl == pytest.approx(0.04 / scale, rel=0.10), gaps
 
 
 # -- (b) throughput and queueing --------------------------------------------------------------
