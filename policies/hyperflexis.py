@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
@@ -191,13 +191,9 @@ def _fill_worker(
     kv_left = worker.free_kv_tokens
     budget_left: int | None = None
     admitted: list[tuple[QueuedRequest, bool]] = []
-    scanned = 0
-    for item in queue:
-        if scanned >= params.max_scan or free_seqs <= 0:
+    for item in _candidates(queue, taken, params.max_scan):
+        if free_seqs <= 0:
             break
-        if item.view.request_id in taken:
-            continue
-        scanned += 1
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
             tpot = min([r.tpot_slo for r in shadow] + [item.tpot_slo])
@@ -222,15 +218,10 @@ def _fill_worker(
         kv_left -= need_kv
         free_seqs -= 1
     if params.late_backfill and budget_left is not None:
-        chosen = {item.view.request_id for item, _ in admitted}
-        scanned = 0
-        for item in queue:
-            if scanned >= params.max_scan or free_seqs <= 0 or budget_left <= 0:
+        chosen = taken | {item.view.request_id for item, _ in admitted}
+        for item in _candidates(queue, chosen, params.max_scan):
+            if free_seqs <= 0 or budget_left <= 0:
                 break
-            rid = item.view.request_id
-            if rid in taken or rid in chosen:
-                continue
-            scanned += 1
             prompt = item.view.prompt_tokens
             need_kv = prompt + item.view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
@@ -250,6 +241,18 @@ def _fill_worker(
                     admitted.append((item, False))
                 break
     return admitted
+
+
+def _candidates(queue: Sequence[QueuedRequest], skip: set[str], max_scan: int) -> Iterator[QueuedRequest]:
+    """The queue in order without ``skip``, at most ``max_scan`` of it: a turn's cost stays bounded
+    however long the queue grows."""
+    scanned = 0
+    for item in queue:
+        if scanned >= max_scan:
+            return
+        if item.view.request_id not in skip:
+            scanned += 1
+            yield item
 
 
 def _next_maturity(
