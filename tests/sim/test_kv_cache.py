@@ -37,17 +37,42 @@ def test_prefix_hit_after_release_and_events() -> None:
     cache = KVCache(8, BS)
     tokens = list(range(12))
     seq = fill(cache, tokens)
+    first_blocks = list(seq.blocks)  # release() empties seq.blocks: remember the physical ids
     stored = cache.drain_events()
     assert stored == [BlockStored(tuple(prefix_hashes(tokens, BS)), None, tuple(tokens), BS)]
     cache.release(seq)
     assert cache.usage == 0.0
     assert cache.cached_prefix_blocks(prefix_hashes([*tokens, 50, 51, 52, 53], BS)) == 3
     other = fill(cache, [*tokens, 50, 51, 52, 53])
-    assert other.blocks[:3] == seq.blocks[:3] or len(set(other.blocks[:3])) == 3
-    (event,) = cache.drain_events()
+    # the three cached blocks are the very same physical blocks, not recomputed copies
+    assert other.blocks[:3] == first_blocks
+    assert other.blocks[3] not in first_blocks
+    assert cache.available == 8 - 4  # one new block taken, the cached three came back into use
+    (event,) = cache.drain_events()  # only the new block is announced; nothing evicted or re-stored
     assert isinstance(event, BlockStored)
     assert event.parent_block_hash == prefix_hashes(tokens, BS)[-1]
     assert event.token_ids == (50, 51, 52, 53)
+
+
+def test_live_sequences_share_prefix_blocks_by_reference() -> None:
+    cache = KVCache(6, BS)
+    prefix = list(range(8))  # two full blocks
+    a = fill(cache, [*prefix, 1, 2, 3, 4])
+    b = fill(cache, [*prefix, 5, 6, 7, 8])
+    shared = a.blocks[:2]
+    assert b.blocks[:2] == shared and b.blocks[2] != a.blocks[2]
+    assert [cache.refs[blk] for blk in shared] == [2, 2]
+    assert cache.available == 6 - 4  # 2 shared + 1 private each, not 3 + 3
+    cache.release(a)
+    # b still holds the shared blocks: they must be neither free nor evictable
+    assert [cache.refs[blk] for blk in shared] == [1, 1]
+    assert not set(shared) & (set(cache.free) | set(cache.evictable))
+    cache.release(b)
+    assert cache.available == 6
+    # a later request finds the prefix cached and gets the same physical blocks back
+    c = fill(cache, [*prefix, 9, 9, 9, 9])
+    assert c.blocks[:2] == shared
+    assert [cache.refs[blk] for blk in shared] == [1, 1]
 
 
 def test_lru_eviction_of_unreferenced_blocks() -> None:
