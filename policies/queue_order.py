@@ -45,8 +45,12 @@ class QueuedRequest:
     number (strictly increasing per queue) and the final tie-break of every order.
     ``queue_deadline`` is the absolute time (same clock as ``view.arrival``) at which the request
     must leave the queue whatever happens (:meth:`AdmissionQueue.expire`); ``inf`` = never.
-    ``effective_deadline`` is the MFS robust effective deadline of the batch the request was
-    admitted with (see :func:`with_batch_red`); ``None`` means the request's own TTFT deadline.
+    ``batch_deadlines`` are the absolute TTFT deadlines (same clock) of every member of the batch
+    the request belongs to, its own included: the input of the MFS ``red`` order, which ranks a
+    request by its batch's Robust Effective Deadline (:attr:`effective_deadline`). ``()``, the
+    default, is a batch of one. Who fills it: whoever queues requests that form a batch (the
+    gateway, for requests a client declares as one batch), through :func:`with_batch`, again for
+    the queued members whenever a member joins; other orders ignore it.
     ``prefill_tokens_ahead`` is the prompt-token backlog queued ahead of the request when it was
     admitted (Kairos Algorithm 2); ``None`` lets the queue stamp it at push for orders that use it.
     """
@@ -56,13 +60,21 @@ class QueuedRequest:
     tpot_slo: float
     seq: int
     queue_deadline: float = _INF
-    effective_deadline: float | None = None
+    batch_deadlines: tuple[float, ...] = ()
     prefill_tokens_ahead: int | None = None
 
     @property
     def ttft_deadline(self) -> float:
         """Absolute time by which the first token is due: ``arrival + ttft_slo`` (seconds)."""
         return self.view.arrival + self.ttft_slo
+
+    @property
+    def effective_deadline(self) -> float:
+        """MFS Robust Effective Deadline of the request's batch (absolute seconds): the same for
+        every member; a request with no batch (``batch_deadlines == ()``) is its own deadline."""
+        if not self.batch_deadlines:
+            return self.view.arrival + self.ttft_slo
+        return robust_effective_deadline(self.batch_deadlines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +382,7 @@ def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
     put(clone, "tpot_slo", item.tpot_slo)
     put(clone, "seq", item.seq)
     put(clone, "queue_deadline", item.queue_deadline)
-    put(clone, "effective_deadline", item.effective_deadline)
+    put(clone, "batch_deadlines", item.batch_deadlines)
     put(clone, "prefill_tokens_ahead", tokens)
     return clone
 
@@ -393,27 +405,44 @@ def robust_effective_deadline(deadlines: Sequence[float]) -> float:
     return tight_share * ordered[0] + (1.0 - tight_share) * ordered[split]
 
 
-def with_batch_red(items: Sequence[QueuedRequest]) -> list[QueuedRequest]:
-    """The items of one batch (admitted together) stamped with the batch's RED over TTFT deadlines."""
+def with_batch(items: Sequence[QueuedRequest]) -> list[QueuedRequest]:
+    """The members of one batch, each carrying every member's TTFT deadline (``batch_deadlines``).
+
+    When a member joins, call it with the newcomer and the batch's members still queued, push the
+    newcomer and re-queue the others (remove, then push the returned item; ``seq`` is kept, so
+    ties still break by admission): RED is a property of the whole batch, and a member keyed with
+    an older deadline set would rank apart from its peers. The tuple is shared by all members
+    (one allocation per batch change).
+    """
     if not items:
         return []
-    red = robust_effective_deadline([i.ttft_deadline for i in items])
-    return [replace(i, effective_deadline=red) for i in items]
+    deadlines = tuple(i.ttft_deadline for i in items)
+    return [replace(i, batch_deadlines=deadlines) for i in items]
 
 
 @dataclass(frozen=True, slots=True)
 class RobustEffectiveDeadline:
     """MFS RED ordering (§4.4.2) with soft overload control (Appendix B steps 2-3).
 
-    Main queue, ascending RED: ``(0, RED, ttft_deadline, seq)`` where RED is
-    ``item.effective_deadline`` (stamped per admitted batch by :func:`with_batch_red`, so an
-    outlier-tight member cannot hijack its batch's priority — the Piggyback effect) or, for a
-    request admitted alone, its own TTFT deadline (a batch of one). Black Hole control: once the
-    request can no longer meet its own TTFT deadline even if dispatched now
-    (``now > deadline - ctx.predicted_prefill_s(prompt_tokens)``) it is demoted, not dropped, to the
-    Scavenger class ``(1, RED, ttft_deadline, seq)`` served only when the main class is empty.
-    One key change per request (the demotion); RED itself is static, computed at batch arrival as
-    the paper does ("triggered upon batch arrival and departure", no per-step updates).
+    MFS orders *batches*, not requests: requests that run together share one fate, so a batch is
+    ranked by ``RED = f * D_min^T + (1 - f) * D_min^Lo`` over its members' deadlines (see
+    :func:`robust_effective_deadline`) instead of its earliest deadline, and a few outlier-tight
+    members cannot lift a mostly-loose batch over globally more urgent work (the Piggyback
+    effect). Main queue: ``(0, RED, ttft_deadline, seq)``, RED read from the item's
+    ``batch_deadlines``; members of a batch are contiguous in RED and go tightest member first. A
+    request that declares no batch is a batch of one, and the order is then EDF on its TTFT
+    deadline: RED only differs from EDF when the caller fills ``batch_deadlines``.
+
+    Black Hole control: once a request can no longer meet its own TTFT deadline even if dispatched
+    now (``now > deadline - ctx.predicted_prefill_s(prompt_tokens)``) it is demoted, not dropped,
+    to the Scavenger class ``(1, RED, ttft_deadline, seq)``, served only when the main class is
+    empty. MFS checks a batch's predicted completion against ``D_min^Lo`` because its members run
+    as one synchronous batch; here members are dispatched one by one, so each is judged against
+    its own deadline with its own prefill.
+
+    One key change per request (the demotion). RED is static between batch changes, as in the
+    paper (recomputed "upon batch arrival and departure", not per step); a batch change re-queues
+    the members with new ``batch_deadlines`` (:func:`with_batch`), which re-keys them.
     ``scavenger=False`` disables the demotion (pure RED order, static).
     """
 
@@ -425,8 +454,8 @@ class RobustEffectiveDeadline:
         _require(isinstance(self.scavenger, bool), f"scavenger must be true or false, got {self.scavenger!r}")
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
-        deadline = item.view.arrival + item.ttft_slo
-        red = deadline if item.effective_deadline is None else item.effective_deadline
+        deadline = item.ttft_deadline
+        red = item.effective_deadline
         if not self.scavenger:
             return (0.0, red, deadline, item.seq), _INF
         last_feasible = deadline - ctx.predicted_prefill_s(item.view.prompt_tokens)

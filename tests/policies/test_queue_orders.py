@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from policies.admission_queue import AdmissionQueue
 from policies.api import PolicyConfigError, RequestView
 from policies.queue_order import (
     ORDERS,
@@ -15,10 +16,11 @@ from policies.queue_order import (
     OrderContext,
     QueuedRequest,
     QueueOrder,
+    RobustEffectiveDeadline,
     make_order,
     robust_effective_deadline,
     ttft_infeasible,
-    with_batch_red,
+    with_batch,
     with_prefill_backlog,
 )
 
@@ -33,7 +35,7 @@ def req(
     priority: int = 0,
     ttft: float = 10.0,
     backlog: int | None = None,
-    red: float | None = None,
+    batch: tuple[float, ...] = (),
 ) -> QueuedRequest:
     return QueuedRequest(
         view=RequestView(
@@ -47,7 +49,7 @@ def req(
         ttft_slo=ttft,
         tpot_slo=0.05,
         seq=seq,
-        effective_deadline=red,
+        batch_deadlines=batch,
         prefill_tokens_ahead=backlog,
     )
 
@@ -152,20 +154,35 @@ CASES: list[tuple[str, dict[str, Any], list[QueuedRequest], float, list[int]]] =
     ),
     # late requests (negative slack) come after every feasible one
     ("kairos", {}, [req(0, prompt=100, ttft=0.05), req(1, prompt=5000, ttft=60.0)], 0.0, [1, 0]),
-    # RED: a singleton is EDF on its TTFT deadline
+    # RED: a request in no batch is a batch of one, i.e. EDF on its TTFT deadline
     ("red", {}, [req(0, ttft=5.0), req(1, ttft=3.0)], 0.0, [1, 0]),
     # a batch whose one tight outlier (deadline 1) sits with three loose members (deadline 10) has
-    # RED 7.75, so a lone request with deadline 5 goes first (no Piggyback)
+    # RED 0.25 * 1 + 0.75 * 10 = 7.75, so a lone request with deadline 5 goes first (no Piggyback);
+    # EDF would serve the outlier first
     (
         "red",
         {},
         [
-            *with_batch_red([req(0, ttft=1.0), req(1, ttft=10.0), req(2, ttft=10.0), req(3, ttft=10.0)]),
+            *with_batch([req(0, ttft=1.0), req(1, ttft=10.0), req(2, ttft=10.0), req(3, ttft=10.0)]),
             req(4, ttft=5.0),
         ],
         0.0,
         [4, 0, 1, 2, 3],
     ),
+    # a mostly tight batch (deadlines 1, 1, 1 and 10) has RED 0.75 * 1 + 0.25 * 10 = 3.25: its loose
+    # member rides with it ahead of a lone request due at 5; EDF would put that member last
+    (
+        "red",
+        {},
+        [
+            req(4, ttft=5.0),
+            *with_batch([req(0, ttft=1.0), req(1, ttft=1.0), req(2, ttft=1.0), req(3, ttft=10.0)]),
+        ],
+        0.0,
+        [0, 1, 2, 3, 4],
+    ),
+    # the order reads the deadlines each item carries, however they were stamped
+    ("red", {}, [req(0, ttft=4.0, batch=(4.0, 9.0)), req(1, ttft=6.0)], 0.0, [1, 0]),
     # Scavenger: a request that can no longer meet its deadline is demoted behind feasible ones
     ("red", {}, [req(0, ttft=1.5, prompt=1000), req(1, ttft=9.0)], 0.6, [1, 0]),
     ("red", {"scavenger": False}, [req(0, ttft=1.5, prompt=1000), req(1, ttft=9.0)], 0.6, [0, 1]),
@@ -199,6 +216,7 @@ def test_keys_are_piecewise_constant(name: str) -> None:
     """Recomputing anywhere in [t, valid_until) gives the same key (the lazy re-keying relies on it)."""
     order = make_order(name)
     items = [req(i, arrival=0.2 * i, prompt=300 * i + 1, ttft=1.0 + i % 4, backlog=200 * i) for i in range(8)]
+    items += with_batch([req(8 + i, arrival=0.1 * i, prompt=500 * i + 1, ttft=0.5 + 3 * i) for i in range(4)])
     for item in items:
         now = 0.0
         changes = 0
@@ -283,14 +301,72 @@ def test_robust_effective_deadline() -> None:
     assert robust_effective_deadline([1.0, 1.5, 9.0, 9.2]) == pytest.approx(0.5 * 1.0 + 0.5 * 9.0)
     with pytest.raises(ValueError):
         robust_effective_deadline([])
-    assert with_batch_red([]) == []
-    stamped = with_batch_red([req(0, ttft=1.0), req(1, ttft=2.0)])
-    assert [i.effective_deadline for i in stamped] == [pytest.approx(1.5)] * 2
+
+
+def test_with_batch_stamps_every_member_with_the_whole_batch() -> None:
+    assert with_batch([]) == []
+    stamped = with_batch([req(0, ttft=1.0), req(1, arrival=0.5, ttft=2.0)])
+    assert [i.batch_deadlines for i in stamped] == [(1.0, 2.5)] * 2
+    assert [i.effective_deadline for i in stamped] == [pytest.approx(0.5 * 1.0 + 0.5 * 2.5)] * 2
+    assert [i.seq for i in stamped] == [0, 1]
+    # no batch: the request's own deadline
+    assert req(2, arrival=1.0, ttft=3.0).effective_deadline == 4.0
 
 
 def test_with_prefill_backlog_matches_replace() -> None:
-    item = replace(req(3, arrival=2.0, red=4.0), queue_deadline=9.0)
+    item = replace(req(3, arrival=2.0, batch=(4.0, 6.0)), queue_deadline=9.0)
     assert with_prefill_backlog(item, 77) == replace(item, prefill_tokens_ahead=77)
+
+
+def edf(items: list[QueuedRequest]) -> list[int]:
+    return [i.seq for i in sorted(items, key=lambda i: (i.ttft_deadline, i.seq))]
+
+
+def test_red_is_edf_for_requests_in_no_batch() -> None:
+    """Without batch deadlines RED has nothing to add: the same order as EDF (scavenger off)."""
+    items = [req(i, arrival=0.37 * i % 2.0, ttft=0.5 + (7 * i) % 5) for i in range(20)]
+    assert order_at(make_order("red", {"scavenger": False}), items, 0.0) == edf(items)
+
+
+def test_red_key_ranks_by_the_batch_not_the_member() -> None:
+    # a tight outlier (deadline 1) in a batch of four loose members (deadline 10): f = 1/5
+    members = with_batch([req(0, ttft=1.0), *(req(i, ttft=10.0) for i in range(1, 5))])
+    order = RobustEffectiveDeadline(scavenger=False)
+    red = 0.2 * 1.0 + 0.8 * 10.0
+    assert [order.key(m, 0.0, CTX)[0] for m in members] == [
+        (0.0, pytest.approx(red), m.ttft_deadline, m.seq) for m in members
+    ]
+    lone = [req(5, ttft=4.0), req(6, ttft=9.0)]
+    # EDF: the outlier, then the lone requests, then the loose members
+    assert edf([*members, *lone]) == [0, 5, 6, 1, 2, 3, 4]
+    # RED 8.2: both lone requests go first; the batch stays together, tightest member first
+    assert order_at(order, [*members, *lone], 0.0) == [5, 0, 1, 2, 3, 4, 6]
+
+
+def test_red_demotes_an_infeasible_member_but_not_its_batch() -> None:
+    # member 0 (deadline 1.5, 1 s of prefill) cannot start after t = 0.5; its peers can
+    members = with_batch([req(0, ttft=1.5, prompt=1000), req(1, ttft=2.0), req(2, ttft=2.0)])
+    lone = req(3, ttft=9.0)
+    order = make_order("red")
+    assert order_at(order, [*members, lone], 0.4) == [0, 1, 2, 3]
+    assert order_at(order, [*members, lone], 0.6) == [1, 2, 3, 0]
+
+
+def test_a_member_joining_re_queues_its_batch() -> None:
+    """The protocol the gateway follows: restamp the queued members and the newcomer, re-queue."""
+    queue = AdmissionQueue(make_order("red"))
+    first = with_batch([req(0, ttft=1.0)])[0]
+    lone = req(1, ttft=3.0)
+    queue.push(first, 0.0, CTX)
+    queue.push(lone, 0.0, CTX)
+    assert queue.peek(0.0, CTX) == first  # a batch of one so far: deadline 1 beats 3
+    # three loose members join: RED becomes 0.25 * 1 + 0.75 * 8 = 6.25, behind the lone request
+    joined = with_batch([first, req(2, ttft=8.0), req(3, ttft=8.0), req(4, ttft=8.0)])
+    queue.remove(first.view.request_id)
+    for item in joined:
+        queue.push(item, 0.0, CTX)
+    popped = [queue.pop(0.0, CTX) for _ in range(len(queue))]
+    assert [i.seq for i in popped if i is not None] == [1, 0, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
