@@ -22,7 +22,7 @@ DECODE = (0.01, 1e-6, 1e-4)  # 10 ms per step + context + batch terms
 
 def req(
     rid: str, prompt: int = 100, arrival: float = 0.0, ttft: float = 1.0, tpot: float = 0.1, out: int = 50
-):
+) -> QueuedRequest:
     view = RequestView(
         request_id=rid, model="m", prompt_tokens=prompt, max_output_tokens=out, arrival=arrival
     )
@@ -127,18 +127,32 @@ def test_feasible_requests_come_first_and_unlucky_ones_wait_for_a_better_worker(
     long_prefill = RunningRequest(3000, 0, 0.1, False)
     loaded = worker("w1", running=(long_prefill,))
     decision = dispatch([tight, late, fresh], [loaded], 0.0, HyperFlexisParams(budget_ttft_share=1.0))
-    taken = {a.request_id: a.feasible for a in decision.assignments}
-    assert "tight" not in taken  # not hopeless anywhere: it is left for another worker
-    assert taken.get("fresh") is True and taken.get("late") is False
+    # On w1 each candidate's prefill waits for the queued 3000 tokens: E_p = 0.02 + 3100e-4 = 0.33 s.
+    #   tight: slack 0.3 - 0.33 = -0.03 s over a spread of 0.1 * 0.3 * (1 + 1/256): p = 0.27 < theta;
+    #          alone on an idle worker it would finish at 0.03 s, so it is not late: skipped.
+    #   late:  slack -4.33 s: p = 0; its deadline (-4 s) passed, so it is late everywhere.
+    #   fresh: slack 0.67 s over a spread of 0.1 * 1.0 * (1 + 1/256): p = 0.999, admitted.
+    # Late backfill then spends what fresh left of the 2407-token budget on "late".
+    assert [(a.request_id, a.engine_id, a.feasible) for a in decision.assignments] == [
+        ("fresh", "w1", True),
+        ("late", "w1", False),
+    ]
 
 
-def test_feasible_requests_go_before_backfill_and_each_request_once() -> None:
+def test_first_mature_worker_takes_all_that_fits_and_each_request_once() -> None:
     queue = [req(f"r{i}", prompt=100) for i in range(6)]
     decision = dispatch(queue, [worker("w1"), worker("w2")], 0.0)
-    ids = [a.request_id for a in decision.assignments]
-    assert sorted(ids) == sorted(f"r{i}" for i in range(6)) and len(set(ids)) == 6
-    assert {a.engine_id for a in decision.assignments} == {"w1"}  # the first mature worker had budget for all
-    assert set(decision.maturity) == {"w1", "w2"} or set(decision.maturity) == {"w1"}
+    # w1 (first in maturity order) budgets (0.5 * 0.1 - 0.02 * 0.1) / (1e-4 * 0.1) = 4800 tokens and
+    # every request has a second of slack: it takes all six, in queue order, as feasible
+    assert [(a.request_id, a.engine_id, a.feasible) for a in decision.assignments] == [
+        (f"r{i}", "w1", True) for i in range(6)
+    ]
+    # w1's turn: E_p = 0.02 + 600e-4 = 0.08 s, E_d (six requests of 100 tokens) = 0.01 + 600e-6 +
+    # 6e-4 = 0.0112 s; Algorithm 1 gives 0.08 + 0.08 / (0.1 - 0.0112) * 0.0112 = 0.0901 s, below
+    # one step carrying the prefill and the decodes, E_p + E_d = 0.0912 s. w2 is never examined:
+    # nothing is left for it, so it keeps its maturity (absent from the decision).
+    assert dict(decision.maturity) == {"w1": pytest.approx(0.08 + 0.0112)}
+    assert math.isinf(decision.wake_at)
 
 
 def test_maturity_follows_algorithm_1_when_decoding_amortises_slowly() -> None:
@@ -148,11 +162,28 @@ def test_maturity_follows_algorithm_1_when_decoding_amortises_slowly() -> None:
     assert decision.maturity["w"] == pytest.approx(e_p + e_p / (0.012 - e_d) * e_d)
 
 
-def test_busy_worker_holds_when_relax_is_negative() -> None:
-    # decoding already slower than the tightest TPOT: relax <= 0, capped by max_hold_s
+@pytest.mark.parametrize("max_hold", [0.7, 3.0])
+def test_busy_worker_is_held_for_max_hold_when_relax_is_negative(max_hold: float) -> None:
+    # A running request with TPOT 5 ms, below one decode step (E_d = 0.01 + 105e-6 + 1e-4 s):
+    # eq.(5) gives no budget, but the first request of a turn is taken anyway (a long prompt must
+    # not starve). Algorithm 1's relax = 0.005 - E_d < 0 means "never mature": held max_hold_s.
     slow = worker("w", running=(RunningRequest(100, 5, 0.005, True),))
-    decision = dispatch([req("a", tpot=0.5, ttft=5.0)], [slow], 0.0, HyperFlexisParams(max_hold_s=0.7))
-    assert decision.maturity["w"] <= 0.7
+    decision = dispatch(
+        [req("a", tpot=0.5, ttft=5.0)], [slow], now=2.0, params=HyperFlexisParams(max_hold_s=max_hold)
+    )
+    assert [(a.request_id, a.feasible) for a in decision.assignments] == [("a", True)]
+    assert decision.maturity["w"] == pytest.approx(2.0 + max_hold)
+
+
+@pytest.mark.parametrize(("max_hold", "expected"), [(1.0, 1.0), (2.0, 1.05)])
+def test_max_hold_caps_a_long_algorithm_1_maturity(max_hold: float, expected: float) -> None:
+    # TPOT 10.5 ms against E_d = 0.01 + 100e-6 + 1e-4 = 0.0102 s: relax = 0.3 ms, so amortising
+    # E_p = 0.02 + 100e-4 = 0.03 s takes 0.03 / 0.0003 steps: maturity 0.03 + 100 * 0.0102 = 1.05 s
+    decision = dispatch(
+        [req("a", tpot=0.0105)], [worker("w")], now=0.0, params=HyperFlexisParams(max_hold_s=max_hold)
+    )
+    assert [a.request_id for a in decision.assignments] == ["a"]
+    assert decision.maturity["w"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
