@@ -292,6 +292,95 @@ def test_shipped_priority_profile_is_table1_plus_minus_25_percent(
     assert (target.ttft_s, target.tpot_s) == pytest.approx((ttft, tpot))
 
 
+TASKS_4 = {
+    "medical_qa": (0.7, 0.5),
+    "tldr_content_gen": (1.0, 0.7),
+    "tldr_headline_gen": (2.0, 0.9),
+    "wikisql": (20.0, 1.0),
+}
+
+
+def test_default_profile_maps_priorities_like_the_priority_profile() -> None:
+    default, priority = load("hyperflexis-4task"), load("priority")
+    assert default.priority is not None and default.priority == priority.priority
+
+
+@pytest.mark.parametrize("priority", [None, 0, 3])
+@pytest.mark.parametrize("task", sorted(TASKS_4))
+def test_default_profile_gives_a_named_task_its_class_whatever_the_priority(
+    task: str, priority: int | None
+) -> None:
+    """What Experiment A relies on: task-named requests keep Table 1 targets and their class."""
+    profile = load("hyperflexis-4task")
+    hints = SloHints(task=task, priority=priority)
+    assert classify(hints, profile) == SloTarget(*TASKS_4[task], task, T)
+    state = initial_priority_state(profile)
+    assert state is not None
+    state = observe_completion(state, 0, 0.2, 0.05, 0.0)
+    target, after = classify_mapped(hints, profile, state)
+    assert target == SloTarget(*TASKS_4[task], task, T)
+    assert after is state  # the mapper did not run: its per-level queue-time memory is untouched
+
+
+def test_default_profile_explicit_targets_with_a_task_keep_the_task_class() -> None:
+    # Experiment A sends x-slo-task, scaled x-slo-ttft-ms / x-slo-tpot-ms and x-priority: 0
+    profile = load("hyperflexis-4task")
+    state = initial_priority_state(profile)
+    assert state is not None
+    hints = SloHints(ttft_ms=350, tpot_ms=250, task="medical_qa", priority=0)
+    target, after = classify_mapped(hints, profile, state)
+    assert target == SloTarget(0.35, 0.25, "medical_qa", E)
+    assert after is state
+
+
+@pytest.mark.parametrize(
+    ("priority", "level", "ttft", "tpot"),
+    [
+        (0, "p0", 0.7, 0.5),
+        (1, "p1", 1.0, 0.7),
+        (2, "p2", 2.0, 0.9),
+        (3, "p3", 20.0, 1.0),
+        (8, "p3", 20.0, 1.0),
+    ],
+)
+def test_default_profile_maps_a_bare_priority_to_its_level(
+    priority: int, level: str, ttft: float, tpot: float
+) -> None:
+    profile = load("hyperflexis-4task")
+    # static: the level's range midpoint, the Table 1 target it was built around
+    target = classify(SloHints(priority=priority), profile)
+    assert (target.slo_class, target.source) == (level, P)
+    assert (target.ttft_s, target.tpot_s) == pytest.approx((ttft, tpot))
+    # mapped with an empty window: the same midpoint
+    state = initial_priority_state(profile)
+    assert state is not None
+    mapped, _ = classify_mapped(SloHints(priority=priority), profile, state)
+    assert mapped == target
+
+
+def test_default_profile_separates_priorities_and_leaves_the_rest_default() -> None:
+    profile = load("hyperflexis-4task")
+    state = initial_priority_state(profile)
+    assert state is not None and state.config.num_levels == 4 and state.config.window == 500
+    # one fast P0 completion in the window: eq.(6) reads it for both levels, then each clamps
+    state = observe_completion(state, 0, 0.3, 0.1, 0.0)
+    p0, state = classify_mapped(SloHints(priority=0), profile, state)
+    p3, state = classify_mapped(SloHints(priority=3), profile, state)
+    assert p0 == SloTarget(0.525, 0.375, "p0", P)  # p0's floors
+    assert p3 == SloTarget(0.525, 0.375, "p3", P)  # nothing above waits: relaxed to p0's floors
+    p3_contended, _ = classify_mapped(SloHints(priority=3), profile, set_pending(state, {0: 1}))
+    assert p3_contended == SloTarget(15.0, 0.75, "p3", P)  # P0 waiting: p3's own floors
+    assert profile.queue_limits("p3") == QueueLimits(max_queued=512, timeout_s=100.0)
+    for hints in (SloHints(), SloHints(task="no-such-task"), SloHints(tenant="anyone")):
+        assert classify_mapped(hints, profile, state) == (SloTarget(1.5, 0.8, "default", D), state)
+
+
+def test_default_profile_tightest_ttft_is_p0s_floor() -> None:
+    # medical_qa's 0.7 s was the tightest before the levels; Algorithm 2 can assign p0's 0.525 s
+    assert load("hyperflexis-4task").tightest_ttft_s == 0.525
+    assert load("hyperflexis-2task").tightest_ttft_s == 0.7  # classes only: gsm8k
+
+
 def test_every_shipped_profile_validates() -> None:
     names = sorted(p.stem for p in PROFILES.glob("*.yaml"))
     assert {"hyperflexis-4task", "hyperflexis-2task", "priority"} <= set(names)
