@@ -112,7 +112,8 @@ class PriorityMappingState:
     * ``counts``: ``C_i`` per priority for the completions in the window;
     * ``last_queue_time``: queue time of the reference used at the last assignment per priority,
       ``None`` before the first one;
-    * ``pending``: requests per priority the caller reports as waiting (contention rule).
+    * ``pending``: requests per priority the caller counts as pending, i.e. not yet answered
+      (contention rule; see :func:`set_pending`).
     """
 
     config: PriorityMappingConfig
@@ -206,11 +207,13 @@ def observe_completion(
 def set_pending(
     state: PriorityMappingState, pending: Mapping[int, int] | Sequence[int]
 ) -> PriorityMappingState:
-    """Replace the pending (queued, not yet dispatched) request counts per priority.
+    """Replace the pending request counts per priority (the paper's "higher-priority requests are
+    pending", which it does not define further).
 
     Accepts a sequence indexed by priority or a mapping ``priority -> count``; priorities not
-    given count as zero. Called by the gateway whenever its queue changes (or before each
-    :func:`assign`); only "is anything of a higher priority waiting" matters.
+    given count as zero. The caller decides what pending means and must update the counts before
+    the :func:`assign` calls they should affect; the gateway counts a request from classification
+    until it leaves, queued or running. Only "is anything of a higher priority pending" matters.
     """
     n = state.config.num_levels
     counts = [0] * n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -236,10 +237,10 @@ def test_set_pending_accepts_sequences_and_mappings() -> None:
         lambda s: set_pending(s, [0, -1]),
     ],
 )
-def test_bad_arguments_raise(call: object) -> None:
+def test_bad_arguments_raise(call: Callable[[PriorityMappingState], object]) -> None:
     state = initial_state(PriorityMappingConfig(PAPER_LEVELS, 10))
     with pytest.raises(ValueError):
-        call(state)  # type: ignore[operator]
+        call(state)
 
 
 def test_bad_config_raises() -> None:
