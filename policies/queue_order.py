@@ -429,7 +429,7 @@ class RobustEffectiveDeadline:
     :func:`robust_effective_deadline`) instead of its earliest deadline, and a few outlier-tight
     members cannot lift a mostly-loose batch over globally more urgent work (the Piggyback
     effect). Main queue: ``(0, RED, ttft_deadline, seq)``, RED read from the item's
-    ``batch_deadlines``; members of a batch are contiguous in RED and go tightest member first. A
+    ``batch_deadlines``; members of a batch share one RED, so they sort together, tightest first. A
     request that declares no batch is a batch of one, and the order is then EDF on its TTFT
     deadline: RED only differs from EDF when the caller fills ``batch_deadlines``.
 
