@@ -7,12 +7,23 @@ nested keys joined with ``__``; lists and objects as JSON), then the YAML file g
 
 from __future__ import annotations
 
+import hashlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.api import Role
@@ -20,11 +31,52 @@ from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
 
+#: settings whose values (or, for mappings, whose keys) are API keys: never printed
+SECRET_FIELDS = frozenset(
+    {"api_keys", "admin_api_keys", "api_key_policies", "api_key_tasks", "api_key_tenants"}
+)
+
+
+def key_fingerprint(key: str) -> str:
+    """A stable, non-reversible name for an API key, safe for logs and error messages.
+
+    A hash rather than the key's last characters: short keys (tests, dev set-ups) would be shown
+    whole by any ``...abcd`` scheme.
+    """
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def _check_key(key: str, where: str) -> str:
+    # A key with whitespace or control characters can never arrive intact in a Bearer header,
+    # so it would silently never match; refuse it at start-up instead.
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise ValueError(f"{where}: an API key must be non-empty printable text without whitespace")
+    return key
+
+
+class ApiKeyPolicy(BaseModel):
+    """What one client key may ask for: its tenant, its task and how urgent it may claim to be.
+
+    The fields are ceilings on the client's own claims, applied before classification: a more
+    urgent ``x-priority`` than ``max_priority`` (0 is the most urgent) is lowered to it, explicit
+    TTFT/TPOT targets tighter than the minimums are raised to them, and ``x-slo-task`` replaces
+    ``task`` only when ``task_override`` allows it (without a ``task`` the client's stands).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    tenant: str | None = Field(default=None, min_length=1)
+    task: str | None = Field(default=None, min_length=1, description="default task (SLO class)")
+    task_override: bool = Field(default=False, description="x-slo-task may replace the key's task")
+    max_priority: int | None = Field(default=None, ge=0, description="most urgent priority allowed")
+    min_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    min_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
 
 class EngineConfig(BaseModel):
     """One upstream engine as a user declares it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     url: HttpUrl
     kind: EngineKind = "vllm"
@@ -32,7 +84,7 @@ class EngineConfig(BaseModel):
     role: Role = Role.COLLOCATED
     weight: float = Field(default=1.0, gt=0)
     name: str | None = Field(default=None, description="engine id; default: host:port")
-    api_key: str | None = Field(default=None, description="sent upstream as a Bearer token")
+    api_key: str | None = Field(default=None, description="sent upstream as a Bearer token", repr=False)
     priority_scheduling: bool = Field(
         default=False, description="engine runs with priority scheduling and accepts the body 'priority'"
     )
@@ -59,17 +111,41 @@ class EngineConfig(BaseModel):
             return self.name
         return f"{self.url.host}:{self.url.port}"
 
+    @model_validator(mode="after")
+    def _one_credential(self) -> EngineConfig:
+        # aiohttp refuses a request with both (every health check would fail, silently)
+        if self.api_key and (self.url.username or self.url.password):
+            raise ValueError("give the engine's credentials either as api_key or in the URL, not both")
+        return self
+
 
 class Settings(BaseSettings):
     """Everything the gateway process needs; validated before anything starts."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SLOGATE_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="SLOGATE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        # str(ValidationError) would otherwise quote the offending value, which may be a key
+        hide_input_in_errors=True,
     )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="accepted client keys; empty = no auth")
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="keys for /admin/* (and /metrics unless metrics_public); client keys are not admin keys",
+    )
+    metrics_public: bool = Field(default=False, description="/metrics needs no key even when keys are set")
+    api_key_policies: dict[str, ApiKeyPolicy] = Field(
+        default_factory=dict,
+        description="client key -> tenant, task and SLO ceilings; every key named here is accepted",
+    )
+    forward_sim_headers: bool = Field(
+        default=False, description="relay the client's x-sim-* headers to simulated engines (sim only)"
+    )
     engines: list[EngineConfig] = Field(default_factory=list)
     profiles_dir: Path = DEFAULT_PROFILES_DIR
     routing_profile: str = Field(default="least-load", description="name in profiles/routing or a path")
@@ -85,15 +161,40 @@ class Settings(BaseSettings):
     monitor_interval_s: float = Field(default=1.0, gt=0)
     stale_after_s: float = Field(default=3.0, gt=0)
     health_timeout_s: float = Field(default=2.0, gt=0)
+    scrape_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="per metrics scrape; a slow or failed scrape makes the state stale, never ejects",
+    )
     eject_after_failures: int = Field(default=2, ge=1)
     readmit_after_successes: int = Field(default=1, ge=1)
 
     upstream_pool_size: int = Field(default=2048, ge=1, description="max upstream connections in total")
     upstream_pool_per_host: int = Field(default=0, ge=0, description="0 = no per-engine limit")
-    connect_timeout_s: float = Field(default=3.0, gt=0)
-    first_token_timeout_s: float = Field(default=600.0, gt=0)
-    idle_timeout_s: float = Field(default=120.0, gt=0, description="max silence between streamed chunks")
-    request_timeout_s: float = Field(default=900.0, gt=0, description="whole non-streaming request")
+    upstream_keepalive_s: float = Field(
+        default=4.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="idle upstream connections are closed after this; keep it below the engines' own "
+        "keep-alive (vLLM/uvicorn: 5 s) so the gateway never reuses a connection the engine is closing",
+    )
+    connect_timeout_s: float = Field(default=3.0, gt=0, description="opening a new upstream connection")
+    pool_timeout_s: float = Field(default=10.0, gt=0, description="waiting for a pooled upstream connection")
+    headers_timeout_s: float = Field(
+        default=60.0, gt=0, description="stream: from sending the request to the engine's response headers"
+    )
+    first_token_timeout_s: float = Field(
+        default=600.0, gt=0, description="stream: from dispatch to the first streamed event"
+    )
+    idle_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="stream: max silence between events after the first, and max time a client may "
+        "stop reading before its stream is ended and the engine request aborted",
+    )
+    request_timeout_s: float = Field(
+        default=900.0, gt=0, description="non-stream: the whole request from arrival, every attempt included"
+    )
     dispatch_attempts: int = Field(default=3, ge=1, description="engines tried before the first byte")
 
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
@@ -115,6 +216,48 @@ class Settings(BaseSettings):
                 )
             seen.add(engine.engine_id)
         return engines
+
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _valid_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            _check_key(key, "every key")
+        return keys
+
+    @field_validator("api_key_policies", "api_key_tasks", "api_key_tenants", mode="wrap")
+    @classmethod
+    def _valid_mapped_keys(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # These mappings are keyed by API keys, and pydantic names a bad entry by its key (in
+        # str(exc) too, which hide_input_in_errors does not cover): re-raise with fingerprints.
+        try:
+            mapping = handler(value)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(key_fingerprint(str(p)) if i == 0 else str(p) for i, p in enumerate(err["loc"]))
+            raise ValueError(f"{loc}: {err['msg']}" if loc else str(err["msg"])) from None
+        for key in mapping:
+            _check_key(key, "every key")
+        return mapping
+
+    @model_validator(mode="after")
+    def _keys_are_consistent(self) -> Settings:
+        admin = set(self.admin_api_keys)
+        for key in [*self.api_keys, *self.api_key_policies]:
+            if key in admin:
+                raise ValueError(
+                    f"{key_fingerprint(key)} is both a client and an admin key; give admins their own key"
+                )
+        for key, policy in self.api_key_policies.items():
+            task, tenant = self.api_key_tasks.get(key), self.api_key_tenants.get(key)
+            if task is not None and policy.task is not None and task != policy.task:
+                raise ValueError(
+                    f"api_key_tasks and api_key_policies disagree on the task of {key_fingerprint(key)}"
+                )
+            if tenant is not None and policy.tenant is not None and tenant != policy.tenant:
+                raise ValueError(
+                    f"api_key_tenants and api_key_policies disagree on the tenant of {key_fingerprint(key)}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _profiles_exist(self) -> Settings:
@@ -138,6 +281,42 @@ class Settings(BaseSettings):
 
     def routing_profile_path(self) -> Path:
         return self.profile_path("routing", self.routing_profile)
+
+    def client_keys(self) -> frozenset[str]:
+        """Keys accepted on the data path: ``api_keys`` plus every key that has a policy.
+
+        A policy's ceilings only mean something if the key is enforced (a client could otherwise
+        just leave the key out), so naming a key in ``api_key_policies`` turns authentication on.
+        """
+        return frozenset(self.api_keys) | frozenset(self.api_key_policies)
+
+    def key_policies(self) -> dict[str, ApiKeyPolicy]:
+        """Every key's effective policy, with the older ``api_key_tasks``/``api_key_tenants`` folded in.
+
+        Keys only in the older mappings keep their old meaning: a default task that ``x-slo-task``
+        may override, no ceilings.
+        """
+        out: dict[str, ApiKeyPolicy] = {}
+        for key in {*self.api_key_tasks, *self.api_key_tenants}:
+            out[key] = ApiKeyPolicy(
+                task=self.api_key_tasks.get(key), tenant=self.api_key_tenants.get(key), task_override=True
+            )
+        for key, policy in self.api_key_policies.items():
+            legacy = out.get(key)
+            if legacy is not None:
+                policy = policy.model_copy(
+                    update={"task": policy.task or legacy.task, "tenant": policy.tenant or legacy.tenant}
+                )
+            out[key] = policy
+        return out
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # Keys never reach a repr (and so never a log line or a traceback's locals).
+        for name, value in super().__repr_args__():
+            if name in SECRET_FIELDS:
+                yield name, f"<{len(value)} redacted>"
+            else:
+                yield name, value
 
     def slo_profile_path(self) -> Path:
         return self.profile_path("slo", self.slo_profile)
@@ -171,12 +350,27 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     return _WithFile(**overrides)
 
 
+def _is_secret(loc: tuple[int | str, ...]) -> bool:
+    if not loc:
+        return False
+    return loc[0] in SECRET_FIELDS or (loc[0] == "engines" and "api_key" in loc)
+
+
+def _safe_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``loc`` with any API key in it replaced (the keys of the key-keyed mappings are keys)."""
+    if loc and loc[0] in SECRET_FIELDS and len(loc) > 1 and isinstance(loc[1], str):
+        return (loc[0], key_fingerprint(loc[1]), *loc[2:])
+    return loc
+
+
 def describe_error(exc: ValidationError | ValueError | OSError | yaml.YAMLError) -> str:
-    """One line saying which key is wrong and why (first error only)."""
+    """One line saying which key is wrong and why (first error only); API keys are never shown."""
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "settings"
-        value = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in _safe_loc(loc)) or "settings"
+        shown = "input" in err and isinstance(err["input"], str | int | float | bool | None)
+        value = f" (got {err['input']!r})" if shown and not _is_secret(loc) else ""
         more = f" [+{exc.error_count() - 1} more]" if exc.error_count() > 1 else ""
         return f"{key}: {err['msg']}{value}{more}"
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.settings import describe_error, load_settings
 from profiles import PROFILES_DIR
+from tests.gateway.gateway_thread import run_gateway
 
 ENGINE = {"url": "http://127.0.0.1:9", "kind": "sim", "model": "m"}
 
@@ -97,3 +99,42 @@ def test_a_bad_profile_exits_2_with_its_reason(
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and fragment in proc.stderr, proc.stderr
     assert "listening" not in proc.stdout
+
+
+def test_keepalive_must_be_positive() -> None:
+    assert load_settings().upstream_keepalive_s == 4.0
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValidationError) as info:
+            load_settings(upstream_keepalive_s=bad)
+        assert describe_error(info.value).startswith("upstream_keepalive_s")
+
+
+def test_upstream_keepalive_reaches_the_connector() -> None:
+    with run_gateway(upstream_keepalive_s=2.5) as gw:
+        assert gw.gateway.session is not None
+        assert gw.gateway.session.connector._keepalive_timeout == 2.5  # type: ignore[union-attr]
+
+
+def test_key_settings_from_yaml_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "api_keys: [sk-a]\n"
+        "api_key_tasks: {sk-a: wikisql}\n"
+        "api_key_policies:\n"
+        "  sk-b: {task: medical_qa, task_override: false, max_priority: 1, min_ttft_ms: 500, tenant: team-b}\n"
+    )
+    monkeypatch.setenv("SLOGATE_ADMIN_API_KEYS", '["sk-admin"]')
+    monkeypatch.setenv("SLOGATE_METRICS_PUBLIC", "true")
+    settings = load_settings(cfg)
+    assert settings.client_keys() == {"sk-a", "sk-b"} and settings.admin_api_keys == ["sk-admin"]
+    assert settings.metrics_public and not settings.forward_sim_headers
+    policies = settings.key_policies()
+    assert (policies["sk-a"].task, policies["sk-a"].task_override) == ("wikisql", True)
+    b = policies["sk-b"]
+    assert (b.task, b.task_override, b.max_priority, b.min_ttft_ms, b.tenant) == (
+        "medical_qa",
+        False,
+        1,
+        500,
+        "team-b",
+    )
