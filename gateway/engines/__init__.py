@@ -28,9 +28,20 @@ ADAPTERS: dict[str, type[EngineAdapter]] = {
 
 
 def adapter_for(
-    config: EngineConfig, session: aiohttp.ClientSession, health_timeout_s: float
+    config: EngineConfig,
+    session: aiohttp.ClientSession,
+    health_timeout_s: float,
+    *,
+    scrape_timeout_s: float | None = None,
+    forward_sim_headers: bool = False,
 ) -> EngineAdapter:
-    return ADAPTERS[config.kind](config, session, health_timeout_s)
+    return ADAPTERS[config.kind](
+        config,
+        session,
+        health_timeout_s,
+        scrape_timeout_s=scrape_timeout_s,
+        forward_sim_headers=forward_sim_headers,
+    )
 
 
 __all__ = ["ADAPTERS", "EngineAdapter", "HookUnsupportedError", "OpenAIAdapter", "adapter_for"]

@@ -33,14 +33,29 @@ class EngineAdapter:
     #: path of the Prometheus endpoint, or None when the engine publishes none
     metrics_path: ClassVar[str | None] = "/metrics"
     health_path: ClassVar[str] = "/health"
+    #: whether the engine understands the client's ``x-sim-*`` controls (the simulated engine)
+    accepts_sim_headers: ClassVar[bool] = False
 
-    def __init__(self, config: EngineConfig, session: aiohttp.ClientSession, health_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        session: aiohttp.ClientSession,
+        health_timeout_s: float,
+        *,
+        scrape_timeout_s: float | None = None,
+        forward_sim_headers: bool = False,
+    ) -> None:
         self.config = config
         self.session = session
         self.engine_id = config.engine_id
         self.base_url = config.base_url
         self.role: Role = config.role
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        # A busy engine answers /metrics slowly (a real vLLM took 2.3 s under load); scrapes get
+        # their own, usually longer, budget so a slow one is a stale reading, not a dead engine.
+        self._scrape_timeout = aiohttp.ClientTimeout(total=scrape_timeout_s or health_timeout_s)
+        #: x-sim-* reach this engine only if it is simulated and the gateway was told to relay them
+        self.forwards_sim_headers = self.accepts_sim_headers and forward_sim_headers
         self._auth: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
     @property
@@ -71,6 +86,20 @@ class EngineAdapter:
         headers.update(self._auth)
         return headers
 
+    def forwarded_headers(self, passthrough: Mapping[str, str]) -> dict[str, str]:
+        """The client headers this engine may see: trace context always, ``x-sim-*`` only on a
+        simulated engine with ``forward_sim_headers`` on (elsewhere they are client-controlled
+        fault injection and workload shaping, not something a real engine should be sent).
+        """
+        out: dict[str, str] = {}
+        for name, value in passthrough.items():
+            lower = name.lower()
+            if lower in ("traceparent", "tracestate") or (
+                self.forwards_sim_headers and lower.startswith("x-sim-")
+            ):
+                out[name] = value
+        return out
+
     def prepare_body(self, body: dict[str, Any]) -> bool:
         """Adjust a parsed request body for this engine in place; return True if it changed.
 
@@ -99,7 +128,7 @@ class EngineAdapter:
         if self.metrics_path is None:
             return None
         async with self.session.get(
-            self.url(self.metrics_path), timeout=self._health_timeout, headers=self._auth
+            self.url(self.metrics_path), timeout=self._scrape_timeout, headers=self._auth
         ) as resp:
             resp.raise_for_status()
             text = await resp.text()

@@ -71,7 +71,7 @@ class LlamaCppAdapter(EngineAdapter):
             return state
         try:
             async with self.session.get(
-                self.url("/slots"), timeout=self._health_timeout, headers=self._auth
+                self.url("/slots"), timeout=self._scrape_timeout, headers=self._auth
             ) as resp:
                 if resp.status in (404, 501):
                     self._slots_enabled = False

@@ -68,6 +68,7 @@ class SimAdapter(VllmAdapter):
     """The simulated engine: vLLM's wire protocol plus documented weight-loading and fault hooks."""
 
     kind: ClassVar[str] = "sim"
+    accepts_sim_headers: ClassVar[bool] = True
 
     async def load_weights(self, source: str, peer_url: str | None = None) -> None:
         payload = {"source": source} | ({"peer_url": peer_url} if peer_url else {})
