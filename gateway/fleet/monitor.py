@@ -1,7 +1,15 @@
 """The fleet monitor: health checks and metric scrapes for every engine on an interval.
 
-One task per engine so a slow engine never delays the others. A failed health check or scrape
-counts towards ejection; enough consecutive successes re-admit the engine.
+Health and metrics are separate questions with separate loops. Only a failed health check counts
+towards ejection (the data path ejects on its own connection failures); enough consecutive
+successes re-admit the engine. A scrape that fails or times out only leaves the engine's scraped
+state where it was: it goes stale after ``stale_after_s`` and routing falls back on the gateway's
+own shadow of in-flight work (``policies.api.estimated_load``). A busy engine answers ``/metrics``
+slowly (a real vLLM took 2.3 s under load), and ejecting it then would take the busiest engine
+out exactly when it is most needed.
+
+Each engine gets its own two tasks, so a slow engine never delays the others, and a hanging
+scrape never delays a health check.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -18,6 +26,22 @@ from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
 
 log = logging.getLogger("slogate.fleet")
+
+_SCRAPE_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, ValueError)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A one-line reason for a failed call, fit for logs and ``/admin/engines``.
+
+    Never ``repr``: an aiohttp ``ClientResponseError``'s repr carries the request's headers,
+    which include the engine's API key.
+    """
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"HTTP {exc.status} {exc.message}".strip()
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class FleetMonitor:
@@ -27,14 +51,20 @@ class FleetMonitor:
         interval_s: float,
         eject_after_failures: int,
         readmit_after_successes: int,
+        scrape_timeout_s: float | None = None,
     ) -> None:
         self.fleet = fleet
         self.interval_s = interval_s
         self.eject_after = eject_after_failures
         self.readmit_after = readmit_after_successes
+        #: hard bound on one whole scrape (an adapter may make several requests for one reading)
+        self.scrape_timeout_s = scrape_timeout_s
+        #: why the latest scrape of an engine failed; absent after a successful one
+        self.scrape_errors: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.first_round = asyncio.Event()
-        self._pending_first = len(fleet.records)
+        # the first round is one health check and one scrape attempt per engine
+        self._pending_first = 2 * len(fleet.records)
         #: called after every check (the dispatch loop re-syncs with fresh engine state)
         self.on_tick: Callable[[], None] | None = None
         if not self._pending_first:
@@ -42,7 +72,13 @@ class FleetMonitor:
 
     def start(self) -> None:
         for record in self.fleet.records.values():
-            self._tasks.append(asyncio.create_task(self._watch(record), name=f"monitor:{record.engine_id}"))
+            name = record.engine_id
+            self._tasks.append(
+                asyncio.create_task(self._loop(record, self.check_health), name=f"health:{name}")
+            )
+            self._tasks.append(
+                asyncio.create_task(self._loop(record, self.scrape_once), name=f"scrape:{name}")
+            )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -53,16 +89,14 @@ class FleetMonitor:
         self._tasks.clear()
 
     async def check_once(self, record: EngineRecord) -> None:
-        """One health check, and a scrape when healthy. Never raises."""
+        """One health check and one scrape, side by side. Never raises."""
+        await asyncio.gather(self.check_health(record), self.scrape_once(record))
+
+    async def check_health(self, record: EngineRecord) -> bool:
+        """One health check; its result alone decides ejection and re-admission. Never raises."""
         engine_id = record.engine_id
         ok = await record.adapter.health()
         error = "" if ok else "health check failed"
-        if ok:
-            try:
-                state = await record.adapter.scrape()
-                self.fleet.record_state(engine_id, state, time.monotonic())
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                ok, error = False, f"metrics scrape failed: {exc!r}"
         flipped = self.fleet.record_health(engine_id, ok, self.eject_after, self.readmit_after, error)
         if flipped:
             level = logging.INFO if record.healthy else logging.WARNING
@@ -74,18 +108,49 @@ class FleetMonitor:
                 extra={"engine": engine_id, "reason": error},
             )
         metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if record.healthy else 0.0)
-        if record.state is not None:
-            metrics.ENGINE_WAITING.labels(engine_id).set(record.state.num_waiting)
-            metrics.ENGINE_RUNNING.labels(engine_id).set(record.state.num_running)
-            metrics.ENGINE_KV_USAGE.labels(engine_id).set(record.state.kv_usage)
         metrics.ENGINE_IN_FLIGHT.labels(engine_id).set(record.in_flight)
+        return ok
 
-    async def _watch(self, record: EngineRecord) -> None:
+    async def scrape_once(self, record: EngineRecord) -> bool:
+        """One metrics scrape. Never raises, never touches health.
+
+        On failure the last good state and its timestamp stay as they were, so the snapshot marks
+        the engine stale once that reading is older than ``stale_after_s``.
+        """
+        engine_id = record.engine_id
+        if record.adapter.metrics_path is None:
+            return False  # nothing to scrape: the state stays None, which policies treat as stale
+        try:
+            async with asyncio.timeout(self.scrape_timeout_s):
+                state = await record.adapter.scrape()
+        except _SCRAPE_ERRORS as exc:
+            reason = describe_failure(exc)
+            # warn once per run of failures; every further one is routine until a success
+            level = logging.DEBUG if engine_id in self.scrape_errors else logging.WARNING
+            self.scrape_errors[engine_id] = reason
+            log.log(
+                level,
+                "metrics scrape of %s failed; its state will go stale: %s",
+                engine_id,
+                reason,
+                extra={"engine": engine_id},
+            )
+            return False
+        self.fleet.record_state(engine_id, state, time.monotonic())
+        if self.scrape_errors.pop(engine_id, None) is not None:
+            log.info("metrics scrape of %s recovered", engine_id, extra={"engine": engine_id})
+        if state is not None:
+            metrics.ENGINE_WAITING.labels(engine_id).set(state.num_waiting)
+            metrics.ENGINE_RUNNING.labels(engine_id).set(state.num_running)
+            metrics.ENGINE_KV_USAGE.labels(engine_id).set(state.kv_usage)
+        return True
+
+    async def _loop(self, record: EngineRecord, check: Callable[[EngineRecord], Awaitable[bool]]) -> None:
         first = True
         while True:
             started = time.monotonic()
             try:
-                await self.check_once(record)
+                await check(record)
             except Exception:  # a bug here must not silently stop monitoring this engine
                 log.exception("monitor tick failed for %s", record.engine_id)
             if first:
@@ -93,7 +158,7 @@ class FleetMonitor:
                 self._pending_first -= 1
                 if self._pending_first <= 0:
                     self.first_round.set()
-            self.fleet.invalidate()  # re-evaluate staleness at least once per interval
+            self.fleet.touch(record.engine_id)  # re-evaluate its staleness at least once per interval
             if self.on_tick is not None:
                 self.on_tick()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

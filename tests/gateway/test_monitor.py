@@ -1,0 +1,250 @@
+"""The fleet monitor against real HTTP engines: a slow or failing scrape is stale state, not a dead
+engine; only failed health checks eject, and successes re-admit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+
+from gateway.engines import adapter_for
+from gateway.fleet.monitor import FleetMonitor
+from gateway.fleet.registry import EngineRecord, Fleet
+from gateway.settings import EngineConfig
+from policies.api import estimated_load
+from tests.gateway.gateway_thread import run_gateway, wait_until
+
+ENGINE_KEY = "sk-engine-upstream-secret"
+MetricsMode = Literal["ok", "hang", "error"]
+
+
+class FakeEngine:
+    """A vLLM-shaped engine whose /health and /metrics can be told to fail, hang or recover.
+
+    Runs its own event loop in a thread (like conftest's BrokenEngine), so it keeps answering
+    whatever the test's loop is doing; the test flips the public attributes to change behaviour.
+    Hanging handlers wait on an event that stop() sets, so shutdown never waits on them.
+    """
+
+    def __init__(self) -> None:
+        self.health_status = 200
+        self.health_hangs = False
+        self.metrics_mode: MetricsMode = "ok"
+        self.running = 3
+        self.health_hits = 0
+        self.metrics_hits = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> FakeEngine:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._release.set)
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        async def health(_: web.Request) -> web.Response:
+            self.health_hits += 1
+            if self.health_hangs:
+                await self._release.wait()
+            return web.Response(status=self.health_status, text="")
+
+        async def prom(_: web.Request) -> web.Response:
+            self.metrics_hits += 1
+            if self.metrics_mode == "hang":
+                await self._release.wait()
+            if self.metrics_mode == "error":
+                return web.Response(status=500, text="busy")
+            text = f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 1\n"
+            return web.Response(text=text)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", prom)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    with FakeEngine() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def make_monitor(
+    engine: FakeEngine,
+    session: aiohttp.ClientSession,
+    *,
+    interval_s: float = 0.05,
+    health_timeout_s: float = 1.0,
+    scrape_timeout_s: float = 0.3,
+    stale_after_s: float = 0.3,
+    eject_after: int = 1,
+    readmit_after: int = 1,
+) -> tuple[FleetMonitor, Fleet, EngineRecord]:
+    config = EngineConfig.model_validate(
+        {"url": engine.url, "kind": "vllm", "model": "m", "name": "e", "api_key": ENGINE_KEY}
+    )
+    adapter = adapter_for(config, session, health_timeout_s, scrape_timeout_s=scrape_timeout_s)
+    fleet = Fleet([adapter], stale_after_s)
+    monitor = FleetMonitor(fleet, interval_s, eject_after, readmit_after, scrape_timeout_s=scrape_timeout_s)
+    return monitor, fleet, fleet.records["e"]
+
+
+async def until(predicate: object, timeout: float = 5.0) -> bool:
+    assert callable(predicate)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(predicate())
+
+
+async def test_hanging_scrape_makes_state_stale_but_never_ejects(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    # eject_after=1: a single counted failure would eject, so staying healthy proves none counted
+    monitor, fleet, record = make_monitor(engine, session, eject_after=1)
+    monitor.start()
+    try:
+        await asyncio.wait_for(monitor.first_round.wait(), 5)
+        snap = fleet.engine_snapshot("e")
+        assert snap.healthy and not snap.stale and snap.state is not None and snap.state.num_running == 3
+        assert estimated_load(snap) == 4.0  # the engine's own count while the reading is fresh
+
+        engine.metrics_mode = "hang"
+        assert await until(lambda: fleet.engine_snapshot("e").stale)
+        snap = fleet.engine_snapshot("e")
+        assert snap.healthy and record.consecutive_failures == 0
+        assert snap.state is not None and snap.state.num_running == 3  # last good reading kept
+        assert estimated_load(snap) == 0.0  # routing falls back on the gateway's own shadow
+        assert await until(lambda: monitor.scrape_errors.get("e") == "timed out")
+        assert fleet.engine_snapshot("e").healthy and record.consecutive_failures == 0
+
+        engine.metrics_mode = "ok"
+        engine.running = 7
+        assert await until(lambda: not fleet.engine_snapshot("e").stale)
+        snap = fleet.engine_snapshot("e")
+        assert snap.state is not None and snap.state.num_running == 7 and "e" not in monitor.scrape_errors
+    finally:
+        await monitor.stop()
+
+
+async def test_health_checks_keep_their_pace_while_a_scrape_hangs(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """A scrape allowed to hang for 30 s must not hold up the health loop (one loop per engine
+    doing both would check health once and then wait)."""
+    monitor, _, record = make_monitor(engine, session, scrape_timeout_s=30.0)
+    engine.metrics_mode = "hang"
+    monitor.start()
+    try:
+        assert await until(lambda: engine.metrics_hits >= 1)
+        hits = engine.health_hits
+        assert await until(lambda: engine.health_hits >= hits + 5, timeout=5)
+        assert engine.metrics_hits == 1  # still the same scrape
+        assert record.healthy and "e" not in monitor.scrape_errors
+    finally:
+        await monitor.stop()
+
+
+async def test_scrape_errors_are_not_health_failures_and_never_show_the_engine_key(
+    engine: FakeEngine, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="slogate")
+    monitor, fleet, record = make_monitor(engine, session, eject_after=1)
+    engine.metrics_mode = "error"
+    for _ in range(3):
+        await monitor.check_once(record)
+    assert record.healthy and record.consecutive_failures == 0 and record.consecutive_successes == 3
+    assert record.state is None and fleet.engine_snapshot("e").stale
+    reason = monitor.scrape_errors["e"]
+    assert reason.startswith("HTTP 500"), reason
+    # aiohttp's ClientResponseError repr carries the request headers, i.e. the engine's key
+    assert ENGINE_KEY not in reason and ENGINE_KEY not in caplog.text and record.last_error == ""
+
+
+async def test_failed_health_checks_eject_after_the_threshold_and_successes_readmit(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    monitor, _, record = make_monitor(engine, session, eject_after=3, readmit_after=2)
+    assert await monitor.check_health(record) and not record.healthy  # one success of two
+    assert await monitor.check_health(record) and record.healthy
+
+    engine.health_status = 503
+    for expected_healthy in (True, True, False):
+        assert not await monitor.check_health(record)
+        # a good scrape between failures neither resets nor adds to the failure count
+        assert await monitor.scrape_once(record)
+        assert record.healthy is expected_healthy
+    assert record.consecutive_failures == 3 and record.last_error == "health check failed"
+
+    engine.health_status = 200
+    assert await monitor.check_health(record) and not record.healthy
+    assert await monitor.check_health(record) and record.healthy
+
+
+async def test_a_hung_health_check_ejects_through_the_loop_and_recovery_readmits(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    monitor, fleet, record = make_monitor(engine, session, health_timeout_s=0.2, eject_after=2)
+    monitor.start()
+    try:
+        await asyncio.wait_for(monitor.first_round.wait(), 5)
+        assert record.healthy
+        engine.health_hangs = True
+        assert await until(lambda: not fleet.engine_snapshot("e").healthy)
+        assert record.consecutive_failures >= 2
+        engine.health_hangs = False
+        assert await until(lambda: fleet.engine_snapshot("e").healthy)
+    finally:
+        await monitor.stop()
+
+
+def test_admin_engines_shows_a_slow_scrape_as_stale_and_healthy(engine: FakeEngine) -> None:
+    engine.metrics_mode = "hang"
+    settings: dict[str, Any] = {
+        "monitor_interval_s": 0.05,
+        "scrape_timeout_s": 0.2,
+        "stale_after_s": 0.3,
+        "eject_after_failures": 1,
+    }
+    entry = {"url": engine.url, "kind": "vllm", "model": "m", "name": "e", "api_key": ENGINE_KEY}
+    with run_gateway(engines=[entry], **settings) as gw:
+
+        def view() -> dict[str, object]:
+            engines: list[dict[str, object]] = httpx.get(gw.url + "/admin/engines").json()["engines"]
+            return engines[0]
+
+        assert wait_until(lambda: view()["scrape_error"] == "timed out")
+        shown = view()
+        assert shown["healthy"] is True and shown["state_stale"] is True
+        assert ENGINE_KEY not in httpx.get(gw.url + "/admin/engines").text
