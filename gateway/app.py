@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
+from gateway.api.auth import Authenticator, AuthError
 from gateway.api.errors import GatewayError
 from gateway.api.proxy import Proxy, Receive, Scope, Send
 from gateway.api.request_parse import RouteKind
@@ -56,6 +57,7 @@ class Gateway:
         self.pipeline = load_pipeline(settings.routing_profile_path())
         self.dispatcher = dispatcher_config(yaml.safe_load(settings.routing_profile_path().read_text()))
         self.slo = SloService(settings)
+        self.auth = Authenticator(settings)
         self.tracing = Tracing(settings.tracing, settings.otlp_endpoint)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
@@ -69,16 +71,31 @@ class Gateway:
         connector = aiohttp.TCPConnector(
             limit=s.upstream_pool_size,
             limit_per_host=s.upstream_pool_per_host,
-            keepalive_timeout=30.0,
+            # below the engines' own keep-alive (vLLM/uvicorn: 5 s): an engine closing an idle
+            # connection just as the gateway reuses it fails that request before its first byte
+            keepalive_timeout=s.upstream_keepalive_s,
             enable_cleanup_closed=True,
         )
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=["User-Agent"]
         )
-        adapters = [adapter_for(e, self.session, s.health_timeout_s) for e in s.engines]
+        adapters = [
+            adapter_for(
+                e,
+                self.session,
+                s.health_timeout_s,
+                scrape_timeout_s=s.scrape_timeout_s,
+                forward_sim_headers=s.forward_sim_headers,
+            )
+            for e in s.engines
+        ]
         self.fleet = Fleet(adapters, s.stale_after_s)
         self.monitor = FleetMonitor(
-            self.fleet, s.monitor_interval_s, s.eject_after_failures, s.readmit_after_successes
+            self.fleet,
+            s.monitor_interval_s,
+            s.eject_after_failures,
+            s.readmit_after_successes,
+            scrape_timeout_s=s.scrape_timeout_s,
         )
         self.monitor.start()
         # Serve with real health information rather than guessing: wait for one round of checks.
@@ -115,6 +132,22 @@ class Gateway:
         self.tracing.shutdown()
 
 
+Guard = Callable[[Authenticator, Mapping[bytes, bytes]], object]
+
+
+def _guard_for(path: str) -> Guard | None:
+    """Which key a non-data route needs, by path prefix so every future admin route is covered
+    (and an unknown one answers 401 rather than telling an anonymous caller it does not exist)."""
+    path = path.rstrip("/")
+    if path == "/admin" or path.startswith("/admin/"):
+        return Authenticator.admin
+    if path == "/metrics":
+        return Authenticator.metrics
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return Authenticator.client
+    return None  # /health and /ready stay open for probes, which carry no key
+
+
 class FrontDoor:
     """ASGI entry point: OpenAI data routes go straight to the proxy, the rest to FastAPI."""
 
@@ -129,7 +162,20 @@ class FrontDoor:
             if kind is not None and proxy is not None:
                 await proxy.handle(kind, scope, receive, send)
                 return
+            guard = _guard_for(scope["path"])
+            if guard is not None:
+                try:
+                    guard(self.gateway.auth, dict(scope["headers"]))
+                except AuthError as error:
+                    await _send_error(send, error)
+                    return
         await self.api(scope, receive, send)
+
+
+async def _send_error(send: Send, error: AuthError) -> None:
+    headers = [(b"content-type", b"application/json"), *error.extra_headers]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error.body()})
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -139,6 +185,15 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 def _error_response(error: GatewayError) -> Response:
     headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else None
     return _json(error.payload(), error.status, headers)
+
+
+def _display_url(url: str) -> str:
+    """``url`` without any user:password part (engine URLs may carry credentials)."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{netloc}{slash}{path}"
 
 
 def build_api(gateway: Gateway) -> FastAPI:
@@ -194,11 +249,14 @@ def build_api(gateway: Gateway) -> FastAPI:
     @api.get("/admin/engines")
     async def engines() -> Response:
         out: list[dict[str, Any]] = []
-        for r in fleet().records.values():
+        f = fleet()
+        stale = {e.engine_id: e.stale for e in f.snapshot().engines}
+        scrape_errors = gateway.monitor.scrape_errors if gateway.monitor is not None else {}
+        for r in f.records.values():
             out.append(
                 {
                     "id": r.engine_id,
-                    "url": r.adapter.base_url,
+                    "url": _display_url(r.adapter.base_url),
                     "kind": r.adapter.kind,
                     "model": r.model,
                     "role": r.adapter.role.value,
@@ -207,6 +265,8 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "last_error": r.last_error or None,
                     "state": asdict(r.state) if r.state else None,
                     "state_age_s": round(time.monotonic() - r.state_at, 3) if r.state else None,
+                    "state_stale": stale.get(r.engine_id, True),
+                    "scrape_error": scrape_errors.get(r.engine_id),
                 }
             )
         return _json({"engines": out})

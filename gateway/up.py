@@ -36,6 +36,8 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             engines=[{"url": e.url, "kind": "sim", "model": model, "name": e.name} for e in engines],
+            # every engine here is simulated: let clients drive them (X-Sim-Output-Len, X-Sim-Fault)
+            forward_sim_headers=True,
         )
         base = f"http://{settings.host}:{settings.port}"
         print(f"slogate gateway on {base}  ({len(engines)} simulated engines, model {model!r})", flush=True)
