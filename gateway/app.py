@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import metrics
 from gateway.api.auth import Authenticator, AuthError
 from gateway.api.errors import GatewayError
-from gateway.api.proxy import Proxy, Receive, Scope, Send
+from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dispatch.loop import ClassLimits, DispatchLoop
 from gateway.dispatch.profile import dispatcher_config
@@ -36,6 +36,8 @@ from gateway.engines import adapter_for
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet
 from gateway.router import Router, load_pipeline
+from gateway.serving.call import Receive, Scope, Send
+from gateway.serving.collocated import CollocatedFlow
 from gateway.settings import Settings
 from gateway.tracing import Tracing
 
@@ -112,8 +114,8 @@ class Gateway:
             tightest_ttft_s=self.slo.profile.tightest_ttft_s,
         )
         self.dispatch.start()
-        self.monitor.on_tick = self.dispatch.wake
-        self.proxy = Proxy(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
+        flow = CollocatedFlow(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
+        self.proxy = Proxy(s, self.fleet, self.slo, flow)
 
     def _class_limits(self, slo_class: str) -> ClassLimits:
         try:

@@ -54,6 +54,12 @@ TOKENS = Counter(
     registry=REGISTRY,
 )
 SSE_EVENTS = Counter("slogate_sse_events_relayed", "SSE events relayed to clients", registry=REGISTRY)
+UPSTREAM_RETRIES = Counter(
+    "slogate_upstream_retries",
+    "Attempts repeated before the first byte, by reason (connect, stale_connection, overloaded, cut)",
+    ["reason"],
+    registry=REGISTRY,
+)
 UPSTREAM_ERRORS = Counter(
     "slogate_upstream_errors",
     "Upstream failures by engine and kind (connect, status, stream_cut, timeout)",
@@ -115,11 +121,24 @@ SHEDS = Counter(
     ["slo_class", "reason"],
     registry=REGISTRY,
 )
+SLO_REQUESTS = Counter(
+    "slogate_slo_requests",
+    "Every classified request once, by SLO class and outcome: met, missed_ttft, missed_tpot, "
+    "missed_latency (non-streamed: end-to-end over TTFT + TPOT x (tokens - 1)), rejected (shed or "
+    "no engine), error (gateway or engine failure), cancelled (client left). Client mistakes "
+    "(4xx other than 429) are not counted",
+    ["slo_class", "outcome"],
+    registry=REGISTRY,
+)
 SLO_OUTCOMES = Counter(
     "slogate_slo_outcomes",
-    "Streamed requests by SLO class, objective (ttft, tpot, both) and outcome (met, missed); "
-    "failed, shed and cancelled ones count as missed; non-streamed ones have no token timing",
+    "Served streamed requests by SLO class, objective (ttft, tpot, both) and outcome (met, missed)",
     ["slo_class", "objective", "outcome"],
+    registry=REGISTRY,
+)
+SLOW_CLIENTS = Counter(
+    "slogate_slow_clients",
+    "Streams ended because the client stopped reading for longer than the idle limit",
     registry=REGISTRY,
 )
 LATENCY_COEFF = Gauge(

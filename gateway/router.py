@@ -14,7 +14,7 @@ import yaml
 
 from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
-from policies.api import EngineSnapshot, Filter, Picker, RequestView, Role, Scorer
+from policies.api import EngineSnapshot, Filter, Picker, RequestView, Role, Scorer, estimated_load
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
 
 _DATA_ROLES = frozenset({Role.COLLOCATED})
@@ -97,12 +97,22 @@ class Router:
         self.pipeline = timed(pipeline)
         self._picker_state = self.pipeline.picker.initial_state()
 
-    def choose(self, request: RequestView, exclude: Collection[str] = ()) -> EngineRecord | None:
-        now = time.monotonic()
+    def choose(
+        self,
+        request: RequestView,
+        exclude: Collection[str] = (),
+        max_load: float | None = None,
+        now: float | None = None,
+    ) -> EngineRecord | None:
+        """The pipeline's engine for ``request`` among healthy engines of its model, without
+        those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
+        now = time.monotonic() if now is None else now
         snapshot = self.fleet.snapshot(now)
         candidates = self.pipeline.candidates(request, snapshot.engines, _DATA_ROLES)
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]
+        if max_load is not None:
+            candidates = [e for e in candidates if estimated_load(e) < max_load]
         if not candidates:
             return None
         chosen, self._picker_state = self.pipeline.choose(request, candidates, self._picker_state, now)

@@ -14,8 +14,10 @@ state, and for each worker whose *maturity time* has come it:
    (Experiment A at 50 QPS: 50 % attainment with it, 79-81 % with the floor; round robin 40 %).
 
 It returns the assignments, every touched worker's new maturity time (explicit state the caller
-keeps and passes back) and when to call again if nothing else happens. Arrivals and completions
-should also trigger a call: they change the queue and the shadows.
+keeps and passes back) and when to call again if nothing else happens. A worker that took nothing
+is not polled: its maturity is ``inf`` (wait for an event: an arrival, a completion or first token
+on it, a scrape) or the moment a candidate it skipped turns late. The caller calls again on those
+events; they change the queue and the shadows.
 
 Interpretation of ``calculate_p`` (the paper gives only its inputs): the chance that the request's
 first token arrives before its deadline, modelled as a logistic in the remaining slack
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
@@ -74,7 +76,7 @@ class HyperFlexisParams:
     idle_backfill: bool = True
     #: requests that can no longer meet their TTFT anywhere use the budget feasible ones left
     late_backfill: bool = True
-    #: when a worker took nothing although requests wait, look again after this long (seconds)
+    #: shortest hold after a turn that took work (seconds): bounds how often one worker is served
     recheck_s: float = 0.01
     #: a worker is never held longer than this (seconds), even when relax <= 0 says "never"
     max_hold_s: float = 1.0
@@ -131,21 +133,56 @@ def _decode_step(coeffs: Coeffs, running: Sequence[RunningRequest]) -> float:
     return predict_decode(coeffs, sum(r.prompt_tokens + r.generated for r in running), len(running))
 
 
+class _QueuePrefix:
+    """The queue, materialised only as far as some worker has read it.
+
+    Workers re-read the queue from its head (skipping what earlier workers took), so the items
+    are cached; the source is read lazily, which keeps one call's cost bounded by what the mature
+    workers actually examine (``max_scan`` each plus what they take), however long the queue is.
+    """
+
+    __slots__ = ("_items", "_source")
+
+    def __init__(self, source: Iterable[QueuedRequest]) -> None:
+        self._items: list[QueuedRequest] = []
+        self._source = iter(source)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        items = self._items
+        i = 0
+        while True:
+            if i < len(items):
+                yield items[i]
+            else:
+                item = next(self._source, None)
+                if item is None:
+                    return
+                items.append(item)
+                yield item
+            i += 1
+
+
 def dispatch(
-    queue: Sequence[QueuedRequest],
+    queue: Iterable[QueuedRequest],
     workers: Sequence[WorkerView],
     now: float,
     params: HyperFlexisParams = HyperFlexisParams(),
     tightest_ttft_s: float = math.inf,
 ) -> HyperFlexisDecision:
-    """Run Algorithm 1 once. ``queue`` is in dispatch order; each request is assigned at most once.
+    """Run Algorithm 1 once over the workers whose maturity time has come.
 
-    ``tightest_ttft_s`` is the tightest TTFT target the fleet serves (eq.(5) budgets against it,
-    so a long batch dispatched for a lax class cannot block the next strict arrival); the
-    candidates' own targets are used when it is larger.
+    ``queue`` is in dispatch order (any iterable; it is read lazily and at most once); each
+    request is assigned at most once. ``tightest_ttft_s`` is the tightest TTFT target the fleet
+    serves (eq.(5) budgets against it, so a long batch dispatched for a lax class cannot block the
+    next strict arrival); the candidates' own targets are used when it is larger.
+
+    Every worker examined gets a new maturity time in the decision. ``math.inf`` means *wait for
+    an event*: the worker took nothing and nothing but an event can change that (a completion or
+    first token on it frees seqs, KV or prefill slack; an arrival brings a new candidate; a scrape
+    changes its free KV), so the caller parks it instead of polling. When a candidate it rejected
+    will become late (and so eligible for late backfill) the time of that is its maturity instead.
     """
-    if not queue or not workers:
-        return HyperFlexisDecision((), {}, math.inf)
+    prefix = _QueuePrefix(queue)
     order = [(w.maturity, i) for i, w in enumerate(workers)]
     heapq.heapify(order)
     running = {w.engine_id: list(w.running) for w in workers}
@@ -153,32 +190,39 @@ def dispatch(
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
 
-    while order and order[0][0] <= now and len(taken) < len(queue):
+    while order and order[0][0] <= now:
         _, index = heapq.heappop(order)
         worker = workers[index]
         shadow = running[worker.engine_id]
-        admitted = _fill_worker(queue, worker, shadow, taken, now, params, tightest_ttft_s)
+        admitted, late_at, exhausted = _fill_worker(
+            prefix, worker, shadow, taken, now, params, tightest_ttft_s
+        )
+        if exhausted:
+            break  # every request is taken: this and the other mature workers stay mature
         for item, feasible in admitted:
             taken.add(item.view.request_id)
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
             shadow.append(RunningRequest(item.view.prompt_tokens, 0, item.tpot_slo, False))
-        next_time = _next_maturity(worker, shadow, now, bool(admitted), params)
+        next_time = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
         maturity[worker.engine_id] = next_time
         heapq.heappush(order, (next_time, index))
 
-    wake_at = order[0][0] if order and len(taken) < len(queue) else math.inf
+    remaining = next(_candidates(prefix, taken, 1), None)
+    wake_at = order[0][0] if order and remaining is not None else math.inf
     return HyperFlexisDecision(tuple(assignments), maturity, wake_at)
 
 
 def _fill_worker(
-    queue: Sequence[QueuedRequest],
+    queue: Iterable[QueuedRequest],
     worker: WorkerView,
     shadow: list[RunningRequest],
     taken: set[str],
     now: float,
     params: HyperFlexisParams,
     tightest_ttft_s: float,
-) -> list[tuple[QueuedRequest, bool]]:
+) -> tuple[list[tuple[QueuedRequest, bool]], float, bool]:
+    """One worker's turn: what it admits, when a candidate it skipped for slack turns late
+    (``inf`` if none), and whether the queue had nothing left for it to look at."""
     coeffs = worker.prefill_coeffs
     decode_s = _decode_step(worker.decode_coeffs, shadow)
     waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
@@ -191,7 +235,10 @@ def _fill_worker(
     kv_left = worker.free_kv_tokens
     budget_left: int | None = None
     admitted: list[tuple[QueuedRequest, bool]] = []
+    late_at = math.inf
+    examined = 0
     for item in _candidates(queue, taken, params.max_scan):
+        examined += 1
         if free_seqs <= 0:
             break
         if budget_left is None:
@@ -210,6 +257,11 @@ def _fill_worker(
             item.view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
         )
         if p < params.theta:
+            # Slack only shrinks with time, so this worker will not take it before an event,
+            # except once it is late everywhere (late backfill): that moment is worth a timer.
+            turns_late = item.ttft_deadline - predict_prefill(coeffs, (prompt,))
+            if turns_late > now:
+                late_at = min(late_at, turns_late)
             continue
         admitted.append((item, True))
         waiting_sum += prompt
@@ -235,15 +287,13 @@ def _fill_worker(
             kv_left -= need_kv
             free_seqs -= 1
     if not admitted and not shadow and params.idle_backfill:
-        for item in queue:
-            if item.view.request_id not in taken:
-                if item.view.prompt_tokens + item.view.max_output_tokens <= worker.free_kv_tokens:
-                    admitted.append((item, False))
-                break
-    return admitted
+        for item in _candidates(queue, taken, 1):
+            if item.view.prompt_tokens + item.view.max_output_tokens <= worker.free_kv_tokens:
+                admitted.append((item, False))
+    return admitted, late_at, examined == 0
 
 
-def _candidates(queue: Sequence[QueuedRequest], skip: set[str], max_scan: int) -> Iterator[QueuedRequest]:
+def _candidates(queue: Iterable[QueuedRequest], skip: set[str], max_scan: int) -> Iterator[QueuedRequest]:
     """The queue in order without ``skip``, at most ``max_scan`` of it: a turn's cost stays bounded
     however long the queue grows."""
     scanned = 0
@@ -260,16 +310,15 @@ def _next_maturity(
     shadow: Sequence[RunningRequest],
     now: float,
     took_work: bool,
+    late_at: float,
     params: HyperFlexisParams,
 ) -> float:
-    if not shadow:
-        return now + params.recheck_s
+    if not took_work:
+        # nothing fitted: only an event (or a candidate turning late) can change that
+        return late_at
     waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
     e_p = predict_prefill(worker.prefill_coeffs, waiting) if waiting else 0.0
     e_d = _decode_step(worker.decode_coeffs, shadow)
-    if not took_work:
-        # nothing fitted: look again after the next decode step frees budget or slack changes
-        return now + max(params.recheck_s, e_d)
     min_tpot = min(r.tpot_slo for r in shadow)
     # A chunked-prefill engine runs the new prompts inside decode steps: each step that carries a
     # chunk also pays E_d, so a turn costs at least E_p + E_d even when relax is large.

@@ -12,6 +12,9 @@ import math
 from collections.abc import Mapping
 
 from gateway import metrics
+from gateway.api.errors import bad_request
+from gateway.fleet.registry import EngineRecord
+from gateway.serving.call import BatchObservation, Call
 from gateway.settings import Settings
 from gateway.sim.profiles import load_profile
 from policies.latency_fit import Coeffs, DecodeSample, LatencyModel, PrefillSample
@@ -32,13 +35,46 @@ DEFAULT_DECODE: Coeffs = (0.012, 4e-8, 1e-4)
 REFIT_EVERY = 64
 
 
-def _float(value: bytes | None) -> float | None:
-    if value is None:
+#: explicit targets beyond a day are clamped: no engine or timer needs more, and the gateway
+#: turns them into integer deadlines an engine must accept
+MAX_TARGET_MS = 86_400_000.0
+#: priorities given in a header or body stay within this many levels either side of 0
+MAX_PRIORITY_MAGNITUDE = 1_000_000
+
+
+def _target_ms(headers: Mapping[bytes, bytes], name: bytes) -> float | None:
+    """A client's explicit target in ms: a positive finite number, clamped to a day."""
+    raw = headers.get(name)
+    if raw is None:
         return None
     try:
-        return float(value)
+        value = float(raw)
     except ValueError:
+        value = math.nan
+    if not value > 0 or math.isnan(value):
+        raise bad_request(f"header {name.decode()} must be a positive number of milliseconds", name.decode())
+    return min(value, MAX_TARGET_MS)
+
+
+def header_priority(raw: bytes | None) -> int | None:
+    """``x-priority`` as an integer (``None`` when absent); anything else is a 400."""
+    if raw is None:
         return None
+    text = raw.strip()
+    digits = text[1:] if text[:1] in (b"-", b"+") else text
+    if not digits.isdigit() or len(digits) > 7:
+        raise bad_request("header x-priority must be an integer", "x-priority")
+    return max(-MAX_PRIORITY_MAGNITUDE, min(MAX_PRIORITY_MAGNITUDE, int(text)))
+
+
+def header_text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
+    """A short printable-ASCII header value, or a 400 naming the header."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    if len(raw) > 256 or not raw.isascii() or not raw.decode().isprintable():
+        raise bad_request(f"header {name.decode()} must be printable ASCII of at most 256 characters")
+    return raw.decode()
 
 
 class SloService:
@@ -73,17 +109,16 @@ class SloService:
         sees the same level the targets came from.
         """
         auth = headers.get(b"authorization")
-        task = headers.get(b"x-slo-task")
-        priority_header = headers.get(b"x-priority")
-        priority: int | None = body_priority if body_priority else None
-        if priority_header is not None and priority_header.lstrip(b"-").isdigit():
-            priority = int(priority_header)
+        task = header_text(headers, b"x-slo-task")
+        priority = header_priority(headers.get(b"x-priority"))
+        if priority is None and body_priority:
+            priority = max(-MAX_PRIORITY_MAGNITUDE, min(MAX_PRIORITY_MAGNITUDE, body_priority))
         if priority is not None and self.levels:
             priority = min(max(priority, 0), self.levels - 1)
         hints = SloHints(
-            ttft_ms=_float(headers.get(b"x-slo-ttft-ms")),
-            tpot_ms=_float(headers.get(b"x-slo-tpot-ms")),
-            task=task.decode() if task else (self.key_tasks.get(auth) if auth else None),
+            ttft_ms=_target_ms(headers, b"x-slo-ttft-ms"),
+            tpot_ms=_target_ms(headers, b"x-slo-tpot-ms"),
+            task=task or (self.key_tasks.get(auth) if auth else None),
             priority=priority,
             tenant=self.key_tenants.get(auth) if auth else None,
         )
@@ -108,46 +143,88 @@ class SloService:
         self.pending_by_priority[priority] = max(0, self.pending_by_priority.get(priority, 1) - 1)
         self.mapping = set_pending(self.mapping, self.pending_by_priority)
 
-    def finished(
-        self,
-        target: SloTarget,
-        priority: int | None,
-        engine_id: str | None,
-        ttft_s: float | None,
-        tpot_s: float | None,
-        queue_s: float,
-        prompt_tokens: int,
-        batch_tokens: int,
-        batch_size: int,
-        prefill_ahead: tuple[int, ...] = (),
-    ) -> None:
-        """Judge one request whose token timing is known (or that failed, ``ttft_s`` None).
+    def batch_observation(self, record: EngineRecord, request_id: str) -> BatchObservation:
+        """What shares the engine with ``request_id`` as it is sent (its reservation included):
+        the latency model's view of the batch the request's prefill and decode ran in."""
+        running = record.running
+        ahead = tuple(r.prompt_tokens for rid, r in running.items() if not r.prefilled and rid != request_id)
+        tokens = sum(r.prompt_tokens + r.generated for r in running.values())
+        return BatchObservation(tokens, len(running), ahead)
 
-        TPOT counts as met when the request was served and its mean inter-token time is within
-        target, or it produced a single token (nothing to be late by).
-        """
+    def account(self, call: Call, status: int) -> str | None:
+        """Count the request once with its outcome and learn from its timing; returns the outcome
+        (``None`` for a client mistake, which is no SLO miss)."""
+        outcome = self._outcome(call, status)
+        if outcome is not None:
+            metrics.child(metrics.SLO_REQUESTS, call.target.slo_class, outcome).inc()
+        if status == 200 and call.request.stream and call.first_at:
+            ttft = call.first_at - call.arrival
+            tpot = (
+                (call.last_at - call.first_at) / (call.content_events - 1)
+                if call.content_events > 1
+                else None
+            )
+            self._judge_objectives(call.target, ttft, tpot)
+            self._learn(call, ttft, tpot)
+        return outcome
+
+    def _outcome(self, call: Call, status: int) -> str | None:
+        target = call.target
+        if status == 499:
+            return "cancelled"
+        if status in (429, 503):
+            return "rejected"
+        if status >= 500:
+            return "error"
+        if status >= 400:
+            return None
+        if call.request.stream:
+            if not call.first_at:
+                return "error"
+            if call.first_at - call.arrival > target.ttft_s:
+                return "missed_ttft"
+            if call.content_events > 1:
+                tpot = (call.last_at - call.first_at) / (call.content_events - 1)
+                if tpot > target.tpot_s:
+                    return "missed_tpot"
+            return "met"
+        # Non-streamed: no token timing, so the whole answer is held to the time a stream meeting
+        # both targets would have taken to deliver the same number of tokens.
+        tokens = call.completion_tokens if call.completion_tokens is not None else call.request.max_tokens
+        allowed = target.ttft_s + target.tpot_s * max(0, tokens - 1)
+        end = call.finished_at or call.arrival
+        return "met" if end - call.arrival <= allowed else "missed_latency"
+
+    def _judge_objectives(self, target: SloTarget, ttft_s: float, tpot_s: float | None) -> None:
         cls = target.slo_class
-        served = ttft_s is not None
-        ttft_ok = ttft_s is not None and ttft_s <= target.ttft_s
-        tpot_ok = served and (tpot_s is None or tpot_s <= target.tpot_s)
-        metrics.SLO_OUTCOMES.labels(cls, "ttft", "met" if ttft_ok else "missed").inc()
-        metrics.SLO_OUTCOMES.labels(cls, "tpot", "met" if tpot_ok else "missed").inc()
-        metrics.SLO_OUTCOMES.labels(cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
-        if ttft_s is None or engine_id is None:
+        ttft_ok = ttft_s <= target.ttft_s
+        tpot_ok = tpot_s is None or tpot_s <= target.tpot_s
+        metrics.child(metrics.SLO_OUTCOMES, cls, "ttft", "met" if ttft_ok else "missed").inc()
+        metrics.child(metrics.SLO_OUTCOMES, cls, "tpot", "met" if tpot_ok else "missed").inc()
+        metrics.child(metrics.SLO_OUTCOMES, cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
+
+    def _learn(self, call: Call, ttft_s: float, tpot_s: float | None) -> None:
+        """Feed the priority mapper's windows and the engine's latency model."""
+        engine_id = call.engine_id
+        if engine_id is None:
             return
-        if self.mapping is not None and tpot_s is not None and priority is not None:
-            self.mapping = observe_completion(self.mapping, priority, ttft_s, tpot_s, queue_s)
+        queue_s = call.dispatched_at - call.arrival if call.dispatched_at else 0.0
+        if self.mapping is not None and tpot_s is not None and call.priority is not None:
+            self.mapping = observe_completion(self.mapping, call.priority, ttft_s, tpot_s, queue_s)
         model = self.models.get(engine_id)
-        if model is None:
+        batch = call.batch
+        if model is None or batch is None:
             return
         # The gateway sees whole requests, not engine steps. The first token comes once every prompt
         # that was ahead of this one on the engine and this one are prefilled: that is the batch.
         # The mean inter-token time approximates one decode step of the batch it ran in.
         prefill_s = ttft_s - queue_s
         if prefill_s > 0:
-            model = model.observe_prefill(PrefillSample((*prefill_ahead, prompt_tokens), prefill_s))
-        if tpot_s is not None and tpot_s > 0 and batch_size > 0:
-            model = model.observe_decode(DecodeSample(batch_tokens, batch_size, tpot_s))
+            model = model.observe_prefill(
+                PrefillSample((*batch.prefill_ahead, call.request.prompt_tokens), prefill_s)
+            )
+        if tpot_s is not None and tpot_s > 0 and batch.batch_size > 0:
+            model = model.observe_decode(DecodeSample(batch.batch_tokens, batch.batch_size, tpot_s))
         count = self._observations.get(engine_id, 0) + 1
         self._observations[engine_id] = count
         if count % REFIT_EVERY == 0:

@@ -1,14 +1,20 @@
 """The fleet registry: every engine the gateway knows, its health and its shadow of in-flight work.
 
-The monitor writes scraped state and health here; the dispatch path writes the shadow counts
-(``in_flight``) the moment it sends or finishes a request, so decisions never wait for the next
-scrape. Policies only ever see the immutable :class:`FleetSnapshot` built from it.
+The monitor writes scraped state and health here; the dispatch loop reserves an engine's capacity
+the moment it assigns a request (:meth:`Fleet.reserve`) and the serving flow releases it when the
+request leaves the engine (:meth:`Fleet.release`), so decisions never wait for the next scrape
+and two assignments in one dispatch pass see each other. Policies only ever see the immutable
+:class:`FleetSnapshot` built from it.
+
+Snapshots are incremental: a change to one engine rebuilds that engine's
+:class:`EngineSnapshot` only, and the fleet tuple is a C-level copy of cached references, so a
+dispatch at 256 engines does not pay for 256 engines on every reservation.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.engines import EngineAdapter
@@ -32,6 +38,7 @@ class EngineRecord:
     """Mutable, gateway-private view of one engine. Only the event loop thread touches it."""
 
     adapter: EngineAdapter
+    index: int = 0
     healthy: bool = False
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -58,15 +65,29 @@ class EngineRecord:
         )
 
 
+#: called with (engine id, what changed): "release", "prefilled", "state", "health"
+ChangeListener = Callable[[str, str], None]
+
+
 class Fleet:
     """Registry of engines keyed by engine id."""
 
     def __init__(self, adapters: Iterable[EngineAdapter], stale_after_s: float) -> None:
-        self.records: dict[str, EngineRecord] = {a.engine_id: EngineRecord(a) for a in adapters}
+        self.records: dict[str, EngineRecord] = {}
+        for index, adapter in enumerate(adapters):
+            self.records[adapter.engine_id] = EngineRecord(adapter, index)
+        self._by_index = list(self.records.values())
         self.stale_after_s = stale_after_s
         #: models configured on any engine; fixed for the life of the registry
         self.served_models: frozenset[str] = frozenset(r.model for r in self.records.values())
+        self.engines_of: dict[str, tuple[EngineRecord, ...]] = {
+            m: tuple(r for r in self._by_index if r.model == m) for m in self.served_models
+        }
+        self._healthy_per_model: dict[str, int] = dict.fromkeys(self.served_models, 0)
+        self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
+        self._dirty: set[int] = set(range(len(self._by_index)))
         self._snapshot: FleetSnapshot | None = None
+        self.listeners: list[ChangeListener] = []
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -74,56 +95,92 @@ class Fleet:
         return set(self.served_models)
 
     def healthy_models(self) -> set[str]:
-        return {r.model for r in self.records.values() if r.healthy}
+        return {m for m, n in self._healthy_per_model.items() if n}
+
+    def has_healthy(self, model: str) -> bool:
+        """O(1): whether any engine serving ``model`` is in rotation."""
+        return self._healthy_per_model.get(model, 0) > 0
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
-        """Immutable view for policies; rebuilt only when something changed since the last one.
+        """Immutable view for policies; only engines changed since the last one are rebuilt.
 
-        Staleness is evaluated at build time; the monitor invalidates the cache on every scrape
-        tick, so a snapshot is never more stale than one monitor interval.
+        Staleness is evaluated when an engine's entry is rebuilt; the monitor marks each engine
+        changed on every check, so an entry is never more stale than one monitor interval.
         """
-        if self._snapshot is not None:
+        if self._snapshot is not None and not self._dirty:
             return self._snapshot
         now = time.monotonic() if now is None else now
-        engines = tuple(
-            EngineSnapshot(
-                engine_id=r.engine_id,
-                model=r.model,
-                role=r.adapter.role,
-                healthy=r.healthy,
-                stale=r.state is None or now - r.state_at > self.stale_after_s,
-                weight=r.adapter.config.weight,
-                in_flight=r.in_flight,
-                in_flight_tokens=r.in_flight_tokens,
-                in_flight_at_scrape=r.in_flight_at_scrape,
-                state=r.state,
-                accepts_priority=r.adapter.accepts_priority,
-            )
-            for r in self.records.values()
-        )
-        self._snapshot = FleetSnapshot(engines, now)
+        snaps = self._engine_snaps
+        for index in self._dirty:
+            snaps[index] = self._build(self._by_index[index], now)
+        self._dirty.clear()
+        self._snapshot = FleetSnapshot(tuple(snaps), now)  # type: ignore[arg-type]
         return self._snapshot
 
-    def invalidate(self) -> None:
-        self._snapshot = None
-
-    # -- shadow state, written by the dispatch path -----------------------------------------------
-
-    def on_dispatch(self, engine_id: str, request_id: str, entry: RunningEntry) -> None:
+    def engine_snapshot(self, engine_id: str, now: float | None = None) -> EngineSnapshot:
+        """One engine's current snapshot entry, rebuilt only if it changed."""
         record = self.records[engine_id]
+        snap = self._engine_snaps[record.index]
+        if snap is None or record.index in self._dirty:
+            self.snapshot(now)
+            snap = self._engine_snaps[record.index]
+        assert snap is not None
+        return snap
+
+    def _build(self, r: EngineRecord, now: float) -> EngineSnapshot:
+        return EngineSnapshot(
+            engine_id=r.engine_id,
+            model=r.model,
+            role=r.adapter.role,
+            healthy=r.healthy,
+            stale=r.state is None or now - r.state_at > self.stale_after_s,
+            weight=r.adapter.config.weight,
+            in_flight=r.in_flight,
+            in_flight_tokens=r.in_flight_tokens,
+            in_flight_at_scrape=r.in_flight_at_scrape,
+            state=r.state,
+            accepts_priority=r.adapter.accepts_priority,
+        )
+
+    def touch(self, engine_id: str) -> None:
+        """Rebuild this engine's snapshot entry on the next read (e.g. to re-evaluate staleness)."""
+        self._dirty.add(self.records[engine_id].index)
+
+    def invalidate(self) -> None:
+        self._dirty.update(range(len(self._by_index)))
+
+    def _notify(self, engine_id: str, what: str) -> None:
+        for listener in self.listeners:
+            listener(engine_id, what)
+
+    # -- shadow state: reserved at assignment, released when the request leaves the engine --------
+
+    def reserve(self, engine_id: str, request_id: str, entry: RunningEntry) -> None:
+        """Count ``request_id`` against the engine now. Raises ``KeyError`` for a duplicate id:
+        one id is one live request on one engine, never two."""
+        record = self.records[engine_id]
+        if request_id in record.running:
+            raise KeyError(f"request {request_id!r} already holds a reservation on {engine_id}")
         record.in_flight += 1
         record.in_flight_tokens += entry.prompt_tokens + entry.max_tokens
         record.running[request_id] = entry
-        self._snapshot = None
+        self._dirty.add(record.index)
 
-    def on_finish(self, engine_id: str, request_id: str) -> RunningEntry | None:
+    def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
+        """Undo :meth:`reserve`; idempotent (a second release of the same id does nothing)."""
         record = self.records[engine_id]
         entry = record.running.pop(request_id, None)
         if entry is not None:
             record.in_flight -= 1
             record.in_flight_tokens -= entry.prompt_tokens + entry.max_tokens
-            self._snapshot = None
+            self._dirty.add(record.index)
+            self._notify(engine_id, "release")
         return entry
+
+    def mark_prefilled(self, engine_id: str, entry: RunningEntry) -> None:
+        """The request's first token arrived: its prompt no longer waits for prefill there."""
+        entry.prefilled = True
+        self._notify(engine_id, "prefilled")
 
     # -- health and state, written by the monitor and by data-path failures -----------------------
 
@@ -132,7 +189,16 @@ class Fleet:
         record.state = state
         record.state_at = now
         record.in_flight_at_scrape = record.in_flight
-        self._snapshot = None
+        self._dirty.add(record.index)
+        self._notify(engine_id, "state")
+
+    def _set_healthy(self, record: EngineRecord, healthy: bool) -> None:
+        if record.healthy == healthy:
+            return
+        record.healthy = healthy
+        self._healthy_per_model[record.model] += 1 if healthy else -1
+        self._dirty.add(record.index)
+        self._notify(record.engine_id, "health")
 
     def record_health(
         self, engine_id: str, ok: bool, eject_after: int, readmit_after: int, error: str = ""
@@ -144,22 +210,18 @@ class Fleet:
             record.consecutive_failures = 0
             record.consecutive_successes += 1
             if not record.healthy and record.consecutive_successes >= readmit_after:
-                record.healthy = True
+                self._set_healthy(record, True)
         else:
             record.consecutive_successes = 0
             record.consecutive_failures += 1
             record.last_error = error
             if record.healthy and record.consecutive_failures >= eject_after:
-                record.healthy = False
-        if record.healthy != before:
-            self._snapshot = None
-            return True
-        return False
+                self._set_healthy(record, False)
+        return record.healthy != before
 
     def eject(self, engine_id: str, error: str) -> None:
         """The data path could not connect: take the engine out at once; the monitor re-admits it."""
         record = self.records[engine_id]
-        record.healthy = False
         record.consecutive_successes = 0
         record.last_error = error
-        self._snapshot = None
+        self._set_healthy(record, False)

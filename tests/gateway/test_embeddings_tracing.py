@@ -84,7 +84,7 @@ def test_spans_around_queue_wait_dispatch_and_upstream(two_engines: list[ChildPr
     with run_gateway(engines=[engine_entry(two_engines[0])], tracing=True) as gw:
         gw.gateway.tracing = Tracing(True, exporter=exporter)
         assert gw.gateway.proxy is not None
-        gw.gateway.proxy.tracing = gw.gateway.tracing
+        gw.gateway.proxy.flow.tracing = gw.gateway.tracing
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         client.chat.completions.create(
             model=MODEL,

@@ -142,7 +142,9 @@ def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) 
 
 
 def test_engine_crash_mid_stream_ends_with_an_error_event(one_engine: ChildProcess) -> None:
-    with run_gateway(engines=[engine_entry(one_engine)], monitor_interval_s=0.2) as gw:
+    with run_gateway(
+        engines=[engine_entry(one_engine)], monitor_interval_s=0.2, forward_sim_headers=True
+    ) as gw:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
             model=MODEL,
@@ -161,7 +163,12 @@ def test_engine_crash_mid_stream_ends_with_an_error_event(one_engine: ChildProce
 
 
 def test_stalled_engine_times_out_with_an_error_event(one_engine: ChildProcess) -> None:
-    settings = {"monitor_interval_s": 0.2, "first_token_timeout_s": 0.5, "idle_timeout_s": 0.5}
+    settings = {
+        "monitor_interval_s": 0.2,
+        "first_token_timeout_s": 0.5,
+        "idle_timeout_s": 0.5,
+        "forward_sim_headers": True,
+    }
     with run_gateway(engines=[engine_entry(one_engine)], **settings) as gw:
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True}
         t0 = time.monotonic()

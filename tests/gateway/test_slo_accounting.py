@@ -1,22 +1,95 @@
-"""SLO outcome accounting: each objective judged on its own, per class."""
+"""SLO outcome accounting: every request counted once with its outcome; each objective judged on its own."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway import metrics
+from gateway.api.request_parse import parse_request
 from gateway.dispatch.slo_service import SloService
+from gateway.serving.call import Call
 from gateway.settings import load_settings
 from policies.slo import SloSource, SloTarget
 
 TARGET = SloTarget(ttft_s=1.0, tpot_s=0.1, slo_class="acct-test", source=SloSource.TASK)
+OUTCOMES = ("met", "missed_ttft", "missed_tpot", "missed_latency", "rejected", "error", "cancelled")
 
 
-def outcome(objective: str, result: str) -> float:
+async def _noop(_: object) -> None:
+    return None
+
+
+def make_call(
+    stream: bool, ttft_s: float | None = None, tpot_s: float | None = None, tokens: int = 5
+) -> Call:
+    body = b'{"model":"m","prompt":"hi","max_tokens":50%s}' % (b',"stream":true' if stream else b"")
+    call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
+    call.engine_id = "e0"
+    if ttft_s is not None:
+        call.first_at = 100.0 + ttft_s
+        call.content_events = tokens
+        call.last_at = call.first_at + (tpot_s or 0.0) * (tokens - 1)
+        call.finished_at = call.last_at
+    return call
+
+
+def requests_counted() -> dict[str, float]:
+    return {
+        o: metrics.REGISTRY.get_sample_value(
+            "slogate_slo_requests_total", {"slo_class": "acct-test", "outcome": o}
+        )
+        or 0.0
+        for o in OUTCOMES
+    }
+
+
+def objective(name: str, result: str) -> float:
     value = metrics.REGISTRY.get_sample_value(
-        "slogate_slo_outcomes_total", {"slo_class": "acct-test", "objective": objective, "outcome": result}
+        "slogate_slo_outcomes_total", {"slo_class": "acct-test", "objective": name, "outcome": result}
     )
     return value or 0.0
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "expected"),
+    [
+        (make_call(True, 0.5, 0.05), 200, "met"),
+        (make_call(True, 2.0, 0.05), 200, "missed_ttft"),
+        (make_call(True, 0.5, 0.20), 200, "missed_tpot"),
+        (make_call(True, 0.5, None, tokens=1), 200, "met"),  # one token: no inter-token time to miss
+        (make_call(True), 200, "error"),  # headers sent but no event ever came
+        (make_call(True), 429, "rejected"),
+        (make_call(True), 503, "rejected"),
+        (make_call(True), 502, "error"),
+        (make_call(True), 504, "error"),
+        (make_call(True), 499, "cancelled"),
+        (make_call(False), 400, None),  # the client's mistake is no SLO miss
+        (make_call(False), 404, None),
+        (make_call(False), 422, None),
+    ],
+)
+def test_every_request_is_counted_once_with_its_outcome(
+    call: Call, status: int, expected: str | None
+) -> None:
+    slo = SloService(load_settings(None))
+    before = requests_counted()
+    assert slo.account(call, status) == expected
+    after = requests_counted()
+    changed = {o for o in OUTCOMES if after[o] != before[o]}
+    assert changed == ({expected} if expected else set())
+    if expected:
+        assert after[expected] == before[expected] + 1
+
+
+def test_non_streamed_requests_are_judged_by_end_to_end_latency() -> None:
+    slo = SloService(load_settings(None))
+    # 10 tokens may take TTFT + 9 x TPOT = 1.9 s
+    fast = make_call(False)
+    fast.completion_tokens, fast.finished_at = 10, 101.8
+    slow = make_call(False)
+    slow.completion_tokens, slow.finished_at = 10, 102.0
+    assert slo.account(fast, 200) == "met"
+    assert slo.account(slow, 200) == "missed_latency"
 
 
 @pytest.mark.parametrize(
@@ -25,16 +98,14 @@ def outcome(objective: str, result: str) -> float:
         (0.5, 0.05, {"ttft", "tpot", "both"}),
         (2.0, 0.05, {"tpot"}),  # late first token, steady stream: TPOT met, TTFT and both missed
         (0.5, 0.20, {"ttft"}),
-        (0.5, None, {"ttft", "tpot", "both"}),  # one token: no inter-token time to miss
-        (None, None, set()),  # failed or shed
     ],
 )
-def test_each_objective_is_judged_on_its_own(
-    ttft_s: float | None, tpot_s: float | None, met: set[str]
-) -> None:
+def test_each_objective_is_judged_on_its_own(ttft_s: float, tpot_s: float, met: set[str]) -> None:
     slo = SloService(load_settings(None))
-    before = {(o, r): outcome(o, r) for o in ("ttft", "tpot", "both") for r in ("met", "missed")}
-    slo.finished(TARGET, None, "e0", ttft_s, tpot_s, 0.0, 10, 10, 1)
-    for objective in ("ttft", "tpot", "both"):
-        result = "met" if objective in met else "missed"
-        assert outcome(objective, result) == before[(objective, result)] + 1, objective
+    before = {(o, r): objective(o, r) for o in ("ttft", "tpot", "both") for r in ("met", "missed")}
+    slo.account(make_call(True, ttft_s, tpot_s), 200)
+    for name in ("ttft", "tpot", "both"):
+        result = "met" if name in met else "missed"
+        assert objective(name, result) == before[(name, result)] + 1, name
+        other = "missed" if result == "met" else "met"
+        assert objective(name, other) == before[(name, other)], name

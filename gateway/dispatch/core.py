@@ -1,0 +1,470 @@
+"""The dispatch core: per-model admission queues and the decisions of the dispatch loop, clock-free.
+
+Everything here is synchronous and reads no clock: every call takes ``now``, and results go to
+:attr:`DispatchCore.outbox` as ``(request id, engine record or error)``. The live gateway drives it
+from an asyncio task (:mod:`gateway.dispatch.loop`); a virtual-time simulator can drive the same
+object with its own clock.
+
+Contracts:
+
+* **One id, one live request.** Tickets are keyed by the gateway's internal request id; a
+  duplicate is refused, never merged.
+* **Capacity is reserved at assignment.** An assignment calls :meth:`Fleet.reserve` before it is
+  reported, so the next assignment in the same pass already sees it; the serving flow releases it
+  with :meth:`Fleet.release` when the request leaves the engine.
+* **Per-model queues.** One model's backlog never holds back another model's engines.
+* **Event driven.** Work happens on arrivals, on engine changes (release, first token, scrape,
+  health; see :meth:`Fleet.listeners`), on HyperFlexis maturity times and on queue expiry
+  (:meth:`next_wake`). A saturated fleet is not polled: a HyperFlexis worker that took nothing
+  waits for an event on itself, an arrival, or the moment a skipped request turns late.
+* **Bounded scans.** The pipeline dispatcher looks at the queue head only; HyperFlexis examines
+  at most ``max_scan`` requests per mature worker; the queue-full prune looks at a few of the
+  class's earliest TTFT deadlines.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.router import Router
+from policies.admission_queue import AdmissionQueue
+from policies.api import Role
+from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView
+from policies.hyperflexis import dispatch as hyperflexis_dispatch
+from policies.latency_fit import Coeffs
+from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible
+
+#: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
+#: of an arrival when many workers are parked; the others wait for their own events)
+UNPARK_PER_ARRIVAL = 4
+#: earliest-deadline requests of a full class examined for the queue-full prune
+PRUNE_SCAN = 8
+_FAR = 1 << 62  # "examine the whole queue" for iterators that read lazily anyway
+
+
+@dataclass(frozen=True, slots=True)
+class ClassLimits:
+    max_queued: int = 1024
+    queue_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request waiting for an engine. ``entry`` is what its reservation will hold."""
+
+    item: QueuedRequest
+    slo_class: str
+    entry: RunningEntry
+    enqueued_at: float
+
+    @property
+    def request_id(self) -> str:
+        return self.item.view.request_id
+
+
+Outcome = tuple[str, "EngineRecord | GatewayError"]
+
+
+class DispatchCore:
+    def __init__(
+        self,
+        fleet: Fleet,
+        router: Router,
+        order: QueueOrder,
+        coefficients: Callable[[str], tuple[Coeffs, Coeffs]],
+        limits: Callable[[str], ClassLimits],
+        hyperflexis: HyperFlexisParams | None = None,
+        max_engine_load: int | None = None,
+        tightest_ttft_s: float = math.inf,
+    ) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.order = order
+        self.coefficients = coefficients
+        self.limits = limits
+        self.hyperflexis = hyperflexis
+        self.max_engine_load = max_engine_load
+        self.tightest_ttft_s = tightest_ttft_s
+        self.queues: dict[str, AdmissionQueue] = {}
+        self.tickets: dict[str, Ticket] = {}
+        self.queued_per_class: dict[str, int] = {}
+        #: assignments and refusals of queued tickets, for the driver to deliver
+        self.outbox: list[Outcome] = []
+        #: called when there is work for :meth:`step` (the driver wakes its task)
+        self.wake: Callable[[], None] = lambda: None
+        self._dirty: set[str] = set()
+        self._submitting: str | None = None
+        self._own: EngineRecord | None = None
+        self._class_deadlines: dict[str, list[tuple[float, int, str]]] = {}
+        # HyperFlexis worker state: maturity per engine (inf = parked until an event), a heap of
+        # finite maturity times per model (lazily invalidated), parked engines per model in order
+        self.maturity: dict[str, float] = {}
+        self._heaps: dict[str, list[tuple[float, str]]] = {m: [] for m in fleet.served_models}
+        self._parked: dict[str, dict[str, None]] = {m: {} for m in fleet.served_models}
+        for record in fleet.records.values():
+            if record.adapter.role == Role.COLLOCATED:
+                self.maturity[record.engine_id] = 0.0
+                self._heaps[record.model].append((0.0, record.engine_id))
+        self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
+        self._context = self._default_context
+        self._context_key: tuple[float, ...] = ()
+        fleet.listeners.append(self._on_engine_change)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def queued(self, model: str | None = None) -> int:
+        if model is None:
+            return len(self.tickets)
+        queue = self.queues.get(model)
+        return 0 if queue is None else len(queue)
+
+    def context(self) -> OrderContext:
+        """Fleet-level estimates for the queue orders, from the first engine's latency model."""
+        first = next(iter(self.fleet.records), None)
+        if first is None:
+            return self._default_context
+        (a, b, _), (a_d, _, _) = self.coefficients(first)
+        key = (a, b, a_d, len(self.fleet.records))
+        if key != self._context_key:
+            self._context_key = key
+            self._context = OrderContext(
+                prefill_tokens_per_s=1.0 / b if b > 0 else 1e9,
+                decode_step_s=max(a_d, 1e-6),
+                prefill_base_s=a,
+                prefill_engines=max(1, len(self.fleet.records)),
+            )
+        return self._context
+
+    def next_wake(self) -> float:
+        """When :meth:`step` must run absent events: a queue expiry or a HyperFlexis maturity."""
+        wake = math.inf
+        for model, queue in self.queues.items():
+            if not len(queue):
+                continue
+            wake = min(wake, queue.next_expiry())
+            if self.hyperflexis is not None:
+                heap = self._heaps.get(model)
+                while heap and self.maturity.get(heap[0][1]) != heap[0][0]:
+                    heapq.heappop(heap)  # superseded entry
+                if heap:
+                    wake = min(wake, heap[0][0])
+        return wake
+
+    def no_engine(self, model: str) -> GatewayError:
+        if model not in self.fleet.served_models:
+            served = ", ".join(sorted(self.fleet.served_models)) or "none"
+            return GatewayError(
+                404,
+                f"model {model!r} is not served here; available models: {served}",
+                param="model",
+                code="model_not_found",
+            )
+        metrics.NO_ENGINE.labels(model).inc()
+        return GatewayError(
+            503,
+            f"no healthy engine is serving model {model!r}; retry later",
+            code="no_healthy_engine",
+            retry_after_s=1.0,
+        )
+
+    # -- arrivals, retries, cancellation ----------------------------------------------------------
+
+    def submit(self, ticket: Ticket, now: float) -> EngineRecord | None:
+        """Place ``ticket`` now (reserved, returned) or queue it (``None``); raises GatewayError
+        when it is refused (unknown model, no healthy engine, class queue full)."""
+        view = ticket.item.view
+        model = view.model
+        if not self.fleet.has_healthy(model):
+            raise self.no_engine(model)
+        rid = view.request_id
+        if rid in self.tickets:
+            raise ValueError(f"request id {rid!r} is already queued")
+        queue = self.queues.get(model)
+        if self.hyperflexis is None and (queue is None or not len(queue)):
+            record = self._choose(ticket, (), now)
+            if record is not None:
+                return record
+        limits = self.limits(ticket.slo_class)
+        if self.queued_per_class.get(ticket.slo_class, 0) >= limits.max_queued and not self._prune(
+            ticket.slo_class, now
+        ):
+            metrics.SHEDS.labels(ticket.slo_class, "queue_full").inc()
+            raise GatewayError(
+                429,
+                f"the {ticket.slo_class!r} queue is full; retry later",
+                code="queue_full",
+                retry_after_s=1.0,
+            )
+        if queue is None:
+            queue = self.queues[model] = AdmissionQueue(self.order)
+        queue.push(ticket.item, now, self.context())
+        self.tickets[rid] = ticket
+        self.queued_per_class[ticket.slo_class] = self.queued_per_class.get(ticket.slo_class, 0) + 1
+        deadlines = self._class_deadlines.setdefault(ticket.slo_class, [])
+        heapq.heappush(deadlines, (ticket.item.ttft_deadline, ticket.item.seq, rid))
+        if len(deadlines) > 64 + 2 * self.queued_per_class[ticket.slo_class]:
+            # entries of requests that left are dropped lazily; keep the heap O(live) all the same
+            deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
+            heapq.heapify(deadlines)
+        metrics.QUEUE_DEPTH.labels(ticket.slo_class).inc()
+        if self.hyperflexis is None:
+            self._dirty.add(model)
+            self.wake()
+            return None
+        parked = self._parked.get(model)
+        for _ in range(min(UNPARK_PER_ARRIVAL, len(parked) if parked else 0)):
+            assert parked is not None
+            self._unpark(model, next(iter(parked)), now)
+        heap = self._heaps.get(model)
+        if heap and heap[0][0] <= now:
+            # a worker can take work right now: decide in this call, not on the next loop turn
+            self._submitting, self._own = rid, None
+            try:
+                self._dispatch_hyperflexis(model, now)
+            finally:
+                self._submitting = None
+            own, self._own = self._own, None
+            if self.outbox:
+                self.wake()
+            return own
+        self.wake()
+        return None
+
+    def retry(self, ticket: Ticket, exclude: Collection[str], now: float) -> EngineRecord:
+        """Another engine for a request whose engine failed before its first byte: placed at once
+        (it was admitted already), never on an engine in ``exclude``."""
+        record = self._choose(ticket, exclude, now)
+        if record is None:
+            raise self.no_engine(ticket.item.view.model)
+        return record
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Take a queued request out (its client left); False when it is not queued."""
+        return self._forget(request_id, now)
+
+    def reject_all(self, error: GatewayError, now: float) -> None:
+        for rid in list(self.tickets):
+            self._refuse(rid, "shutdown", error, now)
+
+    # -- the loop's work ---------------------------------------------------------------------------
+
+    def step(self, now: float) -> None:
+        """Expire, then dispatch every model with news or a mature worker; results to the outbox."""
+        for queue in self.queues.values():
+            if len(queue) and queue.next_expiry() <= now:
+                for item in queue.expire(now):
+                    self._expired(item, now)
+        if self.hyperflexis is not None:
+            for model, heap in self._heaps.items():
+                if heap and heap[0][0] <= now and self.queued(model):
+                    self._dirty.add(model)
+        dirty, self._dirty = self._dirty, set()
+        for model in dirty:
+            if not self.queued(model):
+                continue
+            if self.hyperflexis is not None:
+                self._dispatch_hyperflexis(model, now)
+            else:
+                self._dispatch_pipeline(model, now)
+
+    def _dispatch_pipeline(self, model: str, now: float) -> None:
+        queue = self.queues[model]
+        ctx = self.context()
+        while True:
+            item = queue.peek(now, ctx)
+            if item is None:
+                return
+            ticket = self.tickets[item.view.request_id]
+            # the head waits for capacity; everything behind it in order waits too (the queue
+            # order decides who goes first, not who happens to fit)
+            record = self._choose(ticket, (), now, reserve=False)
+            if record is None:
+                return
+            queue.pop(now, ctx)
+            self._assign(ticket, record, now)
+
+    def _dispatch_hyperflexis(self, model: str, now: float) -> None:
+        assert self.hyperflexis is not None
+        heap = self._heaps[model]
+        workers: list[WorkerView] = []
+        while heap and heap[0][0] <= now:
+            at, engine_id = heapq.heappop(heap)
+            if self.maturity.get(engine_id) != at:
+                continue  # superseded
+            record = self.fleet.records[engine_id]
+            if not record.healthy:
+                self.maturity[engine_id] = math.inf  # back in through a health event
+                continue
+            workers.append(self._worker_view(record, at))
+        if not workers:
+            return
+        queue = self.queues[model]
+        decision = hyperflexis_dispatch(
+            queue.iter_in_order(now, self.context(), _FAR),
+            workers,
+            now,
+            self.hyperflexis,
+            self.tightest_ttft_s,
+        )
+        for assignment in decision.assignments:
+            ticket = self.tickets[assignment.request_id]
+            queue.remove(assignment.request_id)
+            self._assign(ticket, self.fleet.records[assignment.engine_id], now)
+        parked = self._parked[model]
+        for worker in workers:
+            at = decision.maturity.get(worker.engine_id, worker.maturity)
+            self.maturity[worker.engine_id] = at
+            if math.isinf(at):
+                parked[worker.engine_id] = None
+            else:
+                heapq.heappush(heap, (at, worker.engine_id))
+
+    def _worker_view(self, record: EngineRecord, maturity: float) -> WorkerView:
+        running = tuple(
+            RunningRequest(r.prompt_tokens, r.generated, r.tpot_slo, r.prefilled)
+            for r in record.running.values()
+        )
+        prefill, decode = self.coefficients(record.engine_id)
+        state = record.state
+        free_kv = 1 << 30
+        if state is not None and state.num_gpu_blocks and state.block_size:
+            capacity = state.num_gpu_blocks * state.block_size
+            free_kv = max(0, int(capacity * (1.0 - state.kv_usage)) - record.in_flight_tokens_since_scrape())
+        return WorkerView(
+            engine_id=record.engine_id,
+            prefill_coeffs=prefill,
+            decode_coeffs=decode,
+            running=running,
+            free_kv_tokens=free_kv,
+            maturity=maturity,
+        )
+
+    # -- engine events -----------------------------------------------------------------------------
+
+    def _on_engine_change(self, engine_id: str, what: str) -> None:
+        record = self.fleet.records[engine_id]
+        model = record.model
+        if what == "health":
+            if record.healthy:
+                if engine_id in self.maturity:
+                    self._parked[model].pop(engine_id, None)
+                    self.maturity[engine_id] = -math.inf
+                    heapq.heappush(self._heaps[model], (-math.inf, engine_id))
+            elif not self.fleet.has_healthy(model) and self.queued(model):
+                # every engine of the model is gone: say so now rather than let requests sit out
+                # the queue timeout (new arrivals for the model get the same 503 at once)
+                error = self.no_engine(model)
+                queue = self.queues[model]
+                for rid in [rid for rid, t in self.tickets.items() if t.item.view.model == model]:
+                    queue.remove(rid)
+                    self._refuse(rid, "no_engine", error, None)
+                self.wake()
+                return
+        if not self.queued(model) or (what == "prefilled" and self.hyperflexis is None):
+            return
+        if self.hyperflexis is not None and engine_id in self._parked[model]:
+            self._unpark(model, engine_id, -math.inf)
+        self._dirty.add(model)
+        self.wake()
+
+    def _unpark(self, model: str, engine_id: str, now: float) -> None:
+        del self._parked[model][engine_id]
+        self.maturity[engine_id] = now
+        heapq.heappush(self._heaps[model], (now, engine_id))
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def _choose(
+        self, ticket: Ticket, exclude: Collection[str], now: float, reserve: bool = True
+    ) -> EngineRecord | None:
+        """The router's engine for the ticket with room under ``max_engine_load`` (not checked for
+        retries, which were admitted already); reserved unless ``reserve`` is False."""
+        max_load = None if exclude else self.max_engine_load
+        record = self.router.choose(ticket.item.view, exclude, max_load, now)
+        if record is not None and reserve:
+            self.fleet.reserve(record.engine_id, ticket.request_id, ticket.entry)
+        return record
+
+    def _assign(self, ticket: Ticket, record: EngineRecord, now: float) -> None:
+        rid = ticket.request_id
+        self.fleet.reserve(record.engine_id, rid, ticket.entry)
+        self._forget(rid, now, in_queue=False)
+        if rid == self._submitting:
+            self._own = record
+        else:
+            self.outbox.append((rid, record))
+
+    def _expired(self, item: QueuedRequest, now: float) -> None:
+        ticket = self.tickets.get(item.view.request_id)
+        if ticket is None:
+            return
+        error = GatewayError(
+            429,
+            f"request waited longer than the {ticket.slo_class!r} queue timeout",
+            code="queue_timeout",
+            retry_after_s=1.0,
+        )
+        self._refuse(ticket.request_id, "timeout", error, now, in_queue=False)
+
+    def _refuse(
+        self, rid: str, reason: str, error: GatewayError, now: float | None, in_queue: bool = True
+    ) -> None:
+        ticket = self.tickets.get(rid)
+        if ticket is None:
+            return
+        metrics.SHEDS.labels(ticket.slo_class, reason).inc()
+        self._forget(rid, now, in_queue)
+        self.outbox.append((rid, error))
+
+    def _forget(self, rid: str, now: float | None, in_queue: bool = True) -> bool:
+        ticket = self.tickets.pop(rid, None)
+        if ticket is None:
+            return False
+        if in_queue:
+            queue = self.queues.get(ticket.item.view.model)
+            if queue is not None:
+                queue.remove(rid)
+        self.queued_per_class[ticket.slo_class] -= 1
+        metrics.QUEUE_DEPTH.labels(ticket.slo_class).dec()
+        if now is not None:
+            metrics.QUEUE_WAIT.labels(ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
+        return True
+
+    def _prune(self, slo_class: str, now: float) -> bool:
+        """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning):
+        its deadline is nearer than even an immediate dispatch's predicted prefill. Looks at the
+        class's few earliest TTFT deadlines only, so a full class costs O(log n) per arrival."""
+        heap = self._class_deadlines.get(slo_class)
+        if not heap:
+            return False
+        ctx = self.context()
+        looked: list[tuple[float, int, str]] = []
+        found: str | None = None
+        while heap and len(looked) < PRUNE_SCAN:
+            entry = heapq.heappop(heap)
+            ticket = self.tickets.get(entry[2])
+            if ticket is None:
+                continue  # left the queue since: drop the stale entry
+            if ttft_infeasible(ticket.item, now, ctx):
+                found = entry[2]
+                break
+            looked.append(entry)
+        for entry in looked:
+            heapq.heappush(heap, entry)
+        if found is None:
+            return False
+        error = GatewayError(
+            429,
+            "request shed: its TTFT objective can no longer be met",
+            code="slo_infeasible",
+            retry_after_s=1.0,
+        )
+        self._refuse(found, "infeasible", error, now)
+        self.wake()
+        return True

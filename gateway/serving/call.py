@@ -1,0 +1,62 @@
+"""The per-request record shared by the front door, the serving flows and SLO accounting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.api.request_parse import ParsedRequest
+from gateway.fleet.registry import RunningEntry
+from policies.slo import SloTarget
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected (or stopped reading); nothing more can be sent."""
+
+
+@dataclass(slots=True)
+class BatchObservation:
+    """What ran on the engine beside the request when it was dispatched (latency-model input)."""
+
+    batch_tokens: int = 0
+    batch_size: int = 0
+    #: prompts placed on the same engine and not yet prefilled when this one was sent
+    prefill_ahead: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Call:
+    """Everything tracked about one request while it is served.
+
+    ``rid`` is the gateway's own id: unique per request, the dispatch key and the id engines see.
+    ``client_rid`` is the client's ``X-Request-Id`` (or one made up), returned and logged for
+    correlation only: two requests may carry the same one.
+    """
+
+    request: ParsedRequest
+    rid: str
+    client_rid: str
+    arrival: float
+    send: Send
+    target: SloTarget
+    #: effective priority (header or body, clamped to the SLO profile's levels); None if not given
+    priority: int | None
+    reply_headers: tuple[tuple[bytes, bytes], ...]
+    forward_headers: dict[str, str]
+    watcher: asyncio.Task[bool] | None = None
+    entry: RunningEntry | None = None
+    engine_id: str | None = None
+    dispatched_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    content_events: int = 0
+    completion_tokens: int | None = None
+    finished_at: float = 0.0
+    batch: BatchObservation | None = None

@@ -1,0 +1,241 @@
+"""The collocated flow: place the request on an engine that prefills and decodes, relay its answer.
+
+Before the first byte reaches the client an attempt may fail over to another engine: the engine
+refused the connection (it is ejected), its pooled connection turned out closed twice, it answered
+503 (overloaded or asleep), or it cut a non-streamed answer. Attempts are bounded in number
+(``dispatch_attempts``) and, for non-streamed requests, in total time (``request_timeout_s`` from
+arrival, across every attempt). A timeout is never retried: the engine may still be working on
+the request, and repeating it would double the work it was too slow for.
+
+Timeouts: waiting for a pooled connection (``pool_timeout_s``), connecting (``connect_timeout_s``),
+response headers of a stream (``headers_timeout_s``), its first event (``first_token_timeout_s``
+from dispatch), silence between events (``idle_timeout_s``, also a client that stops reading), the
+whole of a non-streamed request (``request_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import orjson
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.dispatch.loop import DispatchLoop
+from gateway.dispatch.slo_service import SloService
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.serving.call import Call
+from gateway.serving.relay import relay_plain, relay_stream, upstream_error
+from gateway.settings import Settings
+from gateway.tracing import Tracing
+from policies.api import RequestView
+
+log = logging.getLogger("slogate.serving")
+
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+#: engine ``priority`` values stay integers that every JSON parser reads exactly
+_MAX_PRIORITY = (1 << 53) - 1
+
+
+class CollocatedFlow:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        dispatch: DispatchLoop,
+        slo: SloService,
+        session: aiohttp.ClientSession,
+        tracing: Tracing,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.dispatch = dispatch
+        self.slo = slo
+        self.session = session
+        self.tracing = tracing
+        self._epoch = time.monotonic()
+        # aiohttp's ``connect`` covers waiting for a pooled connection and opening a new one
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=settings.pool_timeout_s + settings.connect_timeout_s,
+            sock_connect=settings.connect_timeout_s,
+        )
+
+    async def serve(self, call: Call) -> int:
+        """Place and relay ``call``; returns the status sent, raises GatewayError before any byte."""
+        request = call.request
+        target = call.target
+        view = RequestView(
+            request_id=call.rid,
+            model=request.model,
+            prompt_tokens=request.prompt_tokens,
+            max_output_tokens=request.max_tokens,
+            arrival=call.arrival,
+            priority=0 if call.priority is None else call.priority,
+            task=target.slo_class,
+        )
+        settings = self.settings
+        deadline = None if request.stream else call.arrival + settings.request_timeout_s
+        tried: list[str] = []
+        last_error: GatewayError | None = None
+        for _ in range(settings.dispatch_attempts):
+            entry = RunningEntry(request.prompt_tokens, request.max_tokens, target.tpot_s, 0.0)
+            with self.tracing.span(
+                "dispatch",
+                request_id=call.client_rid,
+                gateway_request_id=call.rid,
+                slo_class=target.slo_class,
+            ):
+                with self.tracing.span("queue_wait", request_id=call.client_rid):
+                    try:
+                        record = await self.dispatch.place(
+                            view, target.ttft_s, target.tpot_s, target.slo_class, entry, tried
+                        )
+                    except GatewayError:
+                        if not tried:
+                            raise
+                        break  # no other engine for a retry: report the engine's failure
+                tried.append(record.engine_id)
+                try:
+                    outcome = await self._attempt(call, record, entry, deadline)
+                finally:
+                    self.dispatch.release(record.engine_id, call.rid)
+            if isinstance(outcome, int):
+                return outcome
+            last_error = outcome
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        raise last_error or self.dispatch.no_engine(request.model)
+
+    def _body_for(self, call: Call, record: EngineRecord) -> bytes:
+        """The bytes to send upstream: the client's own unless this engine needs a change."""
+        request = call.request
+        body = request.body
+        changed = record.adapter.prepare_body(body)
+        if record.adapter.accepts_priority:
+            # The engine orders its own queue by this: the request's TTFT deadline in ms since the
+            # gateway started, so the engine's order agrees with the gateway's deadline orders.
+            deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
+            urgency = max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms))
+            body["priority"] = record.adapter.engine_priority(urgency)
+            changed = True
+        if request.stream and not request.client_wants_usage:
+            options = body.get("stream_options") or {}
+            body["stream_options"] = {**options, "include_usage": True}
+            changed = True
+        return orjson.dumps(body) if changed else request.raw
+
+    def _headers_for(self, call: Call, record: EngineRecord) -> dict[str, str]:
+        adapter = record.adapter
+        forwarded = adapter.forwarded_headers(call.forward_headers) if call.forward_headers else None
+        return adapter.upstream_headers(call.rid, forwarded)
+
+    async def _attempt(
+        self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
+    ) -> int | GatewayError:
+        """One engine. Returns the status sent to the client, or a retryable error."""
+        request = call.request
+        engine_id = record.engine_id
+        payload = self._body_for(call, record)
+        headers = self._headers_for(call, record)
+        url = record.adapter.url(PATHS[request.kind])
+        call.dispatched_at = entry.dispatched_at = time.monotonic()
+        call.engine_id = engine_id
+        call.entry = entry
+        call.batch = self.slo.batch_observation(record, call.rid)
+        metrics.child(metrics.DISPATCHES, engine_id).inc()
+        loop = asyncio.get_running_loop()
+        settings = self.settings
+        if deadline is None:
+            # a stream: its headers come first, then its first event, each with its own limit
+            first_token_at = loop.time() + settings.first_token_timeout_s
+            headers_at = min(first_token_at, loop.time() + settings.headers_timeout_s)
+        else:
+            first_token_at = headers_at = loop.time() + (deadline - time.monotonic())
+        with self.tracing.span("upstream", request_id=call.client_rid, engine=engine_id):
+            for fresh in (False, True):
+                try:
+                    async with asyncio.timeout_at(headers_at):
+                        response = await self.session.post(
+                            url, data=payload, headers=headers, timeout=self._timeout
+                        )
+                    break
+                except aiohttp.ConnectionTimeoutError:
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect_timeout").inc()
+                    metrics.UPSTREAM_RETRIES.labels("connect").inc()
+                    return GatewayError(
+                        504, f"could not connect to engine {engine_id} in time", code="upstream_timeout"
+                    )
+                except aiohttp.ClientConnectorError as exc:
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
+                    metrics.UPSTREAM_RETRIES.labels("connect").inc()
+                    self.fleet.eject(engine_id, repr(exc))
+                    log.warning(
+                        "engine %s unreachable: %r", engine_id, exc, extra={"request_id": call.client_rid}
+                    )
+                    return GatewayError(
+                        502, f"engine {engine_id} is unreachable", code="upstream_unreachable"
+                    )
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # Most often a pooled keep-alive connection the engine had already closed: try
+                    # once more on this engine before calling it a failure (the monitor judges it).
+                    metrics.UPSTREAM_RETRIES.labels("stale_connection" if not fresh else "cut").inc()
+                    if not fresh:
+                        continue
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
+                    return GatewayError(
+                        502, f"engine {engine_id} closed the connection: {exc!r}", code="upstream_failed"
+                    )
+                except TimeoutError:
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+                    raise GatewayError(
+                        504, f"engine {engine_id} did not answer in time", code="upstream_timeout"
+                    ) from None
+            try:
+                if response.status >= 400:
+                    return await self._engine_refused(call, record, response, headers_at)
+                if request.stream:
+                    return await relay_stream(
+                        call, response, self.fleet, first_token_at, settings.idle_timeout_s
+                    )
+                try:
+                    async with asyncio.timeout_at(first_token_at):
+                        return await relay_plain(call, response)
+                except TimeoutError:
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+                    raise GatewayError(
+                        504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
+                    ) from None
+            finally:
+                response.close()  # also aborts the engine's request if it is still running
+
+    async def _engine_refused(
+        self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
+    ) -> GatewayError:
+        engine_id = record.engine_id
+        try:
+            async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
+                body = await response.read()
+        except (TimeoutError, aiohttp.ClientError):
+            body = b""
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
+        status = response.status
+        if status == 503:  # overloaded or asleep: another engine may do
+            metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
+            return upstream_error(status, body)
+        if status in (404, 405) and call.request.kind == "embeddings":
+            raise GatewayError(
+                400,
+                f"model {call.request.model!r} does not serve embeddings (engine {engine_id} has no "
+                "embeddings endpoint)",
+                param="model",
+                code="model_not_supported",
+            )
+        raise upstream_error(status, body)

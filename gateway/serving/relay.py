@@ -1,0 +1,243 @@
+"""Relaying an engine's answer: SSE bytes event by event, or one JSON body; usage capture.
+
+Streamed events are relayed as the engine's bytes, never re-serialised. The only event the gateway
+may drop is the usage-only final chunk it asked for on the client's behalf. Per chunk the hot path
+is a few byte searches; JSON is parsed only for the few chunks that mention usage.
+
+Timeouts of a stream, one deadline moved as it goes: until the first event, the first-token limit
+(from dispatch); from the first event on, the idle limit between events. A client that stops
+reading blocks the relay in ``send``; the same idle deadline then ends the stream and the engine
+request is closed with it, so a slow reader never pins an engine and buffers stay bounded (the
+upstream reader pauses the socket, the server's transport pauses the relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from time import monotonic
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.fleet.registry import Fleet
+from gateway.serving.call import Call, ClientGone, Send
+
+log = logging.getLogger("slogate.relay")
+
+JSON_HEADER = (b"content-type", b"application/json")
+SSE_HEADERS = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+#: an SSE event larger than this is an engine bug, not something to buffer without end
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+#: how long a final error event may wait for a client that is not reading
+_LAST_WORDS_S = 1.0
+
+
+def upstream_error(status: int, body: bytes) -> GatewayError:
+    """An engine's non-2xx answer as an OpenAI-shaped error with the same status."""
+    message = body.decode(errors="replace")[:2000] or f"engine returned HTTP {status}"
+    code = None
+    with contextlib.suppress(orjson.JSONDecodeError):
+        data = orjson.loads(body)
+        if isinstance(data, dict):
+            nested = data.get("error")
+            inner: dict[str, Any] = nested if isinstance(nested, dict) else data
+            message = str(inner.get("message") or inner.get("detail") or message)
+            code = inner.get("code") if isinstance(inner.get("code"), str) else None
+    return GatewayError(status, message, code=code)
+
+
+def record_usage(call: Call, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    model = call.request.model
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, int) and not isinstance(completion, bool):
+        call.completion_tokens = completion
+    metrics.child(metrics.TOKENS, model, "prompt").inc(_count(usage.get("prompt_tokens")))
+    metrics.child(metrics.TOKENS, model, "completion").inc(_count(completion))
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict):
+        metrics.child(metrics.TOKENS, model, "cached").inc(_count(details.get("cached_tokens")))
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+async def relay_plain(call: Call, response: aiohttp.ClientResponse) -> int | GatewayError:
+    """Relay a whole JSON answer; a cut while reading it is retryable (the client saw nothing).
+    The caller bounds the whole read with the request's deadline."""
+    engine_id = call.engine_id or ""
+    try:
+        body = await response.read()
+    except aiohttp.ClientError as exc:
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+        log.warning(
+            "engine %s failed mid-response: %r", engine_id, exc, extra={"request_id": call.client_rid}
+        )
+        return GatewayError(502, f"engine {engine_id} failed mid-response: {exc!r}", code="upstream_failed")
+    if b'"usage"' in body:
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+            record_usage(call, orjson.loads(body).get("usage"))
+    if call.watcher is not None:
+        call.watcher.cancel()
+    call.finished_at = monotonic()
+    await call.send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
+        }
+    )
+    await call.send({"type": "http.response.body", "body": body})
+    return response.status
+
+
+async def relay_stream(
+    call: Call,
+    response: aiohttp.ClientResponse,
+    fleet: Fleet,
+    first_token_at: float,
+    idle_s: float,
+) -> int:
+    """Relay an SSE stream until ``[DONE]``; returns the status the client was given.
+
+    ``first_token_at`` is the loop-time deadline for the first event. Raises :class:`ClientGone`
+    when the client stopped reading for ``idle_s``.
+    """
+    send = call.send
+    request = call.request
+    entry = call.entry
+    engine_id = call.engine_id or ""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": [*SSE_HEADERS, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
+        }
+    )
+    clock = asyncio.get_running_loop().time
+    done = False
+    sending = False
+    events = 0
+    pending = b""
+    try:
+        async with asyncio.timeout_at(first_token_at) as deadline:
+            rearmed_at = 0.0
+            async for chunk in response.content.iter_any():
+                data = pending + chunk if pending else chunk
+                end = data.rfind(b"\n\n")
+                if end < 0:
+                    if len(data) > MAX_EVENT_BYTES:
+                        raise _Oversized()
+                    pending = data
+                    continue
+                complete, pending = data[: end + 2], data[end + 2 :]
+                now = monotonic()
+                if not call.first_at:
+                    call.first_at = now
+                    if entry is not None:
+                        fleet.mark_prefilled(engine_id, entry)
+                    metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
+                if now - rearmed_at > 0.25:
+                    # moved at most every 0.25 s: the idle limit is seconds, and this is per chunk
+                    deadline.reschedule(clock() + idle_s)
+                    rearmed_at = now
+                if b'"usage":' in complete or b"[DONE]" in complete:
+                    complete, done = _final_events(call, complete)
+                n = complete.count(b"\n\n")
+                if n and not done:
+                    call.last_at = now
+                    call.content_events += n
+                    if entry is not None:
+                        entry.generated += n
+                events += n
+                if complete:
+                    sending = True
+                    await send({"type": "http.response.body", "body": complete, "more_body": True})
+                    sending = False
+    except TimeoutError:
+        if sending:
+            metrics.SLOW_CLIENTS.inc()
+            log.info("client stopped reading; stream ended", extra={"request_id": call.client_rid})
+            raise ClientGone() from None
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+        what = "sent no first token" if not call.first_at else "stalled between events"
+        await _end_with_error(
+            send, GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
+        )
+        return 504
+    except _Oversized:
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+        await _end_with_error(
+            send, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
+        )
+        return 502
+    except aiohttp.ClientError as exc:
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+        await _end_with_error(
+            send, GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
+        )
+        return 502
+    finally:
+        metrics.SSE_EVENTS.inc(events)
+    if not done:
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+        await _end_with_error(
+            send,
+            GatewayError(
+                502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"
+            ),
+        )
+        return 502
+    if call.watcher is not None:
+        call.watcher.cancel()
+    call.finished_at = monotonic()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return response.status
+
+
+class _Oversized(Exception):
+    pass
+
+
+def _final_events(call: Call, complete: bytes) -> tuple[bytes, bool]:
+    """Read usage from the final chunk; drop the usage-only event if the client did not ask."""
+    done = False
+    kept: list[bytes] = []
+    for event in complete.split(b"\n\n")[:-1]:
+        payload = event[6:] if event.startswith(b"data: ") else event
+        if payload.strip() == b"[DONE]":
+            done = True
+        elif b'"usage":' in payload and b'"usage":null' not in payload:
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                chunk = orjson.loads(payload)
+                record_usage(call, chunk.get("usage"))
+                if not call.request.client_wants_usage and not chunk.get("choices"):
+                    continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept), done
+
+
+async def _end_with_error(send: Send, error: GatewayError) -> None:
+    """End a started stream with an error event; a client that does not take it is gone."""
+    try:
+        async with asyncio.timeout(_LAST_WORDS_S):
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": error.sse_event() + b"data: [DONE]\n\n",
+                    "more_body": False,
+                }
+            )
+    except TimeoutError:
+        raise ClientGone() from None

@@ -1,0 +1,285 @@
+"""The dispatch core in process, with many engines and no I/O: reservation at assignment,
+cancellation, expiry, per-model queues, ejection; and a property test over random event sequences
+in which every counter returns to zero and no limit is ever exceeded."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.api.errors import GatewayError
+from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
+from gateway.dispatch.loop import DispatchLoop
+from gateway.dispatch.offline import offline_core, offline_fleet
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.router import Router
+from policies.api import RequestView
+from policies.pipeline import compile_profile
+from policies.queue_order import QueuedRequest, make_order
+
+
+def ticket(
+    rid: str, model: str = "a", now: float = 0.0, timeout: float = 30.0, slo_class: str = "c"
+) -> Ticket:
+    view = RequestView(request_id=rid, model=model, prompt_tokens=100, max_output_tokens=10, arrival=now)
+    item = QueuedRequest(
+        view=view, ttft_slo=1.0, tpot_slo=0.1, seq=int(rid.split("-")[-1]), queue_deadline=now + timeout
+    )
+    return Ticket(item, slo_class, RunningEntry(100, 10, 0.1, now), now)
+
+
+def loads(fleet: Fleet) -> dict[str, int]:
+    return {e: r.in_flight for e, r in fleet.records.items()}
+
+
+def test_capacity_is_reserved_at_assignment_not_when_the_request_is_sent() -> None:
+    fleet = offline_fleet({"a": 2})
+    core = offline_core(fleet, max_engine_load=2)
+    placed = [core.submit(ticket(f"r-{i}"), 0.0) for i in range(20)]
+    assert sum(p is not None for p in placed) == 4  # 2 engines x 2: the other 16 queue
+    assert loads(fleet) == {"a-0": 2, "a-1": 2}
+    core.step(0.0)
+    assert core.outbox == [] and core.queued() == 16
+    # one finishes: exactly one queued request takes its place, reserved before anyone runs
+    done = next(rid for rid in fleet.records["a-0"].running)
+    fleet.release("a-0", done)
+    core.step(0.1)
+    assert [rid for rid, _ in core.outbox] == ["r-4"]
+    assert loads(fleet) == {"a-0": 2, "a-1": 2}
+
+
+def test_a_duplicate_id_is_refused_never_merged() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    assert core.submit(ticket("r-1"), 0.0) is not None
+    assert core.submit(ticket("r-2"), 0.0) is None
+    with pytest.raises(ValueError, match="already queued"):
+        core.submit(ticket("r-2"), 0.0)
+    with pytest.raises(KeyError):
+        fleet.reserve("a-0", "r-1", RunningEntry(1, 1, 0.1, 0.0))
+    assert core.queued() == 1 and fleet.records["a-0"].in_flight == 1
+
+
+def test_one_models_backlog_never_holds_back_another_models_engine() -> None:
+    fleet = offline_fleet({"a": 1, "b": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    for i in range(300):
+        core.submit(ticket(f"a-{i}", "a"), 0.0)
+    assert core.queued("a") == 299
+    b = [core.submit(ticket(f"b-{i}", "b"), 0.0) for i in range(5)]
+    assert b[0] is not None and b[0].engine_id == "b-0"  # placed at once despite 299 queued for a
+    fleet.release("b-0", "b-0")
+    core.step(0.0)
+    assert [rid for rid, _ in core.outbox] == ["b-1"]
+
+
+def test_queue_timeout_fires_at_the_deadline_and_says_when() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(queue_timeout_s=2.0))
+    core.submit(ticket("r-0", timeout=2.0), 0.0)
+    core.submit(ticket("r-1", now=0.5, timeout=2.0), 0.5)
+    assert core.next_wake() == 2.5
+    core.step(2.4)
+    assert core.outbox == []
+    core.step(2.5)
+    [(rid, error)] = core.outbox
+    assert rid == "r-1" and isinstance(error, GatewayError) and error.code == "queue_timeout"
+    assert core.queued() == 0 and core.queued_per_class == {"c": 0}
+
+
+def test_cancel_takes_a_queued_request_out_once() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    core.submit(ticket("r-0"), 0.0)
+    core.submit(ticket("r-1"), 0.0)
+    assert core.cancel("r-1", 0.1) and not core.cancel("r-1", 0.1)
+    fleet.release("a-0", "r-0")
+    core.step(0.2)
+    assert core.outbox == [] and core.queued() == 0 and fleet.records["a-0"].in_flight == 0
+
+
+def test_ejecting_the_last_engine_refuses_its_models_queue_at_once() -> None:
+    fleet = offline_fleet({"a": 2, "b": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    for i in range(5):
+        core.submit(ticket(f"a-{i}", "a"), 0.0)
+    core.submit(ticket("b-0", "b"), 0.0)
+    core.submit(ticket("b-1", "b"), 0.0)
+    fleet.eject("a-0", "down")
+    assert core.outbox == [] and core.queued("a") == 3  # a-1 still serves model a
+    fleet.eject("a-1", "down")
+    assert sorted(rid for rid, _ in core.outbox) == ["a-2", "a-3", "a-4"]
+    assert all(isinstance(e, GatewayError) and e.status == 503 for _, e in core.outbox)
+    assert core.queued("b") == 1
+    with pytest.raises(GatewayError) as refused:
+        core.submit(ticket("a-9", "a"), 0.0)
+    assert refused.value.status == 503
+
+
+def test_queue_full_prunes_an_infeasible_request_with_a_bounded_look() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(max_queued=3))
+    core.submit(ticket("r-0"), 0.0)
+    for i in range(1, 4):
+        core.submit(ticket(f"r-{i}", now=float(i)), float(i))
+    # at t=3.5, r-1's TTFT deadline (2.0) is past: it is shed to make room
+    assert core.submit(ticket("r-4", now=3.5), 3.5) is None
+    assert [rid for rid, _ in core.outbox] == ["r-1"]
+    assert core.submit(ticket("r-5", now=3.5), 3.5) is None  # r-2 (due at 3.0) goes next
+    assert [rid for rid, _ in core.outbox] == ["r-1", "r-2"]
+    # nothing infeasible left (r-3 is due at 4.0): the class is full
+    with pytest.raises(GatewayError) as full:
+        core.submit(ticket("r-6", now=3.5), 3.5)
+    assert full.value.status == 429 and full.value.code == "queue_full"
+
+
+def test_hyperflexis_places_on_an_idle_engine_within_the_arrival_call() -> None:
+    fleet = offline_fleet({"a": 4})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    placed = core.submit(ticket("r-0"), 10.0)
+    assert placed is not None and fleet.records[placed.engine_id].in_flight == 1
+
+
+def test_hyperflexis_does_not_poll_a_saturated_fleet() -> None:
+    fleet = offline_fleet({"a": 8})
+    core = offline_core(
+        fleet, dispatcher="hyperflexis", order="slo_tpot", limits=ClassLimits(max_queued=10_000)
+    )
+    for record in fleet.records.values():
+        # engines out of KV: nothing fits until something finishes
+        record.state = type("S", (), {"num_gpu_blocks": 1, "block_size": 1, "kv_usage": 1.0})()  # type: ignore[assignment]
+    for i in range(2000):
+        core.submit(ticket(f"r-{i}", now=0.0, timeout=1e9), 0.0)
+    core.step(0.0)
+    assert core.outbox == []
+    # every worker is parked: the only timer left is the queue expiry, nothing polls
+    assert core.next_wake() == 1e9
+    assert all(math.isinf(core.maturity[e]) for e in fleet.records)
+
+
+def _view(rid: str) -> RequestView:
+    return RequestView(request_id=rid, model="a", prompt_tokens=10, max_output_tokens=10)
+
+
+async def test_an_assignment_racing_a_cancellation_gives_the_capacity_back() -> None:
+    fleet = offline_fleet({"a": 1})
+    pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
+    loop = DispatchLoop(
+        fleet,
+        Router(fleet, pipeline),
+        make_order("fcfs", {}),
+        lambda _: ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+        lambda _: ClassLimits(),
+        max_engine_load=1,
+    )
+    loop.start()
+    try:
+        first = await loop.place(_view("r-1"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        waiter = asyncio.create_task(loop.place(_view("r-2"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0)))
+        await asyncio.sleep(0)
+        assert loop.core.queued() == 1
+        loop.release(first.engine_id, "r-1")
+        loop.core.step(loop.clock())  # r-2 is assigned and reserved ...
+        loop._deliver()
+        waiter.cancel()  # ... and its client leaves before the coroutine resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert fleet.records["a-0"].in_flight == 0 and fleet.records["a-0"].running == {}
+    finally:
+        await loop.stop()
+
+
+# -- property test ------------------------------------------------------------------------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["arrive", "step", "first", "finish", "disconnect", "tick", "eject", "readmit"]),
+        st.integers(0, 1000),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=OPS, dispatcher=st.sampled_from(["pipeline", "hyperflexis"]), max_load=st.sampled_from([1, 2, None])
+)
+def test_counters_return_to_zero_and_limits_hold(
+    ops: list[tuple[str, int]], dispatcher: str, max_load: int | None
+) -> None:
+    fleet = offline_fleet({"a": 3, "b": 2})
+    core: DispatchCore = offline_core(
+        fleet,
+        dispatcher=dispatcher,
+        order="slo_tpot" if dispatcher == "hyperflexis" else "fcfs",
+        max_engine_load=max_load,
+        limits=ClassLimits(max_queued=8, queue_timeout_s=2.0),
+    )
+    now = 0.0
+    seq = 0
+    placed: dict[str, str] = {}  # rid -> engine, as the serving flows would hold them
+    engines = list(fleet.records)
+
+    def deliver() -> None:
+        for rid, result in core.outbox:
+            if isinstance(result, EngineRecord):
+                placed[rid] = result.engine_id
+        core.outbox.clear()
+
+    for op, arg in ops:
+        if op == "arrive":
+            seq += 1
+            rid = f"r-{seq}"
+            try:
+                record = core.submit(ticket(rid, "ab"[arg % 2], now, 2.0, "c" if arg % 3 else "d"), now)
+            except GatewayError:
+                record = None
+            if record is not None:
+                placed[rid] = record.engine_id
+        elif op == "step":
+            core.step(now)
+        elif op == "first" and placed:
+            rid = sorted(placed)[arg % len(placed)]
+            entry = fleet.records[placed[rid]].running[rid]
+            fleet.mark_prefilled(placed[rid], entry)
+        elif op in ("finish", "disconnect") and placed and arg % 2:
+            rid = sorted(placed)[arg % len(placed)]
+            fleet.release(placed.pop(rid), rid)
+        elif op == "disconnect" and core.tickets:
+            core.cancel(sorted(core.tickets)[arg % len(core.tickets)], now)
+        elif op == "tick":
+            now += arg / 500.0  # up to 2 s: queue timeouts and maturity times fire
+            core.step(now)
+        elif op == "eject":
+            fleet.eject(engines[arg % len(engines)], "gone")
+        elif op == "readmit":
+            fleet.record_health(engines[arg % len(engines)], True, 1, 1)
+        deliver()
+        for engine_id, record in fleet.records.items():
+            assert (
+                record.in_flight == len(record.running) == sum(1 for e in placed.values() if e == engine_id)
+            )
+            if max_load is not None:
+                assert record.in_flight <= max_load
+        assert sum(core.queued_per_class.values()) == len(core.tickets) == core.queued("a") + core.queued("b")
+        assert set(core.tickets).isdisjoint(placed)
+
+    # drain: everything placed finishes, everything queued leaves one way or the other
+    for engine_id in engines:
+        fleet.record_health(engine_id, True, 1, 1)
+    for _ in range(200):
+        for rid, engine_id in list(placed.items()):
+            fleet.release(engine_id, rid)
+            del placed[rid]
+        now += 0.5
+        core.step(now)
+        deliver()
+        if not core.tickets and not placed:
+            break
+    assert core.tickets == {} and placed == {}
+    assert all(v == 0 for v in core.queued_per_class.values())
+    assert all(r.in_flight == 0 and r.in_flight_tokens == 0 and not r.running for r in fleet.records.values())
