@@ -13,7 +13,9 @@ import resource
 import signal
 import sys
 
-from gateway.sim.profiles import ProfileError, load_profile
+from pydantic import ValidationError
+
+from gateway.sim.profiles import EngineProfile, ProfileError, load_profile
 from gateway.sim.server import SimConfig, SimServer
 
 
@@ -29,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--embedding-dim", type=int, help="length of /v1/embeddings vectors (profile: 384)")
+    p.add_argument(
+        "--no-embeddings",
+        action="store_true",
+        help="a generation-only model: /v1/embeddings answers 400 'does not support Embeddings API'",
+    )
     p.add_argument("--kv-events-endpoint", help="ZMQ endpoint for KV events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-topic", default="kv")
     p.add_argument("--engine-id", default="0", help="the 'engine' metric label and KV-transfer engine id")
@@ -78,11 +86,18 @@ def sim_engine_main(argv: list[str]) -> int:
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("num_gpu_blocks", args.num_gpu_blocks),
+            ("embedding_dim", args.embedding_dim),
         )
         if v is not None
     }
     if overrides:
-        profile = profile.model_copy(update=overrides)
+        try:
+            # validated like the file itself, so a bad override is an error and not a broken engine
+            profile = EngineProfile.model_validate({**profile.model_dump(), **overrides})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            print(f"slogate sim-engine: {err['loc'][0]}: {err['msg']}", file=sys.stderr)
+            return 2
     config = SimConfig(
         profile=profile,
         model=args.model or profile.model,
@@ -95,6 +110,7 @@ def sim_engine_main(argv: list[str]) -> int:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_topic=args.kv_events_topic,
         seed=args.seed,
+        embeddings=not args.no_embeddings,
     )
     _raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gateway.sim.kv_cache import KVCache, SeqBlocks, prefix_hashes
-from gateway.sim.output import TokenStream
+from gateway.sim.output import TokenStream, choice_seed
 from gateway.sim.profiles import EngineProfile
 from policies.latency import batch_step_time
 
@@ -54,6 +54,10 @@ class SimRequest:
     kv_ready_at: float = 0.0
     #: stop making progress (fault injection)
     stuck: bool = False
+    #: embeddings: prefill the prompt, produce no token, finish with reason "stop"
+    pooling: bool = False
+    #: which of a request's ``n`` choices this is; choice i > 0 draws from its own output function
+    choice: int = 0
     phase: Phase = Phase.WAITING
     computed: int = 0  # tokens of prompt + output whose KV exists
     cached_tokens: int = 0
@@ -142,7 +146,8 @@ class EngineModel:
         request.order = self._order
         if request.stream is None:
             ignore_eos = request.ignore_eos or request.output_len is not None
-            request.stream = TokenStream(request.prompt, ignore_eos, self.seed)
+            seed = choice_seed(self.seed, request.choice) if request.choice else self.seed
+            request.stream = TokenStream(request.prompt, ignore_eos, seed)
         self.requests[request.request_id] = request
         (self.transferring if request.remote_kv else self.waiting).append(request)
 
@@ -329,6 +334,11 @@ class EngineModel:
             if request.computed >= request.length:
                 if not request.output:
                     self.counters.prompt_tokens += len(request.prompt)
+                if request.pooling:
+                    # the pooled hidden state is the whole answer: no token, no decode step
+                    self.complete(request, "stop")
+                    result.finished.append(request)
+                    continue
                 self._emit(request, now, result)
         for request in batch.decodes:
             if request.phase is Phase.RUNNING:

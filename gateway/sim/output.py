@@ -53,6 +53,13 @@ def token_after(state: int, ignore_eos: bool) -> int:
     return _WORD_FIRST + 2 * ((x >> 24) % _WORDS)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The output-function seed of choice ``choice`` (> 0) of an ``n > 1`` request: unrelated to the
+    engine's own ``seed`` and to every other choice, so the n choices differ the way sampled ones
+    would, while choice 0 keeps the plain output (and continuation) of an ``n = 1`` request."""
+    return _avalanche((seed & _MASK) ^ ((choice * 0x9E3779B97F4A7C15) & _MASK)) | 1
+
+
 class TokenStream:
     """Generator state of one request: O(prompt) to create, O(1) per token."""
 

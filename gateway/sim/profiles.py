@@ -78,6 +78,8 @@ class EngineProfile(BaseModel):
     max_num_seqs: int = Field(ge=1)
     max_num_batched_tokens: int = Field(ge=1)
     chunked_prefill: bool = True
+    #: length of the vectors /v1/embeddings returns (384: a small sentence-embedding model's size)
+    embedding_dim: int = Field(default=384, ge=1)
     latency: Latency
     transfer: Transfer
     weights: Weights

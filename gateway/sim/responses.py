@@ -57,7 +57,7 @@ class OutputState:
 class ResponseFormat:
     """Body and chunk builders for one request (``chat`` or ``completion``)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, return_token_ids: bool) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, return_token_ids: bool, n: int = 1) -> None:
         self.kind = kind
         self.created = int(time.time())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
@@ -65,7 +65,8 @@ class ResponseFormat:
         self.return_token_ids = return_token_ids
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         head = orjson.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model})
-        self._chunk_head = b"data: " + head[:-1] + b',"choices":[{"index":0,'
+        # one constant prefix per choice index: a streamed chunk carries exactly one choice
+        self._chunk_heads = [b"data: " + head[:-1] + b',"choices":[{"index":%d,' % i for i in range(n)]
 
     def chunk(
         self,
@@ -74,6 +75,7 @@ class ResponseFormat:
         finish_reason: str | None,
         first: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
+        index: int = 0,
     ) -> bytes:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -89,7 +91,7 @@ class ResponseFormat:
         tail = b"]"
         if self.return_token_ids and prompt_token_ids is not None and self.kind == "chat":
             tail += b',"prompt_token_ids":' + orjson.dumps(list(prompt_token_ids))
-        return self._chunk_head + orjson.dumps(body)[1:] + tail + b"}\n\n"
+        return self._chunk_heads[index] + orjson.dumps(body)[1:] + tail + b"}\n\n"
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -108,9 +110,11 @@ class ResponseFormat:
             + b"\n\n"
         )
 
-    def final_chunk_with_params(self, finish_reason: str, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    def final_chunk_with_params(
+        self, finish_reason: str, kv_transfer_params: dict[str, Any] | None, index: int = 0
+    ) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
         if self.kind == "chat":
             choice["delta"] = {}
         else:
@@ -128,32 +132,35 @@ class ResponseFormat:
 
     def full(
         self,
-        text: str,
-        token_ids: Sequence[int],
-        finish_reason: str,
+        outputs: Sequence[tuple[str, Sequence[int], str]],
         usage: dict[str, Any],
         prompt_token_ids: Sequence[int],
         kv_transfer_params: dict[str, Any] | None,
     ) -> bytes:
-        if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+        """The non-streamed body; ``outputs`` holds (text, token ids, finish_reason) per choice."""
+        choices: list[dict[str, Any]] = []
+        for index, (text, token_ids, finish_reason) in enumerate(outputs):
+            choice: dict[str, Any]
+            if self.kind == "chat":
+                choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+            if self.return_token_ids:
+                choice["token_ids"] = list(token_ids)
+                if self.kind == "completion":
+                    choice["prompt_token_ids"] = list(prompt_token_ids)
+            choices.append(choice)
         body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
         }
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-            if self.kind == "chat":
-                body["prompt_token_ids"] = list(prompt_token_ids)
-            else:
-                choice["prompt_token_ids"] = list(prompt_token_ids)
+        if self.return_token_ids and self.kind == "chat":
+            body["prompt_token_ids"] = list(prompt_token_ids)
         body["kv_transfer_params"] = kv_transfer_params
         return orjson.dumps(body)
 

@@ -27,12 +27,14 @@ import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from gateway.sim import embeddings as emb
 from gateway.sim.admin import AdminRoutes
 from gateway.sim.engine import EngineModel, Phase, SimRequest
 from gateway.sim.kv_events import KVEventPublisher
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
+from gateway.sim.validation import validate
 from gateway.tokenizer import apply_chat_template, decode, encode
 
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -56,6 +58,20 @@ class Channel:
     crashed: bool = False
 
 
+@dataclass(slots=True)
+class Choice:
+    """One of the ``n`` choices of a request: its own engine request, channel and output."""
+
+    index: int
+    sim: SimRequest
+    channel: Channel
+    out: OutputState
+    first_real: float | None = None
+    last_real: float = 0.0
+    started: bool = False  # streaming: its first chunk went out
+    ended: bool = False  # streaming: its finish chunk went out
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     profile: EngineProfile
@@ -69,6 +85,8 @@ class SimConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"
     seed: int = 0
+    #: False: a generation-only model; /v1/embeddings answers that it does not support the task
+    embeddings: bool = True
 
 
 class SimServer:
@@ -188,6 +206,7 @@ class SimServer:
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/embeddings", self.embeddings)
         r.add_get("/v1/models", self.models)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics)
@@ -228,6 +247,9 @@ class SimServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "embedding")
+
     def _prompt(self, kind: str, body: dict[str, Any]) -> list[int]:
         if kind == "chat":
             messages = body.get("messages")
@@ -260,6 +282,8 @@ class SimServer:
                 raise BadRequest(400, "request body must be a JSON object")
             if self.crashed:
                 raise BadRequest(503, "engine is dead")
+            if kind == "embedding":
+                return await self._embed(http, body)
             return await self._run(http, kind, body)
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON: {exc}")
@@ -308,7 +332,26 @@ class SimServer:
             lengths.append(value)
         return min(lengths) if lengths else None
 
+    def _priority(self, body: dict[str, Any]) -> int:
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise BadRequest(400, "priority must be an integer", "priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise BadRequest(
+                400, "Got priority != 0 but the scheduling policy is not 'priority'.", "priority"
+            )
+        return priority
+
+    @staticmethod
+    def _request_ids(http: web.Request, body: dict[str, Any]) -> tuple[str, str]:
+        """The client-visible id and the engine-unique request id built on it."""
+        base_id = http.headers.get("X-Request-Id") or str(body.get("request_id") or os.urandom(8).hex())
+        return base_id, f"{base_id}-{os.urandom(4).hex()}"
+
     async def _run(self, http: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
+        problem = validate(kind, body)
+        if problem is not None:
+            raise BadRequest(400, *problem)
         model = body.get("model")
         if model is not None and model != self.config.model:
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
@@ -319,62 +362,131 @@ class SimServer:
         if options and not stream:
             raise BadRequest(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         stops = body.get("stop") or ()
-        stops = (stops,) if isinstance(stops, str) else tuple(s for s in stops if isinstance(s, str) and s)
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise BadRequest(400, "priority must be an integer", "priority")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise BadRequest(
-                400, "Got priority != 0 but the scheduling policy is not 'priority'.", "priority"
-            )
-        base_id = http.headers.get("X-Request-Id") or str(body.get("request_id") or os.urandom(8).hex())
-        rid = f"{base_id}-{os.urandom(4).hex()}"
+        stops = (stops,) if isinstance(stops, str) else tuple(stops)
+        priority = self._priority(body)
+        n = body.get("n") or 1
+        base_id, rid = self._request_ids(http, body)
         params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
         room = body.get("bootstrap_room")
+        if n > 1 and (params is not None or room is not None):
+            raise BadRequest(400, "n > 1 cannot be combined with KV transfer (P/D) in the sim", "n")
         prefill_only = bool(params and params.get("do_remote_decode")) or (
             room is not None and self.config.role == "prefill"
         )
-        sim = SimRequest(
-            rid,
-            prompt,
-            1 if prefill_only else max_tokens,
-            self.now(),
-            priority=priority,
-            ignore_eos=bool(body.get("ignore_eos")),
-            prefill_only=prefill_only,
-            output_len=None if prefill_only else self._output_len(http, body),
-        )
+        output_len = None if prefill_only else self._output_len(http, body)
+        arrival = self.now()
+        # n > 1 fans out into n engine requests, as vLLM's parallel sampling does: each takes a
+        # sequence slot, KV blocks and its own decode steps (the prompt is computed per choice)
+        sims = [
+            SimRequest(
+                rid if n == 1 else f"{i}_{rid}",
+                prompt,
+                1 if prefill_only else max_tokens,
+                arrival,
+                priority=priority,
+                ignore_eos=bool(body.get("ignore_eos")),
+                prefill_only=prefill_only,
+                output_len=output_len,
+                choice=i,
+            )
+            for i in range(n)
+        ]
         if params and params.get("do_remote_prefill"):
             await self._pull_kv(
-                sim,
+                sims[0],
                 f"http://{params.get('remote_host')}:{params.get('remote_port')}",
                 {"request_id": params.get("remote_request_id")},
             )
         elif room is not None and self.config.role == "decode":
             await self._pull_kv(
-                sim,
+                sims[0],
                 f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}",
                 {"room": str(room), "wait_s": 30},
             )
-        self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
-        fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")))
-        out = OutputState(stops)
-        channel = Channel()
-        self.channels[rid] = channel
-        self.model.add(sim)
+        for sim in sims:
+            self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
+        fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")), n)
+        event = asyncio.Event()  # one wake-up for all choices: the handler drains them together
+        choices = [Choice(i, sim, Channel(event=event), OutputState(stops)) for i, sim in enumerate(sims)]
+        for choice in choices:
+            self.channels[choice.sim.request_id] = choice.channel
+            self.model.add(choice.sim)
+        self.wake_driver()
+        include_usage = bool(options.get("include_usage"))
+        try:
+            if stream and n == 1:
+                c = choices[0]
+                return await self._stream(http, c.sim, fmt, c.out, c.channel, include_usage, room)
+            if stream:
+                return await self._stream_choices(http, choices, fmt, include_usage)
+            return await self._complete(choices, fmt, room)
+        finally:
+            for choice in choices:
+                sim = choice.sim
+                self.channels.pop(sim.request_id, None)
+                self._crash_after.pop(sim.request_id, None)
+                if sim.phase is not Phase.FINISHED and sim.phase is not Phase.HELD:
+                    self.model.abort(sim.request_id)  # client went away: free the slot and its blocks
+                    self.wake_driver()
+
+    async def _embed(self, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """Each input is a prefill-only engine request (vLLM runs pooling the same way): it waits
+        for a slot, pays its prefill in the batch, and the answer comes once all have run."""
+        if not self.config.embeddings:
+            raise BadRequest(400, f"The model `{self.config.model}` does not support Embeddings API", "model")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadRequest(400, f"model must be a string, got {model!r}", "model")
+        if model is not None and model != self.config.model:
+            raise BadRequest(404, f"The model `{model}` does not exist.", "model")
+        dim = self.profile.embedding_dim
+        try:
+            prompts = emb.parse_input(body.get("input"))
+            encoding, dimensions = emb.parse_options(body, dim)
+        except emb.EmbeddingInputError as exc:
+            raise BadRequest(400, str(exc), exc.param) from None
+        max_len = self.profile.max_model_len
+        for i, tokens in enumerate(prompts):
+            if len(tokens) > max_len:
+                raise BadRequest(
+                    400,
+                    f"This model's maximum context length is {max_len} tokens. However, input[{i}] has "
+                    f"{len(tokens)} tokens. Please reduce the length of the input.",
+                    "input",
+                )
+        priority = self._priority(body)
+        base_id, rid = self._request_ids(http, body)
+        arrival = self.now()
+        event = asyncio.Event()
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        sims = [
+            SimRequest(request_id, tokens, 1, arrival, priority=priority, pooling=True)
+            for request_id, tokens in zip(ids, prompts, strict=True)
+        ]
+        channels = [Channel(event=event) for _ in sims]
+        for sim, channel in zip(sims, channels, strict=True):
+            self.channels[sim.request_id] = channel
+            self.model.add(sim)
         self.wake_driver()
         try:
-            if stream:
-                return await self._stream(
-                    http, sim, fmt, out, channel, bool(options.get("include_usage")), room
-                )
-            return await self._complete(sim, fmt, out, channel, room)
+            while not all(channel.done for channel in channels):
+                await event.wait()
+                event.clear()
+                if any(channel.crashed for channel in channels):
+                    raise ConnectionAbortedError("engine crashed")
         finally:
-            self.channels.pop(rid, None)
-            self._crash_after.pop(rid, None)
-            if sim.phase is not Phase.FINISHED and sim.phase is not Phase.HELD:
-                self.model.abort(rid)  # client went away: free the slot and its blocks
-                self.wake_driver()
+            for sim in sims:
+                self.channels.pop(sim.request_id, None)
+                if sim.phase is not Phase.FINISHED:
+                    self.model.abort(sim.request_id)  # client went away: free the slot and its blocks
+                    self.wake_driver()
+        end_real = time.monotonic()
+        for sim in sims:
+            self._observe(sim, None, end_real, 0)
+        vectors = [emb.vector(sim.prompt, dim, self.config.seed, dimensions) for sim in sims]
+        prompt_tokens = sum(len(tokens) for tokens in prompts)
+        data = emb.response_body(base_id, self.config.model, vectors, encoding, prompt_tokens)
+        return web.Response(body=data, content_type="application/json")
 
     def _apply_fault_header(self, header: str | None, sim: SimRequest) -> None:
         if not header:
@@ -441,30 +553,34 @@ class SimServer:
             self.model.held[key] = self.model.held.pop(sim.request_id, sim)
             self.rooms.setdefault(key, asyncio.Event()).set()
 
-    async def _complete(
-        self, sim: SimRequest, fmt: ResponseFormat, out: OutputState, channel: Channel, room: object
-    ) -> web.StreamResponse:
-        first: float | None = None
-        while not channel.done:
-            tokens = await self._tokens(channel)
-            if tokens and first is None:
-                first = time.monotonic()
-            for token in tokens:
-                if out.add(token):
-                    self.model.complete(sim, "stop")
-                    channel.done = True
-                    break
-        self._held(sim, room)
-        self._observe(sim, first, time.monotonic(), len(out.token_ids))
-        usage = usage_of(len(sim.prompt), len(out.token_ids), sim.cached_tokens)
-        body = fmt.full(
-            out.delta(True),
-            out.token_ids,
-            sim.finish_reason or "length",
-            usage,
-            sim.prompt,
-            self._kv_params(sim),
-        )
+    async def _complete(self, choices: list[Choice], fmt: ResponseFormat, room: object) -> web.StreamResponse:
+        event = choices[0].channel.event
+        pending = list(choices)
+        while pending:
+            await event.wait()
+            event.clear()
+            for choice in pending:
+                channel = choice.channel
+                tokens, channel.tokens = channel.tokens, []
+                if channel.crashed:
+                    raise ConnectionAbortedError("engine crashed")
+                if tokens and choice.first_real is None:
+                    choice.first_real = time.monotonic()
+                for token in tokens:
+                    if choice.out.add(token):
+                        self.model.complete(choice.sim, "stop")
+                        channel.done = True
+                        break
+            pending = [c for c in pending if not c.channel.done]
+        end_real = time.monotonic()
+        for choice in choices:
+            self._observe(choice.sim, choice.first_real, end_real, len(choice.out.token_ids))
+        first = choices[0].sim
+        self._held(first, room)
+        completion_tokens = sum(len(c.out.token_ids) for c in choices)
+        usage = usage_of(len(first.prompt), completion_tokens, first.cached_tokens)
+        outputs = [(c.out.delta(True), c.out.token_ids, c.sim.finish_reason or "length") for c in choices]
+        body = fmt.full(outputs, usage, first.prompt, self._kv_params(first))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
@@ -525,6 +641,65 @@ class SimServer:
             tail += fmt.usage_chunk(usage_of(len(sim.prompt), len(out.token_ids), sim.cached_tokens))
         await resp.write(tail + b"data: [DONE]\n\n")
         self._observe(sim, first_real, time.monotonic(), len(out.token_ids))
+        await resp.write_eof()
+        return resp
+
+    async def _stream_choices(
+        self, http: web.Request, choices: list[Choice], fmt: ResponseFormat, include_usage: bool
+    ) -> web.StreamResponse:
+        """Streaming for n > 1: each chunk carries one choice; a choice's finish chunk goes out when
+        it ends. Kept apart from :meth:`_stream` so the n = 1 hot path pays nothing for it."""
+        resp = web.StreamResponse(headers=_SSE)
+        await resp.prepare(http)
+        event = choices[0].channel.event
+        live = list(choices)
+        try:
+            while live:
+                await event.wait()
+                event.clear()
+                now = time.monotonic()
+                parts: list[bytes] = []
+                for c in live:
+                    tokens, c.channel.tokens = c.channel.tokens, []
+                    if c.channel.crashed:
+                        raise ConnectionAbortedError("engine crashed")
+                    if tokens:
+                        if c.first_real is None:
+                            c.first_real = now
+                        else:
+                            self.h_itl.observe(now - c.last_real)
+                        c.last_real = now
+                    for token in tokens:
+                        stopped = c.out.add(token)
+                        if stopped:
+                            self.model.complete(c.sim, "stop")
+                            c.channel.done = True
+                        text = c.out.delta(c.channel.done)
+                        ids = [token] if c.out.token_ids and c.out.token_ids[-1] == token else []
+                        if text or ids or not c.started:
+                            prompt_ids = None if c.started else c.sim.prompt
+                            parts.append(fmt.chunk(text, ids, None, not c.started, prompt_ids, c.index))
+                            c.started = True
+                        if stopped:
+                            break
+                    if c.channel.done:
+                        reason = c.sim.finish_reason or "length"
+                        parts.append(fmt.final_chunk_with_params(reason, None, c.index))
+                        c.ended = True
+                        self._observe(c.sim, c.first_real, now, len(c.out.token_ids))
+                live = [c for c in live if not c.ended]
+                if parts:
+                    await resp.write(b"".join(parts))
+        except ConnectionAbortedError:
+            if http.transport is not None:
+                http.transport.abort()  # a cut, not a clean end: the client must see the failure
+            return resp
+        tail = b""
+        if include_usage:
+            first = choices[0].sim
+            completion_tokens = sum(len(c.out.token_ids) for c in choices)
+            tail = fmt.usage_chunk(usage_of(len(first.prompt), completion_tokens, first.cached_tokens))
+        await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

@@ -208,3 +208,27 @@ def test_stop_string_cuts_text_and_streaming_never_leaks_part_of_it() -> None:
         if done:
             break
     assert out.stopped and sent == text[: text.find(stop)]
+
+
+def test_pooling_request_prefills_and_ends_without_a_token() -> None:
+    prof = profile(latency={**ZERO_LAT, "prefill_a": 0.02, "prefill_b": 1e-4})
+    model = EngineModel(prof)
+    r = request("e", list(range(300, 800)), 1, pooling=True)
+    model.add(r)
+    end = run_virtual(model)
+    assert end == pytest.approx(0.02 + 1e-4 * 500)  # one prefill step, no decode step
+    assert r.output == [] and r.finish_reason == "stop" and r.phase is Phase.FINISHED
+    assert model.counters.prompt_tokens == 500 and model.counters.generation_tokens == 0
+    assert model.cache.usage == 0.0 and not model.has_work
+
+
+def test_choices_draw_from_distinct_output_functions() -> None:
+    outputs = []
+    for choice in range(3):
+        model = EngineModel(profile(latency=UNIT))
+        r = request(f"c{choice}", list(range(300, 340)), 12, ignore_eos=True, choice=choice)
+        model.add(r)
+        run_virtual(model)
+        outputs.append(r.output)
+    assert outputs[0] == _alone(list(range(300, 340)), 12)  # choice 0 is the plain n=1 output
+    assert len({tuple(o) for o in outputs}) == 3

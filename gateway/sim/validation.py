@@ -1,0 +1,174 @@
+"""Request-body validation for the sim's generation routes, rejecting what vLLM rejects with a 400.
+
+vLLM refuses a wrongly typed field (``"temperature": "hot"``, a message with ``"content": 5``) in its
+pydantic request models and an out-of-range value (``top_p: 0``, ``n: 0``) in ``SamplingParams``;
+both reach the client as a 400 with an OpenAI-shaped error body. The sim does the same from one
+table per route: field name -> check, where a check returns None for an acceptable value and the
+error message otherwise.
+
+JSON ``null`` counts as absent, as for pydantic's optional fields. The sim is stricter than pydantic's
+lax mode in one way: numeric strings such as ``"0.5"`` are not coerced to numbers (pydantic would
+accept them); a client relying on that coercion is broken against any other OpenAI server anyway.
+The sim validates sampling parameters but does not use them: its output stays deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+#: returns None when ``value`` is acceptable for field ``name``, else the error message
+Check = Callable[[str, Any], str | None]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+INT64 = (-(2**63), 2**63 - 1)
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+GREEDY_EPS = 1e-5  # below this temperature vLLM samples greedily
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _range(name: str, value: float, lo: float | None, hi: float | None, lo_open: bool) -> str | None:
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    above = hi is not None and value > hi
+    if not below and not above:
+        return None
+    if lo is not None and hi is not None:
+        return f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value}."
+    if lo is not None:
+        return f"{name} must be {'greater than' if lo_open else 'at least'} {lo:g}, got {value}."
+    return f"{name} must be at most {hi:g}, got {value}."
+
+
+def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> Check:
+    def check(name: str, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{name} must be a number, got {_show(value)}"
+        if not math.isfinite(value):
+            return f"{name} must be a finite number, got {value}."
+        return _range(name, value, lo, hi, lo_open)
+
+    return check
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> Check:
+    def check(name: str, value: Any) -> str | None:
+        if not _is_int(value):
+            return f"{name} must be an integer, got {_show(value)}"
+        return _range(name, value, lo, hi, False)
+
+    return check
+
+
+def boolean(name: str, value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"{name} must be a boolean, got {_show(value)}"
+
+
+def string(name: str, value: Any) -> str | None:
+    return None if isinstance(value, str) else f"{name} must be a string, got {_show(value)}"
+
+
+def obj(name: str, value: Any) -> str | None:
+    return None if isinstance(value, dict) else f"{name} must be an object, got {_show(value)}"
+
+
+def stop(name: str, value: Any) -> str | None:
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        return f"{name} must be a string or a list of strings, got {_show(value)}"
+    if not all(value):
+        return f"{name} cannot contain an empty string."
+    return None
+
+
+def _content_problem(where: str, role: str, content: Any) -> str | None:
+    if isinstance(content, str):
+        return None
+    if content is None:
+        # an assistant turn may carry only tool calls; every other role has something to say
+        return None if role == "assistant" else f"{where} is required for role {role!r}"
+    if not isinstance(content, list):
+        return f"{where} must be a string, a list of content parts or null, got {_show(content)}"
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            return f"{where}[{j}] must be an object with a string 'type', got {_show(part)}"
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            return f"{where}[{j}].text must be a string, got {_show(part.get('text'))}"
+    return None
+
+
+def messages(name: str, value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"{name} must be a non-empty list of message objects, got {_show(value)}"
+    for i, message in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(message, dict):
+            return f"{where} must be an object, got {_show(message)}"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"{where}.role must be one of {sorted(ROLES)}, got {_show(role)}"
+        problem = _content_problem(f"{where}.content", role, message.get("content"))
+        if problem is not None:
+            return problem
+    return None
+
+
+_SAMPLING: dict[str, Check] = {
+    "model": string,
+    "n": integer(1, MAX_N),
+    "temperature": number(0.0, 2.0),
+    "top_p": number(0.0, 1.0, lo_open=True),
+    "top_k": integer(-1),
+    "min_p": number(0.0, 1.0),
+    "presence_penalty": number(-2.0, 2.0),
+    "frequency_penalty": number(-2.0, 2.0),
+    "repetition_penalty": number(0.0, lo_open=True),
+    "max_tokens": integer(1),
+    "min_tokens": integer(0),
+    "seed": integer(*INT64),
+    "stop": stop,
+    "stream": boolean,
+    "stream_options": obj,
+    "ignore_eos": boolean,
+    "return_token_ids": boolean,
+    "user": string,
+}
+
+FIELDS: Mapping[str, Mapping[str, Check]] = {
+    "chat": {
+        "messages": messages,  # first: a chat request without messages is wrong before anything else
+        **_SAMPLING,
+        "max_completion_tokens": integer(1),
+        "logprobs": boolean,
+        "top_logprobs": integer(0),
+    },
+    "completion": {**_SAMPLING, "logprobs": integer(-1), "echo": boolean},
+}
+REQUIRED: Mapping[str, tuple[str, ...]] = {"chat": ("messages",), "completion": ("prompt",)}
+
+
+def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first problem with a ``chat`` or ``completion`` body as ``(message, param)``, or None."""
+    for name in REQUIRED[kind]:
+        if body.get(name) is None:
+            return f"{name} is required", name
+    for name, check in FIELDS[kind].items():
+        value = body.get(name)
+        if value is not None:
+            problem = check(name, value)
+            if problem is not None:
+                return problem, name
+    n = body.get("n")
+    temperature = body.get("temperature")
+    if n is not None and n > 1 and temperature is not None and temperature < GREEDY_EPS:
+        return f"n must be 1 when using greedy sampling, got {n}.", "n"
+    return None

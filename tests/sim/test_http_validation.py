@@ -1,0 +1,92 @@
+"""Request validation over HTTP: what vLLM refuses with a 400, the sim refuses too; valid shapes pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.sim.test_http_api import post
+from tests.support.sim_process import SimProcess
+
+USER = [{"role": "user", "content": "hi"}]
+
+# (route, body, param named in the error)
+REJECTED: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"messages": USER, "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": USER, "temperature": -0.5}, "temperature"),
+    ("chat", {"messages": USER, "temperature": 2.5}, "temperature"),
+    ("chat", {"messages": USER, "temperature": True}, "temperature"),
+    ("chat", {"messages": USER, "top_p": 0}, "top_p"),
+    ("chat", {"messages": USER, "top_p": 1.5}, "top_p"),
+    ("chat", {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+    ("chat", {"messages": USER, "frequency_penalty": "x"}, "frequency_penalty"),
+    ("chat", {"messages": USER, "n": 0}, "n"),
+    ("chat", {"messages": USER, "n": 1.5}, "n"),
+    ("chat", {"messages": USER, "n": 2, "temperature": 0}, "n"),  # vLLM: greedy sampling needs n == 1
+    ("chat", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ("chat", {"messages": USER, "max_tokens": "10"}, "max_tokens"),
+    ("chat", {"messages": USER, "max_completion_tokens": 2.5}, "max_completion_tokens"),
+    ("chat", {"messages": USER, "stop": 5}, "stop"),
+    ("chat", {"messages": USER, "stop": ["ok", 3]}, "stop"),
+    ("chat", {"messages": USER, "stop": [""]}, "stop"),
+    ("chat", {"messages": USER, "seed": "42"}, "seed"),
+    ("chat", {"messages": USER, "seed": 2**64}, "seed"),
+    ("chat", {"messages": USER, "logprobs": 1}, "logprobs"),
+    ("chat", {"messages": USER, "stream": "yes"}, "stream"),
+    ("chat", {"messages": USER, "model": 7}, "model"),
+    ("chat", {}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": ["hi"]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat", {"messages": [{"content": "hi"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
+    ("completion", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("completion", {"prompt": "x", "n": -1}, "n"),
+    ("completion", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("completion", {"prompt": "x", "echo": "no"}, "echo"),
+    ("completion", {"temperature": 1}, "prompt"),
+]
+
+ACCEPTED: list[tuple[str, dict[str, Any]]] = [
+    ("chat", {"messages": USER, "temperature": 0, "top_p": 1, "n": 1, "seed": -3, "logprobs": False}),
+    ("chat", {"messages": USER, "temperature": 1.3, "n": 2, "stop": ["zz"], "presence_penalty": -2}),
+    ("chat", {"messages": USER, "temperature": None, "top_p": None, "stop": None, "n": None}),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "42", "tool_call_id": "t1"},
+                {"role": "developer", "content": ""},
+            ]
+        },
+    ),
+    ("completion", {"prompt": "x", "logprobs": 2, "echo": False, "stop": "zz", "frequency_penalty": 0.5}),
+]
+
+ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+@pytest.mark.parametrize(("route", "body", "param"), REJECTED)
+async def test_vllm_rejects_and_so_does_the_sim(
+    engine: SimProcess, route: str, body: dict[str, Any], param: str
+) -> None:
+    status, answer = await post(engine.url + ROUTES[route], {"max_tokens": 2, **body})
+    assert status == 400, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param and answer["error"]["code"] == 400
+    assert answer["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize(("route", "body"), ACCEPTED)
+async def test_valid_requests_still_pass(engine: SimProcess, route: str, body: dict[str, Any]) -> None:
+    status, answer = await post(engine.url + ROUTES[route], {"max_tokens": 2, **body})
+    assert status == 200, answer
