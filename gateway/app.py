@@ -115,7 +115,7 @@ class Gateway:
         )
         self.dispatch.start()
         flow = CollocatedFlow(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
-        self.proxy = Proxy(s, self.fleet, self.slo, flow)
+        self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
 
     def _class_limits(self, slo_class: str) -> ClassLimits:
         try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,9 +38,7 @@ __all__ = [
     "clamp_hints",
     "clamp_target",
     "forwardable_headers",
-    "hints_from_headers",
     "key_fingerprint",
-    "policy_headers",
     "redact_headers",
 ]
 
@@ -52,12 +49,13 @@ OPEN_POLICY = ApiKeyPolicy(task_override=True)
 
 _AUTHORIZATION = b"authorization"
 _BEARER = b"bearer"
-_PRIORITY = re.compile(rb"-?[0-9]+")
 #: request headers whose values are credentials (never logged)
 _SECRET_HEADERS = frozenset({b"authorization", b"proxy-authorization", b"x-api-key", b"cookie"})
 #: client headers the proxy relays upstream: W3C trace context, and the simulated engine's
 #: controls (which each adapter then keeps or drops, see EngineAdapter.forwarded_headers)
 _FORWARDED_PREFIXES = (b"x-sim-", b"traceparent", b"tracestate")
+_HEADER_NAME = re.compile(rb"[a-z0-9-]{1,64}")
+_HEADER_VALUE = re.compile(rb"[\x20-\x7e]{0,1024}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,43 +202,6 @@ class Authenticator:
 # -- SLO ceilings (pure) ---------------------------------------------------------------------------
 
 
-def _ms(value: bytes | None) -> float | None:
-    """An explicit target in ms; not finite and positive counts as absent (as in policies.slo)."""
-    if value is None:
-        return None
-    try:
-        ms = float(value)
-    except ValueError:
-        return None
-    return ms if math.isfinite(ms) and ms > 0 else None
-
-
-def hints_from_headers(headers: Mapping[bytes, bytes], body_priority: int) -> SloHints:
-    """The client's own claims, read the way ``SloService.classify`` reads them.
-
-    Priority: ``x-priority`` when it is an integer, else the body's ``priority`` when non-zero
-    (classify treats a body ``0`` as absent). Task: ``x-slo-task`` when it is UTF-8. No tenant:
-    only a key names one. Nothing here raises on odd bytes.
-    """
-    priority: int | None = body_priority or None
-    header = headers.get(b"x-priority")
-    if header is not None and _PRIORITY.fullmatch(header):
-        priority = int(header)
-    task: str | None = None
-    raw_task = headers.get(b"x-slo-task")
-    if raw_task:
-        try:
-            task = raw_task.decode()
-        except UnicodeDecodeError:
-            task = None
-    return SloHints(
-        ttft_ms=_ms(headers.get(b"x-slo-ttft-ms")),
-        tpot_ms=_ms(headers.get(b"x-slo-tpot-ms")),
-        task=task,
-        priority=priority,
-    )
-
-
 def clamp_hints(hints: SloHints, policy: ApiKeyPolicy) -> SloHints:
     """What the gateway honours of ``hints`` under ``policy``; every rule only ever loosens.
 
@@ -282,42 +243,20 @@ def clamp_target(target: SloTarget, policy: ApiKeyPolicy) -> SloTarget:
     return dataclasses.replace(target, ttft_s=ttft_s, tpot_s=tpot_s)
 
 
-def policy_headers(
-    headers: Mapping[bytes, bytes], body_priority: int, policy: ApiKeyPolicy
-) -> dict[bytes, bytes]:
-    """``headers`` with the SLO claims rewritten to their clamped values, for ``SloService.classify``.
-
-    The header form lets today's classify apply the ceilings unchanged: ``x-priority`` carries
-    the clamped priority (a header wins over the body there), absent or unusable claims are
-    removed so classify cannot read them differently. The tenant cannot travel this way; use
-    :attr:`Identity.tenant`.
-    """
-    clamped = clamp_hints(hints_from_headers(headers, body_priority), policy)
-    out = dict(headers)
-    for name, value in (
-        (b"x-priority", None if clamped.priority is None else str(clamped.priority)),
-        (b"x-slo-ttft-ms", None if clamped.ttft_ms is None else repr(clamped.ttft_ms)),
-        (b"x-slo-tpot-ms", None if clamped.tpot_ms is None else repr(clamped.tpot_ms)),
-        (b"x-slo-task", clamped.task),
-    ):
-        if value is None:
-            out.pop(name, None)
-        else:
-            out[name] = value.encode()
-    return out
-
-
 # -- headers that leave the gateway --------------------------------------------------------------
 
 
 def forwardable_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     """The client headers the proxy may relay upstream (trace context, ``x-sim-*``), as text.
 
-    Header bytes are decoded as Latin-1, which cannot fail (HTTP/1.1's own rule for opaque
-    bytes); the adapter then drops what its engine must not see.
+    Only token names and visible-ASCII values are kept: they are copied into upstream requests,
+    and anything else could not be valid trace context or a sim control. The adapter then drops
+    what its engine must not see.
     """
     return {
-        k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.lower().startswith(_FORWARDED_PREFIXES)
+        k.decode(): v.decode()
+        for k, v in raw
+        if k.startswith(_FORWARDED_PREFIXES) and _HEADER_NAME.fullmatch(k) and _HEADER_VALUE.fullmatch(v)
     }
 
 

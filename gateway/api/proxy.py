@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from gateway import metrics
+from gateway.api.auth import Authenticator, AuthError, forwardable_headers
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import RouteKind, parse_request
 from gateway.dispatch.slo_service import SloService
@@ -30,13 +31,8 @@ from gateway.settings import Settings
 log = logging.getLogger("slogate.proxy")
 
 _JSON = (b"content-type", b"application/json")
-#: client headers relayed upstream: W3C trace context and the simulated engine's controls
-_FORWARDED_PREFIXES = (b"x-sim-", b"traceparent", b"tracestate")
 #: a client request id we echo back: visible ASCII without separators a log line could trip on
 _CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")
-#: forwarded headers: token names, visible ASCII values (they are copied into upstream requests)
-_HEADER_NAME = re.compile(rb"[a-z0-9-]{1,64}")
-_HEADER_VALUE = re.compile(rb"[\x20-\x7e]{0,1024}")
 
 
 def _status_class(status: int) -> str:
@@ -70,6 +66,8 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 async def send_error(send: Send, error: GatewayError, client_rid: bytes) -> None:
     headers = [_JSON, (b"x-request-id", client_rid)]
+    if isinstance(error, AuthError):
+        headers.extend(error.extra_headers)
     if error.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -79,12 +77,14 @@ async def send_error(send: Send, error: GatewayError, client_rid: bytes) -> None
 class Proxy:
     """Shared by the three OpenAI routes; one instance per app."""
 
-    def __init__(self, settings: Settings, fleet: Fleet, slo: SloService, flow: CollocatedFlow) -> None:
+    def __init__(
+        self, settings: Settings, fleet: Fleet, slo: SloService, flow: CollocatedFlow, auth: Authenticator
+    ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.slo = slo
         self.flow = flow
-        self.api_keys = {f"Bearer {k}".encode() for k in settings.api_keys}
+        self.auth = auth
         self._boot = os.urandom(4).hex()
         self._ids = itertools.count(1)
 
@@ -102,8 +102,7 @@ class Proxy:
         status = 500
         call: Call | None = None
         try:
-            if self.api_keys and headers.get(b"authorization") not in self.api_keys:
-                raise GatewayError(401, "invalid or missing API key", code="invalid_api_key")
+            policy = self.auth.client(headers).policy
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
             declared = headers.get(b"content-length")
@@ -117,7 +116,7 @@ class Proxy:
             request = parse_request(kind, raw, self.settings.default_max_tokens)
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
-            target, priority = self.slo.classify(headers, request.priority)
+            target, priority = self.slo.classify(headers, request.priority, policy)
             reply = (
                 (b"x-request-id", client_rid),
                 (b"x-slo-class", target.slo_class.encode()),
@@ -133,7 +132,8 @@ class Proxy:
                 target,
                 priority,
                 reply,
-                _forwarded(scope["headers"]),
+                forwardable_headers(scope["headers"]),
+                queue_priority=priority if priority is not None else policy.max_priority or 0,
             )
             status = await self._serve(call, receive)
         except GatewayError as error:
@@ -177,20 +177,6 @@ class Proxy:
         finally:
             watcher.cancel()
             self.slo.left(call.priority)
-
-
-def _forwarded(raw_headers: Any) -> dict[str, str]:
-    """The client headers relayed upstream, as text; values that are not plain visible ASCII are
-    dropped rather than forwarded (they could not be valid trace context or sim controls)."""
-    out: dict[str, str] = {}
-    for name, value in raw_headers:
-        if (
-            name.startswith(_FORWARDED_PREFIXES)
-            and _HEADER_NAME.fullmatch(name)
-            and _HEADER_VALUE.fullmatch(value)
-        ):
-            out[name.decode()] = value.decode()
-    return out
 
 
 async def _watch_disconnect(receive: Receive, relay: asyncio.Task[Any]) -> bool:

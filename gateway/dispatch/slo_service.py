@@ -8,14 +8,16 @@ latency-model samples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 
 from gateway import metrics
+from gateway.api.auth import OPEN_POLICY, clamp_hints, clamp_target
 from gateway.api.errors import bad_request
 from gateway.fleet.registry import EngineRecord
 from gateway.serving.call import BatchObservation, Call
-from gateway.settings import Settings
+from gateway.settings import ApiKeyPolicy, Settings
 from gateway.sim.profiles import load_profile
 from policies.latency_fit import Coeffs, DecodeSample, LatencyModel, PrefillSample
 from policies.priority_mapping import PriorityMappingState, observe_completion, set_pending
@@ -82,8 +84,6 @@ class SloService:
         path = settings.slo_profile_path()
         self.profile: SloProfile = parse_slo_profile(path.read_text(), str(path))
         self.mapping: PriorityMappingState | None = initial_priority_state(self.profile)
-        self.key_tasks = {f"Bearer {k}".encode(): v for k, v in settings.api_key_tasks.items()}
-        self.key_tenants = {f"Bearer {k}".encode(): v for k, v in settings.api_key_tenants.items()}
         self.models: dict[str, LatencyModel] = {}
         self._observations: dict[str, int] = {}
         for engine in settings.engines:
@@ -100,32 +100,36 @@ class SloService:
 
     # -- classification --------------------------------------------------------------------------
 
-    def classify(self, headers: Mapping[bytes, bytes], body_priority: int) -> tuple[SloTarget, int | None]:
-        """The request's targets and its effective priority.
+    def classify(
+        self, headers: Mapping[bytes, bytes], body_priority: int, policy: ApiKeyPolicy = OPEN_POLICY
+    ) -> tuple[SloTarget, int | None]:
+        """The request's targets and its effective priority, within what its key allows.
 
         The priority comes from ``x-priority`` or else the body's ``priority`` (vLLM's field);
-        ``None`` when the request gave neither. With a priority profile it is clamped into the
-        profile's levels, so every later use (queue order, pending counts, the mapper's windows)
-        sees the same level the targets came from.
+        ``None`` when the request gave neither. Malformed claims are a 400. The key's policy then
+        caps the claims (:func:`clamp_hints`) and the resulting targets (:func:`clamp_target`).
+        With a priority profile the priority is clamped into the profile's levels, so every later
+        use (queue order, pending counts, the mapper's windows) sees the level the targets came from.
         """
-        auth = headers.get(b"authorization")
-        task = header_text(headers, b"x-slo-task")
         priority = header_priority(headers.get(b"x-priority"))
         if priority is None and body_priority:
             priority = max(-MAX_PRIORITY_MAGNITUDE, min(MAX_PRIORITY_MAGNITUDE, body_priority))
-        if priority is not None and self.levels:
-            priority = min(max(priority, 0), self.levels - 1)
-        hints = SloHints(
+        claims = SloHints(
             ttft_ms=_target_ms(headers, b"x-slo-ttft-ms"),
             tpot_ms=_target_ms(headers, b"x-slo-tpot-ms"),
-            task=task or (self.key_tasks.get(auth) if auth else None),
+            task=header_text(headers, b"x-slo-task"),
             priority=priority,
-            tenant=self.key_tenants.get(auth) if auth else None,
         )
+        hints = clamp_hints(claims, policy)
+        priority = hints.priority
+        if priority is not None and self.levels:
+            priority = min(max(priority, 0), self.levels - 1)
+            hints = dataclasses.replace(hints, priority=priority)
         if self.mapping is None:
-            return classify(hints, self.profile), priority
-        target, self.mapping = classify_mapped(hints, self.profile, self.mapping)
-        return target, priority
+            target = classify(hints, self.profile)
+        else:
+            target, self.mapping = classify_mapped(hints, self.profile, self.mapping)
+        return clamp_target(target, policy), priority
 
     # -- pending and completions -----------------------------------------------------------------
 

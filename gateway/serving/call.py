@@ -50,6 +50,8 @@ class Call:
     priority: int | None
     reply_headers: tuple[tuple[bytes, bytes], ...]
     forward_headers: dict[str, str]
+    #: the level queue orders rank by: the priority, or the least urgent its key allows
+    queue_priority: int = 0
     watcher: asyncio.Task[bool] | None = None
     entry: RunningEntry | None = None
     engine_id: str | None = None

@@ -78,7 +78,7 @@ class CollocatedFlow:
             prompt_tokens=request.prompt_tokens,
             max_output_tokens=request.max_tokens,
             arrival=call.arrival,
-            priority=0 if call.priority is None else call.priority,
+            priority=call.queue_priority,
             task=target.slo_class,
         )
         settings = self.settings
@@ -99,8 +99,8 @@ class CollocatedFlow:
                             view, target.ttft_s, target.tpot_s, target.slo_class, entry, tried
                         )
                     except GatewayError:
-                        if not tried:
-                            raise
+                        if not tried or not self.fleet.has_healthy(request.model):
+                            raise  # nothing serves the model any more: say so, not the last failure
                         break  # no other engine for a retry: report the engine's failure
                 tried.append(record.engine_id)
                 try:

@@ -21,10 +21,9 @@ from gateway.api.auth import (
     clamp_hints,
     clamp_target,
     forwardable_headers,
-    hints_from_headers,
-    policy_headers,
     redact_headers,
 )
+from gateway.api.errors import GatewayError
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
 from gateway.settings import EngineConfig, Settings, describe_error, key_fingerprint, load_settings
@@ -226,16 +225,20 @@ def test_the_tenant_comes_from_the_key() -> None:
     assert clamp_hints(SloHints(tenant="someone-else"), ApiKeyPolicy(tenant="team-a")).tenant == "team-a"
 
 
-def test_claims_are_read_as_classify_reads_them_and_odd_bytes_are_absent() -> None:
-    headers = {
-        b"x-priority": b"2",
-        b"x-slo-ttft-ms": b"nan",
-        b"x-slo-tpot-ms": b"-4",
-        b"x-slo-task": b"\xff\xfe",
-    }
-    assert hints_from_headers(headers, 3) == SloHints(priority=2)
-    assert hints_from_headers({b"x-priority": b"--1"}, 3).priority == 3  # not an integer: the body's
-    assert hints_from_headers({}, 0).priority is None  # classify treats a body 0 as absent
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {b"x-priority": b"--1"},
+        {b"x-priority": b"1e3"},
+        {b"x-slo-ttft-ms": b"nan"},
+        {b"x-slo-tpot-ms": b"-4"},
+        {b"x-slo-task": b"\xff\xfe"},
+    ],
+)
+def test_malformed_claims_are_a_400_naming_the_header(headers: dict[bytes, bytes]) -> None:
+    with pytest.raises(GatewayError) as refused:
+        SloService(load_settings()).classify(headers, 0)
+    assert refused.value.status == 400 and next(iter(headers)).decode() in refused.value.message
 
 
 def test_final_targets_are_never_tighter_than_the_keys_minimum() -> None:
@@ -245,26 +248,25 @@ def test_final_targets_are_never_tighter_than_the_keys_minimum() -> None:
     assert clamp_target(target, ApiKeyPolicy()) is target
 
 
-def test_policy_headers_make_todays_classify_honour_the_ceilings() -> None:
-    """End to end through the real SloService: the rewritten headers are what it acts on."""
+def test_classify_honours_the_keys_ceilings() -> None:
+    """End to end through the real SloService with the key's policy."""
     settings = load_settings(
         slo_profile="priority",
         api_key_policies={POLICY_KEY: {"max_priority": 1, "min_ttft_ms": 1200}},
     )
     slo = SloService(settings)
     policy = settings.key_policies()[POLICY_KEY]
-    urgent = {b"authorization": b"Bearer " + POLICY_KEY.encode(), b"x-priority": b"0"}
-    _, priority = slo.classify(policy_headers(urgent, 0, policy), 0)
+    _, priority = slo.classify({b"x-priority": b"0"}, 0, policy)
     assert priority == 1
-    _, body_priority = slo.classify(policy_headers({}, 0, policy), 0)
+    _, body_priority = slo.classify({}, 0, policy)
     assert body_priority is None
     explicit = {b"x-slo-ttft-ms": b"300", b"x-slo-tpot-ms": b"400"}
-    target, _ = slo.classify(policy_headers(explicit, 0, policy), 0)
+    target, _ = slo.classify(explicit, 0, policy)
     assert (target.ttft_s, target.tpot_s) == (1.2, 0.4)
 
     tasks = load_settings(api_key_policies={POLICY_KEY: {"task": "wikisql"}})
     task_policy = tasks.key_policies()[POLICY_KEY]
-    target, _ = SloService(tasks).classify(policy_headers({b"x-slo-task": b"medical_qa"}, 0, task_policy), 0)
+    target, _ = SloService(tasks).classify({b"x-slo-task": b"medical_qa"}, 0, task_policy)
     assert target.slo_class == "wikisql"
 
 
@@ -277,10 +279,11 @@ async def test_sim_headers_reach_only_simulated_engines_that_are_allowed_them() 
             (b"x-sim-fault", b"hang"),
             (b"traceparent", b"00-abc-def-01"),
             (b"authorization", b"Bearer " + CLIENT.encode()),
-            (b"x-sim-output-len", b"\xff"),  # odd bytes decode, never raise
+            (b"x-sim-output-len", b"\xff"),  # odd bytes are dropped, never raise
+            (b"x-sim-\xfe", b"1"),
         ]
     )
-    assert set(passthrough) == {"x-sim-fault", "traceparent", "x-sim-output-len"}
+    assert set(passthrough) == {"x-sim-fault", "traceparent"}
     async with aiohttp.ClientSession() as session:
 
         def adapter(kind: str, forward: bool) -> Any:
