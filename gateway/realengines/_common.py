@@ -1,15 +1,17 @@
-"""Shared helpers for real-engine provisioning: cache location, progress lines, logged commands."""
+"""Shared helpers for real-engine provisioning: cache location, logged commands, file locks."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from gateway.realengines.progress import heartbeat, last_log_line, progress
+
 CACHE_ENV = "SLOGATE_CACHE_DIR"
+POLL_S = 1.0  # how often a long command or a lock wait checks in (heartbeats are rarer)
 
 
 class ProvisionError(RuntimeError):
@@ -30,12 +32,6 @@ def logs_dir() -> Path:
     return path
 
 
-def progress(message: str) -> None:
-    """One progress line on stderr (provisioning is slow; the user should see what it is doing)."""
-    stamp = time.strftime("%H:%M:%S")
-    print(f"[slogate real-engines {stamp}] {message}", file=sys.stderr, flush=True)
-
-
 def run_logged(
     cmd: Sequence[str | os.PathLike[str]],
     log_path: Path,
@@ -44,7 +40,10 @@ def run_logged(
     env: Mapping[str, str] | None = None,
     what: str = "",
 ) -> None:
-    """Run ``cmd`` with stdout/stderr appended to ``log_path``; raise ProvisionError on failure."""
+    """Run ``cmd`` with stdout/stderr appended to ``log_path``; raise ProvisionError on failure.
+
+    While it runs, a heartbeat repeats the current step with the log's latest line (a compiler
+    or pip can be silent on the terminal for minutes otherwise)."""
     args = [os.fspath(c) for c in cmd]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
@@ -53,12 +52,21 @@ def run_logged(
     with log_path.open("ab") as log:
         log.write(f"\n$ {' '.join(args)}\n".encode())
         log.flush()
-        proc = subprocess.run(args, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0:
+        proc = subprocess.Popen(args, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    heartbeat(last_log_line(log_path))
+        finally:
+            if proc.poll() is None:  # interrupted (Ctrl-C, test timeout): do not leave it running
+                proc.kill()
+                proc.wait()
+    if code != 0:
         tail = tail_text(log_path, 30)
-        raise ProvisionError(
-            f"{what or args[0]} failed with exit code {proc.returncode}; see {log_path}\n{tail}"
-        )
+        raise ProvisionError(f"{what or args[0]} failed with exit code {code}; see {log_path}\n{tail}")
 
 
 def tail_text(path: Path, lines: int) -> str:
@@ -87,7 +95,18 @@ class FileLock:
         import fcntl
 
         self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # someone else (another test run, a `slogate real-engine prepare`) is provisioning this
+            progress(f"waiting for another process that is provisioning {self.path.stem} ({self.path})")
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    heartbeat()
+                    time.sleep(POLL_S)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,6 +13,7 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 from gateway.realengines._common import ProvisionError, cache_dir
@@ -102,18 +103,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status() -> int:
+def cache_status() -> list[tuple[str, bool, Path]]:
+    """(what, cached?, where) for every provisioned part."""
     from gateway.realengines.llamacpp_build import is_llama_server_ready, llama_server_path
     from gateway.realengines.tiny_models import _gguf_marker, _hf_marker, gguf_model_path, hf_model_dir
     from gateway.realengines.vllm_env import is_vllm_env_ready, vllm_venv_dir
 
-    rows = [
+    return [
         ("vllm venv", is_vllm_env_ready(), vllm_venv_dir()),
         ("llama-server", is_llama_server_ready(), llama_server_path()),
         ("tiny HF model", _hf_marker().exists(), hf_model_dir()),
         ("tiny GGUF model", _gguf_marker().exists(), gguf_model_path()),
     ]
-    for label, ready, path in rows:
+
+
+def _status() -> int:
+    for label, ready, path in cache_status():
         print(f"{label:16} {'ready' if ready else 'missing':8} {path}")
     return 0
 

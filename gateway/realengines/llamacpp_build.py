@@ -28,10 +28,10 @@ from gateway.realengines._common import (
     ProvisionError,
     cache_dir,
     logs_dir,
-    progress,
     run_logged,
     write_marker,
 )
+from gateway.realengines.progress import progress
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # Exactly the flags known to work here; the prebuilt web UI would be downloaded from a hub: keep it off.

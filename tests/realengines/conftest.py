@@ -1,10 +1,11 @@
 """Fixtures for the real-engine tier: real vLLM (CPU build) and llama.cpp servers on tiny local models.
 
 The tier runs with the rest of the suite (the README's test command and ``.ci/run``). A cold cache
-costs ~15 minutes of provisioning (vLLM venv ~4 min, llama.cpp build ~9 min); with warm caches
-(``~/.cache/slogate`` or ``$SLOGATE_CACHE_DIR``) it takes a few minutes, most of it vLLM start-up.
-Skip it with ``SLOGATE_REAL_ENGINES=0`` or ``-m "not real_engines"``; run only it with
-``pytest tests/realengines``.
+costs about 10 minutes of provisioning on 2 cores (vLLM venv 2-4 min, llama.cpp build 6-9 min) and
+~3.6 GB; with warm caches (``~/.cache/slogate`` or ``$SLOGATE_CACHE_DIR``) it takes a few minutes,
+most of it vLLM start-up. Provisioning and server start-up report their progress on the terminal
+although pytest captures output (see ``_progress_on_terminal``). Skip the tier with
+``SLOGATE_REAL_ENGINES=0`` or ``-m "not real_engines"``; run only it with ``pytest tests/realengines``.
 
 Servers are session-scoped and shared by all tests; the two vLLM servers start concurrently. Both
 run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.realengines._common import logs_dir
+from gateway.realengines._common import cache_dir, logs_dir
+from gateway.realengines.cli import cache_status
+from gateway.realengines.progress import progress, progress_to, terminal_sink
 from gateway.realengines.servers import RunningEngine, SchedulingPolicy, start_llamacpp, start_vllm
 
 VLLM_FCFS_NAME = "tiny-vllm-fcfs"
@@ -60,6 +63,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _progress_on_terminal(pytestconfig: pytest.Config) -> Iterator[None]:
+    """Provisioning and start-up lines reach the terminal despite output capture: a cold first
+    run spends ~10 minutes inside the first test's fixtures and would otherwise look hung."""
+    with progress_to(terminal_sink(pytestconfig)):
+        missing = [label for label, ready, _ in cache_status() if not ready]
+        if missing:
+            progress(
+                f"first run: provisioning {', '.join(missing)} into {cache_dir()} (about 10 min and "
+                "3.6 GB when nothing is cached; SLOGATE_REAL_ENGINES=0 skips this tier)"
+            )
+        yield
+
+
 def _record(engine: RunningEngine) -> None:
     mem = engine.memory()
     _memory_report[f"{engine.kind}:{engine.name}"] = {
@@ -84,9 +101,10 @@ def vllm_servers() -> Iterator[dict[str, RunningEngine]]:
     servers = {"fcfs": start(VLLM_FCFS_NAME, "fcfs")}
     try:
         servers["priority"] = start(VLLM_PRIORITY_NAME, "priority")
+        progress("waiting for the two vLLM servers to start (about a minute)")
         for engine in servers.values():
             engine.wait_ready()
-        print(f"\nvLLM servers ready after {time.monotonic() - started:.1f} s")
+        progress(f"vLLM servers ready after {time.monotonic() - started:.1f} s")
         yield servers
     finally:
         for engine in servers.values():
