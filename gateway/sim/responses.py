@@ -8,6 +8,7 @@ every streamed chunk is built once per request so each token costs one small orj
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,16 +58,26 @@ class OutputState:
 class ResponseFormat:
     """Body and chunk builders for one request (``chat`` or ``completion``)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, return_token_ids: bool, n: int = 1) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, return_token_ids: bool) -> None:
         self.kind = kind
         self.created = int(time.time())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.model = model
         self.return_token_ids = return_token_ids
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        head = orjson.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model})
-        # one constant prefix per choice index: a streamed chunk carries exactly one choice
-        self._chunk_heads = [b"data: " + head[:-1] + b',"choices":[{"index":%d,' % i for i in range(n)]
+        self.index = 0
+        self._head = orjson.dumps(
+            {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        )
+        self._chunk_head = b"data: " + self._head[:-1] + b',"choices":[{"index":0,'
+
+    def for_choice(self, index: int) -> ResponseFormat:
+        """These builders for choice ``index`` of an n > 1 request (a streamed chunk carries one
+        choice); a copy, so the n = 1 path keeps its constant prefix and pays nothing."""
+        other = copy.copy(self)
+        other.index = index
+        other._chunk_head = b"data: " + self._head[:-1] + b',"choices":[{"index":%d,' % index
+        return other
 
     def chunk(
         self,
@@ -75,7 +86,6 @@ class ResponseFormat:
         finish_reason: str | None,
         first: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
-        index: int = 0,
     ) -> bytes:
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -91,7 +101,7 @@ class ResponseFormat:
         tail = b"]"
         if self.return_token_ids and prompt_token_ids is not None and self.kind == "chat":
             tail += b',"prompt_token_ids":' + orjson.dumps(list(prompt_token_ids))
-        return self._chunk_heads[index] + orjson.dumps(body)[1:] + tail + b"}\n\n"
+        return self._chunk_head + orjson.dumps(body)[1:] + tail + b"}\n\n"
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -110,11 +120,9 @@ class ResponseFormat:
             + b"\n\n"
         )
 
-    def final_chunk_with_params(
-        self, finish_reason: str, kv_transfer_params: dict[str, Any] | None, index: int = 0
-    ) -> bytes:
+    def final_chunk_with_params(self, finish_reason: str, kv_transfer_params: dict[str, Any] | None) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": finish_reason}
         if self.kind == "chat":
             choice["delta"] = {}
         else:

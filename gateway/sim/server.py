@@ -405,7 +405,7 @@ class SimServer:
             )
         for sim in sims:
             self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
-        fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")), n)
+        fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")))
         event = asyncio.Event()  # one wake-up for all choices: the handler drains them together
         choices = [Choice(i, sim, Channel(event=event), OutputState(stops)) for i, sim in enumerate(sims)]
         for choice in choices:
@@ -653,6 +653,7 @@ class SimServer:
         await resp.prepare(http)
         event = choices[0].channel.event
         live = list(choices)
+        formats = [fmt.for_choice(c.index) for c in choices]
         try:
             while live:
                 await event.wait()
@@ -678,13 +679,13 @@ class SimServer:
                         ids = [token] if c.out.token_ids and c.out.token_ids[-1] == token else []
                         if text or ids or not c.started:
                             prompt_ids = None if c.started else c.sim.prompt
-                            parts.append(fmt.chunk(text, ids, None, not c.started, prompt_ids, c.index))
+                            parts.append(formats[c.index].chunk(text, ids, None, not c.started, prompt_ids))
                             c.started = True
                         if stopped:
                             break
                     if c.channel.done:
                         reason = c.sim.finish_reason or "length"
-                        parts.append(fmt.final_chunk_with_params(reason, None, c.index))
+                        parts.append(formats[c.index].final_chunk_with_params(reason, None))
                         c.ended = True
                         self._observe(c.sim, c.first_real, now, len(c.out.token_ids))
                 live = [c for c in live if not c.ended]
