@@ -82,7 +82,7 @@ def obj(name: str, value: Any) -> str | None:
 
 def stop(name: str, value: Any) -> str | None:
     if isinstance(value, str):
-        return None
+        return None if value else f"{name} cannot contain an empty string."
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         return f"{name} must be a string or a list of strings, got {_show(value)}"
     if not all(value):

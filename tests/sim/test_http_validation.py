@@ -30,6 +30,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"messages": USER, "stop": 5}, "stop"),
     ("chat", {"messages": USER, "stop": ["ok", 3]}, "stop"),
     ("chat", {"messages": USER, "stop": [""]}, "stop"),
+    ("chat", {"messages": USER, "stop": ""}, "stop"),
     ("chat", {"messages": USER, "seed": "42"}, "seed"),
     ("chat", {"messages": USER, "seed": 2**64}, "seed"),
     ("chat", {"messages": USER, "logprobs": 1}, "logprobs"),
