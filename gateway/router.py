@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
+from operator import attrgetter
 from pathlib import Path
 
 import yaml
 
 from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
-from policies.api import EngineSnapshot, Filter, Picker, RequestView, Role, Scorer, estimated_load
+from policies.api import EngineSnapshot, Filter, Picker, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
 
-_DATA_ROLES = frozenset({Role.COLLOCATED})
+_load = attrgetter("load")
 
 
 class _TimedFilter:
@@ -107,13 +108,19 @@ class Router:
         """The pipeline's engine for ``request`` among healthy engines of its model, without
         those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
         now = time.monotonic() if now is None else now
-        snapshot = self.fleet.snapshot(now)
-        candidates = self.pipeline.candidates(request, snapshot.engines, _DATA_ROLES)
+        candidates: Sequence[EngineSnapshot] = self.fleet.candidates(request.model, now)
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]
-        if max_load is not None:
-            candidates = [e for e in candidates if estimated_load(e) < max_load]
         if not candidates:
             return None
-        chosen, self._picker_state = self.pipeline.choose(request, candidates, self._picker_state, now)
+        if max_load is not None and min(candidates, key=_load).load >= max_load:
+            return None  # every engine is full: the common answer under overload, in one C-level pass
+        chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
+        if chosen is not None and max_load is not None and not chosen.load < max_load:
+            # the pipeline's favourite is full; only then pay for the room filter and ask again
+            candidates = [e for e in candidates if e.load < max_load]
+            if not candidates:
+                return None
+            chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
+        self._picker_state = state
         return None if chosen is None else self.fleet.records[chosen.engine_id]

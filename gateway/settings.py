@@ -155,7 +155,7 @@ class Settings(BaseSettings):
     )
     api_key_tenants: dict[str, str] = Field(default_factory=dict, description="API key -> tenant")
     max_engine_load: int | None = Field(
-        default=None, ge=1, description="pipeline dispatcher: queue when every engine has this many requests"
+        default=None, ge=1, description="requests one engine may hold; the rest queue in the gateway"
     )
 
     monitor_interval_s: float = Field(default=1.0, gt=0)

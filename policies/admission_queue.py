@@ -22,6 +22,7 @@ every event.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Iterator
@@ -84,6 +85,11 @@ class AdmissionQueue:
         self._dead_in_heap = 0
         self._queued_prompt_tokens = 0
         self._structure_version = 0  # bumped when the heap array changes shape (see iter_in_order)
+        # the first items in order, cached for :meth:`head`: entries kept sorted as items come and
+        # go, dropped whenever keys change (re-key, context change)
+        self._head: list[tuple[Any, ...]] = []
+        self._head_valid = False
+        self._head_complete = False
 
     # -- size and membership ---------------------------------------------------------------------
 
@@ -139,6 +145,10 @@ class AdmissionQueue:
         slots[request_id] = slot
         self._queued_prompt_tokens += item.view.prompt_tokens
         heapq.heappush(self._heap, entry)
+        if self._head_valid:
+            head = self._head
+            if self._head_complete or (head and entry < head[-1]):
+                bisect.insort(head, entry)
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
@@ -226,6 +236,30 @@ class AdmissionQueue:
         self._refresh(now, ctx)
         return self._walk(max(0, limit))
 
+    def head(self, now: float, ctx: OrderContext, limit: int) -> Iterator[QueuedRequest]:
+        """Up to ``limit`` items in order at ``now``, like :meth:`iter_in_order`, but from a cache
+        of the queue's head that arrivals and departures keep sorted (O(log n) each), so repeated
+        reads of the head between re-keys cost O(k) for the k items consumed, not O(k log k).
+
+        The queue may change while the iterator is open (items removed meanwhile still appear);
+        read it before mutating, as the dispatcher does.
+        """
+        self._refresh(now, ctx)
+        want = max(0, limit)
+        head = self._head
+        if not self._head_valid or (len(head) < want and not self._head_complete):
+            depth = max(64, 2 * want)
+            head = self._head = list(self._walk_entries(depth))
+            self._head_complete = len(head) < depth
+            self._head_valid = True
+        return (entry[-1].item for entry in head[:want])
+
+    def _walk_entries(self, limit: int) -> Iterator[tuple[Any, ...]]:
+        for item in self._walk(limit):
+            slot = self._slots[item.view.request_id]
+            assert slot.entry is not None
+            yield slot.entry
+
     def _walk(self, limit: int) -> Iterator[QueuedRequest]:
         heap = self._heap
         version = self._structure_version
@@ -256,6 +290,7 @@ class AdmissionQueue:
     # -- internals -------------------------------------------------------------------------------
 
     def _insert(self, slot: _Slot, now: float, ctx: OrderContext) -> None:
+        self._head_valid = False  # a key changed: the cached order may be wrong
         key, valid_until = self._key(slot.item, now, ctx)
         self._generation += 1
         generation = self._generation
@@ -268,6 +303,12 @@ class AdmissionQueue:
             heapq.heappush(self._rekeys, (valid_until, generation, slot))
 
     def _forget(self, slot: _Slot) -> None:
+        entry = slot.entry
+        if self._head_valid and entry is not None:
+            head = self._head
+            i = bisect.bisect_left(head, entry)
+            if i < len(head) and head[i] is entry:
+                del head[i]
         slot.entry = None
         item = slot.item
         del self._slots[item.view.request_id]
@@ -308,6 +349,7 @@ class AdmissionQueue:
 
     def _rebuild(self, now: float, ctx: OrderContext) -> None:
         """Recompute every key (context change): O(n)."""
+        self._head_valid = False
         slots = list(self._slots.values())
         self._heap = []
         self._rekeys = []

@@ -67,6 +67,12 @@ class EngineSnapshot:
     in_flight_at_scrape: int = 0
     state: EngineState | None = None
     accepts_priority: bool = False
+    #: :func:`estimated_load` of this snapshot, computed once when it is made (scorers read it for
+    #: every engine on every placement)
+    load: float = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "load", estimated_load(self))
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
 from policies.queue_order import QueuedRequest
@@ -70,6 +71,10 @@ class HyperFlexisParams:
     theta: float = 0.5
     #: how many queued requests one worker examines per turn (bounds the cost per event)
     max_scan: int = 128
+    #: once a turn has taken work, its scan stops after this many requests in a row that do not
+    #: fit (seqs, KV, budget): on every completion at 256 engines, scanning the rest of
+    #: ``max_scan`` for a fit that rarely exists was the dispatcher's main cost
+    scan_after_admit: int = 16
     #: logistic spread of the slack, as a fraction of the request's TTFT target
     slack_scale: float = 0.1
     #: an idle worker takes the queue head even when its TTFT can no longer be met
@@ -106,6 +111,9 @@ class HyperFlexisDecision:
     assignments: tuple[Assignment, ...]
     maturity: Mapping[str, float] = field(default_factory=dict)
     wake_at: float = math.inf
+    #: workers that took nothing for lack of seqs or KV (not slack): only a completion or a scrape
+    #: on them can change that, so a new arrival need not wake them
+    full: frozenset[str] = frozenset()
 
 
 def admission_probability(
@@ -147,19 +155,16 @@ class _QueuePrefix:
         self._items: list[QueuedRequest] = []
         self._source = iter(source)
 
-    def __iter__(self) -> Iterator[QueuedRequest]:
+    def untaken(self, skip: set[str], limit: int) -> list[QueuedRequest]:
+        """The first ``limit`` requests in order whose ids are not in ``skip``."""
         items = self._items
-        i = 0
-        while True:
-            if i < len(items):
-                yield items[i]
-            else:
-                item = next(self._source, None)
-                if item is None:
-                    return
-                items.append(item)
-                yield item
-            i += 1
+        # taken requests are never more than ``skip``, so this many items always suffice
+        need = limit + len(skip)
+        if len(items) < need:
+            items.extend(islice(self._source, need - len(items)))
+        if not skip:
+            return items[:limit]
+        return [item for item in items[:need] if item.view.request_id not in skip][:limit]
 
 
 def dispatch(
@@ -189,16 +194,19 @@ def dispatch(
     taken: set[str] = set()
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
+    full: set[str] = set()
 
     while order and order[0][0] <= now:
         _, index = heapq.heappop(order)
         worker = workers[index]
         shadow = running[worker.engine_id]
-        admitted, late_at, exhausted = _fill_worker(
+        admitted, late_at, exhausted, slack_bound = _fill_worker(
             prefix, worker, shadow, taken, now, params, tightest_ttft_s
         )
         if exhausted:
             break  # every request is taken: this and the other mature workers stay mature
+        if not admitted and not slack_bound:
+            full.add(worker.engine_id)
         for item, feasible in admitted:
             taken.add(item.view.request_id)
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
@@ -207,22 +215,23 @@ def dispatch(
         maturity[worker.engine_id] = next_time
         heapq.heappush(order, (next_time, index))
 
-    remaining = next(_candidates(prefix, taken, 1), None)
-    wake_at = order[0][0] if order and remaining is not None else math.inf
-    return HyperFlexisDecision(tuple(assignments), maturity, wake_at)
+    remaining = prefix.untaken(taken, 1)
+    wake_at = order[0][0] if order and remaining else math.inf
+    return HyperFlexisDecision(tuple(assignments), maturity, wake_at, frozenset(full))
 
 
 def _fill_worker(
-    queue: Iterable[QueuedRequest],
+    queue: _QueuePrefix,
     worker: WorkerView,
     shadow: list[RunningRequest],
     taken: set[str],
     now: float,
     params: HyperFlexisParams,
     tightest_ttft_s: float,
-) -> tuple[list[tuple[QueuedRequest, bool]], float, bool]:
+) -> tuple[list[tuple[QueuedRequest, bool]], float, bool, bool]:
     """One worker's turn: what it admits, when a candidate it skipped for slack turns late
-    (``inf`` if none), and whether the queue had nothing left for it to look at."""
+    (``inf`` if none), whether the queue had nothing left for it to look at, and whether any
+    candidate was turned down for slack (rather than for seqs, KV or budget)."""
     coeffs = worker.prefill_coeffs
     decode_s = _decode_step(worker.decode_coeffs, shadow)
     waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
@@ -236,10 +245,13 @@ def _fill_worker(
     budget_left: int | None = None
     admitted: list[tuple[QueuedRequest, bool]] = []
     late_at = math.inf
-    examined = 0
-    for item in _candidates(queue, taken, params.max_scan):
-        examined += 1
-        if free_seqs <= 0:
+    slack_bound = False
+    candidates = queue.untaken(taken, params.max_scan)
+    misses = 0
+    for item in candidates:
+        if free_seqs <= 0 or kv_left <= 0 or (budget_left is not None and budget_left <= 0 and admitted):
+            break  # nothing more can fit this turn: the rest of the scan would be wasted
+        if admitted and misses >= params.scan_after_admit:
             break
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
@@ -251,12 +263,14 @@ def _fill_worker(
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
         if (prompt > budget_left and admitted) or need_kv > kv_left:
+            misses += 1
             continue
         expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
         p = admission_probability(
             item.view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
         )
         if p < params.theta:
+            slack_bound = True
             # Slack only shrinks with time, so this worker will not take it before an event,
             # except once it is late everywhere (late backfill): that moment is worth a timer.
             turns_late = item.ttft_deadline - predict_prefill(coeffs, (prompt,))
@@ -270,15 +284,19 @@ def _fill_worker(
         kv_left -= need_kv
         free_seqs -= 1
     if params.late_backfill and budget_left is not None:
-        chosen = taken | {item.view.request_id for item, _ in admitted}
-        for item in _candidates(queue, chosen, params.max_scan):
-            if free_seqs <= 0 or budget_left <= 0:
+        chosen = {item.view.request_id for item, _ in admitted}
+        misses = 0
+        for item in candidates:
+            if free_seqs <= 0 or budget_left <= 0 or kv_left <= 0 or misses >= params.scan_after_admit:
                 break
+            if item.view.request_id in chosen:
+                continue
             prompt = item.view.prompt_tokens
             need_kv = prompt + item.view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
             # the next urgent arrival waits behind (it still goes to an idle worker)
             if prompt > budget_left or need_kv > kv_left:
+                misses += 1
                 continue
             if item.ttft_deadline >= now + predict_prefill(coeffs, (prompt,)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
@@ -286,23 +304,11 @@ def _fill_worker(
             budget_left -= prompt
             kv_left -= need_kv
             free_seqs -= 1
-    if not admitted and not shadow and params.idle_backfill:
-        for item in _candidates(queue, taken, 1):
-            if item.view.prompt_tokens + item.view.max_output_tokens <= worker.free_kv_tokens:
-                admitted.append((item, False))
-    return admitted, late_at, examined == 0
-
-
-def _candidates(queue: Iterable[QueuedRequest], skip: set[str], max_scan: int) -> Iterator[QueuedRequest]:
-    """The queue in order without ``skip``, at most ``max_scan`` of it: a turn's cost stays bounded
-    however long the queue grows."""
-    scanned = 0
-    for item in queue:
-        if scanned >= max_scan:
-            return
-        if item.view.request_id not in skip:
-            scanned += 1
-            yield item
+    if not admitted and not shadow and params.idle_backfill and candidates:
+        head = candidates[0]
+        if head.view.prompt_tokens + head.view.max_output_tokens <= worker.free_kv_tokens:
+            admitted.append((head, False))
+    return admitted, late_at, not candidates, slack_bound
 
 
 def _next_maturity(

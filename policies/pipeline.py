@@ -61,10 +61,14 @@ class RoutingPipeline:
             engines = plugin.filter(request, engines, now)
             if not engines:
                 return None, state
-        totals = [0.0] * len(engines)
+        totals: list[float] = [0.0] * len(engines)
         for ws in self.scorers:
-            for i, s in enumerate(ws.scorer.score(request, engines, now)):
-                totals[i] += ws.weight * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+            w = ws.weight
+            scores = ws.scorer.score(request, engines, now)
+            totals = [
+                t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
+                for t, s in zip(totals, scores, strict=True)
+            ]
         return self.picker.pick(request, engines, totals, state)
 
 

@@ -45,7 +45,6 @@ from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_i
 UNPARK_PER_ARRIVAL = 4
 #: earliest-deadline requests of a full class examined for the queue-full prune
 PRUNE_SCAN = 8
-_FAR = 1 << 62  # "examine the whole queue" for iterators that read lazily anyway
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +193,7 @@ class DispatchCore:
         if self.queued_per_class.get(ticket.slo_class, 0) >= limits.max_queued and not self._prune(
             ticket.slo_class, now
         ):
-            metrics.SHEDS.labels(ticket.slo_class, "queue_full").inc()
+            metrics.child(metrics.SHEDS, ticket.slo_class, "queue_full").inc()
             raise GatewayError(
                 429,
                 f"the {ticket.slo_class!r} queue is full; retry later",
@@ -212,7 +211,7 @@ class DispatchCore:
             # entries of requests that left are dropped lazily; keep the heap O(live) all the same
             deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
             heapq.heapify(deadlines)
-        metrics.QUEUE_DEPTH.labels(ticket.slo_class).inc()
+        metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).inc()
         if self.hyperflexis is None:
             self._dirty.add(model)
             self.wake()
@@ -292,8 +291,11 @@ class DispatchCore:
     def _dispatch_hyperflexis(self, model: str, now: float) -> None:
         assert self.hyperflexis is not None
         heap = self._heaps[model]
+        queue = self.queues[model]
         workers: list[WorkerView] = []
-        while heap and heap[0][0] <= now:
+        # a worker that takes anything takes at least one request: more mature workers than
+        # queued requests would only be looked at to stay mature (they keep their place)
+        while heap and heap[0][0] <= now and len(workers) < len(queue):
             at, engine_id = heapq.heappop(heap)
             if self.maturity.get(engine_id) != at:
                 continue  # superseded
@@ -304,9 +306,10 @@ class DispatchCore:
             workers.append(self._worker_view(record, at))
         if not workers:
             return
-        queue = self.queues[model]
+        # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
+        # leaves the rest mature, and the next step (due at once) reads a fresh head.
         decision = hyperflexis_dispatch(
-            queue.iter_in_order(now, self.context(), _FAR),
+            queue.head(now, self.context(), 2 * self.hyperflexis.max_scan),
             workers,
             now,
             self.hyperflexis,
@@ -321,7 +324,10 @@ class DispatchCore:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
             self.maturity[worker.engine_id] = at
             if math.isinf(at):
-                parked[worker.engine_id] = None
+                # a full worker waits for its own completions and scrapes; one held back by
+                # slack may take the next arrival
+                if worker.engine_id not in decision.full:
+                    parked[worker.engine_id] = None
             else:
                 heapq.heappush(heap, (at, worker.engine_id))
 
@@ -331,17 +337,14 @@ class DispatchCore:
             for r in record.running.values()
         )
         prefill, decode = self.coefficients(record.engine_id)
-        state = record.state
-        free_kv = 1 << 30
-        if state is not None and state.num_gpu_blocks and state.block_size:
-            capacity = state.num_gpu_blocks * state.block_size
-            free_kv = max(0, int(capacity * (1.0 - state.kv_usage)) - record.in_flight_tokens_since_scrape())
+        free_kv = record.free_kv_tokens()
         return WorkerView(
             engine_id=record.engine_id,
             prefill_coeffs=prefill,
             decode_coeffs=decode,
             running=running,
-            free_kv_tokens=free_kv,
+            free_kv_tokens=1 << 30 if free_kv is None else free_kv,
+            max_num_seqs=self.max_engine_load or 256,
             maturity=maturity,
         )
 
@@ -368,13 +371,13 @@ class DispatchCore:
                 return
         if not self.queued(model) or (what == "prefilled" and self.hyperflexis is None):
             return
-        if self.hyperflexis is not None and engine_id in self._parked[model]:
+        if self.hyperflexis is not None and self.maturity.get(engine_id, 0.0) == math.inf:
             self._unpark(model, engine_id, -math.inf)
         self._dirty.add(model)
         self.wake()
 
     def _unpark(self, model: str, engine_id: str, now: float) -> None:
-        del self._parked[model][engine_id]
+        self._parked[model].pop(engine_id, None)
         self.maturity[engine_id] = now
         heapq.heappush(self._heaps[model], (now, engine_id))
 
@@ -418,7 +421,7 @@ class DispatchCore:
         ticket = self.tickets.get(rid)
         if ticket is None:
             return
-        metrics.SHEDS.labels(ticket.slo_class, reason).inc()
+        metrics.child(metrics.SHEDS, ticket.slo_class, reason).inc()
         self._forget(rid, now, in_queue)
         self.outbox.append((rid, error))
 
@@ -431,9 +434,9 @@ class DispatchCore:
             if queue is not None:
                 queue.remove(rid)
         self.queued_per_class[ticket.slo_class] -= 1
-        metrics.QUEUE_DEPTH.labels(ticket.slo_class).dec()
+        metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).dec()
         if now is not None:
-            metrics.QUEUE_WAIT.labels(ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
+            metrics.child(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
         return True
 
     def _prune(self, slo_class: str, now: float) -> bool:

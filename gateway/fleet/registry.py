@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.engines import EngineAdapter
-from policies.api import EngineSnapshot, EngineState, FleetSnapshot
+from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role
 
 
 @dataclass(slots=True)
@@ -45,6 +45,7 @@ class EngineRecord:
     state: EngineState | None = None
     state_at: float = 0.0
     in_flight_at_scrape: int = 0
+    in_flight_tokens_at_scrape: int = 0
     in_flight: int = 0
     in_flight_tokens: int = 0
     last_error: str = ""
@@ -58,11 +59,22 @@ class EngineRecord:
     def model(self) -> str:
         return self.adapter.config.model
 
-    def in_flight_tokens_since_scrape(self) -> int:
-        """KV tokens reserved by requests dispatched after the last scrape (not yet in its usage)."""
-        return sum(
-            r.prompt_tokens + r.max_tokens for r in self.running.values() if r.dispatched_at > self.state_at
-        )
+    def free_kv_tokens(self) -> int | None:
+        """KV tokens the engine can still take, as well as the gateway can tell; ``None`` when the
+        engine publishes no KV capacity.
+
+        Like :func:`policies.api.estimated_load`: the engine's reported use already holds what this
+        gateway had in flight when it was scraped; replace that with what it has in flight now, so
+        placements and completions since the scrape count at once (a request's whole budget,
+        prompt and output, is reserved for it).
+        """
+        state = self.state
+        if state is None or not state.num_gpu_blocks or not state.block_size:
+            return None
+        capacity = state.num_gpu_blocks * state.block_size
+        reported = int(capacity * state.kv_usage)
+        used = max(self.in_flight_tokens, reported - self.in_flight_tokens_at_scrape + self.in_flight_tokens)
+        return max(0, capacity - used)
 
 
 #: called with (engine id, what changed): "release", "prefilled", "state", "health"
@@ -87,6 +99,11 @@ class Fleet:
         self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
         self._dirty: set[int] = set(range(len(self._by_index)))
         self._snapshot: FleetSnapshot | None = None
+        #: per model, the routable engines' snapshots (healthy, collocated) in a list whose slots
+        #: are patched as entries are rebuilt; its membership is redone only when health changes
+        self._routable: dict[str, list[EngineSnapshot]] = {m: [] for m in self.served_models}
+        self._routable_slot: dict[int, int] = {}
+        self._routable_stale: set[str] = set(self.served_models)
         self.listeners: list[ChangeListener] = []
 
     # -- reads -----------------------------------------------------------------------------------
@@ -111,11 +128,33 @@ class Fleet:
             return self._snapshot
         now = time.monotonic() if now is None else now
         snaps = self._engine_snaps
+        slots = self._routable_slot
         for index in self._dirty:
-            snaps[index] = self._build(self._by_index[index], now)
+            record = self._by_index[index]
+            snap = snaps[index] = self._build(record, now)
+            slot = slots.get(index)
+            if slot is not None:
+                self._routable[record.model][slot] = snap
         self._dirty.clear()
         self._snapshot = FleetSnapshot(tuple(snaps), now)  # type: ignore[arg-type]
         return self._snapshot
+
+    def candidates(self, model: str, now: float | None = None) -> tuple[EngineSnapshot, ...]:
+        """Healthy collocated engines serving ``model``, as snapshot entries: O(1) in Python (a
+        copy of a patched list) unless health changed since the last call."""
+        if self._dirty or self._snapshot is None:
+            self.snapshot(now)
+        if model in self._routable_stale:
+            self._routable_stale.discard(model)
+            routable: list[EngineSnapshot] = []
+            for record in self.engines_of.get(model, ()):
+                self._routable_slot.pop(record.index, None)
+                snap = self._engine_snaps[record.index]
+                if snap is not None and snap.healthy and snap.role is Role.COLLOCATED:
+                    self._routable_slot[record.index] = len(routable)
+                    routable.append(snap)
+            self._routable[model] = routable
+        return tuple(self._routable.get(model, ()))
 
     def engine_snapshot(self, engine_id: str, now: float | None = None) -> EngineSnapshot:
         """One engine's current snapshot entry, rebuilt only if it changed."""
@@ -189,6 +228,7 @@ class Fleet:
         record.state = state
         record.state_at = now
         record.in_flight_at_scrape = record.in_flight
+        record.in_flight_tokens_at_scrape = record.in_flight_tokens
         self._dirty.add(record.index)
         self._notify(engine_id, "state")
 
@@ -197,6 +237,7 @@ class Fleet:
             return
         record.healthy = healthy
         self._healthy_per_model[record.model] += 1 if healthy else -1
+        self._routable_stale.add(record.model)
         self._dirty.add(record.index)
         self._notify(record.engine_id, "health")
 

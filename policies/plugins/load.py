@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.api import EngineSnapshot, RequestView, estimated_load
+from policies.api import EngineSnapshot, RequestView
 from policies.registry import register
 
 
@@ -18,7 +18,7 @@ class LeastLoad:
     """
 
     def score(self, request: RequestView, engines: Sequence[EngineSnapshot], now: float) -> list[float]:
-        loads = [estimated_load(e) / (e.weight if e.weight > 0 else 1.0) for e in engines]
+        loads = [e.load if e.weight == 1.0 else e.load / (e.weight if e.weight > 0 else 1.0) for e in engines]
         lo, hi = min(loads), max(loads)
         if hi - lo < 1e-9:
             return [1.0] * len(loads)
@@ -49,5 +49,5 @@ class NotSaturated:
     def filter(
         self, request: RequestView, engines: Sequence[EngineSnapshot], now: float
     ) -> Sequence[EngineSnapshot]:
-        kept = [e for e in engines if estimated_load(e) < self.max_load]
+        kept = [e for e in engines if e.load < self.max_load]
         return kept or engines

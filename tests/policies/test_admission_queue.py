@@ -288,3 +288,44 @@ def test_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r.order for r in results] == list(ORDERS)
     assert all(r.items == 200 and r.push_us > 0 and r.pop_us > 0 for r in results)
     assert "kairos" in capsys.readouterr().out
+
+
+HEAD_OPS = st.lists(
+    st.tuples(st.sampled_from(["push", "pop", "remove", "expire", "head", "tick"]), st.integers(0, 400)),
+    max_size=150,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=HEAD_OPS, name=st.sampled_from(sorted(ORDERS)))
+def test_cached_head_always_matches_the_walk_in_order(ops: list[tuple[str, int]], name: str) -> None:
+    """head() keeps a sorted cache across pushes, pops, removals, expiry and re-keys; it must read
+    exactly what iter_in_order reads, for every order."""
+    queue = AdmissionQueue(make_order(name))
+    now = 0.0
+    seq = 0
+    for op, arg in ops:
+        if op == "push":
+            seq += 1
+            queue.push(
+                req(
+                    seq,
+                    arrival=now - arg / 100,
+                    prompt=1 + arg,
+                    ttft=0.5 + arg / 50,
+                    deadline=now + 1 + arg / 40,
+                ),
+                now,
+                CTX,
+            )
+        elif op == "pop":
+            queue.pop(now, CTX)
+        elif op == "remove" and seq:
+            queue.remove(f"r{1 + arg % seq}")
+        elif op == "expire":
+            queue.expire(now)
+        elif op == "tick":
+            now += arg / 200
+        limit = 1 + arg % 70
+        expected = [i.view.request_id for i in queue.iter_in_order(now, CTX, limit)]
+        assert [i.view.request_id for i in queue.head(now, CTX, limit)] == expected

@@ -1,0 +1,312 @@
+"""``slogate bench dispatch``: what the dispatch loop costs at scale and under overload.
+
+The real dispatch loop (:class:`DispatchLoop` over :class:`DispatchCore`) runs on a real event
+loop in front of in-process engines that are never contacted: each assignment finishes after a
+service time (first token at a tenth of it), each engine is "scraped" every ``scrape_s`` (its KV
+usage from what it holds, as the monitor would record it), and every completion brings a new
+arrival, so the queue stays at its target depth and the fleet stays saturated.
+
+Measured: wall time inside the dispatcher (arrivals, loop steps, deliveries, engine-change
+events) per placement, and as a share of the run: the event loop's time the dispatcher takes.
+The harness's own work (tasks standing in for clients and engines) is not counted as dispatch.
+Targets from the issue: <= 50 µs per placement and < 10 % of the loop at 256 engines / 10,000
+queued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.api.errors import GatewayError
+from gateway.dispatch.core import ClassLimits
+from gateway.dispatch.loop import DispatchLoop
+from gateway.dispatch.offline import offline_fleet
+from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.router import Router
+from policies.api import EngineState, RequestView
+from policies.hyperflexis import HyperFlexisParams
+from policies.pipeline import compile_profile
+from policies.queue_order import make_order
+
+TARGET_US_PER_PLACEMENT = 50.0
+TARGET_LOOP_SHARE = 0.10
+PROMPT, OUTPUT = 200, 50
+BLOCK = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchPoint:
+    dispatcher: str
+    engines: int
+    queued_target: int
+    placements: int
+    placements_per_s: float
+    us_per_placement: float
+    loop_share: float
+    mean_queued: float
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.us_per_placement <= TARGET_US_PER_PLACEMENT and self.loop_share < TARGET_LOOP_SHARE
+
+
+class _Meter:
+    """Accumulates wall time spent inside wrapped callables."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0
+
+        return timed
+
+
+def _dispatch_loop(fleet: Fleet, dispatcher: str, slots: int) -> DispatchLoop:
+    pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
+    hyperflexis = dispatcher == "hyperflexis"
+    return DispatchLoop(
+        fleet,
+        Router(fleet, pipeline),
+        make_order("slo_tpot" if hyperflexis else "fcfs", {}),
+        lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
+        lambda _: ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0),
+        hyperflexis=HyperFlexisParams(max_scan=128) if hyperflexis else None,
+        max_engine_load=None if hyperflexis else slots,
+        tightest_ttft_s=5.0,
+    )
+
+
+async def _run_point(
+    dispatcher: str, engines: int, queued: int, slots: int, service_s: float, seconds: float, seed: int
+) -> DispatchPoint:
+    rng = random.Random(seed)
+    fleet = offline_fleet({"m": engines})
+    capacity_tokens = slots * (PROMPT + OUTPUT)
+    for engine_id in fleet.records:
+        fleet.record_state(engine_id, _state(0, capacity_tokens), 0.0)
+    loop_obj = _dispatch_loop(fleet, dispatcher, slots)
+    meter = _Meter()
+    core = loop_obj.core
+    core.submit = meter.wrap(core.submit)  # type: ignore[method-assign]
+    core.step = meter.wrap(core.step)  # type: ignore[method-assign]
+    core.next_wake = meter.wrap(core.next_wake)  # type: ignore[method-assign]
+    loop_obj._deliver = meter.wrap(loop_obj._deliver)  # type: ignore[method-assign]
+    fleet.listeners[:] = [meter.wrap(listener) for listener in fleet.listeners]
+    loop_obj.start()
+    loop = asyncio.get_running_loop()
+    placements = 0
+    counting = False
+    seq = 0
+    tasks: set[asyncio.Task[None]] = set()
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        nonlocal seq, placements
+        seq += 1
+        rid = f"r{seq}"
+        prompt = rng.randint(PROMPT // 2, PROMPT * 3 // 2)
+        view = RequestView(rid, "m", prompt, OUTPUT, arrival=time.monotonic())
+        entry = RunningEntry(prompt, OUTPUT, 0.1, 0.0)
+        try:
+            record = await loop_obj.place(view, 5.0, 0.1, "bench", entry)
+        except GatewayError:
+            return
+        if counting:
+            placements += 1
+        entry.dispatched_at = time.monotonic()
+        service = service_s * rng.uniform(0.5, 1.5)
+        loop.call_later(service / 10, fleet.mark_prefilled, record.engine_id, entry)
+        loop.call_later(service, _finish, record.engine_id, rid)
+
+    def _finish(engine_id: str, rid: str) -> None:
+        loop_obj.release(engine_id, rid)
+        if not stop.is_set():
+            _spawn()
+
+    def _spawn() -> None:
+        task = loop.create_task(client())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def scrape(engine_id: str, offset: float) -> None:
+        # what the monitor would record: the engine's KV use from what it holds
+        await asyncio.sleep(offset)
+        record = fleet.records[engine_id]
+        while not stop.is_set():
+            used = sum(r.prompt_tokens + r.max_tokens for r in record.running.values())
+            fleet.record_state(engine_id, _state(used, capacity_tokens), time.monotonic())
+            await asyncio.sleep(1.0)
+
+    scrapers = [
+        loop.create_task(scrape(e, i / engines))
+        for i, e in enumerate(fleet.records)
+        if dispatcher == "hyperflexis"
+    ]
+    for _ in range(queued + engines * slots):
+        _spawn()
+    await asyncio.sleep(min(2.0, seconds / 2))  # fill the fleet, reach a steady state
+    counting = True
+    meter.seconds = 0.0
+    depth_samples: list[int] = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        await asyncio.sleep(0.1)
+        depth_samples.append(core.queued())
+    wall = time.perf_counter() - t0
+    counting = False
+    spent = meter.seconds
+    stop.set()
+    for task in [*tasks, *scrapers]:
+        task.cancel()
+    await asyncio.gather(*tasks, *scrapers, return_exceptions=True)
+    await loop_obj.stop()
+    return DispatchPoint(
+        dispatcher=dispatcher,
+        engines=engines,
+        queued_target=queued,
+        placements=placements,
+        placements_per_s=placements / wall,
+        us_per_placement=spent / max(1, placements) * 1e6,
+        loop_share=spent / wall,
+        mean_queued=sum(depth_samples) / max(1, len(depth_samples)),
+        wall_s=wall,
+    )
+
+
+def _state(used_tokens: int, capacity_tokens: int) -> EngineState:
+    blocks = capacity_tokens // BLOCK
+    return EngineState(
+        kv_usage=min(1.0, used_tokens / capacity_tokens), block_size=BLOCK, num_gpu_blocks=blocks
+    )
+
+
+def run_dispatch_bench(
+    engines: list[int],
+    queued: list[int],
+    dispatchers: list[str],
+    slots: int = 8,
+    rate: float = 1000.0,
+    seconds: float = 3.0,
+    progress: Callable[[str], None] | None = None,
+) -> list[DispatchPoint]:
+    """Every (dispatcher, engines, queued) point; the service time is set so the saturated fleet
+    completes about ``rate`` requests a second whatever its size."""
+    try:
+        import uvloop
+
+        runner: Callable[[Any], Any] = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        runner = asyncio.run
+    points = []
+    total = len(engines) * len(queued) * len(dispatchers)
+    for dispatcher in dispatchers:
+        for n in engines:
+            for q in queued:
+                service_s = n * slots / rate
+                point = runner(_run_point(dispatcher, n, q, slots, service_s, seconds, seed=n + q))
+                points.append(point)
+                if progress is not None:
+                    progress(
+                        f"[{len(points)}/{total}] {dispatcher:11s} {n:4d} engines {q:6d} queued: "
+                        f"{point.us_per_placement:6.1f} µs/placement, {point.loop_share:6.1%} of the loop"
+                    )
+    return points
+
+
+def render_table(points: list[DispatchPoint]) -> str:
+    lines = [
+        "| dispatcher | engines | queued (target / mean) | placements/s | µs per placement | loop share | "
+        "targets |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        lines.append(
+            f"| {p.dispatcher} | {p.engines} | {p.queued_target} / {p.mean_queued:.0f} | "
+            f"{p.placements_per_s:.0f} | {p.us_per_placement:.1f} | {p.loop_share:.1%} | "
+            f"{'met' if p.ok else 'MISSED'} |"
+        )
+    lines.append(
+        f"targets: <= {TARGET_US_PER_PLACEMENT:.0f} µs per placement and < {TARGET_LOOP_SHARE:.0%} of the loop"
+    )
+    return "\n".join(lines)
+
+
+def plot(points: list[DispatchPoint], path: Path) -> None:
+    from gateway.experiments.plotting import pyplot
+
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for dispatcher in sorted({p.dispatcher for p in points}):
+        for q in sorted({p.queued_target for p in points}):
+            series = sorted(
+                (p for p in points if p.dispatcher == dispatcher and p.queued_target == q),
+                key=lambda p: p.engines,
+            )
+            xs = [p.engines for p in series]
+            label = f"{dispatcher}, {q} queued"
+            left.plot(xs, [p.us_per_placement for p in series], marker="o", label=label)
+            right.plot(xs, [100 * p.loop_share for p in series], marker="o", label=label)
+    left.axhline(TARGET_US_PER_PLACEMENT, color="grey", linestyle="--", label="target")
+    right.axhline(100 * TARGET_LOOP_SHARE, color="grey", linestyle="--", label="target")
+    for ax, title in ((left, "dispatch cost per placement (µs)"), (right, "share of the event loop (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("engines")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_dispatch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", default="16,64,256", help="comma-separated engine counts")
+    parser.add_argument("--queued", default="1000,10000", help="comma-separated standing queue depths")
+    parser.add_argument("--dispatchers", default="pipeline,hyperflexis")
+    parser.add_argument("--slots", type=int, default=8, help="requests each engine holds at once")
+    parser.add_argument("--rate", type=float, default=1000.0, help="completions per second of the fleet")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured time per point")
+    parser.add_argument("--out", type=Path, default=Path("results/bench-dispatch"))
+
+
+def bench_dispatch_main(args: argparse.Namespace) -> int:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x]
+
+    points = run_dispatch_bench(
+        ints(args.engines),
+        ints(args.queued),
+        [d for d in args.dispatchers.split(",") if d],
+        slots=args.slots,
+        rate=args.rate,
+        seconds=args.seconds,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    table = render_table(points)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(table + "\n")
+    (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
+    plot(points, args.out / "dispatch_cost.png")
+    print(f"wrote {args.out / 'table.md'}, {args.out / 'points.json'}, {args.out / 'dispatch_cost.png'}")
+    return 0
