@@ -244,9 +244,8 @@ def render_table(points: list[DispatchPoint]) -> str:
             f"{p.placements_per_s:.0f} | {p.us_per_placement:.1f} | {p.loop_share:.1%} | "
             f"{'met' if p.ok else 'MISSED'} |"
         )
-    lines.append(
-        f"targets: <= {TARGET_US_PER_PLACEMENT:.0f} µs per placement and < {TARGET_LOOP_SHARE:.0%} of the loop"
-    )
+    us, share = TARGET_US_PER_PLACEMENT, TARGET_LOOP_SHARE
+    lines.append(f"targets: <= {us:.0f} µs per placement and < {share:.0%} of the loop")
     return "\n".join(lines)
 
 
