@@ -8,6 +8,12 @@ request of the gateway process alone, not wall time of a shared machine.
 Measured: gateway CPU per non-streaming request; CPU per relayed SSE event (extra CPU of a
 streamed request over a plain one, divided by the events relayed); added p50/p99 latency at
 concurrency 1; RPS at concurrency 32; CPU per request at concurrency 256 vs 1; idle RSS.
+
+Then the paced case, on a fresh gateway in front of an engine that spaces tokens 20 ms apart
+(what a real engine does, and what the zero-latency engine does not: there, events arrive in
+bursts the relay handles in few reads). 200 concurrent streams run at two lengths; the gateway's
+CPU per stream grows with the events relayed, and the two points separate the cost per event
+(the slope) from the cost per request (the intercept).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,9 +30,24 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+from gateway.bench.harness import (
+    cpu_seconds,
+    engine_entry,
+    idle_cpu_rate,
+    paced_profile,
+    percentile,
+    progress,
+    rss_mb,
+    spawn_gateway,
+    spawn_paced_engine,
+    spawn_zero_engine,
+    traced_stream,
+    wait_until_served,
+)
+from gateway.procs import ChildProcess
 
 MODEL = "bench-model"
+PACED_MODEL = "bench-paced"
 
 
 @dataclass
@@ -46,6 +67,7 @@ class OverheadResult:
     cpu_ratio_c256_vs_c1: float
     idle_rss_mb: float
     stream_tokens: int
+    paced: PacedResult | None = None
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         """(figure, measured, target, met) rows for the issue's targets."""
@@ -79,34 +101,52 @@ class OverheadResult:
                 self.cpu_ratio_c256_vs_c1 <= 1.2,
             ),
             ("idle RSS", f"{self.idle_rss_mb:.1f} MB", "<= 150 MB", self.idle_rss_mb <= 150.0),
+            *(self.paced.checks() if self.paced else []),
         ]
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid`` in seconds (ns resolution, unlike /proc/pid/stat)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # thread exited between listing and reading
-    return total / 1e9
+@dataclass
+class PacedResult:
+    """Gateway CPU relaying ``streams`` concurrent streams whose tokens come ``token_gap_ms`` apart."""
 
+    streams: int
+    token_gap_ms: float
+    #: the two stream lengths (tokens) and, for each, events relayed and gateway CPU per stream
+    tokens: tuple[int, int]
+    events_per_stream: tuple[float, float]
+    cpu_ms_per_stream: tuple[float, float]
+    #: slope: extra CPU per extra event relayed
+    cpu_us_per_sse_event: float
+    #: intercept: CPU of a streamed request less its events (parse, dispatch, connect, accounting)
+    cpu_ms_per_request: float
+    #: largest gap between two chunks of one stream (the engine's pacing plus every delay)
+    max_gap_ms: float
+    #: the gateway's CPU with no request (monitor scrapes), subtracted from the figures above
+    idle_cpu_ms_per_s: float
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+    def checks(self) -> list[tuple[str, str, str, bool]]:
+        where = f"{self.streams} streams, {self.token_gap_ms:g} ms apart"
+        return [
+            (
+                f"paced: CPU per relayed SSE event ({where})",
+                f"{self.cpu_us_per_sse_event:.1f} µs",
+                "<= 20 µs",
+                self.cpu_us_per_sse_event <= 20.0,
+            ),
+            (
+                "paced: CPU per streamed request, events aside",
+                f"{self.cpu_ms_per_request:.3f} ms",
+                "<= 0.5 ms",
+                self.cpu_ms_per_request <= 0.5,
+            ),
+            (
+                "paced: CPU per whole stream (short / long)",
+                f"{self.cpu_ms_per_stream[0]:.2f} / {self.cpu_ms_per_stream[1]:.2f} ms "
+                f"({self.events_per_stream[0]:.0f} / {self.events_per_stream[1]:.0f} events)",
+                "(reported)",
+                True,
+            ),
+        ]
 
 
 class LoadGenerator:
@@ -179,26 +219,26 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
         gw_pid = gateway.pid
         idle_rss = rss_mb(gw_pid)
 
-        _progress("warm-up")
+        progress("warm-up")
         await load.run_plain(engine.url, 50, 4)
         await load.run_plain(gateway.url, 200, 4)
         for _ in range(20):
             await load.stream(gateway.url)
 
-        _progress(f"latency at c=1: {n} direct, {n} through the gateway (interleaved)")
+        progress(f"latency at c=1: {n} direct, {n} through the gateway (interleaved)")
         direct: list[float] = []
         via: list[float] = []
         for _ in range(n):
             direct.append(await load.plain(engine.url))
             via.append(await load.plain(gateway.url))
 
-        _progress(f"CPU per plain request at c=1 ({n} requests)")
+        progress(f"CPU per plain request at c=1 ({n} requests)")
         c0 = cpu_seconds(gw_pid)
         await load.run_plain(gateway.url, n, 1)
         cpu_c1 = (cpu_seconds(gw_pid) - c0) / n
 
         streams = max(20, n // 4)
-        _progress(f"streams: {streams} x {stream_tokens} tokens, TTFT direct vs gateway")
+        progress(f"streams: {streams} x {stream_tokens} tokens, TTFT direct vs gateway")
         ttft_direct: list[float] = []
         ttft_via: list[float] = []
         for _ in range(min(streams, 200)):
@@ -211,17 +251,17 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
         cpu_stream = (cpu_seconds(gw_pid) - c0) / streams
         per_event = max(0.0, cpu_stream - cpu_c1) / (events / streams)
 
-        _progress(f"RPS at c=32 ({n * 2} requests)")
+        progress(f"RPS at c=32 ({n * 2} requests)")
         _, wall = await load.run_plain(gateway.url, n * 2, 32)
         rps = n * 2 / wall
 
-        _progress(f"CPU per request at c=256 ({n * 2} requests)")
+        progress(f"CPU per request at c=256 ({n * 2} requests)")
         c0 = cpu_seconds(gw_pid)
         await load.run_plain(gateway.url, n * 2, 256)
         cpu_c256 = (cpu_seconds(gw_pid) - c0) / (n * 2)
 
-    d50, d99 = _percentile(direct, 0.5), _percentile(direct, 0.99)
-    g50, g99 = _percentile(via, 0.5), _percentile(via, 0.99)
+    d50, d99 = percentile(direct, 0.5), percentile(direct, 0.99)
+    g50, g99 = percentile(via, 0.5), percentile(via, 0.99)
     return OverheadResult(
         cpu_ms_per_request=cpu_c1 * 1e3,
         cpu_us_per_sse_event=per_event * 1e6,
@@ -241,23 +281,94 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
     )
 
 
-def run_overhead(n: int = 2000, stream_tokens: int = 64) -> OverheadResult:
-    """Start the engine and the gateway, measure, stop both. Blocking."""
-    _progress("starting a zero-latency simulated engine and a single-worker gateway")
-    with spawn_sim_engine(
-        "--profile", "zero", "--model", MODEL, "--max-num-seqs", "1024", name="bench-engine"
-    ) as engine:
-        settings = {
-            "SLOGATE_ENGINES": json.dumps(
-                [{"url": engine.url, "kind": "sim", "model": MODEL, "name": "bench-engine"}]
-            ),
-            "SLOGATE_PORT": "0",
-            "SLOGATE_LOG_LEVEL": "warning",
-        }
-        with spawn_listening(
-            [sys.executable, "-m", "gateway.cli", "serve"], "gateway", env=settings
-        ) as gateway:
-            return asyncio.run(_measure(engine, gateway, n, stream_tokens))
+async def _measure_paced(
+    gateway: ChildProcess, model: str, streams: int, gap_ms: float, tokens: tuple[int, int], waves: int
+) -> PacedResult:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        url = gateway.url + "/v1/chat/completions"
+        await wait_until_served(session, gateway.url, model)
+
+        def request(length: int) -> tuple[bytes, dict[str, str]]:
+            body = orjson.dumps(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+                    "max_tokens": length,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            )
+            return body, {"Content-Type": "application/json", "X-Sim-Output-Len": str(length)}
+
+        progress(f"paced: warm-up, {min(streams, 20)} streams")
+        body, headers = request(tokens[0])
+        await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(min(streams, 20))))
+        idle = await idle_cpu_rate(gateway.pid, 1.0)
+
+        cpu_per_stream: list[float] = []
+        events_per_stream: list[float] = []
+        max_gap = 0.0
+        for length in tokens:
+            progress(f"paced: {waves} x {streams} concurrent streams of {length} tokens, {gap_ms:g} ms apart")
+            body, headers = request(length)
+            c0, t0 = cpu_seconds(gateway.pid), time.perf_counter()
+            traces = []
+            for _ in range(waves):
+                traces += await asyncio.gather(
+                    *(traced_stream(session, url, body, headers) for _ in range(streams))
+                )
+            cpu = cpu_seconds(gateway.pid) - c0 - idle * (time.perf_counter() - t0)
+            cpu_per_stream.append(cpu / len(traces))
+            events_per_stream.append(sum(t.events for t in traces) / len(traces))
+            max_gap = max(max_gap, *(g for t in traces for _, g in t.gaps()))
+
+    per_event = (cpu_per_stream[1] - cpu_per_stream[0]) / (events_per_stream[1] - events_per_stream[0])
+    return PacedResult(
+        streams=streams,
+        token_gap_ms=gap_ms,
+        tokens=tokens,
+        events_per_stream=(events_per_stream[0], events_per_stream[1]),
+        cpu_ms_per_stream=(cpu_per_stream[0] * 1e3, cpu_per_stream[1] * 1e3),
+        cpu_us_per_sse_event=per_event * 1e6,
+        cpu_ms_per_request=(cpu_per_stream[0] - per_event * events_per_stream[0]) * 1e3,
+        max_gap_ms=max_gap * 1e3,
+        idle_cpu_ms_per_s=idle * 1e3,
+    )
+
+
+def run_paced(
+    streams: int = 200, gap_ms: float = 20.0, tokens: tuple[int, int] = (16, 64), waves: int = 2
+) -> PacedResult:
+    """A paced engine and a fresh gateway; gateway CPU per event and per request. Blocking."""
+    if not 0 < tokens[0] < tokens[1]:
+        raise ValueError(f"paced stream lengths must be two increasing token counts, got {tokens}")
+    progress(f"starting an engine pacing tokens {gap_ms:g} ms apart and a single-worker gateway")
+    with tempfile.TemporaryDirectory(prefix="slogate-bench-") as tmp:
+        profile = paced_profile(Path(tmp), gap_ms / 1e3)
+        with (
+            spawn_paced_engine(PACED_MODEL, profile) as engine,
+            spawn_gateway([engine_entry(engine, PACED_MODEL)]) as gateway,
+        ):
+            return asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves))
+
+
+def run_overhead(
+    n: int = 2000,
+    stream_tokens: int = 64,
+    paced_streams: int = 200,
+    paced_gap_ms: float = 20.0,
+    paced_tokens: tuple[int, int] = (16, 64),
+    paced_waves: int = 2,
+) -> OverheadResult:
+    """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
+    (``paced_streams=0`` skips it). Blocking."""
+    progress("starting a zero-latency simulated engine and a single-worker gateway")
+    with spawn_zero_engine(MODEL) as engine, spawn_gateway([engine_entry(engine, MODEL)]) as gateway:
+        result = asyncio.run(_measure(engine, gateway, n, stream_tokens))
+    if paced_streams > 0:
+        result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves)
+    return result
 
 
 def render_table(result: OverheadResult) -> str:
@@ -273,6 +384,13 @@ def render_table(result: OverheadResult) -> str:
         f"gateway p50/p99 {result.gateway_p50_ms:.3f}/{result.gateway_p99_ms:.3f} ms; "
         f"streams of {result.stream_tokens} tokens)"
     )
+    if result.paced:
+        paced = result.paced
+        lines.append(
+            f"(paced: streams of {paced.tokens[0]} and {paced.tokens[1]} tokens; largest gap between "
+            f"chunks {paced.max_gap_ms:.1f} ms; idle gateway CPU "
+            f"{paced.idle_cpu_ms_per_s:.2f} ms/s subtracted)"
+        )
     return "\n".join(lines)
 
 
@@ -280,10 +398,40 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests per measurement (default 2000)")
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per streamed request")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--paced-streams", type=int, default=200, help="concurrent streams of the paced case (0 skips it)"
+    )
+    parser.add_argument(
+        "--paced-gap-ms", type=float, default=20.0, help="ms between tokens in the paced case"
+    )
+    parser.add_argument(
+        "--paced-tokens",
+        type=_two_lengths,
+        default=(16, 64),
+        help="the paced case's two stream lengths, e.g. 16,64",
+    )
+    parser.add_argument("--paced-waves", type=int, default=2, help="waves of streams per paced length")
+
+
+def _two_lengths(value: str) -> tuple[int, int]:
+    try:
+        short, long = (int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two token counts like 16,64, got {value!r}") from None
+    if not 0 < short < long:
+        raise argparse.ArgumentTypeError(f"expected 0 < short < long, got {value!r}")
+    return short, long
 
 
 def bench_overhead_main(args: argparse.Namespace) -> int:
-    result = run_overhead(args.requests, args.stream_tokens)
+    result = run_overhead(
+        args.requests,
+        args.stream_tokens,
+        args.paced_streams,
+        args.paced_gap_ms,
+        args.paced_tokens,
+        args.paced_waves,
+    )
     print(render_table(result))
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=2))
