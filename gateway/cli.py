@@ -43,6 +43,10 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "large-body":
+        from gateway.bench.large_body import bench_large_body_main
+
+        return bench_large_body_main(args)
     from gateway.bench.overhead import bench_overhead_main
 
     return bench_overhead_main(args)
@@ -101,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_overhead_arguments(
         bench_sub.add_parser("overhead", help="gateway overhead vs calling the engine directly")
+    )
+    from gateway.bench.large_body import add_large_body_arguments
+
+    add_large_body_arguments(
+        bench_sub.add_parser("large-body", help="large prompts: gateway CPU, and stalls of other streams")
     )
     p.set_defaults(func=_bench)
 

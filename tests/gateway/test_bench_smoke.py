@@ -1,15 +1,68 @@
-"""A small run of the overhead benchmark so it cannot rot (the real figures come from the CLI)."""
+"""Small runs of the benchmarks so they cannot rot (the real figures come from the CLI).
+
+They assert structure and sanity (figures present, positive, the paced engine really paced),
+never the performance targets: this machine is shared and the runs are tiny.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
+import pytest
+
 from gateway.bench.overhead import render_table, run_overhead
+from gateway.cli import main
 
 
 def test_overhead_benchmark_smoke() -> None:
-    result = run_overhead(n=60, stream_tokens=8)
+    result = run_overhead(n=60, stream_tokens=8, paced_streams=20, paced_tokens=(4, 32), paced_waves=1)
     assert 0 < result.cpu_ms_per_request < 50
     assert 0 <= result.cpu_us_per_sse_event < 5000
     assert result.rps_c32 > 10 and result.idle_rss_mb > 10
     assert result.gateway_p50_ms > 0 and result.direct_p50_ms > 0
+
+    paced = result.paced
+    assert paced is not None
+    # every token is its own event, plus the role chunk and [DONE]; 28 more tokens, 28 more events
+    assert paced.events_per_stream[0] >= 4
+    assert paced.events_per_stream[1] - paced.events_per_stream[0] == pytest.approx(28, abs=1)
+    assert all(0 < cpu < 100 for cpu in paced.cpu_ms_per_stream)
+    assert math.isfinite(paced.cpu_us_per_sse_event) and math.isfinite(paced.cpu_ms_per_request)
+    # tokens 20 ms apart: were the engine not pacing, streams of 32 tokens would end in a few ms
+    assert paced.max_gap_ms >= 15
+
     table = render_table(result)
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
+    assert "paced: CPU per relayed SSE event (20 streams, 20 ms apart)" in table
+
+
+def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "large-body", "--requests", "6", "--prompt-chars", "20000", "--streams", "8"]
+    argv += ["--stream-tokens", "30", "--big-bytes", "1000000", "--big-texts", "mixed", "--rounds", "1"]
+    assert main([*argv, "--results-dir", str(tmp_path)]) == 0
+
+    table = capsys.readouterr().out
+    assert "over a small request" in table and "1 MB mixed body: added largest gap" in table
+    [written] = tmp_path.glob("large-body-*.json")
+    data = json.loads(written.read_text())
+
+    assert data["small_cpu_ms"] > 0
+    assert [case["text"] for case in data["prompts"]] == ["english", "mixed"]
+    for case in data["prompts"]:
+        assert case["gateway_cpu_ms"] > 0 and case["parse_ms"] > 0
+        assert case["direct_p50_ms"] > 0 and case["gateway_p50_ms"] > 0
+        assert case["body_bytes"] >= 20000
+
+    [big] = data["big_bodies"]
+    assert big["text"] == "mixed" and big["body_bytes"] >= 1_000_000
+    assert big["gateway_cpu_ms"] > 0 and big["parse_ms"] > 0
+    assert [r["big_body"] for r in big["rounds"]] == [False, True]
+    for r in big["rounds"]:
+        # 8 streams of 30 tokens, 20 ms apart: the largest gap is at least about the pacing
+        assert r["events"] >= 8 * 30 and r["max_gap_ms"] >= 15
+    with_body = big["rounds"][1]
+    assert with_body["big_body_status"] == 200 and with_body["max_gap_in_flight_ms"] is not None
+    assert math.isfinite(big["added_gap_ms"])
+    assert {c["target"] for c in data["checks"]} >= {"<= 1 ms", "<= 20 ms"}
