@@ -1,0 +1,352 @@
+"""Stub engines for fault tests: real servers on 127.0.0.1, each on its own event loop in a thread.
+
+- :class:`StubEngine`: an aiohttp server whose data path does whatever a *behaviour* says (never
+  answer, send one event then stall, stream events at a pace, answer a status after a delay).
+- :class:`Blackhole`: an address that answers health checks, then (after :meth:`Blackhole.freeze`)
+  accepts no connection at all: its accept queue is full and SYNs are dropped, so connecting hangs.
+- :class:`StaleKeepAliveEngine`: keeps every connection open after answering (no
+  ``Connection: close``) but closes it, unanswered, when a second request arrives on it: the
+  engine closed its idle keep-alive connection just as the gateway reused it.
+
+Every server records what reached it, so tests can check what was (not) sent, and all of them
+are context managers that stop everything they started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+
+from tests.gateway.conftest import MODEL
+
+T = TypeVar("T")
+
+MODELS_BODY = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+
+def chunk_event(content: str, index: int = 0) -> bytes:
+    """One OpenAI chat-completion chunk as an SSE event."""
+    chunk = {
+        "id": f"chatcmpl-stub-{index}",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def completion_body(content: str) -> bytes:
+    return orjson.dumps(
+        {
+            "id": "chatcmpl-stub",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
+
+
+class _LoopThread:
+    """An event loop running in a daemon thread; coroutines are submitted from the test's thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+Behaviour = Callable[["StubEngine", web.Request], Awaitable[web.StreamResponse]]
+
+
+class StubEngine:
+    """An OpenAI-compatible engine (kind ``openai``: health is ``GET /v1/models``) whose chat route
+    runs ``behaviour``. ``received`` holds the JSON body of every data-path request that reached
+    it; ``aborted`` counts handlers cut short because the caller closed the connection."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+        self.url = ""
+        self.received: list[dict[str, Any]] = []
+        self.aborted = 0
+        self._io = _LoopThread("stub-engine")
+        self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Event | None = None
+        self._stopped = False
+
+    def entry(self, name: str) -> dict[str, object]:
+        return {"url": self.url, "kind": "openai", "model": MODEL, "name": name}
+
+    async def wait_forever(self) -> None:
+        """What a stuck handler awaits: returns only when the engine stops."""
+        assert self._stopping is not None
+        await self._stopping.wait()
+
+    def __enter__(self) -> StubEngine:
+        self._io.start()
+        self._io.run(self._start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (the port then refuses connections); idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            self._io.run(self._stop())
+            self._io.stop()
+
+    async def _start(self) -> None:
+        self._stopping = asyncio.Event()
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            self.received.append(await request.json())
+            try:
+                return await self.behaviour(self, request)
+            except asyncio.CancelledError:
+                self.aborted += 1
+                raise
+
+        async def models(_: web.Request) -> web.Response:
+            return web.Response(body=MODELS_BODY, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", models)
+        # handler_cancellation: a closed connection cancels its handler, as a real engine aborts
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def _stop(self) -> None:
+        assert self._stopping is not None and self._runner is not None
+        self._stopping.set()
+        await self._runner.cleanup()
+
+
+# -- behaviours ------------------------------------------------------------------------------------
+
+
+async def never_answer(engine: StubEngine, _: web.Request) -> web.StreamResponse:
+    """Accept the request and never send response headers."""
+    await engine.wait_forever()
+    return web.Response(status=500)
+
+
+async def one_event_then_stall(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+    """Send the SSE headers and one event, then nothing more (the connection stays open)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(chunk_event("first"))
+    await engine.wait_forever()
+    return response
+
+
+def events_every(interval_s: float, count: int) -> Behaviour:
+    """Stream ``count`` events, one every ``interval_s`` seconds, then ``[DONE]``."""
+
+    async def behaviour(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(count):
+            if i:
+                await asyncio.sleep(interval_s)
+            await response.write(chunk_event(f"t{i} ", i))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    return behaviour
+
+
+def status_after(status: int, delay_s: float) -> Behaviour:
+    """Answer ``status`` with an OpenAI-shaped error after ``delay_s`` seconds."""
+
+    async def behaviour(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(delay_s)
+        error = {"message": f"stub answered {status}", "type": "stub", "param": None, "code": None}
+        return web.json_response({"error": error}, status=status)
+
+    return behaviour
+
+
+# -- an address that stops accepting connections ---------------------------------------------------
+
+
+class Blackhole:
+    """A listening socket with ``listen(0)`` that answers health checks (``Connection: close``, so
+    the gateway pools nothing) until :meth:`freeze`: then it stops accepting and fills its accept
+    queue with connections that are never accepted. Linux drops SYNs to a listener whose accept
+    queue is full, so every later connect hangs in SYN-SENT until the connecting side gives up."""
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self._listener.settimeout(0.05)
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._fillers: list[socket.socket] = []
+        self._frozen = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="blackhole", daemon=True)
+
+    def entry(self, name: str) -> dict[str, object]:
+        return {"url": self.url, "kind": "openai", "model": MODEL, "name": name}
+
+    def __enter__(self) -> Blackhole:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._frozen.set()
+        self._thread.join(10)
+        for filler in self._fillers:
+            filler.close()
+        self._listener.close()
+
+    def freeze(self) -> None:
+        """Stop accepting, then fill the accept queue until a connect no longer completes."""
+        self._frozen.set()
+        self._thread.join(10)
+        for _ in range(16):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", self.port))
+            self._fillers.append(filler)
+            _, writable, _ = select.select([], [filler], [], 0.2)
+            if not writable:
+                return  # this SYN was dropped: the queue is full
+        raise RuntimeError("could not fill the accept queue")
+
+    def _serve(self) -> None:
+        while not self._frozen.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                with contextlib.suppress(OSError):
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(MODELS_BODY), MODELS_BODY)
+                    )
+
+
+# -- an engine that closes keep-alive connections as they are reused ------------------------------
+
+
+class StaleKeepAliveEngine:
+    """Answers the first request on each connection (HTTP/1.1 keep-alive, no ``Connection:
+    close``) and closes the connection, unanswered, when another request arrives on it.
+
+    ``answered`` counts answered requests (health checks included), ``closed_at_reuse`` the
+    requests that found their connection closed. A POST with ``"stream": true`` gets an SSE body."""
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.answered = 0
+        self.closed_at_reuse = 0
+        self._io = _LoopThread("stale-keepalive-engine")
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    def entry(self, name: str) -> dict[str, object]:
+        return {"url": self.url, "kind": "openai", "model": MODEL, "name": name}
+
+    def __enter__(self) -> StaleKeepAliveEngine:
+        self._io.start()
+        self._io.run(self._start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._io.run(self._stop())
+        self._io.stop()
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            served = 0
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                body = await reader.readexactly(_content_length(head))
+                if served:
+                    self.closed_at_reuse += 1
+                    return  # closed as the request arrived: no answer at all
+                served += 1
+                self.answered += 1
+                writer.write(_answer(head, body))
+                await writer.drain()
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0
+
+
+def _answer(head: bytes, body: bytes) -> bytes:
+    if head.startswith(b"GET "):
+        content_type, payload = b"application/json", MODELS_BODY
+    elif orjson.loads(body).get("stream"):
+        content_type = b"text/event-stream"
+        payload = chunk_event("hello") + b"data: [DONE]\n\n"
+    else:
+        content_type, payload = b"application/json", completion_body("hello")
+    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        content_type,
+        len(payload),
+        payload,
+    )

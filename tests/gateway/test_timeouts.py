@@ -1,0 +1,465 @@
+"""Every upstream timeout, and a client that stops reading, against real servers on 127.0.0.1.
+
+One fault per test: an address that accepts no connection (connect), a pool with one connection
+held by a stream (pool wait), an engine that never sends headers (headers, and the whole of a
+non-streamed request, never retried), a hung simulated engine (first token), an engine that
+stalls after one event (idle), a retry chain bounded by the request deadline, an engine that
+closes keep-alive connections as they are reused (stale connection retry), and a reader that
+stops reading (slow client). Timeouts are small; lower bounds are tight (a limit must not fire
+early), upper bounds loose (two shared cores).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.engines.vllm import parse_vllm_metrics
+from gateway.procs import ChildProcess, spawn_sim_engine
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.stub_engines import (
+    Blackhole,
+    StaleKeepAliveEngine,
+    StubEngine,
+    events_every,
+    never_answer,
+    one_event_then_stall,
+    status_after,
+)
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hello"}]
+#: how much later than its limit a timeout may fire on a loaded two-core machine
+SLACK_S = 2.0
+#: how much earlier than its limit a timeout may seem to fire (clocks, the client's own latency)
+EARLY_S = 0.05
+#: a monitor that checks once at start-up and then stays out of the way
+QUIET_MONITOR: dict[str, Any] = {"monitor_interval_s": 60.0, "health_timeout_s": 1.0}
+
+
+def chat(stream: bool = False, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream, **extra}
+
+
+def metric(gw: RunningGateway, name: str, **labels: str) -> float:
+    """One sample of the gateway's ``/metrics`` (0 when absent)."""
+    for family in text_string_to_metric_families(httpx.get(gw.url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def engine_health(gw: RunningGateway) -> dict[str, bool]:
+    return {e["id"]: e["healthy"] for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+
+
+def in_flight(gw: RunningGateway, name: str) -> int:
+    fleet = gw.gateway.fleet
+    assert fleet is not None
+    return fleet.records[name].in_flight
+
+
+def running_on(engine: ChildProcess) -> int:
+    return parse_vllm_metrics(httpx.get(engine.url + "/metrics").text).num_running
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == code, error
+    return error
+
+
+def sse_error(content: bytes) -> dict[str, Any]:
+    """The error event that ended a started stream (which must then end with ``[DONE]``)."""
+    assert content.endswith(b"data: [DONE]\n\n"), content[-300:]
+    for event in content.split(b"\n\n"):
+        if event.startswith(b'data: {"error"'):
+            error: dict[str, Any] = orjson.loads(event[6:])["error"]
+            return error
+    raise AssertionError(f"no error event in {content[-300:]!r}")
+
+
+def timed_post(gw: RunningGateway, body: dict[str, Any], **kwargs: Any) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = httpx.post(gw.url + CHAT, json=body, timeout=30, **kwargs)
+    return response, time.monotonic() - started
+
+
+def assert_fired_after(elapsed: float, limit: float, latest: float | None = None) -> None:
+    """``elapsed`` is a timeout of ``limit`` firing: not early, not much late."""
+    latest = limit + SLACK_S if latest is None else latest
+    assert limit - EARLY_S <= elapsed <= latest, f"fired after {elapsed:.3f} s, limit {limit} s"
+
+
+@pytest.fixture()
+def sim_engine() -> Iterator[ChildProcess]:
+    with spawn_sim_engine(*SIM_ARGS, name="sim") as engine:
+        yield engine
+
+
+# -- 1. connecting ------------------------------------------------------------------------------
+
+
+def test_connect_timeout_fails_fast_with_504() -> None:
+    """An engine address that stops accepting connections: each request fails with an
+    OpenAI-shaped 504 once ``connect_timeout_s`` has passed, instead of hanging on the SYN
+    retries (the kernel would keep trying for about two minutes)."""
+    connect_s = 0.5
+    with (
+        Blackhole() as hole,
+        run_gateway(engines=[hole.entry("hole")], connect_timeout_s=connect_s, **QUIET_MONITOR) as gw,
+    ):
+        assert engine_health(gw) == {"hole": True}
+        hole.freeze()
+        for stream in (False, True):
+            response, elapsed = timed_post(gw, chat(stream=stream))
+            error = assert_openai_error(response, 504, "upstream_timeout")
+            assert error["type"] == "timeout_error"
+            assert "connect" in error["message"]
+            assert_fired_after(elapsed, connect_s)
+        assert in_flight(gw, "hole") == 0
+
+
+def test_connect_timeout_fails_over_to_another_engine() -> None:
+    """A connect timeout is the one timeout that may be retried elsewhere: the request never
+    reached the engine. With a healthy second engine the client gets its answer after
+    ``connect_timeout_s``; the silent engine stays in rotation (the monitor judges it)."""
+    connect_s = 0.5
+    with (
+        Blackhole() as hole,
+        StubEngine(events_every(0.0, 2)) as ok,
+        run_gateway(
+            engines=[hole.entry("a-hole"), ok.entry("b-ok")],
+            routing_profile="round-robin",  # engine-id order: "a-hole" first
+            connect_timeout_s=connect_s,
+            **QUIET_MONITOR,
+        ) as gw,
+    ):
+        hole.freeze()
+        response, elapsed = timed_post(gw, chat(stream=True))
+        assert response.status_code == 200, response.text
+        assert response.headers["x-slogate-engine"] == "b-ok"
+        assert response.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in response.content
+        assert_fired_after(elapsed, connect_s)
+        assert len(ok.received) == 1
+        assert engine_health(gw) == {"a-hole": True, "b-ok": True}
+
+
+# -- 2. waiting for a pooled connection --------------------------------------------------------
+
+
+def test_pool_wait_times_out_and_leaves_the_holder_alone(sim_engine: ChildProcess) -> None:
+    """One upstream connection in all, held by a long stream: another request waits for it no
+    longer than the pool limit (aiohttp bounds the wait and the connect together, so up to
+    ``pool_timeout_s + connect_timeout_s``), gets a 504, and the stream keeps flowing."""
+    pool_s, connect_s = 1.0, 0.3
+    settings: dict[str, Any] = {
+        **QUIET_MONITOR,
+        "upstream_pool_size": 1,
+        "pool_timeout_s": pool_s,
+        "connect_timeout_s": connect_s,
+    }
+    with run_gateway(engines=[engine_entry(sim_engine)], **settings) as gw:
+        long = chat(stream=True, max_tokens=5000, ignore_eos=True)
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", gw.url + CHAT, json=long) as stream,
+        ):
+            assert stream.status_code == 200
+            chunks = stream.iter_bytes()
+            seen = 0
+            while seen < 3:
+                seen += next(chunks).count(b"data: ")
+            response, elapsed = timed_post(gw, chat())
+            error = assert_openai_error(response, 504, "upstream_timeout")
+            assert_fired_after(elapsed, pool_s, latest=pool_s + connect_s + SLACK_S)
+            assert "in time" in error["message"]
+            # the holder never noticed: it goes on streaming content, no error event
+            more = b""
+            while more.count(b"data: ") < 20:
+                more += next(chunks)
+            assert b'"error"' not in more and b"[DONE]" not in more
+            assert running_on(sim_engine) == 1
+        # the stream is closed: the connection goes back, the next request gets it
+        assert wait_until(lambda: in_flight(gw, "sim") == 0 and running_on(sim_engine) == 0)
+        response, _ = timed_post(gw, chat())
+        assert response.status_code == 200, response.text
+
+
+# -- 3. response headers, and the whole non-streamed request -----------------------------------
+
+
+def test_headers_timeout_is_504_and_never_retried() -> None:
+    """Two engines that take requests and never answer. A stream gets a 504 after
+    ``headers_timeout_s``, a non-streamed request after ``request_timeout_s``; neither is tried on
+    the other engine (each request reached exactly one) and the non-streamed one is not tried
+    ``dispatch_attempts`` times over (1 s, not 3 s). The engine's request is closed (aborted)."""
+    headers_s, request_s = 0.5, 1.0
+    settings: dict[str, Any] = {
+        **QUIET_MONITOR,
+        "headers_timeout_s": headers_s,
+        "first_token_timeout_s": 30.0,
+        "request_timeout_s": request_s,
+        "dispatch_attempts": 3,
+    }
+    with (
+        StubEngine(never_answer) as a,
+        StubEngine(never_answer) as b,
+        run_gateway(engines=[a.entry("a"), b.entry("b")], **settings) as gw,
+    ):
+        assert engine_health(gw) == {"a": True, "b": True}
+        for n, (stream, limit) in enumerate(((True, headers_s), (False, request_s)), start=1):
+            response, elapsed = timed_post(gw, chat(stream=stream))
+            error = assert_openai_error(response, 504, "upstream_timeout")
+            assert error["type"] == "timeout_error"
+            assert_fired_after(elapsed, limit, latest=limit + 1.5)
+            assert len(a.received) + len(b.received) == n, (a.received, b.received)
+            # the gateway hung up on the engine: its request is aborted, not left running
+            assert wait_until(lambda: a.aborted + b.aborted == len(a.received) + len(b.received))
+        assert in_flight(gw, "a") == in_flight(gw, "b") == 0
+        assert engine_health(gw) == {"a": True, "b": True}  # slow is not dead: nothing ejected
+
+
+# -- 4. first token ----------------------------------------------------------------------------
+
+
+def test_first_token_timeout_ends_the_stream_with_an_error_event(sim_engine: ChildProcess) -> None:
+    """A simulated engine that takes the request and never produces a token: the client gets its
+    headers at once, then, after ``first_token_timeout_s`` (not the shorter idle limit, which is
+    for gaps after the first event), an ``upstream_timeout`` error event and ``[DONE]``."""
+    first_token_s, idle_s = 1.0, 0.3
+    settings: dict[str, Any] = {
+        **QUIET_MONITOR,
+        "first_token_timeout_s": first_token_s,
+        "idle_timeout_s": idle_s,
+        "forward_sim_headers": True,
+    }
+    with run_gateway(engines=[engine_entry(sim_engine)], **settings) as gw:
+        started = time.monotonic()
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream(
+                "POST", gw.url + CHAT, json=chat(stream=True, max_tokens=20), headers={"X-Sim-Fault": "hang"}
+            ) as stream,
+        ):
+            headers_after = time.monotonic() - started
+            assert stream.status_code == 200
+            assert stream.headers["content-type"] == "text/event-stream"
+            content = stream.read()
+        elapsed = time.monotonic() - started
+        assert headers_after < first_token_s - 0.3, headers_after  # headers first, well before
+        error = sse_error(content)
+        assert error["code"] == "upstream_timeout" and "no first token" in error["message"], error
+        assert_fired_after(elapsed, first_token_s)
+        assert wait_until(lambda: running_on(sim_engine) == 0 and in_flight(gw, "sim") == 0)
+
+
+# -- 5. silence between events -----------------------------------------------------------------
+
+
+def test_idle_timeout_is_armed_from_the_first_event() -> None:
+    """An engine that sends one event and then nothing: the stream ends with an
+    ``upstream_timeout`` event ``idle_timeout_s`` after that event, not after the (long)
+    first-token limit; the engine's request is closed."""
+    idle_s = 0.5
+    settings: dict[str, Any] = {**QUIET_MONITOR, "first_token_timeout_s": 30.0, "idle_timeout_s": idle_s}
+    with (
+        StubEngine(one_event_then_stall) as engine,
+        run_gateway(engines=[engine.entry("stall")], **settings) as gw,
+    ):
+        started = time.monotonic()
+        with (
+            httpx.Client(timeout=10) as http,
+            http.stream("POST", gw.url + CHAT, json=chat(stream=True)) as stream,
+        ):
+            assert stream.status_code == 200
+            chunks = stream.iter_bytes()
+            content = next(chunks)
+            first_at = time.monotonic()
+            assert b'"content":"first"' in content
+            content += b"".join(chunks)
+        ended_at = time.monotonic()
+        error = sse_error(content)
+        assert error["code"] == "upstream_timeout" and "stalled between events" in error["message"], error
+        assert_fired_after(ended_at - first_at, idle_s)
+        assert ended_at - started < 5.0
+        assert wait_until(lambda: engine.aborted == 1)
+        assert in_flight(gw, "stall") == 0
+
+
+def test_a_steady_stream_outlives_the_first_token_limit() -> None:
+    """Once the first event is in, only gaps count: events every 0.3 s for ~2.4 s pass a
+    first-token limit of 0.6 s and an idle limit of 1 s untouched."""
+    settings: dict[str, Any] = {**QUIET_MONITOR, "first_token_timeout_s": 0.6, "idle_timeout_s": 1.0}
+    with (
+        StubEngine(events_every(0.3, 9)) as engine,
+        run_gateway(engines=[engine.entry("steady")], **settings) as gw,
+    ):
+        response, elapsed = timed_post(gw, chat(stream=True))
+        assert response.status_code == 200
+        assert b'"error"' not in response.content, response.content[-300:]
+        assert response.content.count(b'"content":"t') == 9
+        assert response.content.endswith(b"data: [DONE]\n\n")
+        assert elapsed >= 2.4 - EARLY_S
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="relay_stream re-arms the idle deadline at most every 0.25 s, so an idle limit <= 0.25 s "
+    "is never moved after the first event and any longer stream is cut however busy it is",
+)
+def test_a_sub_quarter_second_idle_limit_allows_busy_streams() -> None:
+    """Events every 50 ms never leave a 200 ms gap, so a 0.2 s idle limit must not fire."""
+    settings: dict[str, Any] = {**QUIET_MONITOR, "first_token_timeout_s": 5.0, "idle_timeout_s": 0.2}
+    with (
+        StubEngine(events_every(0.05, 20)) as engine,
+        run_gateway(engines=[engine.entry("busy")], **settings) as gw,
+    ):
+        response, _ = timed_post(gw, chat(stream=True))
+        assert response.status_code == 200
+        assert b'"error"' not in response.content, response.content[-300:]
+        assert response.content.count(b'"content":"t') == 20
+
+
+# -- 6. the whole non-streamed request, across retries -----------------------------------------
+
+
+@pytest.mark.parametrize("first_dies", [True, False], ids=["dead-port-then-hang", "slow-503-then-hang"])
+def test_request_timeout_bounds_every_attempt_together(first_dies: bool) -> None:
+    """A non-streamed request whose first engine fails in a retryable way and whose second engine
+    hangs. The first engine either died since its last health check (its port refuses: it is
+    ejected) or answers 503 after 0.7 s. The retry gets what is left of ``request_timeout_s`` from
+    arrival, not a fresh limit: the 504 comes at ~1 s, not 1.7 s."""
+    request_s, first_takes_s = 1.0, 0.7
+    settings: dict[str, Any] = {
+        **QUIET_MONITOR,
+        # round robin in engine-id order: "a-first" is tried first, "b-hang" second
+        "routing_profile": "round-robin",
+        "request_timeout_s": request_s,
+        "dispatch_attempts": 3,
+    }
+    with (
+        StubEngine(never_answer) as hang,
+        StubEngine(status_after(503, first_takes_s)) as first,
+        run_gateway(engines=[first.entry("a-first"), hang.entry("b-hang")], **settings) as gw,
+    ):
+        assert engine_health(gw) == {"a-first": True, "b-hang": True}
+        if first_dies:
+            first.stop()
+        response, elapsed = timed_post(gw, chat())
+        assert_openai_error(response, 504, "upstream_timeout")
+        # not early, and the shared deadline: never the 1.7 s of a fresh limit per attempt
+        assert_fired_after(elapsed, request_s, latest=request_s + first_takes_s - 0.2)
+        assert len(first.received) == (0 if first_dies else 1)
+        assert len(hang.received) == 1
+        assert engine_health(gw) == {"a-first": not first_dies, "b-hang": True}
+        assert in_flight(gw, "a-first") == in_flight(gw, "b-hang") == 0
+
+
+# -- 7. stale keep-alive connections -----------------------------------------------------------
+
+
+def test_stale_keepalive_connection_is_retried_on_a_fresh_one() -> None:
+    """An engine that closes each keep-alive connection as it is reused: every request still
+    succeeds (one retry on a new connection each), the engine stays in rotation, and each retry is
+    counted as ``slogate_upstream_retries_total{reason="stale_connection"}``."""
+    with (
+        StaleKeepAliveEngine() as engine,
+        run_gateway(engines=[engine.entry("closer")], **QUIET_MONITOR) as gw,
+    ):
+        assert engine_health(gw) == {"closer": True}
+        name = "slogate_upstream_retries_total"
+        stale_before = metric(gw, name, reason="stale_connection")
+        cut_before = metric(gw, name, reason="cut")
+        rounds = 6
+        for i in range(rounds):
+            stream = bool(i % 2)
+            response, _ = timed_post(gw, chat(stream=stream))
+            assert response.status_code == 200, response.text
+            if stream:
+                assert response.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in response.content
+            else:
+                assert response.json()["choices"][0]["message"]["content"] == "hello"
+        # the start-up health check left one pooled connection, each request leaves the next
+        assert engine.closed_at_reuse == rounds
+        assert metric(gw, name, reason="stale_connection") - stale_before == rounds
+        assert metric(gw, name, reason="cut") == cut_before
+        assert engine_health(gw) == {"closer": True}
+        assert in_flight(gw, "closer") == 0
+
+
+# -- 8. a client that stops reading ------------------------------------------------------------
+
+
+def test_slow_reader_is_cut_and_frees_the_engine() -> None:
+    """A client asks for a long, fast stream and stops reading after the headers (small receive
+    buffer, never calls recv). Once the socket buffers between them are full the relay blocks in
+    send, and the idle limit ends the stream: the engine's requests are aborted, the gateway's
+    in-flight count drops to 0, ``slogate_slow_clients_total`` counts it, the connection is
+    closed. What the client can still read is only what the socket buffers held (nothing piles up
+    in the gateway), and never ``[DONE]``.
+
+    ``n=4`` choices at 100x simulated speed: ~5 MB/s of events, so the ~3-4 MB of kernel buffers
+    fill in under a second while generating the whole answer would take ~4.5 s.
+    """
+    idle_s, max_tokens, choices = 1.0, 30000, 4
+    settings: dict[str, Any] = {**QUIET_MONITOR, "idle_timeout_s": idle_s, "first_token_timeout_s": 10.0}
+    fast = ("--profile", "qwen-7b", "--model", MODEL, "--time-scale", "100")
+    with (
+        spawn_sim_engine(*fast, name="fast") as sim,
+        run_gateway(engines=[engine_entry(sim)], **settings) as gw,
+    ):
+        slow_before = metric(gw, "slogate_slow_clients_total")
+        host, port = gw.url.removeprefix("http://").split(":")
+        body = orjson.dumps(
+            chat(stream=True, max_tokens=max_tokens, ignore_eos=True, n=choices, temperature=1.0)
+        )
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect((host, int(port)))
+            client.sendall(
+                b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), host.encode(), len(body), body)
+            )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += client.recv(256)
+            stalled_at = time.monotonic()
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            assert running_on(sim) == choices
+            freed = wait_until(
+                lambda: running_on(sim) == 0 and in_flight(gw, "fast") == 0, timeout=idle_s + 6, interval=0.05
+            )
+            freed_after = time.monotonic() - stalled_at
+            assert freed, "the stalled stream still holds the engine"
+            assert freed_after >= idle_s - EARLY_S, freed_after
+            assert metric(gw, "slogate_slow_clients_total") - slow_before == 1
+            # reading now: the bytes the buffers held, then the end of the connection
+            client.settimeout(5)
+            buffered = head
+            while chunk := client.recv(1 << 20):
+                buffered += chunk
+    assert b"[DONE]" not in buffered
+    assert 0 < buffered.count(b"data: ") < max_tokens * choices
+    assert len(buffered) < _max_send_buffer() + (1 << 20), len(buffered)
+    print(f"slow reader freed after {freed_after:.2f} s; {len(buffered) / 1e6:.1f} MB were buffered")
+
+
+def _max_send_buffer() -> int:
+    """The most the kernel may buffer on the gateway's side of a TCP connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 4 << 20
