@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.api.auth import Authenticator, AuthError
-from gateway.api.errors import GatewayError
+from gateway.api.errors import GatewayError, send_error
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dispatch.loop import ClassLimits, DispatchLoop
@@ -169,15 +169,9 @@ class FrontDoor:
                 try:
                     guard(self.gateway.auth, dict(scope["headers"]))
                 except AuthError as error:
-                    await _send_error(send, error)
+                    await send_error(send, error)
                     return
         await self.api(scope, receive, send)
-
-
-async def _send_error(send: Send, error: AuthError) -> None:
-    headers = [(b"content-type", b"application/json"), *error.extra_headers]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": error.body()})
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -185,7 +179,7 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error_response(error: GatewayError) -> Response:
-    headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if error.retry_after_s else None
+    headers = {k.decode(): v.decode() for k, v in error.headers() if k != b"content-type"}
     return _json(error.payload(), error.status, headers)
 
 

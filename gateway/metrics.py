@@ -56,7 +56,8 @@ TOKENS = Counter(
 SSE_EVENTS = Counter("slogate_sse_events_relayed", "SSE events relayed to clients", registry=REGISTRY)
 UPSTREAM_RETRIES = Counter(
     "slogate_upstream_retries",
-    "Attempts repeated before the first byte, by reason (connect, stale_connection, overloaded, cut)",
+    "Attempts that failed before the first byte in a way that allows another (connect, "
+    "stale_connection, overloaded, cut); another follows while attempts and engines remain",
     ["reason"],
     registry=REGISTRY,
 )

@@ -179,7 +179,9 @@ class Settings(BaseSettings):
         "keep-alive (vLLM/uvicorn: 5 s) so the gateway never reuses a connection the engine is closing",
     )
     connect_timeout_s: float = Field(default=3.0, gt=0, description="opening a new upstream connection")
-    pool_timeout_s: float = Field(default=10.0, gt=0, description="waiting for a pooled upstream connection")
+    pool_timeout_s: float = Field(
+        default=10.0, gt=0, description="waiting for a pooled upstream connection (connect_timeout_s on top)"
+    )
     headers_timeout_s: float = Field(
         default=60.0, gt=0, description="stream: from sending the request to the engine's response headers"
     )

@@ -99,8 +99,6 @@ class RequestView:
     tenant: str = "default"
     task: str | None = None
     priority: int = 0
-    session_key: str | None = None
-    prefix_hashes: tuple[int, ...] = field(default_factory=tuple)
 
 
 def estimated_load(engine: EngineSnapshot) -> float:

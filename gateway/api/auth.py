@@ -87,9 +87,7 @@ class AuthError(GatewayError):
     def __init__(self, status: Literal[401, 403], message: str, *, invalid_token: bool = False) -> None:
         super().__init__(status, message, code="invalid_api_key" if status == 401 else "permission_denied")
         challenge = b'Bearer realm="slogate"' + (b', error="invalid_token"' if invalid_token else b"")
-        self.extra_headers: tuple[tuple[bytes, bytes], ...] = (
-            ((b"www-authenticate", challenge),) if status == 401 else ()
-        )
+        self.extra_headers = ((b"www-authenticate", challenge),) if status == 401 else ()
 
 
 def bearer_token(value: bytes | None) -> bytes | None:

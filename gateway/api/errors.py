@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
 import orjson
 
 # OpenAI's error ``type`` for each status the gateway produces itself.
@@ -39,6 +42,16 @@ class GatewayError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        #: further response headers (e.g. an auth challenge)
+        self.extra_headers: tuple[tuple[bytes, bytes], ...] = ()
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers the error needs: JSON, and ``Retry-After`` when retrying makes sense."""
+        out = [(b"content-type", b"application/json")]
+        if self.retry_after_s is not None:
+            out.append((b"retry-after", b"%d" % max(1, round(self.retry_after_s))))
+        out.extend(self.extra_headers)
+        return out
 
     def payload(self) -> dict[str, object]:
         return {
@@ -60,3 +73,13 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request")
+
+
+async def send_error(
+    send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    error: GatewayError,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> None:
+    """Answer ``error`` on a raw ASGI ``send`` (the data routes and the auth guard)."""
+    await send({"type": "http.response.start", "status": error.status, "headers": [*error.headers(), *extra]})
+    await send({"type": "http.response.body", "body": error.body()})

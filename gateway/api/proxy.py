@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from gateway import metrics
-from gateway.api.auth import Authenticator, AuthError, forwardable_headers
-from gateway.api.errors import GatewayError
+from gateway.api.auth import Authenticator, forwardable_headers
+from gateway.api.errors import GatewayError, send_error
 from gateway.api.request_parse import RouteKind, parse_request
 from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import Fleet
@@ -30,7 +30,6 @@ from gateway.settings import Settings
 
 log = logging.getLogger("slogate.proxy")
 
-_JSON = (b"content-type", b"application/json")
 #: a client request id we echo back: visible ASCII without separators a log line could trip on
 _CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
@@ -64,16 +63,6 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def send_error(send: Send, error: GatewayError, client_rid: bytes) -> None:
-    headers = [_JSON, (b"x-request-id", client_rid)]
-    if isinstance(error, AuthError):
-        headers.extend(error.extra_headers)
-    if error.retry_after_s is not None:
-        headers.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": error.body()})
-
-
 class Proxy:
     """Shared by the three OpenAI routes; one instance per app."""
 
@@ -102,7 +91,8 @@ class Proxy:
         status = 500
         call: Call | None = None
         try:
-            policy = self.auth.client(headers).policy
+            identity = self.auth.client(headers)
+            policy = identity.policy
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
             declared = headers.get(b"content-length")
@@ -134,12 +124,13 @@ class Proxy:
                 reply,
                 forwardable_headers(scope["headers"]),
                 queue_priority=priority if priority is not None else policy.max_priority or 0,
+                tenant=identity.tenant or "default",
             )
             status = await self._serve(call, receive)
         except GatewayError as error:
             status = error.status
             with contextlib.suppress(OSError, RuntimeError):
-                await send_error(send, error, client_rid)
+                await send_error(send, error, ((b"x-request-id", client_rid),))
         except ClientGone:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
@@ -151,7 +142,7 @@ class Proxy:
             log.exception("internal error", extra=log_extra)
             with contextlib.suppress(Exception):
                 internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
-                await send_error(send, internal, client_rid)
+                await send_error(send, internal, ((b"x-request-id", client_rid),))
         finally:
             metrics.child(metrics.REQUESTS, kind, model, _status_class(status)).inc()
             if status < 400:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from gateway.engines.base import EngineAdapter, HookUnsupportedError
+from gateway.engines.base import EngineAdapter
 from gateway.engines.llamacpp import LlamaCppAdapter
 from gateway.engines.sglang import SglangAdapter
 from gateway.engines.vllm import SimAdapter, VllmAdapter
@@ -44,4 +44,4 @@ def adapter_for(
     )
 
 
-__all__ = ["ADAPTERS", "EngineAdapter", "HookUnsupportedError", "OpenAIAdapter", "adapter_for"]
+__all__ = ["ADAPTERS", "EngineAdapter", "OpenAIAdapter", "adapter_for"]

@@ -1,9 +1,10 @@
 """The engine adapter seam: one typed base class, one subclass per engine kind.
 
 An adapter knows how to talk to one engine: where its OpenAI routes are, how its ``/metrics``
-map onto :class:`EngineState`, how to check its health, and which lifecycle hooks (sleep, wake,
-weight loading, role changes) it supports. All upstream HTTP goes through one shared aiohttp
-session with an explicit connection pool, owned by the gateway and passed in.
+map onto :class:`EngineState`, how to check its health, what it accepts in a request (the body
+``priority``, forwarded headers). Lifecycle hooks (sleep, wake, weight loading, role changes)
+come with the scaling and P/D flows that call them. All upstream HTTP goes through one shared
+aiohttp session with an explicit connection pool, owned by the gateway and passed in.
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ import aiohttp
 from gateway.engines import prom_text
 from gateway.settings import EngineConfig
 from policies.api import EngineState, Role
-
-
-class HookUnsupportedError(RuntimeError):
-    """The engine kind has no such lifecycle hook (e.g. sleep on a generic OpenAI server)."""
 
 
 class EngineAdapter:
@@ -144,31 +141,6 @@ class EngineAdapter:
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return None
-
-    # -- lifecycle hooks (warm pool, scaling, P/D role changes) ----------------------------------
-
-    async def sleep(self, level: int = 1) -> None:
-        raise HookUnsupportedError(f"{self.kind} engines have no sleep hook")
-
-    async def wake_up(self) -> None:
-        raise HookUnsupportedError(f"{self.kind} engines have no wake_up hook")
-
-    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
-        raise HookUnsupportedError(f"{self.kind} engines have no weight-loading hook")
-
-    async def set_role(self, role: Role) -> None:
-        raise HookUnsupportedError(f"{self.kind} engines cannot change role at run time")
-
-    async def abort(self, request_id: str) -> None:
-        """Best-effort abort by id. Closing the upstream connection is the primary abort path."""
-        return None
-
-    async def _post_json(self, path: str, payload: Mapping[str, Any] | None = None, **params: str) -> Any:
-        async with self.session.post(
-            self.url(path), json=payload, params=params or None, headers=self._auth
-        ) as resp:
-            resp.raise_for_status()
-            return await resp.json(content_type=None)
 
 
 def gauge(samples: prom_text.Samples, *names: str) -> float:

@@ -40,17 +40,3 @@ class SglangAdapter(EngineAdapter):
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_sglang_metrics(text)
-
-    async def sleep(self, level: int = 1) -> None:
-        tags = ["kv_cache"] if level <= 1 else ["weights", "kv_cache"]
-        await self._post_json("/release_memory_occupation", {"tags": tags})
-
-    async def wake_up(self) -> None:
-        await self._post_json("/resume_memory_occupation", {})
-
-    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
-        if source != "disk":
-            raise NotImplementedError(
-                "SGLang peer loading is chosen at launch (--load-format remote_instance)"
-            )
-        await self._post_json("/update_weights_from_disk", {"model_path": self.config.model})

@@ -57,19 +57,9 @@ class VllmAdapter(EngineAdapter):
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_vllm_metrics(text)
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._post_json("/sleep", None, level=str(level))
-
-    async def wake_up(self) -> None:
-        await self._post_json("/wake_up")
-
 
 class SimAdapter(VllmAdapter):
-    """The simulated engine: vLLM's wire protocol plus documented weight-loading and fault hooks."""
+    """The simulated engine: vLLM's wire protocol; it takes the client's x-sim-* controls."""
 
     kind: ClassVar[str] = "sim"
     accepts_sim_headers: ClassVar[bool] = True
-
-    async def load_weights(self, source: str, peer_url: str | None = None) -> None:
-        payload = {"source": source} | ({"peer_url": peer_url} if peer_url else {})
-        await self._post_json("/sim/load_weights", payload)

@@ -52,6 +52,8 @@ class Call:
     forward_headers: dict[str, str]
     #: the level queue orders rank by: the priority, or the least urgent its key allows
     queue_priority: int = 0
+    #: whose request it is (the API key's tenant), for policies that share the fleet fairly
+    tenant: str = "default"
     watcher: asyncio.Task[bool] | None = None
     entry: RunningEntry | None = None
     engine_id: str | None = None

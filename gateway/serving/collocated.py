@@ -4,13 +4,15 @@ Before the first byte reaches the client an attempt may fail over to another eng
 refused the connection (it is ejected), its pooled connection turned out closed twice, it answered
 503 (overloaded or asleep), or it cut a non-streamed answer. Attempts are bounded in number
 (``dispatch_attempts``) and, for non-streamed requests, in total time (``request_timeout_s`` from
-arrival, across every attempt). A timeout is never retried: the engine may still be working on
-the request, and repeating it would double the work it was too slow for.
+arrival, across every attempt). A timeout after the request reached an engine is never retried:
+the engine may still be working on it, and repeating it would double the work it was too slow
+for. Failing to get a connection in time is retried: nothing was sent.
 
-Timeouts: waiting for a pooled connection (``pool_timeout_s``), connecting (``connect_timeout_s``),
-response headers of a stream (``headers_timeout_s``), its first event (``first_token_timeout_s``
-from dispatch), silence between events (``idle_timeout_s``, also a client that stops reading), the
-whole of a non-streamed request (``request_timeout_s``).
+Timeouts: getting a connection (``pool_timeout_s`` waiting for a pooled one plus
+``connect_timeout_s`` opening one: aiohttp bounds both together), response headers of a stream
+(``headers_timeout_s``), its first event (``first_token_timeout_s`` from dispatch), silence between
+events (``idle_timeout_s``, also a client that stops reading), the whole of a non-streamed request
+(``request_timeout_s``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class CollocatedFlow:
             arrival=call.arrival,
             priority=call.queue_priority,
             task=target.slo_class,
+            tenant=call.tenant,
         )
         settings = self.settings
         deadline = None if request.stream else call.arrival + settings.request_timeout_s

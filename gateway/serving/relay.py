@@ -133,6 +133,7 @@ async def relay_stream(
     try:
         async with asyncio.timeout_at(first_token_at) as deadline:
             rearmed_at = 0.0
+            rearm_every = min(0.25, idle_s / 4)
             async for chunk in response.content.iter_any():
                 data = pending + chunk if pending else chunk
                 end = data.rfind(b"\n\n")
@@ -148,8 +149,8 @@ async def relay_stream(
                     if entry is not None:
                         fleet.mark_prefilled(engine_id, entry)
                     metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
-                if now - rearmed_at > 0.25:
-                    # moved at most every 0.25 s: the idle limit is seconds, and this is per chunk
+                if now - rearmed_at > rearm_every:
+                    # moved at most every quarter of the limit (<= 0.25 s): this runs per chunk
                     deadline.reschedule(clock() + idle_s)
                     rearmed_at = now
                 if b'"usage":' in complete or b"[DONE]" in complete:
