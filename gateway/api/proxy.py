@@ -22,7 +22,7 @@ from gateway import metrics
 from gateway.api.auth import Authenticator, forwardable_headers
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.request_parse import RouteKind, parse_request
-from gateway.dispatch.slo_service import SloService
+from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.registry import Fleet
 from gateway.serving.call import Call, ClientGone, Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
@@ -125,6 +125,7 @@ class Proxy:
                 forwardable_headers(scope["headers"]),
                 queue_priority=priority if priority is not None else policy.max_priority or 0,
                 tenant=identity.tenant or "default",
+                slo_batch=header_text(headers, b"x-slo-batch"),
             )
             status = await self._serve(call, receive)
         except GatewayError as error:

@@ -38,13 +38,15 @@ from policies.api import Role
 from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
-from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible
+from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible, with_batch
 
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
 UNPARK_PER_ARRIVAL = 4
 #: earliest-deadline requests of a full class examined for the queue-full prune
 PRUNE_SCAN = 8
+#: batch members stamped together when one joins (bounds the cost of a client's huge batch)
+MAX_BATCH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,8 @@ class Ticket:
     slo_class: str
     entry: RunningEntry
     enqueued_at: float
+    #: the client's batch (requests that are only useful together, MFS), scoped by its tenant
+    batch: tuple[str, str] | None = None
 
     @property
     def request_id(self) -> str:
@@ -101,6 +105,8 @@ class DispatchCore:
         self._submitting: str | None = None
         self._own: EngineRecord | None = None
         self._class_deadlines: dict[str, list[tuple[float, int, str]]] = {}
+        #: queued members of each client batch (request ids), for orders that rank whole batches
+        self._batches: dict[tuple[str, str], set[str]] = {}
         # HyperFlexis worker state: maturity per engine (inf = parked until an event), a heap of
         # finite maturity times per model (lazily invalidated), parked engines per model in order
         self.maturity: dict[str, float] = {}
@@ -202,6 +208,8 @@ class DispatchCore:
             )
         if queue is None:
             queue = self.queues[model] = AdmissionQueue(self.order)
+        if ticket.batch is not None:
+            self._join_batch(ticket, queue, now)
         queue.push(ticket.item, now, self.context())
         self.tickets[rid] = ticket
         self.queued_per_class[ticket.slo_class] = self.queued_per_class.get(ticket.slo_class, 0) + 1
@@ -425,10 +433,32 @@ class DispatchCore:
         self._forget(rid, now, in_queue)
         self.outbox.append((rid, error))
 
+    def _join_batch(self, ticket: Ticket, queue: AdmissionQueue, now: float) -> None:
+        """Stamp the newcomer and its queued peers with the batch's deadlines and re-queue the
+        peers: the batch is ranked as one (RED). Peers beyond ``MAX_BATCH`` are not re-stamped,
+        so a huge batch costs O(MAX_BATCH) per member, not O(n)."""
+        assert ticket.batch is not None
+        members = self._batches.setdefault(ticket.batch, set())
+        peers = [self.tickets[r] for r in members if r in self.tickets][: MAX_BATCH - 1]
+        stamped = with_batch([p.item for p in peers] + [ticket.item])
+        ctx = self.context()
+        for peer, item in zip(peers, stamped, strict=False):
+            queue.remove(peer.request_id)
+            peer.item = item
+            queue.push(item, now, ctx)
+        ticket.item = stamped[-1]
+        members.add(ticket.request_id)
+
     def _forget(self, rid: str, now: float | None, in_queue: bool = True) -> bool:
         ticket = self.tickets.pop(rid, None)
         if ticket is None:
             return False
+        if ticket.batch is not None:
+            members = self._batches.get(ticket.batch)
+            if members is not None:
+                members.discard(rid)
+                if not members:
+                    del self._batches[ticket.batch]
         if in_queue:
             queue = self.queues.get(ticket.item.view.model)
             if queue is not None:

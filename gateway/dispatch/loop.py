@@ -102,6 +102,7 @@ class DispatchLoop:
         slo_class: str,
         entry: RunningEntry,
         exclude: Collection[str] = (),
+        batch: tuple[str, str] | None = None,
     ) -> EngineRecord:
         """An engine for the request with ``entry`` reserved on it under ``view.request_id``, now
         or after queueing; raises GatewayError when the request is refused. The caller must
@@ -115,7 +116,7 @@ class DispatchLoop:
             seq=self._seq,
             queue_deadline=now + self.limits(slo_class).queue_timeout_s,
         )
-        ticket = Ticket(item, slo_class, entry, now)
+        ticket = Ticket(item, slo_class, entry, now, batch)
         if exclude:
             return self.core.retry(ticket, exclude, now)
         record = self.core.submit(ticket, now)

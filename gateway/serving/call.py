@@ -54,6 +54,8 @@ class Call:
     queue_priority: int = 0
     #: whose request it is (the API key's tenant), for policies that share the fleet fairly
     tenant: str = "default"
+    #: ``x-slo-batch``: requests the client only finds useful together (ranked as one by RED)
+    slo_batch: str | None = None
     watcher: asyncio.Task[bool] | None = None
     entry: RunningEntry | None = None
     engine_id: str | None = None

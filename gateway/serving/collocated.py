@@ -99,7 +99,13 @@ class CollocatedFlow:
                 with self.tracing.span("queue_wait", request_id=call.client_rid):
                     try:
                         record = await self.dispatch.place(
-                            view, target.ttft_s, target.tpot_s, target.slo_class, entry, tried
+                            view,
+                            target.ttft_s,
+                            target.tpot_s,
+                            target.slo_class,
+                            entry,
+                            tried,
+                            None if call.slo_batch is None else (call.tenant, call.slo_batch),
                         )
                     except GatewayError:
                         if not tried or not self.fleet.has_healthy(request.model):

@@ -283,3 +283,25 @@ def test_counters_return_to_zero_and_limits_hold(
     assert core.tickets == {} and placed == {}
     assert all(v == 0 for v in core.queued_per_class.values())
     assert all(r.in_flight == 0 and r.in_flight_tokens == 0 and not r.running for r in fleet.records.values())
+
+
+def test_red_ranks_a_client_batch_as_one() -> None:
+    """x-slo-batch members carry their batch's deadlines: a tight outlier in a loose batch no
+    longer jumps a lone request that is due sooner than the batch as a whole (MFS RED)."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, order="red", max_engine_load=1)
+    core.submit(ticket("busy-0"), 0.0)  # the engine is taken: the rest queue
+    lone = ticket("lone-1", now=0.0)
+    lone.item = QueuedRequest(lone.item.view, ttft_slo=2.0, tpot_slo=0.1, seq=1, queue_deadline=30.0)
+    core.submit(lone, 0.0)
+    for i, ttft in enumerate([0.5, 10.0, 10.0, 10.0], start=2):
+        member = ticket(f"batch-{i}")
+        member.item = QueuedRequest(member.item.view, ttft_slo=ttft, tpot_slo=0.1, seq=i, queue_deadline=30.0)
+        member.batch = ("tenant", "job-7")
+        core.submit(member, 0.0)
+    order = [item.view.request_id for item in core.queues["a"].iter_in_order(0.0, core.context(), 10)]
+    assert order[0] == "lone-1", order  # plain EDF would put batch-2 (due at 0.5 s) first
+    assert set(order[1:]) == {"batch-2", "batch-3", "batch-4", "batch-5"}
+    assert all(len(t.item.batch_deadlines) == 4 for t in core.tickets.values() if t.batch)
+    core.cancel("batch-2", 0.1)
+    assert core._batches[("tenant", "job-7")] == {"batch-3", "batch-4", "batch-5"}
