@@ -159,6 +159,10 @@ def test_hyperflexis_does_not_poll_a_saturated_fleet() -> None:
     # every worker is parked: the only timer left is the queue expiry, nothing polls
     assert core.next_wake() == 1e9
     assert all(math.isinf(core.maturity[e]) for e in fleet.records)
+    # the queue timeout is noticed at its deadline, with no wake in between
+    core.step(1e9)
+    assert len(core.outbox) == 2000 and core.queued() == 0
+    assert all(isinstance(e, GatewayError) and e.code == "queue_timeout" for _, e in core.outbox)
 
 
 def _view(rid: str) -> RequestView:

@@ -1,0 +1,90 @@
+"""Request identity over real HTTP: the client's X-Request-Id is correlation only, never a key."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.procs import ChildProcess
+from gateway.tracing import Tracing
+from tests.gateway.conftest import MODEL, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def _counters(gw: RunningGateway) -> tuple[int, int]:
+    fleet, dispatch = gw.gateway.fleet, gw.gateway.dispatch
+    assert fleet is not None and dispatch is not None
+    return sum(r.in_flight for r in fleet.records.values()), dispatch.core.queued()
+
+
+def test_two_requests_with_one_client_id_stay_two_requests(two_engines: list[ChildProcess]) -> None:
+    """Same id, concurrently, the second queued behind the first: both are served, both get the
+    id back, and every counter returns to zero (the id used to be the internal key: in_flight
+    stuck at 1, a 500 for the copy, the original hung)."""
+    with run_gateway(engines=[engine_entry(two_engines[0])], max_engine_load=1) as gw:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "ignore_eos": True, "stream": True}
+        headers = {"X-Request-Id": "same-id"}
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(
+                    httpx.post, gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+                )
+                for _ in range(3)
+            ]
+            answers = [f.result() for f in futures]
+        assert [r.status_code for r in answers] == [200, 200, 200]
+        assert all(r.headers["x-request-id"] == "same-id" for r in answers)
+        assert all(r.content.endswith(b"data: [DONE]\n\n") for r in answers)
+        assert wait_until(lambda: _counters(gw) == (0, 0), timeout=5), _counters(gw)
+
+
+def test_a_copy_leaving_the_queue_does_not_touch_the_original(two_engines: list[ChildProcess]) -> None:
+    with run_gateway(engines=[engine_entry(two_engines[0])], max_engine_load=1) as gw:
+        long = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        headers = {"X-Request-Id": "dup"}
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream("POST", gw.url + "/v1/chat/completions", json=long, headers=headers) as first,
+        ):
+            chunks = first.iter_bytes()
+            next(chunks)
+            # the copy queues behind it, then its client gives up
+            try:
+                httpx.post(gw.url + "/v1/chat/completions", json=long, headers=headers, timeout=0.5)
+            except httpx.ReadTimeout:
+                pass
+            assert wait_until(lambda: _counters(gw) == (1, 0), timeout=5), _counters(gw)
+            rest = b"".join(chunks)
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert wait_until(lambda: _counters(gw) == (0, 0), timeout=5), _counters(gw)
+
+
+def test_no_key_reaches_a_span(two_engines: list[ChildProcess]) -> None:
+    key = "sk-trace-secret-0123456789"
+    exporter = InMemorySpanExporter()
+    with run_gateway(engines=[engine_entry(two_engines[0])], api_keys=[key], tracing=True) as gw:
+        gw.gateway.tracing = Tracing(True, exporter=exporter)
+        assert gw.gateway.proxy is not None
+        gw.gateway.proxy.flow.tracing = gw.gateway.tracing
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}", "X-Request-Id": "traced"},
+            timeout=10,
+        )
+        assert r.status_code == 200
+        deadline = time.monotonic() + 5
+        while len(exporter.get_finished_spans()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gw.gateway.tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    assert {s.name for s in spans} >= {"dispatch", "queue_wait", "upstream"}
+    for span in spans:
+        values = [str(v) for v in (span.attributes or {}).values()]
+        assert values and not any(key in v for v in values), (span.name, values)
+        assert any(v == "traced" for v in values)
