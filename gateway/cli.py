@@ -47,6 +47,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.large_body import bench_large_body_main
 
         return bench_large_body_main(args)
+    if args.bench == "dispatch":
+        from gateway.bench.dispatch import bench_dispatch_main
+
+        return bench_dispatch_main(args)
     from gateway.bench.overhead import bench_overhead_main
 
     return bench_overhead_main(args)
@@ -110,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_large_body_arguments(
         bench_sub.add_parser("large-body", help="large prompts: gateway CPU, and stalls of other streams")
+    )
+    from gateway.bench.dispatch import add_dispatch_arguments
+
+    add_dispatch_arguments(
+        bench_sub.add_parser("dispatch", help="dispatch loop cost per placement at 16-256 engines, saturated")
     )
     p.set_defaults(func=_bench)
 

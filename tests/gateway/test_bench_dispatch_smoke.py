@@ -1,0 +1,41 @@
+"""Smoke run of ``slogate bench dispatch``: a tiny grid, so the benchmark cannot rot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.cli import main
+
+
+def test_bench_dispatch_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "dispatch",
+            "--engines",
+            "4,8",
+            "--queued",
+            "40",
+            "--seconds",
+            "0.4",
+            "--rate",
+            "400",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    points = json.loads((out / "points.json").read_text())
+    assert {(p["dispatcher"], p["engines"]) for p in points} == {
+        ("pipeline", 4),
+        ("pipeline", 8),
+        ("hyperflexis", 4),
+        ("hyperflexis", 8),
+    }
+    for p in points:
+        assert p["placements"] > 0 and p["us_per_placement"] > 0 and 0 < p["loop_share"] < 1
+        assert p["mean_queued"] >= 1  # saturated: requests were waiting throughout
+    assert (out / "dispatch_cost.png").stat().st_size > 10_000
+    assert "µs per placement" in (out / "table.md").read_text()
