@@ -1,4 +1,4 @@
-"""SGLang: its ``sglang:*`` metrics and memory-release hooks."""
+"""SGLang: its ``sglang:*`` metrics and its priority direction (higher values first by default)."""
 
 from __future__ import annotations
 
