@@ -39,12 +39,13 @@ def test_overhead_benchmark_smoke() -> None:
 
 
 def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "large-body", "--requests", "6", "--prompt-chars", "20000", "--streams", "8"]
+    argv = ["bench", "large-body", "--requests", "6", "--prompt-bytes", "20000", "--streams", "8"]
     argv += ["--stream-tokens", "30", "--big-bytes", "1000000", "--big-texts", "mixed", "--rounds", "1"]
     assert main([*argv, "--results-dir", str(tmp_path)]) == 0
 
     table = capsys.readouterr().out
-    assert "over a small request" in table and "1 MB mixed body: added largest gap" in table
+    assert "parse + estimate" in table and "over a small request" in table
+    assert "1 MB mixed body: added largest gap" in table
     [written] = tmp_path.glob("large-body-*.json")
     data = json.loads(written.read_text())
 
@@ -53,10 +54,11 @@ def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtur
     for case in data["prompts"]:
         assert case["gateway_cpu_ms"] > 0 and case["parse_ms"] > 0
         assert case["direct_p50_ms"] > 0 and case["gateway_p50_ms"] > 0
-        assert case["body_bytes"] >= 20000
+        assert 20_000 <= case["body_bytes"] < 20_200  # the prompt's UTF-8 bytes and the JSON around
 
     [big] = data["big_bodies"]
-    assert big["text"] == "mixed" and big["body_bytes"] >= 1_000_000
+    # the text's UTF-8 bytes, and JSON escapes its newlines as two bytes each
+    assert big["text"] == "mixed" and 1_000_000 <= big["body_bytes"] < 1_010_000
     assert big["gateway_cpu_ms"] > 0 and big["parse_ms"] > 0
     assert [r["big_body"] for r in big["rounds"]] == [False, True]
     for r in big["rounds"]:
