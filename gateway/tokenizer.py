@@ -127,18 +127,24 @@ def estimate_total_tokens(texts: Sequence[str]) -> int:
     out in a prompt (counted character by character, ~7 tokens instead of one).
     Cost: ~0.1-0.2 ms for one text, whatever its length (measured up to 15 MB).
     """
-    total = sum(map(len, texts))
+    if len(texts) == 1:
+        total = len(texts[0])
+        if total <= EXACT_COUNT_CHARS:
+            return count_tokens(texts[0])
+        return max(1, round(_estimate(texts[0], _SITES)))
+    lengths = list(map(len, texts))  # C loops from here on: a long chat has thousands of turns
+    total = sum(lengths)
     if total <= EXACT_COUNT_CHARS:
         return sum(map(count_tokens, texts))
-    if len(texts) == 1:
-        return max(1, round(_estimate(texts[0], _SITES)))
     tokens = 0.0
-    small: list[str] = []
-    for text in texts:
-        if len(text) > _SEPARATE_ABOVE:
-            tokens += _estimate(text, max(_MIN_SITES, _SITES * len(text) // total))
-        else:
-            small.append(text)
+    small: Sequence[str] = texts
+    if max(lengths) > _SEPARATE_ABOVE:
+        small = []
+        for text in texts:
+            if len(text) > _SEPARATE_ABOVE:
+                tokens += _estimate(text, max(_MIN_SITES, _SITES * len(text) // total))
+            else:
+                small.append(text)
     if small:
         # No token spans a newline, so count(a + "\n" + b) == count(a) + 1 + count(b) exactly:
         # the joined text's count less the newlines is the sum (a bare join would merge
