@@ -14,7 +14,7 @@ messages or token ids (C-level where it can be).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -47,7 +47,8 @@ class ParsedRequest:
     #: usage reports the true count
     prompt_tokens: int
     priority: int
-    forward_headers: dict[str, str] = field(default_factory=dict)
+    #: ``body`` was changed for an engine since it was parsed: ``raw`` no longer says the same
+    body_edited: bool = False
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:

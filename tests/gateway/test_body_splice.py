@@ -1,0 +1,82 @@
+"""What the collocated flow sends upstream: the client's bytes with members spliced in, never two
+copies of one key, and a re-serialised body only when a field must go."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+import aiohttp
+import pytest
+
+from gateway.api.request_parse import parse_request
+from gateway.engines import adapter_for
+from gateway.fleet.registry import EngineRecord
+from gateway.serving.call import Call
+from gateway.serving.collocated import CollocatedFlow
+from gateway.settings import EngineConfig
+from policies.slo import SloSource, SloTarget
+
+TARGET = SloTarget(ttft_s=1.0, tpot_s=0.1, slo_class="c", source=SloSource.TASK)
+
+
+async def _noop(_: object) -> None:
+    return None
+
+
+def record(kind: str, priority_scheduling: bool) -> EngineRecord:
+    config = EngineConfig.model_validate(
+        {"url": "http://127.0.0.1:9", "kind": kind, "model": "m", "priority_scheduling": priority_scheduling}
+    )
+    return EngineRecord(adapter_for(config, cast(aiohttp.ClientSession, None), 1.0))
+
+
+def flow() -> CollocatedFlow:
+    made = CollocatedFlow.__new__(CollocatedFlow)
+    made._epoch = 0.0
+    return made
+
+
+def call(raw: bytes) -> Call:
+    return Call(parse_request("chat", raw, 16), "sg-1", "c", 10.0, _noop, TARGET, None, (), {})
+
+
+def keys(body: bytes) -> list[str]:
+    pairs: list[tuple[str, Any]] = json.loads(body, object_pairs_hook=lambda p: p)
+    return [k for k, _ in pairs]
+
+
+@pytest.mark.parametrize("spaces", [b"", b"  \n "])
+def test_stream_usage_is_spliced_into_the_clients_bytes(spaces: bytes) -> None:
+    raw = spaces + b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"x":1.50}'
+    sent = flow()._body_for(call(raw), record("openai", False))
+    assert sent.endswith(b'"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"x":1.50}')
+    assert json.loads(sent)["stream_options"] == {"include_usage": True}
+    assert sorted(keys(sent)) == ["messages", "model", "stream", "stream_options", "x"]
+
+
+def test_priority_is_spliced_once_and_a_clients_own_is_replaced() -> None:
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    sent = flow()._body_for(call(raw), record("vllm", True))
+    assert json.loads(sent)["priority"] == 11_000 and keys(sent).count("priority") == 1
+    own = b'{"model":"m","priority":-5,"messages":[{"role":"user","content":"hi"}]}'
+    sent = flow()._body_for(call(own), record("vllm", True))
+    assert keys(sent).count("priority") == 1 and json.loads(sent)["priority"] == 11_000
+
+
+def test_a_field_removed_for_one_engine_stays_removed_for_the_next() -> None:
+    """The client's priority is dropped for an engine that rejects it; a retry on an engine that
+    takes one must not find the client's value again in the raw bytes."""
+    c = call(b'{"model":"m","priority":-5,"messages":[{"role":"user","content":"hi"}],"stream":true}')
+    f = flow()
+    first = f._body_for(c, record("openai", False))
+    assert "priority" not in json.loads(first)
+    second = f._body_for(c, record("vllm", True))
+    assert keys(second).count("priority") == 1 and json.loads(second)["priority"] == 11_000
+    assert keys(second).count("stream_options") == 1
+
+
+def test_an_untouched_body_is_sent_as_is() -> None:
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}], "stream": false}'
+    c = call(raw)
+    assert flow()._body_for(c, record("openai", False)) is c.request.raw
