@@ -96,7 +96,8 @@ class Proxy:
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
             declared = headers.get(b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            limit = self.settings.max_body_bytes
+            if declared is not None and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
                 raise GatewayError(
                     413,
                     f"request body exceeds {self.settings.max_body_bytes} bytes",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from collections.abc import Mapping
 
 from gateway import metrics
@@ -45,7 +46,7 @@ MAX_PRIORITY_MAGNITUDE = 1_000_000
 
 
 def _target_ms(headers: Mapping[bytes, bytes], name: bytes) -> float | None:
-    """A client's explicit target in ms: a positive finite number, clamped to a day."""
+    """A client's explicit target in ms: a positive number, clamped to a day (so is infinity)."""
     raw = headers.get(name)
     if raw is None:
         return None
@@ -86,6 +87,7 @@ class SloService:
         self.mapping: PriorityMappingState | None = initial_priority_state(self.profile)
         self.models: dict[str, LatencyModel] = {}
         self._observations: dict[str, int] = {}
+        self._rings: dict[str, tuple[deque[PrefillSample], deque[DecodeSample]]] = {}
         for engine in settings.engines:
             prefill, decode = DEFAULT_PREFILL, DEFAULT_DECODE
             if engine.latency_profile:
@@ -222,25 +224,31 @@ class SloService:
         # The gateway sees whole requests, not engine steps. The first token comes once every prompt
         # that was ahead of this one on the engine and this one are prefilled: that is the batch.
         # The mean inter-token time approximates one decode step of the batch it ran in.
+        # Samples collect in rings here and reach the (immutable) model only when it is re-fitted:
+        # copying a 512-sample tuple per request was most of this method's cost.
+        prefill_ring, decode_ring = self._rings.setdefault(
+            engine_id, (deque(maxlen=model.capacity), deque(maxlen=model.capacity))
+        )
         prefill_s = ttft_s - queue_s
         if prefill_s > 0:
-            model = model.observe_prefill(
-                PrefillSample((*batch.prefill_ahead, call.request.prompt_tokens), prefill_s)
-            )
+            prefill_ring.append(PrefillSample((*batch.prefill_ahead, call.request.prompt_tokens), prefill_s))
         if tpot_s is not None and tpot_s > 0 and batch.batch_size > 0:
-            model = model.observe_decode(DecodeSample(batch.batch_tokens, batch.batch_size, tpot_s))
+            decode_ring.append(DecodeSample(batch.batch_tokens, batch.batch_size, tpot_s))
         count = self._observations.get(engine_id, 0) + 1
         self._observations[engine_id] = count
-        if count % REFIT_EVERY == 0:
-            model = model.refit()
-            for name, value in zip(("a", "b", "c"), model.prefill, strict=True):
-                metrics.LATENCY_COEFF.labels(engine_id, "prefill", name).set(value)
-            for name, value in zip(("a", "b", "c"), model.decode, strict=True):
-                metrics.LATENCY_COEFF.labels(engine_id, "decode", name).set(value)
-            for stage, err in (("prefill", model.prefill_error()), ("decode", model.decode_error())):
-                if not math.isnan(err):
-                    metrics.LATENCY_ERROR.labels(engine_id, stage).set(err)
+        if count % REFIT_EVERY:
+            return
+        model = dataclasses.replace(
+            model, prefill_samples=tuple(prefill_ring), decode_samples=tuple(decode_ring)
+        ).refit()
         self.models[engine_id] = model
+        for name, value in zip(("a", "b", "c"), model.prefill, strict=True):
+            metrics.LATENCY_COEFF.labels(engine_id, "prefill", name).set(value)
+        for name, value in zip(("a", "b", "c"), model.decode, strict=True):
+            metrics.LATENCY_COEFF.labels(engine_id, "decode", name).set(value)
+        for stage, err in (("prefill", model.prefill_error()), ("decode", model.decode_error())):
+            if not math.isnan(err):
+                metrics.LATENCY_ERROR.labels(engine_id, stage).set(err)
 
     def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs]:
         model = self.models.get(engine_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import aiohttp
 import orjson
@@ -136,33 +137,23 @@ class CollocatedFlow:
         adapter = record.adapter
         if adapter.prepare_body(body):
             request.body_edited = True  # a field was removed: only re-serialising can do that
-        raw = None if request.body_edited else request.raw
-        added: list[bytes] = []
+        extra: dict[str, Any] = {}
         if adapter.accepts_priority:
             # The engine orders its own queue by this: the request's TTFT deadline in ms since the
             # gateway started, so the engine's order agrees with the gateway's deadline orders.
             deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
-            urgency = max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms))
-            priority = adapter.engine_priority(urgency)
-            if raw is None or "priority" in body:
-                body["priority"] = priority
-                request.body_edited, raw = True, None
-            else:
-                added.append(b'"priority":%d' % priority)
+            extra["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
         if request.stream and not request.client_wants_usage:
-            if raw is None or "stream_options" in body:
-                options = body.get("stream_options") or {}
-                body["stream_options"] = {**options, "include_usage": True}
-                request.body_edited, raw = True, None
-            else:
-                added.append(b'"stream_options":{"include_usage":true}')
-        if raw is None:
+            extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if not extra:
+            return orjson.dumps(body) if request.body_edited else request.raw
+        if request.body_edited or any(key in body for key in extra):
+            body.update(extra)
+            request.body_edited = True
             return orjson.dumps(body)
-        if not added:
-            return raw
         # parse_request accepted a JSON object with a "model": it opens with "{" and has a member
-        at = raw.index(b"{") + 1
-        return b"".join((raw[:at], b",".join(added), b",", raw[at:]))
+        at = request.raw.index(b"{") + 1
+        return b"".join((request.raw[:at], orjson.dumps(extra)[1:-1], b",", request.raw[at:]))
 
     def _headers_for(self, call: Call, record: EngineRecord) -> dict[str, str]:
         adapter = record.adapter

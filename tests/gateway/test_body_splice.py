@@ -80,3 +80,11 @@ def test_an_untouched_body_is_sent_as_is() -> None:
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}], "stream": false}'
     c = call(raw)
     assert flow()._body_for(c, record("openai", False)) is c.request.raw
+
+
+def test_a_body_re_serialised_for_one_field_keeps_the_spliced_other() -> None:
+    """The client's stream_options must be merged (re-serialised), and the engine's priority must
+    still go with it (found by the fuzz test: the priority was lost)."""
+    raw = b'{"model":"m","messages":[{"role":"user","content":""}],"stream":true,"stream_options":{"include_usage":false}}'
+    sent = json.loads(flow()._body_for(call(raw), record("vllm", True)))
+    assert sent["priority"] == 11_000 and sent["stream_options"] == {"include_usage": True}

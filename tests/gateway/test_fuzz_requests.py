@@ -1373,11 +1373,6 @@ def test_past_defects_over_http(
 # -- open defects ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="proxy.handle: int() of a Content-Length of more than 4300 digits raises ValueError "
-    "(Python's integer string conversion limit): a 500 instead of a 413",
-)
 def test_a_content_length_of_thousands_of_digits_is_a_413(asgi: AsgiHost, recorder: RecordingEngine) -> None:
     """Only an ASGI server that passes such a header on can show it (httptools refuses lengths
     beyond 2**64 itself), but the app must not rely on that."""
