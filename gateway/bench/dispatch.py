@@ -134,7 +134,7 @@ async def _run_point(
             placements += 1
         entry.dispatched_at = time.monotonic()
         service = service_s * rng.uniform(0.5, 1.5)
-        loop.call_later(service / 10, fleet.mark_prefilled, record.engine_id, entry)
+        loop.call_later(service / 10, fleet.mark_prefilled, record.engine_id, rid)
         loop.call_later(service, _finish, record.engine_id, rid)
 
     def _finish(engine_id: str, rid: str) -> None:

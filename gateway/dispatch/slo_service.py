@@ -152,10 +152,8 @@ class SloService:
     def batch_observation(self, record: EngineRecord, request_id: str) -> BatchObservation:
         """What shares the engine with ``request_id`` as it is sent (its reservation included):
         the latency model's view of the batch the request's prefill and decode ran in."""
-        running = record.running
-        ahead = tuple(r.prompt_tokens for rid, r in running.items() if not r.prefilled and rid != request_id)
-        tokens = sum(r.prompt_tokens + r.generated for r in running.values())
-        return BatchObservation(tokens, len(running), ahead)
+        ahead = tuple(n for rid, n in record.unprefilled.items() if rid != request_id)
+        return BatchObservation(record.running_tokens, len(record.running), ahead)
 
     def account(self, call: Call, status: int) -> str | None:
         """Count the request once with its outcome and learn from its timing; returns the outcome

@@ -50,6 +50,11 @@ class EngineRecord:
     in_flight_tokens: int = 0
     last_error: str = ""
     running: dict[str, RunningEntry] = field(default_factory=dict)
+    #: prompt tokens of running requests whose first token has not come yet, by request id
+    unprefilled: dict[str, int] = field(default_factory=dict)
+    #: sum over running requests of prompt tokens + tokens generated so far (the decode batch's
+    #: current length), kept as requests come, stream and go
+    running_tokens: int = 0
 
     @property
     def engine_id(self) -> str:
@@ -203,6 +208,9 @@ class Fleet:
         record.in_flight += 1
         record.in_flight_tokens += entry.prompt_tokens + entry.max_tokens
         record.running[request_id] = entry
+        record.running_tokens += entry.prompt_tokens + entry.generated
+        if not entry.prefilled:
+            record.unprefilled[request_id] = entry.prompt_tokens
         self._dirty.add(record.index)
 
     def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
@@ -212,14 +220,26 @@ class Fleet:
         if entry is not None:
             record.in_flight -= 1
             record.in_flight_tokens -= entry.prompt_tokens + entry.max_tokens
+            record.running_tokens -= entry.prompt_tokens + entry.generated
+            record.unprefilled.pop(request_id, None)
             self._dirty.add(record.index)
             self._notify(engine_id, "release")
         return entry
 
-    def mark_prefilled(self, engine_id: str, entry: RunningEntry) -> None:
+    def mark_prefilled(self, engine_id: str, request_id: str) -> None:
         """The request's first token arrived: its prompt no longer waits for prefill there."""
+        record = self.records[engine_id]
+        entry = record.running.get(request_id)
+        if entry is None or entry.prefilled:
+            return
         entry.prefilled = True
+        record.unprefilled.pop(request_id, None)
         self._notify(engine_id, "prefilled")
+
+    def add_generated(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None:
+        """``tokens`` more were streamed for ``entry`` (a running request of ``record``)."""
+        entry.generated += tokens
+        record.running_tokens += tokens
 
     # -- health and state, written by the monitor and by data-path failures -----------------------
 

@@ -226,7 +226,7 @@ class CollocatedFlow:
                     return await self._engine_refused(call, record, response, headers_at)
                 if request.stream:
                     return await relay_stream(
-                        call, response, self.fleet, first_token_at, settings.idle_timeout_s
+                        call, response, self.fleet, record, first_token_at, settings.idle_timeout_s
                     )
                 try:
                     async with asyncio.timeout_at(first_token_at):

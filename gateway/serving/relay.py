@@ -24,7 +24,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
-from gateway.fleet.registry import Fleet
+from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, Send
 
 log = logging.getLogger("slogate.relay")
@@ -106,6 +106,7 @@ async def relay_stream(
     call: Call,
     response: aiohttp.ClientResponse,
     fleet: Fleet,
+    record: EngineRecord,
     first_token_at: float,
     idle_s: float,
 ) -> int:
@@ -146,8 +147,7 @@ async def relay_stream(
                 now = monotonic()
                 if not call.first_at:
                     call.first_at = now
-                    if entry is not None:
-                        fleet.mark_prefilled(engine_id, entry)
+                    fleet.mark_prefilled(engine_id, call.rid)
                     metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
                 if now - rearmed_at > rearm_every:
                     # moved at most every quarter of the limit (<= 0.25 s): this runs per chunk
@@ -160,7 +160,7 @@ async def relay_stream(
                     call.last_at = now
                     call.content_events += n
                     if entry is not None:
-                        entry.generated += n
+                        fleet.add_generated(record, entry, n)
                 events += n
                 if complete:
                     sending = True

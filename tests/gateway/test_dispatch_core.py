@@ -248,8 +248,9 @@ def test_counters_return_to_zero_and_limits_hold(
             core.step(now)
         elif op == "first" and placed:
             rid = sorted(placed)[arg % len(placed)]
-            entry = fleet.records[placed[rid]].running[rid]
-            fleet.mark_prefilled(placed[rid], entry)
+            record = fleet.records[placed[rid]]
+            fleet.mark_prefilled(placed[rid], rid)
+            fleet.add_generated(record, record.running[rid], arg % 7)
         elif op in ("finish", "disconnect") and placed and arg % 2:
             rid = sorted(placed)[arg % len(placed)]
             fleet.release(placed.pop(rid), rid)
@@ -267,6 +268,12 @@ def test_counters_return_to_zero_and_limits_hold(
             assert (
                 record.in_flight == len(record.running) == sum(1 for e in placed.values() if e == engine_id)
             )
+            assert record.running_tokens == sum(
+                e.prompt_tokens + e.generated for e in record.running.values()
+            )
+            assert record.unprefilled == {
+                r: e.prompt_tokens for r, e in record.running.items() if not e.prefilled
+            }
             if max_load is not None:
                 assert record.in_flight <= max_load
         assert sum(core.queued_per_class.values()) == len(core.tickets) == core.queued("a") + core.queued("b")
@@ -286,7 +293,14 @@ def test_counters_return_to_zero_and_limits_hold(
             break
     assert core.tickets == {} and placed == {}
     assert all(v == 0 for v in core.queued_per_class.values())
-    assert all(r.in_flight == 0 and r.in_flight_tokens == 0 and not r.running for r in fleet.records.values())
+    assert all(
+        r.in_flight == 0
+        and r.in_flight_tokens == 0
+        and r.running_tokens == 0
+        and not r.running
+        and not r.unprefilled
+        for r in fleet.records.values()
+    )
 
 
 def test_red_ranks_a_client_batch_as_one() -> None:
