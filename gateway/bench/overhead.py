@@ -68,6 +68,7 @@ class OverheadResult:
     idle_rss_mb: float
     stream_tokens: int
     paced: PacedResult | None = None
+    dispatchers: DispatcherLatency | None = None
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         """(figure, measured, target, met) rows for the issue's targets."""
@@ -102,7 +103,61 @@ class OverheadResult:
             ),
             ("idle RSS", f"{self.idle_rss_mb:.1f} MB", "<= 150 MB", self.idle_rss_mb <= 150.0),
             *(self.paced.checks() if self.paced else []),
+            *(self.dispatchers.checks() if self.dispatchers else []),
         ]
+
+
+@dataclass
+class DispatcherLatency:
+    """Added p50 latency at concurrency 1 per routing profile, same engine, same gateway build: an
+    idle engine must take a request at once whatever the dispatcher (HyperFlexis used to wait for
+    its next 10 ms tick)."""
+
+    added_p50_ms: dict[str, float]
+
+    def checks(self) -> list[tuple[str, str, str, bool]]:
+        base = self.added_p50_ms.get("least-load")
+        rows = []
+        for profile, added in self.added_p50_ms.items():
+            if profile == "least-load" or base is None:
+                continue
+            rows.append(
+                (
+                    f"{profile} over least-load, added p50 (c=1)",
+                    f"{added - base:+.3f} ms ({added:.3f} vs {base:.3f})",
+                    "<= 0.2 ms",
+                    added - base <= 0.2,
+                )
+            )
+        return rows
+
+
+async def _added_p50(engine: ChildProcess, gateway: ChildProcess, n: int) -> float:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        load = LoadGenerator(session, 1)
+        await wait_until_served(session, gateway.url, MODEL)
+        await load.run_plain(gateway.url, 100, 1)
+        direct: list[float] = []
+        via: list[float] = []
+        for _ in range(n):
+            direct.append(await load.plain(engine.url))
+            via.append(await load.plain(gateway.url))
+    return statistics.median(via) - statistics.median(direct)
+
+
+def run_dispatcher_latency(
+    n: int, profiles: tuple[str, ...] = ("least-load", "hyperflexis")
+) -> DispatcherLatency:
+    """Added p50 at concurrency 1 for each routing profile, one fresh engine and gateway each."""
+    added: dict[str, float] = {}
+    for profile in profiles:
+        progress(f"dispatcher latency: {profile}, {n} requests at c=1")
+        with (
+            spawn_zero_engine(MODEL) as engine,
+            spawn_gateway([engine_entry(engine, MODEL)], env={"SLOGATE_ROUTING_PROFILE": profile}) as gateway,
+        ):
+            added[profile] = asyncio.run(_added_p50(engine, gateway, n)) * 1000
+    return DispatcherLatency(added)
 
 
 @dataclass
@@ -360,6 +415,7 @@ def run_overhead(
     paced_gap_ms: float = 20.0,
     paced_tokens: tuple[int, int] = (16, 64),
     paced_waves: int = 2,
+    dispatchers: bool = True,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -368,6 +424,8 @@ def run_overhead(
         result = asyncio.run(_measure(engine, gateway, n, stream_tokens))
     if paced_streams > 0:
         result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves)
+    if dispatchers:
+        result.dispatchers = run_dispatcher_latency(max(50, n // 2))
     return result
 
 
@@ -411,6 +469,11 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="the paced case's two stream lengths, e.g. 16,64",
     )
     parser.add_argument("--paced-waves", type=int, default=2, help="waves of streams per paced length")
+    parser.add_argument(
+        "--no-dispatchers",
+        action="store_true",
+        help="skip comparing added latency at c=1 under least-load and hyperflexis",
+    )
 
 
 def _two_lengths(value: str) -> tuple[int, int]:
@@ -431,6 +494,7 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
         args.paced_gap_ms,
         args.paced_tokens,
         args.paced_waves,
+        not args.no_dispatchers,
     )
     print(render_table(result))
     if args.json:

@@ -33,8 +33,13 @@ def test_overhead_benchmark_smoke() -> None:
     # tokens 20 ms apart: were the engine not pacing, streams of 32 tokens would end in a few ms
     assert paced.max_gap_ms >= 15
 
+    assert result.dispatchers is not None
+    assert set(result.dispatchers.added_p50_ms) == {"least-load", "hyperflexis"}
+    assert all(math.isfinite(v) for v in result.dispatchers.added_p50_ms.values())
+
     table = render_table(result)
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
+    assert "hyperflexis over least-load, added p50 (c=1)" in table
     assert "paced: CPU per relayed SSE event (20 streams, 20 ms apart)" in table
 
 

@@ -323,3 +323,17 @@ def test_red_ranks_a_client_batch_as_one() -> None:
     assert all(len(t.item.batch_deadlines) == 4 for t in core.tickets.values() if t.batch)
     core.cancel("batch-2", 0.1)
     assert core._batches[("tenant", "job-7")] == {"batch-3", "batch-4", "batch-5"}
+
+
+def test_hyperflexis_an_engine_that_goes_idle_takes_the_next_request_at_once() -> None:
+    """At concurrency 1 each request used to wait out the previous one's turn (~37 ms on the
+    default prior) behind an engine with nothing to do."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    first = core.submit(ticket("r-1", now=0.0), 0.0)
+    assert first is not None and core.maturity["a-0"] > 0.01  # holding for its turn
+    fleet.release("a-0", "r-1")
+    second = core.submit(ticket("r-2", now=0.002), 0.002)
+    assert second is not None and second.engine_id == "a-0"
+    # while it still runs something, a newcomer waits for the turn to end
+    assert core.submit(ticket("r-3", now=0.003), 0.003) is None
