@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -166,6 +166,61 @@ class _QueuePrefix:
             return items[:limit]
         return [item for item in items[:need] if item.view.request_id not in skip][:limit]
 
+    def items_from(self, start: int, count: int) -> list[QueuedRequest]:
+        """Up to ``count`` items in order from index ``start``, read from the source as needed."""
+        items = self._items
+        need = start + count
+        if len(items) < need:
+            items.extend(islice(self._source, need - len(items)))
+        return items[start:need]
+
+
+class _Candidates:
+    """A turn's candidates: the first ``limit`` untaken requests, read from the prefix a chunk at a
+    time as the turn consumes them (a turn usually stops long before ``max_scan``)."""
+
+    __slots__ = ("_at", "_chunk", "_left", "_prefix", "_skip", "items")
+
+    def __init__(self, prefix: _QueuePrefix, skip: set[str], limit: int, chunk: int = 24) -> None:
+        self._prefix = prefix
+        self._skip = skip
+        self._chunk = chunk
+        self._at = 0  # index into the prefix's items of the next one to look at
+        self._left = limit
+        self.items: list[QueuedRequest] = []
+
+    def _grow(self) -> bool:
+        skip = self._skip
+        while self._left > 0:
+            want = min(self._chunk, self._left)
+            source = self._prefix.items_from(self._at, want + len(skip))
+            if not source:
+                return False
+            fresh: list[QueuedRequest] = []
+            for i, item in enumerate(source):
+                if item.view.request_id not in skip:
+                    fresh.append(item)
+                    if len(fresh) == want:
+                        self._at += i + 1
+                        break
+            else:
+                self._at += len(source)
+            if fresh:
+                self._left -= len(fresh)
+                self.items.extend(fresh)
+                return True
+        return False
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        items = self.items
+        i = 0
+        while i < len(items) or self._grow():
+            yield items[i]
+            i += 1
+
+    def __bool__(self) -> bool:
+        return bool(self.items) or self._grow()
+
 
 def dispatch(
     queue: Iterable[QueuedRequest],
@@ -246,7 +301,7 @@ def _fill_worker(
     admitted: list[tuple[QueuedRequest, bool]] = []
     late_at = math.inf
     slack_bound = False
-    candidates = queue.untaken(taken, params.max_scan)
+    candidates = _Candidates(queue, taken, params.max_scan)
     misses = 0
     for item in candidates:
         if free_seqs <= 0 or kv_left <= 0 or (budget_left is not None and budget_left <= 0 and admitted):
@@ -305,8 +360,10 @@ def _fill_worker(
             kv_left -= need_kv
             free_seqs -= 1
     if not admitted and not shadow and params.idle_backfill and candidates:
-        head = candidates[0]
-        if head.view.prompt_tokens + head.view.max_output_tokens <= worker.free_kv_tokens:
+        # An idle worker takes the head if its prompt fits: a max_tokens as large as the context
+        # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
+        head = candidates.items[0]
+        if head.view.prompt_tokens < worker.free_kv_tokens:
             admitted.append((head, False))
     return admitted, late_at, not candidates, slack_bound
 

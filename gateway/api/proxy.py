@@ -30,6 +30,9 @@ from gateway.settings import Settings
 
 log = logging.getLogger("slogate.proxy")
 
+#: how long an error answer may wait for a client that does not read
+_ERROR_SEND_S = 5.0
+
 #: a client request id we echo back: visible ASCII without separators a log line could trip on
 _CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")
 
@@ -131,8 +134,14 @@ class Proxy:
             status = await self._serve(call, receive)
         except GatewayError as error:
             status = error.status
-            with contextlib.suppress(OSError, RuntimeError):
-                await send_error(send, error, ((b"x-request-id", client_rid),))
+            try:
+                async with asyncio.timeout(_ERROR_SEND_S):
+                    await send_error(send, error, ((b"x-request-id", client_rid),))
+            except (OSError, RuntimeError):
+                pass
+            except TimeoutError:  # a client that takes not even an error answer is gone
+                status = 499
+                metrics.CLIENT_DISCONNECTS.inc()
         except ClientGone:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()

@@ -25,6 +25,7 @@ Contracts:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -96,7 +97,10 @@ class DispatchCore:
         self.tightest_ttft_s = tightest_ttft_s
         self.queues: dict[str, AdmissionQueue] = {}
         self.tickets: dict[str, Ticket] = {}
-        self.queued_per_class: dict[str, int] = {}
+        #: queued requests per (model, SLO class): a class's limit applies within one model's queue
+        self.queued_per_class: dict[tuple[str, str], int] = {}
+        #: set by the driver when it stops: later arrivals are refused, never queued
+        self.closed = False
         #: assignments and refusals of queued tickets, for the driver to deliver
         self.outbox: list[Outcome] = []
         #: called when there is work for :meth:`step` (the driver wakes its task)
@@ -104,9 +108,9 @@ class DispatchCore:
         self._dirty: set[str] = set()
         self._submitting: str | None = None
         self._own: EngineRecord | None = None
-        self._class_deadlines: dict[str, list[tuple[float, int, str]]] = {}
+        self._class_deadlines: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
         #: queued members of each client batch (request ids), for orders that rank whole batches
-        self._batches: dict[tuple[str, str], set[str]] = {}
+        self._batches: dict[tuple[str, str, str], set[str]] = {}
         # HyperFlexis worker state: maturity per engine (inf = parked until an event), a heap of
         # finite maturity times per model (lazily invalidated), parked engines per model in order
         self.maturity: dict[str, float] = {}
@@ -182,6 +186,8 @@ class DispatchCore:
         when it is refused (unknown model, no healthy engine, class queue full)."""
         view = ticket.item.view
         model = view.model
+        if self.closed:
+            raise GatewayError(503, "gateway is shutting down", code="shutting_down", retry_after_s=1.0)
         if not self.fleet.has_healthy(model):
             raise self.no_engine(model)
         rid = view.request_id
@@ -193,8 +199,9 @@ class DispatchCore:
             if record is not None:
                 return record
         limits = self.limits(ticket.slo_class)
-        if self.queued_per_class.get(ticket.slo_class, 0) >= limits.max_queued and not self._prune(
-            ticket.slo_class, now
+        bucket = (model, ticket.slo_class)
+        if self.queued_per_class.get(bucket, 0) >= limits.max_queued and not self._prune(
+            model, ticket.slo_class, now
         ):
             metrics.child(metrics.SHEDS, ticket.slo_class, "queue_full").inc()
             raise GatewayError(
@@ -209,10 +216,10 @@ class DispatchCore:
             self._join_batch(ticket, queue, now)
         queue.push(ticket.item, now, self.context())
         self.tickets[rid] = ticket
-        self.queued_per_class[ticket.slo_class] = self.queued_per_class.get(ticket.slo_class, 0) + 1
-        deadlines = self._class_deadlines.setdefault(ticket.slo_class, [])
+        self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
+        deadlines = self._class_deadlines.setdefault(bucket, [])
         heapq.heappush(deadlines, (ticket.item.ttft_deadline, ticket.item.seq, rid))
-        if len(deadlines) > 64 + 2 * self.queued_per_class[ticket.slo_class]:
+        if len(deadlines) > 64 + 2 * self.queued_per_class[bucket]:
             # entries of requests that left are dropped lazily; keep the heap O(live) all the same
             deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
             heapq.heapify(deadlines)
@@ -230,12 +237,20 @@ class DispatchCore:
             self._submitting, self._own = rid, None
             try:
                 self._dispatch_hyperflexis(model, now)
+            except BaseException:
+                if self._own is not None:  # never leave a reservation behind a failure
+                    self.fleet.release(self._own.engine_id, rid)
+                    self._own = None
+                raise
             finally:
                 self._submitting = None
             own, self._own = self._own, None
-            if self.outbox:
-                self.wake()
-            return own
+            if own is not None:
+                if self.outbox:
+                    self.wake()
+                return own
+        # the ticket waits: the loop must run (other workers, the expiry timer) even if this
+        # call's own look found nothing
         self.wake()
         return None
 
@@ -267,14 +282,20 @@ class DispatchCore:
             for model in self._heaps:
                 if self.queued(model) and self._next_mature(model) <= now:
                     self._dirty.add(model)
-        dirty, self._dirty = self._dirty, set()
-        for model in dirty:
+        pending, self._dirty = list(self._dirty), set()
+        while pending:
+            model = pending.pop()
             if not self.queued(model):
                 continue
-            if self.hyperflexis is not None:
-                self._dispatch_hyperflexis(model, now)
-            else:
-                self._dispatch_pipeline(model, now)
+            try:
+                if self.hyperflexis is not None:
+                    self._dispatch_hyperflexis(model, now)
+                else:
+                    self._dispatch_pipeline(model, now)
+            except BaseException:
+                self._dirty.update(pending)  # the other models still have news
+                self._dirty.add(model)
+                raise
 
     def _dispatch_pipeline(self, model: str, now: float) -> None:
         queue = self.queues[model]
@@ -310,6 +331,18 @@ class DispatchCore:
             workers.append(self._worker_view(record, at))
         if not workers:
             return
+        try:
+            self._run_hyperflexis(model, queue, workers, now)
+        except BaseException:
+            # a bug must not strand the workers it had popped: they stay mature for the next try
+            for worker in workers:
+                self._set_maturity(model, worker.engine_id, worker.maturity)
+            raise
+
+    def _run_hyperflexis(
+        self, model: str, queue: AdmissionQueue, workers: list[WorkerView], now: float
+    ) -> None:
+        assert self.hyperflexis is not None
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
         decision = hyperflexis_dispatch(
@@ -320,9 +353,12 @@ class DispatchCore:
             self.tightest_ttft_s,
         )
         for assignment in decision.assignments:
-            ticket = self.tickets[assignment.request_id]
+            assigned = self.tickets.get(assignment.request_id)
+            if assigned is None:  # not ours (cannot happen while queues hold only live tickets)
+                queue.remove(assignment.request_id)
+                continue
             queue.remove(assignment.request_id)
-            self._assign(ticket, self.fleet.records[assignment.engine_id], now)
+            self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         parked = self._parked[model]
         for worker in workers:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
@@ -354,9 +390,10 @@ class DispatchCore:
     def _on_engine_change(self, engine_id: str, what: str) -> None:
         record = self.fleet.records[engine_id]
         model = record.model
+        hyperflexis = self.hyperflexis is not None
         if what == "health":
             if record.healthy:
-                if engine_id in self.maturity:
+                if hyperflexis and engine_id in self.maturity:
                     self._unpark(model, engine_id, -math.inf)
             elif not self.fleet.has_healthy(model) and self.queued(model):
                 # every engine of the model is gone: say so now rather than let requests sit out
@@ -368,20 +405,17 @@ class DispatchCore:
                     self._refuse(rid, "no_engine", error, None)
                 self.wake()
                 return
-        if (
-            self.hyperflexis is not None
-            and what == "release"
-            and not record.running
-            and self.maturity.get(engine_id, -math.inf) > -math.inf
-        ):
-            # An idle engine takes the next request at once: its hold was for work it has finished
-            # (at concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default
-            # prior, behind an engine with nothing to do).
-            self._unpark(model, engine_id, -math.inf)
-        if not self.queued(model) or (what == "prefilled" and self.hyperflexis is None):
+        if hyperflexis and engine_id in self.maturity:
+            at = self.maturity[engine_id]
+            if at == math.inf or (what == "release" and not record.running and at > -math.inf):
+                # A parked or full worker looks again at its own events, queue or not (a full
+                # worker whose queue emptied meanwhile would otherwise stay out); an engine that
+                # goes idle takes the next request at once: its hold was for work it has finished
+                # (at concurrency 1 the next arrival waited out a whole turn, ~37 ms on the
+                # default prior, behind an engine with nothing to do).
+                self._unpark(model, engine_id, -math.inf)
+        if not self.queued(model) or (what == "prefilled" and not hyperflexis):
             return
-        if self.hyperflexis is not None and self.maturity.get(engine_id, 0.0) == math.inf:
-            self._unpark(model, engine_id, -math.inf)
         self._dirty.add(model)
         self.wake()
 
@@ -453,8 +487,12 @@ class DispatchCore:
         peers: the batch is ranked as one (RED). Peers beyond ``MAX_BATCH`` are not re-stamped,
         so a huge batch costs O(MAX_BATCH) per member, not O(n)."""
         assert ticket.batch is not None
-        members = self._batches.setdefault(ticket.batch, set())
-        peers = [self.tickets[r] for r in members if r in self.tickets][: MAX_BATCH - 1]
+        members = self._batches.setdefault((*ticket.batch, ticket.item.view.model), set())
+        peers = [
+            peer
+            for peer in (self.tickets.get(r) for r in itertools.islice(members, MAX_BATCH - 1))
+            if peer is not None and peer.request_id in queue
+        ]
         stamped = with_batch([p.item for p in peers] + [ticket.item])
         ctx = self.context()
         for peer, item in zip(peers, stamped, strict=False):
@@ -469,26 +507,27 @@ class DispatchCore:
         if ticket is None:
             return False
         if ticket.batch is not None:
-            members = self._batches.get(ticket.batch)
+            key = (*ticket.batch, ticket.item.view.model)
+            members = self._batches.get(key)
             if members is not None:
                 members.discard(rid)
                 if not members:
-                    del self._batches[ticket.batch]
+                    del self._batches[key]
         if in_queue:
             queue = self.queues.get(ticket.item.view.model)
             if queue is not None:
                 queue.remove(rid)
-        self.queued_per_class[ticket.slo_class] -= 1
+        self.queued_per_class[(ticket.item.view.model, ticket.slo_class)] -= 1
         metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).dec()
         if now is not None:
             metrics.child(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
         return True
 
-    def _prune(self, slo_class: str, now: float) -> bool:
+    def _prune(self, model: str, slo_class: str, now: float) -> bool:
         """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning):
         its deadline is nearer than even an immediate dispatch's predicted prefill. Looks at the
         class's few earliest TTFT deadlines only, so a full class costs O(log n) per arrival."""
-        heap = self._class_deadlines.get(slo_class)
+        heap = self._class_deadlines.get((model, slo_class))
         if not heap:
             return False
         ctx = self.context()

@@ -77,6 +77,7 @@ class DispatchLoop:
                 await self._task
         if self._timer is not None:
             self._timer.cancel()
+        self.core.closed = True
         self.core.reject_all(
             GatewayError(503, "gateway is shutting down", code="shutting_down"), self.clock()
         )
@@ -119,8 +120,10 @@ class DispatchLoop:
         ticket = Ticket(item, slo_class, entry, now, batch)
         if exclude:
             return self.core.retry(ticket, exclude, now)
-        record = self.core.submit(ticket, now)
-        self._deliver()
+        try:
+            record = self.core.submit(ticket, now)
+        finally:
+            self._deliver()
         if record is not None:
             return record
         future: asyncio.Future[EngineRecord] = asyncio.get_running_loop().create_future()
@@ -151,12 +154,12 @@ class DispatchLoop:
             try:
                 self.core.step(self.clock())
                 self.steps += 1
+                self._deliver()
+                self._arm(self.core.next_wake())
             except Exception:  # keep dispatching; a bug must not strand every queued request
                 log.exception("dispatch failed")
                 await asyncio.sleep(0.05)
                 event.set()
-            self._deliver()
-            self._arm(self.core.next_wake())
 
     def _arm(self, at: float) -> None:
         """Wake the task at ``at`` (the core's clock): one timer handle, moved only when needed."""
@@ -165,10 +168,15 @@ class DispatchLoop:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        now = self.clock()
+        if at <= now:  # due already (a worker made mature by an event): run again at once
+            self._timer_at = math.inf
+            self._event.set()
+            return
         self._timer_at = at
-        if math.isfinite(at):
+        if at != math.inf:
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + max(0.0, at - self.clock()), self._fire)
+            self._timer = loop.call_at(loop.time() + (at - now), self._fire)
 
     def _fire(self) -> None:
         self._timer = None

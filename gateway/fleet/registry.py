@@ -13,12 +13,15 @@ dispatch at 256 engines does not pay for 256 engines on every reservation.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.engines import EngineAdapter
 from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role
+
+log = logging.getLogger("slogate.fleet")
 
 
 @dataclass(slots=True)
@@ -195,7 +198,10 @@ class Fleet:
 
     def _notify(self, engine_id: str, what: str) -> None:
         for listener in self.listeners:
-            listener(engine_id, what)
+            try:
+                listener(engine_id, what)
+            except Exception:  # a listener's bug must not undo the change that was made
+                log.exception("fleet listener failed on %s %s", engine_id, what)
 
     # -- shadow state: reserved at assignment, released when the request leaves the engine --------
 

@@ -31,7 +31,7 @@ from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call
-from gateway.serving.relay import relay_plain, relay_stream, upstream_error
+from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
 from gateway.settings import Settings
 from gateway.tracing import Tracing
 from policies.api import RequestView
@@ -221,6 +221,19 @@ class CollocatedFlow:
                     raise GatewayError(
                         504, f"engine {engine_id} did not answer in time", code="upstream_timeout"
                     ) from None
+                except aiohttp.ClientError as exc:
+                    # a malformed answer (bad status line or headers): nothing reached the client,
+                    # another engine may do
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "protocol").inc()
+                    log.warning(
+                        "engine %s sent a malformed answer: %s",
+                        engine_id,
+                        type(exc).__name__,
+                        extra={"request_id": call.client_rid},
+                    )
+                    return GatewayError(
+                        502, f"engine {engine_id} sent a malformed answer", code="upstream_failed"
+                    )
             try:
                 if response.status >= 400:
                     return await self._engine_refused(call, record, response, headers_at)
@@ -230,12 +243,17 @@ class CollocatedFlow:
                     )
                 try:
                     async with asyncio.timeout_at(first_token_at):
-                        return await relay_plain(call, response)
+                        body = await read_plain(call, response)
                 except TimeoutError:
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                     raise GatewayError(
                         504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
                     ) from None
+                if isinstance(body, GatewayError):
+                    return body
+                # the engine's part is over: its capacity goes back before the client's part
+                self.dispatch.release(engine_id, call.rid)
+                return await answer_plain(call, response.status, body, settings.idle_timeout_s)
             finally:
                 response.close()  # also aborts the engine's request if it is still running
 

@@ -73,9 +73,9 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-async def relay_plain(call: Call, response: aiohttp.ClientResponse) -> int | GatewayError:
-    """Relay a whole JSON answer; a cut while reading it is retryable (the client saw nothing).
-    The caller bounds the whole read with the request's deadline."""
+async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | GatewayError:
+    """Read a whole JSON answer; a cut while reading it is retryable (the client saw nothing).
+    The caller bounds the read with the request's deadline."""
     engine_id = call.engine_id or ""
     try:
         body = await response.read()
@@ -88,18 +88,33 @@ async def relay_plain(call: Call, response: aiohttp.ClientResponse) -> int | Gat
     if b'"usage"' in body:
         with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
             record_usage(call, orjson.loads(body).get("usage"))
+    call.finished_at = monotonic()
+    return body
+
+
+async def answer_plain(call: Call, status: int, body: bytes, idle_s: float) -> int:
+    """Send a read JSON answer to the client; one that takes none of it for ``idle_s`` is gone."""
     if call.watcher is not None:
         call.watcher.cancel()
-    call.finished_at = monotonic()
-    await call.send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
-        }
-    )
-    await call.send({"type": "http.response.body", "body": body})
-    return response.status
+    engine = (call.engine_id or "").encode()
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine)],
+    }
+    await send_bounded(call.send, start, idle_s)
+    await send_bounded(call.send, {"type": "http.response.body", "body": body}, idle_s)
+    return status
+
+
+async def send_bounded(send: Send, message: dict[str, Any], seconds: float) -> None:
+    """``send`` that gives up on a client that has not taken anything for ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            await send(message)
+    except TimeoutError:
+        metrics.SLOW_CLIENTS.inc()
+        raise ClientGone() from None
 
 
 async def relay_stream(
@@ -150,8 +165,9 @@ async def relay_stream(
                     fleet.mark_prefilled(engine_id, call.rid)
                     metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
                 if now - rearmed_at > rearm_every:
-                    # moved at most every quarter of the limit (<= 0.25 s): this runs per chunk
-                    deadline.reschedule(clock() + idle_s)
+                    # moved at most every quarter of the limit (<= 0.25 s), since this runs per
+                    # chunk; the quarter is added so a silence is cut late, never early
+                    deadline.reschedule(clock() + idle_s + rearm_every)
                     rearmed_at = now
                 if b'"usage":' in complete or b"[DONE]" in complete:
                     complete, done = _final_events(call, complete)
@@ -166,6 +182,8 @@ async def relay_stream(
                     sending = True
                     await send({"type": "http.response.body", "body": complete, "more_body": True})
                     sending = False
+                if done:
+                    break  # an engine that holds the connection open after [DONE] is not waited for
     except TimeoutError:
         if sending:
             metrics.SLOW_CLIENTS.inc()
@@ -203,7 +221,9 @@ async def relay_stream(
     if call.watcher is not None:
         call.watcher.cancel()
     call.finished_at = monotonic()
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    # the engine's part is over: its capacity goes back before a slow client takes the last bytes
+    fleet.release(engine_id, call.rid)
+    await send_bounded(send, {"type": "http.response.body", "body": b"", "more_body": False}, idle_s)
     return response.status
 
 

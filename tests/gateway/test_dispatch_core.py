@@ -17,7 +17,8 @@ from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
-from policies.api import RequestView
+from policies.api import EngineState, RequestView
+from policies.hyperflexis import HyperFlexisParams
 from policies.pipeline import compile_profile
 from policies.queue_order import QueuedRequest, make_order
 
@@ -88,7 +89,7 @@ def test_queue_timeout_fires_at_the_deadline_and_says_when() -> None:
     core.step(2.5)
     [(rid, error)] = core.outbox
     assert rid == "r-1" and isinstance(error, GatewayError) and error.code == "queue_timeout"
-    assert core.queued() == 0 and core.queued_per_class == {"c": 0}
+    assert core.queued() == 0 and core.queued_per_class == {("a", "c"): 0}
 
 
 def test_cancel_takes_a_queued_request_out_once() -> None:
@@ -228,10 +229,14 @@ def test_counters_return_to_zero_and_limits_hold(
     placed: dict[str, str] = {}  # rid -> engine, as the serving flows would hold them
     engines = list(fleet.records)
 
+    expired: list[str] = []
+
     def deliver() -> None:
         for rid, result in core.outbox:
             if isinstance(result, EngineRecord):
                 placed[rid] = result.engine_id
+            elif result.code == "queue_timeout":
+                expired.append(rid)
         core.outbox.clear()
 
     for op, arg in ops:
@@ -279,19 +284,25 @@ def test_counters_return_to_zero_and_limits_hold(
         assert sum(core.queued_per_class.values()) == len(core.tickets) == core.queued("a") + core.queued("b")
         assert set(core.tickets).isdisjoint(placed)
 
-    # drain: everything placed finishes, everything queued leaves one way or the other
+    # drain: everything placed finishes; with every engine back and free, what still waits must be
+    # placed, not left to expire (liveness), unless it was about to expire anyway
     for engine_id in engines:
         fleet.record_health(engine_id, True, 1, 1)
-    for _ in range(200):
+    drain_start = now
+    deadlines = {rid: t.item.queue_deadline for rid, t in core.tickets.items()}
+    expired.clear()
+    for _ in range(400):
         for rid, engine_id in list(placed.items()):
             fleet.release(engine_id, rid)
             del placed[rid]
-        now += 0.5
+        now += 0.01
         core.step(now)
         deliver()
         if not core.tickets and not placed:
             break
     assert core.tickets == {} and placed == {}
+    stranded = [rid for rid in expired if deadlines[rid] > drain_start + 1.0]
+    assert not stranded, f"waited with free engines until their queue timeout: {stranded}"
     assert all(v == 0 for v in core.queued_per_class.values())
     assert all(
         r.in_flight == 0
@@ -322,7 +333,7 @@ def test_red_ranks_a_client_batch_as_one() -> None:
     assert set(order[1:]) == {"batch-2", "batch-3", "batch-4", "batch-5"}
     assert all(len(t.item.batch_deadlines) == 4 for t in core.tickets.values() if t.batch)
     core.cancel("batch-2", 0.1)
-    assert core._batches[("tenant", "job-7")] == {"batch-3", "batch-4", "batch-5"}
+    assert core._batches[("tenant", "job-7", "a")] == {"batch-3", "batch-4", "batch-5"}
 
 
 def test_hyperflexis_an_engine_that_goes_idle_takes_the_next_request_at_once() -> None:
@@ -337,3 +348,91 @@ def test_hyperflexis_an_engine_that_goes_idle_takes_the_next_request_at_once() -
     assert second is not None and second.engine_id == "a-0"
     # while it still runs something, a newcomer waits for the turn to end
     assert core.submit(ticket("r-3", now=0.003), 0.003) is None
+
+
+# -- findings of the independent review, each a test that failed before its fix -------------------
+
+
+def test_a_batch_spanning_two_models_stays_in_each_models_queue() -> None:
+    fleet = offline_fleet({"x": 1, "y": 1})
+    core = offline_core(fleet, order="red", max_engine_load=1)
+    core.submit(ticket("x-0", "x"), 0.0)
+    core.submit(ticket("y-0", "y"), 0.0)
+    for rid, model in (("y-1", "y"), ("x-1", "x")):
+        member = ticket(rid, model)
+        member.batch = ("default", "job")
+        core.submit(member, 0.0)
+    assert [i.view.request_id for i in core.queues["x"].items()] == ["x-1"]
+    assert [i.view.request_id for i in core.queues["y"].items()] == ["y-1"]
+    fleet.release("y-0", "y-0")
+    core.step(0.1)
+    assert [(rid, r.engine_id) for rid, r in core.outbox] == [("y-1", "y-0")]  # type: ignore[union-attr]
+
+
+def test_a_full_worker_whose_queue_emptied_takes_the_next_arrival() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=2)
+    assert core.submit(ticket("r-1"), 0.0) is not None
+    core.step(1.0)
+    assert core.submit(ticket("r-2", now=1.0), 1.0) is not None
+    assert core.submit(ticket("r-3", now=1.0), 1.0) is None
+    core.step(2.0)  # the worker is full: parked until its own events
+    assert core.maturity["a-0"] == math.inf
+    core.cancel("r-3", 2.0)
+    fleet.release("a-0", "r-1")  # not idle (r-2 runs), and nothing queued at that moment
+    assert core.submit(ticket("r-4", now=2.1), 2.1) is not None
+
+
+def test_the_class_limit_applies_within_one_models_queue() -> None:
+    fleet = offline_fleet({"a": 1, "b": 1})
+    core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(max_queued=2))
+    for i in range(3):
+        core.submit(ticket(f"a-{i}", "a", now=0.0), 0.0)
+    with pytest.raises(GatewayError):
+        core.submit(ticket("a-9", "a", now=0.0), 0.0)
+    core.submit(ticket("b-0", "b"), 0.0)
+    assert core.submit(ticket("b-1", "b"), 0.0) is None  # queued behind b-0, not refused for a's backlog
+
+
+def test_hyperflexis_places_a_request_whose_output_bound_exceeds_the_kv_on_an_idle_engine() -> None:
+    fleet = offline_fleet({"a": 1})
+    fleet.record_state("a-0", EngineState(kv_usage=0.0, block_size=16, num_gpu_blocks=64), 0.0)  # 1024 tokens
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    big = ticket("r-1")
+    big.item = QueuedRequest(
+        RequestView("r-1", "a", 100, 32_768, arrival=0.0),
+        ttft_slo=1.0,
+        tpot_slo=0.1,
+        seq=1,
+        queue_deadline=30.0,
+    )
+    assert core.submit(big, 0.0) is not None
+
+
+async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place() -> None:
+    """Two engines, one busy: the arrival's inline look examined only the busy one; the loop must
+    still run and place it on the idle one (it used to wait for an unrelated event)."""
+    fleet = offline_fleet({"a": 2})
+    pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
+    loop = DispatchLoop(
+        fleet,
+        Router(fleet, pipeline),
+        make_order("slo_tpot", {}),
+        lambda _: ((0.025, 1e-4, 0.0), (0.012, 4e-8, 1e-4)),
+        lambda _: ClassLimits(queue_timeout_s=5.0),
+        hyperflexis=HyperFlexisParams(),
+        max_engine_load=1,
+    )
+    loop.start()
+    try:
+        busy = await loop.place(_view("r-1"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        other = next(e for e in fleet.records if e != busy.engine_id)
+        # make the busy engine the first mature worker and the idle one later
+        loop.core._set_maturity("a", busy.engine_id, -math.inf)
+        loop.core._set_maturity("a", other, loop.clock() - 1.0)
+        placed = await asyncio.wait_for(
+            loop.place(_view("r-2"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0)), timeout=1.0
+        )
+        assert placed.engine_id == other
+    finally:
+        await loop.stop()

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.api import RequestView
 from policies.hyperflexis import (
     HyperFlexisParams,
     RunningRequest,
     WorkerView,
+    _Candidates,
+    _QueuePrefix,
     admission_probability,
     dispatch,
 )
@@ -201,3 +205,21 @@ def test_admission_probability_falls_with_utilization_when_slack_is_positive() -
     low = admission_probability(0.0, 1.0, 0.8, 0.0, 0.0, 0.1)
     high = admission_probability(0.0, 1.0, 0.8, 0.0, 1.0, 0.1)
     assert low > high > 0.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 120),
+    taken=st.sets(st.integers(0, 130), max_size=60),
+    limit=st.integers(1, 80),
+    chunk=st.integers(1, 30),
+)
+def test_candidates_read_in_chunks_are_the_first_untaken_in_order(
+    n: int, taken: set[int], limit: int, chunk: int
+) -> None:
+    items = [req(f"r{i}", prompt=10) for i in range(n)]
+    skip = {f"r{i}" for i in taken}
+    expected = [i.view.request_id for i in items if i.view.request_id not in skip][:limit]
+    candidates = _Candidates(_QueuePrefix(iter(items)), skip, limit, chunk)
+    assert [i.view.request_id for i in candidates] == expected
+    assert bool(candidates) == bool(expected)

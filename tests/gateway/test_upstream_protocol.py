@@ -1,0 +1,33 @@
+"""An engine that answers with bytes that are not HTTP: the client is not given a 500, and another
+engine serves the request (nothing had reached the client)."""
+
+from __future__ import annotations
+
+import httpx
+from aiohttp import web
+
+from tests.gateway.gateway_thread import run_gateway
+from tests.gateway.stub_engines import MODEL, StubEngine, events_every
+
+
+async def not_http(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+    transport = request.transport
+    assert transport is not None
+    transport.write(b"NOT HTTP AT ALL\r\nX: \x00\r\n\r\n")
+    transport.close()
+    await engine.wait_forever()
+    return web.Response(status=500)
+
+
+def test_a_malformed_answer_fails_over_to_another_engine() -> None:
+    with StubEngine(not_http) as broken, StubEngine(events_every(0.0, 2)) as good:
+        engines = [broken.entry("broken"), good.entry("good")]
+        with run_gateway(engines=engines, monitor_interval_s=0.2, dispatch_attempts=2) as gw:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            answers = [httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10) for _ in range(6)]
+            assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+            assert all(r.headers["x-slogate-engine"] == "good" for r in answers)
+            assert broken.received, "the broken engine was never tried: the test proves nothing"
+        with run_gateway(engines=[broken.entry("broken")], monitor_interval_s=0.2) as gw:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
