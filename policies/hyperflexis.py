@@ -149,11 +149,12 @@ class _QueuePrefix:
     workers actually examine (``max_scan`` each plus what they take), however long the queue is.
     """
 
-    __slots__ = ("_items", "_source")
+    __slots__ = ("_items", "_min_need", "_source")
 
     def __init__(self, source: Iterable[QueuedRequest]) -> None:
         self._items: list[QueuedRequest] = []
         self._source = iter(source)
+        self._min_need: tuple[int, int] | None = None
 
     def untaken(self, skip: set[str], limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in order whose ids are not in ``skip``."""
@@ -165,6 +166,16 @@ class _QueuePrefix:
         if not skip:
             return items[:limit]
         return [item for item in items[:need] if item.view.request_id not in skip][:limit]
+
+    def min_need(self, count: int) -> int:
+        """The least KV (prompt + output bound) any of the first ``count`` requests needs: a worker
+        with less free cannot take anything a turn of it would look at."""
+        items = self.items_from(0, count)
+        cached = self._min_need
+        if cached is None or cached[0] != len(items):
+            need = min((i.view.prompt_tokens + i.view.max_output_tokens for i in items), default=0)
+            cached = self._min_need = (len(items), need)
+        return cached[1]
 
     def items_from(self, start: int, count: int) -> list[QueuedRequest]:
         """Up to ``count`` items in order from index ``start``, read from the source as needed."""
@@ -303,6 +314,11 @@ def _fill_worker(
     slack_bound = False
     candidates = _Candidates(queue, taken, params.max_scan)
     misses = 0
+    late_rejected = params.theta >= 0.5
+    if shadow and kv_left < queue.min_need(params.max_scan + len(taken)):
+        # not one request this turn would look at fits the KV left (a busy engine woken by a
+        # completion, with most of its cache still held): say so without scanning
+        return [], late_at, not candidates, False
     for item in candidates:
         if free_seqs <= 0 or kv_left <= 0 or (budget_left is not None and budget_left <= 0 and admitted):
             break  # nothing more can fit this turn: the rest of the scan would be wasted
@@ -319,6 +335,11 @@ def _fill_worker(
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
         if (prompt > budget_left and admitted) or need_kv > kv_left:
             misses += 1
+            continue
+        if late_rejected and item.ttft_deadline < now + a + b * prompt + c * prompt * prompt:
+            # late even on an idle worker: p < 0.5 <= theta whatever this worker runs, so skip the
+            # probability (under overload most of a scan is such requests)
+            slack_bound = True
             continue
         expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
         p = admission_probability(

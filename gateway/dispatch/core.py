@@ -407,9 +407,13 @@ class DispatchCore:
                 return
         if hyperflexis and engine_id in self.maturity:
             at = self.maturity[engine_id]
-            if at == math.inf or (what == "release" and not record.running and at > -math.inf):
+            full = at == math.inf and engine_id not in self._parked[model]
+            if (at == math.inf and not (full and what == "prefilled")) or (
+                what == "release" and not record.running and at > -math.inf
+            ):
                 # A parked or full worker looks again at its own events, queue or not (a full
-                # worker whose queue emptied meanwhile would otherwise stay out); an engine that
+                # worker whose queue emptied meanwhile would otherwise stay out), except a full
+                # one at a first token, which frees no seat and no KV; an engine that
                 # goes idle takes the next request at once: its hold was for work it has finished
                 # (at concurrency 1 the next arrival waited out a whole turn, ~37 ms on the
                 # default prior, behind an engine with nothing to do).
