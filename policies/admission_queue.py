@@ -252,7 +252,7 @@ class AdmissionQueue:
             head = self._head = list(self._walk_entries(depth))
             self._head_complete = len(head) < depth
             self._head_valid = True
-        return (entry[-1].item for entry in head[:want])
+        return iter([entry[-1].item for entry in head[:want]])
 
     def _walk_entries(self, limit: int) -> Iterator[tuple[Any, ...]]:
         for item in self._walk(limit):

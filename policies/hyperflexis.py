@@ -154,7 +154,15 @@ class _QueuePrefix:
     def __init__(self, source: Iterable[QueuedRequest]) -> None:
         self._items: list[QueuedRequest] = []
         self._source = iter(source)
-        self._min_need: tuple[int, int] | None = None
+        self._min_need = 1 << 62
+
+    def _extend(self, count: int) -> None:
+        more = list(islice(self._source, count))
+        if more:
+            self._items.extend(more)
+            self._min_need = min(
+                self._min_need, min(i.view.prompt_tokens + i.view.max_output_tokens for i in more)
+            )
 
     def untaken(self, skip: set[str], limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in order whose ids are not in ``skip``."""
@@ -162,28 +170,24 @@ class _QueuePrefix:
         # taken requests are never more than ``skip``, so this many items always suffice
         need = limit + len(skip)
         if len(items) < need:
-            items.extend(islice(self._source, need - len(items)))
+            self._extend(need - len(items))
         if not skip:
             return items[:limit]
         return [item for item in items[:need] if item.view.request_id not in skip][:limit]
 
     def min_need(self, count: int) -> int:
-        """The least KV (prompt + output bound) any of the first ``count`` requests needs: a worker
-        with less free cannot take anything a turn of it would look at."""
-        items = self.items_from(0, count)
-        cached = self._min_need
-        if cached is None or cached[0] != len(items):
-            need = min((i.view.prompt_tokens + i.view.max_output_tokens for i in items), default=0)
-            cached = self._min_need = (len(items), need)
-        return cached[1]
+        """A lower bound of the KV (prompt + output bound) any of the first ``count`` requests
+        needs: a worker with less free cannot take anything a turn of it would look at."""
+        if len(self._items) < count:
+            self._extend(count - len(self._items))
+        return self._min_need if self._items else 0
 
     def items_from(self, start: int, count: int) -> list[QueuedRequest]:
         """Up to ``count`` items in order from index ``start``, read from the source as needed."""
-        items = self._items
         need = start + count
-        if len(items) < need:
-            items.extend(islice(self._source, need - len(items)))
-        return items[start:need]
+        if len(self._items) < need:
+            self._extend(need - len(self._items))
+        return self._items[start:need]
 
 
 class _Candidates:
