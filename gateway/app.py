@@ -125,6 +125,8 @@ class Gateway:
         return ClassLimits(limits.max_queued, limits.timeout_s)
 
     async def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.parser.close()
         if self.dispatch is not None:
             await self.dispatch.stop()
         if self.monitor is not None:

@@ -200,6 +200,11 @@ class Settings(BaseSettings):
     dispatch_attempts: int = Field(default=3, ge=1, description="engines tried before the first byte")
 
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    offload_parse_bytes: int = Field(
+        default=1024 * 1024,
+        ge=0,
+        description="bodies larger than this are parsed in a worker process, off the event loop",
+    )
     default_max_tokens: int = Field(default=1024, ge=1)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -45,6 +45,10 @@ class GatewayError(Exception):
         #: further response headers (e.g. an auth challenge)
         self.extra_headers: tuple[tuple[bytes, bytes], ...] = ()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # picklable (a parse error raised in a worker process comes back whole)
+        return (_rebuild, (self.status, self.message, self.param, self.code, self.retry_after_s))
+
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers the error needs: JSON, and ``Retry-After`` when retrying makes sense."""
         out = [(b"content-type", b"application/json")]
@@ -83,3 +87,9 @@ async def send_error(
     """Answer ``error`` on a raw ASGI ``send`` (the data routes and the auth guard)."""
     await send({"type": "http.response.start", "status": error.status, "headers": [*error.headers(), *extra]})
     await send({"type": "http.response.body", "body": error.body()})
+
+
+def _rebuild(
+    status: int, message: str, param: str | None, code: str | None, retry_after_s: float | None
+) -> GatewayError:
+    return GatewayError(status, message, param=param, code=code, retry_after_s=retry_after_s)

@@ -21,7 +21,8 @@ from typing import Any
 from gateway import metrics
 from gateway.api.auth import Authenticator, forwardable_headers
 from gateway.api.errors import GatewayError, send_error
-from gateway.api.request_parse import RouteKind, parse_request
+from gateway.api.parse_offload import BodyParser
+from gateway.api.request_parse import RouteKind
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.registry import Fleet
 from gateway.serving.call import Call, ClientGone, Receive, Scope, Send
@@ -77,6 +78,7 @@ class Proxy:
         self.slo = slo
         self.flow = flow
         self.auth = auth
+        self.parser = BodyParser(settings.offload_parse_bytes, settings.default_max_tokens)
         self._boot = os.urandom(4).hex()
         self._ids = itertools.count(1)
 
@@ -107,7 +109,7 @@ class Proxy:
                     code="request_too_large",
                 )
             raw = await read_body(receive, self.settings.max_body_bytes)
-            request = parse_request(kind, raw, self.settings.default_max_tokens)
+            request = await self.parser.parse(kind, raw)
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy)

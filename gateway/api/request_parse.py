@@ -38,7 +38,9 @@ _LIST: frozenset[type] = frozenset((list,))
 class ParsedRequest:
     kind: RouteKind
     raw: bytes
-    body: dict[str, Any]
+    #: the decoded body, or None until :attr:`body` is first read (a large body is parsed in a
+    #: worker process, which sends back only the routing fields)
+    parsed: dict[str, Any] | None
     model: str
     stream: bool
     client_wants_usage: bool
@@ -49,6 +51,35 @@ class ParsedRequest:
     priority: int
     #: ``body`` was changed for an engine since it was parsed: ``raw`` no longer says the same
     body_edited: bool = False
+    #: the body's top-level member names (known without decoding a body parsed elsewhere)
+    keys: frozenset[str] = frozenset()
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The decoded body (decoded here on first use when it was parsed elsewhere)."""
+        if self.parsed is None:
+            self.parsed = orjson.loads(self.raw)
+        return self.parsed
+
+    def summary(self) -> ParsedRequest:
+        """This request without its bytes and decoded body: what a parsing worker sends back."""
+        return ParsedRequest(
+            self.kind,
+            b"",
+            None,
+            self.model,
+            self.stream,
+            self.client_wants_usage,
+            self.max_tokens,
+            self.prompt_tokens,
+            self.priority,
+            keys=frozenset(self.body),
+        )
+
+
+def parse_summary(kind: RouteKind, raw: bytes, default_max_tokens: int) -> ParsedRequest:
+    """:func:`parse_request` for a worker process: the routing fields only (cheap to send back)."""
+    return parse_request(kind, raw, default_max_tokens).summary()
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:

@@ -133,9 +133,10 @@ class CollocatedFlow:
         has the one to change is re-serialised.
         """
         request = call.request
-        body = request.body
         adapter = record.adapter
-        if adapter.prepare_body(body):
+        # a body parsed in a worker is decoded here only if it must change: its keys say whether
+        keys = request.keys if request.parsed is None else request.parsed.keys()
+        if "priority" in keys and not adapter.accepts_priority and adapter.prepare_body(request.body):
             request.body_edited = True  # a field was removed: only re-serialising can do that
         extra: dict[str, Any] = {}
         if adapter.accepts_priority:
@@ -144,10 +145,13 @@ class CollocatedFlow:
             deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
             extra["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
         if request.stream and not request.client_wants_usage:
-            extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            extra["stream_options"] = {"include_usage": True}
         if not extra:
-            return orjson.dumps(body) if request.body_edited else request.raw
-        if request.body_edited or any(key in body for key in extra):
+            return orjson.dumps(request.body) if request.body_edited else request.raw
+        if request.body_edited or any(key in keys for key in extra):
+            body = request.body
+            if "stream_options" in extra:
+                extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             body.update(extra)
             request.body_edited = True
             return orjson.dumps(body)
