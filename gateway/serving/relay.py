@@ -150,15 +150,19 @@ async def relay_stream(
         async with asyncio.timeout_at(first_token_at) as deadline:
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
-            async for chunk in response.content.iter_any():
+            read = response.content.readany
+            while chunk := await read():
                 data = pending + chunk if pending else chunk
-                end = data.rfind(b"\n\n")
-                if end < 0:
+                end = data.rfind(b"\n\n") + 2
+                if end == len(data):  # the common case: the chunk ends on an event boundary
+                    complete, pending = data, b""
+                elif end < 2:
                     if len(data) > MAX_EVENT_BYTES:
                         raise _Oversized()
                     pending = data
                     continue
-                complete, pending = data[: end + 2], data[end + 2 :]
+                else:
+                    complete, pending = data[:end], data[end:]
                 now = monotonic()
                 if not call.first_at:
                     call.first_at = now
