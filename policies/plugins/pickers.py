@@ -36,7 +36,7 @@ class MaxScore:
     """Highest total score wins; ties rotate so equal engines share the load.
 
     State is a counter used only to break ties, so identical engines are not hot-spotted by
-    always taking the first one.
+    always taking the first one. Ties rotate in the order the engines are given.
     """
 
     def initial_state(self) -> object:
@@ -54,5 +54,6 @@ class MaxScore:
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
         if len(tied) == 1:
             return tied[0], counter
-        tied.sort(key=lambda e: e.engine_id)
+        # ties rotate in the order the engines come (the fleet's, stable): sorting them by id on
+        # every placement cost more than the rest of the pick at 256 engines
         return tied[counter % len(tied)], counter + 1
