@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
 
 from gateway.procs import ChildProcess, spawn_sim_engine
+from tests.support.threaded_app import ThreadedApp
 
 MODEL = "m"
 #: a 7B-class engine run 4x faster than real time: decode steps of a few ms, so streams take
@@ -34,7 +33,7 @@ def two_engines() -> Iterator[list[ChildProcess]]:
         yield [e0, e1]
 
 
-class BrokenEngine:
+class BrokenEngine(ThreadedApp):
     """A real HTTP server that answers every data-path call with a fixed status (an engine bug).
 
     Runs its own event loop in a thread so it answers while the test (or its loop) blocks.
@@ -42,27 +41,14 @@ class BrokenEngine:
     what the gateway forwarded.
     """
 
+    thread_name = "broken-engine"
+
     def __init__(self, status: int) -> None:
+        super().__init__()
         self.status = status
-        self.url = ""
         self.received: list[tuple[dict[str, str], dict[str, object]]] = []
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
-    def __enter__(self) -> BrokenEngine:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    async def _start(self) -> None:
+    async def build(self) -> web.Application:
         async def fail(request: web.Request) -> web.Response:
             self.received.append(({k.lower(): v for k, v in request.headers.items()}, await request.json()))
             error = {
@@ -81,8 +67,4 @@ class BrokenEngine:
         app.router.add_post("/v1/completions", fail)
         app.router.add_get("/health", ok)
         app.router.add_get("/metrics", ok)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app

@@ -19,15 +19,14 @@ import contextlib
 import select
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 import orjson
 from aiohttp import web
 
 from tests.gateway.conftest import MODEL
-
-T = TypeVar("T")
+from tests.support.threaded_app import LoopThread, ThreadedApp
 
 MODELS_BODY = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
@@ -59,42 +58,24 @@ def completion_body(content: str) -> bytes:
     )
 
 
-class _LoopThread:
-    """An event loop running in a daemon thread; coroutines are submitted from the test's thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
 Behaviour = Callable[["StubEngine", web.Request], Awaitable[web.StreamResponse]]
 
 
-class StubEngine:
+class StubEngine(ThreadedApp):
     """An OpenAI-compatible engine (kind ``openai``: health is ``GET /v1/models``) whose chat route
     runs ``behaviour``. ``received`` holds the JSON body of every data-path request that reached
     it; ``aborted`` counts handlers cut short because the caller closed the connection."""
 
+    thread_name = "stub-engine"
+    # handler_cancellation: a closed connection cancels its handler, as a real engine aborts
+    runner_options: ClassVar[dict[str, Any]] = {"handler_cancellation": True, "shutdown_timeout": 1.0}
+
     def __init__(self, behaviour: Behaviour) -> None:
+        super().__init__()
         self.behaviour = behaviour
-        self.url = ""
         self.received: list[dict[str, Any]] = []
         self.aborted = 0
-        self._io = _LoopThread("stub-engine")
-        self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None
-        self._stopped = False
 
     def entry(self, name: str) -> dict[str, object]:
         return {"url": self.url, "kind": "openai", "model": MODEL, "name": name}
@@ -104,22 +85,11 @@ class StubEngine:
         assert self._stopping is not None
         await self._stopping.wait()
 
-    def __enter__(self) -> StubEngine:
-        self._io.start()
-        self._io.run(self._start())
-        return self
+    async def before_cleanup(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        """Stop serving (the port then refuses connections); idempotent."""
-        if not self._stopped:
-            self._stopped = True
-            self._io.run(self._stop())
-            self._io.stop()
-
-    async def _start(self) -> None:
+    async def build(self) -> web.Application:
         self._stopping = asyncio.Event()
 
         async def chat(request: web.Request) -> web.StreamResponse:
@@ -136,16 +106,7 @@ class StubEngine:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/v1/models", models)
-        # handler_cancellation: a closed connection cancels its handler, as a real engine aborts
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def _stop(self) -> None:
-        assert self._stopping is not None and self._runner is not None
-        self._stopping.set()
-        await self._runner.cleanup()
+        return app
 
 
 # -- behaviours ------------------------------------------------------------------------------------
@@ -278,7 +239,7 @@ class StaleKeepAliveEngine:
         self.url = ""
         self.answered = 0
         self.closed_at_reuse = 0
-        self._io = _LoopThread("stale-keepalive-engine")
+        self._io = LoopThread("stale-keepalive-engine")
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 
 import openai
@@ -15,19 +13,19 @@ from gateway.procs import ChildProcess
 from gateway.tracing import Tracing
 from tests.gateway.conftest import MODEL, engine_entry
 from tests.gateway.gateway_thread import run_gateway
+from tests.support.threaded_app import ThreadedApp
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(ThreadedApp):
     """A real HTTP server speaking the OpenAI embeddings route (a pooling engine stand-in)."""
 
-    def __init__(self) -> None:
-        self.url = ""
-        self.seen: list[dict[str, object]] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+    thread_name = "embedding-engine"
 
-    async def _start(self) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict[str, object]] = []
+
+    async def build(self) -> web.Application:
         async def embed(request: web.Request) -> web.Response:
             body = await request.json()
             self.seen.append(body)
@@ -45,21 +43,7 @@ class EmbeddingEngine:
         app = web.Application()
         app.router.add_post("/v1/embeddings", embed)
         app.router.add_get("/v1/models", models)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    def __enter__(self) -> EmbeddingEngine:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        return app
 
 
 @pytest.fixture()

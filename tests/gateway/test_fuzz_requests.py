@@ -37,7 +37,6 @@ import itertools
 import json
 import re
 import socket
-import threading
 from collections.abc import Callable, Coroutine, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -55,6 +54,7 @@ from gateway.dispatch.slo_service import MAX_TARGET_MS
 from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.settings import Settings, load_settings
 from tests.gateway.gateway_thread import RunningGateway, run_gateway
+from tests.support.threaded_app import LoopThread, ThreadedApp
 
 T = TypeVar("T")
 Verdict = Literal["ok", "bad", "any"]
@@ -101,31 +101,18 @@ _TIMEOUT_S = 20.0
 # -- the engines -------------------------------------------------------------------------------
 
 
-class RecordingEngine:
+class RecordingEngine(ThreadedApp):
     """A fast OpenAI-compatible engine in a thread: answers 200 with a valid body or SSE stream,
     and records what the gateway sent. A ``priority`` that is not an exact JSON integer is refused
     with a 400 (as a strict engine would) and noted in :attr:`violations`, as is any header the
     gateway must not relay to a vLLM engine."""
 
+    thread_name = "fuzz-recorder"
+
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self.received: list[tuple[dict[str, str], dict[str, Any]]] = []
         self.violations: list[str] = []
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fuzz-recorder", daemon=True)
-
-    def __enter__(self) -> RecordingEngine:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
     def take(self) -> tuple[list[tuple[dict[str, str], dict[str, Any]]], list[str]]:
         received, violations = self.received, self.violations
@@ -193,7 +180,7 @@ class RecordingEngine:
         await response.write_eof()
         return response
 
-    async def _start(self) -> None:
+    async def build(self) -> web.Application:
         async def ok(_: web.Request) -> web.Response:
             return web.Response(text="")
 
@@ -202,11 +189,7 @@ class RecordingEngine:
             app.router.add_post(path, self._serve)
         app.router.add_get("/health", ok)
         app.router.add_get("/metrics", ok)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
 
 @contextlib.contextmanager
@@ -282,25 +265,23 @@ class AsgiHost:
     ASGI lifespan protocol as uvicorn would; requests are awaited there from the test thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self._io = LoopThread("fuzz-asgi")
+        self.loop = self._io.loop
         self.apps: dict[str, FrontDoor] = {}
         self._lifespans: list[tuple[asyncio.Task[None], asyncio.Event, list[Message]]] = []
-        self._thread = threading.Thread(target=self.loop.run_forever, name="fuzz-asgi", daemon=True)
 
     def __enter__(self) -> AsgiHost:
-        self._thread.start()
+        self._io.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.run(self._shutdown())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
-            self.loop.close()
+            self._io.stop()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = _TIMEOUT_S + 10) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self._io.run(coro, timeout)
 
     def add(self, name: str, settings: Settings) -> FrontDoor:
         app = create_app(settings)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
@@ -21,12 +20,13 @@ from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.settings import EngineConfig
 from policies.api import estimated_load
 from tests.gateway.gateway_thread import run_gateway, wait_until
+from tests.support.threaded_app import ThreadedApp
 
 ENGINE_KEY = "sk-engine-upstream-secret"
 MetricsMode = Literal["ok", "hang", "error"]
 
 
-class FakeEngine:
+class FakeEngine(ThreadedApp):
     """A vLLM-shaped engine whose /health and /metrics can be told to fail, hang or recover.
 
     Runs its own event loop in a thread (like conftest's BrokenEngine), so it keeps answering
@@ -34,33 +34,22 @@ class FakeEngine:
     Hanging handlers wait on an event that stop() sets, so shutdown never waits on them.
     """
 
+    thread_name = "fake-engine"
+
     def __init__(self) -> None:
+        super().__init__()
         self.health_status = 200
         self.health_hangs = False
         self.metrics_mode: MetricsMode = "ok"
         self.running = 3
         self.health_hits = 0
         self.metrics_hits = 0
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
         self._release = asyncio.Event()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
-    def __enter__(self) -> FakeEngine:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
+    async def before_cleanup(self) -> None:
+        self._release.set()
 
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._release.set)
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    async def _start(self) -> None:
+    async def build(self) -> web.Application:
         async def health(_: web.Request) -> web.Response:
             self.health_hits += 1
             if self.health_hangs:
@@ -79,11 +68,7 @@ class FakeEngine:
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", prom)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return app
 
 
 @pytest.fixture
