@@ -137,6 +137,11 @@ SLO_OUTCOMES = Counter(
     ["slo_class", "objective", "outcome"],
     registry=REGISTRY,
 )
+PARSE_WORKER_FAILURES = Counter(
+    "slogate_parse_worker_failures",
+    "Large request bodies whose worker process died while parsing them (parsed in place instead)",
+    registry=REGISTRY,
+)
 SLOW_CLIENTS = Counter(
     "slogate_slow_clients",
     "Streams ended because the client stopped reading for longer than the idle limit",

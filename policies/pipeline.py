@@ -61,6 +61,7 @@ class RoutingPipeline:
             engines = plugin.filter(request, engines, now)
             if not engines:
                 return None, state
+        first: Sequence[float] | None = None
         if len(self.scorers) == 1 and self.scorers[0].weight == 1.0:
             # one scorer: its scores are the totals once known to be in [0, 1] (two C-level
             # passes instead of a Python one per engine: this runs on every placement)
@@ -70,10 +71,11 @@ class RoutingPipeline:
                 raise ValueError(f"scorer {name!r} returned {len(scores)} scores for {len(engines)} engines")
             if scores and min(scores) >= 0.0 and max(scores) <= 1.0:
                 return self.picker.pick(request, engines, scores, state)
+            first = scores
         totals: list[float] = [0.0] * len(engines)
         for ws in self.scorers:
             w = ws.weight
-            scores = ws.scorer.score(request, engines, now)
+            scores = first if first is not None else ws.scorer.score(request, engines, now)
             totals = [
                 t + w * (0.0 if s < 0.0 else 1.0 if s > 1.0 else s)
                 for t, s in zip(totals, scores, strict=True)

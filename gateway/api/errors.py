@@ -46,8 +46,9 @@ class GatewayError(Exception):
         self.extra_headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # picklable (a parse error raised in a worker process comes back whole)
-        return (_rebuild, (self.status, self.message, self.param, self.code, self.retry_after_s))
+        # picklable with every attribute, subclasses included (a parse error raised in a worker
+        # process comes back whole)
+        return (_rebuild, (type(self), self.message), dict(self.__dict__))
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers the error needs: JSON, and ``Retry-After`` when retrying makes sense."""
@@ -89,7 +90,7 @@ async def send_error(
     await send({"type": "http.response.body", "body": error.body()})
 
 
-def _rebuild(
-    status: int, message: str, param: str | None, code: str | None, retry_after_s: float | None
-) -> GatewayError:
-    return GatewayError(status, message, param=param, code=code, retry_after_s=retry_after_s)
+def _rebuild(cls: type[GatewayError], message: str) -> GatewayError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    return error

@@ -10,34 +10,60 @@ case a field must be removed for an engine. The worker starts with the first lar
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from gateway import metrics
 from gateway.api.request_parse import ParsedRequest, RouteKind, parse_request, parse_summary
+
+log = logging.getLogger("slogate.parse")
+
+
+def _ignore_sigint() -> None:
+    # Ctrl-C goes to the whole process group: the gateway shuts its worker down, quietly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class BodyParser:
-    """``parse_request`` that moves bodies over ``threshold`` bytes to a worker process."""
+    """``parse_request`` that moves bodies over ``threshold`` bytes to a worker process.
+
+    Where worker processes cannot be made (no ``/dev/shm``, no ``sem_open``), or the worker keeps
+    dying, bodies are parsed in place: slower for other streams, never an error for the client.
+    """
 
     def __init__(self, threshold: int, default_max_tokens: int) -> None:
         self.threshold = threshold
         self.default_max_tokens = default_max_tokens
         self._pool: ProcessPoolExecutor | None = None
+        self._disabled = False
 
     async def parse(self, kind: RouteKind, raw: bytes) -> ParsedRequest:
-        if len(raw) <= self.threshold:
+        if len(raw) <= self.threshold or self._disabled:
             return parse_request(kind, raw, self.default_max_tokens)
-        if self._pool is None:
-            # spawn, not fork: the gateway process runs threads (uvicorn, the tracer) and a loop
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        loop = asyncio.get_running_loop()
         try:
-            summary = await loop.run_in_executor(
-                self._pool, parse_summary, kind, raw, self.default_max_tokens
+            pool = self._pool
+            if pool is None:
+                # spawn, not fork: the gateway process runs threads (uvicorn, the tracer) and a loop
+                pool = self._pool = ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint
+                )
+            future = asyncio.get_running_loop().run_in_executor(
+                pool, parse_summary, kind, raw, self.default_max_tokens
             )
+        except (OSError, NotImplementedError, RuntimeError) as exc:
+            log.warning("no worker process for large bodies (%s); parsing them in place", exc)
+            self._disabled = True
+            return parse_request(kind, raw, self.default_max_tokens)
+        try:
+            summary = await future
         except BrokenProcessPool:
-            self._pool = None  # the worker died (e.g. killed): parse here, start a new one next time
+            metrics.PARSE_WORKER_FAILURES.inc()
+            log.warning("the body-parsing worker died; a new one starts with the next large body")
+            if self._pool is pool:
+                self._pool = None
             return parse_request(kind, raw, self.default_max_tokens)
         summary.raw = raw
         return summary

@@ -151,16 +151,21 @@ async def relay_stream(
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany
+            sep = b"\n\n"  # the SSE event boundary; some servers end events with CRLF CRLF
             while chunk := await read():
                 data = pending + chunk if pending else chunk
-                end = data.rfind(b"\n\n") + 2
-                if end == len(data):  # the common case: the chunk ends on an event boundary
-                    complete, pending = data, b""
-                elif end < 2:
+                end = data.rfind(sep)
+                if end < 0 and sep == b"\n\n" and b"\r\n\r\n" in data:
+                    sep = b"\r\n\r\n"
+                    end = data.rfind(sep)
+                if end < 0:
                     if len(data) > MAX_EVENT_BYTES:
                         raise _Oversized()
                     pending = data
                     continue
+                end += len(sep)
+                if end == len(data):  # the common case: the chunk ends on an event boundary
+                    complete, pending = data, b""
                 else:
                     complete, pending = data[:end], data[end:]
                 now = monotonic()
@@ -174,13 +179,14 @@ async def relay_stream(
                     deadline.reschedule(clock() + idle_s + rearm_every)
                     rearmed_at = now
                 if b'"usage":' in complete or b"[DONE]" in complete:
-                    complete, done = _final_events(call, complete)
-                n = complete.count(b"\n\n")
-                if n and not done:
+                    complete, done, n, content = _final_events(call, complete, sep)
+                else:
+                    n = content = complete.count(sep)
+                if content:
                     call.last_at = now
-                    call.content_events += n
+                    call.content_events += content
                     if entry is not None:
-                        fleet.add_generated(record, entry, n)
+                        fleet.add_generated(record, entry, content)
                 events += n
                 if complete:
                     sending = True
@@ -235,11 +241,16 @@ class _Oversized(Exception):
     pass
 
 
-def _final_events(call: Call, complete: bytes) -> tuple[bytes, bool]:
-    """Read usage from the final chunk; drop the usage-only event if the client did not ask."""
+def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int]:
+    """Read usage from the final chunk; drop the usage-only event if the client did not ask.
+
+    Returns the bytes to relay, whether ``[DONE]`` came, the events relayed and how many of them
+    carry content (neither ``[DONE]`` nor usage only).
+    """
     done = False
     kept: list[bytes] = []
-    for event in complete.split(b"\n\n")[:-1]:
+    content = 0
+    for event in complete.split(sep)[:-1]:
         payload = event[6:] if event.startswith(b"data: ") else event
         if payload.strip() == b"[DONE]":
             done = True
@@ -247,10 +258,16 @@ def _final_events(call: Call, complete: bytes) -> tuple[bytes, bool]:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 chunk = orjson.loads(payload)
                 record_usage(call, chunk.get("usage"))
-                if not call.request.client_wants_usage and not chunk.get("choices"):
+                if not chunk.get("choices"):
+                    if not call.request.client_wants_usage:
+                        continue
+                    kept.append(event + sep)
                     continue
-        kept.append(event + b"\n\n")
-    return b"".join(kept), done
+            content += 1
+        else:
+            content += 1
+        kept.append(event + sep)
+    return b"".join(kept), done, len(kept), content
 
 
 async def _end_with_error(send: Send, error: GatewayError) -> None:

@@ -39,9 +39,11 @@ async def test_a_large_body_parsed_in_the_worker_matches_parsing_in_place() -> N
         sent = flow()._body_for(call, record("vllm", True))
         assert offloaded.parsed is None and orjson.loads(sent)["stream_options"] == {"include_usage": True}
         assert offloaded.body == here.body  # decoded on first use
+        pool = parser._pool
         with pytest.raises(GatewayError) as bad:
             await parser.parse("chat", b'{"model": "m", "messages": "x", "pad": "' + b"a" * 2_000_000 + b'"}')
         assert bad.value.status == 400 and bad.value.param == "messages"
+        assert parser._pool is pool  # the worker's error came back whole: the pool did not break
     finally:
         parser.close()
 
@@ -50,3 +52,37 @@ async def test_a_small_body_is_parsed_in_place() -> None:
     parser = BodyParser(threshold=1024 * 1024, default_max_tokens=16)
     request = await parser.parse("chat", b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
     assert parser._pool is None and request.parsed is not None
+
+
+def test_errors_pickle_whole_subclasses_included() -> None:
+    import pickle
+
+    from gateway.api.auth import AuthError
+
+    error = GatewayError(429, "slow down", param="p", code="queue_full", retry_after_s=2.0)
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.status, again.message, again.param, again.code, again.retry_after_s) == (
+        429,
+        "slow down",
+        "p",
+        "queue_full",
+        2.0,
+    )
+    auth = pickle.loads(pickle.dumps(AuthError(401, "who are you")))
+    assert isinstance(auth, AuthError) and auth.headers() == AuthError(401, "who are you").headers()
+
+
+async def test_without_worker_processes_large_bodies_are_parsed_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gateway.api.parse_offload as offload
+
+    def no_processes(*_: object, **__: object) -> None:
+        raise OSError("no /dev/shm here")
+
+    monkeypatch.setattr(offload, "ProcessPoolExecutor", no_processes)
+    parser = BodyParser(threshold=10, default_max_tokens=16)
+    request = await parser.parse(
+        "chat", b'{"model":"m","messages":[{"role":"user","content":"hello there"}]}'
+    )
+    assert request.model == "m" and request.parsed is not None

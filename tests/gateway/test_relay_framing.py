@@ -1,0 +1,93 @@
+"""The SSE relay against an engine's bytes cut at every awkward place: events split across reads
+(down to one byte), CRLF event endings, content sharing a read with [DONE]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, cast
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.api.request_parse import parse_request
+from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.registry import RunningEntry
+from gateway.serving.call import Call
+from gateway.serving.relay import relay_stream
+from policies.slo import SloSource, SloTarget
+
+TARGET = SloTarget(ttft_s=10.0, tpot_s=1.0, slo_class="c", source=SloSource.TASK)
+
+
+def event(data: dict[str, Any] | str, sep: bytes = b"\n\n") -> bytes:
+    body = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    return b"data: " + body + sep
+
+
+def content(text: str, sep: bytes = b"\n\n") -> bytes:
+    return event({"choices": [{"index": 0, "delta": {"content": text}}], "usage": None}, sep)
+
+
+def usage(sep: bytes = b"\n\n") -> bytes:
+    return event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}, sep)
+
+
+class _Content:
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = list(chunks)
+
+    async def readany(self) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+
+class _Response:
+    status = 200
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self.content = _Content(chunks)
+
+
+async def relay(chunks: list[bytes], wants_usage: bool = False) -> tuple[int, bytes, Call]:
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    if wants_usage:
+        body["stream_options"] = {"include_usage": True}
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    fleet = offline_fleet({"a": 1})
+    record = fleet.records["a-0"]
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-1", entry)
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-1", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.engine_id, call.entry = "a-0", entry
+    response = cast(aiohttp.ClientResponse, _Response(chunks))
+    status = await relay_stream(call, response, fleet, record, first_token_at=1e12, idle_s=30.0)
+    assert record.in_flight == 0  # released once the engine's part was over
+    return status, b"".join(sent), call
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+async def test_events_split_anywhere_are_relayed_whole_and_counted_once(sep: bytes) -> None:
+    stream = content("a", sep) + content("b", sep) + usage(sep) + b"data: [DONE]" + sep
+    for cut in range(1, len(stream)):
+        for size in (1, 2, 7):
+            pieces = [stream[:cut]] + [stream[i : i + size] for i in range(cut, len(stream), size)]
+            status, out, call = await relay(pieces)
+            assert status == 200, (cut, size)
+            # the usage-only chunk the gateway asked for is dropped; everything else untouched
+            assert out == content("a", sep) + content("b", sep) + b"data: [DONE]" + sep, (cut, size)
+            assert call.content_events == 2 and call.completion_tokens == 2, (cut, size)
+
+
+async def test_content_sharing_a_read_with_done_is_counted() -> None:
+    status, out, call = await relay(
+        [content("a") + content("b") + usage() + b"data: [DONE]\n\n"], wants_usage=True
+    )
+    assert status == 200 and out.count(b"data: ") == 4  # the client asked for usage: it is kept
+    assert call.content_events == 2 and call.entry is not None and call.entry.generated == 2
