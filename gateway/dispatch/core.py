@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.dispatch.workers import HyperFlexisWorkers
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
-from policies.api import Role
-from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView
+from policies.hyperflexis import HyperFlexisParams, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
 from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible, with_batch
@@ -111,16 +111,8 @@ class DispatchCore:
         self._class_deadlines: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
         #: queued members of each client batch (request ids), for orders that rank whole batches
         self._batches: dict[tuple[str, str, str], set[str]] = {}
-        # HyperFlexis worker state: maturity per engine (inf = parked until an event), a heap of
-        # finite maturity times per model (lazily invalidated), parked engines per model in order
-        self.maturity: dict[str, float] = {}
-        self._heaps: dict[str, list[tuple[float, int, str]]] = {m: [] for m in fleet.served_models}
-        #: bumped whenever an engine's maturity changes: a heap entry with an older one is stale
-        self._version: dict[str, int] = {}
-        self._parked: dict[str, dict[str, None]] = {m: {} for m in fleet.served_models}
-        for record in fleet.records.values():
-            if record.adapter.role == Role.COLLOCATED:
-                self._set_maturity(record.model, record.engine_id, 0.0)
+        #: HyperFlexis engines between turns (maturity times, parked engines)
+        self.workers = HyperFlexisWorkers(fleet, coefficients, max_engine_load)
         self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
         self._context = self._default_context
         self._context_key: tuple[float, ...] = ()
@@ -159,7 +151,7 @@ class DispatchCore:
                 continue
             wake = min(wake, queue.next_expiry())
             if self.hyperflexis is not None:
-                wake = min(wake, self._next_mature(model))
+                wake = min(wake, self.workers.next_mature(model))
         return wake
 
     def no_engine(self, model: str) -> GatewayError:
@@ -228,11 +220,8 @@ class DispatchCore:
             self._dirty.add(model)
             self.wake()
             return None
-        parked = self._parked.get(model)
-        for _ in range(min(UNPARK_PER_ARRIVAL, len(parked) if parked else 0)):
-            assert parked is not None
-            self._unpark(model, next(iter(parked)), now)
-        if self._next_mature(model) <= now:
+        self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
+        if self.workers.next_mature(model) <= now:
             # a worker can take work right now: decide in this call, not on the next loop turn
             self._submitting, self._own = rid, None
             try:
@@ -279,8 +268,8 @@ class DispatchCore:
                 for item in queue.expire(now):
                     self._expired(item, now)
         if self.hyperflexis is not None:
-            for model in self._heaps:
-                if self.queued(model) and self._next_mature(model) <= now:
+            for model in self.workers.models:
+                if self.queued(model) and self.workers.next_mature(model) <= now:
                     self._dirty.add(model)
         pending, self._dirty = list(self._dirty), set()
         while pending:
@@ -315,20 +304,10 @@ class DispatchCore:
 
     def _dispatch_hyperflexis(self, model: str, now: float) -> None:
         assert self.hyperflexis is not None
-        heap = self._heaps[model]
         queue = self.queues[model]
-        workers: list[WorkerView] = []
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
-        while heap and heap[0][0] <= now and len(workers) < len(queue):
-            at, version, engine_id = heapq.heappop(heap)
-            if self._version[engine_id] != version:
-                continue  # superseded
-            record = self.fleet.records[engine_id]
-            if not record.healthy:
-                self._set_maturity(model, engine_id, math.inf)  # back in through a health event
-                continue
-            workers.append(self._worker_view(record, at))
+        workers = self.workers.pop_mature(model, now, len(queue))
         if not workers:
             return
         try:
@@ -336,7 +315,7 @@ class DispatchCore:
         except BaseException:
             # a bug must not strand the workers it had popped: they stay mature for the next try
             for worker in workers:
-                self._set_maturity(model, worker.engine_id, worker.maturity)
+                self.workers.set(model, worker.engine_id, worker.maturity)
             raise
 
     def _run_hyperflexis(
@@ -354,36 +333,17 @@ class DispatchCore:
         )
         for assignment in decision.assignments:
             assigned = self.tickets.get(assignment.request_id)
-            if assigned is None:  # not ours (cannot happen while queues hold only live tickets)
-                queue.remove(assignment.request_id)
-                continue
             queue.remove(assignment.request_id)
-            self._assign(assigned, self.fleet.records[assignment.engine_id], now)
-        parked = self._parked[model]
+            if assigned is not None:  # (always, while queues hold only live tickets)
+                self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in workers:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
-            self._set_maturity(model, worker.engine_id, at)
-            if at == math.inf and worker.engine_id not in decision.full:
+            if at == math.inf:
                 # a full worker waits for its own completions and scrapes; one held back by
                 # slack may take the next arrival
-                parked[worker.engine_id] = None
-
-    def _worker_view(self, record: EngineRecord, maturity: float) -> WorkerView:
-        running = tuple(
-            RunningRequest(r.prompt_tokens, r.generated, r.tpot_slo, r.prefilled)
-            for r in record.running.values()
-        )
-        prefill, decode = self.coefficients(record.engine_id)
-        free_kv = record.free_kv_tokens()
-        return WorkerView(
-            engine_id=record.engine_id,
-            prefill_coeffs=prefill,
-            decode_coeffs=decode,
-            running=running,
-            free_kv_tokens=1 << 30 if free_kv is None else free_kv,
-            max_num_seqs=self.max_engine_load or 256,
-            maturity=maturity,
-        )
+                self.workers.park(model, worker.engine_id, full=worker.engine_id in decision.full)
+            else:
+                self.workers.set(model, worker.engine_id, at)
 
     # -- engine events -----------------------------------------------------------------------------
 
@@ -391,56 +351,27 @@ class DispatchCore:
         record = self.fleet.records[engine_id]
         model = record.model
         hyperflexis = self.hyperflexis is not None
-        if what == "health":
-            if record.healthy:
-                if hyperflexis and engine_id in self.maturity:
-                    self._unpark(model, engine_id, -math.inf)
-            elif not self.fleet.has_healthy(model) and self.queued(model):
-                # every engine of the model is gone: say so now rather than let requests sit out
-                # the queue timeout (new arrivals for the model get the same 503 at once)
-                error = self.no_engine(model)
-                queue = self.queues[model]
-                for rid in [rid for rid, t in self.tickets.items() if t.item.view.model == model]:
-                    queue.remove(rid)
-                    self._refuse(rid, "no_engine", error, None)
-                self.wake()
-                return
-        if hyperflexis and engine_id in self.maturity:
-            at = self.maturity[engine_id]
-            full = at == math.inf and engine_id not in self._parked[model]
-            if (at == math.inf and not (full and what == "prefilled")) or (
-                what == "release" and not record.running and at > -math.inf
-            ):
-                # A parked or full worker looks again at its own events, queue or not (a full
-                # worker whose queue emptied meanwhile would otherwise stay out), except a full
-                # one at a first token, which frees no seat and no KV; an engine that
-                # goes idle takes the next request at once: its hold was for work it has finished
-                # (at concurrency 1 the next arrival waited out a whole turn, ~37 ms on the
-                # default prior, behind an engine with nothing to do).
-                self._unpark(model, engine_id, -math.inf)
+        if (
+            what == "health"
+            and not record.healthy
+            and not self.fleet.has_healthy(model)
+            and self.queued(model)
+        ):
+            # every engine of the model is gone: say so now rather than let requests sit out
+            # the queue timeout (new arrivals for the model get the same 503 at once)
+            error = self.no_engine(model)
+            queue = self.queues[model]
+            for rid in [rid for rid, t in self.tickets.items() if t.item.view.model == model]:
+                queue.remove(rid)
+                self._refuse(rid, "no_engine", error, None)
+            self.wake()
+            return
+        if hyperflexis:
+            self.workers.on_engine_event(record, what)
         if not self.queued(model) or (what == "prefilled" and not hyperflexis):
             return
         self._dirty.add(model)
         self.wake()
-
-    def _unpark(self, model: str, engine_id: str, now: float) -> None:
-        self._parked[model].pop(engine_id, None)
-        self._set_maturity(model, engine_id, now)
-
-    def _set_maturity(self, model: str, engine_id: str, at: float) -> None:
-        """The one place a worker's maturity changes: one live heap entry per worker, ever."""
-        version = self._version.get(engine_id, 0) + 1
-        self._version[engine_id] = version
-        self.maturity[engine_id] = at
-        if at != math.inf:
-            heapq.heappush(self._heaps[model], (at, version, engine_id))
-
-    def _next_mature(self, model: str) -> float:
-        """The earliest maturity among the model's workers (``inf`` when every one is parked)."""
-        heap = self._heaps[model]
-        while heap and self._version[heap[0][2]] != heap[0][1]:
-            heapq.heappop(heap)  # superseded entry
-        return heap[0][0] if heap else math.inf
 
     # -- bookkeeping -------------------------------------------------------------------------------
 

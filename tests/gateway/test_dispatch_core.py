@@ -159,7 +159,7 @@ def test_hyperflexis_does_not_poll_a_saturated_fleet() -> None:
     assert core.outbox == []
     # every worker is parked: the only timer left is the queue expiry, nothing polls
     assert core.next_wake() == 1e9
-    assert all(math.isinf(core.maturity[e]) for e in fleet.records)
+    assert all(math.isinf(core.workers.maturity[e]) for e in fleet.records)
     # the queue timeout is noticed at its deadline, with no wake in between
     core.step(1e9)
     assert len(core.outbox) == 2000 and core.queued() == 0
@@ -342,7 +342,7 @@ def test_hyperflexis_an_engine_that_goes_idle_takes_the_next_request_at_once() -
     fleet = offline_fleet({"a": 1})
     core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
     first = core.submit(ticket("r-1", now=0.0), 0.0)
-    assert first is not None and core.maturity["a-0"] > 0.01  # holding for its turn
+    assert first is not None and core.workers.maturity["a-0"] > 0.01  # holding for its turn
     fleet.release("a-0", "r-1")
     second = core.submit(ticket("r-2", now=0.002), 0.002)
     assert second is not None and second.engine_id == "a-0"
@@ -377,7 +377,7 @@ def test_a_full_worker_whose_queue_emptied_takes_the_next_arrival() -> None:
     assert core.submit(ticket("r-2", now=1.0), 1.0) is not None
     assert core.submit(ticket("r-3", now=1.0), 1.0) is None
     core.step(2.0)  # the worker is full: parked until its own events
-    assert core.maturity["a-0"] == math.inf
+    assert core.workers.maturity["a-0"] == math.inf
     core.cancel("r-3", 2.0)
     fleet.release("a-0", "r-1")  # not idle (r-2 runs), and nothing queued at that moment
     assert core.submit(ticket("r-4", now=2.1), 2.1) is not None
@@ -428,8 +428,8 @@ async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place(
         busy = await loop.place(_view("r-1"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
         other = next(e for e in fleet.records if e != busy.engine_id)
         # make the busy engine the first mature worker and the idle one later
-        loop.core._set_maturity("a", busy.engine_id, -math.inf)
-        loop.core._set_maturity("a", other, loop.clock() - 1.0)
+        loop.core.workers.set("a", busy.engine_id, -math.inf)
+        loop.core.workers.set("a", other, loop.clock() - 1.0)
         placed = await asyncio.wait_for(
             loop.place(_view("r-2"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0)), timeout=1.0
         )

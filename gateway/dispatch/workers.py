@@ -1,0 +1,135 @@
+"""HyperFlexis workers between turns: when each engine may next take work, and which wait for what.
+
+Every collocated engine has a maturity time (Algorithm 1's, on the core's clock):
+
+* finite: the engine takes work once it has come (a heap per model, lazily invalidated by a
+  version per engine, so one live entry per engine ever exists);
+* ``inf``, *parked*: the engine took nothing and only an event can change that. Engines held back
+  by slack may take the next arrivals (``_parked``, in the order they parked); engines that are
+  full (no seat or KV) wait for their own completions and scrapes.
+
+The rules for events are in :meth:`HyperFlexisWorkers.on_engine_event`. No clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterator
+
+from gateway.fleet.registry import EngineRecord, Fleet
+from policies.api import Role
+from policies.hyperflexis import RunningRequest, WorkerView
+from policies.latency_fit import Coeffs
+
+
+class HyperFlexisWorkers:
+    def __init__(
+        self,
+        fleet: Fleet,
+        coefficients: Callable[[str], tuple[Coeffs, Coeffs]],
+        max_engine_load: int | None,
+    ) -> None:
+        self.fleet = fleet
+        self.coefficients = coefficients
+        self.max_engine_load = max_engine_load
+        #: each engine's maturity time (``inf``: parked until an event)
+        self.maturity: dict[str, float] = {}
+        self._heaps: dict[str, list[tuple[float, int, str]]] = {m: [] for m in fleet.served_models}
+        #: bumped whenever an engine's maturity changes: a heap entry with an older one is stale
+        self._version: dict[str, int] = {}
+        self._parked: dict[str, dict[str, None]] = {m: {} for m in fleet.served_models}
+        for record in fleet.records.values():
+            if record.adapter.role == Role.COLLOCATED:
+                self.set(record.model, record.engine_id, 0.0)
+
+    @property
+    def models(self) -> Iterator[str]:
+        return iter(self._heaps)
+
+    def set(self, model: str, engine_id: str, at: float) -> None:
+        """The one place a worker's maturity changes: one live heap entry per worker, ever."""
+        version = self._version.get(engine_id, 0) + 1
+        self._version[engine_id] = version
+        self.maturity[engine_id] = at
+        if at != math.inf:
+            heapq.heappush(self._heaps[model], (at, version, engine_id))
+
+    def park(self, model: str, engine_id: str, full: bool) -> None:
+        """``engine_id`` took nothing and has no timer: wait for an event (see the module doc)."""
+        self.set(model, engine_id, math.inf)
+        if not full:
+            self._parked[model][engine_id] = None
+
+    def unpark(self, model: str, engine_id: str, now: float) -> None:
+        self._parked[model].pop(engine_id, None)
+        self.set(model, engine_id, now)
+
+    def unpark_for_arrival(self, model: str, count: int, now: float) -> None:
+        """Give ``count`` engines parked for slack a look at a new arrival (oldest parked first)."""
+        parked = self._parked.get(model)
+        for _ in range(min(count, len(parked) if parked else 0)):
+            assert parked is not None
+            self.unpark(model, next(iter(parked)), now)
+
+    def next_mature(self, model: str) -> float:
+        """The earliest maturity among the model's workers (``inf`` when every one is parked)."""
+        heap = self._heaps[model]
+        while heap and self._version[heap[0][2]] != heap[0][1]:
+            heapq.heappop(heap)  # superseded entry
+        return heap[0][0] if heap else math.inf
+
+    def pop_mature(self, model: str, now: float, limit: int) -> list[WorkerView]:
+        """Up to ``limit`` workers whose maturity has come, earliest first, as views; unhealthy
+        ones leave the heap until a health event brings them back."""
+        heap = self._heaps[model]
+        workers: list[WorkerView] = []
+        while heap and heap[0][0] <= now and len(workers) < limit:
+            at, version, engine_id = heapq.heappop(heap)
+            if self._version[engine_id] != version:
+                continue  # superseded
+            record = self.fleet.records[engine_id]
+            if not record.healthy:
+                self.set(model, engine_id, math.inf)
+                continue
+            workers.append(self._view(record, at))
+        return workers
+
+    def on_engine_event(self, record: EngineRecord, what: str) -> None:
+        """Wake what the event may have changed: a parked or full worker looks again at its own
+        events, queue or not (a full worker whose queue emptied meanwhile would otherwise stay
+        out), except a full one at a first token, which frees no seat and no KV; an engine that
+        goes idle takes the next request at once: its hold was for work it has finished (at
+        concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default prior,
+        behind an engine with nothing to do); an engine back in health is mature at once."""
+        engine_id = record.engine_id
+        if engine_id not in self.maturity:
+            return
+        model = record.model
+        if what == "health":
+            if record.healthy:
+                self.unpark(model, engine_id, -math.inf)
+            return
+        at = self.maturity[engine_id]
+        full = at == math.inf and engine_id not in self._parked[model]
+        if (at == math.inf and not (full and what == "prefilled")) or (
+            what == "release" and not record.running and at > -math.inf
+        ):
+            self.unpark(model, engine_id, -math.inf)
+
+    def _view(self, record: EngineRecord, maturity: float) -> WorkerView:
+        running = tuple(
+            RunningRequest(r.prompt_tokens, r.generated, r.tpot_slo, r.prefilled)
+            for r in record.running.values()
+        )
+        prefill, decode = self.coefficients(record.engine_id)
+        free_kv = record.free_kv_tokens()
+        return WorkerView(
+            engine_id=record.engine_id,
+            prefill_coeffs=prefill,
+            decode_coeffs=decode,
+            running=running,
+            free_kv_tokens=1 << 30 if free_kv is None else free_kv,
+            max_num_seqs=self.max_engine_load or 256,
+            maturity=maturity,
+        )
