@@ -148,3 +148,15 @@ async def wait_until_served(
             return
         await asyncio.sleep(0.1)
     raise RuntimeError(f"the gateway did not serve {model} within {timeout_s:.0f} s (last status {status})")
+
+
+def checks_table(checks: Sequence[tuple[str, str, str, bool]]) -> list[str]:
+    """(figure, measured, target, met) rows as aligned text lines, header and rule first."""
+    rows = [
+        ("figure", "measured", "target", "met"),
+        *[(a, b, c, "yes" if ok else "NO") for a, b, c, ok in checks],
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return lines

@@ -38,6 +38,7 @@ import orjson
 
 from gateway.api.request_parse import parse_request
 from gateway.bench.harness import (
+    checks_table,
     cpu_seconds,
     engine_entry,
     idle_cpu_rate,
@@ -456,13 +457,7 @@ def run_large_body(config: LargeBodyConfig | None = None) -> LargeBodyResult:
 
 
 def render_table(result: LargeBodyResult) -> str:
-    rows = [
-        ("figure", "measured", "target", "met"),
-        *[(a, b, c, "yes" if ok else "NO") for a, b, c, ok in result.checks()],
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines = checks_table(result.checks())
     for big in result.big_bodies:
         per_round = ", ".join(f"{r.max_gap_ms:.1f}{'*' if r.big_body else ''}" for r in big.rounds)
         lines.append(f"({big.text}: largest gap per round in ms, * = with the big body: {per_round})")

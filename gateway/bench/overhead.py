@@ -31,6 +31,7 @@ import aiohttp
 import orjson
 
 from gateway.bench.harness import (
+    checks_table,
     cpu_seconds,
     engine_entry,
     idle_cpu_rate,
@@ -430,13 +431,7 @@ def run_overhead(
 
 
 def render_table(result: OverheadResult) -> str:
-    rows = [
-        ("figure", "measured", "target", "met"),
-        *[(a, b, c, "yes" if ok else "NO") for a, b, c, ok in result.checks()],
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines = checks_table(result.checks())
     lines.append(
         f"(direct p50/p99 {result.direct_p50_ms:.3f}/{result.direct_p99_ms:.3f} ms, "
         f"gateway p50/p99 {result.gateway_p50_ms:.3f}/{result.gateway_p99_ms:.3f} ms; "
