@@ -17,6 +17,7 @@ from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import EngineSnapshot, Filter, Picker, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
+from policies.plugins.pickers import MaxScore
 
 _load = attrgetter("load")
 
@@ -97,6 +98,14 @@ class Router:
         self.fleet = fleet
         self.pipeline = timed(pipeline)
         self._picker_state = self.pipeline.picker.initial_state()
+        # a profile that picks by one key over unit-weight engines (least load, max_score): the
+        # fleet keeps engines grouped by that key and a placement takes the best group's next
+        # engine in max_score's rotation, without scoring every engine; weights
+        # would make the key and the load limit disagree, so they keep the full pass
+        key = pipeline.rank_key()
+        self._ranked = key is not None and all(r.adapter.config.weight == 1.0 for r in fleet.records.values())
+        if key is not None and self._ranked:
+            fleet.rank_by(key)
 
     def choose(
         self,
@@ -108,6 +117,14 @@ class Router:
         """The pipeline's engine for ``request`` among healthy engines of its model, without
         those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
         now = time.monotonic() if now is None else now
+        if self._ranked and not exclude:
+            routable, slots = self.fleet.least_ranked(request.model, now)
+            if not slots:
+                return None
+            if max_load is not None and routable[slots[0]].load >= max_load:
+                return None  # the least loaded engine is full, so every engine is
+            index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
+            return self.fleet.records[routable[slots[index]].engine_id]
         candidates: Sequence[EngineSnapshot] = self.fleet.candidates(request.model, now)
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]

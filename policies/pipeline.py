@@ -7,7 +7,7 @@ from a routing profile, then call :meth:`RoutingPipeline.choose` per request wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +39,21 @@ class RoutingPipeline:
     scorers: tuple[WeightedScorer, ...]
     picker_name: str
     picker: Picker
+
+    def rank_key(self) -> Callable[[EngineSnapshot], float] | None:
+        """When this pipeline picks by one key alone, that key (lower is better); else None.
+
+        True for no filters, a single weighted scorer that declares a ``rank_key`` (its score is
+        1 exactly for the engines of the smallest key) and the ``max_score`` picker: the winner is
+        then among the smallest-key engines, ties rotated by the picker. A caller that keeps
+        engines ordered by the key can hand the picker just those (the fleet's ranked index).
+        """
+        if self.filters or len(self.scorers) != 1 or self.scorers[0].weight <= 0.0:
+            return None
+        if self.picker_name != "max_score":
+            return None
+        key = getattr(self.scorers[0].scorer, "rank_key", None)
+        return key if callable(key) else None
 
     def candidates(
         self, request: RequestView, engines: Sequence[EngineSnapshot], roles: frozenset[Role]

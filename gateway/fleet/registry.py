@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gateway.engines import EngineAdapter
+from gateway.fleet.rank_index import RankIndex, RankKey
 from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role
 
 log = logging.getLogger("slogate.fleet")
@@ -107,11 +108,14 @@ class Fleet:
         self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
         self._dirty: set[int] = set(range(len(self._by_index)))
         self._snapshot: FleetSnapshot | None = None
+        self._built_at = 0.0
         #: per model, the routable engines' snapshots (healthy, collocated) in a list whose slots
         #: are patched as entries are rebuilt; its membership is redone only when health changes
         self._routable: dict[str, list[EngineSnapshot]] = {m: [] for m in self.served_models}
         self._routable_slot: dict[int, int] = {}
         self._routable_stale: set[str] = set(self.served_models)
+        #: per model, the routable engines grouped by the router's ranking key (see rank_by)
+        self._ranked: dict[str, RankIndex] = {}
         self.listeners: list[ChangeListener] = []
 
     # -- reads -----------------------------------------------------------------------------------
@@ -132,8 +136,15 @@ class Fleet:
         Staleness is evaluated when an engine's entry is rebuilt; the monitor marks each engine
         changed on every check, so an entry is never more stale than one monitor interval.
         """
-        if self._snapshot is not None and not self._dirty:
-            return self._snapshot
+        if self._dirty:
+            self._rebuild_dirty(now)
+        if self._snapshot is None:
+            self._snapshot = FleetSnapshot(tuple(self._engine_snaps), self._built_at)  # type: ignore[arg-type]
+        return self._snapshot
+
+    def _rebuild_dirty(self, now: float | None) -> None:
+        # the fleet-wide tuple is made only when someone asks for it: placements read the
+        # patched per-model lists and would otherwise copy every engine on every reservation
         now = time.monotonic() if now is None else now
         snaps = self._engine_snaps
         slots = self._routable_slot
@@ -143,15 +154,37 @@ class Fleet:
             slot = slots.get(index)
             if slot is not None:
                 self._routable[record.model][slot] = snap
+                ranked = self._ranked.get(record.model)
+                if ranked is not None:
+                    ranked.update(slot, snap)
         self._dirty.clear()
-        self._snapshot = FleetSnapshot(tuple(snaps), now)  # type: ignore[arg-type]
-        return self._snapshot
+        self._snapshot = None
+        self._built_at = now
 
     def candidates(self, model: str, now: float | None = None) -> tuple[EngineSnapshot, ...]:
         """Healthy collocated engines serving ``model``, as snapshot entries: O(1) in Python (a
         copy of a patched list) unless health changed since the last call."""
-        if self._dirty or self._snapshot is None:
-            self.snapshot(now)
+        return tuple(self._routable_of(model, now))
+
+    def rank_by(self, key: RankKey) -> None:
+        """Keep every model's routable engines grouped by ``key`` from now on (see
+        :meth:`least_ranked`); costs O(log engines) per snapshot entry rebuilt."""
+        self._ranked = {m: RankIndex(key) for m in self.served_models}
+        self._routable_stale.update(self.served_models)
+
+    def least_ranked(self, model: str, now: float | None = None) -> tuple[list[EngineSnapshot], list[int]]:
+        """The routable engines of ``model`` and the slots among them with the smallest ranking
+        key, in fleet order (both empty when none is routable). Only after :meth:`rank_by`; the
+        slot list is the index's own: read it, never change it."""
+        routable = self._routable_of(model, now)
+        ranked = self._ranked.get(model)
+        if ranked is None:
+            raise RuntimeError(f"no ranking index for model {model!r}: call rank_by first")
+        return routable, ranked.least()
+
+    def _routable_of(self, model: str, now: float | None) -> list[EngineSnapshot]:
+        if self._dirty:
+            self._rebuild_dirty(now)
         if model in self._routable_stale:
             self._routable_stale.discard(model)
             routable: list[EngineSnapshot] = []
@@ -162,14 +195,17 @@ class Fleet:
                     self._routable_slot[record.index] = len(routable)
                     routable.append(snap)
             self._routable[model] = routable
-        return tuple(self._routable.get(model, ()))
+            ranked = self._ranked.get(model)
+            if ranked is not None:
+                ranked.reset(routable)
+        return self._routable.get(model, [])
 
     def engine_snapshot(self, engine_id: str, now: float | None = None) -> EngineSnapshot:
         """One engine's current snapshot entry, rebuilt only if it changed."""
         record = self.records[engine_id]
         snap = self._engine_snaps[record.index]
         if snap is None or record.index in self._dirty:
-            self.snapshot(now)
+            self._rebuild_dirty(now)
             snap = self._engine_snaps[record.index]
         assert snap is not None
         return snap

@@ -18,11 +18,18 @@ class LeastLoad:
     """
 
     def score(self, request: RequestView, engines: Sequence[EngineSnapshot], now: float) -> list[float]:
-        loads = [e.load if e.weight == 1.0 else e.load / (e.weight if e.weight > 0 else 1.0) for e in engines]
+        loads = list(map(self.rank_key, engines))
         lo, hi = min(loads), max(loads)
         if hi - lo < 1e-9:
             return [1.0] * len(loads)
         return [(hi - x) / (hi - lo) for x in loads]
+
+    @staticmethod
+    def rank_key(engine: EngineSnapshot) -> float:
+        """The one quantity the score falls with: the engines scoring 1 are exactly those of the
+        smallest key, so a caller holding engines ordered by it can skip scoring them all."""
+        weight = engine.weight
+        return engine.load if weight == 1.0 else engine.load / (weight if weight > 0 else 1.0)
 
 
 @register("scorer", "kv_free")

@@ -52,8 +52,15 @@ class MaxScore:
         counter = state if isinstance(state, int) else 0
         best = max(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s >= best - 1e-9]
-        if len(tied) == 1:
-            return tied[0], counter
-        # ties rotate in the order the engines come (the fleet's, stable): sorting them by id on
-        # every placement cost more than the rest of the pick at 256 engines
-        return tied[counter % len(tied)], counter + 1
+        index, state = self.rotate(len(tied), counter)
+        return tied[index], state
+
+    @staticmethod
+    def rotate(tied: int, state: object) -> tuple[int, object]:
+        """Which of ``tied`` equally good engines (in the order given) goes next, and the new
+        state. Ties rotate in the order the engines come (the fleet's, stable): sorting them by id
+        on every placement cost more than the rest of the pick at 256 engines."""
+        counter = state if isinstance(state, int) else 0
+        if tied == 1:
+            return 0, counter
+        return counter % tied, counter + 1
