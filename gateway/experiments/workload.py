@@ -26,7 +26,14 @@ class TaskSpec:
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request of a workload; ``at`` is seconds after the start, in simulated time."""
+    """One request of a workload; ``at`` is seconds after the start, in simulated time.
+
+    ``segments`` lists the prompt as ``(seed, length)`` pieces whose lengths sum to
+    ``prompt_tokens``; :func:`gateway.experiments.prompts.prompt_token_ids` turns them into token
+    ids, equal wherever two prompts list the same leading pieces. Empty means "no shared prefix"
+    (the ids then derive from the spec itself). ``session`` and ``turn`` tell a multi-turn
+    conversation's requests apart (turn 0 first); single-shot requests have no session.
+    """
 
     at: float
     task: str
@@ -35,6 +42,9 @@ class RequestSpec:
     output_tokens: int
     ttft_s: float
     tpot_s: float
+    session: str | None = None
+    turn: int = 0
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 # HyperFlexis Table 1 (TTFT s, TPOT s, input mean ± std, output mean ± std).
