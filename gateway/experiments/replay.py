@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from gateway.experiments.prompts import spec_prompt_text
 from gateway.experiments.workload import RequestSpec, prompt_text
 
 
@@ -129,7 +130,9 @@ async def replay(
 ) -> list[Outcome]:
     """Send each request at its (scaled) arrival time; wait for all; return outcomes in order sent."""
     rng = random.Random(seed)
-    prompts = [prompt_text(s.prompt_tokens, rng) for s in workload]
+    # Specs with segments carry their own token ids (shared prefixes must survive into the live
+    # run); the rest keep the seeded random words they always had, so old runs replay unchanged.
+    prompts = [spec_prompt_text(s) if s.segments else prompt_text(s.prompt_tokens, rng) for s in workload]
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
