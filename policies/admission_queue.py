@@ -34,6 +34,11 @@ _INF = math.inf
 _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
 
 
+def _item_of(entry: tuple[Any, ...]) -> QueuedRequest:
+    item: QueuedRequest = entry[-1].item
+    return item
+
+
 class _Slot:
     """One queued request. ``entry`` is its live heap entry, ``None`` once it has left the queue."""
 
@@ -80,6 +85,7 @@ class AdmissionQueue:
         self._heap: list[tuple[Any, ...]] = []
         self._rekeys: list[tuple[float, int, _Slot]] = []
         self._deadlines: list[tuple[float, int, _Slot]] = []
+        self._needs: list[tuple[int, int, _Slot]] = []  # (prompt + output bound) of each item
         self._slots: dict[str, _Slot] = {}
         self._generation = 0
         self._dead_in_heap = 0
@@ -156,6 +162,12 @@ class AdmissionQueue:
         deadline = item.queue_deadline
         if deadline != _INF:
             heapq.heappush(self._deadlines, (deadline, generation, slot))
+        needs = self._needs
+        heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
+        if len(needs) > 64 + 2 * len(slots):
+            # popped items' entries surface only when they are the least: drop them now and then
+            self._needs = [n for n in needs if n[2].entry is not None]
+            heapq.heapify(self._needs)
         self._structure_version += 1
         if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(slots):
             self._compact()
@@ -209,6 +221,14 @@ class AdmissionQueue:
             heapq.heappop(deadlines)
         return deadlines[0][0] if deadlines else _INF
 
+    def min_need(self) -> int:
+        """The least KV any queued item needs (prompt tokens + output bound); 0 when empty.
+        Amortised O(log n): entries of items that left are dropped as they surface."""
+        needs = self._needs
+        while needs and needs[0][2].entry is None:
+            heapq.heappop(needs)
+        return needs[0][0] if needs else 0
+
     # -- reading in order ------------------------------------------------------------------------
 
     def peek(self, now: float, ctx: OrderContext) -> QueuedRequest | None:
@@ -252,7 +272,7 @@ class AdmissionQueue:
             head = self._head = list(self._walk_entries(depth))
             self._head_complete = len(head) < depth
             self._head_valid = True
-        return iter([entry[-1].item for entry in head[:want]])
+        return map(_item_of, head[:want])
 
     def _walk_entries(self, limit: int) -> Iterator[tuple[Any, ...]]:
         for item in self._walk(limit):
@@ -290,13 +310,25 @@ class AdmissionQueue:
     # -- internals -------------------------------------------------------------------------------
 
     def _insert(self, slot: _Slot, now: float, ctx: OrderContext) -> None:
-        self._head_valid = False  # a key changed: the cached order may be wrong
+        """Re-key a queued slot: its old heap entry becomes dead, a new one is pushed."""
         key, valid_until = self._key(slot.item, now, ctx)
         self._generation += 1
         generation = self._generation
         entry = (*key, generation, slot)
+        old = slot.entry
         slot.entry = entry
         heapq.heappush(self._heap, entry)
+        if self._head_valid:
+            # the cached head stays a prefix of the order: the old entry leaves it, the new one
+            # joins it only if it sorts inside it (orders that re-key every request once, like
+            # LateLast under overload, would otherwise rebuild the head on every read)
+            head = self._head
+            if old is not None:
+                i = bisect.bisect_left(head, old)
+                if i < len(head) and head[i] is old:
+                    del head[i]
+            if self._head_complete or (head and entry < head[-1]):
+                bisect.insort(head, entry)
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
@@ -375,5 +407,7 @@ class AdmissionQueue:
         heapq.heapify(self._rekeys)
         self._deadlines = [d for d in self._deadlines if d[2].entry is not None]
         heapq.heapify(self._deadlines)
+        self._needs = [n for n in self._needs if n[2].entry is not None]
+        heapq.heapify(self._needs)
         self._dead_in_heap = 0
         self._structure_version += 1

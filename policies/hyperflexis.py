@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
-from policies.queue_order import QueuedRequest
+from policies.queue_order import OrderContext, QueuedRequest, last_feasible_start
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,20 +149,14 @@ class _QueuePrefix:
     workers actually examine (``max_scan`` each plus what they take), however long the queue is.
     """
 
-    __slots__ = ("_items", "_min_need", "_source")
+    __slots__ = ("_items", "_source")
 
     def __init__(self, source: Iterable[QueuedRequest]) -> None:
         self._items: list[QueuedRequest] = []
         self._source = iter(source)
-        self._min_need = 1 << 62
 
     def _extend(self, count: int) -> None:
-        more = list(islice(self._source, count))
-        if more:
-            self._items.extend(more)
-            self._min_need = min(
-                self._min_need, min(i.view.prompt_tokens + i.view.max_output_tokens for i in more)
-            )
+        self._items.extend(islice(self._source, count))
 
     def untaken(self, skip: set[str], limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in order whose ids are not in ``skip``."""
@@ -174,13 +168,6 @@ class _QueuePrefix:
         if not skip:
             return items[:limit]
         return [item for item in items[:need] if item.view.request_id not in skip][:limit]
-
-    def min_need(self, count: int) -> int:
-        """A lower bound of the KV (prompt + output bound) any of the first ``count`` requests
-        needs: a worker with less free cannot take anything a turn of it would look at."""
-        if len(self._items) < count:
-            self._extend(count - len(self._items))
-        return self._min_need if self._items else 0
 
     def items_from(self, start: int, count: int) -> list[QueuedRequest]:
         """Up to ``count`` items in order from index ``start``, read from the source as needed."""
@@ -243,6 +230,8 @@ def dispatch(
     now: float,
     params: HyperFlexisParams = HyperFlexisParams(),
     tightest_ttft_s: float = math.inf,
+    late_last: OrderContext | None = None,
+    queue_min_need: int = 0,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -256,11 +245,19 @@ def dispatch(
     first token on it frees seqs, KV or prefill slack; an arrival brings a new candidate; a scrape
     changes its free KV), so the caller parks it instead of polling. When a candidate it rejected
     will become late (and so eligible for late backfill) the time of that is its maturity instead.
+
+    ``late_last``: the queue holds the requests late on this context's estimate behind all the
+    others (the :class:`~policies.queue_order.LateLast` order keyed with it). A worker no faster
+    than that estimate then ends its first pass at the first such request instead of skipping
+    every one of them: they are late for it too.
+
+    ``queue_min_need``: the least KV (prompt + output bound) any queued request needs, when the
+    caller keeps it (0 otherwise); a busy worker with less free takes nothing, without a scan.
     """
     prefix = _QueuePrefix(queue)
     order = [(w.maturity, i) for i, w in enumerate(workers)]
     heapq.heapify(order)
-    running = {w.engine_id: list(w.running) for w in workers}
+    running: dict[str, list[RunningRequest]] = {}  # each examined worker's running + taken
     taken: set[str] = set()
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
@@ -269,9 +266,11 @@ def dispatch(
     while order and order[0][0] <= now:
         _, index = heapq.heappop(order)
         worker = workers[index]
-        shadow = running[worker.engine_id]
+        shadow = running.get(worker.engine_id)
+        if shadow is None:
+            shadow = running[worker.engine_id] = list(worker.running)
         admitted, late_at, exhausted, slack_bound = _fill_worker(
-            prefix, worker, shadow, taken, now, params, tightest_ttft_s
+            prefix, worker, shadow, taken, now, params, tightest_ttft_s, late_last, queue_min_need
         )
         if exhausted:
             break  # every request is taken: this and the other mature workers stay mature
@@ -298,6 +297,8 @@ def _fill_worker(
     now: float,
     params: HyperFlexisParams,
     tightest_ttft_s: float,
+    late_last: OrderContext | None = None,
+    queue_min_need: int = 0,
 ) -> tuple[list[tuple[QueuedRequest, bool]], float, bool, bool]:
     """One worker's turn: what it admits, when a candidate it skipped for slack turns late
     (``inf`` if none), whether the queue had nothing left for it to look at, and whether any
@@ -319,12 +320,27 @@ def _fill_worker(
     candidates = _Candidates(queue, taken, params.max_scan)
     misses = 0
     late_rejected = params.theta >= 0.5
-    if shadow and kv_left < queue.min_need(params.max_scan + len(taken)):
-        # not one request this turn would look at fits the KV left (a busy engine woken by a
-        # completion, with most of its cache still held): say so without scanning
-        return [], late_at, not candidates, False
+    # (a relative margin of 1e-9 absorbs the context's 1/(1/b) rounding)
+    lane = (
+        late_last
+        if late_last is not None
+        and late_rejected
+        and c >= 0.0
+        and a >= late_last.prefill_base_s * (1.0 - 1e-9)
+        and b * late_last.prefill_tokens_per_s >= 1.0 - 1e-9
+        else None
+    )
+    if shadow and kv_left < queue_min_need:
+        # a busy engine woken by a completion, with most of its cache still held: not one queued
+        # request fits the KV left, so say so without scanning
+        return [], late_at, not queue.untaken(taken, 1), False
     for item in candidates:
-        if free_seqs <= 0 or kv_left <= 0 or (budget_left is not None and budget_left <= 0 and admitted):
+        if (
+            free_seqs <= 0
+            or kv_left <= 0
+            or (budget_left is not None and budget_left <= 0 and admitted)
+            or (admitted and kv_left < queue_min_need)
+        ):
             break  # nothing more can fit this turn: the rest of the scan would be wasted
         if admitted and misses >= params.scan_after_admit:
             break
@@ -337,7 +353,13 @@ def _fill_worker(
         need_kv = prompt + item.view.max_output_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
-        if (prompt > budget_left and admitted) or need_kv > kv_left:
+        fits = not ((prompt > budget_left and admitted) or need_kv > kv_left)
+        if lane is not None and now > last_feasible_start(item, lane):
+            # from here on the queue holds only requests late on the lane's estimate, which this
+            # worker cannot beat: skipping them one by one would change nothing
+            slack_bound = slack_bound or fits
+            break
+        if not fits:
             misses += 1
             continue
         if late_rejected and item.ttft_deadline < now + a + b * prompt + c * prompt * prompt:
@@ -367,7 +389,12 @@ def _fill_worker(
         chosen = {item.view.request_id for item, _ in admitted}
         misses = 0
         for item in candidates:
-            if free_seqs <= 0 or budget_left <= 0 or kv_left <= 0 or misses >= params.scan_after_admit:
+            if (
+                free_seqs <= 0
+                or budget_left <= 0
+                or kv_left < max(1, queue_min_need)
+                or misses >= params.scan_after_admit
+            ):
                 break
             if item.view.request_id in chosen:
                 continue

@@ -488,6 +488,32 @@ def _describe(accepted: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in accepted.items()) or "no parameters"
 
 
+class LateLast:
+    """Any order with the requests that can no longer meet their TTFT (even dispatched now, on the
+    context's estimate) moved behind all the others, each part keeping the inner order.
+
+    For HyperFlexis's first pass, which skips late requests anyway (p < 0.5 <= theta): under
+    overload its window of ``max_scan`` candidates was otherwise all late requests, re-read and
+    skipped one by one on every turn, while feasible ones waited beyond the window. A request
+    changes part once, at its last feasible start (the queue re-keys it then).
+    """
+
+    __slots__ = ("inner", "name", "uses_backlog")
+    context_sensitive = True
+
+    def __init__(self, inner: QueueOrder) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.uses_backlog: bool = getattr(inner, "uses_backlog", False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> tuple[tuple[float, ...], float]:
+        inner_key, valid_until = self.inner.key(item, now, ctx)
+        turns_late = last_feasible_start(item, ctx)
+        if now > turns_late:
+            return (1.0, *inner_key), valid_until
+        return (0.0, *inner_key), min(valid_until, _after(math.nextafter(turns_late, _INF), now))
+
+
 def make_order(name: str, params: Mapping[str, Any] | None = None) -> QueueOrder:
     """Build the queue order ``name`` with profile ``params``.
 

@@ -39,7 +39,14 @@ from policies.admission_queue import AdmissionQueue
 from policies.hyperflexis import HyperFlexisParams, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
-from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, ttft_infeasible, with_batch
+from policies.queue_order import (
+    LateLast,
+    OrderContext,
+    QueuedRequest,
+    QueueOrder,
+    ttft_infeasible,
+    with_batch,
+)
 
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
@@ -89,7 +96,10 @@ class DispatchCore:
     ) -> None:
         self.fleet = fleet
         self.router = router
-        self.order = order
+        # HyperFlexis's first pass skips late requests; keeping them behind the rest lets it stop
+        # at the first one (see LateLast) instead of re-reading them on every turn under overload
+        late_last = hyperflexis is not None and hyperflexis.theta >= 0.5
+        self.order: QueueOrder = LateLast(order) if late_last else order
         self.coefficients = coefficients
         self.limits = limits
         self.hyperflexis = hyperflexis
@@ -324,12 +334,16 @@ class DispatchCore:
         assert self.hyperflexis is not None
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
+        head = queue.head(now, self.context(), 2 * self.hyperflexis.max_scan)
         decision = hyperflexis_dispatch(
-            queue.head(now, self.context(), 2 * self.hyperflexis.max_scan),
+            head,
             workers,
             now,
             self.hyperflexis,
             self.tightest_ttft_s,
+            # the context the queue keyed its late part with (it lags ours within a tolerance)
+            queue.context if isinstance(self.order, LateLast) else None,
+            queue.min_need(),
         )
         for assignment in decision.assignments:
             assigned = self.tickets.get(assignment.request_id)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from loadtest import queue_bench
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
-from policies.queue_order import ORDERS, OrderContext, QueuedRequest, make_order
+from policies.queue_order import ORDERS, LateLast, OrderContext, QueuedRequest, QueueOrder, make_order
 
 CTX = OrderContext(prefill_tokens_per_s=1000.0, decode_step_s=0.02)
 
@@ -296,12 +296,18 @@ HEAD_OPS = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(ops=HEAD_OPS, name=st.sampled_from(sorted(ORDERS)))
+def _order(name: str) -> QueueOrder:
+    late_last = name.startswith("late_last:")
+    order = make_order(name.removeprefix("late_last:"))
+    return LateLast(order) if late_last else order
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=HEAD_OPS, name=st.sampled_from(sorted(ORDERS) + [f"late_last:{n}" for n in sorted(ORDERS)]))
 def test_cached_head_always_matches_the_walk_in_order(ops: list[tuple[str, int]], name: str) -> None:
     """head() keeps a sorted cache across pushes, pops, removals, expiry and re-keys; it must read
-    exactly what iter_in_order reads, for every order."""
-    queue = AdmissionQueue(make_order(name))
+    exactly what iter_in_order reads, for every order (LateLast re-keys every request once)."""
+    queue = AdmissionQueue(_order(name))
     now = 0.0
     seq = 0
     for op, arg in ops:
@@ -329,3 +335,36 @@ def test_cached_head_always_matches_the_walk_in_order(ops: list[tuple[str, int]]
         limit = 1 + arg % 70
         expected = [i.view.request_id for i in queue.iter_in_order(now, CTX, limit)]
         assert [i.view.request_id for i in queue.head(now, CTX, limit)] == expected
+
+
+def test_late_last_keeps_late_requests_behind_the_rest_in_the_inner_order() -> None:
+    queue = AdmissionQueue(LateLast(make_order("fcfs")))
+    # 1000 tokens/s: a 500-token prompt needs 0.5 s; deadlines at arrival + ttft
+    for seq, ttft in enumerate((0.6, 5.0, 0.7, 5.0, 0.55), start=1):
+        queue.push(req(seq, arrival=0.0, prompt=500, ttft=ttft), 0.0, CTX)
+    assert [i.view.request_id for i in queue.head(0.0, CTX, 10)] == ["r1", "r2", "r3", "r4", "r5"]
+    # at 0.15 s r1 (last feasible start 0.1) and r5 (0.05) are late; r3 (0.2) is not yet
+    assert [i.view.request_id for i in queue.head(0.15, CTX, 10)] == ["r2", "r3", "r4", "r1", "r5"]
+    assert [i.view.request_id for i in queue.head(0.25, CTX, 10)] == ["r2", "r4", "r1", "r3", "r5"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=HEAD_OPS)
+def test_min_need_is_the_least_need_queued_and_its_heap_stays_bounded(ops: list[tuple[str, int]]) -> None:
+    queue = AdmissionQueue(make_order("fcfs"))
+    now, seq = 0.0, 0
+    for op, arg in ops:
+        if op == "push":
+            seq += 1
+            queue.push(req(seq, prompt=1 + arg, deadline=now + 1 + arg / 40), now, CTX)
+        elif op == "pop":
+            queue.pop(now, CTX)
+        elif op == "remove" and seq:
+            queue.remove(f"r{1 + arg % seq}")
+        elif op == "expire":
+            queue.expire(now)
+        elif op == "tick":
+            now += arg / 200
+        items = queue.items()
+        assert queue.min_need() == min((i.view.prompt_tokens + 8 for i in items), default=0)
+        assert len(queue._needs) <= 64 + 2 * max(1, len(items)) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from policies.hyperflexis import (
     admission_probability,
     dispatch,
 )
-from policies.queue_order import QueuedRequest
+from policies.queue_order import LateLast, OrderContext, QueuedRequest, make_order
 
 PREFILL = (0.02, 1e-4, 0.0)  # 20 ms + 0.1 ms per prompt token
 DECODE = (0.01, 1e-6, 1e-4)  # 10 ms per step + context + batch terms
@@ -223,3 +224,62 @@ def test_candidates_read_in_chunks_are_the_first_untaken_in_order(
     candidates = _Candidates(_QueuePrefix(iter(items)), skip, limit, chunk)
     assert [i.view.request_id for i in candidates] == expected
     assert bool(candidates) == bool(expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(10, 900), st.floats(0.0, 2.0), st.sampled_from([0.3, 0.8, 2.0])),
+        min_size=1,
+        max_size=40,
+    ),
+    kvs=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
+    busy=st.integers(0, 3),
+    now=st.floats(0.5, 3.0),
+)
+def test_the_late_lane_break_changes_no_decision(
+    specs: list[tuple[int, float, float]], kvs: list[int], busy: int, now: float
+) -> None:
+    """On a queue in LateLast order, ending the first pass at the first late request (late_last)
+    admits exactly what skipping every late request one by one admits, at the same maturities;
+    so does stopping a turn once its KV left is below the least any queued request needs."""
+    ctx = OrderContext(prefill_tokens_per_s=1.0 / PREFILL[1], decode_step_s=0.01, prefill_base_s=PREFILL[0])
+    order = LateLast(make_order("fcfs"))
+    items = [req(f"r{i}", prompt=p, arrival=a, ttft=t) for i, (p, a, t) in enumerate(specs)]
+    items.sort(key=lambda it: order.key(it, now, ctx)[0])
+    running = tuple(RunningRequest(200, 5, 0.1, prefilled=False) for _ in range(busy))
+    workers = [worker(f"w{i}", running=running, kv=kv) for i, kv in enumerate(kvs)]
+    params = HyperFlexisParams(max_scan=64)
+    plain = dispatch(items, workers, now, params)
+    laned = dispatch(items, workers, now, params, late_last=ctx)
+    least = min(i.view.prompt_tokens + i.view.max_output_tokens for i in items)
+    bounded = dispatch(items, workers, now, params, late_last=ctx, queue_min_need=least)
+    for other in (laned, bounded):
+        assert other.assignments == plain.assignments
+        assert other.maturity == plain.maturity
+        assert other.wake_at == plain.wake_at
+
+
+def test_the_late_lane_break_skips_reading_the_late_part() -> None:
+    ctx = OrderContext(prefill_tokens_per_s=1.0 / PREFILL[1], decode_step_s=0.01, prefill_base_s=PREFILL[0])
+    late = [req(f"l{i}", prompt=100, arrival=0.0, ttft=0.3) for i in range(500)]
+    read: list[str] = []
+
+    def source() -> Iterator[QueuedRequest]:
+        for item in late:
+            read.append(item.view.request_id)
+            yield item
+
+    full = RunningRequest(100, 1, 0.1, prefilled=True)
+    busy = worker("w", running=(full,) * 3, kv=10)  # fits nothing: backfill ends after its misses
+    decision = dispatch(source(), [busy], 2.0, HyperFlexisParams(max_scan=128), late_last=ctx)
+    assert decision.assignments == ()
+    assert len(read) < 60  # without the lane the first pass alone reads max_scan = 128
+    read.clear()
+    dispatch(
+        (i for i in late if read.append(i.view.request_id) is None),
+        [busy],
+        2.0,
+        HyperFlexisParams(max_scan=128),
+    )
+    assert len(read) >= 128
