@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -29,13 +28,12 @@ from gateway.api.auth import Authenticator, AuthError
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
-from gateway.dispatch.loop import ClassLimits, DispatchLoop
-from gateway.dispatch.profile import dispatcher_config
+from gateway.dispatch.build import RoutingProfile, build_core
+from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet
-from gateway.router import Router, load_pipeline
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.settings import Settings
@@ -56,8 +54,7 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         # Every profile is read and validated here, before anything binds or connects.
-        self.pipeline = load_pipeline(settings.routing_profile_path())
-        self.dispatcher = dispatcher_config(yaml.safe_load(settings.routing_profile_path().read_text()))
+        self.routing = RoutingProfile.load(settings.routing_profile_path())
         self.slo = SloService(settings)
         self.auth = Authenticator(settings)
         self.tracing = Tracing(settings.tracing, settings.otlp_endpoint)
@@ -103,26 +100,10 @@ class Gateway:
         # Serve with real health information rather than guessing: wait for one round of checks.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
-        self.dispatch = DispatchLoop(
-            self.fleet,
-            Router(self.fleet, self.pipeline),
-            self.dispatcher.order,
-            self.slo.coefficients,
-            self._class_limits,
-            hyperflexis=self.dispatcher.hyperflexis,
-            max_engine_load=s.max_engine_load,
-            tightest_ttft_s=self.slo.profile.tightest_ttft_s,
-        )
+        self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing))
         self.dispatch.start()
         flow = CollocatedFlow(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
-
-    def _class_limits(self, slo_class: str) -> ClassLimits:
-        try:
-            limits = self.slo.profile.queue_limits(slo_class)
-        except KeyError:
-            return ClassLimits()
-        return ClassLimits(limits.max_queued, limits.timeout_s)
 
     async def stop(self) -> None:
         if self.proxy is not None:

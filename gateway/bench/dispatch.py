@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.api.errors import GatewayError
-from gateway.dispatch.core import ClassLimits
+from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
 from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
@@ -84,14 +84,16 @@ def _dispatch_loop(fleet: Fleet, dispatcher: str, slots: int) -> DispatchLoop:
     pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
     hyperflexis = dispatcher == "hyperflexis"
     return DispatchLoop(
-        fleet,
-        Router(fleet, pipeline),
-        make_order("slo_tpot" if hyperflexis else "fcfs", {}),
-        lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
-        lambda _: ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0),
-        hyperflexis=HyperFlexisParams(max_scan=128) if hyperflexis else None,
-        max_engine_load=None if hyperflexis else slots,
-        tightest_ttft_s=5.0,
+        DispatchCore(
+            fleet,
+            Router(fleet, pipeline),
+            make_order("slo_tpot" if hyperflexis else "fcfs", {}),
+            lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
+            lambda _: ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0),
+            hyperflexis=HyperFlexisParams(max_scan=128) if hyperflexis else None,
+            max_engine_load=None if hyperflexis else slots,
+            tightest_ttft_s=5.0,
+        )
     )
 
 

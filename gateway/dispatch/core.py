@@ -36,6 +36,7 @@ from gateway.dispatch.workers import HyperFlexisWorkers
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
+from policies.api import RequestView
 from policies.hyperflexis import HyperFlexisParams, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
@@ -126,7 +127,30 @@ class DispatchCore:
         self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
         self._context = self._default_context
         self._context_key: tuple[float, ...] = ()
+        self._seq = 0
         fleet.listeners.append(self._on_engine_change)
+
+    def ticket(
+        self,
+        view: RequestView,
+        ttft_slo: float,
+        tpot_slo: float,
+        slo_class: str,
+        entry: RunningEntry,
+        now: float,
+        batch: tuple[str, str] | None = None,
+    ) -> Ticket:
+        """A request as the core queues it: numbered in arrival order, with its class's queue
+        deadline. Every driver (the live loop, the offline simulator) makes tickets here."""
+        self._seq += 1
+        item = QueuedRequest(
+            view=view,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
+            seq=self._seq,
+            queue_deadline=now + self.limits(slo_class).queue_timeout_s,
+        )
+        return Ticket(item, slo_class, entry, now, batch)
 
     # -- reads -----------------------------------------------------------------------------------
 

@@ -22,12 +22,8 @@ from collections.abc import Callable, Collection
 
 from gateway.api.errors import GatewayError
 from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
-from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
-from gateway.router import Router
+from gateway.fleet.registry import EngineRecord, RunningEntry
 from policies.api import RequestView
-from policies.hyperflexis import HyperFlexisParams
-from policies.latency_fit import Coeffs
-from policies.queue_order import QueuedRequest, QueueOrder
 
 log = logging.getLogger("slogate.dispatch")
 
@@ -37,27 +33,13 @@ __all__ = ["ClassLimits", "DispatchLoop"]
 class DispatchLoop:
     """Owns the dispatch core; the serving flows call :meth:`place` and :meth:`release`."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        router: Router,
-        order: QueueOrder,
-        coefficients: Callable[[str], tuple[Coeffs, Coeffs]],
-        limits: Callable[[str], ClassLimits],
-        hyperflexis: HyperFlexisParams | None = None,
-        max_engine_load: int | None = None,
-        tightest_ttft_s: float = math.inf,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.fleet = fleet
-        self.limits = limits
+    def __init__(self, core: DispatchCore, clock: Callable[[], float] = time.monotonic) -> None:
+        """Drive ``core`` on the running event loop, on ``clock`` (the core's time base)."""
+        self.core = core
+        self.fleet = core.fleet
         self.clock = clock
-        self.core = DispatchCore(
-            fleet, router, order, coefficients, limits, hyperflexis, max_engine_load, tightest_ttft_s
-        )
         self.core.wake = self.wake
         self._futures: dict[str, asyncio.Future[EngineRecord]] = {}
-        self._seq = 0
         self._event = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -109,15 +91,7 @@ class DispatchLoop:
         or after queueing; raises GatewayError when the request is refused. The caller must
         :meth:`release` the reservation when the request leaves the engine."""
         now = self.clock()
-        self._seq += 1
-        item = QueuedRequest(
-            view=view,
-            ttft_slo=ttft_slo,
-            tpot_slo=tpot_slo,
-            seq=self._seq,
-            queue_deadline=now + self.limits(slo_class).queue_timeout_s,
-        )
-        ticket = Ticket(item, slo_class, entry, now, batch)
+        ticket = self.core.ticket(view, ttft_slo, tpot_slo, slo_class, entry, now, batch)
         if exclude:
             return self.core.retry(ticket, exclude, now)
         try:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from gateway import metrics
 from gateway.api.auth import OPEN_POLICY, clamp_hints, clamp_target
 from gateway.api.errors import bad_request
+from gateway.dispatch.core import ClassLimits
 from gateway.fleet.registry import EngineRecord
 from gateway.serving.call import BatchObservation, Call
 from gateway.settings import ApiKeyPolicy, Settings
@@ -169,7 +170,11 @@ class SloService:
                 else None
             )
             self._judge_objectives(call.target, ttft, tpot)
-            self._learn(call, ttft, tpot)
+            if call.engine_id is not None:
+                queue_s = call.dispatched_at - call.arrival if call.dispatched_at else 0.0
+                self.learn(
+                    call.engine_id, call.priority, queue_s, ttft, tpot, call.request.prompt_tokens, call.batch
+                )
         return outcome
 
     def _outcome(self, call: Call, status: int) -> str | None:
@@ -207,16 +212,22 @@ class SloService:
         metrics.child(metrics.SLO_OUTCOMES, cls, "tpot", "met" if tpot_ok else "missed").inc()
         metrics.child(metrics.SLO_OUTCOMES, cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
 
-    def _learn(self, call: Call, ttft_s: float, tpot_s: float | None) -> None:
-        """Feed the priority mapper's windows and the engine's latency model."""
-        engine_id = call.engine_id
-        if engine_id is None:
-            return
-        queue_s = call.dispatched_at - call.arrival if call.dispatched_at else 0.0
-        if self.mapping is not None and tpot_s is not None and call.priority is not None:
-            self.mapping = observe_completion(self.mapping, call.priority, ttft_s, tpot_s, queue_s)
+    def learn(
+        self,
+        engine_id: str,
+        priority: int | None,
+        queue_s: float,
+        ttft_s: float,
+        tpot_s: float | None,
+        prompt_tokens: int,
+        batch: BatchObservation | None,
+    ) -> None:
+        """Feed the priority mapper's windows and the engine's latency model with one streamed
+        request that was served: its time queued in the gateway, its TTFT and mean TPOT as the
+        client saw them (the live gateway and the offline simulator both call this)."""
+        if self.mapping is not None and tpot_s is not None and priority is not None:
+            self.mapping = observe_completion(self.mapping, priority, ttft_s, tpot_s, queue_s)
         model = self.models.get(engine_id)
-        batch = call.batch
         if model is None or batch is None:
             return
         # The gateway sees whole requests, not engine steps. The first token comes once every prompt
@@ -229,7 +240,7 @@ class SloService:
         )
         prefill_s = ttft_s - queue_s
         if prefill_s > 0:
-            prefill_ring.append(PrefillSample((*batch.prefill_ahead, call.request.prompt_tokens), prefill_s))
+            prefill_ring.append(PrefillSample((*batch.prefill_ahead, prompt_tokens), prefill_s))
         if tpot_s is not None and tpot_s > 0 and batch.batch_size > 0:
             decode_ring.append(DecodeSample(batch.batch_tokens, batch.batch_size, tpot_s))
         count = self._observations.get(engine_id, 0) + 1
@@ -247,6 +258,14 @@ class SloService:
         for stage, err in (("prefill", model.prefill_error()), ("decode", model.decode_error())):
             if not math.isnan(err):
                 metrics.LATENCY_ERROR.labels(engine_id, stage).set(err)
+
+    def class_limits(self, slo_class: str) -> ClassLimits:
+        """Queue bounds of ``slo_class`` from the profile (the defaults for a class it lacks)."""
+        try:
+            limits = self.profile.queue_limits(slo_class)
+        except KeyError:
+            return ClassLimits()
+        return ClassLimits(limits.max_queued, limits.timeout_s)
 
     def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs]:
         model = self.models.get(engine_id)

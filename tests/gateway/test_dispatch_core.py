@@ -174,12 +174,14 @@ async def test_an_assignment_racing_a_cancellation_gives_the_capacity_back() -> 
     fleet = offline_fleet({"a": 1})
     pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
     loop = DispatchLoop(
-        fleet,
-        Router(fleet, pipeline),
-        make_order("fcfs", {}),
-        lambda _: ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
-        lambda _: ClassLimits(),
-        max_engine_load=1,
+        DispatchCore(
+            fleet,
+            Router(fleet, pipeline),
+            make_order("fcfs", {}),
+            lambda _: ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+            lambda _: ClassLimits(),
+            max_engine_load=1,
+        )
     )
     loop.start()
     try:
@@ -415,13 +417,15 @@ async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place(
     fleet = offline_fleet({"a": 2})
     pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
     loop = DispatchLoop(
-        fleet,
-        Router(fleet, pipeline),
-        make_order("slo_tpot", {}),
-        lambda _: ((0.025, 1e-4, 0.0), (0.012, 4e-8, 1e-4)),
-        lambda _: ClassLimits(queue_timeout_s=5.0),
-        hyperflexis=HyperFlexisParams(),
-        max_engine_load=1,
+        DispatchCore(
+            fleet,
+            Router(fleet, pipeline),
+            make_order("slo_tpot", {}),
+            lambda _: ((0.025, 1e-4, 0.0), (0.012, 4e-8, 1e-4)),
+            lambda _: ClassLimits(queue_timeout_s=5.0),
+            hyperflexis=HyperFlexisParams(),
+            max_engine_load=1,
+        )
     )
     loop.start()
     try:
