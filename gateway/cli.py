@@ -42,6 +42,12 @@ def _experiment(args: argparse.Namespace) -> int:
     return experiment_main(args)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from gateway.simulator.cli import simulate_main
+
+    return simulate_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.bench == "large-body":
         from gateway.bench.large_body import bench_large_body_main
@@ -102,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         exp_sub.add_parser("priority-ramp", help="P3..P0 join one by one; P0 TTFT per window (Experiment B)")
     )
     p.set_defaults(func=_experiment)
+
+    p = sub.add_parser("simulate", help="compare policies offline: the gateway's dispatch in virtual time")
+    from gateway.simulator.cli import add_simulate_arguments
+
+    add_simulate_arguments(p)
+    p.set_defaults(func=_simulate)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)

@@ -112,7 +112,13 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
             texts.append(content)
         elif isinstance(content, list):
             texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return _MESSAGE_OVERHEAD_TOKENS * len(messages) + 1 + estimate_total_tokens(texts)
+    return chat_prompt_estimate(len(messages), estimate_total_tokens(texts))
+
+
+def chat_prompt_estimate(messages: int, content_tokens: int) -> int:
+    """The gateway's prompt-token estimate of a chat request: its contents plus what the chat
+    template adds per message and for the assistant's turn (the offline simulator uses it too)."""
+    return _MESSAGE_OVERHEAD_TOKENS * messages + 1 + content_tokens
 
 
 def _completion_prompt_tokens(body: dict[str, Any]) -> int:

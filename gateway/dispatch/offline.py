@@ -31,6 +31,11 @@ def offline_fleet(engines_per_model: dict[str, int], stale_after_s: float = 3.0)
         for model, count in engines_per_model.items()
         for i in range(count)
     ]
+    return fleet_of(configs, stale_after_s)
+
+
+def fleet_of(configs: Sequence[EngineConfig], stale_after_s: float) -> Fleet:
+    """A fleet of these engines, all healthy, with adapters that have no HTTP session."""
     no_session = cast(aiohttp.ClientSession, None)
     fleet = Fleet([adapter_for(c, no_session, 1.0) for c in configs], stale_after_s)
     for engine_id in fleet.records:

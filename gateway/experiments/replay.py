@@ -160,6 +160,7 @@ class Summary:
     e2e_p99_s: float
     errors: int
     makespan_s: float
+    e2e_p50_s: float = 0.0
 
 
 def summarize(outcomes: Sequence[Outcome]) -> Summary:
@@ -177,4 +178,5 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
         e2e_p99_s=e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
         errors=n - len(ok),
         makespan_s=max(o.start_s + o.e2e_s for o in outcomes),
+        e2e_p50_s=e2e[len(e2e) // 2],
     )

@@ -14,8 +14,28 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from policies.api import EngineState
+
 if TYPE_CHECKING:
+    from gateway.sim.engine import EngineModel
     from gateway.sim.server import SimServer
+
+
+def engine_state(model: EngineModel, sleeping: bool = False) -> EngineState:
+    """What the gateway's vLLM adapter reads off this engine's ``/metrics``, without the text:
+    the offline cluster simulator scrapes with it, and the exported gauges come from it, so the
+    two cannot disagree (a test parses the text and compares)."""
+    return EngineState(
+        num_running=len(model.running),
+        num_waiting=len(model.waiting) + len(model.transferring),
+        kv_usage=model.cache.usage,
+        prefix_queries=float(model.counters.prefix_queries),
+        prefix_hits=float(model.counters.prefix_hits),
+        block_size=model.profile.block_size,
+        num_gpu_blocks=model.profile.num_gpu_blocks,
+        sleeping=sleeping,
+    )
+
 
 TTFT_BUCKETS = (
     0.001,
@@ -109,11 +129,12 @@ class _Collector:
             c.add_metric(values, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in the running batch", len(m.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting", len(m.waiting) + len(m.transferring))
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%", m.cache.usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens)", m.counters.prefix_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens)", m.counters.prefix_hits)
+        state = engine_state(m)
+        yield gauge("vllm:num_requests_running", "Requests in the running batch", state.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting", state.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%", state.kv_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens)", state.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens)", state.prefix_hits)
         yield counter("vllm:prompt_tokens", "Prefill tokens processed", m.counters.prompt_tokens)
         yield counter("vllm:generation_tokens", "Generation tokens processed", m.counters.generation_tokens)
         yield counter("vllm:num_preemptions", "Preemptions", m.counters.preemptions)
@@ -129,13 +150,13 @@ class _Collector:
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "engine", "num_gpu_blocks"],
         )
         info.add_metric(
-            [str(m.profile.block_size), "auto", "True", s.config.engine_id, str(m.profile.num_gpu_blocks)],
+            [str(state.block_size), "auto", "True", s.config.engine_id, str(state.num_gpu_blocks)],
             1.0,
         )
         yield info
         sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Sleep state", labels=[*labels, "sleep_state"])
-        for state in ("awake", "weights_offloaded", "discard_all"):
-            sleep.add_metric([*values, state], 1.0 if s.admin.sleep_state == state else 0.0)
+        for mode in ("awake", "weights_offloaded", "discard_all"):
+            sleep.add_metric([*values, mode], 1.0 if s.admin.sleep_state == mode else 0.0)
         yield sleep
 
 

@@ -1,0 +1,184 @@
+"""``slogate simulate``: compare routing policies on a workload over a QPS range, offline.
+
+Every (policy, QPS, seed) point is an independent virtual-time run of the gateway's own dispatch
+core in front of simulated engines (:mod:`gateway.simulator.scenario`); points run in parallel
+worker processes, one per core. Writes a Markdown table, the points as JSON, and PNG plots.
+
+A policy is a routing profile name (``profiles/routing``) or path; ``+prio`` after it makes the
+engines order their own queues by the TTFT deadline the gateway sends (the engines'
+priority scheduling, a strong SLO-aware baseline for any routing profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+
+from gateway.experiments.plotting import pyplot
+from gateway.experiments.priority_ramp import plot as plot_ramp
+from gateway.experiments.replay import Outcome
+from gateway.experiments.workloads import read_workload
+from gateway.simulator.report import Row, plot_curves, row, table
+from gateway.simulator.scenario import RunResult, Scenario, run
+
+PRIO_SUFFIX = "+prio"
+
+
+def parse_rates(text: str) -> list[float]:
+    """``a:b:step`` (inclusive) or a comma-separated list; every rate > 0."""
+    try:
+        if ":" in text:
+            start, stop, step = (float(x) for x in text.split(":"))
+            if step <= 0:
+                raise ValueError
+            rates, value = [], start
+            while value <= stop + 1e-9 * max(1.0, abs(stop)):
+                rates.append(round(value, 9))
+                value = start + step * len(rates)
+        else:
+            rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"slogate simulate: --qps must be a:b:step or a comma list of numbers, got {text!r}"
+        ) from None
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"slogate simulate: --qps needs rates > 0, got {text!r}")
+    return rates
+
+
+def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -> Scenario:
+    profile, prio = (policy[: -len(PRIO_SUFFIX)], True) if policy.endswith(PRIO_SUFFIX) else (policy, False)
+    ramp = read_workload(args.workload).kind == "ramp"
+    return Scenario(
+        workload=args.workload,
+        qps=qps,
+        policy=profile,
+        engines=args.engines,
+        engine_profile=args.profile,
+        # a priority ramp sends only x-priority and lets the priority profile map it (Fig. 6)
+        slo_profile=args.slo_profile or ("priority" if ramp else "hyperflexis-4task"),
+        explicit_slo=not ramp,
+        requests=args.requests,
+        duration_s=args.duration,
+        seed=seed,
+        engine_priority=prio or args.engine_priority,
+    )
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload", default="hyperflexis-4task", help="name in loadtest/workloads or a path"
+    )
+    parser.add_argument(
+        "--policies",
+        default="least-load,least-load+prio,hyperflexis",
+        help="routing profiles, comma-separated; a '+prio' suffix turns on the engines' priority scheduling",
+    )
+    parser.add_argument("--qps", default="4:16:4", help="a:b:step (inclusive) or a comma list")
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--profile", default="qwen-7b", help="engine profile (profiles/engines)")
+    parser.add_argument("--slo-profile", default=None, help="gateway SLO profile (default per workload)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per point (default: the workload's)"
+    )
+    parser.add_argument("--duration", type=float, default=None, help="arrivals for this many seconds")
+    parser.add_argument("--engine-priority", action="store_true", help="priority scheduling on every engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    parser.add_argument("--out", type=Path, default=Path("results/simulate"))
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    pyplot()  # fail now, not after the runs, if matplotlib is missing
+    if args.engines < 1 or args.repeat < 1 or args.jobs < 1:
+        raise SystemExit("slogate simulate: --engines, --repeat and --jobs must be >= 1")
+    try:
+        read_workload(args.workload)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"slogate simulate: {exc}") from None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rates = parse_rates(args.qps)
+    seeds = range(args.seed, args.seed + args.repeat)
+    points = [scenario_for(args, p, q, s) for q in rates for p in policies for s in seeds]
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"[simulate] {len(points)} runs: {len(policies)} policies x {len(rates)} rates x "
+        f"{args.repeat} seeds, {args.engines} x {args.profile}, workload {args.workload}, "
+        f"{min(args.jobs, len(points))} processes",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.perf_counter()
+    results: dict[tuple[str, float], list[RunResult]] = {}
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(points))) as pool:
+        futures = {pool.submit(run, point): (policy, point) for point, policy in _labelled(points, args)}
+        for done, future in enumerate(as_completed(futures), start=1):
+            policy, point = futures[future]
+            result = future.result()
+            results.setdefault((policy, point.qps), []).append(result)
+            attained = sum(o.met for o in result.outcomes) / max(1, len(result.outcomes))
+            print(
+                f"[simulate] ({done}/{len(points)}) {policy} @ {point.qps:g} QPS seed {point.seed}: "
+                f"{attained:.1%} attained, {len(result.outcomes)} requests, {result.events:,} events "
+                f"in {result.wall_s:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = [
+        row(
+            policy,
+            qps,
+            [r.outcomes for r in runs],
+            [r.cost_units for r in runs],
+            sum(r.events for r in runs),
+            sum(r.wall_s for r in runs),
+        )
+        for (policy, qps), runs in results.items()
+    ]
+    text = table(rows)
+    print(text)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "points.json").write_text(json.dumps([_as_json(r) for r in rows], indent=2))
+    curves = args.out / "attainment_vs_qps.png"
+    plot_curves(rows, curves, f"{args.workload}: {args.engines} x {args.profile} (simulated)")
+    written = [args.out / "table.md", args.out / "points.json", curves]
+    if read_workload(args.workload).kind == "ramp":
+        for qps in rates:
+            ramp = args.out / f"ttft_over_time_{qps:g}qps.png"
+            by_policy: dict[str, list[Outcome]] = {
+                policy: [o for r in results[(policy, qps)] for o in r.outcomes] for policy in policies
+            }
+            horizon = max((o.spec.at for outs in by_policy.values() for o in outs), default=0.0)
+            plot_ramp(by_policy, ramp, horizon)
+            written.append(ramp)
+    print(f"[simulate] done in {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _labelled(points: list[Scenario], args: argparse.Namespace) -> list[tuple[Scenario, str]]:
+    """Each scenario with the policy name as the user wrote it (``+prio`` kept)."""
+    out = []
+    for point in points:
+        name = point.policy + (PRIO_SUFFIX if point.engine_priority and not args.engine_priority else "")
+        out.append((point, name))
+    return out
+
+
+def _as_json(r: Row) -> dict[str, object]:
+    return {
+        "policy": r.policy,
+        "qps": r.qps,
+        "cost_units": r.cost_units,
+        **asdict(r.summary),
+        "attainment_by_task": r.by_task,
+        "attainment_per_run": list(r.runs),
+        "events": r.events,
+        "wall_s": r.wall_s,
+    }

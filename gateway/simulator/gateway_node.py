@@ -1,0 +1,278 @@
+"""The gateway in virtual time: the live gateway's dispatch core, SLO service and fleet registry,
+driven by the simulator's clock instead of asyncio.
+
+What the live front door, serving flow and monitor do around the core is done here at the same
+moments and with the same calls: classification from the request's SLO headers
+(:meth:`SloService.classify`), tickets and submission (:meth:`DispatchCore.ticket`,
+:meth:`DispatchCore.submit`), the loop's step / deliver / timer (as :class:`DispatchLoop`),
+reservation release when a stream ends, first-token and token accounting, latency-model learning
+(:meth:`SloService.learn`) and periodic scrapes of each engine's metrics. The gateway therefore
+knows the engines only as it does live: its own shadow and state as of the last scrape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.api.errors import GatewayError
+from gateway.api.request_parse import chat_prompt_estimate
+from gateway.dispatch.build import RoutingProfile, build_core
+from gateway.dispatch.offline import fleet_of
+from gateway.dispatch.slo_service import SloService
+from gateway.experiments.prompts import prompt_token_ids
+from gateway.experiments.replay import Outcome
+from gateway.experiments.workload import RequestSpec
+from gateway.fleet.registry import EngineRecord, RunningEntry
+from gateway.serving.call import BatchObservation
+from gateway.settings import Settings
+from gateway.sim.engine import SimRequest
+from gateway.simulator.clock import EventQueue
+from gateway.simulator.engine_node import EngineNode
+from gateway.tokenizer import encode
+from policies.api import RequestView
+from policies.slo import SloTarget
+
+#: what the chat template wraps one user message in (the simulated engine applies ChatML)
+_TEMPLATE_HEAD = tuple(encode("<|im_start|>user\n"))
+_TEMPLATE_TAIL = tuple(encode("<|im_end|>\n<|im_start|>assistant\n"))
+#: engine ``priority`` values stay integers every JSON parser reads exactly (as the live flow)
+_MAX_PRIORITY = (1 << 53) - 1
+
+
+def engine_prompt(spec: RequestSpec) -> list[int]:
+    """The token ids the simulated engine computes for the spec's chat request."""
+    return [*_TEMPLATE_HEAD, *prompt_token_ids(spec), *_TEMPLATE_TAIL]
+
+
+@dataclass(slots=True)
+class _Flight:
+    spec: RequestSpec
+    rid: str
+    arrival: float
+    target: SloTarget
+    priority: int | None
+    prompt_estimate: int
+    entry: RunningEntry
+    record: EngineRecord | None = None
+    dispatched_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    tokens: int = 0
+    batch: BatchObservation | None = None
+
+
+class SimGateway:
+    def __init__(self, settings: Settings, clock: EventQueue, model: str, explicit_slo: bool = True) -> None:
+        """``explicit_slo``: requests carry their task's targets as headers (else only their
+        priority, for the SLO profile to map), as :func:`gateway.experiments.replay.replay`."""
+        self.settings = settings
+        self.explicit_slo = explicit_slo
+        self.clock = clock
+        self.model = model
+        self.fleet = fleet_of(settings.engines, settings.stale_after_s)
+        self.slo = SloService(settings)
+        self.core = build_core(
+            settings, self.fleet, self.slo, RoutingProfile.load(settings.routing_profile_path())
+        )
+        self.core.wake = self._wake
+        self.engines: dict[str, EngineNode] = {}
+        self.flights: dict[str, _Flight] = {}
+        self.outcomes: list[Outcome] = []
+        self._count = 0
+        self._step_due = False
+        self._timer_at = math.inf
+        self._timer_version = 0
+        self._scraping = True
+
+    # -- engines and scrapes -----------------------------------------------------------------------
+
+    def attach(self, engines: Sequence[EngineNode]) -> None:
+        """The engines behind the gateway; each is scraped every monitor interval, in staggered
+        phases as the live monitor's checks land, the first scrape at once."""
+        interval = self.settings.monitor_interval_s
+        for i, node in enumerate(engines):
+            self.engines[node.engine_id] = node
+            self._scrape(node.engine_id)
+            self.clock.at(
+                self.clock.now + interval * (i + 1) / len(engines), self._scrape_every, node.engine_id
+            )
+
+    def stop_scrapes(self) -> None:
+        self._scraping = False
+
+    def _scrape(self, engine_id: str) -> None:
+        self.fleet.record_state(engine_id, self.engines[engine_id].state(), self.clock.now)
+
+    def _scrape_every(self, engine_id: str) -> None:
+        if not self._scraping:
+            return
+        self._scrape(engine_id)
+        self.clock.at(self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id)
+
+    # -- the front door: one request arrives -------------------------------------------------------
+
+    def arrive(self, spec: RequestSpec) -> None:
+        now = self.clock.now
+        self._count += 1
+        rid = f"sg-sim-{self._count}"
+        # the headers a client replaying the workload sends (gateway.experiments.replay)
+        headers = {b"x-priority": str(spec.priority).encode()}
+        if self.explicit_slo:
+            headers[b"x-slo-task"] = spec.task.encode()
+            headers[b"x-slo-ttft-ms"] = f"{spec.ttft_s * 1000:.3f}".encode()
+            headers[b"x-slo-tpot-ms"] = f"{spec.tpot_s * 1000:.3f}".encode()
+        target, priority = self.slo.classify(headers, 0)
+        self.slo.started(priority)
+        estimate = chat_prompt_estimate(1, spec.prompt_tokens)
+        view = RequestView(
+            request_id=rid,
+            model=self.model,
+            prompt_tokens=estimate,
+            max_output_tokens=spec.output_tokens,
+            arrival=now,
+            priority=priority if priority is not None else 0,
+            task=target.slo_class,
+        )
+        entry = RunningEntry(estimate, spec.output_tokens, target.tpot_s, 0.0)
+        flight = _Flight(spec, rid, now, target, priority, estimate, entry)
+        self.flights[rid] = flight
+        ticket = self.core.ticket(view, target.ttft_s, target.tpot_s, target.slo_class, entry, now)
+        try:
+            record = self.core.submit(ticket, now)
+        except GatewayError as exc:
+            self._refused(flight, exc.status)
+            self._deliver()
+            return
+        if record is not None:
+            self._send(flight, record)
+        self._deliver()
+
+    # -- the dispatch loop, as DispatchLoop runs it ------------------------------------------------
+
+    def _wake(self) -> None:
+        if not self._step_due:
+            self._step_due = True
+            self.clock.soon(self._step)
+
+    def _step(self) -> None:
+        self._step_due = False
+        self.core.step(self.clock.now)
+        self._deliver()
+        self._arm(self.core.next_wake())
+
+    def _arm(self, at: float) -> None:
+        if at == self._timer_at:
+            return
+        self._timer_version += 1  # the timer set before, if any, no longer fires
+        if at <= self.clock.now:
+            self._timer_at = math.inf
+            self._wake()
+            return
+        self._timer_at = at
+        if at != math.inf:
+            self.clock.at(at, self._fire, self._timer_version)
+
+    def _fire(self, version: int) -> None:
+        if version == self._timer_version:
+            self._timer_at = math.inf
+            self._wake()
+
+    def _deliver(self) -> None:
+        outbox = self.core.outbox
+        if not outbox:
+            return
+        self.core.outbox = []
+        for rid, result in outbox:
+            flight = self.flights.get(rid)
+            if flight is None:
+                continue
+            if isinstance(result, EngineRecord):
+                self._send(flight, result)
+            else:
+                self._refused(flight, result.status)
+
+    # -- the serving flow: send, relay, finish -----------------------------------------------------
+
+    def _send(self, flight: _Flight, record: EngineRecord) -> None:
+        now = self.clock.now
+        flight.record = record
+        flight.dispatched_at = now
+        flight.entry.dispatched_at = now
+        flight.batch = self.slo.batch_observation(record, flight.rid)
+        adapter = record.adapter
+        priority = 0
+        if adapter.accepts_priority:
+            # the live flow's engine priority: the TTFT deadline in ms since the gateway started
+            deadline_ms = int((flight.arrival + flight.target.ttft_s) * 1000)
+            priority = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
+        spec = flight.spec
+        request = SimRequest(
+            flight.rid,
+            engine_prompt(spec),
+            spec.output_tokens,
+            now,
+            priority=priority,
+            ignore_eos=True,
+            output_len=spec.output_tokens,
+        )
+        self.engines[record.engine_id].add(request)
+
+    def on_tokens(self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float) -> None:
+        flights = self.flights
+        fleet = self.fleet
+        for request, _ in tokens:
+            flight = flights.get(request.request_id)
+            if flight is None or flight.record is None:
+                continue
+            if not flight.tokens:
+                flight.first_at = now
+                fleet.mark_prefilled(engine_id, flight.rid)
+            flight.last_at = now
+            flight.tokens += 1
+            fleet.add_generated(flight.record, flight.entry, 1)
+
+    def on_finished(self, engine_id: str, requests: list[SimRequest], now: float) -> None:
+        for request in requests:
+            flight = self.flights.pop(request.request_id, None)
+            if flight is None:
+                continue
+            self.fleet.release(engine_id, flight.rid)
+            ttft = flight.first_at - flight.arrival if flight.tokens else math.inf
+            tpot = (flight.last_at - flight.first_at) / (flight.tokens - 1) if flight.tokens > 1 else 0.0
+            if flight.tokens:
+                self.slo.learn(
+                    engine_id,
+                    flight.priority,
+                    flight.dispatched_at - flight.arrival,
+                    ttft,
+                    tpot if flight.tokens > 1 else None,
+                    flight.prompt_estimate,
+                    flight.batch,
+                )
+            self.slo.left(flight.priority)
+            self._outcome(flight, 200, ttft, tpot, now - flight.arrival, engine_id)
+
+    def _refused(self, flight: _Flight, status: int) -> None:
+        self.flights.pop(flight.rid, None)
+        self.slo.left(flight.priority)
+        self._outcome(flight, status, math.inf, 0.0, self.clock.now - flight.arrival, "")
+
+    def _outcome(
+        self, flight: _Flight, status: int, ttft: float, tpot: float, e2e: float, engine: str
+    ) -> None:
+        self.outcomes.append(
+            Outcome(
+                flight.spec,
+                status,
+                ttft,
+                tpot,
+                e2e,
+                flight.tokens,
+                flight.arrival,
+                engine,
+                flight.target.ttft_s,
+                flight.target.tpot_s,
+            )
+        )

@@ -1,0 +1,179 @@
+"""One simulated run: a workload replayed against N engines behind the gateway, in virtual time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.experiments.replay import Outcome
+from gateway.experiments.workload import RequestSpec
+from gateway.experiments.workloads import load_workload
+from gateway.settings import EngineConfig, Settings
+from gateway.sim.profiles import load_profile
+from gateway.simulator.clock import EventQueue
+from gateway.simulator.engine_node import EngineNode
+from gateway.simulator.gateway_node import SimGateway
+
+MODEL = "sim-model"
+#: HyperFlexis §7.5: one cost unit is one instance active for 50 ms
+COST_UNIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Everything one point of a comparison needs; picklable, so points run in worker processes."""
+
+    workload: str
+    qps: float
+    policy: str  # a routing profile: name in profiles/routing or a path
+    engines: int = 4
+    engine_profile: str = "qwen-7b"
+    slo_profile: str = "hyperflexis-4task"
+    requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+    #: engines order their own queue by the gateway-supplied TTFT deadline (vLLM --scheduling-policy priority)
+    engine_priority: bool = False
+    #: requests carry their task's SLO targets as headers; False: only ``x-priority`` (for a
+    #: priority profile to map, as in the priority-ramp experiment)
+    explicit_slo: bool = True
+    monitor_interval_s: float = 1.0
+    max_engine_load: int | None = None
+    #: extra settings passed to the gateway (any Settings field)
+    settings: tuple[tuple[str, object], ...] = field(default=())
+
+    def label(self) -> str:
+        return f"{self.policy} @ {self.qps:g} QPS"
+
+
+@dataclass(slots=True)
+class RunResult:
+    scenario: Scenario
+    outcomes: list[Outcome]
+    events: int
+    wall_s: float
+    #: virtual seconds from the first arrival to the last answer
+    makespan_s: float
+    #: engine-seconds the fleet was provisioned for (engines x makespan), in cost units
+    cost_units: float
+    #: virtual seconds engines spent running steps, summed over engines
+    busy_s: float
+
+
+def settings_for(scenario: Scenario) -> Settings:
+    engines = [
+        EngineConfig(
+            url=f"http://sim-{i}.invalid:8000",  # type: ignore[arg-type]
+            kind="sim",
+            model=MODEL,
+            name=f"sim-{i}",
+            latency_profile=scenario.engine_profile,
+            priority_scheduling=scenario.engine_priority,
+        )
+        for i in range(scenario.engines)
+    ]
+    extra: dict[str, Any] = dict(scenario.settings)
+    return Settings(
+        engines=engines,
+        routing_profile=scenario.policy,
+        slo_profile=scenario.slo_profile,
+        monitor_interval_s=scenario.monitor_interval_s,
+        max_engine_load=scenario.max_engine_load,
+        **extra,
+    )
+
+
+def workload_for(scenario: Scenario) -> list[RequestSpec]:
+    return load_workload(
+        scenario.workload,
+        qps=scenario.qps,
+        requests=scenario.requests,
+        duration_s=scenario.duration_s,
+        seed=scenario.seed,
+    )
+
+
+class Simulation:
+    """A scenario set up and ready to run: the clock, the simulated gateway and its engines."""
+
+    def __init__(self, scenario: Scenario, workload: Sequence[RequestSpec] | None = None) -> None:
+        self.scenario = scenario
+        self.specs = list(workload) if workload is not None else workload_for(scenario)
+        settings = settings_for(scenario)
+        profile = load_profile(scenario.engine_profile, settings.profiles_dir)
+        self.clock = EventQueue()
+        self.gateway = SimGateway(settings, self.clock, MODEL, scenario.explicit_slo)
+        self.nodes = [
+            EngineNode(
+                engine.engine_id,
+                profile,
+                self.clock,
+                self.gateway,
+                priority_scheduling=scenario.engine_priority,
+                seed=scenario.seed * 1_000 + i,
+            )
+            for i, engine in enumerate(settings.engines)
+        ]
+        self.gateway.attach(self.nodes)
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> RunResult:
+        """Replay the workload; ``progress(done, total)`` is called as requests finish (every 2 %)."""
+        specs, clock, gateway, scenario = self.specs, self.clock, self.gateway, self.scenario
+        total = len(specs)
+        # arrivals are fed one ahead, so the event heap holds O(in flight) entries, not the workload
+        feed = iter(specs)
+
+        def arrive(spec: RequestSpec) -> None:
+            gateway.arrive(spec)
+            following = next(feed, None)
+            if following is not None:
+                clock.at(following.at, arrive, following)
+
+        first = next(feed, None)
+        if first is not None:
+            clock.at(first.at, arrive, first)
+        every = max(1, total // 50)
+        reported = 0
+
+        def finished() -> bool:
+            nonlocal reported
+            done = len(gateway.outcomes)
+            if progress is not None and done - reported >= every:
+                reported = done
+                progress(done, total)
+            return done >= total
+
+        started = time.perf_counter()
+        clock.run(stop=finished)
+        gateway.stop_scrapes()
+        wall = time.perf_counter() - started
+        if progress is not None:
+            progress(len(gateway.outcomes), total)
+        if len(gateway.outcomes) < total:
+            raise RuntimeError(
+                f"{scenario.label()}: the simulation ran out of events with "
+                f"{total - len(gateway.outcomes)} requests unanswered (a dispatcher that never places them?)"
+            )
+        outcomes = sorted(gateway.outcomes, key=lambda o: o.start_s)
+        start = specs[0].at if specs else 0.0
+        makespan = max((o.start_s + o.e2e_s for o in outcomes), default=start) - start
+        return RunResult(
+            scenario,
+            outcomes,
+            clock.events,
+            wall,
+            makespan,
+            scenario.engines * makespan / COST_UNIT_S,
+            sum(node.busy_s for node in self.nodes),
+        )
+
+
+def run(
+    scenario: Scenario,
+    workload: Sequence[RequestSpec] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
+    """Replay the scenario's workload (or ``workload``) and return every request's outcome."""
+    return Simulation(scenario, workload).run(progress)
