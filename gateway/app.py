@@ -3,7 +3,7 @@
 A thin front door routes the three OpenAI data-path routes straight to :class:`Proxy` as plain
 ASGI handlers (no FastAPI request model, no middleware stack: about half the per-request CPU of
 a FastAPI route, see the performance notes); everything else (models, health, readiness,
-metrics, admin) is a FastAPI app behind it, which also owns the lifespan.
+metrics, the status page, admin) is a FastAPI app behind it, which also owns the lifespan.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +29,8 @@ from gateway.api.auth import Authenticator, AuthError
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
+from gateway.dashboard.decisions import DecisionLog
+from gateway.dashboard.state import PAGE, PAGE_HEADERS, Attainment, dashboard_state, parse_state_query
 from gateway.dispatch.build import RoutingProfile, build_core
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
@@ -51,13 +54,16 @@ _DATA_ROUTES: dict[str, RouteKind] = {
 class Gateway:
     """Process-wide state, created when the app starts and closed when it stops."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, span_exporter: SpanExporter | None = None) -> None:
+        """``span_exporter`` (tests) receives the spans instead of the configured exporter."""
         self.settings = settings
         # Every profile is read and validated here, before anything binds or connects.
         self.routing = RoutingProfile.load(settings.routing_profile_path())
         self.slo = SloService(settings)
         self.auth = Authenticator(settings)
-        self.tracing = Tracing(settings.tracing, settings.otlp_endpoint)
+        self.tracing = Tracing.from_settings(settings, span_exporter)
+        self.decisions = DecisionLog(settings.dashboard_decisions) if settings.dashboard_decisions else None
+        self.attainment = Attainment()
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.monitor: FleetMonitor | None = None
@@ -102,7 +108,9 @@ class Gateway:
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
         self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing))
         self.dispatch.start()
-        flow = CollocatedFlow(s, self.fleet, self.dispatch, self.slo, self.session, self.tracing)
+        flow = CollocatedFlow(
+            s, self.fleet, self.dispatch, self.slo, self.session, self.tracing, self.decisions
+        )
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
 
     async def stop(self) -> None:
@@ -128,6 +136,8 @@ def _guard_for(path: str) -> Guard | None:
         return Authenticator.admin
     if path == "/metrics":
         return Authenticator.metrics
+    if path == "/dashboard" or path.startswith("/dashboard/"):
+        return Authenticator.dashboard
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return Authenticator.client
     return None  # /health and /ready stay open for probes, which carry no key
@@ -225,6 +235,19 @@ def build_api(gateway: Gateway) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    @api.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    @api.get("/dashboard/state")
+    async def dashboard_data(request: Request) -> Response:
+        try:
+            limit = parse_state_query(request.query_params, gateway.settings.dashboard_decisions)
+            state = dashboard_state(gateway, gateway.attainment, limit)
+        except GatewayError as error:
+            return _error_response(error)
+        return _json(state, headers={"cache-control": "no-store"})
+
     @api.get("/admin/engines")
     async def engines() -> Response:
         out: list[dict[str, Any]] = []
@@ -253,7 +276,7 @@ def build_api(gateway: Gateway) -> FastAPI:
     return api
 
 
-def create_app(settings: Settings) -> FrontDoor:
+def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> FrontDoor:
     """The ASGI app for ``settings``; engines are contacted only when the lifespan starts."""
-    gateway = Gateway(settings)
+    gateway = Gateway(settings, span_exporter)
     return FrontDoor(gateway, build_api(gateway))

@@ -26,25 +26,45 @@ def child(metric: Any, *labels: str) -> Any:
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 0.025)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 REQUESTS = Counter(
     "slogate_requests",
-    "Requests answered, by route, model and HTTP status class",
-    ["route", "model", "status"],
+    "Requests answered, by route, model, SLO class and HTTP status class (2xx..5xx; 499: the client "
+    "left). model is '-' before the body was read and '(unknown)' for a model not served; slo_class "
+    "is '-' before the request was classified",
+    ["route", "model", "slo_class", "status"],
     registry=REGISTRY,
 )
 REQUEST_LATENCY = Histogram(
     "slogate_request_duration_seconds",
-    "Time from request arrival to the last byte sent",
-    ["model"],
+    "End to end: time from request arrival to the last byte sent, successful requests (< 400)",
+    ["model", "slo_class"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 TTFT = Histogram(
     "slogate_time_to_first_token_seconds",
     "Time from arrival to the first streamed event relayed to the client",
-    ["model"],
+    ["model", "slo_class"],
     buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TPOT = Histogram(
+    "slogate_time_per_output_token_seconds",
+    "Inter-token latency of a completed stream: (last content event - first) / (content events - 1), "
+    "observed once per stream with at least two content events (the TPOT its SLO is judged by)",
+    ["model", "slo_class"],
+    buckets=_TPOT_BUCKETS,
+    registry=REGISTRY,
+)
+OVERHEAD = Histogram(
+    "slogate_overhead_seconds",
+    "The gateway's own time before the response headers (the x-slogate-overhead-ms header): arrival to "
+    "headers less receiving the body, the admission queue and waiting on engines",
+    ["route"],
+    buckets=_OVERHEAD_BUCKETS,
     registry=REGISTRY,
 )
 TOKENS = Counter(
@@ -63,7 +83,7 @@ UPSTREAM_RETRIES = Counter(
 )
 UPSTREAM_ERRORS = Counter(
     "slogate_upstream_errors",
-    "Upstream failures by engine and kind (connect, status, stream_cut, timeout)",
+    "Upstream failures by engine and kind (connect, connect_timeout, protocol, status, stream_cut, timeout)",
     ["engine", "kind"],
     registry=REGISTRY,
 )
@@ -81,7 +101,9 @@ NO_ENGINE = Counter(
 )
 POLICY_CALL = Histogram(
     "slogate_policy_call_seconds",
-    "Wall time of each policy plugin call, recorded by the framework",
+    "Wall time of each policy plugin call, recorded by the framework: filter:<name>, scorer:<name>, "
+    "picker:<name> when the pipeline runs its plugins; ranked:<scorer> for a whole choice made from "
+    "the fleet's ranked index (one scorer and max_score: no plugin is called)",
     ["plugin"],
     buckets=_FAST_BUCKETS,
     registry=REGISTRY,
@@ -118,7 +140,8 @@ QUEUE_WAIT = Histogram(
 )
 SHEDS = Counter(
     "slogate_sheds",
-    "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout, no_engine)",
+    "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout, no_engine, "
+    "shutdown)",
     ["slo_class", "reason"],
     registry=REGISTRY,
 )
@@ -159,3 +182,40 @@ LATENCY_ERROR = Gauge(
     ["engine", "stage"],
     registry=REGISTRY,
 )
+
+
+# -- the reference table in docs/observability.md ---------------------------------------------------
+
+_SERIES_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
+def _exported() -> list[Any]:
+    """Every metric object registered in :data:`REGISTRY`, by name."""
+    # prometheus_client keeps no public list of a registry's collectors with their label names
+    collectors = REGISTRY._collector_to_names
+    return sorted(collectors, key=lambda m: m._name)
+
+
+def series_names() -> dict[str, tuple[str, ...]]:
+    """Each series name a scrape can hold (``_total``, ``_bucket``...) -> that metric's label names."""
+    out: dict[str, tuple[str, ...]] = {}
+    for metric in _exported():
+        for suffix in _SERIES_SUFFIXES[metric._type]:
+            out[metric._name + suffix] = tuple(metric._labelnames)
+    return out
+
+
+def reference_table() -> str:
+    """The Markdown table of every metric, as docs/observability.md holds it (a test compares)."""
+    lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for metric in _exported():
+        name = metric._name + ("_total" if metric._type == "counter" else "")
+        labels = ", ".join(f"`{label}`" for label in metric._labelnames) or "-"
+        # help texts are plain text: nothing in them may turn into Markdown or HTML
+        text = metric._documentation.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        lines.append(f"| `{name}` | {metric._type} | {labels} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m gateway.metrics > table.md: regenerate the docs table
+    print(reference_table(), end="")

@@ -10,6 +10,7 @@ import time
 from collections.abc import Collection, Sequence
 from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -106,6 +107,10 @@ class Router:
         self._ranked = key is not None and all(r.adapter.config.weight == 1.0 for r in fleet.records.values())
         if key is not None and self._ranked:
             fleet.rank_by(key)
+        # a ranked choice calls no plugin; it is timed whole, under the scorer it stands for
+        self._ranked_hist: Any = (
+            metrics.POLICY_CALL.labels(f"ranked:{pipeline.scorers[0].name}") if self._ranked else None
+        )
 
     def choose(
         self,
@@ -118,13 +123,16 @@ class Router:
         those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
         now = time.monotonic() if now is None else now
         if self._ranked and not exclude:
+            t0 = time.perf_counter()
             routable, slots = self.fleet.least_ranked(request.model, now)
-            if not slots:
+            if not slots or (max_load is not None and routable[slots[0]].load >= max_load):
+                # no engine, or the least loaded engine is full, so every engine is
+                self._ranked_hist.observe(time.perf_counter() - t0)
                 return None
-            if max_load is not None and routable[slots[0]].load >= max_load:
-                return None  # the least loaded engine is full, so every engine is
             index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
-            return self.fleet.records[routable[slots[index]].engine_id]
+            record = self.fleet.records[routable[slots[index]].engine_id]
+            self._ranked_hist.observe(time.perf_counter() - t0)
+            return record
         candidates: Sequence[EngineSnapshot] = self.fleet.candidates(request.model, now)
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]

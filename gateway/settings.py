@@ -33,7 +33,7 @@ EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
 
 #: settings whose values (or, for mappings, whose keys) are API keys: never printed
 SECRET_FIELDS = frozenset(
-    {"api_keys", "admin_api_keys", "api_key_policies", "api_key_tasks", "api_key_tenants"}
+    {"api_keys", "admin_api_keys", "api_key_policies", "api_key_tasks", "api_key_tenants", "otlp_headers"}
 )
 
 
@@ -209,8 +209,32 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = False
-    tracing: bool = Field(default=False, description="OpenTelemetry spans (console or OTLP exporter)")
-    otlp_endpoint: str | None = None
+    tracing: bool = Field(default=False, description="OpenTelemetry spans for every data-path request")
+    tracing_exporter: Literal["otlp", "console", "none"] = Field(
+        default="otlp", description="where spans go; none: made and dropped (to measure tracing's cost)"
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP collector: http/protobuf takes the traces URL (http://collector:4318/v1/traces), "
+        "grpc the collector's address (http://collector:4317); unset: the exporter's own default, "
+        "which honours the standard OTEL_EXPORTER_OTLP_* environment variables",
+    )
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    otlp_headers: dict[str, str] = Field(
+        default_factory=dict, description="headers sent to the collector (its credentials: never printed)"
+    )
+    otlp_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    tracing_sample_ratio: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="share of new traces kept; a client's sampled flag wins"
+    )
+    tracing_service_name: str = Field(default="slogate", min_length=1)
+
+    dashboard_public: bool = Field(
+        default=False, description="/dashboard needs no key even when keys are set (as metrics_public)"
+    )
+    dashboard_decisions: int = Field(
+        default=200, ge=0, le=100_000, description="recent dispatch decisions /dashboard keeps (0: none)"
+    )
 
     @field_validator("engines")
     @classmethod
@@ -264,6 +288,17 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"api_key_tenants and api_key_policies disagree on the tenant of {key_fingerprint(key)}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _exporter_installed(self) -> Settings:
+        from gateway.tracing import otlp_available
+
+        if self.tracing and self.tracing_exporter == "otlp" and not otlp_available(self.otlp_protocol):
+            raise ValueError(
+                f"tracing_exporter: the OTLP {self.otlp_protocol} exporter is not installed; "
+                "pip install 'slogate[otlp]' (or set tracing_exporter: console)"
+            )
         return self
 
     @model_validator(mode="after")

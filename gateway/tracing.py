@@ -1,60 +1,218 @@
-"""OpenTelemetry spans around dispatch and upstream calls (and queue wait, once requests queue).
+"""OpenTelemetry spans for the data path: the request, its dispatch (and queue wait), its upstream calls.
 
-Off by default: a disabled :class:`Tracing` hands out one shared no-op context manager, so the
-hot path pays a method call, not a span. When on, spans go to an OTLP/HTTP endpoint if one is
-configured (needs ``opentelemetry-exporter-otlp-proto-http``), else to the console.
+Off by default, and off means off: :attr:`Tracing.tracer` is ``None`` and every call site tests
+the request's span (``Call.span``) before doing anything, so a request pays a few ``is None``
+tests: no span, no context, no clock read.
+
+When on, nothing uses OpenTelemetry's "current span" (a contextvar attached and detached per
+span): parents are passed explicitly, and spans whose extent is only known afterwards (dispatch,
+queue wait) are made afterwards with explicit start and end times.
+
+Trace context: the client's ``traceparent``/``tracestate`` is the parent of the request span, and
+engines receive the upstream span's context instead, so an engine's own spans hang under the
+gateway's. With tracing off the client's headers are forwarded unchanged (see
+``EngineAdapter.forwarded_headers``).
+
+Exporters (``tracing_exporter``): ``otlp`` (``otlp_protocol`` http/protobuf or grpc; needs the
+``otlp`` extra, ``pip install 'slogate[otlp]'``), ``console``, or ``none`` (spans are made, batched
+and dropped: the cost of tracing without an exporter's, for benchmarks).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
-from typing import Any
+import importlib.util
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-_NOOP = contextlib.nullcontext()
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from policies.api import Role
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+
+#: one request through the gateway: arrival to the last byte (kind SERVER)
+SPAN_REQUEST = "slogate.request"
+#: one placement of the request: the dispatcher's decision, and the queue wait when it queued
+SPAN_DISPATCH = "slogate.dispatch"
+#: time the request waited in its model's admission queue (only when it did)
+SPAN_QUEUE_WAIT = "slogate.queue_wait"
+#: the upstream call, named by the engine's role: collocated today; prefill and decode with P/D
+UPSTREAM_SPANS = {role: f"slogate.upstream.{role.value}" for role in Role}
+#: event on the upstream span when the first streamed event arrives
+EVENT_FIRST_TOKEN = "first_token"
+
+OTLP_MODULES = {
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+}
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def otlp_available(protocol: str) -> bool:
+    """Whether the OTLP exporter for ``protocol`` is installed (the ``otlp`` extra)."""
+    try:
+        return importlib.util.find_spec(OTLP_MODULES[protocol]) is not None
+    except ModuleNotFoundError:  # a parent package is missing altogether
+        return False
+
+
+class DropExporter(SpanExporter):
+    """Takes every span and keeps none: tracing's own cost, without an exporter's."""
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+def _exporter_for(settings: Settings) -> SpanExporter:
+    kind = settings.tracing_exporter
+    if kind == "console":
+        return ConsoleSpanExporter()
+    if kind == "none":
+        return DropExporter()
+    timeout = settings.otlp_timeout_s
+    headers = dict(settings.otlp_headers) or None
+    if settings.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=settings.otlp_endpoint, headers=headers, timeout=timeout)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter(endpoint=settings.otlp_endpoint, headers=headers, timeout=timeout)
 
 
 class Tracing:
+    """The gateway's tracer, or none. Spans carry ids, names and numbers, never keys or bodies."""
+
     def __init__(
         self,
         enabled: bool,
-        otlp_endpoint: str | None = None,
+        exporter: SpanExporter | None = None,
+        *,
+        sample_ratio: float = 1.0,
         service_name: str = "slogate",
-        exporter: Any = None,
+        batch: bool = True,
     ) -> None:
-        """``exporter`` (an OpenTelemetry SpanExporter) overrides the OTLP/console choice."""
+        """``exporter`` receives the spans (a console exporter when None); ``batch=False`` exports
+        each span as it ends (tests read them at once)."""
         self.enabled = enabled
-        self._tracer: Any = None
-        self._provider: Any = None
-        if enabled:
-            self._setup(otlp_endpoint, service_name, exporter)
+        self.tracer: trace.Tracer | None = None
+        self._provider: TracerProvider | None = None
+        if not enabled:
+            return
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+        )
+        exporter = exporter if exporter is not None else ConsoleSpanExporter()
+        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        self._provider.add_span_processor(processor)
+        self.tracer = self._provider.get_tracer("slogate")
 
-    def _setup(self, otlp_endpoint: str | None, service_name: str, exporter: Any) -> None:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    @classmethod
+    def from_settings(cls, settings: Settings, exporter: SpanExporter | None = None) -> Tracing:
+        """As configured; ``exporter`` (tests) replaces the configured one and exports at once."""
+        if not settings.tracing:
+            return cls(False)
+        return cls(
+            True,
+            exporter if exporter is not None else _exporter_for(settings),
+            sample_ratio=settings.tracing_sample_ratio,
+            service_name=settings.tracing_service_name,
+            batch=exporter is None,
+        )
 
-        if exporter is None and otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    # -- spans -------------------------------------------------------------------------------------
 
-            exporter = OTLPSpanExporter(endpoint=otlp_endpoint)
-        elif exporter is None:
-            exporter = ConsoleSpanExporter()
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self._provider.add_span_processor(BatchSpanProcessor(exporter))
-        self._tracer = self._provider.get_tracer("slogate")
+    def start_request(self, route: str, path: str, headers: Mapping[bytes, bytes]) -> Span | None:
+        """The request's span, child of the client's trace context when it sent a valid one."""
+        tracer = self.tracer
+        if tracer is None:
+            return None
+        parent = None
+        raw = headers.get(b"traceparent")
+        if raw is not None:
+            carrier = {"traceparent": raw.decode("latin-1")}
+            state = headers.get(b"tracestate")
+            if state is not None:
+                carrier["tracestate"] = state.decode("latin-1")
+            parent = _PROPAGATOR.extract(carrier)
+        return tracer.start_span(
+            SPAN_REQUEST,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": "POST", "http.route": path, "slogate.route": route},
+        )
 
-    def span(self, name: str, **attributes: str) -> AbstractContextManager[Any]:
-        if self._tracer is None:
-            return _NOOP
-        return self._span(name, attributes)
+    def child(
+        self,
+        parent: Span,
+        name: str,
+        attributes: Mapping[str, Any],
+        *,
+        kind: SpanKind = SpanKind.INTERNAL,
+        start_ns: int | None = None,
+    ) -> Span:
+        assert self.tracer is not None  # only called with a request span, which only exists when on
+        return self.tracer.start_span(
+            name,
+            context=trace.set_span_in_context(parent),
+            kind=kind,
+            attributes=attributes,
+            start_time=start_ns,
+        )
 
-    @contextlib.contextmanager
-    def _span(self, name: str, attributes: dict[str, str]) -> Iterator[Any]:
-        with self._tracer.start_as_current_span(name, attributes=attributes) as span:
-            yield span
+    @staticmethod
+    def inject(span: Span, headers: dict[str, str]) -> None:
+        """Make ``span`` the parent an engine sees: its ``traceparent`` (and the trace's
+        ``tracestate``) replace whatever the client sent."""
+        for name in [n for n in headers if n.lower() in ("traceparent", "tracestate")]:
+            del headers[name]
+        _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
 
     def shutdown(self) -> None:
         if self._provider is not None:
             self._provider.shutdown()
+
+
+def fail(span: Span, code: str | None, status: int | None = None) -> None:
+    """Mark ``span`` failed with the error's code (and HTTP status when there is one)."""
+    if status is not None:
+        span.set_attribute("http.response.status_code", status)
+    span.set_attribute("error.type", code or (str(status) if status is not None else "error"))
+    span.set_status(Status(StatusCode.ERROR))
+
+
+def now_ns() -> int:
+    """Span timestamps are wall-clock nanoseconds, as the SDK's own."""
+    return time.time_ns()
+
+
+__all__ = [
+    "EVENT_FIRST_TOKEN",
+    "SPAN_DISPATCH",
+    "SPAN_QUEUE_WAIT",
+    "SPAN_REQUEST",
+    "UPSTREAM_SPANS",
+    "DropExporter",
+    "Span",
+    "SpanKind",
+    "Tracing",
+    "fail",
+    "now_ns",
+    "otlp_available",
+]

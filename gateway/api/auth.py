@@ -1,10 +1,10 @@
 """Who is calling and what they may claim: API keys, admin keys and per-key SLO ceilings.
 
 Two kinds of key. Client keys (``api_keys`` plus every key in ``api_key_policies``) open the
-OpenAI routes; admin keys (``admin_api_keys``) open ``/admin/*`` and, unless ``metrics_public``,
-``/metrics``. Neither kind opens the other's routes (a known key on the wrong route gets 403,
-anything else 401). With no client keys the OpenAI routes are open; with no key of either kind
-everything is open, as before keys existed.
+OpenAI routes; admin keys (``admin_api_keys``) open ``/admin/*`` and, unless ``metrics_public``
+(``dashboard_public``), ``/metrics`` (``/dashboard``). Neither kind opens the other's routes (a
+known key on the wrong route gets 403, anything else 401). With no client keys the OpenAI routes
+are open; with no key of either kind everything is open, as before keys existed.
 
 Keys are looked up by their SHA-256 digest and confirmed with :func:`hmac.compare_digest`, so
 the time a lookup takes says nothing about how much of a guess was right. Only fingerprints
@@ -16,6 +16,8 @@ The clamp functions are pure: they take what a client claimed and the key's
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
 import hmac
@@ -34,6 +36,7 @@ __all__ = [
     "AuthError",
     "Authenticator",
     "Identity",
+    "basic_password",
     "bearer_token",
     "clamp_hints",
     "clamp_target",
@@ -49,6 +52,8 @@ OPEN_POLICY = ApiKeyPolicy(task_override=True)
 
 _AUTHORIZATION = b"authorization"
 _BEARER = b"bearer"
+_BASIC = b"basic"
+_BASIC_CHALLENGE = b'Basic realm="slogate dashboard", charset="UTF-8"'
 #: request headers whose values are credentials (never logged)
 _SECRET_HEADERS = frozenset({b"authorization", b"proxy-authorization", b"x-api-key", b"cookie"})
 #: client headers the proxy relays upstream: W3C trace context, and the simulated engine's
@@ -105,6 +110,24 @@ def bearer_token(value: bytes | None) -> bytes | None:
     return token or None
 
 
+def basic_password(value: bytes | None) -> bytes | None:
+    """The password of an ``Authorization: Basic <base64(user:password)>`` value, or None.
+
+    Like :func:`bearer_token`, garbage is simply not a key: this never raises.
+    """
+    if not value:
+        return None
+    parts = value.strip().split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != _BASIC:
+        return None
+    try:
+        decoded = base64.b64decode(parts[1].strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    _, sep, password = decoded.partition(b":")
+    return password if sep and password else None
+
+
 def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
@@ -140,6 +163,7 @@ class Authenticator:
         #: keys never leaves the fleet's internals open)
         self.admin_auth = bool(clients or settings.admin_api_keys)
         self.metrics_auth = self.admin_auth and not settings.metrics_public
+        self.dashboard_auth = self.admin_auth and not settings.dashboard_public
 
     def _lookup(self, headers: Mapping[bytes, bytes]) -> _Entry | None:
         token = bearer_token(headers.get(_AUTHORIZATION))
@@ -189,6 +213,25 @@ class Authenticator:
     def metrics(self, headers: Mapping[bytes, bytes]) -> Identity:
         """The caller of ``/metrics``: open when ``metrics_public``, else as :meth:`admin`."""
         return self.admin(headers) if self.metrics_auth else self.identify(headers)
+
+    def dashboard(self, headers: Mapping[bytes, bytes]) -> Identity:
+        """The caller of ``/dashboard``: open when ``dashboard_public``, else as :meth:`admin`.
+
+        A browser cannot add a Bearer header to a page it navigates to, so the admin key is also
+        accepted as the password of HTTP Basic auth (any user name), and a 401 asks for it: the
+        browser prompts once and sends it with the page's own requests too.
+        """
+        if not self.dashboard_auth:
+            return self.identify(headers)
+        password = basic_password(headers.get(_AUTHORIZATION))
+        if password is not None:
+            headers = {_AUTHORIZATION: b"Bearer " + password}
+        try:
+            return self.admin(headers)
+        except AuthError as error:
+            if error.status == 401:
+                error.extra_headers = ((b"www-authenticate", _BASIC_CHALLENGE), *error.extra_headers)
+            raise
 
     @staticmethod
     def _unauthorized(headers: Mapping[bytes, bytes]) -> AuthError:

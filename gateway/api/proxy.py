@@ -25,9 +25,10 @@ from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.registry import Fleet
-from gateway.serving.call import Call, ClientGone, Receive, Scope, Send
+from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.collocated import CollocatedFlow
 from gateway.settings import Settings
+from gateway.tracing import Span, fail
 
 log = logging.getLogger("slogate.proxy")
 
@@ -93,8 +94,13 @@ class Proxy:
         client_rid = given if given is not None and _CLIENT_ID.fullmatch(given) else rid.encode()
         log_extra = {"request_id": client_rid.decode(), "gateway_request_id": rid}
         model = "-"
+        slo_class = "-"
         status = 500
         call: Call | None = None
+        body_s = 0.0  # receiving the body is the client's time, not the gateway's
+        error_code: str | None = None
+        tracing = self.flow.tracing
+        span = tracing.start_request(kind, scope["path"], headers) if tracing.tracer is not None else None
         try:
             identity = self.auth.client(headers)
             policy = identity.policy
@@ -108,11 +114,14 @@ class Proxy:
                     f"request body exceeds {self.settings.max_body_bytes} bytes",
                     code="request_too_large",
                 )
+            started = time.monotonic()
             raw = await read_body(receive, self.settings.max_body_bytes)
+            body_s = time.monotonic() - started
             request = await self.parser.parse(kind, raw)
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy)
+            slo_class = target.slo_class
             reply = (
                 (b"x-request-id", client_rid),
                 (b"x-slo-class", target.slo_class.encode()),
@@ -132,18 +141,22 @@ class Proxy:
                 queue_priority=priority if priority is not None else policy.max_priority or 0,
                 tenant=identity.tenant or "default",
                 slo_batch=header_text(headers, b"x-slo-batch"),
+                waited_s=body_s,
+                span=span,
             )
             status = await self._serve(call, receive)
         except GatewayError as error:
             status = error.status
+            extra = ((b"x-request-id", client_rid), self._overhead(call, arrival, body_s))
             try:
                 async with asyncio.timeout(_ERROR_SEND_S):
-                    await send_error(send, error, ((b"x-request-id", client_rid),))
+                    await send_error(send, error, extra)
             except (OSError, RuntimeError):
                 pass
             except TimeoutError:  # a client that takes not even an error answer is gone
                 status = 499
                 metrics.CLIENT_DISCONNECTS.inc()
+            error_code = error.code or str(error.status)
         except ClientGone:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
@@ -155,15 +168,28 @@ class Proxy:
             log.exception("internal error", extra=log_extra)
             with contextlib.suppress(Exception):
                 internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
-                await send_error(send, internal, ((b"x-request-id", client_rid),))
+                extra = ((b"x-request-id", client_rid), self._overhead(call, arrival, body_s))
+                await send_error(send, internal, extra)
         finally:
-            metrics.child(metrics.REQUESTS, kind, model, _status_class(status)).inc()
+            metrics.child(metrics.REQUESTS, kind, model, slo_class, _status_class(status)).inc()
             if status < 400:
-                metrics.child(metrics.REQUEST_LATENCY, model).observe(time.monotonic() - arrival)
+                metrics.child(metrics.REQUEST_LATENCY, model, slo_class).observe(time.monotonic() - arrival)
+            outcome = None
             if call is not None:
-                self.slo.account(call, status)
+                outcome = self.slo.account(call, status)
+                _observe(call, kind, model, status)
+            if span is not None:
+                _end_request_span(span, call, model, status, outcome, error_code)
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
+
+    @staticmethod
+    def _overhead(call: Call | None, arrival: float, body_s: float) -> tuple[bytes, bytes]:
+        """The overhead header of an error answer (the request may not have a Call yet)."""
+        if call is not None:
+            return overhead_header(call, time.monotonic())
+        own = max(0.0, time.monotonic() - arrival - body_s)
+        return OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)
 
     async def _serve(self, call: Call, receive: Receive) -> int:
         relay = asyncio.current_task()
@@ -195,3 +221,50 @@ async def _watch_disconnect(receive: Receive, relay: asyncio.Task[Any]) -> bool:
         if message["type"] == "http.disconnect":
             relay.cancel()
             return True
+
+
+def _observe(call: Call, route: str, model: str, status: int) -> None:
+    """Per-request histograms that need the whole request: once per request, never per token."""
+    if call.overhead_s >= 0.0:
+        metrics.child(metrics.OVERHEAD, route).observe(call.overhead_s)
+    if status == 200 and call.content_events > 1 and call.first_at:
+        tpot = (call.last_at - call.first_at) / (call.content_events - 1)
+        metrics.child(metrics.TPOT, model, call.target.slo_class).observe(tpot)
+
+
+def _end_request_span(
+    span: Span, call: Call | None, model: str, status: int, outcome: str | None, error_code: str | None
+) -> None:
+    span.set_attribute("http.response.status_code", status)
+    span.set_attribute("gen_ai.request.model", model)
+    if call is not None:
+        target = call.target
+        attributes: dict[str, Any] = {
+            "slogate.request_id": call.client_rid,
+            "slogate.gateway_request_id": call.rid,
+            "slogate.slo_class": target.slo_class,
+            "slogate.slo.ttft_ms": round(target.ttft_s * 1000.0, 3),
+            "slogate.slo.tpot_ms": round(target.tpot_s * 1000.0, 3),
+            "slogate.stream": call.request.stream,
+            "slogate.tenant": call.tenant,
+        }
+        if call.priority is not None:
+            attributes["slogate.priority"] = call.priority
+        if outcome is not None:
+            attributes["slogate.slo.outcome"] = outcome
+        if call.engine_id is not None:
+            attributes["slogate.engine"] = call.engine_id
+        if call.overhead_s >= 0.0:
+            attributes["slogate.overhead_ms"] = round(call.overhead_s * 1000.0, 3)
+        if call.first_at:
+            attributes["slogate.ttft_ms"] = round((call.first_at - call.arrival) * 1000.0, 3)
+        if call.completion_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = call.completion_tokens
+        span.set_attributes(attributes)
+    if status >= 500:  # a server error fails the span; a client's mistake or a shed only names it
+        fail(span, error_code, status)
+    elif error_code is not None:
+        span.set_attribute("error.type", error_code)
+    elif status == 499:
+        span.set_attribute("error.type", "client_disconnected")
+    span.end()

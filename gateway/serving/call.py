@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.api.request_parse import ParsedRequest
 from gateway.fleet.registry import RunningEntry
 from policies.slo import SloTarget
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -66,3 +69,23 @@ class Call:
     completion_tokens: int | None = None
     finished_at: float = 0.0
     batch: BatchObservation | None = None
+    #: time inside the request that was not the gateway's own work: receiving the client's body,
+    #: waiting in the admission queue, waiting on engines (see :func:`overhead_header`)
+    waited_s: float = 0.0
+    #: the gateway's own time up to the response headers, once they are sent (-1: not yet)
+    overhead_s: float = -1.0
+    #: the request's span when tracing is on (None: no span work at all), and the current
+    #: upstream call's, for the first-token event
+    span: Span | None = None
+    upstream_span: Span | None = None
+
+
+OVERHEAD_HEADER = b"x-slogate-overhead-ms"
+
+
+def overhead_header(call: Call, now: float) -> tuple[bytes, bytes]:
+    """``x-slogate-overhead-ms`` for response headers sent at ``now``: arrival to now, less the
+    time the request waited on the client's body, in the admission queue and on engines."""
+    own = max(0.0, now - call.arrival - call.waited_s)
+    call.overhead_s = own
+    return OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)

@@ -20,20 +20,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
-from gateway.serving.call import Call
+from gateway.serving.call import Call, ClientGone
 from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
 from gateway.settings import Settings
-from gateway.tracing import Tracing
+from gateway.tracing import (
+    SPAN_DISPATCH,
+    SPAN_QUEUE_WAIT,
+    UPSTREAM_SPANS,
+    Span,
+    SpanKind,
+    Tracing,
+    fail,
+    now_ns,
+)
 from policies.api import RequestView
 
 log = logging.getLogger("slogate.serving")
@@ -56,6 +68,7 @@ class CollocatedFlow:
         slo: SloService,
         session: aiohttp.ClientSession,
         tracing: Tracing,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -63,6 +76,10 @@ class CollocatedFlow:
         self.slo = slo
         self.session = session
         self.tracing = tracing
+        #: recent placements for /dashboard (None: not kept)
+        self.decisions = decisions
+        #: what the dispatch span and the decision log call the dispatcher
+        self.dispatcher = dispatcher_name(settings)
         self._epoch = time.monotonic()
         # aiohttp's ``connect`` covers waiting for a pooled connection and opening a new one
         self._timeout = aiohttp.ClientTimeout(
@@ -89,40 +106,90 @@ class CollocatedFlow:
         deadline = None if request.stream else call.arrival + settings.request_timeout_s
         tried: list[str] = []
         last_error: GatewayError | None = None
-        for _ in range(settings.dispatch_attempts):
+        loop = asyncio.get_running_loop()
+        batch = None if call.slo_batch is None else (call.tenant, call.slo_batch)
+        for attempt in range(1, settings.dispatch_attempts + 1):
             entry = RunningEntry(request.prompt_tokens, request.max_tokens, target.tpot_s, 0.0)
-            with self.tracing.span(
-                "dispatch",
-                request_id=call.client_rid,
-                gateway_request_id=call.rid,
-                slo_class=target.slo_class,
-            ):
-                with self.tracing.span("queue_wait", request_id=call.client_rid):
-                    try:
-                        record = await self.dispatch.place(
-                            view,
-                            target.ttft_s,
-                            target.tpot_s,
-                            target.slo_class,
-                            entry,
-                            tried,
-                            None if call.slo_batch is None else (call.tenant, call.slo_batch),
-                        )
-                    except GatewayError:
-                        if not tried or not self.fleet.has_healthy(request.model):
-                            raise  # nothing serves the model any more: say so, not the last failure
-                        break  # no other engine for a retry: report the engine's failure
-                tried.append(record.engine_id)
-                try:
-                    outcome = await self._attempt(call, record, entry, deadline)
-                finally:
-                    self.dispatch.release(record.engine_id, call.rid)
+            asked = time.monotonic()
+            asked_ns = now_ns() if call.span is not None else 0
+            # runs only if place() yields to the loop, i.e. the request waited in the queue: that
+            # wait is the dispatcher's holding, not the gateway's own time
+            suspended = _Flag()
+            loop.call_soon(suspended.set)
+            try:
+                record = await self.dispatch.place(
+                    view, target.ttft_s, target.tpot_s, target.slo_class, entry, tried, batch
+                )
+            except GatewayError as error:
+                self._decided(call, attempt, asked, asked_ns, suspended.value, None, error, tried)
+                if not tried or not self.fleet.has_healthy(request.model):
+                    raise  # nothing serves the model any more: say so, not the last failure
+                break  # no other engine for a retry: report the engine's failure
+            self._decided(call, attempt, asked, asked_ns, suspended.value, record, None, tried)
+            tried.append(record.engine_id)
+            try:
+                outcome = await self._attempt(call, record, entry, deadline)
+            finally:
+                self.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
             last_error = outcome
             if deadline is not None and time.monotonic() >= deadline:
                 break
         raise last_error or self.dispatch.no_engine(request.model)
+
+    def _decided(
+        self,
+        call: Call,
+        attempt: int,
+        asked: float,
+        asked_ns: int,
+        queued: bool,
+        record: EngineRecord | None,
+        error: GatewayError | None,
+        tried: list[str],
+    ) -> None:
+        """A placement came back: count a queue wait as not the gateway's own time, log the
+        decision for /dashboard and, when tracing, record its spans."""
+        waited = time.monotonic() - asked
+        if queued:
+            call.waited_s += waited
+        engine_id = record.engine_id if record is not None else None
+        if self.decisions is not None:
+            code = None if error is None else error.code or str(error.status)
+            self.decisions.add(call, attempt, engine_id, code, waited if queued else 0.0, tuple(tried))
+        span = call.span
+        if span is None:
+            return
+        tracing = self.tracing
+        end_ns = asked_ns + int(waited * 1e9)
+        attributes: dict[str, Any] = {
+            "slogate.attempt": attempt,
+            "slogate.dispatcher": self.dispatcher,
+            "slogate.queued": queued,
+            "slogate.slo_class": call.target.slo_class,
+            "gen_ai.request.model": call.request.model,
+        }
+        if tried:
+            attributes["slogate.excluded_engines"] = tuple(tried)
+        if record is not None:
+            attributes["slogate.engine"] = record.engine_id
+            # the engine's load as the decision left it (this request's reservation included)
+            attributes["slogate.engine.in_flight"] = record.in_flight
+            free_kv = record.free_kv_tokens()
+            if free_kv is not None:
+                attributes["slogate.engine.free_kv_tokens"] = free_kv
+        if queued:
+            attributes["slogate.queue_wait_ms"] = round(waited * 1000.0, 3)
+        dispatch = tracing.child(span, SPAN_DISPATCH, attributes, start_ns=asked_ns)
+        if queued:
+            wait = tracing.child(
+                dispatch, SPAN_QUEUE_WAIT, {"slogate.slo_class": call.target.slo_class}, start_ns=asked_ns
+            )
+            wait.end(end_ns)
+        if error is not None:
+            fail(dispatch, error.code, error.status)
+        dispatch.end(end_ns)
 
     def _body_for(self, call: Call, record: EngineRecord) -> bytes:
         """The bytes to send upstream: the client's own, with at most a member or two spliced in.
@@ -186,7 +253,56 @@ class CollocatedFlow:
             headers_at = min(first_token_at, loop.time() + settings.headers_timeout_s)
         else:
             first_token_at = headers_at = loop.time() + (deadline - time.monotonic())
-        with self.tracing.span("upstream", request_id=call.client_rid, engine=engine_id):
+        up = self._upstream_span(call, record, url, headers) if call.span is not None else None
+        try:
+            outcome = await self._exchange(
+                call, record, url, payload, headers, headers_at, first_token_at, up
+            )
+        except BaseException as exc:
+            if up is not None:
+                _end_upstream(up, call, exc)
+            raise
+        if up is not None:
+            _end_upstream(up, call, outcome)
+        return outcome
+
+    def _upstream_span(self, call: Call, record: EngineRecord, url: str, headers: dict[str, str]) -> Span:
+        """The upstream call's span; the engine is sent its context as ``traceparent``."""
+        assert call.span is not None
+        adapter = record.adapter
+        parsed = urlsplit(url)  # host and port only: an engine URL may carry credentials
+        attributes: dict[str, Any] = {
+            "slogate.engine": record.engine_id,
+            "slogate.engine.kind": adapter.kind,
+            "slogate.engine.role": adapter.role.value,
+            "server.address": parsed.hostname or "",
+            "url.path": parsed.path,
+            "http.request.method": "POST",
+        }
+        if parsed.port is not None:
+            attributes["server.port"] = parsed.port
+        span = self.tracing.child(call.span, UPSTREAM_SPANS[adapter.role], attributes, kind=SpanKind.CLIENT)
+        Tracing.inject(span, headers)
+        call.upstream_span = span
+        return span
+
+    async def _exchange(
+        self,
+        call: Call,
+        record: EngineRecord,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        headers_at: float,
+        first_token_at: float,
+        up: Span | None,
+    ) -> int | GatewayError:
+        """Send the request to the engine and relay its answer (see :meth:`_attempt`)."""
+        request = call.request
+        engine_id = record.engine_id
+        settings = self.settings
+        sent_at = time.monotonic()
+        try:
             for fresh in (False, True):
                 try:
                     async with asyncio.timeout_at(headers_at):
@@ -238,38 +354,47 @@ class CollocatedFlow:
                     return GatewayError(
                         502, f"engine {engine_id} sent a malformed answer", code="upstream_failed"
                     )
+        finally:
+            call.waited_s += time.monotonic() - sent_at  # connecting and the engine's headers
+        if up is not None:
+            up.set_attribute("http.response.status_code", response.status)
+        try:
+            if response.status >= 400:
+                return await self._engine_refused(call, record, response, headers_at)
+            if request.stream:
+                return await relay_stream(
+                    call, response, self.fleet, record, first_token_at, settings.idle_timeout_s
+                )
+            read_at = time.monotonic()
             try:
-                if response.status >= 400:
-                    return await self._engine_refused(call, record, response, headers_at)
-                if request.stream:
-                    return await relay_stream(
-                        call, response, self.fleet, record, first_token_at, settings.idle_timeout_s
-                    )
-                try:
-                    async with asyncio.timeout_at(first_token_at):
-                        body = await read_plain(call, response)
-                except TimeoutError:
-                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
-                    raise GatewayError(
-                        504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
-                    ) from None
-                if isinstance(body, GatewayError):
-                    return body
-                # the engine's part is over: its capacity goes back before the client's part
-                self.dispatch.release(engine_id, call.rid)
-                return await answer_plain(call, response.status, body, settings.idle_timeout_s)
+                async with asyncio.timeout_at(first_token_at):
+                    body = await read_plain(call, response)
+            except TimeoutError:
+                metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+                raise GatewayError(
+                    504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
+                ) from None
             finally:
-                response.close()  # also aborts the engine's request if it is still running
+                call.waited_s += time.monotonic() - read_at  # the engine writing its answer
+            if isinstance(body, GatewayError):
+                return body
+            # the engine's part is over: its capacity goes back before the client's part
+            self.dispatch.release(engine_id, call.rid)
+            return await answer_plain(call, response.status, body, settings.idle_timeout_s)
+        finally:
+            response.close()  # also aborts the engine's request if it is still running
 
     async def _engine_refused(
         self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
     ) -> GatewayError:
         engine_id = record.engine_id
+        read_at = time.monotonic()
         try:
             async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
                 body = await response.read()
         except (TimeoutError, aiohttp.ClientError):
             body = b""
+        call.waited_s += time.monotonic() - read_at
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
         status = response.status
         if status == 503:  # overloaded or asleep: another engine may do
@@ -284,3 +409,35 @@ class CollocatedFlow:
                 code="model_not_supported",
             )
         raise upstream_error(status, body)
+
+
+class _Flag:
+    """A bool a loop callback can set (``loop.call_soon(flag.set)``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def set(self) -> None:
+        self.value = True
+
+
+def dispatcher_name(settings: Settings) -> str:
+    """The routing profile's name, for spans and the dashboard (a path names its file)."""
+    return Path(settings.routing_profile).stem
+
+
+def _end_upstream(span: Span, call: Call, result: int | GatewayError | BaseException) -> None:
+    """End an upstream span with how the attempt ended (the engine's own status is on it)."""
+    if call.content_events:
+        span.set_attribute("slogate.content_events", call.content_events)
+    if isinstance(result, GatewayError):
+        fail(span, result.code or str(result.status))
+    elif isinstance(result, ClientGone | asyncio.CancelledError):
+        span.set_attribute("error.type", "client_disconnected")
+    elif isinstance(result, BaseException):
+        fail(span, type(result).__name__)
+    elif result >= 500:  # the stream had started and ended with an error event
+        fail(span, "stream_failed")
+    span.end()

@@ -25,7 +25,8 @@ import orjson
 from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, Fleet
-from gateway.serving.call import Call, ClientGone, Send
+from gateway.serving.call import Call, ClientGone, Send, overhead_header
+from gateway.tracing import EVENT_FIRST_TOKEN
 
 log = logging.getLogger("slogate.relay")
 
@@ -97,10 +98,11 @@ async def answer_plain(call: Call, status: int, body: bytes, idle_s: float) -> i
     if call.watcher is not None:
         call.watcher.cancel()
     engine = (call.engine_id or "").encode()
+    overhead = overhead_header(call, monotonic())
     start = {
         "type": "http.response.start",
         "status": status,
-        "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine)],
+        "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine), overhead],
     }
     await send_bounded(call.send, start, idle_s)
     await send_bounded(call.send, {"type": "http.response.body", "body": body}, idle_s)
@@ -134,11 +136,17 @@ async def relay_stream(
     request = call.request
     entry = call.entry
     engine_id = call.engine_id or ""
+    overhead = overhead_header(call, monotonic())
     await send(
         {
             "type": "http.response.start",
             "status": response.status,
-            "headers": [*SSE_HEADERS, *call.reply_headers, (b"x-slogate-engine", engine_id.encode())],
+            "headers": [
+                *SSE_HEADERS,
+                *call.reply_headers,
+                (b"x-slogate-engine", engine_id.encode()),
+                overhead,
+            ],
         }
     )
     clock = asyncio.get_running_loop().time
@@ -172,7 +180,11 @@ async def relay_stream(
                 if not call.first_at:
                     call.first_at = now
                     fleet.mark_prefilled(engine_id, call.rid)
-                    metrics.child(metrics.TTFT, request.model).observe(now - call.arrival)
+                    metrics.child(metrics.TTFT, request.model, call.target.slo_class).observe(
+                        now - call.arrival
+                    )
+                    if call.upstream_span is not None:
+                        call.upstream_span.add_event(EVENT_FIRST_TOKEN)
                 if now - rearmed_at > rearm_every:
                     # moved at most every quarter of the limit (<= 0.25 s), since this runs per
                     # chunk; the quarter is added so a silence is cut late, never early

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.app import FrontDoor, Gateway, create_app
 from gateway.server import uvicorn_config
@@ -32,10 +33,13 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(config_file: Path | None = None, **overrides: Any) -> Iterator[RunningGateway]:
-    """A gateway on a runtime port; ``config_file`` is a YAML file as ``slogate serve --config`` reads."""
+def run_gateway(
+    config_file: Path | None = None, *, span_exporter: SpanExporter | None = None, **overrides: Any
+) -> Iterator[RunningGateway]:
+    """A gateway on a runtime port; ``config_file`` is a YAML file as ``slogate serve --config`` reads.
+    ``span_exporter`` receives every span as it ends (with ``tracing=True``)."""
     settings = load_settings(config_file, host="127.0.0.1", port=0, **overrides)
-    app = create_app(settings)
+    app = create_app(settings, span_exporter=span_exporter)
     server = uvicorn.Server(uvicorn_config(settings, app))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
