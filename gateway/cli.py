@@ -57,6 +57,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.dispatch import bench_dispatch_main
 
         return bench_dispatch_main(args)
+    if args.bench == "simulator":
+        from gateway.bench.simulator_scale import bench_simulator_main
+
+        return bench_simulator_main(args)
     from gateway.bench.overhead import bench_overhead_main
 
     return bench_overhead_main(args)
@@ -131,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_dispatch_arguments(
         bench_sub.add_parser("dispatch", help="dispatch loop cost per placement at 16-256 engines, saturated")
+    )
+    from gateway.bench.simulator_scale import add_simulator_arguments
+
+    add_simulator_arguments(
+        bench_sub.add_parser("simulator", help="offline simulator time, 16 to 256 engines (200k requests)")
     )
     p.set_defaults(func=_bench)
 

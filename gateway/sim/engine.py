@@ -34,9 +34,12 @@ class Phase(Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SimRequest:
-    """One request inside the engine. ``arrival``/``*_at`` are simulated seconds."""
+    """One request inside the engine. ``arrival``/``*_at`` are simulated seconds.
+
+    Compared by identity: the engine finds a request in its queues with ``in`` and ``remove``,
+    and two requests with the same fields are still two requests."""
 
     request_id: str
     prompt: list[int]

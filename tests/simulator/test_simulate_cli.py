@@ -82,3 +82,24 @@ def test_rates() -> None:
 def test_an_unknown_workload_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no-such-workload"):
         main(["simulate", "--workload", "no-such-workload", "--out", str(tmp_path)])
+
+
+def test_the_scale_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "scale"
+    argv = [
+        "bench",
+        "simulator",
+        "--engines",
+        "1,2",
+        "--per-engine",
+        "40",
+        "--policies",
+        "hyperflexis",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    points = json.loads((out / "points.json").read_text())
+    assert [(p["engines"], p["requests"]) for p in points] == [(1, 40), (2, 80)]
+    assert all(p["events"] > p["requests"] and p["us_per_event"] > 0 for p in points)
+    assert (out / "simulator_scale.png").stat().st_size > 5_000
