@@ -1,0 +1,140 @@
+{{/* Names and labels. */}}
+{{- define "slogate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slogate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "slogate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "slogate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "slogate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "slogate.labels" -}}
+helm.sh/chart: {{ include "slogate.chart" . }}
+{{ include "slogate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "slogate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "slogate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "slogate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "slogate.secretName" -}}
+{{- default (printf "%s-api-keys" (include "slogate.fullname" .)) .Values.apiKeys.existingSecret }}
+{{- end }}
+
+{{- define "slogate.hasSecret" -}}
+{{- $k := .Values.apiKeys -}}
+{{- if or $k.existingSecret $k.clientKeys $k.adminKeys $k.policies }}true{{ end }}
+{{- end }}
+
+{{/* Where a custom profile is mounted; a name the chart does not carry stays a name. */}}
+{{- define "slogate.profileRef" -}}
+{{- $kind := index . 0 -}}{{- $name := index . 1 -}}{{- $profiles := index . 2 -}}
+{{- if hasKey (index $profiles $kind) $name -}}
+/etc/slogate/profiles/{{ $kind }}/{{ $name }}.yaml
+{{- else -}}
+{{ $name }}
+{{- end -}}
+{{- end }}
+
+{{/*
+The chart's own engines, one entry per Deployment: a list of dicts with
+name (DNS-1035, also the Deployment and Service name), kind, role, model, port.
+*/}}
+{{- define "slogate.engineList" -}}
+{{- $full := include "slogate.fullname" . | trunc 40 | trimSuffix "-" -}}
+{{- $out := list -}}
+{{- if .Values.vllm.enabled -}}
+{{- range $role := list "collocated" "prefill" "decode" -}}
+{{- $n := int (index $.Values.vllm $role).replicas -}}
+{{- range $i := until $n -}}
+{{- $out = append $out (dict "name" (printf "%s-vllm-%s-%d" $full $role $i) "kind" "vllm" "role" $role "model" $.Values.vllm.servedModelName "port" (int $.Values.vllm.port) "engine" "vllm") -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.simEngines.enabled -}}
+{{- range $i := until (int .Values.simEngines.replicas) -}}
+{{- $out = append $out (dict "name" (printf "%s-sim-%d" $full $i) "kind" "sim" "role" $.Values.simEngines.role "model" $.Values.simEngines.model "port" (int $.Values.simEngines.port) "engine" "sim") -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end }}
+
+{{/* gateway.yaml: the user's settings plus the engine list. */}}
+{{- define "slogate.gatewayConfig" -}}
+{{- $cfg := deepCopy .Values.gateway.config -}}
+{{- $profiles := .Values.profiles -}}
+{{- if hasKey $cfg "routing_profile" -}}
+{{- $_ := set $cfg "routing_profile" (include "slogate.profileRef" (list "routing" $cfg.routing_profile $profiles)) -}}
+{{- end -}}
+{{- if hasKey $cfg "slo_profile" -}}
+{{- $_ := set $cfg "slo_profile" (include "slogate.profileRef" (list "slo" $cfg.slo_profile $profiles)) -}}
+{{- end -}}
+{{- $engines := list -}}
+{{- range $e := .Values.gateway.engines -}}
+{{- $e = deepCopy $e -}}
+{{- if $e.latency_profile -}}
+{{- $_ := set $e "latency_profile" (include "slogate.profileRef" (list "engines" $e.latency_profile $profiles)) -}}
+{{- end -}}
+{{- $engines = append $engines $e -}}
+{{- end -}}
+{{- range $e := include "slogate.engineList" . | fromJsonArray -}}
+{{- $entry := dict "name" $e.name "url" (printf "http://%s:%d" $e.name (int $e.port)) "kind" $e.kind "model" $e.model "role" $e.role -}}
+{{- if eq $e.engine "vllm" -}}
+{{- $_ := set $entry "priority_scheduling" $.Values.vllm.priorityScheduling -}}
+{{- if $.Values.vllm.latencyProfile -}}
+{{- $_ := set $entry "latency_profile" (include "slogate.profileRef" (list "engines" $.Values.vllm.latencyProfile $profiles)) -}}
+{{- end -}}
+{{- else -}}
+{{- $_ := set $entry "latency_profile" (include "slogate.profileRef" (list "engines" $.Values.simEngines.profile $profiles)) -}}
+{{- $_ := set $entry "time_scale" $.Values.simEngines.timeScale -}}
+{{- end -}}
+{{- $engines = append $engines $entry -}}
+{{- end -}}
+{{- $_ := set $cfg "engines" $engines -}}
+{{- toYaml $cfg -}}
+{{- end }}
+
+{{/* Volumes for custom profiles (gateway and simulated engines). */}}
+{{- define "slogate.hasProfiles" -}}
+{{- if or .Values.profiles.routing .Values.profiles.slo .Values.profiles.engines }}true{{ end }}
+{{- end }}
+
+{{- define "slogate.profilesVolume" -}}
+- name: profiles
+  configMap:
+    name: {{ include "slogate.fullname" . }}-profiles
+    items:
+      {{- range $kind := list "routing" "slo" "engines" }}
+      {{- range $name, $_ := index $.Values.profiles $kind }}
+      - key: {{ printf "%s.%s.yaml" $kind $name }}
+        path: {{ printf "%s/%s.yaml" $kind $name }}
+      {{- end }}
+      {{- end }}
+{{- end }}
