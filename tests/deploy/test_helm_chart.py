@@ -1,0 +1,353 @@
+"""The Helm chart: rendered by Helm's own engine, every manifest checked against Kubernetes' schemas.
+
+Helm runs from its Go SDK (``helm-python-sdk``, see ``toolchain.py``): the same template engine,
+values coalescing and ``values.schema.json`` enforcement as ``helm template``. Manifests are
+validated with ``kubernetes-validate`` (the API server's OpenAPI schemas, strict: unknown fields
+fail) for the oldest and newest Kubernetes versions the chart claims; the ServiceMonitor, a CRD,
+against the Prometheus Operator's models. The gateway's settings file the chart writes is loaded
+by the gateway's own settings code.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any, get_args
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.app import create_app
+from gateway.settings import EngineConfig, EngineKind, Settings, load_settings
+from policies.api import Role
+from policies.slo import parse_slo_profile
+from tests.deploy.conftest import CHART, HelmCall
+
+#: oldest (autoscaling/v2, policy/v1 and topology spread are long GA there) and newest checked
+KUBE_VERSIONS = ("1.27.0", "1.37.0")
+VALUES_FILES = {"default": None, "demo": "values-demo.yaml", "pd": "values-pd.yaml"}
+#: settings the chart sets itself rather than through gateway.config
+CHART_MANAGED = {
+    "host": "SLOGATE_HOST env (0.0.0.0 in the pod)",
+    "port": "SLOGATE_PORT env from gateway.port",
+    "engines": "gateway.engines + vllm.* + simEngines.*",
+    "api_keys": "Secret (apiKeys.clientKeys / existingSecret)",
+    "admin_api_keys": "Secret (apiKeys.adminKeys / existingSecret)",
+    "api_key_policies": "Secret (apiKeys.policies / existingSecret)",
+    "api_key_tasks": "superseded by api_key_policies (key -> task), which the Secret carries",
+    "api_key_tenants": "superseded by api_key_policies (key -> tenant), which the Secret carries",
+    "profiles_dir": "the image's profiles; extra ones through profiles.*",
+    "otlp_headers": "Secret (otlpHeaders.headers / existingSecret): the collector's credentials",
+}
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _values(name: str) -> dict[str, Any]:
+    file = VALUES_FILES[name]
+    return yaml.safe_load((CHART / file).read_text()) if file else {}
+
+
+def _coalesce(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of a values file over the defaults: maps merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _coalesce(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+    return schema
+
+
+def _render(helm: HelmCall, values: dict[str, Any], release: str = "rel") -> list[dict[str, Any]]:
+    answer = helm("render", values, release=release)
+    assert answer["ok"], answer["error"]
+    docs: list[dict[str, Any]] = []
+    for path, text in answer["result"]["manifests"].items():
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc["__source__"] = path
+                docs.append(doc)
+    return docs
+
+
+def _notes(helm: HelmCall, values: dict[str, Any]) -> str:
+    answer = helm("render", values)
+    assert answer["ok"], answer["error"]
+    return str(next(v for k, v in answer["result"]["manifests"].items() if k.endswith("NOTES.txt")))
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# --- values and schema -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_values_files_satisfy_values_schema(name: str) -> None:
+    merged = _coalesce(yaml.safe_load((CHART / "values.yaml").read_text()), _values(name))
+    jsonschema.Draft7Validator.check_schema(_schema())
+    errors = sorted(jsonschema.Draft7Validator(_schema()).iter_errors(merged), key=str)
+    assert not errors, [f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+@pytest.mark.parametrize(
+    ("override", "where"),
+    [
+        ({"gateway": {"config": {"no_such_setting": 1}}}, "gateway/config"),
+        ({"gateway": {"config": {"log_level": "loud"}}}, "gateway/config/log_level"),
+        ({"gateway": {"config": {"monitor_interval_s": 0}}}, "gateway/config/monitor_interval_s"),
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "kind": "tgi"}]}},
+            "gateway/engines/0/kind",
+        ),
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "api_key": "x"}]}},
+            "gateway/engines/0",
+        ),
+        ({"simEngines": {"role": "both"}}, "simEngines/role"),
+        ({"apiKeys": {"clientKeys": ["has space"]}}, "apiKeys/clientKeys/0"),
+    ],
+)
+def test_values_schema_refuses_bad_values(helm: HelmCall, override: dict[str, Any], where: str) -> None:
+    """The schema catches what the gateway would refuse at start-up, and Helm enforces it."""
+    merged = _coalesce(yaml.safe_load((CHART / "values.yaml").read_text()), override)
+    errors = list(jsonschema.Draft7Validator(_schema()).iter_errors(merged))
+    assert [e for e in errors if "/".join(map(str, e.absolute_path)) == where], [
+        str(e.message) for e in errors
+    ]
+    answer = helm("render", override)
+    assert not answer["ok"] and "schema" in answer["error"], answer
+
+
+def test_values_schema_tracks_every_gateway_setting() -> None:
+    """gateway.config admits exactly the settings the chart does not set itself, with their enums;
+    a setting added to gateway/settings.py fails here until the chart knows it."""
+    schema = _schema()["properties"]["gateway"]["properties"]
+    config_keys = set(schema["config"]["properties"])
+    settings = set(Settings.model_fields)
+    assert config_keys <= settings, f"not settings: {sorted(config_keys - settings)}"
+    assert not config_keys & set(CHART_MANAGED), sorted(config_keys & set(CHART_MANAGED))
+    missing = settings - config_keys - set(CHART_MANAGED)
+    assert not missing, (
+        f"settings unknown to the chart: {sorted(missing)}; add them to "
+        "helm/slogate/values.schema.json (gateway.config) or to CHART_MANAGED with how the chart sets them"
+    )
+    log_levels = schema["config"]["properties"]["log_level"]["enum"]
+    assert log_levels == list(get_args(Settings.model_fields["log_level"].annotation))
+    engine = schema["engines"]["items"]
+    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"api_key"}
+    assert engine["properties"]["kind"]["enum"] == list(get_args(EngineKind))
+    assert engine["properties"]["role"]["enum"] == [r.value for r in Role]
+    sim_roles = _schema()["properties"]["simEngines"]["properties"]["role"]["enum"]
+    assert sim_roles == [r.value for r in Role]
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VALUES_FILES))
+def test_chart_renders_and_every_manifest_validates(
+    helm: HelmCall, service_monitor_model: type[Any], name: str
+) -> None:
+    docs = _render(helm, _values(name))
+    assert docs
+    checked = 0
+    for doc in docs:
+        source = doc.pop("__source__")
+        where = f"{source}: {doc['kind']} {doc['metadata']['name']}"
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            model = service_monitor_model.model_validate(doc)
+            # the models ignore unknown fields: a round trip that loses one shows it
+            assert model.model_dump(by_alias=True, exclude_unset=True, mode="json") == doc, where
+        else:
+            for version in KUBE_VERSIONS:
+                error = None
+                try:
+                    kubernetes_validate.validate(doc, version, strict=True)
+                except kubernetes_validate.ValidationError as exc:
+                    error = f"{exc.message} at {list(exc.path)}"
+                assert error is None, f"{where} invalid for Kubernetes {version}: {error}"
+        assert len(doc["metadata"]["name"]) <= 63 and DNS_1035.match(doc["metadata"]["name"]), where
+        checked += 1
+    assert checked == len(docs)
+
+
+def test_lint_is_clean(helm: HelmCall) -> None:
+    for name in VALUES_FILES:
+        answer = helm("lint", _values(name))
+        assert answer["ok"], answer
+        report = answer["result"]
+        assert report["total_charts_linted"] == 1
+        assert not report["errors"], (name, report["errors"])
+        assert not [m for m in report["messages"] if m["severity"] >= 2], (name, report["messages"])
+
+
+def test_default_values_gateway_shape(helm: HelmCall) -> None:
+    docs = _render(helm, {})
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "PodDisruptionBudget",
+            "Service",
+            "ServiceAccount",
+        ]
+    )
+    (deploy,) = _by_kind(docs, "Deployment")
+    spec = deploy["spec"]
+    assert "replicas" not in spec, "the HPA owns the replica count"
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert {c["topologyKey"] for c in pod["topologySpreadConstraints"]} == {
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    }
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+    (pdb,) = _by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    (svc,) = _by_kind(docs, "Service")
+    assert svc["spec"]["selector"] == spec["selector"]["matchLabels"]
+    assert "WARNING: no engines" in _notes(helm, {})
+
+
+def test_probe_paths_are_gateway_routes() -> None:
+    """/health and /ready, which the chart and the image probe, are real routes of the gateway."""
+    app = create_app(load_settings(engines=[]))
+    paths = {getattr(r, "path", None) for r in app.api.routes}
+    assert {"/health", "/ready", "/metrics"} <= paths
+
+
+def _gateway_config(docs: list[dict[str, Any]], tmp_path: Path) -> Settings:
+    """Load the rendered gateway.yaml with the gateway's own settings code, with the chart's profile
+    ConfigMap laid out where the pod mounts it (under tmp_path instead of /etc/slogate)."""
+    maps = {d["metadata"]["name"]: d for d in _by_kind(docs, "ConfigMap")}
+    gateway_map = next(d for d in maps.values() if "gateway.yaml" in d["data"])
+    text = gateway_map["data"]["gateway.yaml"]
+    profiles = next((d for n, d in maps.items() if n.endswith("-profiles")), None)
+    if profiles is not None:
+        for key, body in profiles["data"].items():
+            kind, name, _ = key.split(".", 2)
+            target = tmp_path / "profiles" / kind / f"{name}.yaml"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(body)
+        text = text.replace("/etc/slogate/", f"{tmp_path}/")
+    config = tmp_path / "gateway.yaml"
+    config.write_text(text)
+    return load_settings(config)
+
+
+def test_demo_values_run_simulated_engines(helm: HelmCall, tmp_path: Path) -> None:
+    docs = _render(helm, _values("demo"))
+    deployments = {d["metadata"]["name"]: d for d in _by_kind(docs, "Deployment")}
+    engines = sorted(n for n in deployments if "-sim-" in n)
+    assert engines == ["rel-slogate-sim-0", "rel-slogate-sim-1"]
+    services = {d["metadata"]["name"] for d in _by_kind(docs, "Service")}
+    assert set(engines) <= services
+    settings = _gateway_config(docs, tmp_path)
+    assert [(e.name, e.kind, e.base_url) for e in settings.engines] == [
+        (n, "sim", f"http://{n}:8001") for n in engines
+    ]
+    # the custom SLO profile reaches the gateway, and parses as one
+    assert Path(settings.slo_profile).name == "demo-2task.yaml"
+    profile = parse_slo_profile(settings.slo_profile_path().read_text())
+    assert set(profile.classes) == {"chat", "batch"}
+    create_app(settings)  # the routing and SLO profiles together pass the gateway's own checks
+    args = deployments[engines[0]]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "sim-engine" and args[args.index("--engine-id") + 1] == engines[0]
+    assert not _by_kind(docs, "HorizontalPodAutoscaler") and not _by_kind(docs, "PodDisruptionBudget")
+
+
+def test_pd_values_register_roles_and_keys(helm: HelmCall, tmp_path: Path) -> None:
+    docs = _render(helm, _values("pd"))
+    settings = _gateway_config(docs, tmp_path)
+    roles = sorted(e.role.value for e in settings.engines)
+    assert roles == ["collocated", "decode", "decode", "prefill"]
+    assert all(e.kind == "vllm" and e.priority_scheduling for e in settings.engines)
+    vllm = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+        for d in _by_kind(docs, "Deployment")
+        if "-vllm-" in d["metadata"]["name"]
+    }
+    assert len(vllm) == 4
+    for name, container in vllm.items():
+        assert ("--kv-transfer-config" in container["args"]) == ("-collocated-" not in name), name
+        assert container["args"][container["args"].index("--served-model-name") + 1] == "qwen-7b"
+    (secret,) = _by_kind(docs, "Secret")
+    assert json.loads(secret["stringData"]["api-keys"]) == ["sk-change-me"]
+    gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "rel-slogate")
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = env["SLOGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"] and ref["key"] == "api-keys"
+    # the keys reach the gateway as its settings code reads them from the environment
+    keys = load_settings(
+        tmp_path / "gateway.yaml",
+        **{
+            k: json.loads(secret["stringData"][v])
+            for k, v in (("api_keys", "api-keys"), ("admin_api_keys", "admin-api-keys"))
+        },
+    )
+    assert keys.client_keys() == {"sk-change-me"}
+    (monitor,) = _by_kind(docs, "ServiceMonitor")
+    credentials = monitor["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert secret["stringData"][credentials["key"]] == "sk-admin-change-me"
+    assert "routes requests to collocated engines only" in " ".join(_notes(helm, _values("pd")).split())
+
+
+def test_existing_secret_is_referenced_not_created(helm: HelmCall) -> None:
+    docs = _render(helm, {"apiKeys": {"existingSecret": "team-keys"}})
+    assert not _by_kind(docs, "Secret")
+    gateway = _by_kind(docs, "Deployment")[0]
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for name in ("SLOGATE_API_KEYS", "SLOGATE_ADMIN_API_KEYS", "SLOGATE_API_KEY_POLICIES"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "team-keys" and ref["optional"] is True
+
+
+def test_tracing_settings_and_otlp_headers(helm: HelmCall, tmp_path: Path) -> None:
+    """Tracing settings go to gateway.yaml; the collector's headers only to a Secret, from which
+    the gateway reads them as its settings code parses SLOGATE_OTLP_HEADERS."""
+    values = {
+        "gateway": {"config": {"tracing": True, "otlp_endpoint": "http://collector:4318/v1/traces"}},
+        "otlpHeaders": {"headers": {"authorization": "Bearer collector-token"}},
+    }
+    docs = _render(helm, values)
+    settings = _gateway_config(docs, tmp_path)
+    assert settings.tracing and settings.otlp_endpoint == "http://collector:4318/v1/traces"
+    assert not any("collector-token" in json.dumps(d) for d in _by_kind(docs, "ConfigMap"))
+    (secret,) = _by_kind(docs, "Secret")
+    gateway = _by_kind(docs, "Deployment")[0]
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = env["SLOGATE_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"]
+    parsed = load_settings(
+        tmp_path / "gateway.yaml", otlp_headers=json.loads(secret["stringData"][ref["key"]])
+    )
+    assert parsed.otlp_headers == {"authorization": "Bearer collector-token"}
+
+
+def test_long_release_name_keeps_names_valid(helm: HelmCall) -> None:
+    docs = _render(helm, _values("pd"), release="a-very-long-release-name-for-a-team-cluster-x")
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        assert len(name) <= 63 and DNS_1035.match(name), name
+    names = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]
+    assert len(names) == len(set(names))
