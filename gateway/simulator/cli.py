@@ -93,9 +93,30 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--out", type=Path, default=Path("results/simulate"))
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead: replay the calibration scenario live (processes) and offline, per policy, and compare",
+    )
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    from gateway.simulator.calibration import calibration_scenario, compare, render
+
+    comparisons = []
+    for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        print(f"[simulate] calibration: {policy}, live (real time) and offline", file=sys.stderr, flush=True)
+        comparisons.append(compare(calibration_scenario(policy, seed=args.seed or 3)))
+    text = render(comparisons)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "calibration.md").write_text(text + "\n")
+    return 0 if all(c.ok for c in comparisons) else 1
 
 
 def simulate_main(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return calibrate_main(args)
     pyplot()  # fail now, not after the runs, if matplotlib is missing
     if args.engines < 1 or args.repeat < 1 or args.jobs < 1:
         raise SystemExit("slogate simulate: --engines, --repeat and --jobs must be >= 1")

@@ -1,0 +1,17 @@
+"""Live and offline agree: the same requests through real processes and through the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.simulator.calibration import TOLERANCE, calibration_scenario, compare
+
+
+@pytest.mark.parametrize("policy", ["least-load", "hyperflexis"])
+def test_live_and_offline_agree_on_attainment_and_median_latency(policy: str) -> None:
+    comparison = compare(calibration_scenario(policy))
+    offline, live = comparison.offline, comparison.live
+    assert live.requests == offline.requests == 300
+    assert 0.3 < offline.attainment < 0.97  # a scenario where attainment has something to say
+    assert comparison.attainment_gap <= TOLERANCE, (offline.attainment, live.attainment)
+    assert comparison.e2e_p50_gap <= TOLERANCE, (offline.e2e_p50_s, live.e2e_p50_s)
