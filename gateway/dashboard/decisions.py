@@ -14,6 +14,9 @@ from typing import Any
 
 from gateway.serving.call import Call
 
+#: a client may name any model; what the ring keeps of the name is bounded
+MAX_MODEL_CHARS = 128
+
 _FIELDS = (
     "at",
     "request_id",
@@ -51,7 +54,8 @@ class DecisionLog:
                 time.time(),
                 call.rid,
                 call.client_rid,
-                call.request.model,
+                # the client's string for a model not served: bounded, as the ring is kept
+                call.request.model[:MAX_MODEL_CHARS],
                 call.target.slo_class,
                 call.priority,
                 attempt,

@@ -2,6 +2,8 @@
 
 - :class:`StubEngine`: an aiohttp server whose data path does whatever a *behaviour* says (never
   answer, send one event then stall, stream events at a pace, answer a status after a delay).
+- :class:`HeaderEngine`: a stub that keeps every request's headers and answers a short stream or
+  a JSON body, optionally held until a gate opens.
 - :class:`Blackhole`: an address that answers health checks, then (after :meth:`Blackhole.freeze`)
   accepts no connection at all: its accept queue is full and SYNs are dropped, so connecting hangs.
 - :class:`StaleKeepAliveEngine`: keeps every connection open after answering (no
@@ -107,6 +109,33 @@ class StubEngine(ThreadedApp):
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/v1/models", models)
         return app
+
+
+class HeaderEngine(StubEngine):
+    """A stub engine that records each data-path request's headers and streams a short answer
+    (or answers JSON for a non-streamed request); ``gate`` (when set) holds every answer."""
+
+    def __init__(self, events: int = 3, gate: threading.Event | None = None) -> None:
+        super().__init__(self._answer)
+        self.headers: list[dict[str, str]] = []
+        self.events = events
+        self.gate = gate
+
+    async def _answer(self, _: StubEngine, request: web.Request) -> web.StreamResponse:
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if self.gate is not None:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+        if not self.received[-1].get("stream"):
+            return web.Response(body=completion_body("ok"), content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(self.events):
+            await response.write(chunk_event(f"t{i} ", i))
+            await asyncio.sleep(0.002)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
 
 # -- behaviours ------------------------------------------------------------------------------------

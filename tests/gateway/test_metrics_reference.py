@@ -79,6 +79,7 @@ def _references(expr: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
 
     def visit(node: Any) -> bool:
         if isinstance(node, promql_parser.VectorSelector):
+            assert node.name, f"a selector without a metric name in {expr!r}"
             selectors.append((node.name, [m.name for m in node.matchers.matchers]))
         elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
             grouping.extend(node.modifier.labels)

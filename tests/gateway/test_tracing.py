@@ -4,9 +4,9 @@ tracing off does no span work."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
@@ -29,7 +29,7 @@ from gateway.tracing import (
 from policies.api import Role
 from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
-from tests.gateway.stub_engines import StubEngine, chunk_event, completion_body, status_after
+from tests.gateway.stub_engines import HeaderEngine, StubEngine, status_after
 from tests.support.threaded_app import ThreadedApp
 
 UPSTREAM = UPSTREAM_SPANS[Role.COLLOCATED]
@@ -37,33 +37,6 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-
-
-class HeaderEngine(StubEngine):
-    """A stub engine that records each data-path request's headers and streams a short answer
-    (or answers JSON for a non-streamed request); ``gate`` (when set) holds every answer."""
-
-    def __init__(self, events: int = 3, gate: threading.Event | None = None) -> None:
-        super().__init__(self._answer)
-        self.headers: list[dict[str, str]] = []
-        self.events = events
-        self.gate = gate
-
-    async def _answer(self, _: StubEngine, request: web.Request) -> web.StreamResponse:
-        self.headers.append({k.lower(): v for k, v in request.headers.items()})
-        if self.gate is not None:
-            while not self.gate.is_set():
-                await asyncio.sleep(0.01)
-        if not self.received[-1].get("stream"):
-            return web.Response(body=completion_body("ok"), content_type="application/json")
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for i in range(self.events):
-            await response.write(chunk_event(f"t{i} ", i))
-            await asyncio.sleep(0.002)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
 
 @pytest.fixture()
@@ -91,7 +64,9 @@ def parent_id(span: ReadableSpan) -> int | None:
     return span.parent.span_id if span.parent is not None else None
 
 
-def traced_gateway(exporter: InMemorySpanExporter, *entries: dict[str, object], **extra: Any) -> Any:
+def traced_gateway(
+    exporter: InMemorySpanExporter, *entries: dict[str, object], **extra: Any
+) -> AbstractContextManager[RunningGateway]:
     return run_gateway(
         engines=list(entries), tracing=True, span_exporter=exporter, monitor_interval_s=0.2, **extra
     )
@@ -203,7 +178,8 @@ def test_a_failover_is_two_dispatches_and_two_upstream_calls(engine: HeaderEngin
 def test_a_shed_request_has_a_failed_dispatch_span(engine: HeaderEngine) -> None:
     exporter = InMemorySpanExporter()
     with traced_gateway(exporter, engine.entry("e0")) as gw:
-        gw.gateway.fleet.eject("e0", "test")  # type: ignore[union-attr]
+        assert gw.gateway.fleet is not None
+        gw.gateway.fleet.eject("e0", "test")
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
         assert r.status_code == 503
         spans = spans_of(exporter, 2)

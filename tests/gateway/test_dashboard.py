@@ -1,0 +1,228 @@
+"""The built-in status page: its JSON, its access rules, and the page itself rendered with live data
+in headless Chromium against a gateway with simulated engines serving real requests."""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.dashboard.state import PAGE
+from gateway.procs import ChildProcess
+from tests.gateway.conftest import MODEL, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.stub_engines import HeaderEngine
+from tests.support.browser import BrowserUnavailable, Chromium
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+ADMIN, CLIENT = "sk-dash-admin-0123456789", "sk-dash-client-0123456789"
+
+
+def serve(gw: RunningGateway, n: int, task: str, stream: bool = True, key: str | None = None) -> None:
+    headers = {"x-slo-task": task}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    for _ in range(n):
+        r = httpx.post(
+            gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers, timeout=20
+        )
+        assert r.status_code == 200, r.text
+
+
+def state(gw: RunningGateway, query: str = "", headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.get(gw.url + "/dashboard/state" + query, headers=headers, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(two_engines: list[ChildProcess]) -> Iterator[RunningGateway]:
+    entries = [engine_entry(e) for e in two_engines]
+    with run_gateway(engines=entries, monitor_interval_s=0.2, dashboard_decisions=40) as gw:
+        yield gw
+
+
+def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> None:
+    serve(gateway, 3, "medical_qa")
+    serve(gateway, 2, "wikisql", stream=False)
+    httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "model": "nope"}, timeout=10)
+    s = state(gateway).json()
+    assert [(e["id"], e["healthy"], e["model"]) for e in s["engines"]] == [
+        ("e0", True, MODEL),
+        ("e1", True, MODEL),
+    ]
+    assert all(e["kv_usage"] is not None and e["free_kv_tokens"] > 0 for e in s["engines"])
+    assert s["dispatcher"] == "least-load" and s["slo_profile"] == "hyperflexis-4task"
+    assert s["totals"]["requests"] >= 6 and s["totals"]["by_status"]["4xx"] >= 1
+    classes = {c["slo_class"]: c for c in s["classes"]}
+    medical = classes["medical_qa"]
+    assert medical["requests"] >= 3 and medical["outcomes"]["met"] >= 3 and medical["attainment"] == 1.0
+    assert medical["ttft_target_ms"] == 700.0 and medical["ttft_mean_ms"] > 0 and medical["tpot_mean_ms"] > 0
+    assert classes["wikisql"]["requests"] >= 2 and classes["p0"]["ttft_target_ms"] is None
+    decisions = s["decisions"]
+    assert decisions[0]["at"] >= decisions[-1]["at"]  # newest first
+    unknown, latest = decisions[0], decisions[1:6]
+    assert (unknown["model"], unknown["engine"], unknown["refused"]) == ("nope", None, "model_not_found")
+    assert {d["slo_class"] for d in latest} == {"medical_qa", "wikisql"}
+    assert all(d["engine"] in ("e0", "e1") and d["refused"] is None and d["attempt"] == 1 for d in latest)
+    assert len(state(gateway, "?decisions=2").json()["decisions"]) == 2
+    assert len(state(gateway, "?decisions=1000").json()["decisions"]) <= 40
+    assert state(gateway, "?decisions=0").json()["decisions"] == []
+
+
+def test_bad_input_gets_openai_shaped_errors(gateway: RunningGateway) -> None:
+    for query, param in (
+        ("?decisions=-1", "decisions"),
+        ("?decisions=x", "decisions"),
+        ("?limit=3", "limit"),
+    ):
+        r = state(gateway, query)
+        assert r.status_code == 400, query
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, query
+    r = httpx.post(gateway.url + "/dashboard/state", timeout=10)
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_queue_depth_per_model_and_class_and_refusals() -> None:
+    """A held engine with one seat: the second request shows as queued under its model and class;
+    a request refused by the dispatcher is a decision too."""
+    gate = threading.Event()
+    with (
+        HeaderEngine(gate=gate) as held,
+        run_gateway(engines=[held.entry("held")], max_engine_load=1, monitor_interval_s=0.2) as gw,
+    ):
+        threads = [
+            threading.Thread(
+                target=lambda: httpx.post(
+                    gw.url + "/v1/chat/completions", json=CHAT, headers={"x-slo-task": "wikisql"}, timeout=20
+                )
+            )
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: state(gw).json()["totals"]["queued"] == 1)
+        s = state(gw).json()
+        assert s["queues"] == [{"model": MODEL, "slo_class": "wikisql", "depth": 1}]
+        assert s["engines"][0]["in_flight"] == 1
+        gate.set()
+        for t in threads:
+            t.join(20)
+        assert gw.gateway.fleet is not None
+        gw.gateway.fleet.eject("held", "test")
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 503
+        s = state(gw).json()
+        assert s["queues"] == [{"model": MODEL, "slo_class": "wikisql", "depth": 0}]
+        assert s["decisions"][0]["refused"] == "no_healthy_engine" and s["decisions"][0]["engine"] is None
+        assert any(d["queue_wait_ms"] > 0 for d in s["decisions"])
+        assert s["engines"][0]["healthy"] is False and s["engines"][0]["last_error"] == "test"
+
+
+def test_access_is_that_of_metrics(two_engines: list[ChildProcess]) -> None:
+    """With keys: an admin key (Bearer, or as a Basic password a browser can send); a client key
+    is refused; a 401 asks the browser for Basic credentials. dashboard_public opens it alone."""
+    entries = [engine_entry(two_engines[0])]
+    basic = "Basic " + base64.b64encode(f"ops:{ADMIN}".encode()).decode()
+    wrong = "Basic " + base64.b64encode(b"ops:sk-not-a-key").decode()
+    with run_gateway(engines=entries, api_keys=[CLIENT], admin_api_keys=[ADMIN]) as gw:
+        for path in ("/dashboard", "/dashboard/state"):
+            r = httpx.get(gw.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert 'Basic realm="slogate dashboard"' in r.headers.get_list("www-authenticate")[0]
+            assert httpx.get(gw.url + path, headers={"Authorization": f"Bearer {CLIENT}"}).status_code == 403
+            assert httpx.get(gw.url + path, headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+            assert httpx.get(gw.url + path, headers={"Authorization": basic}).status_code == 200
+            assert httpx.get(gw.url + path, headers={"Authorization": wrong}).status_code == 401
+            assert httpx.get(gw.url + path, headers={"Authorization": "Basic !!!"}).status_code == 401
+        # Basic is for the dashboard only
+        assert httpx.get(gw.url + "/metrics", headers={"Authorization": basic}).status_code == 401
+    with run_gateway(engines=entries, api_keys=[CLIENT], admin_api_keys=[ADMIN], dashboard_public=True) as gw:
+        assert httpx.get(gw.url + "/dashboard").status_code == 200
+        assert httpx.get(gw.url + "/dashboard/state").status_code == 200
+        assert httpx.get(gw.url + "/metrics").status_code == 401
+        assert httpx.get(gw.url + "/admin/engines").status_code == 401
+
+
+def test_the_page_fetches_nothing_from_elsewhere(gateway: RunningGateway) -> None:
+    r = httpx.get(gateway.url + "/dashboard")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.content == PAGE
+    html = r.text
+    assert not re.search(r"<(img|iframe|object|embed)\b", html)
+    assert re.findall(r"<link\b[^>]*>", html) == ['<link rel="icon" href="data:,">']  # no favicon fetch
+    assert not re.search(r"""\b(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "http://" not in html and "https://" not in html
+    policy = r.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "unsafe-inline" not in policy
+
+
+# -- in a real browser ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Chromium]:
+    try:
+        with Chromium() as chromium:
+            yield chromium
+    except BrowserUnavailable as exc:
+        pytest.skip(f"headless Chromium unavailable: {exc}")
+
+
+ROWS = """return Array.from(document.querySelectorAll(arguments[0] + ' tbody tr'))
+    .filter(r => !r.classList.contains('empty')).map(r => Array.from(r.cells).map(c => c.textContent));"""
+
+
+def test_the_page_renders_live_data_in_chromium(
+    gateway: RunningGateway, browser: Chromium, tmp_path: Path
+) -> None:
+    serve(gateway, 3, "medical_qa")
+    serve(gateway, 1, "tldr_headline_gen", stream=False)
+    browser.get(gateway.url + "/dashboard")
+    browser.wait_for("return Number(document.body.dataset.updates) >= 1")
+    engines = browser.script(ROWS, "#engines")
+    assert [(row[0], row[1], row[3]) for row in engines] == [
+        ("e0", MODEL, "healthy"),
+        ("e1", MODEL, "healthy"),
+    ]
+    assert all(row[7].endswith("%") for row in engines)  # KV usage scraped from the engines
+    requests = int(browser.script("return document.getElementById('total-requests').textContent"))
+    assert requests >= 4
+    assert browser.script("return document.getElementById('total-healthy').textContent") == "2 / 2"
+    classes = {row[0]: row for row in browser.script(ROWS, "#classes")}
+    assert int(classes["medical_qa"][3]) >= 3 and classes["medical_qa"][4].strip().endswith("%")
+    decisions = browser.script(ROWS, "#decisions")
+    assert len(decisions) >= 4 and any(row[6] in ("→ e0", "→ e1") for row in decisions)
+    assert {row[3] for row in decisions[:4]} == {"medical_qa", "tldr_headline_gen"}
+    # live: the page polls, so new traffic shows without a reload
+    serve(gateway, 2, "wikisql")
+    browser.wait_for(
+        "return Number(document.getElementById('total-requests').textContent) >= arguments[0]",
+        15,
+        requests + 2,
+    )
+    browser.wait_for(
+        "return Array.from(document.querySelectorAll('#decisions tbody tr'))"
+        ".some(r => r.cells[3] && r.cells[3].textContent === 'wikisql')"
+    )
+    # everything the page loaded came from the gateway
+    loaded = browser.script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert loaded and all(url.startswith(gateway.url + "/dashboard/state?") for url in loaded), loaded
+    browser.screenshot(tmp_path / "dashboard.png")
+
+
+def test_the_page_signs_in_with_basic_credentials(two_engines: list[ChildProcess], browser: Chromium) -> None:
+    """With admin keys set, a browser opening the page with the admin key as its Basic password
+    renders live data (the page's own polls carry the same credentials)."""
+    entries = [engine_entry(e) for e in two_engines]
+    with run_gateway(
+        engines=entries, api_keys=[CLIENT], admin_api_keys=[ADMIN], monitor_interval_s=0.2
+    ) as gw:
+        serve(gw, 2, "medical_qa", key=CLIENT)
+        browser.get(gw.url.replace("http://", f"http://ops:{ADMIN}@") + "/dashboard")
+        browser.wait_for("return Number(document.body.dataset.updates) >= 2")
+        assert len(browser.script(ROWS, "#engines")) == 2
+        browser.get(gw.url + "/dashboard/nope")  # leave the page before the gateway stops
