@@ -7,7 +7,8 @@ request of the gateway process alone, not wall time of a shared machine.
 
 Measured: gateway CPU per non-streaming request; CPU per relayed SSE event (extra CPU of a
 streamed request over a plain one, divided by the events relayed); added p50/p99 latency at
-concurrency 1; RPS at concurrency 32; CPU per request at concurrency 256 vs 1; idle RSS.
+concurrency 1; RPS at concurrency 32; CPU per request at concurrency 256 vs 1; idle RSS. With
+``--tracing``, the same gateway with tracing off and on (spans made, batched and dropped).
 
 Then the paced case, on a fresh gateway in front of an engine that spaces tokens 20 ms apart
 (what a real engine does, and what the zero-latency engine does not: there, events arrive in
@@ -70,6 +71,7 @@ class OverheadResult:
     stream_tokens: int
     paced: PacedResult | None = None
     dispatchers: DispatcherLatency | None = None
+    tracing: TracingCost | None = None
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         """(figure, measured, target, met) rows for the issue's targets."""
@@ -105,6 +107,7 @@ class OverheadResult:
             ("idle RSS", f"{self.idle_rss_mb:.1f} MB", "<= 150 MB", self.idle_rss_mb <= 150.0),
             *(self.paced.checks() if self.paced else []),
             *(self.dispatchers.checks() if self.dispatchers else []),
+            *(self.tracing.checks() if self.tracing else []),
         ]
 
 
@@ -159,6 +162,82 @@ def run_dispatcher_latency(
         ):
             added[profile] = asyncio.run(_added_p50(engine, gateway, n)) * 1000
     return DispatcherLatency(added)
+
+
+@dataclass
+class TracingCost:
+    """Tracing off vs on, each on a fresh engine and gateway: added p50 at concurrency 1 and the
+    gateway's CPU per plain and per streamed request. "on" makes, batches and drops every span
+    (``tracing_exporter: none``): the cost of tracing itself, not of an exporter's network I/O."""
+
+    added_p50_ms: dict[str, float]
+    cpu_ms_per_request: dict[str, float]
+    cpu_ms_per_stream: dict[str, float]
+
+    def checks(self) -> list[tuple[str, str, str, bool]]:
+        rows = []
+        for name, figures, unit in (
+            ("added p50 (c=1)", self.added_p50_ms, "ms"),
+            ("CPU per plain request", self.cpu_ms_per_request, "ms"),
+            ("CPU per streamed request", self.cpu_ms_per_stream, "ms"),
+        ):
+            off, on = figures["off"], figures["on"]
+            rows.append(
+                (
+                    f"tracing on vs off: {name}",
+                    f"{on - off:+.3f} {unit} ({on:.3f} vs {off:.3f})",
+                    "(reported)",
+                    True,
+                )
+            )
+        return rows
+
+
+TRACING_MODES: dict[str, dict[str, str]] = {
+    "off": {},
+    "on": {"SLOGATE_TRACING": "true", "SLOGATE_TRACING_EXPORTER": "none"},
+}
+
+
+async def _tracing_case(
+    engine: ChildProcess, gateway: ChildProcess, n: int, stream_tokens: int
+) -> tuple[float, float, float]:
+    """(added p50 s, CPU s per plain request, CPU s per streamed request) at concurrency 1."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        load = LoadGenerator(session, stream_tokens)
+        await wait_until_served(session, gateway.url, MODEL)
+        await load.run_plain(gateway.url, 100, 1)
+        for _ in range(10):
+            await load.stream(gateway.url)
+        direct: list[float] = []
+        via: list[float] = []
+        for _ in range(n):
+            direct.append(await load.plain(engine.url))
+            via.append(await load.plain(gateway.url))
+        c0 = cpu_seconds(gateway.pid)
+        await load.run_plain(gateway.url, n, 1)
+        per_request = (cpu_seconds(gateway.pid) - c0) / n
+        streams = max(20, n // 4)
+        c0 = cpu_seconds(gateway.pid)
+        for _ in range(streams):
+            await load.stream(gateway.url)
+        per_stream = (cpu_seconds(gateway.pid) - c0) / streams
+    return statistics.median(via) - statistics.median(direct), per_request, per_stream
+
+
+def run_tracing_cost(n: int, stream_tokens: int) -> TracingCost:
+    added: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    cpu_stream: dict[str, float] = {}
+    for mode, env in TRACING_MODES.items():
+        progress(f"tracing {mode}: {n} requests at c=1, then {max(20, n // 4)} streams")
+        with (
+            spawn_zero_engine(MODEL) as engine,
+            spawn_gateway([engine_entry(engine, MODEL)], env=env) as gateway,
+        ):
+            a, c, s = asyncio.run(_tracing_case(engine, gateway, n, stream_tokens))
+        added[mode], cpu[mode], cpu_stream[mode] = a * 1e3, c * 1e3, s * 1e3
+    return TracingCost(added, cpu, cpu_stream)
 
 
 @dataclass
@@ -417,6 +496,7 @@ def run_overhead(
     paced_tokens: tuple[int, int] = (16, 64),
     paced_waves: int = 2,
     dispatchers: bool = True,
+    tracing: bool = False,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -427,6 +507,8 @@ def run_overhead(
         result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves)
     if dispatchers:
         result.dispatchers = run_dispatcher_latency(max(50, n // 2))
+    if tracing:
+        result.tracing = run_tracing_cost(max(50, n // 2), stream_tokens)
     return result
 
 
@@ -469,6 +551,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip comparing added latency at c=1 under least-load and hyperflexis",
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also compare tracing off vs on (spans made and dropped) on fresh gateways: added p50 and "
+        "CPU per plain and streamed request at c=1",
+    )
 
 
 def _two_lengths(value: str) -> tuple[int, int]:
@@ -490,6 +578,7 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
         args.paced_tokens,
         args.paced_waves,
         not args.no_dispatchers,
+        args.tracing,
     )
     print(render_table(result))
     if args.json:
