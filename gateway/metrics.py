@@ -99,6 +99,14 @@ NO_ENGINE = Counter(
     ["model"],
     registry=REGISTRY,
 )
+DISPATCH_CALL = Histogram(
+    "slogate_dispatch_call_seconds",
+    "Wall time of the dispatch core's work per call from the live loop: submit (an arrival placed "
+    "or queued) and step (a loop turn), by dispatcher",
+    ["dispatcher", "call"],
+    buckets=_FAST_BUCKETS,
+    registry=REGISTRY,
+)
 POLICY_CALL = Histogram(
     "slogate_policy_call_seconds",
     "Wall time of each policy plugin call, recorded by the framework: filter:<name>, scorer:<name>, "

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Collection
 
+from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
 from gateway.fleet.registry import EngineRecord, RunningEntry
@@ -36,6 +37,9 @@ class DispatchLoop:
     def __init__(self, core: DispatchCore, clock: Callable[[], float] = time.monotonic) -> None:
         """Drive ``core`` on the running event loop, on ``clock`` (the core's time base)."""
         self.core = core
+        name = "hyperflexis" if core.hyperflexis is not None else "pipeline"
+        self._submit_hist = metrics.DISPATCH_CALL.labels(name, "submit")
+        self._step_hist = metrics.DISPATCH_CALL.labels(name, "step")
         self.fleet = core.fleet
         self.clock = clock
         self.core.wake = self.wake
@@ -94,9 +98,11 @@ class DispatchLoop:
         ticket = self.core.ticket(view, ttft_slo, tpot_slo, slo_class, entry, now, batch)
         if exclude:
             return self.core.retry(ticket, exclude, now)
+        t0 = time.perf_counter()
         try:
             record = self.core.submit(ticket, now)
         finally:
+            self._submit_hist.observe(time.perf_counter() - t0)
             self._deliver()
         if record is not None:
             return record
@@ -126,7 +132,9 @@ class DispatchLoop:
             await event.wait()
             event.clear()
             try:
+                t0 = time.perf_counter()
                 self.core.step(self.clock())
+                self._step_hist.observe(time.perf_counter() - t0)
                 self.steps += 1
                 self._deliver()
                 self._arm(self.core.next_wake())
