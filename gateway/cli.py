@@ -37,6 +37,10 @@ def _experiment(args: argparse.Namespace) -> int:
         from gateway.experiments.priority_ramp import ramp_main
 
         return ramp_main(args)
+    if args.experiment == "grid":
+        from gateway.simulator.grid import grid_main
+
+        return grid_main(args)
     from gateway.experiments.runner import experiment_main
 
     return experiment_main(args)
@@ -110,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_ramp_arguments(
         exp_sub.add_parser("priority-ramp", help="P3..P0 join one by one; P0 TTFT per window (Experiment B)")
+    )
+    from gateway.simulator.grid import add_grid_arguments
+
+    add_grid_arguments(
+        exp_sub.add_parser("grid", help="offline: policies x workloads x load (x capacity) x engine speed")
     )
     p.set_defaults(func=_experiment)
 

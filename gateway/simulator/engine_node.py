@@ -32,10 +32,15 @@ class EngineNode:
         listener: EngineListener,
         *,
         priority_scheduling: bool = False,
+        slow_factor: float = 1.0,
         seed: int = 0,
     ) -> None:
+        """``slow_factor``: every step takes this many times what the profile says (an engine
+        slower or faster than the prior the gateway was given)."""
         self.engine_id = engine_id
-        self.model = EngineModel(profile, priority_scheduling=priority_scheduling, seed=seed)
+        self.model = EngineModel(
+            profile, priority_scheduling=priority_scheduling, slow_factor=slow_factor, seed=seed
+        )
         self.clock = clock
         self.listener = listener
         self._stepping = False  # a step is in flight (its end is scheduled)

@@ -40,6 +40,9 @@ class Scenario:
     #: priority profile to map, as in the priority-ramp experiment)
     explicit_slo: bool = True
     monitor_interval_s: float = 1.0
+    #: the engines' true speed relative to their profile, which stays the gateway's prior
+    #: (0.5: every step takes twice what the gateway was told)
+    engine_speed: float = 1.0
     max_engine_load: int | None = None
     #: extra settings passed to the gateway (any Settings field)
     settings: tuple[tuple[str, object], ...] = field(default=())
@@ -112,6 +115,7 @@ class Simulation:
                 self.clock,
                 self.gateway,
                 priority_scheduling=scenario.engine_priority,
+                slow_factor=1.0 / scenario.engine_speed,
                 seed=scenario.seed * 1_000 + i,
             )
             for i, engine in enumerate(settings.engines)

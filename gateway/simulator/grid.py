@@ -1,0 +1,258 @@
+"""``slogate experiment grid``: the dispatcher against strong baselines across loads, workloads and
+engines that are slower or faster than the gateway was told, offline.
+
+Load is a fraction of the fleet's measured capacity (:mod:`gateway.simulator.capacity`) and is
+sustained for ``--duration`` seconds of arrivals, so the end of the arrivals does not decide the
+result. Every cell reports each policy's attainment (and per task), E2E p50/p99 and cost, and the
+ratio of the candidate (``--candidate``, HyperFlexis by default) to the best of the others.
+The priority ramp (HyperFlexis Fig. 6) is one more cell, at its own rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.experiments.plotting import pyplot
+from gateway.experiments.replay import summarize
+from gateway.simulator.capacity import engine_capacity
+from gateway.simulator.cli import PRIO_SUFFIX
+from gateway.simulator.scenario import RunResult, Scenario, run
+
+#: the issue's bars: never more than this below the best baseline; this ratio where it must win
+MAX_DEFICIT = 0.02
+MIN_WIN_RATIO = 1.3
+OVERLOAD = 1.2
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    workload: str
+    speed: float
+    load: float  # fraction of capacity; 0 for the ramp, which has its own rates
+    qps: float
+
+    @property
+    def name(self) -> str:
+        if self.load == 0:
+            return f"{self.workload} speed {self.speed:g}x"
+        return f"{self.workload} speed {self.speed:g}x load {self.load:g}x"
+
+    @property
+    def must_win(self) -> bool:
+        """Cells where the candidate should attain >= MIN_WIN_RATIO x the best baseline."""
+        return self.load >= OVERLOAD or self.load == 0 or self.workload == "tpot-bound"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    cell: Cell
+    policy: str
+    attainment: float
+    by_task: dict[str, float]
+    e2e_p50_s: float
+    e2e_p99_s: float
+    errors: int
+    cost_units: float
+    requests: int
+
+
+def _scenario(cell: Cell, policy: str, engines: int, duration_s: float, seed: int) -> Scenario:
+    profile, prio = (policy[: -len(PRIO_SUFFIX)], True) if policy.endswith(PRIO_SUFFIX) else (policy, False)
+    ramp = cell.load == 0
+    return Scenario(
+        workload=cell.workload,
+        qps=cell.qps,
+        policy=profile,
+        engines=1 if ramp else engines,
+        slo_profile="priority" if ramp else "hyperflexis-4task",
+        explicit_slo=not ramp,
+        duration_s=None if ramp else duration_s,
+        requests=None if ramp else max(1, int(cell.qps * duration_s)),
+        seed=seed,
+        engine_priority=prio,
+        engine_speed=cell.speed,
+    )
+
+
+def _run(cell: Cell, policy: str, scenario: Scenario) -> Result:
+    result: RunResult = run(scenario)
+    s = summarize(result.outcomes)
+    tasks = sorted({o.spec.task for o in result.outcomes})
+    by_task = {t: summarize([o for o in result.outcomes if o.spec.task == t]).attainment for t in tasks}
+    return Result(
+        cell, policy, s.attainment, by_task, s.e2e_p50_s, s.e2e_p99_s, s.errors, result.cost_units, s.requests
+    )
+
+
+def cells(
+    workloads: list[str], speeds: list[float], loads: list[float], engines: int, ramp_qps: float
+) -> list[Cell]:
+    out: list[Cell] = []
+    for workload in workloads:
+        for speed in speeds:
+            capacity = engines * engine_capacity(workload, speed=speed)
+            out.extend(Cell(workload, speed, load, round(load * capacity, 3)) for load in loads)
+    if ramp_qps > 0:
+        out.append(Cell("priority-ramp", 1.0, 0.0, ramp_qps))
+    return out
+
+
+def verdicts(results: list[Result], candidate: str) -> list[tuple[Cell, float, float, str]]:
+    """Per cell: the candidate's attainment, the best baseline's, and how the cell fares."""
+    out = []
+    for cell in dict.fromkeys(r.cell for r in results):
+        mine = [r for r in results if r.cell == cell]
+        own = next((r.attainment for r in mine if r.policy == candidate), float("nan"))
+        best = max((r.attainment for r in mine if r.policy != candidate), default=float("nan"))
+        if own < best - MAX_DEFICIT:
+            verdict = "BELOW"
+        elif cell.must_win and own < MIN_WIN_RATIO * best and best < 1 / MIN_WIN_RATIO:
+            verdict = "no 1.3x win"
+        else:
+            verdict = "ok"
+        out.append((cell, own, best, verdict))
+    return out
+
+
+def render(results: list[Result], candidate: str) -> str:
+    policies = list(dict.fromkeys(r.policy for r in results))
+    head = "| cell | QPS | " + " | ".join(policies) + f" | {candidate} / best other | verdict |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for cell, own, best, verdict in verdicts(results, candidate):
+        mine = {r.policy: r for r in results if r.cell == cell}
+        ratio = own / best if best > 0 else float("inf")
+        lines.append(
+            f"| {cell.name} | {cell.qps:g} | "
+            + " | ".join(f"{mine[p].attainment:.1%}" if p in mine else "-" for p in policies)
+            + f" | {ratio:.2f} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    plt = pyplot()
+    panels = sorted({(r.cell.workload, r.cell.speed) for r in results if r.cell.load > 0})
+    cols = max(1, min(3, len(panels)))
+    rows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (workload, speed) in zip([a for row in axes for a in row], panels, strict=False):
+        for policy in dict.fromkeys(r.policy for r in results):
+            mine = sorted(
+                (
+                    r
+                    for r in results
+                    if r.policy == policy and r.cell.workload == workload and r.cell.speed == speed
+                ),
+                key=lambda r: r.cell.load,
+            )
+            ax.plot([r.cell.load for r in mine], [100 * r.attainment for r in mine], marker="o", label=policy)
+        ax.set_title(f"{workload}, engines {speed:g}x the prior", fontsize=9)
+        ax.set_xlabel("load (x capacity)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default="hyperflexis-4task,hyperflexis-2task,tpot-bound")
+    parser.add_argument(
+        "--speeds", default="0.5,1,2", help="engines' true speed relative to the gateway's prior"
+    )
+    parser.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5", help="fractions of measured capacity")
+    parser.add_argument(
+        "--policies",
+        default="round-robin,least-load,least-load+prio,hyperflexis",
+        help="routing profiles; '+prio' = the engines schedule by the gateway's TTFT deadline",
+    )
+    parser.add_argument("--candidate", default="hyperflexis")
+    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per cell")
+    parser.add_argument(
+        "--ramp-qps", type=float, default=60.0, help="total QPS of the priority ramp (0: skip)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=Path("results/grid"))
+
+
+def grid_main(args: argparse.Namespace) -> int:
+    pyplot()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.candidate not in policies:
+        raise SystemExit(f"slogate experiment grid: --candidate {args.candidate!r} is not in --policies")
+    grid = cells(
+        [w for w in args.workloads.split(",") if w],
+        [float(x) for x in args.speeds.split(",") if x],
+        [float(x) for x in args.loads.split(",") if x],
+        args.engines,
+        args.ramp_qps,
+    )
+    jobs = [(cell, policy) for cell in grid for policy in policies]
+    print(
+        f"[grid] {len(grid)} cells x {len(policies)} policies = {len(jobs)} runs", file=sys.stderr, flush=True
+    )
+    started = time.perf_counter()
+    results: list[Result] = []
+    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
+        futures = {
+            pool.submit(
+                _run, cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed)
+            ): (cell, policy)
+            for cell, policy in jobs
+        }
+        for done, future in enumerate(as_completed(futures), start=1):
+            cell, policy = futures[future]
+            result = future.result()
+            results.append(result)
+            print(
+                f"[grid] ({done}/{len(jobs)}) {cell.name}, {policy}: {result.attainment:.1%} "
+                f"({result.requests} requests, {time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    order = {(c, p): i for i, (c, p) in enumerate(jobs)}
+    results.sort(key=lambda r: order[(r.cell, r.policy)])
+    text = render(results, args.candidate)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "grid.md").write_text(text + "\n")
+    (args.out / "grid.json").write_text(
+        json.dumps(
+            [
+                {
+                    "cell": r.cell.name,
+                    "workload": r.cell.workload,
+                    "speed": r.cell.speed,
+                    "load": r.cell.load,
+                    "qps": r.cell.qps,
+                    "policy": r.policy,
+                    "attainment": r.attainment,
+                    "attainment_by_task": r.by_task,
+                    "e2e_p50_s": r.e2e_p50_s,
+                    "e2e_p99_s": r.e2e_p99_s,
+                    "errors": r.errors,
+                    "cost_units": r.cost_units,
+                    "requests": r.requests,
+                }
+                for r in results
+            ],
+            indent=2,
+        )
+    )
+    png = args.out / "grid.png"
+    plot(results, png)
+    print(
+        f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}"
+    )
+    return 0
