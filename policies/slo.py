@@ -157,6 +157,16 @@ class SloProfile(BaseModel):
             targets += [level.ttft_s[0] for level in self.priority.levels]
         return min(targets)
 
+    def class_ttft_s(self, slo_class: str) -> float | None:
+        """The TTFT a class or priority level stands for (a level's upper bound); None if unknown."""
+        if slo_class in self.classes:
+            return self.classes[slo_class].ttft_s
+        if self.priority is not None:
+            for level in self.priority.levels:
+                if level.name == slo_class:
+                    return level.ttft_s[1]
+        return None
+
     def queue_limits(self, slo_class: str) -> QueueLimits:
         """Queue limits of a class or priority level by name (``SloTarget.slo_class``)."""
         if slo_class in self.classes:

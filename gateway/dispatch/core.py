@@ -62,6 +62,14 @@ MAX_BATCH = 64
 class ClassLimits:
     max_queued: int = 1024
     queue_timeout_s: float = 30.0
+    #: the class's own TTFT target: a request granted a laxer one (an explicit x-slo-ttft-ms)
+    #: may wait in the queue proportionally longer (None: the timeout is fixed)
+    class_ttft_s: float | None = None
+
+    def timeout_for(self, ttft_s: float) -> float:
+        if self.class_ttft_s and ttft_s > self.class_ttft_s:
+            return self.queue_timeout_s * (ttft_s / self.class_ttft_s)
+        return self.queue_timeout_s
 
 
 @dataclass(slots=True)
@@ -148,7 +156,7 @@ class DispatchCore:
             ttft_slo=ttft_slo,
             tpot_slo=tpot_slo,
             seq=self._seq,
-            queue_deadline=now + self.limits(slo_class).queue_timeout_s,
+            queue_deadline=now + self.limits(slo_class).timeout_for(ttft_slo),
         )
         return Ticket(item, slo_class, entry, now, batch)
 

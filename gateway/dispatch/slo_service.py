@@ -265,7 +265,7 @@ class SloService:
             limits = self.profile.queue_limits(slo_class)
         except KeyError:
             return ClassLimits()
-        return ClassLimits(limits.max_queued, limits.timeout_s)
+        return ClassLimits(limits.max_queued, limits.timeout_s, self.profile.class_ttft_s(slo_class))
 
     def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs]:
         model = self.models.get(engine_id)

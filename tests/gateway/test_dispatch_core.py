@@ -440,3 +440,22 @@ async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place(
         assert placed.engine_id == other
     finally:
         await loop.stop()
+
+
+def test_a_request_granted_a_laxer_ttft_than_its_class_may_wait_proportionally_longer() -> None:
+    limits = ClassLimits(max_queued=8, queue_timeout_s=3.5, class_ttft_s=0.7)
+    assert limits.timeout_for(0.7) == limits.timeout_for(0.2) == 3.5
+    assert limits.timeout_for(10.0) == pytest.approx(50.0)
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1, limits=limits)
+    assert core.submit(ticket("r-1"), 0.0) is not None
+    lax = core.ticket(
+        RequestView("r-2", "a", 100, 10, 0.0), 10.0, 0.1, "c", RunningEntry(100, 10, 0.1, 0.0), 0.0
+    )
+    strict = core.ticket(
+        RequestView("r-3", "a", 100, 10, 0.0), 0.7, 0.1, "c", RunningEntry(100, 10, 0.1, 0.0), 0.0
+    )
+    assert core.submit(lax, 0.0) is None and core.submit(strict, 0.0) is None
+    core.step(10.0)  # the strict one timed out at 3.5 s; the lax one may wait until 50 s
+    assert [(rid, getattr(result, "code", None)) for rid, result in core.outbox] == [("r-3", "queue_timeout")]
+    assert core.queued() == 1

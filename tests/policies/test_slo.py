@@ -386,3 +386,12 @@ def test_every_shipped_profile_validates() -> None:
     assert {"hyperflexis-4task", "hyperflexis-2task", "priority"} <= set(names)
     for name in names:
         load(name)
+
+
+def test_class_ttft_is_the_class_target_or_a_levels_upper_bound() -> None:
+    from profiles import PROFILES_DIR
+
+    profile = parse_slo_profile((PROFILES_DIR / "slo" / "hyperflexis-4task.yaml").read_text(), "4task")
+    assert profile.class_ttft_s("medical_qa") == 0.7
+    assert profile.class_ttft_s("p3") == 25.0
+    assert profile.class_ttft_s("nope") is None
