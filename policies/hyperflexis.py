@@ -88,12 +88,18 @@ class HyperFlexisParams:
     #: share of the tightest TTFT that one dispatch's prefill may use in eq.(5); the rest is
     #: headroom for the next urgent arrival's own prefill, which the paper's bound leaves out
     budget_ttft_share: float = 0.5
+    #: eq.(5) budgets against the tightest TTFT among the arrivals of this many seconds (the
+    #: strict arrival a long batch must not block is one like those recently seen); 0: always
+    #: the tightest TTFT of the SLO profile, whether or not any request asks for it
+    tightest_window_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
             raise ValueError(f"theta must be in [0, 1], got {self.theta}")
         if not 0.0 < self.budget_ttft_share <= 1.0:
             raise ValueError(f"budget_ttft_share must be in (0, 1], got {self.budget_ttft_share}")
+        if self.tightest_window_s < 0:
+            raise ValueError(f"tightest_window_s must be >= 0, got {self.tightest_window_s}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
@@ -348,7 +354,11 @@ def _fill_worker(
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
             tpot = min([r.tpot_slo for r in shadow] + [item.tpot_slo])
             ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
-            budget_left = token_budget(ttft, tpot, decode_s, coeffs[0], coeffs[1])
+            # a turn's prefill must also amortise within the longest hold (its maturity time is
+            # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
+            # that max_hold_s then cut short, and running streams' TPOT paid for it
+            horizon = min(ttft, params.max_hold_s)
+            budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1])
         prompt = item.view.prompt_tokens
         need_kv = prompt + item.view.max_output_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.dispatch.window_min import WindowMin
 from gateway.dispatch.workers import HyperFlexisWorkers
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
+from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
 from policies.hyperflexis import HyperFlexisParams, WorkerView
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
@@ -102,6 +104,7 @@ class DispatchCore:
         hyperflexis: HyperFlexisParams | None = None,
         max_engine_load: int | None = None,
         tightest_ttft_s: float = math.inf,
+        shedding: SheddingParams | None = None,
     ) -> None:
         self.fleet = fleet
         self.router = router
@@ -114,6 +117,12 @@ class DispatchCore:
         self.hyperflexis = hyperflexis
         self.max_engine_load = max_engine_load
         self.tightest_ttft_s = tightest_ttft_s
+        #: per model, the tightest TTFT target among recent arrivals (HyperFlexis eq.(5))
+        self._recent_ttft: dict[str, WindowMin] = {}
+        #: shed under saturation (llm-d flow control): the least urgent band's newest first
+        self.shedding = shedding
+        #: per model and band (priority), the queued tickets newest first: (-seq, id), lazily pruned
+        self._band_newest: dict[str, dict[int, list[tuple[int, str]]]] = {}
         self.queues: dict[str, AdmissionQueue] = {}
         self.tickets: dict[str, Ticket] = {}
         #: queued requests per (model, SLO class): a class's limit applies within one model's queue
@@ -228,6 +237,11 @@ class DispatchCore:
         if rid in self.tickets:
             raise ValueError(f"request id {rid!r} is already queued")
         queue = self.queues.get(model)
+        if self.hyperflexis is not None and self.hyperflexis.tightest_window_s > 0:
+            window = self._recent_ttft.get(model)
+            if window is None:
+                window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
+            window.add(ticket.item.ttft_slo, now)
         if self.hyperflexis is None and (queue is None or not len(queue)):
             record = self._choose(ticket, (), now)
             if record is not None:
@@ -244,6 +258,14 @@ class DispatchCore:
                 code="queue_full",
                 retry_after_s=1.0,
             )
+        if self.shedding is not None and self._shed_for_saturation(ticket, queue, now):
+            metrics.child(metrics.SHEDS, ticket.slo_class, "saturated").inc()
+            raise GatewayError(
+                429,
+                "the pool is saturated and this request is among the least urgent; retry later",
+                code="pool_saturated",
+                retry_after_s=1.0,
+            )
         if queue is None:
             queue = self.queues[model] = AdmissionQueue(self.order)
         if ticket.batch is not None:
@@ -258,6 +280,13 @@ class DispatchCore:
             deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
             heapq.heapify(deadlines)
         metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).inc()
+        if self.shedding is not None:
+            bands = self._band_newest.setdefault(model, {})
+            newest = bands.setdefault(view.priority, [])
+            heapq.heappush(newest, (-ticket.item.seq, rid))
+            if len(newest) > 64 + 2 * len(queue):
+                newest[:] = [e for e in newest if e[1] in self.tickets]
+                heapq.heapify(newest)
         if self.hyperflexis is None:
             self._dirty.add(model)
             self.wake()
@@ -372,7 +401,7 @@ class DispatchCore:
             workers,
             now,
             self.hyperflexis,
-            self.tightest_ttft_s,
+            self._tightest(model, now),
             # the context the queue keyed its late part with (it lags ours within a tolerance)
             queue.context if isinstance(self.order, LateLast) else None,
             queue.min_need(),
@@ -390,6 +419,13 @@ class DispatchCore:
                 self.workers.park(model, worker.engine_id, full=worker.engine_id in decision.full)
             else:
                 self.workers.set(model, worker.engine_id, at)
+
+    def _tightest(self, model: str, now: float) -> float:
+        """The TTFT eq.(5) budgets against: the tightest among the model's recent arrivals, or
+        the SLO profile's tightest when none arrived within the window (or no window is set)."""
+        window = self._recent_ttft.get(model)
+        recent = math.inf if window is None else window.min(now)
+        return recent if recent != math.inf else self.tightest_ttft_s
 
     # -- engine events -----------------------------------------------------------------------------
 
@@ -503,6 +539,53 @@ class DispatchCore:
         if now is not None:
             metrics.child(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
         return True
+
+    def _shed_for_saturation(self, ticket: Ticket, queue: AdmissionQueue | None, now: float) -> bool:
+        """Saturation shedding (:func:`policies.flow_control.shed_victim`) as ``ticket`` is about
+        to queue: True when the ticket itself is the one to shed (the caller refuses it, nothing
+        is held yet); a queued victim is refused here, through the same path as every refusal."""
+        assert self.shedding is not None
+        view = ticket.item.view
+        model = view.model
+        pool = PoolLoad(
+            engines=self.fleet.candidates(model, now),
+            max_engine_load=self.max_engine_load,
+            queued=1 + (len(queue) if queue is not None else 0),
+            queued_prompt_tokens=view.prompt_tokens
+            + (queue.queued_prompt_tokens if queue is not None else 0),
+        )
+        if not saturated(pool, self.context(), self.shedding):
+            return False
+        newcomer = ShedCandidate(view.request_id, view.priority, ticket.item.seq)
+        victim = shed_victim(self.shedding, newcomer, self._least_urgent_newest(model))
+        if victim is None:
+            return False
+        if victim.request_id == view.request_id:
+            return True
+        error = GatewayError(
+            429,
+            "request shed: the pool is saturated and a more urgent request arrived",
+            code="pool_saturated",
+            retry_after_s=1.0,
+        )
+        self._refuse(victim.request_id, "saturated", error, now)
+        self.wake()
+        return False
+
+    def _least_urgent_newest(self, model: str) -> ShedCandidate | None:
+        """The newest queued ticket of the model's least urgent band (stale index entries of
+        tickets that left are dropped on the way); ``None`` when nothing is queued."""
+        bands = self._band_newest.get(model)
+        if not bands:
+            return None
+        for band in sorted(bands, reverse=True):
+            newest = bands[band]
+            while newest and newest[0][1] not in self.tickets:
+                heapq.heappop(newest)
+            if newest:
+                return ShedCandidate(newest[0][1], band, -newest[0][0])
+            del bands[band]
+        return None
 
     def _prune(self, model: str, slo_class: str, now: float) -> bool:
         """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning):

@@ -86,7 +86,7 @@ def test_token_budget_limits_the_batch() -> None:
 
 def test_lax_requests_are_budgeted_against_the_tightest_ttft_served() -> None:
     lax = [req(f"w{i}", prompt=600, ttft=20.0, tpot=1.0) for i in range(20)]
-    full = HyperFlexisParams(budget_ttft_share=1.0)
+    full = HyperFlexisParams(budget_ttft_share=1.0, max_hold_s=30.0)
     alone = dispatch(lax, [worker("w")], 0.0, full).assignments
     strict = dispatch(lax, [worker("w")], 0.0, full, tightest_ttft_s=0.1).assignments
     # TTFT 0.1 s, TPOT 1 s: budget = (0.1 - 0.02) / 1e-4 = 800 tokens -> one 600-token prompt
@@ -283,3 +283,14 @@ def test_the_late_lane_break_skips_reading_the_late_part() -> None:
         HyperFlexisParams(max_scan=128),
     )
     assert len(read) >= 128
+
+
+def test_a_turns_prefill_amortises_within_the_longest_hold() -> None:
+    """With a lax TTFT, eq.(5) alone would let one turn prefill ~2 s of prompts; the turn must
+    fit what max_hold_s can amortise: E_p * TPOT / (TPOT - E_d) <= max_hold_s."""
+    lax = [req(f"w{i}", prompt=600, ttft=20.0, tpot=1.0) for i in range(40)]
+    decision = dispatch(lax, [worker("w")], 0.0, HyperFlexisParams(budget_ttft_share=1.0, max_hold_s=0.5))
+    took = [a.request_id for a in decision.assignments]
+    prefill = PREFILL[0] + PREFILL[1] * 600 * len(took)
+    assert prefill <= 0.5 < prefill + PREFILL[1] * 600  # as many as fit, not one more
+    assert decision.maturity["w"] <= 0.5 + 1e-9
