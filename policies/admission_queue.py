@@ -12,7 +12,12 @@ How it stays O(log n):
 * a second heap on each key's ``valid_until``: before any read, keys whose piece has ended are
   recomputed and pushed again (the old entry becomes dead). Each order documents how many times a
   request can change key (once for aging / S-EDF / RED, a bounded geometric number for Kairos);
-* a third heap on ``queue_deadline`` for :meth:`AdmissionQueue.expire`.
+* a third heap on ``queue_deadline`` for :meth:`AdmissionQueue.expire`;
+* for orders that rank by fair rounds (``uses_flows``: ``flow_control``), a
+  :class:`~policies.flow_control.FlowRounds` stamps each push with its round; the request it
+  displaces as its tenant's head is re-keyed at once, the one that becomes a head when a head
+  leaves is re-keyed at the next read (so :meth:`AdmissionQueue.remove` and ``expire`` never
+  restructure the heap under an open iterator).
 
 Context changes: a context-sensitive order keys with the context the queue holds; a new context
 replaces it (and every key is recomputed, O(n)) only when one of its estimates moved by more than
@@ -28,7 +33,14 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from policies.queue_order import OrderContext, QueuedRequest, QueueOrder, with_prefill_backlog
+from policies.flow_control import FlowRounds
+from policies.queue_order import (
+    OrderContext,
+    QueuedRequest,
+    QueueOrder,
+    with_flow_round,
+    with_prefill_backlog,
+)
 
 _INF = math.inf
 _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
@@ -79,6 +91,10 @@ class AdmissionQueue:
         self._key = order.key
         self._context_sensitive: bool = getattr(order, "context_sensitive", True)
         self._uses_backlog: bool = getattr(order, "uses_backlog", False)
+        #: fair rounds per band and tenant, for orders that rank by them (flow_control)
+        self._flows: FlowRounds | None = FlowRounds() if getattr(order, "uses_flows", False) else None
+        #: (request id, round) of requests that became their flow's head, re-keyed at the next read
+        self._promoted: list[tuple[str, float]] = []
         self._tolerance = context_tolerance
         self._ctx: OrderContext | None = None
         self._seen_ctx: OrderContext | None = None  # last object passed in, to skip the comparison
@@ -141,6 +157,12 @@ class AdmissionQueue:
             held = self._adopt(ctx, now)
         if self._uses_backlog and item.prefill_tokens_ahead is None:
             item = with_prefill_backlog(item, self._queued_prompt_tokens)
+        moved: list[tuple[str, float]] = []
+        if self._flows is not None:
+            if self._promoted:
+                self._restamp(self._promoted, now, held)
+                self._promoted = []
+            item, moved = self._flows.admit(item)
         # _insert inlined: push is the hot path of a burst of arrivals
         sort_key, valid_until = self._key(item, now, held)
         self._generation += 1
@@ -168,6 +190,8 @@ class AdmissionQueue:
             # popped items' entries surface only when they are the least: drop them now and then
             self._needs = [n for n in needs if n[2].entry is not None]
             heapq.heapify(self._needs)
+        if moved:
+            self._restamp(moved, now, held)  # the flow's head it displaced is parked
         self._structure_version += 1
         if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(slots):
             self._compact()
@@ -334,6 +358,18 @@ class AdmissionQueue:
                 valid_until = math.nextafter(now, _INF)
             heapq.heappush(self._rekeys, (valid_until, generation, slot))
 
+    def _restamp(self, rounds: list[tuple[str, float]], now: float, ctx: OrderContext) -> None:
+        """Give queued requests their new ``flow_round`` and re-key them (ids that left since
+        are skipped)."""
+        slots = self._slots
+        for request_id, flow_round in rounds:
+            slot = slots.get(request_id)
+            if slot is None or slot.item.flow_round == flow_round:
+                continue
+            slot.item = with_flow_round(slot.item, flow_round)
+            self._insert(slot, now, ctx)
+            self._dead_in_heap += 1
+
     def _forget(self, slot: _Slot) -> None:
         entry = slot.entry
         if self._head_valid and entry is not None:
@@ -345,6 +381,8 @@ class AdmissionQueue:
         item = slot.item
         del self._slots[item.view.request_id]
         self._queued_prompt_tokens -= item.view.prompt_tokens
+        if self._flows is not None:
+            self._promoted.extend(self._flows.leave(item))
 
     def _adopt(self, ctx: OrderContext, now: float) -> OrderContext:
         """The context to key with: the held one unless ``ctx`` moved past the tolerance."""
@@ -364,6 +402,10 @@ class AdmissionQueue:
     def _refresh(self, now: float, ctx: OrderContext) -> None:
         """Adopt ``ctx`` if it moved, then recompute every key whose piece ended at or before ``now``."""
         ctx = self._adopt(ctx, now)
+        if self._promoted:
+            self._restamp(self._promoted, now, ctx)
+            self._promoted = []
+            self._structure_version += 1
         rekeys = self._rekeys
         if rekeys and rekeys[0][0] <= now:
             changed = False

@@ -107,7 +107,17 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
         scorers: [{name: ..., weight: 1.0, params: {...}}]
         picker: {name: max_score, params: {...}}
     """
-    allowed = {"name", "description", "dispatcher", "queue_order", "filters", "scorers", "picker"}
+    allowed = {
+        "name",
+        "description",
+        "dispatcher",
+        "queue_order",
+        "engine_scheduling",
+        "shedding",
+        "filters",
+        "scorers",
+        "picker",
+    }
     extra = sorted(set(profile) - allowed)
     if extra:
         raise PolicyConfigError(f"routing profile has unknown keys {extra}; allowed: {sorted(allowed)}")

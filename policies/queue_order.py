@@ -53,6 +53,10 @@ class QueuedRequest:
     the queued members whenever a member joins; other orders ignore it.
     ``prefill_tokens_ahead`` is the prompt-token backlog queued ahead of the request when it was
     admitted (Kairos Algorithm 2); ``None`` lets the queue stamp it at push for orders that use it.
+    ``flow_round`` is the request's fair-queueing round in its priority band if it is its tenant's
+    head there, ``inf`` if it is parked behind it (:class:`FlowControl`); the queue stamps it at
+    push and again when the request becomes or stops being the head
+    (:class:`policies.flow_control.FlowRounds`); ``None``: not stamped (ranked in round 0).
     """
 
     view: RequestView
@@ -62,6 +66,7 @@ class QueuedRequest:
     queue_deadline: float = _INF
     batch_deadlines: tuple[float, ...] = ()
     prefill_tokens_ahead: int | None = None
+    flow_round: float | None = None
 
     @property
     def ttft_deadline(self) -> float:
@@ -384,6 +389,23 @@ def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
     put(clone, "queue_deadline", item.queue_deadline)
     put(clone, "batch_deadlines", item.batch_deadlines)
     put(clone, "prefill_tokens_ahead", tokens)
+    put(clone, "flow_round", item.flow_round)
+    return clone
+
+
+def with_flow_round(item: QueuedRequest, flow_round: float) -> QueuedRequest:
+    """``item`` with ``flow_round`` set; equal to ``dataclasses.replace`` (as
+    :func:`with_prefill_backlog`, and for the same reason: the queue stamps every push)."""
+    clone = object.__new__(QueuedRequest)
+    put = object.__setattr__
+    put(clone, "view", item.view)
+    put(clone, "ttft_slo", item.ttft_slo)
+    put(clone, "tpot_slo", item.tpot_slo)
+    put(clone, "seq", item.seq)
+    put(clone, "queue_deadline", item.queue_deadline)
+    put(clone, "batch_deadlines", item.batch_deadlines)
+    put(clone, "prefill_tokens_ahead", item.prefill_tokens_ahead)
+    put(clone, "flow_round", flow_round)
     return clone
 
 
@@ -464,6 +486,109 @@ class RobustEffectiveDeadline:
         return (1.0, red, deadline, item.seq), _INF
 
 
+@dataclass(frozen=True, slots=True)
+class FlowControl:
+    """llm-d-style flow control: priority bands, then fairness between tenants, then EDF.
+
+    Key ``(band, round, ttft_deadline, seq)``, smaller first:
+
+    * ``band`` is ``view.priority`` (0 is the most urgent; negative values are more urgent still).
+      Bands are strict, as llm-d's priority bands: a band is served only while every more urgent
+      band is empty. Shedding under saturation (:func:`policies.flow_control.shed_victim`) takes
+      the least urgent band's newest request first.
+    * ``round`` (``item.flow_round``) is the fair-queueing round of the request if it is its
+      flow's head (a flow: one tenant's requests in one band; its head: its earliest TTFT
+      deadline), ``inf`` if it is parked behind its flow's head. The heads of a band take one
+      round each in turn (start-time fair queueing, one request per round): the tenants with work
+      queued are served round robin, and a tenant that starts sending joins the current round
+      instead of waiting behind another tenant's backlog. The admission queue stamps the rounds
+      (:class:`policies.flow_control.FlowRounds`, for orders with ``uses_flows``); an unstamped
+      item is in round 0, so without the stamps the order is strict priority then EDF.
+    * within a round, earliest TTFT deadline first (so is each flow's head, EDF within a tenant).
+
+    The first request in order is exactly llm-d's choice (band, then the flows' heads round
+    robin, each its tenant's earliest deadline); parked requests follow their band's heads by
+    deadline, an approximation of the later rounds. The key never changes by itself (valid
+    forever) and ignores the context: re-keys come only from the stamps, at most two per arrival
+    (the arrival displaces its flow's head, which is parked) and one per departure (the flow's
+    next request becomes its head, one round later).
+    """
+
+    name: str = field(default="flow_control", init=False)
+    context_sensitive: bool = field(default=False, init=False)
+    uses_flows: bool = field(default=True, init=False)
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        flow_round = item.flow_round
+        return (
+            float(item.view.priority),
+            0.0 if flow_round is None else flow_round,
+            item.view.arrival + item.ttft_slo,
+            item.seq,
+        ), _INF
+
+
+@dataclass(frozen=True, slots=True)
+class Wspt:
+    """Dynamo-style WSPT queue: weighted shortest processing time first (Smith's rule).
+
+    Highest ``weight / service`` first, where
+
+    * ``service = ctx.predicted_prefill_s(prompt_tokens) + decode_share * max_output_tokens *
+      ctx.decode_step_s``: the predicted time the request occupies an engine, from its lengths and
+      the fleet's current latency estimates (``decode_share`` 0: prefill only, Dynamo's token cost);
+    * ``weight = priority_factor ** -priority`` (each level more urgent weighs ``priority_factor``
+      times more), divided by ``ttft_slo`` when ``urgency`` is on (a 0.5 s TTFT target weighs
+      four times a 2 s one).
+
+    Key ``(tier, log(service) - log(weight), arrival, seq)``: the logarithm ranks exactly as
+    ``-weight / service`` and stays finite for any priority; ``tier`` is ``view.priority`` when
+    ``strict_priority`` (Dynamo's strict tiers: WSPT within a tier), else 0. Ties by arrival.
+
+    Static in time: no key changes by itself. It uses the context, so the queue re-keys every
+    request when an estimate moves beyond its tolerance; nothing else re-keys. Like every SPT rule
+    it can starve long low-weight requests under sustained load: the class's queue timeout bounds
+    their wait.
+    """
+
+    priority_factor: float = 2.0
+    urgency: bool = True
+    decode_share: float = 1.0
+    strict_priority: bool = False
+    name: str = field(default="wspt", init=False)
+    context_sensitive: bool = field(default=True, init=False)
+    _log_factor: float = field(default=0.0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_number(self.priority_factor) and self.priority_factor >= 1.0,
+            f"priority_factor must be a finite number >= 1, got {self.priority_factor!r}",
+        )
+        _require(
+            _is_number(self.decode_share) and self.decode_share >= 0.0,
+            f"decode_share must be a finite number >= 0, got {self.decode_share!r}",
+        )
+        _require(isinstance(self.urgency, bool), f"urgency must be true or false, got {self.urgency!r}")
+        _require(
+            isinstance(self.strict_priority, bool),
+            f"strict_priority must be true or false, got {self.strict_priority!r}",
+        )
+        object.__setattr__(self, "_log_factor", math.log(self.priority_factor))
+
+    def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        view = item.view
+        service = (
+            ctx.predicted_prefill_s(view.prompt_tokens)
+            + self.decode_share * max(0, view.max_output_tokens) * ctx.decode_step_s
+        )
+        # log(service / weight) = log(service) + priority * log(factor) [+ log(ttft_slo)]
+        cost = math.log(service if service > 1e-12 else 1e-12) + view.priority * self._log_factor
+        if self.urgency:
+            cost += math.log(item.ttft_slo if item.ttft_slo > 1e-9 else 1e-9)
+        tier = float(view.priority) if self.strict_priority else 0.0
+        return (tier, cost, view.arrival, item.seq), _INF
+
+
 ORDERS: dict[str, Callable[..., QueueOrder]] = {
     "fcfs": Fcfs,
     "strict_priority": StrictPriority,
@@ -472,6 +597,8 @@ ORDERS: dict[str, Callable[..., QueueOrder]] = {
     "sedf": SlackEdf,
     "kairos": KairosUrgency,
     "red": RobustEffectiveDeadline,
+    "flow_control": FlowControl,
+    "wspt": Wspt,
 }
 
 

@@ -372,7 +372,11 @@ def test_a_member_joining_re_queues_its_batch() -> None:
 @pytest.mark.parametrize(
     ("name", "params", "fragment"),
     [
-        ("lifo", None, "known queue orders: fcfs, kairos, red, sedf, sjf_aging, slo_tpot, strict_priority"),
+        (
+            "lifo",
+            None,
+            "known queue orders: fcfs, flow_control, kairos, red, sedf, sjf_aging, slo_tpot, strict_priority, wspt",
+        ),
         ("sjf_aging", {"theta": 5}, "'sjf_aging' has no parameter 'theta'; it accepts: theta_age_s=5.0"),
         ("sjf_aging", {"theta_age_s": -1}, "theta_age_s must be"),
         ("sjf_aging", {"theta_age_s": "5"}, "theta_age_s must be"),
