@@ -120,6 +120,9 @@ class HyperFlexisDecision:
     #: workers that took nothing for lack of seqs or KV (not slack): only a completion or a scrape
     #: on them can change that, so a new arrival need not wake them
     full: frozenset[str] = frozenset()
+    #: for each worker that took work, the prefill time its maturity was computed from (eq.(1)
+    #: over what waits for prefill there, the new work included), seconds
+    prefill_s: Mapping[str, float] = field(default_factory=dict)
 
 
 def admission_probability(
@@ -267,6 +270,7 @@ def dispatch(
     taken: set[str] = set()
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
+    prefill_s: dict[str, float] = {}
     full: set[str] = set()
 
     while order and order[0][0] <= now:
@@ -286,13 +290,15 @@ def dispatch(
             taken.add(item.view.request_id)
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
             shadow.append(RunningRequest(item.view.prompt_tokens, 0, item.tpot_slo, False))
-        next_time = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
+        next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
         maturity[worker.engine_id] = next_time
+        if admitted:
+            prefill_s[worker.engine_id] = e_p
         heapq.heappush(order, (next_time, index))
 
     remaining = prefix.untaken(taken, 1)
     wake_at = order[0][0] if order and remaining else math.inf
-    return HyperFlexisDecision(tuple(assignments), maturity, wake_at, frozenset(full))
+    return HyperFlexisDecision(tuple(assignments), maturity, wake_at, frozenset(full), prefill_s)
 
 
 def _fill_worker(
@@ -430,6 +436,26 @@ def _fill_worker(
     return admitted, late_at, not candidates, slack_bound
 
 
+def shortened_maturity(
+    turn_at: float, maturity: float, predicted_prefill_s: float, now: float, params: HyperFlexisParams
+) -> float:
+    """A held worker's maturity once every prefill it was given has produced its first token.
+
+    The hold after a turn amortises that turn's predicted prefill (Algorithm 1). When the engine
+    finishes the prefills sooner than predicted (its prior is slower than it is), the hold shrinks
+    in proportion to what the prefill really took, so a fast engine is not paced by a slow prior;
+    never below ``recheck_s`` after the turn. A prefill slower than predicted changes nothing (the
+    hold already ran out, or will).
+    """
+    if maturity <= now or predicted_prefill_s <= 0.0:
+        return maturity
+    actual = max(0.0, now - turn_at)
+    if actual >= predicted_prefill_s:
+        return maturity
+    scaled = turn_at + (maturity - turn_at) * (actual / predicted_prefill_s)
+    return min(maturity, max(turn_at + params.recheck_s, scaled, now))
+
+
 def _next_maturity(
     worker: WorkerView,
     shadow: Sequence[RunningRequest],
@@ -437,10 +463,11 @@ def _next_maturity(
     took_work: bool,
     late_at: float,
     params: HyperFlexisParams,
-) -> float:
+) -> tuple[float, float]:
+    """The worker's next maturity time, and the prefill time (eq.(1)) it amortises."""
     if not took_work:
         # nothing fitted: only an event (or a candidate turning late) can change that
-        return late_at
+        return late_at, 0.0
     waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
     e_p = predict_prefill(worker.prefill_coeffs, waiting) if waiting else 0.0
     e_d = _decode_step(worker.decode_coeffs, shadow)
@@ -448,4 +475,4 @@ def _next_maturity(
     # A chunked-prefill engine runs the new prompts inside decode steps: each step that carries a
     # chunk also pays E_d, so a turn costs at least E_p + E_d even when relax is large.
     held = max(maturity_time(now, e_p, e_d, min_tpot), now + e_p + e_d)
-    return min(now + params.max_hold_s, max(now + params.recheck_s, held))
+    return min(now + params.max_hold_s, max(now + params.recheck_s, held)), e_p

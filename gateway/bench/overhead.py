@@ -25,7 +25,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -113,14 +113,17 @@ class OverheadResult:
 
 @dataclass
 class DispatcherLatency:
-    """Added p50 latency at concurrency 1 per routing profile, same engine, same gateway build: an
-    idle engine must take a request at once whatever the dispatcher (HyperFlexis used to wait for
-    its next 10 ms tick)."""
+    """Per routing profile, same engine, same gateway build: added p50 latency at concurrency 1
+    (an idle engine must take a request at once whatever the dispatcher; HyperFlexis used to wait
+    for its next 10 ms tick) and throughput at concurrency 8 in front of a zero-latency engine the
+    gateway's default latency prior overestimates (a slow prior must not pace a fast engine)."""
 
     added_p50_ms: dict[str, float]
+    throughput_rps: dict[str, float] = field(default_factory=dict)
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         base = self.added_p50_ms.get("least-load")
+        base_rps = self.throughput_rps.get("least-load")
         rows = []
         for profile, added in self.added_p50_ms.items():
             if profile == "least-load" or base is None:
@@ -133,7 +136,28 @@ class DispatcherLatency:
                     added - base <= 0.2,
                 )
             )
+            rps = self.throughput_rps.get(profile)
+            if rps is not None and base_rps:
+                rows.append(
+                    (
+                        f"{profile} throughput vs least-load (c={THROUGHPUT_CONCURRENCY}, default prior)",
+                        f"{rps:.0f} vs {base_rps:.0f} req/s ({rps / base_rps:.0%})",
+                        ">= 90%",
+                        rps >= 0.9 * base_rps,
+                    )
+                )
         return rows
+
+
+THROUGHPUT_CONCURRENCY = 8
+
+
+async def _throughput(gateway: ChildProcess, n: int) -> float:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        load = LoadGenerator(session, 1)
+        await load.run_plain(gateway.url, 50, THROUGHPUT_CONCURRENCY)  # warm up
+        _, wall = await load.run_plain(gateway.url, n, THROUGHPUT_CONCURRENCY)
+    return n / wall
 
 
 async def _added_p50(engine: ChildProcess, gateway: ChildProcess, n: int) -> float:
@@ -154,14 +178,18 @@ def run_dispatcher_latency(
 ) -> DispatcherLatency:
     """Added p50 at concurrency 1 for each routing profile, one fresh engine and gateway each."""
     added: dict[str, float] = {}
+    rps: dict[str, float] = {}
     for profile in profiles:
-        progress(f"dispatcher latency: {profile}, {n} requests at c=1")
+        progress(
+            f"dispatcher latency: {profile}, {n} requests at c=1, {20 * n} at c={THROUGHPUT_CONCURRENCY}"
+        )
         with (
             spawn_zero_engine(MODEL) as engine,
             spawn_gateway([engine_entry(engine, MODEL)], env={"SLOGATE_ROUTING_PROFILE": profile}) as gateway,
         ):
             added[profile] = asyncio.run(_added_p50(engine, gateway, n)) * 1000
-    return DispatcherLatency(added)
+            rps[profile] = asyncio.run(_throughput(gateway, 20 * n))
+    return DispatcherLatency(added, rps)
 
 
 @dataclass

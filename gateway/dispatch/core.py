@@ -292,6 +292,7 @@ class DispatchCore:
             self.wake()
             return None
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
+        self.workers.shorten_holds(now, self.hyperflexis)
         if self.workers.next_mature(model) <= now:
             # a worker can take work right now: decide in this call, not on the next loop turn
             self._submitting, self._own = rid, None
@@ -339,6 +340,7 @@ class DispatchCore:
                 for item in queue.expire(now):
                     self._expired(item, now)
         if self.hyperflexis is not None:
+            self.workers.shorten_holds(now, self.hyperflexis)
             for model in self.workers.models:
                 if self.queued(model) and self.workers.next_mature(model) <= now:
                     self._dirty.add(model)
@@ -417,6 +419,8 @@ class DispatchCore:
                 # a full worker waits for its own completions and scrapes; one held back by
                 # slack may take the next arrival
                 self.workers.park(model, worker.engine_id, full=worker.engine_id in decision.full)
+            elif worker.engine_id in decision.prefill_s:
+                self.workers.hold(model, worker.engine_id, at, now, decision.prefill_s[worker.engine_id])
             else:
                 self.workers.set(model, worker.engine_id, at)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import Role
-from policies.hyperflexis import RunningRequest, WorkerView
+from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView, shortened_maturity
 from policies.latency_fit import Coeffs
 
 
@@ -39,6 +39,10 @@ class HyperFlexisWorkers:
         #: bumped whenever an engine's maturity changes: a heap entry with an older one is stale
         self._version: dict[str, int] = {}
         self._parked: dict[str, dict[str, None]] = {m: {} for m in fleet.served_models}
+        #: engines held after a turn that took work: (turn time, the prefill time predicted for it)
+        self._holds: dict[str, tuple[float, float]] = {}
+        #: held engines whose every dispatched prefill has produced its first token
+        self._prefilled: set[str] = set()
         for record in fleet.records.values():
             if record.adapter.role == Role.COLLOCATED:
                 self.set(record.model, record.engine_id, 0.0)
@@ -52,8 +56,29 @@ class HyperFlexisWorkers:
         version = self._version.get(engine_id, 0) + 1
         self._version[engine_id] = version
         self.maturity[engine_id] = at
+        self._holds.pop(engine_id, None)
         if at != math.inf:
             heapq.heappush(self._heaps[model], (at, version, engine_id))
+
+    def hold(self, model: str, engine_id: str, at: float, turn_at: float, prefill_s: float) -> None:
+        """``engine_id`` took work at ``turn_at`` and matures at ``at``, a hold that amortises a
+        predicted prefill of ``prefill_s``; it may end sooner (see :meth:`shorten_holds`)."""
+        self.set(model, engine_id, at)
+        if at > turn_at and prefill_s > 0.0:
+            self._holds[engine_id] = (turn_at, prefill_s)
+
+    def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
+        """Holds whose prefills all produced their first token end in proportion to how long
+        the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
+        for engine_id in self._prefilled:
+            held = self._holds.get(engine_id)
+            if held is None:
+                continue
+            at = self.maturity[engine_id]
+            sooner = shortened_maturity(held[0], at, held[1], now, params)
+            if sooner < at:
+                self.set(self.fleet.records[engine_id].model, engine_id, sooner)
+        self._prefilled.clear()
 
     def park(self, model: str, engine_id: str, full: bool) -> None:
         """``engine_id`` took nothing and has no timer: wait for an event (see the module doc)."""
@@ -106,6 +131,9 @@ class HyperFlexisWorkers:
         if engine_id not in self.maturity:
             return
         model = record.model
+        if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
+            # (a non-streamed answer shows no first token: its end shows the prefill was done)
+            self._prefilled.add(engine_id)
         if what == "health":
             if record.healthy:
                 self.unpark(model, engine_id, -math.inf)

@@ -459,3 +459,33 @@ def test_a_request_granted_a_laxer_ttft_than_its_class_may_wait_proportionally_l
     core.step(10.0)  # the strict one timed out at 3.5 s; the lax one may wait until 50 s
     assert [(rid, getattr(result, "code", None)) for rid, result in core.outbox] == [("r-3", "queue_timeout")]
     assert core.queued() == 1
+
+
+def test_a_fast_engine_is_not_held_for_the_prefill_a_slow_prior_predicted() -> None:
+    """Prior: 0.5 s per prefill. The engine's first token comes after 5 ms: the worker's hold
+    ends then (in proportion), and the queued request goes at once, not 0.5 s later."""
+    fleet = offline_fleet({"a": 1})
+    slow = ((0.5, 0.0, 0.0), (0.01, 0.0, 0.0))
+    core = offline_core(
+        fleet, dispatcher="hyperflexis", order="slo_tpot", coefficients=slow, tightest_ttft_s=60.0
+    )
+    first = ticket("r-1", timeout=600.0)
+    assert core.submit(first, 0.0) is not None
+    assert core.submit(ticket("r-2", timeout=600.0), 0.001) is None  # the worker is held
+    held_until = core.workers.maturity["a-0"]
+    assert held_until > 0.5
+    fleet.mark_prefilled("a-0", "r-1")
+    core.step(0.005)
+    assert core.outbox == [] and core.next_wake() == pytest.approx(0.01)  # the recheck floor
+    core.step(core.next_wake())
+    assert [rid for rid, _ in core.outbox] == ["r-2"]
+    # without a first token the hold stands
+    fleet2 = offline_fleet({"a": 1})
+    core2 = offline_core(
+        fleet2, dispatcher="hyperflexis", order="slo_tpot", coefficients=slow, tightest_ttft_s=60.0
+    )
+    assert core2.submit(ticket("r-1", timeout=600.0), 0.0) is not None
+    assert core2.submit(ticket("r-2", timeout=600.0), 0.001) is None
+    held = core2.workers.maturity["a-0"]
+    core2.step(0.4)  # no first token yet: the hold stands
+    assert core2.outbox == [] and core2.workers.maturity["a-0"] == held

@@ -18,6 +18,7 @@ from policies.hyperflexis import (
     _QueuePrefix,
     admission_probability,
     dispatch,
+    shortened_maturity,
 )
 from policies.queue_order import LateLast, OrderContext, QueuedRequest, make_order
 
@@ -294,3 +295,19 @@ def test_a_turns_prefill_amortises_within_the_longest_hold() -> None:
     prefill = PREFILL[0] + PREFILL[1] * 600 * len(took)
     assert prefill <= 0.5 < prefill + PREFILL[1] * 600  # as many as fit, not one more
     assert decision.maturity["w"] <= 0.5 + 1e-9
+
+
+def test_a_hold_shrinks_with_the_prefill_the_engine_really_took() -> None:
+    params = HyperFlexisParams(recheck_s=0.01)
+    # held 10 -> 10.5 s for a predicted 0.4 s prefill; the prefill was done at 10.04 s (10x faster)
+    assert shortened_maturity(10.0, 10.5, 0.4, 10.04, params) == pytest.approx(10.05)
+    assert shortened_maturity(10.0, 10.5, 0.4, 10.001, params) == pytest.approx(10.01)  # recheck floor
+    assert shortened_maturity(10.0, 10.5, 0.4, 10.45, params) == 10.5  # slower than predicted: no change
+    assert shortened_maturity(10.0, 10.5, 0.4, 10.6, params) == 10.5  # already mature
+    assert shortened_maturity(10.0, 10.5, 0.0, 10.1, params) == 10.5  # nothing was predicted
+
+
+def test_a_turn_reports_the_prefill_its_hold_amortises() -> None:
+    decision = dispatch([req("a", prompt=300), req("b", prompt=200)], [worker("w")], 0.0)
+    assert decision.prefill_s["w"] == pytest.approx(PREFILL[0] + PREFILL[1] * 500)
+    assert decision.maturity["w"] > decision.prefill_s["w"]
