@@ -7,6 +7,7 @@ settings mean the same decisions in both.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from gateway.router import Router, load_pipeline
 from gateway.settings import Settings
 from policies.pipeline import RoutingPipeline
 
+log = logging.getLogger("slogate.dispatch")
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingProfile:
@@ -31,17 +34,74 @@ class RoutingProfile:
     @classmethod
     def load(cls, path: Path) -> RoutingProfile:
         """Read and validate ``path``; raises PolicyConfigError/ValueError naming the file."""
-        return cls(load_pipeline(path), dispatcher_config(yaml.safe_load(path.read_text())))
+        pipeline = load_pipeline(path)
+        try:
+            dispatcher = dispatcher_config(yaml.safe_load(path.read_text()))
+        except ValueError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+        return cls(pipeline, dispatcher)
 
 
 def build_core(settings: Settings, fleet: Fleet, slo: SloService, routing: RoutingProfile) -> DispatchCore:
+    dispatcher = routing.dispatcher
+    # the operator's setting wins; a profile that only makes sense with a gateway queue brings its own
+    max_engine_load = (
+        settings.max_engine_load if settings.max_engine_load is not None else dispatcher.max_engine_load
+    )
+    for warning in engine_scheduling_warnings(routing, fleet, max_engine_load):
+        log.warning(warning)
     return DispatchCore(
         fleet,
         Router(fleet, routing.pipeline),
-        routing.dispatcher.order,
+        dispatcher.order,
         slo.coefficients,
         slo.class_limits,
-        hyperflexis=routing.dispatcher.hyperflexis,
-        max_engine_load=settings.max_engine_load,
+        hyperflexis=dispatcher.hyperflexis,
+        max_engine_load=max_engine_load,
         tightest_ttft_s=slo.profile.tightest_ttft_s,
+        shedding=dispatcher.shedding,
     )
+
+
+def engine_scheduling_warnings(
+    routing: RoutingProfile, fleet: Fleet, max_engine_load: int | None
+) -> list[str]:
+    """What the profile expects of the engines and the settings but does not get, as start-up
+    warnings: deadline scheduling on engines that do not take the ``priority`` field (not
+    ``priority_scheduling: true``, or a kind that has no such field), shedding without a gateway
+    queue to shed from."""
+    warnings = []
+    dispatcher = routing.dispatcher
+    if dispatcher.deadline_engines:
+        lacking = sorted(e for e, r in fleet.records.items() if not r.adapter.accepts_priority)
+        if lacking:
+            warnings.append(
+                "the routing profile expects engines that schedule by the TTFT deadline "
+                "(engine_scheduling: deadline), but these engines do not take a request priority: "
+                f"{', '.join(lacking)}; start them with priority scheduling (vLLM --scheduling-policy "
+                "priority) and set priority_scheduling: true in their engine settings, or their "
+                "requests are served first come, first served"
+            )
+    if dispatcher.shedding is not None and dispatcher.hyperflexis is None and max_engine_load is None:
+        warnings.append(
+            "the routing profile sheds under saturation, but no max_engine_load is set (in the "
+            "profile's dispatcher params or the settings): the pipeline dispatcher then never "
+            "queues, so nothing is ever shed"
+        )
+    return warnings
+
+
+def profile_engine_scheduling(settings: Settings) -> bool:
+    """Whether the settings' routing profile expects engines that schedule by the TTFT deadline."""
+    return RoutingProfile.load(settings.routing_profile_path()).dispatcher.deadline_engines
+
+
+def with_profile_engines(settings: Settings) -> Settings:
+    """``settings`` with every engine set to priority scheduling when the routing profile expects
+    deadline scheduling (``engine_scheduling: deadline``); unchanged otherwise. For drivers that
+    start the engines themselves (the offline simulator, the experiment runner): they start each
+    engine as its ``priority_scheduling`` says."""
+    if not profile_engine_scheduling(settings) or all(e.priority_scheduling for e in settings.engines):
+        return settings
+    engines = [e.model_copy(update={"priority_scheduling": True}) for e in settings.engines]
+    return settings.model_copy(update={"engines": engines})

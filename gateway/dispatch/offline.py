@@ -18,6 +18,7 @@ from gateway.engines import adapter_for
 from gateway.fleet.registry import Fleet
 from gateway.router import Router
 from gateway.settings import EngineConfig
+from policies.flow_control import SheddingParams
 from policies.hyperflexis import HyperFlexisParams
 from policies.latency_fit import Coeffs
 from policies.pipeline import compile_profile
@@ -53,6 +54,7 @@ def offline_core(
     hyperflexis: HyperFlexisParams | None = None,
     coefficients: tuple[Coeffs, Coeffs] = (DEFAULT_PREFILL, DEFAULT_DECODE),
     tightest_ttft_s: float = math.inf,
+    shedding: SheddingParams | None = None,
 ) -> DispatchCore:
     """A :class:`DispatchCore` with a routing pipeline of ``scorers`` and one latency model."""
     pipeline = compile_profile({"scorers": [{"name": s} for s in scorers]})
@@ -65,4 +67,5 @@ def offline_core(
         hyperflexis=(hyperflexis or HyperFlexisParams()) if dispatcher == "hyperflexis" else None,
         max_engine_load=max_engine_load,
         tightest_ttft_s=tightest_ttft_s,
+        shedding=shedding,
     )

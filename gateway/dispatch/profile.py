@@ -1,28 +1,54 @@
-"""The dispatcher part of a routing profile: which dispatcher, its parameters, the queue order.
+"""The dispatcher part of a routing profile: which dispatcher, its parameters, the queue order,
+what the profile expects of the engines' own scheduling, and shedding under saturation.
 
 ```yaml
 dispatcher: {name: hyperflexis, params: {theta: 0.5}}   # or {name: pipeline} (the default)
 queue_order: {name: sedf, params: {}}                    # any name in policies.queue_order.ORDERS
+engine_scheduling: deadline                              # or default (the default)
+shedding: {max_queue_s: 2.0, min_band: null}             # absent: no saturation shedding
 ```
+
+Either dispatcher also takes ``max_engine_load`` (requests one engine may hold before the rest
+queue in the gateway), used when the gateway's settings set none: orders and shedding only act
+on a queue, and a pipeline profile without a cap never queues. ``engine_scheduling: deadline``
+says the profile relies on the engines ordering their own queues by the TTFT deadline the gateway
+forwards as the request's ``priority`` (vLLM ``--scheduling-policy priority``, SGLang priority
+scheduling): drivers that start engines (the simulator, the experiment runner) start them so, and
+the gateway warns at start-up about configured engines that are not. See docs/routing-profiles.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, cast
 
 from policies.api import PolicyConfigError
+from policies.flow_control import SheddingParams
 from policies.hyperflexis import HyperFlexisParams
 from policies.queue_order import QueueOrder, make_order
 
 DISPATCHERS = ("pipeline", "hyperflexis")
+EngineScheduling = Literal["default", "deadline"]
+ENGINE_SCHEDULING: tuple[EngineScheduling, ...] = ("default", "deadline")
 
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     hyperflexis: HyperFlexisParams | None
     order: QueueOrder
+    #: what the profile expects of the engines' own queues: ``deadline`` = priority scheduling
+    #: fed with each request's TTFT deadline (``EngineConfig.priority_scheduling``)
+    engine_scheduling: EngineScheduling = "default"
+    #: requests one engine may hold (the rest queue in the gateway) when the settings set none
+    max_engine_load: int | None = None
+    #: saturation shedding (llm-d flow control); ``None``: none
+    shedding: SheddingParams | None = None
+
+    @property
+    def deadline_engines(self) -> bool:
+        """The profile expects engines that schedule by the forwarded TTFT deadline."""
+        return self.engine_scheduling == "deadline"
 
 
 def _entry(profile: Mapping[str, Any], key: str, default: str) -> tuple[str, dict[str, Any]]:
@@ -35,17 +61,58 @@ def _entry(profile: Mapping[str, Any], key: str, default: str) -> tuple[str, dic
     return value["name"], dict(params)
 
 
+def _max_engine_load(name: str, params: dict[str, Any]) -> int | None:
+    value: object = params.pop("max_engine_load", None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyConfigError(
+            f"dispatcher {name!r}: max_engine_load must be an integer >= 1 or null, got {value!r}"
+        )
+    return value
+
+
+def _engine_scheduling(profile: Mapping[str, Any]) -> EngineScheduling:
+    value = profile.get("engine_scheduling", "default")
+    if value not in ENGINE_SCHEDULING:
+        raise PolicyConfigError(
+            f"routing profile 'engine_scheduling' must be one of {', '.join(ENGINE_SCHEDULING)}, "
+            f"got {value!r}"
+        )
+    return cast(EngineScheduling, value)
+
+
+def _shedding(profile: Mapping[str, Any]) -> SheddingParams | None:
+    value = profile.get("shedding")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise PolicyConfigError(
+            "routing profile 'shedding' must be a mapping {max_queue_s: ..., min_band: ...}"
+        )
+    accepted = {f.name for f in fields(SheddingParams)}
+    unknown = sorted(set(value) - accepted)
+    if unknown:
+        raise PolicyConfigError(f"shedding has no parameter {unknown}; it accepts: {sorted(accepted)}")
+    try:
+        return SheddingParams(**value)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"shedding: {exc}") from None
+
+
 def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
     name, params = _entry(profile, "dispatcher", "pipeline")
     if name not in DISPATCHERS:
         raise PolicyConfigError(f"unknown dispatcher {name!r}; known: {', '.join(DISPATCHERS)}")
+    max_engine_load = _max_engine_load(name, params)
     hyperflexis = None
     if name == "hyperflexis":
         accepted = {f.name for f in fields(HyperFlexisParams)}
         unknown = sorted(set(params) - accepted)
         if unknown:
             raise PolicyConfigError(
-                f"dispatcher 'hyperflexis' has no parameter {unknown}; it accepts: {sorted(accepted)}"
+                f"dispatcher 'hyperflexis' has no parameter {unknown}; "
+                f"it accepts: {sorted(accepted | {'max_engine_load'})}"
             )
         try:
             hyperflexis = HyperFlexisParams(**params)
@@ -53,7 +120,13 @@ def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
             raise PolicyConfigError(f"dispatcher 'hyperflexis': {exc}") from None
     elif params:
         raise PolicyConfigError(
-            "dispatcher 'pipeline' takes no parameters (its plugins are the filters/scorers/picker)"
+            "dispatcher 'pipeline' takes only max_engine_load (its plugins are the filters/scorers/picker)"
         )
     order_name, order_params = _entry(profile, "queue_order", "slo_tpot" if hyperflexis else "fcfs")
-    return DispatcherConfig(hyperflexis, make_order(order_name, order_params))
+    return DispatcherConfig(
+        hyperflexis,
+        make_order(order_name, order_params),
+        engine_scheduling=_engine_scheduling(profile),
+        max_engine_load=max_engine_load,
+        shedding=_shedding(profile),
+    )

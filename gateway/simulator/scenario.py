@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.dispatch.build import with_profile_engines
 from gateway.experiments.replay import Outcome
 from gateway.experiments.workload import RequestSpec
 from gateway.experiments.workloads import load_workload
@@ -78,7 +79,7 @@ def settings_for(scenario: Scenario) -> Settings:
         for i in range(scenario.engines)
     ]
     extra: dict[str, Any] = dict(scenario.settings)
-    return Settings(
+    settings = Settings(
         engines=engines,
         routing_profile=scenario.policy,
         slo_profile=scenario.slo_profile,
@@ -86,6 +87,8 @@ def settings_for(scenario: Scenario) -> Settings:
         max_engine_load=scenario.max_engine_load,
         **extra,
     )
+    # a profile that expects deadline scheduling (engine_scheduling: deadline) gets such engines
+    return with_profile_engines(settings)
 
 
 def workload_for(scenario: Scenario) -> list[RequestSpec]:
@@ -114,7 +117,7 @@ class Simulation:
                 profile,
                 self.clock,
                 self.gateway,
-                priority_scheduling=scenario.engine_priority,
+                priority_scheduling=engine.priority_scheduling,
                 slow_factor=1.0 / scenario.engine_speed,
                 seed=scenario.seed * 1_000 + i,
             )
