@@ -169,7 +169,7 @@ class SheddingParams:
     ever shed; ``None``: any band (the least urgent band queued goes first in any case).
     """
 
-    max_queue_s: float = 2.0
+    max_queue_s: float = 10.0
     min_band: int | None = None
 
     def __post_init__(self) -> None:

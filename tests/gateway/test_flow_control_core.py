@@ -270,10 +270,10 @@ def test_the_shipped_baseline_profiles() -> None:
     assert isinstance(deadline.order, type(profile("least-load").dispatcher.order))
     flow = profile("flow-control").dispatcher
     assert isinstance(flow.order, FlowControl) and flow.hyperflexis is None
-    assert flow.max_engine_load == 128 and flow.shedding == SheddingParams(max_queue_s=5.0)
+    assert flow.max_engine_load == 256 and flow.shedding == SheddingParams(max_queue_s=10.0)
     assert not flow.deadline_engines
     wspt = profile("wspt").dispatcher
-    assert isinstance(wspt.order, Wspt) and wspt.max_engine_load == 128 and wspt.shedding is None
+    assert isinstance(wspt.order, Wspt) and wspt.max_engine_load == 256 and wspt.shedding is None
     for name in ("least-load", "round-robin", "hyperflexis"):
         plain = profile(name).dispatcher
         assert (
@@ -341,11 +341,11 @@ def test_shedding_without_a_gateway_queue_is_a_warning_and_the_settings_cap_wins
     settings = settings_with("flow-control")
     fleet = fleet_of(settings.engines, 3.0)
     flow = profile("flow-control")
-    assert engine_scheduling_warnings(flow, fleet, 128) == []
+    assert engine_scheduling_warnings(flow, fleet, 256) == []
     [warning] = engine_scheduling_warnings(flow, fleet, None)
     assert "max_engine_load" in warning
     core = build_core(settings, fleet, SloService(settings), flow)
-    assert core.max_engine_load == 128 and core.shedding is not None
+    assert core.max_engine_load == 256 and core.shedding is not None
     capped = settings.model_copy(update={"max_engine_load": 7})
     assert build_core(capped, fleet_of(capped.engines, 3.0), SloService(capped), flow).max_engine_load == 7
 

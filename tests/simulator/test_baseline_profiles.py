@@ -77,7 +77,7 @@ def test_deadlines_reach_the_engines_of_the_deadline_profile() -> None:
 def test_the_gateway_queue_baselines_answer_every_request_once_and_hold_their_cap(policy: str) -> None:
     scenario = _small(policy=policy, qps=200, requests=300)
     sim = Simulation(scenario)
-    assert sim.gateway.core.max_engine_load == 128
+    assert sim.gateway.core.max_engine_load == 256
     result = sim.run()
     assert len(result.outcomes) == 300 and {o.status for o in result.outcomes} <= {200, 429}
     assert sim.gateway.core.queued() == 0 and not sim.gateway.core.tickets
