@@ -16,10 +16,22 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gateway.dispatch.build import RoutingProfile
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, Summary, replay, summarize
 from gateway.experiments.workload import HYPERFLEXIS_2TASK, HYPERFLEXIS_4TASK, TaskSpec, poisson_workload
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
+
+PRIO_SUFFIX = "+prio"
+
+
+def routing_profile_path(name: str) -> Path:
+    """A routing profile by name (profiles/routing/<name>.yaml) or path."""
+    if name.endswith((".yaml", ".yml")):
+        return Path(name)
+    return DEFAULT_PROFILES_DIR / "routing" / f"{name}.yaml"
+
 
 MODEL = "exp-model"
 TASK_SETS: dict[str, tuple[TaskSpec, ...]] = {
@@ -49,8 +61,24 @@ class Stack:
     """Simulated engines + one gateway, as child processes; stopped on exit."""
 
     def __init__(self, policy: str, engines: int, profile: str, time_scale: float, slo_profile: str) -> None:
-        self.policy = policy
-        self.engine_args = ("--profile", profile, "--model", MODEL, "--time-scale", str(time_scale))
+        # "<profile>+prio", or a profile that asks for it (engine_scheduling: deadline): engines
+        # order their own queues by the TTFT deadline the gateway forwards
+        base = policy.removesuffix(PRIO_SUFFIX)
+        self.deadline_engines = (
+            policy.endswith(PRIO_SUFFIX)
+            or RoutingProfile.load(routing_profile_path(base)).dispatcher.deadline_engines
+        )
+        self.policy = base
+        self.engine_args: tuple[str, ...] = (
+            "--profile",
+            profile,
+            "--model",
+            MODEL,
+            "--time-scale",
+            str(time_scale),
+        )
+        if self.deadline_engines:
+            self.engine_args += ("--scheduling-policy", "priority")
         self.n_engines = engines
         self.profile = profile
         self.time_scale = time_scale
@@ -72,6 +100,7 @@ class Stack:
                     "name": e.name,
                     "latency_profile": self.profile,
                     "time_scale": self.time_scale,
+                    "priority_scheduling": self.deadline_engines,
                 }
                 for e in self.engines
             ]
@@ -179,7 +208,11 @@ def plot(results: Sequence[PointResult], path: Path, title: str) -> None:
 def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", choices=sorted(TASK_SETS), default="hyperflexis-4task")
     parser.add_argument("--slo-profile", default=None, help="gateway SLO profile (default: same as --tasks)")
-    parser.add_argument("--policies", default="round-robin,least-load,hyperflexis")
+    parser.add_argument(
+        "--policies",
+        default="round-robin,least-load,least-load-deadline,flow-control,wspt,hyperflexis",
+        help="routing profiles; '+prio' after one turns on the engines' deadline scheduling",
+    )
     parser.add_argument("--qps", default="2,4,6,8,10", help="comma-separated total QPS (simulated time)")
     parser.add_argument("--per-task", type=int, default=300)
     parser.add_argument("--engines", type=int, default=2)

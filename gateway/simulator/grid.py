@@ -21,8 +21,8 @@ from pathlib import Path
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
+from gateway.experiments.runner import PRIO_SUFFIX
 from gateway.simulator.capacity import engine_capacity
-from gateway.simulator.cli import PRIO_SUFFIX
 from gateway.simulator.scenario import RunResult, Scenario, run
 
 #: the issue's bars: never more than this below the best baseline; this ratio where it must win
@@ -252,7 +252,5 @@ def grid_main(args: argparse.Namespace) -> int:
     )
     png = args.out / "grid.png"
     plot(results, png)
-    print(
-        f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}"
-    )
+    print(f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}")
     return 0
