@@ -16,18 +16,25 @@ gateway's. With tracing off the client's headers are forwarded unchanged (see
 Exporters (``tracing_exporter``): ``otlp`` (``otlp_protocol`` http/protobuf or grpc; needs the
 ``otlp`` extra, ``pip install 'slogate[otlp]'``), ``console``, or ``none`` (spans are made, batched
 and dropped: the cost of tracing without an exporter's, for benchmarks).
+
+Bounds: every string attribute is cut to :data:`MAX_ATTRIBUTE_LENGTH` characters (a value a client
+controls, such as a model name, can never make a span huge), and :meth:`Tracing.shutdown` gives
+the exporter :data:`SHUTDOWN_TIMEOUT_S` to flush, so an unreachable collector cannot hold up the
+gateway's exit.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -61,6 +68,30 @@ OTLP_MODULES = {
 }
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+log = logging.getLogger("slogate.tracing")
+
+#: longest string attribute a span keeps (longer ones are cut): ids, names and numbers fit easily
+MAX_ATTRIBUTE_LENGTH = 256
+#: W3C trace context's own limit for ``traceparent`` and ``tracestate``; a longer header is ignored
+#: here, before OpenTelemetry's propagator would log a warning for it on every request
+MAX_TRACE_HEADER_LENGTH = 512
+#: how long stopping the gateway waits for the last spans to be exported
+SHUTDOWN_TIMEOUT_S = 3.0
+
+
+class _QuietTruncation(logging.Filter):
+    """Drops OpenTelemetry's warning for each attribute cut to the span limits: cutting is meant
+    here, and a client sending long text would otherwise get a log line per request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("String attribute value exceeds max length")
+
+
+def _quiet_truncation() -> None:
+    logger = logging.getLogger("opentelemetry.attributes")
+    if not any(isinstance(f, _QuietTruncation) for f in logger.filters):
+        logger.addFilter(_QuietTruncation())
 
 
 def otlp_available(protocol: str) -> bool:
@@ -106,17 +137,22 @@ class Tracing:
         sample_ratio: float = 1.0,
         service_name: str = "slogate",
         batch: bool = True,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     ) -> None:
         """``exporter`` receives the spans (a console exporter when None); ``batch=False`` exports
         each span as it ends (tests read them at once)."""
         self.enabled = enabled
         self.tracer: trace.Tracer | None = None
         self._provider: TracerProvider | None = None
+        self._shutdown_timeout_s = shutdown_timeout_s
         if not enabled:
             return
+        _quiet_truncation()
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            # explicit, so no OTEL_* variable can lift it: some attributes carry client text
+            span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_LENGTH),
         )
         exporter = exporter if exporter is not None else ConsoleSpanExporter()
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
@@ -138,17 +174,22 @@ class Tracing:
 
     # -- spans -------------------------------------------------------------------------------------
 
-    def start_request(self, route: str, path: str, headers: Mapping[bytes, bytes]) -> Span | None:
-        """The request's span, child of the client's trace context when it sent a valid one."""
+    def start_request(
+        self, route: str, path: str, headers: Mapping[bytes, bytes], start_ns: int | None = None
+    ) -> Span | None:
+        """The request's span, child of the client's trace context when it sent a valid one;
+        ``start_ns`` (wall clock) when it began before the span is made (authentication first)."""
         tracer = self.tracer
         if tracer is None:
             return None
         parent = None
         raw = headers.get(b"traceparent")
-        if raw is not None:
+        # over-long headers are invalid (W3C): ignored quietly, where OpenTelemetry would log a
+        # warning per request, which a client could use to flood the log
+        if raw is not None and len(raw) <= MAX_TRACE_HEADER_LENGTH:
             carrier = {"traceparent": raw.decode("latin-1")}
             state = headers.get(b"tracestate")
-            if state is not None:
+            if state is not None and len(state) <= MAX_TRACE_HEADER_LENGTH:
                 carrier["tracestate"] = state.decode("latin-1")
             parent = _PROPAGATOR.extract(carrier)
         return tracer.start_span(
@@ -156,6 +197,7 @@ class Tracing:
             context=parent,
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": path, "slogate.route": route},
+            start_time=start_ns,
         )
 
     def child(
@@ -185,8 +227,25 @@ class Tracing:
         _PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
 
     def shutdown(self) -> None:
-        if self._provider is not None:
-            self._provider.shutdown()
+        """Export what is left and stop, waiting at most ``shutdown_timeout_s``.
+
+        The SDK's own shutdown waits up to 30 s per processor, plus the exporter's retries, when
+        the collector does not answer; a gateway being stopped (a rollout, a node drain) must not.
+        Past the bound the flush carries on in a daemon thread and the spans still queued are
+        lost with the process.
+        """
+        provider = self._provider
+        if provider is None:
+            return
+        self._provider = None
+        done = threading.Thread(target=provider.shutdown, name="tracing-shutdown", daemon=True)
+        done.start()
+        done.join(self._shutdown_timeout_s)
+        if done.is_alive():
+            log.warning(
+                "tracing: the span exporter did not finish within %.1f s; unexported spans are dropped",
+                self._shutdown_timeout_s,
+            )
 
 
 def fail(span: Span, code: str | None, status: int | None = None) -> None:
@@ -204,6 +263,8 @@ def now_ns() -> int:
 
 __all__ = [
     "EVENT_FIRST_TOKEN",
+    "MAX_ATTRIBUTE_LENGTH",
+    "MAX_TRACE_HEADER_LENGTH",
     "SPAN_DISPATCH",
     "SPAN_QUEUE_WAIT",
     "SPAN_REQUEST",

@@ -28,7 +28,7 @@ from gateway.fleet.registry import Fleet
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.collocated import CollocatedFlow
 from gateway.settings import Settings
-from gateway.tracing import Span, fail
+from gateway.tracing import Span, fail, now_ns
 
 log = logging.getLogger("slogate.proxy")
 
@@ -98,11 +98,19 @@ class Proxy:
         status = 500
         call: Call | None = None
         body_s = 0.0  # receiving the body is the client's time, not the gateway's
+        #: the overhead of an answer sent before the request had a Call (which otherwise holds it)
+        early_overhead_s = -1.0
         error_code: str | None = None
         tracing = self.flow.tracing
-        span = tracing.start_request(kind, scope["path"], headers) if tracing.tracer is not None else None
+        # wall-clock start of the request span, read only with tracing on (off reads no clock)
+        span_start = now_ns() if tracing.tracer is not None else 0
+        span: Span | None = None
         try:
             identity = self.auth.client(headers)
+            # The span starts once the caller is authenticated: an anonymous caller makes no span
+            # work, and its traceparent's sampled flag cannot override tracing_sample_ratio.
+            if tracing.tracer is not None:
+                span = tracing.start_request(kind, scope["path"], headers, span_start)
             policy = identity.policy
             if scope["method"] != "POST":
                 raise GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
@@ -115,8 +123,11 @@ class Proxy:
                     code="request_too_large",
                 )
             started = time.monotonic()
-            raw = await read_body(receive, self.settings.max_body_bytes)
-            body_s = time.monotonic() - started
+            try:
+                raw = await read_body(receive, self.settings.max_body_bytes)
+            finally:
+                # also when the body is refused partway (a 413): the upload was the client's time
+                body_s = time.monotonic() - started
             request = await self.parser.parse(kind, raw)
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
@@ -147,7 +158,8 @@ class Proxy:
             status = await self._serve(call, receive)
         except GatewayError as error:
             status = error.status
-            extra = ((b"x-request-id", client_rid), self._overhead(call, arrival, body_s))
+            header, early_overhead_s = self._overhead(call, arrival, body_s)
+            extra = ((b"x-request-id", client_rid), header)
             try:
                 async with asyncio.timeout(_ERROR_SEND_S):
                     await send_error(send, error, extra)
@@ -168,7 +180,8 @@ class Proxy:
             log.exception("internal error", extra=log_extra)
             with contextlib.suppress(Exception):
                 internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
-                extra = ((b"x-request-id", client_rid), self._overhead(call, arrival, body_s))
+                header, early_overhead_s = self._overhead(call, arrival, body_s)
+                extra = ((b"x-request-id", client_rid), header)
                 await send_error(send, internal, extra)
         finally:
             metrics.child(metrics.REQUESTS, kind, model, slo_class, _status_class(status)).inc()
@@ -178,18 +191,25 @@ class Proxy:
             if call is not None:
                 outcome = self.slo.account(call, status)
                 _observe(call, kind, model, status)
+            elif early_overhead_s >= 0.0:  # every answer's header figure reaches the metric
+                metrics.child(metrics.OVERHEAD, kind).observe(early_overhead_s)
             if span is not None:
                 _end_request_span(span, call, model, status, outcome, error_code)
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
 
     @staticmethod
-    def _overhead(call: Call | None, arrival: float, body_s: float) -> tuple[bytes, bytes]:
-        """The overhead header of an error answer (the request may not have a Call yet)."""
+    def _overhead(call: Call | None, arrival: float, body_s: float) -> tuple[tuple[bytes, bytes], float]:
+        """The overhead header of an error answer, and the seconds it states when the request has
+        no Call yet (-1 otherwise: the Call's ``overhead_s`` holds them)."""
         if call is not None:
-            return overhead_header(call, time.monotonic())
+            if call.overhead_s >= 0.0:
+                # headers already went out with their figure (an error after the response
+                # started): that figure stands, the time since is not the gateway's own
+                return (OVERHEAD_HEADER, b"%.3f" % (call.overhead_s * 1000.0)), -1.0
+            return overhead_header(call, time.monotonic()), -1.0
         own = max(0.0, time.monotonic() - arrival - body_s)
-        return OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)
+        return (OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)), own
 
     async def _serve(self, call: Call, receive: Receive) -> int:
         relay = asyncio.current_task()

@@ -4,6 +4,7 @@ metrics per model and SLO class, read from a live gateway's /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.serving.call import Call, overhead_header
 from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import HeaderEngine, StubEngine, chunk_event, completion_body
@@ -130,24 +132,96 @@ def samples(gw: RunningGateway, name: str) -> list[tuple[dict[str, str], float]]
     return out
 
 
+def count(gw: RunningGateway, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``. The registry is the process's,
+    so it holds every earlier test's requests too: tests compare readings before and after."""
+    return sum(v for lab, v in samples(gw, name) if labels.items() <= lab.items())
+
+
 def test_request_metrics_per_model_and_class(engine: HeaderEngine) -> None:
     with run_gateway(engines=[engine.entry("e0")]) as gw:
+        mine = {"model": MODEL, "slo_class": "medical_qa"}
+        series = {
+            "duration": ("slogate_request_duration_seconds_count", mine),
+            "ok": ("slogate_requests_total", {"route": "chat", "status": "2xx", **mine}),
+            "bad": (
+                "slogate_requests_total",
+                {"route": "chat", "model": "-", "slo_class": "-", "status": "4xx"},
+            ),
+            "ttft": ("slogate_time_to_first_token_seconds_count", mine),
+            "tpot": ("slogate_time_per_output_token_seconds_count", mine),
+            "overhead": ("slogate_overhead_seconds_count", {"route": "chat"}),
+            "policy": ("slogate_policy_call_seconds_count", {"plugin": "ranked:least_load"}),
+        }
+
+        def read() -> dict[str, float]:
+            return {key: count(gw, name, **labels) for key, (name, labels) in series.items()}
+
+        before = read()
         headers = {"x-slo-task": "medical_qa"}
         for stream in (True, False):
             r = httpx.post(
                 gw.url + "/v1/chat/completions", json={**CHAT, "stream": stream}, headers=headers, timeout=10
             )
             assert r.status_code == 200
-        httpx.post(gw.url + "/v1/chat/completions", content=b"{", timeout=10)
-        mine = {"model": MODEL, "slo_class": "medical_qa"}
+        assert httpx.post(gw.url + "/v1/chat/completions", content=b"{", timeout=10).status_code == 400
 
-        def count(name: str, **labels: str) -> float:
-            return sum(v for lab, v in samples(gw, name) if labels.items() <= lab.items())
+        def added() -> dict[str, float]:
+            return {key: value - before[key] for key, value in read().items()}
 
-        assert wait_until(lambda: count("slogate_request_duration_seconds_count", **mine) >= 2)
-        assert count("slogate_requests_total", route="chat", status="2xx", **mine) >= 2
-        assert count("slogate_requests_total", route="chat", model="-", slo_class="-", status="4xx") >= 1
-        assert count("slogate_time_to_first_token_seconds_count", **mine) >= 1
-        assert count("slogate_time_per_output_token_seconds_count", **mine) >= 1
-        assert count("slogate_overhead_seconds_count", route="chat") >= 3
-        assert count("slogate_policy_call_seconds_count", plugin="ranked:least_load") >= 2
+        # the request's own series are recorded just after its last byte: wait for the last one
+        assert wait_until(lambda: added()["duration"] >= 2)
+        assert added() == {
+            "duration": 2,  # successful requests only
+            "ok": 2,
+            "bad": 1,  # refused before its body named a model or a class
+            "ttft": 1,  # the stream only
+            "tpot": 1,  # a stream with at least two content events
+            "overhead": 3,  # every answer, the 400 too
+            "policy": 2,  # one decision per dispatched request
+        }
+
+
+def test_an_error_after_the_headers_keeps_their_overhead(engine: HeaderEngine) -> None:
+    """A bug after the response started: the overhead the headers carried stands (for the metric
+    too); the flow's time after the headers is not the gateway's own."""
+    calls: list[Call] = []
+
+    async def broken(call: Call) -> int:
+        calls.append(call)
+        headers = [overhead_header(call, time.monotonic())]
+        await call.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await asyncio.sleep(WAIT_S)
+        raise RuntimeError("a bug after the response started")
+
+    with run_gateway(engines=[engine.entry("e0")]) as gw:
+        assert gw.gateway.proxy is not None
+        gw.gateway.proxy.flow.serve = broken  # type: ignore[method-assign]
+        before = count(gw, "slogate_overhead_seconds_sum", route="chat")
+        with contextlib.suppress(httpx.HTTPError):  # the stream is cut: the client may see it fail
+            httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert wait_until(lambda: count(gw, "slogate_overhead_seconds_sum", route="chat") > before)
+        recorded = count(gw, "slogate_overhead_seconds_sum", route="chat") - before
+    (call,) = calls
+    assert 0.0 <= call.overhead_s < OWN_BOUND_MS / 1000, call.overhead_s
+    assert recorded == pytest.approx(call.overhead_s)
+
+
+def test_a_body_refused_partway_does_not_count_its_upload(engine: HeaderEngine) -> None:
+    """A 413 raised while the body arrives: the slow upload before it is the client's time."""
+
+    def slowly() -> Iterator[bytes]:
+        yield b"x" * 800
+        time.sleep(WAIT_S)
+        yield b"x" * 800
+
+    with run_gateway(engines=[engine.entry("e0")], max_body_bytes=1024) as gw:
+        t0 = time.monotonic()
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            content=slowly(),
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+        assert r.status_code == 413 and time.monotonic() - t0 >= WAIT_S
+        assert overhead(r) < OWN_BOUND_MS

@@ -4,7 +4,9 @@ tracing off does no span work."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -14,12 +16,14 @@ import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from gateway.settings import load_settings
 from gateway.tracing import (
     EVENT_FIRST_TOKEN,
+    MAX_ATTRIBUTE_LENGTH,
     SPAN_DISPATCH,
     SPAN_QUEUE_WAIT,
     SPAN_REQUEST,
@@ -206,7 +210,8 @@ def test_no_key_reaches_a_span(engine: HeaderEngine) -> None:
                 headers={"Authorization": f"Bearer {key}", "X-Request-Id": "traced"},
                 timeout=10,
             )
-        spans = spans_of(exporter, 8)
+        # two served requests of three spans each; the refused ones make none (item below)
+        spans = spans_of(exporter, 6)
     assert engine.headers and engine.headers[-1]["authorization"] == f"Bearer {engine_key}"
     assert {s.name for s in spans} >= {SPAN_REQUEST, SPAN_DISPATCH, UPSTREAM}
     for span in spans:
@@ -264,6 +269,102 @@ def test_sampled_out_traces_export_nothing_but_still_propagate(engine: HeaderEng
     assert exporter.get_finished_spans() == ()
     # the engine is told: not sampled (bit 0 of the flags clear)
     assert int(engine.headers[-1]["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0
+
+
+def test_unauthenticated_requests_make_no_span(engine: HeaderEngine) -> None:
+    """The request span starts after authentication: a caller without a valid key makes no span,
+    so its traceparent's sampled flag cannot override tracing_sample_ratio (0 here). A client
+    with a key still has its sampled flag honoured."""
+    client_key = "sk-trace-client-0123456789"
+    exporter = InMemorySpanExporter()
+    with traced_gateway(exporter, engine.entry("e0"), api_keys=[client_key], tracing_sample_ratio=0.0) as gw:
+        url = gw.url + "/v1/chat/completions"
+        sampled = {"traceparent": TRACEPARENT}
+        for key in (None, "sk-wrong-0123456789"):
+            headers = {**sampled, **({"Authorization": f"Bearer {key}"} if key else {})}
+            assert httpx.post(url, json=CHAT, headers=headers, timeout=10).status_code == 401
+        headers = {**sampled, "Authorization": f"Bearer {client_key}"}
+        assert httpx.post(url, json=CHAT, headers=headers, timeout=10).status_code == 200
+        spans = spans_of(exporter, 3)
+    (request,) = named(spans, SPAN_REQUEST)
+    assert attrs(request)["http.response.status_code"] == 200
+    assert {s.context.trace_id for s in spans} == {int(CLIENT_TRACE, 16)}
+
+
+def test_an_over_long_trace_context_is_ignored_quietly(
+    engine: HeaderEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """W3C caps traceparent and tracestate at 512 characters; a longer one starts a new trace
+    without OpenTelemetry's warning per request (a client could flood the log with it)."""
+    exporter = InMemorySpanExporter()
+    caplog.set_level(logging.WARNING)
+    with traced_gateway(exporter, engine.entry("e0")) as gw:
+        for headers in (
+            {"traceparent": TRACEPARENT + "-" + "a" * 600},
+            {"traceparent": TRACEPARENT, "tracestate": "vendor=" + "b" * 600},
+        ):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=10)
+            assert r.status_code == 200
+        spans = spans_of(exporter, 6)
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")], caplog.records
+    first, second = sorted(named(spans, SPAN_REQUEST), key=lambda s: s.start_time or 0)
+    assert first.parent is None  # the over-long traceparent is no parent
+    # a valid traceparent with an over-long tracestate keeps its parent, without the state
+    assert parent_id(second) == int(CLIENT_SPAN, 16) and len(second.context.trace_state) == 0
+
+
+def test_no_attribute_can_be_huge(engine: HeaderEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """A 200 KB model name (client text that reaches the dispatch span) is cut to
+    MAX_ATTRIBUTE_LENGTH in every span by the tracer provider's limits, without a log line each."""
+    exporter = InMemorySpanExporter()
+    huge = "m" * 200_000
+    caplog.set_level(logging.WARNING)
+    with traced_gateway(exporter, engine.entry("e0")) as gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": huge}, timeout=10)
+        assert r.status_code == 404
+        spans = spans_of(exporter, 2)
+    assert named(spans, SPAN_DISPATCH)  # the path the model name takes today
+    for span in spans:
+        for value in attrs(span).values():
+            assert len(str(value)) <= MAX_ATTRIBUTE_LENGTH, (span.name, len(str(value)))
+    # the limit itself, on a span made directly
+    direct = InMemorySpanExporter()
+    tracing = Tracing(True, direct, batch=False)
+    span = tracing.start_request("chat", "/v1/chat/completions", {})
+    assert span is not None
+    span.set_attribute("gen_ai.request.model", huge)
+    span.end()
+    (made,) = direct.get_finished_spans()
+    assert attrs(made)["gen_ai.request.model"] == huge[:MAX_ATTRIBUTE_LENGTH]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")], caplog.records
+
+
+class _StuckExporter(SpanExporter):
+    """An exporter whose collector never answers: every export blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(60)
+        return SpanExportResult.FAILURE
+
+
+def test_shutdown_is_bounded_when_the_collector_hangs() -> None:
+    """Stopping the gateway waits for the last export at most shutdown_timeout_s, not the SDK's
+    30 s per processor (plus the exporter's retries)."""
+    exporter = _StuckExporter()
+    tracing = Tracing(True, exporter, batch=True, shutdown_timeout_s=0.5)
+    span = tracing.start_request("chat", "/v1/chat/completions", {})
+    assert span is not None
+    span.end()
+    try:
+        t0 = time.monotonic()
+        tracing.shutdown()
+        assert time.monotonic() - t0 < 3.0
+        tracing.shutdown()  # a second call is a no-op
+    finally:
+        exporter.release.set()
 
 
 # -- OTLP export configured by settings ----------------------------------------------------------
