@@ -70,6 +70,8 @@ class Gateway:
         self.dispatch: DispatchLoop | None = None
         self.proxy: Proxy | None = None
         self.started_at = time.time()
+        #: set when stopping begins: /ready turns 503 at once
+        self.stopping = False
 
     async def start(self) -> None:
         s = self.settings
@@ -114,6 +116,7 @@ class Gateway:
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
 
     async def stop(self) -> None:
+        self.stopping = True
         if self.proxy is not None:
             self.proxy.parser.close()
         if self.dispatch is not None:
@@ -176,6 +179,14 @@ def _error_response(error: GatewayError) -> Response:
     return _json(error.payload(), error.status, headers)
 
 
+def _dispatching(loop: DispatchLoop | None) -> bool:
+    """Whether the dispatch loop's task is alive (it ends only when stopped or on a bug that
+    escaped its own handler; either way nothing would be dispatched)."""
+    # DispatchLoop has no public state for this; its task is the truth
+    task = None if loop is None else loop._task
+    return task is not None and not task.done()
+
+
 def _display_url(url: str) -> str:
     """``url`` without any user:password part (engine URLs may carry credentials)."""
     scheme, sep, rest = url.partition("://")
@@ -221,15 +232,28 @@ def build_api(gateway: Gateway) -> FastAPI:
         return _json({"status": "ok"})
 
     @api.get("/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
+        """Readiness of this process: started, its dispatch loop running, and at least one model
+        with a healthy engine. A model with none is listed in ``unroutable`` but does not take
+        the replica out of a load balancer (every replica shares the fleet: removing them all
+        for one dead model would refuse the models that work). ``?all=1`` asks instead whether
+        every served model has a healthy engine, for alerting."""
+        every = request.query_params.get("all", "") in ("1", "true")
         f = fleet()
-        missing = sorted(f.models() - f.healthy_models())
-        if not f.records or missing:
-            reason = (
-                "no engines configured" if not f.records else f"no healthy engine for: {', '.join(missing)}"
-            )
+        models = sorted(f.models())
+        unroutable = sorted(f.models() - f.healthy_models())
+        reason = None
+        if gateway.stopping:
+            reason = "shutting down"
+        elif not _dispatching(gateway.dispatch):
+            reason = "the dispatch loop is not running"
+        elif not f.records:
+            reason = "no engines configured"
+        elif len(unroutable) == len(models) or (every and unroutable):
+            reason = f"no healthy engine for: {', '.join(unroutable)}"
+        if reason is not None:
             return _error_response(GatewayError(503, f"not ready: {reason}", code="not_ready"))
-        return _json({"status": "ready", "models": sorted(f.models())})
+        return _json({"status": "ready", "models": models, "unroutable": unroutable})
 
     @api.get("/metrics")
     async def prometheus() -> Response:
