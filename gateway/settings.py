@@ -2,12 +2,14 @@
 
 Sources, highest priority first: keyword arguments, environment variables (prefix ``SLOGATE_``,
 nested keys joined with ``__``; lists and objects as JSON), then the YAML file given with
-``--config``. Nothing reads the environment at import time.
+``--config``. An engine's ``api_key_env`` names one more variable, read when the settings load.
+Nothing reads the environment at import time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +87,12 @@ class EngineConfig(BaseModel):
     weight: float = Field(default=1.0, gt=0)
     name: str | None = Field(default=None, description="engine id; default: host:port")
     api_key: str | None = Field(default=None, description="sent upstream as a Bearer token", repr=False)
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding api_key, read when the settings load "
+        "(from a Secret, so the key never sits in a config file or a ConfigMap)",
+    )
     priority_scheduling: bool = Field(
         default=False, description="engine runs with priority scheduling and accepts the body 'priority'"
     )
@@ -110,6 +118,20 @@ class EngineConfig(BaseModel):
         if self.name:
             return self.name
         return f"{self.url.host}:{self.url.port}"
+
+    @model_validator(mode="after")
+    def _key_from_env(self) -> EngineConfig:
+        # before _one_credential (validators run in order), which must see a key from here too
+        if self.api_key_env is None:
+            return self
+        if self.api_key is not None:
+            raise ValueError("give the engine's key either as api_key or as api_key_env, not both")
+        # a Secret made from a file often ends with a newline, which no Bearer header can carry
+        value = os.environ.get(self.api_key_env, "").strip()
+        if not value:
+            raise ValueError(f"api_key_env: the environment variable {self.api_key_env} is not set or empty")
+        self.api_key = _check_key(value, f"api_key_env {self.api_key_env}")
+        return self
 
     @model_validator(mode="after")
     def _one_credential(self) -> EngineConfig:
