@@ -270,7 +270,10 @@ class DispatchCore:
             queue = self.queues[model] = AdmissionQueue(self.order)
         if ticket.batch is not None:
             self._join_batch(ticket, queue, now)
-        queue.push(ticket.item, now, self.context())
+        behind = len(queue) > 0  # a head is already waiting (or about to be tried)
+        first_expiry = queue.next_expiry()
+        ctx = self.context()
+        queue.push(ticket.item, now, ctx)
         self.tickets[rid] = ticket
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
         deadlines = self._class_deadlines.setdefault(bucket, [])
@@ -289,7 +292,12 @@ class DispatchCore:
                 heapq.heapify(newest)
         if self.hyperflexis is None:
             self._dirty.add(model)
-            self.wake()
+            # Behind a head that waits for capacity a newcomer can go only once capacity frees,
+            # and that wakes the loop itself: under saturation every arrival woke a turn that
+            # placed nothing. It still wakes when it is the new head (a request-dependent pipeline
+            # may place it where the old head did not fit) or expires before anything queued.
+            if not behind or ticket.item.queue_deadline < first_expiry or queue.peek(now, ctx) is ticket.item:
+                self.wake()
             return None
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
         self.workers.shorten_holds(now, self.hyperflexis)

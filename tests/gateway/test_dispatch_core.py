@@ -489,3 +489,44 @@ def test_a_fast_engine_is_not_held_for_the_prefill_a_slow_prior_predicted() -> N
     held = core2.workers.maturity["a-0"]
     core2.step(0.4)  # no first token yet: the hold stands
     assert core2.outbox == [] and core2.workers.maturity["a-0"] == held
+
+
+async def test_arrivals_behind_a_waiting_head_do_not_each_wake_the_loop() -> None:
+    """Saturated pipeline: 50 arrivals queue behind a head that waits for capacity; the loop
+    runs a handful of turns for them, not one each, and still serves every one in order as
+    capacity frees."""
+    fleet = offline_fleet({"a": 1})
+    pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
+    loop = DispatchLoop(
+        DispatchCore(
+            fleet,
+            Router(fleet, pipeline),
+            make_order("fcfs", {}),
+            lambda _: ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+            lambda _: ClassLimits(max_queued=100),
+            max_engine_load=1,
+        )
+    )
+    loop.start()
+    try:
+        first = await loop.place(_view("r-0"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        waiters = []
+        for i in range(1, 51):  # one arrival per loop iteration, as clients arrive
+            waiters.append(
+                asyncio.create_task(
+                    loop.place(_view(f"r-{i}"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+                )
+            )
+            for _ in range(3):
+                await asyncio.sleep(0)
+        assert loop.core.queued() == 50
+        assert loop.steps <= 2, loop.steps
+        served = [first.engine_id]
+        loop.release(first.engine_id, "r-0")
+        for i, task in enumerate(waiters, start=1):
+            record = await asyncio.wait_for(task, 1.0)
+            served.append(record.engine_id)
+            loop.release(record.engine_id, f"r-{i}")
+        assert len(served) == 51 and loop.core.queued() == 0
+    finally:
+        await loop.stop()
