@@ -30,6 +30,9 @@ from tests.deploy.conftest import CHART, HelmCall
 #: oldest (autoscaling/v2, policy/v1 and topology spread are long GA there) and newest checked
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 VALUES_FILES = {"default": None, "demo": "values-demo.yaml", "pd": "values-pd.yaml"}
+#: values-pd.yaml requires keys (none ships with the chart): the tests give these
+PD_CLIENT_KEY, PD_ADMIN_KEY = "sk-pd-client-0123456789abcdef", "sk-pd-admin-0123456789abcdef"
+PD_KEYS = {"apiKeys": {"clientKeys": [PD_CLIENT_KEY], "adminKeys": [PD_ADMIN_KEY]}}
 #: settings the chart sets itself rather than through gateway.config
 CHART_MANAGED = {
     "host": "SLOGATE_HOST env (0.0.0.0 in the pod)",
@@ -46,9 +49,15 @@ CHART_MANAGED = {
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-def _values(name: str) -> dict[str, Any]:
+def _file_values(name: str) -> dict[str, Any]:
     file = VALUES_FILES[name]
     return yaml.safe_load((CHART / file).read_text()) if file else {}
+
+
+def _values(name: str) -> dict[str, Any]:
+    """A values file as the README's install command uses it (the P/D file with keys given)."""
+    values = _file_values(name)
+    return _coalesce(values, PD_KEYS) if name == "pd" else values
 
 
 def _coalesce(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +125,15 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
             {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "api_key": "x"}]}},
             "gateway/engines/0",
         ),
+        (  # a URL's user:password would be written to the ConfigMap
+            {"gateway": {"engines": [{"url": "https://user:pass@e:8000/v1", "model": "m"}]}},
+            "gateway/engines/0/url",
+        ),
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "api_key_env": "K"}]}},
+            "gateway/engines/0",
+        ),
+        ({"gateway": {"pdb": {"minAvailable": 1.5}}}, "gateway/pdb/minAvailable"),
         ({"simEngines": {"role": "both"}}, "simEngines/role"),
         ({"apiKeys": {"clientKeys": ["has space"]}}, "apiKeys/clientKeys/0"),
     ],
@@ -147,7 +165,10 @@ def test_values_schema_tracks_every_gateway_setting() -> None:
     log_levels = schema["config"]["properties"]["log_level"]["enum"]
     assert log_levels == list(get_args(Settings.model_fields["log_level"].annotation))
     engine = schema["engines"]["items"]
-    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"api_key"}
+    # keys never go to the ConfigMap: the chart sets api_key_env from api_key_secret itself
+    assert set(engine["properties"]) == set(EngineConfig.model_fields) - {"api_key", "api_key_env"} | {
+        "api_key_secret"
+    }
     assert engine["properties"]["kind"]["enum"] == list(get_args(EngineKind))
     assert engine["properties"]["role"]["enum"] == [r.value for r in Role]
     sim_roles = _schema()["properties"]["simEngines"]["properties"]["role"]["enum"]
@@ -224,6 +245,7 @@ def test_default_values_gateway_shape(helm: HelmCall) -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
     (pdb,) = _by_kind(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
     (svc,) = _by_kind(docs, "Service")
     assert svc["spec"]["selector"] == spec["selector"]["matchLabels"]
     assert "WARNING: no engines" in _notes(helm, {})
@@ -276,7 +298,9 @@ def test_demo_values_run_simulated_engines(helm: HelmCall, tmp_path: Path) -> No
     assert not _by_kind(docs, "HorizontalPodAutoscaler") and not _by_kind(docs, "PodDisruptionBudget")
 
 
-def test_pd_values_register_roles_and_keys(helm: HelmCall, tmp_path: Path) -> None:
+def test_pd_values_register_roles_and_keys(
+    helm: HelmCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     docs = _render(helm, _values("pd"))
     settings = _gateway_config(docs, tmp_path)
     roles = sorted(e.role.value for e in settings.engines)
@@ -292,24 +316,38 @@ def test_pd_values_register_roles_and_keys(helm: HelmCall, tmp_path: Path) -> No
         assert ("--kv-transfer-config" in container["args"]) == ("-collocated-" not in name), name
         assert container["args"][container["args"].index("--served-model-name") + 1] == "qwen-7b"
     (secret,) = _by_kind(docs, "Secret")
-    assert json.loads(secret["stringData"]["api-keys"]) == ["sk-change-me"]
     gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "rel-slogate")
     env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
-    ref = env["SLOGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == secret["metadata"]["name"] and ref["key"] == "api-keys"
-    # the keys reach the gateway as its settings code reads them from the environment
-    keys = load_settings(
-        tmp_path / "gateway.yaml",
-        **{
-            k: json.loads(secret["stringData"][v])
-            for k, v in (("api_keys", "api-keys"), ("admin_api_keys", "admin-api-keys"))
+    # the keys reach the gateway as the pod gets them: environment variables from the Secret
+    for variable, key in (("SLOGATE_API_KEYS", "api-keys"), ("SLOGATE_ADMIN_API_KEYS", "admin-api-keys")):
+        ref = env[variable]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret["metadata"]["name"] and ref["key"] == key
+        monkeypatch.setenv(variable, secret["stringData"][key])
+    keys = load_settings(tmp_path / "gateway.yaml")
+    assert keys.client_keys() == {PD_CLIENT_KEY} and keys.admin_api_keys == [PD_ADMIN_KEY]
+    monitors = {d["metadata"]["name"]: d for d in _by_kind(docs, "ServiceMonitor")}
+    assert set(monitors) == {"rel-slogate", "rel-slogate-engines"}
+    credentials = monitors["rel-slogate"]["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert secret["stringData"][credentials["key"]] == PD_ADMIN_KEY
+    assert "routes requests to collocated engines only" in " ".join(_notes(helm, _values("pd")).split())
+
+
+def test_pd_values_ship_no_key_and_require_them(helm: HelmCall) -> None:
+    """values-pd.yaml holds no key: installed as is, rendering fails saying what to give."""
+    assert "apiKeys" not in json.dumps(_file_values("pd")).replace('"apiKeys": {"required": true}', "")
+    answer = helm("render", _file_values("pd"))
+    assert not answer["ok"] and "apiKeys.required" in answer["error"], answer
+    for partial in ({"clientKeys": [PD_CLIENT_KEY]}, {"adminKeys": [PD_ADMIN_KEY]}):
+        answer = helm("render", _coalesce(_file_values("pd"), {"apiKeys": partial}))
+        assert not answer["ok"] and "apiKeys.required" in answer["error"], partial
+    own = _coalesce(
+        _file_values("pd"),
+        {
+            "apiKeys": {"existingSecret": "team-keys"},
+            "serviceMonitor": {"bearerTokenSecret": {"name": "s", "key": "k"}},
         },
     )
-    assert keys.client_keys() == {"sk-change-me"}
-    (monitor,) = _by_kind(docs, "ServiceMonitor")
-    credentials = monitor["spec"]["endpoints"][0]["authorization"]["credentials"]
-    assert secret["stringData"][credentials["key"]] == "sk-admin-change-me"
-    assert "routes requests to collocated engines only" in " ".join(_notes(helm, _values("pd")).split())
+    assert helm("render", own)["ok"]
 
 
 def test_existing_secret_is_referenced_not_created(helm: HelmCall) -> None:
@@ -322,7 +360,9 @@ def test_existing_secret_is_referenced_not_created(helm: HelmCall) -> None:
         assert ref["name"] == "team-keys" and ref["optional"] is True
 
 
-def test_tracing_settings_and_otlp_headers(helm: HelmCall, tmp_path: Path) -> None:
+def test_tracing_settings_and_otlp_headers(
+    helm: HelmCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tracing settings go to gateway.yaml; the collector's headers only to a Secret, from which
     the gateway reads them as its settings code parses SLOGATE_OTLP_HEADERS."""
     values = {
@@ -338,9 +378,8 @@ def test_tracing_settings_and_otlp_headers(helm: HelmCall, tmp_path: Path) -> No
     env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     ref = env["SLOGATE_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret["metadata"]["name"]
-    parsed = load_settings(
-        tmp_path / "gateway.yaml", otlp_headers=json.loads(secret["stringData"][ref["key"]])
-    )
+    monkeypatch.setenv("SLOGATE_OTLP_HEADERS", secret["stringData"][ref["key"]])
+    parsed = load_settings(tmp_path / "gateway.yaml")
     assert parsed.otlp_headers == {"authorization": "Bearer collector-token"}
 
 
@@ -351,3 +390,217 @@ def test_long_release_name_keeps_names_valid(helm: HelmCall) -> None:
         assert len(name) <= 63 and DNS_1035.match(name), name
     names = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]
     assert len(names) == len(set(names))
+
+
+# --- credentials, scraping, disruption and shutdown --------------------------------------------
+
+ENGINE_SECRET = {"name": "engine-keys", "key": "vllm-0"}
+
+
+def test_engine_keys_come_from_a_secret(
+    helm: HelmCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's api_key_secret becomes an environment variable from that Secret; the ConfigMap
+    names the variable only, and the gateway's settings code reads the key from it."""
+    engines = [
+        {
+            "url": "https://vllm-a.example:8000",
+            "model": "qwen-7b",
+            "name": "a",
+            "api_key_secret": ENGINE_SECRET,
+        },
+        {"url": "https://vllm-b.example:8000", "model": "qwen-7b", "name": "b"},
+    ]
+    docs = _render(helm, {"gateway": {"engines": engines}})
+    gateway = _by_kind(docs, "Deployment")[0]
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SLOGATE_ENGINE_API_KEY_0"]["valueFrom"]["secretKeyRef"] == ENGINE_SECRET
+    assert "SLOGATE_ENGINE_API_KEY_1" not in env
+    (config,) = [d for d in _by_kind(docs, "ConfigMap") if "gateway.yaml" in d["data"]]
+    written = yaml.safe_load(config["data"]["gateway.yaml"])["engines"]
+    assert written[0]["api_key_env"] == "SLOGATE_ENGINE_API_KEY_0" and "api_key_secret" not in written[0]
+    assert "api_key_env" not in written[1]
+    monkeypatch.setenv("SLOGATE_ENGINE_API_KEY_0", "sk-engine-from-the-secret\n")
+    settings = _gateway_config(docs, tmp_path)
+    assert [e.api_key for e in settings.engines] == ["sk-engine-from-the-secret", None]
+
+
+def test_no_credential_in_any_config_map(helm: HelmCall) -> None:
+    """Every credential the values can carry (client, admin and engine keys, collector headers)
+    lands in a Secret or a Secret reference, never in a ConfigMap."""
+    secrets = ["sk-cm-client-0123456789", "sk-cm-admin-0123456789", "Bearer collector-token-0123"]
+    values = _coalesce(
+        _values("demo"),
+        {
+            "apiKeys": {"clientKeys": [secrets[0]], "adminKeys": [secrets[1]], "policies": {secrets[0]: {}}},
+            "otlpHeaders": {"headers": {"authorization": secrets[2]}},
+            "gateway": {
+                "config": {"tracing": True},
+                "engines": [
+                    {"url": "https://vllm.example:8000", "model": "m", "api_key_secret": ENGINE_SECRET}
+                ],
+            },
+            "serviceMonitor": {"enabled": True},
+        },
+    )
+    docs = _render(helm, values)
+    maps = _by_kind(docs, "ConfigMap")
+    assert maps
+    for config_map in maps:
+        text = json.dumps(config_map)
+        for secret in secrets:
+            assert secret not in text, (config_map["metadata"]["name"], secret)
+        for engine in yaml.safe_load(config_map["data"].get("gateway.yaml", "{}")).get("engines", []):
+            assert "api_key" not in engine and "@" not in engine["url"], engine
+    assert {secrets[0], secrets[1]} <= set(
+        json.dumps(_by_kind(docs, "Secret")).replace('\\"', '"').split('"')
+    )
+
+
+def _monitors(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d["spec"] for d in _by_kind(docs, "ServiceMonitor")}
+
+
+def test_service_monitors_never_send_the_admin_key_to_engines(helm: HelmCall) -> None:
+    """Endpoint credentials go to every Service a monitor selects: the gateway's monitor (with the
+    admin key) selects the gateway's Service only; the engines' has no credentials."""
+    values = _coalesce(
+        _values("demo"),
+        {
+            "apiKeys": {"clientKeys": ["sk-sm-client-0123456789"], "adminKeys": ["sk-sm-admin-0123456789"]},
+            "gateway": {"config": {"metrics_public": False}},
+            "serviceMonitor": {"enabled": True},
+        },
+    )
+    docs = _render(helm, values)
+    monitors = _monitors(docs)
+    assert set(monitors) == {"rel-slogate", "rel-slogate-engines"}
+    services = {d["metadata"]["name"]: d["metadata"]["labels"] for d in _by_kind(docs, "Service")}
+
+    def selected(spec: dict[str, Any]) -> set[str]:
+        match = spec["selector"]["matchLabels"]
+        assert "matchExpressions" not in spec["selector"]
+        return {name for name, labels in services.items() if match.items() <= labels.items()}
+
+    assert selected(monitors["rel-slogate"]) == {"rel-slogate"}
+    assert selected(monitors["rel-slogate-engines"]) == {"rel-slogate-sim-0", "rel-slogate-sim-1"}
+    (gateway_endpoint,) = monitors["rel-slogate"]["endpoints"]
+    assert gateway_endpoint["authorization"]["credentials"]["key"] == "metrics-token"
+    assert all("authorization" not in e for e in monitors["rel-slogate-engines"]["endpoints"])
+    # no engines in the chart: no engine monitor
+    plain = _render(helm, {"serviceMonitor": {"enabled": True}})
+    assert set(_monitors(plain)) == {"rel-slogate"}
+
+
+def test_service_monitor_without_a_token_fails_to_render(helm: HelmCall) -> None:
+    """Keys set, /metrics not public and no admin key to give: every scrape would be a 401, so the
+    render fails saying what to set."""
+    client_only = {
+        "apiKeys": {"clientKeys": ["sk-sm-client-0123456789"]},
+        "serviceMonitor": {"enabled": True},
+    }
+    for values in (
+        client_only,
+        {"apiKeys": {"existingSecret": "team-keys"}, "serviceMonitor": {"enabled": True}},
+    ):
+        answer = helm("render", values)
+        assert not answer["ok"] and "serviceMonitor" in answer["error"], answer
+        assert "bearerTokenSecret" in answer["error"] and "metrics_public" in answer["error"]
+    public = _monitors(
+        _render(helm, _coalesce(client_only, {"gateway": {"config": {"metrics_public": True}}}))
+    )
+    assert "authorization" not in public["rel-slogate"]["endpoints"][0]
+    token = {"name": "prom-token", "key": "token"}
+    given = _monitors(_render(helm, _coalesce(client_only, {"serviceMonitor": {"bearerTokenSecret": token}})))
+    assert given["rel-slogate"]["endpoints"][0]["authorization"]["credentials"] == token
+    # no keys at all: /metrics is open, nothing to present
+    assert (
+        "authorization"
+        not in _monitors(_render(helm, {"serviceMonitor": {"enabled": True}}))["rel-slogate"]["endpoints"][0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("gateway", "expected"),
+    [
+        ({}, {"maxUnavailable": 1}),
+        ({"autoscaling": {"minReplicas": 1}}, {"maxUnavailable": 1}),  # evictable at one replica
+        ({"autoscaling": {"enabled": False}, "replicas": 3}, {"maxUnavailable": 1}),
+        ({"autoscaling": {"minReplicas": 3}, "pdb": {"minAvailable": 2}}, {"minAvailable": 2}),
+        ({"pdb": {"minAvailable": "50%"}}, {"minAvailable": "50%"}),
+        ({"autoscaling": {"enabled": False}, "replicas": 1}, None),  # one fixed replica: no PDB
+    ],
+)
+def test_pdb_never_blocks_evictions(
+    helm: HelmCall, gateway: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    pdbs = _by_kind(_render(helm, {"gateway": gateway}), "PodDisruptionBudget")
+    if expected is None:
+        assert not pdbs
+        return
+    (pdb,) = pdbs
+    assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == expected
+
+
+@pytest.mark.parametrize(
+    "gateway",
+    [
+        {"autoscaling": {"minReplicas": 1}, "pdb": {"minAvailable": 1}},
+        {"autoscaling": {"minReplicas": 2}, "pdb": {"minAvailable": 2}},
+        {"autoscaling": {"enabled": False}, "replicas": 2, "pdb": {"minAvailable": 3}},
+    ],
+)
+def test_an_unsatisfiable_pdb_fails_to_render(helm: HelmCall, gateway: dict[str, Any]) -> None:
+    answer = helm("render", {"gateway": gateway})
+    assert not answer["ok"] and "would block every eviction" in answer["error"], answer
+
+
+def test_a_stopping_gateway_drains(helm: HelmCall) -> None:
+    """A preStop sleep (endpoints stop sending before SIGTERM) and a grace period above it."""
+    pod = _by_kind(_render(helm, {}), "Deployment")[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["terminationGracePeriodSeconds"] == 120
+    tuned = _by_kind(_render(helm, {"gateway": {"preStopSleepSeconds": 0}}), "Deployment")[0]
+    assert "lifecycle" not in tuned["spec"]["template"]["spec"]["containers"][0]
+    answer = helm("render", {"gateway": {"preStopSleepSeconds": 30, "terminationGracePeriodSeconds": 30}})
+    assert not answer["ok"] and "terminationGracePeriodSeconds" in answer["error"], answer
+
+
+def test_vllm_pods_are_locked_down_and_request_resources(helm: HelmCall) -> None:
+    for doc in _by_kind(_render(helm, _values("pd")), "Deployment"):
+        if "-vllm-" not in doc["metadata"]["name"]:
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), doc["metadata"]["name"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_sim_engines_can_schedule_by_deadline(helm: HelmCall, tmp_path: Path) -> None:
+    """simEngines.priorityScheduling: the engines start with --scheduling-policy priority and the
+    gateway sends them the priority (what an engine_scheduling: deadline profile needs)."""
+    values = _coalesce(
+        _values("demo"),
+        {
+            "simEngines": {"priorityScheduling": True},
+            "gateway": {"config": {"routing_profile": "least-load-deadline"}},
+        },
+    )
+    docs = _render(helm, values)
+    for doc in _by_kind(docs, "Deployment"):
+        if "-sim-" in doc["metadata"]["name"]:
+            args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert args[args.index("--scheduling-policy") + 1] == "priority"
+    settings = _gateway_config(docs, tmp_path)
+    assert settings.engines and all(e.priority_scheduling for e in settings.engines)
+    create_app(settings)
+    # off by default: first come, first served, and the gateway sends no priority
+    default = _render(helm, _values("demo"))
+    args = next(d for d in _by_kind(default, "Deployment") if "-sim-" in d["metadata"]["name"])["spec"][
+        "template"
+    ]["spec"]["containers"][0]["args"]
+    assert "--scheduling-policy" not in args

@@ -97,8 +97,13 @@ name (DNS-1035, also the Deployment and Service name), kind, role, model, port.
 {{- $_ := set $cfg "slo_profile" (include "slogate.profileRef" (list "slo" $cfg.slo_profile $profiles)) -}}
 {{- end -}}
 {{- $engines := list -}}
-{{- range $e := .Values.gateway.engines -}}
+{{- range $i, $e := .Values.gateway.engines -}}
 {{- $e = deepCopy $e -}}
+{{- if $e.api_key_secret -}}
+{{- /* the key stays in its Secret: the gateway reads it from the variable the Deployment sets */ -}}
+{{- $_ := unset $e "api_key_secret" -}}
+{{- $_ := set $e "api_key_env" (include "slogate.engineKeyEnv" $i) -}}
+{{- end -}}
 {{- if $e.latency_profile -}}
 {{- $_ := set $e "latency_profile" (include "slogate.profileRef" (list "engines" $e.latency_profile $profiles)) -}}
 {{- end -}}
@@ -114,11 +119,31 @@ name (DNS-1035, also the Deployment and Service name), kind, role, model, port.
 {{- else -}}
 {{- $_ := set $entry "latency_profile" (include "slogate.profileRef" (list "engines" $.Values.simEngines.profile $profiles)) -}}
 {{- $_ := set $entry "time_scale" $.Values.simEngines.timeScale -}}
+{{- if $.Values.simEngines.priorityScheduling -}}
+{{- $_ := set $entry "priority_scheduling" true -}}
+{{- end -}}
 {{- end -}}
 {{- $engines = append $engines $entry -}}
 {{- end -}}
 {{- $_ := set $cfg "engines" $engines -}}
 {{- toYaml $cfg -}}
+{{- end }}
+
+{{/* The environment variable that carries gateway.engines[i]'s API key from its Secret. */}}
+{{- define "slogate.engineKeyEnv" -}}
+SLOGATE_ENGINE_API_KEY_{{ . }}
+{{- end }}
+
+{{/* Checks across values that the schema cannot express; fails the render with the reason. */}}
+{{- define "slogate.validate" -}}
+{{- $k := .Values.apiKeys -}}
+{{- if and $k.required (not $k.existingSecret) (or (not $k.clientKeys) (not $k.adminKeys)) -}}
+{{- fail "apiKeys.required: give client and admin keys, e.g. --set-json 'apiKeys.clientKeys=[\"<client key>\"]' --set-json 'apiKeys.adminKeys=[\"<admin key>\"]' (openssl rand -hex 24 makes one), or name your own Secret in apiKeys.existingSecret" -}}
+{{- end -}}
+{{- $g := .Values.gateway -}}
+{{- if and (gt (int $g.preStopSleepSeconds) 0) (ge (int $g.preStopSleepSeconds) (int $g.terminationGracePeriodSeconds)) -}}
+{{- fail (printf "gateway.terminationGracePeriodSeconds (%d) must be above gateway.preStopSleepSeconds (%d): the grace period counts from the start of the preStop sleep" (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
+{{- end -}}
 {{- end }}
 
 {{/* Volumes for custom profiles (gateway and simulated engines). */}}
