@@ -149,7 +149,7 @@ QUEUE_WAIT = Histogram(
 SHEDS = Counter(
     "slogate_sheds",
     "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout, no_engine, "
-    "shutdown)",
+    "shutdown, saturated: the pool was saturated and the routing profile sheds)",
     ["slo_class", "reason"],
     registry=REGISTRY,
 )

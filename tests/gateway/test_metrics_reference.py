@@ -127,9 +127,36 @@ def test_the_grafana_dashboard_covers_what_operators_need() -> None:
         "slogate_engine_kv_usage",
         "slogate_sheds_total",
         "slogate_policy_call_seconds_bucket",
+        "slogate_dispatch_call_seconds_bucket",
     ):
         assert needed in exprs, needed
     for panel in panels:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]), panel["title"]
         assert panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, panel["title"]
+
+
+#: engine gauges every gateway replica reports alike (the engine's own state, or the gateway's
+#: view of its health): summing them over replicas would count each engine once per replica
+ENGINE_REPORTED = (
+    "slogate_engine_healthy",
+    "slogate_engine_running",
+    "slogate_engine_waiting",
+    "slogate_engine_kv_usage",
+)
+
+
+def test_the_grafana_dashboard_counts_each_engine_once() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    seen = 0
+    for where, expr in _expressions(dashboard):
+        if not where.startswith("panel"):  # a variable only lists label values
+            continue
+        for name in ENGINE_REPORTED:
+            for found in re.finditer(rf"\b{name}\b", expr):
+                seen += 1
+                before = expr[: found.start()]
+                assert before.endswith("max by (engine) ("), (
+                    f"{where}: {name} not taken as max by (engine): {expr}"
+                )
+    assert seen >= 4
