@@ -8,19 +8,29 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.dashboard.state import PAGE
 from gateway.procs import ChildProcess
+from gateway.realengines.progress import progress_to, terminal_sink
 from tests.gateway.conftest import MODEL, engine_entry
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import HeaderEngine
-from tests.support.browser import BrowserUnavailable, Chromium
+from tests.support.browser import (
+    INSTALL_TIMEOUT_S,
+    BrowserError,
+    BrowserUnavailable,
+    Chromium,
+    chromium_paths,
+)
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 ADMIN, CLIENT = "sk-dash-admin-0123456789", "sk-dash-client-0123456789"
+#: a browser test's setup may install Chromium first (apt-get update and install, each bounded)
+BROWSER_TIMEOUT_S = 2 * INSTALL_TIMEOUT_S + 120
 
 
 def serve(gw: RunningGateway, n: int, task: str, stream: bool = True, key: str | None = None) -> None:
@@ -45,7 +55,14 @@ def gateway(two_engines: list[ChildProcess]) -> Iterator[RunningGateway]:
         yield gw
 
 
+def _classes(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["slo_class"]: c for c in s["classes"]}
+
+
 def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> None:
+    """Counts come from the process's metric registry, which earlier tests also fed: the checks
+    compare the state before and after this test's own requests."""
+    before = state(gateway).json()
     serve(gateway, 3, "medical_qa")
     serve(gateway, 2, "wikisql", stream=False)
     httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "model": "nope"}, timeout=10)
@@ -56,17 +73,27 @@ def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> Non
     ]
     assert all(e["kv_usage"] is not None and e["free_kv_tokens"] > 0 for e in s["engines"])
     assert s["dispatcher"] == "least-load" and s["slo_profile"] == "hyperflexis-4task"
-    assert s["totals"]["requests"] >= 6 and s["totals"]["by_status"]["4xx"] >= 1
-    classes = {c["slo_class"]: c for c in s["classes"]}
+    assert s["totals"]["requests"] - before["totals"]["requests"] == 6
+    assert s["totals"]["by_status"]["4xx"] - before["totals"]["by_status"].get("4xx", 0) == 1
+    classes, earlier = _classes(s), _classes(before)
+
+    def added(cls: str, outcome: str | None = None) -> int:
+        """How many more requests (or outcomes) the class has than before this test."""
+
+        def count(c: dict[str, Any]) -> int:
+            return int(c.get("requests", 0) if outcome is None else c.get("outcomes", {}).get(outcome, 0))
+
+        return count(classes[cls]) - count(earlier.get(cls, {}))
+
     medical = classes["medical_qa"]
-    assert medical["requests"] >= 3 and medical["outcomes"]["met"] >= 3 and medical["attainment"] == 1.0
+    assert added("medical_qa") == 3 and added("medical_qa", "met") == 3
     assert medical["ttft_target_ms"] == 700.0 and medical["ttft_mean_ms"] > 0 and medical["tpot_mean_ms"] > 0
-    assert classes["wikisql"]["requests"] >= 2 and classes["p0"]["ttft_target_ms"] is None
+    assert added("wikisql") == 2 and classes["p0"]["ttft_target_ms"] is None
     decisions = s["decisions"]
     assert decisions[0]["at"] >= decisions[-1]["at"]  # newest first
     unknown, latest = decisions[0], decisions[1:6]
     assert (unknown["model"], unknown["engine"], unknown["refused"]) == ("nope", None, "model_not_found")
-    assert {d["slo_class"] for d in latest} == {"medical_qa", "wikisql"}
+    assert [d["slo_class"] for d in latest] == ["wikisql"] * 2 + ["medical_qa"] * 3
     assert all(d["engine"] in ("e0", "e1") and d["refused"] is None and d["attempt"] == 1 for d in latest)
     assert len(state(gateway, "?decisions=2").json()["decisions"]) == 2
     assert len(state(gateway, "?decisions=1000").json()["decisions"]) <= 40
@@ -164,21 +191,27 @@ def test_the_page_fetches_nothing_from_elsewhere(gateway: RunningGateway) -> Non
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Chromium]:
-    try:
-        with Chromium() as chromium:
-            yield chromium
-    except BrowserUnavailable as exc:
-        pytest.skip(f"headless Chromium unavailable: {exc}")
+def browser(pytestconfig: pytest.Config) -> Iterator[Chromium]:
+    """Skipped only when Chromium is not installed and cannot be: once it is, a driver or session
+    that fails is a test failure."""
+    with progress_to(terminal_sink(pytestconfig)):
+        try:
+            paths = chromium_paths()
+        except BrowserUnavailable as exc:
+            pytest.skip(f"headless Chromium unavailable: {exc}")
+    with Chromium(paths) as chromium:
+        yield chromium
 
 
 ROWS = """return Array.from(document.querySelectorAll(arguments[0] + ' tbody tr'))
     .filter(r => !r.classList.contains('empty')).map(r => Array.from(r.cells).map(c => c.textContent));"""
 
 
+@pytest.mark.timeout(BROWSER_TIMEOUT_S)
 def test_the_page_renders_live_data_in_chromium(
     gateway: RunningGateway, browser: Chromium, tmp_path: Path
 ) -> None:
+    before = state(gateway).json()
     serve(gateway, 3, "medical_qa")
     serve(gateway, 1, "tldr_headline_gen", stream=False)
     browser.get(gateway.url + "/dashboard")
@@ -189,11 +222,15 @@ def test_the_page_renders_live_data_in_chromium(
         ("e1", MODEL, "healthy"),
     ]
     assert all(row[7].endswith("%") for row in engines)  # KV usage scraped from the engines
+    # the page shows the gateway's counts, which hold earlier tests' requests too: exactly those
+    # plus this test's
     requests = int(browser.script("return document.getElementById('total-requests').textContent"))
-    assert requests >= 4
+    assert requests == before["totals"]["requests"] + 4
     assert browser.script("return document.getElementById('total-healthy').textContent") == "2 / 2"
     classes = {row[0]: row for row in browser.script(ROWS, "#classes")}
-    assert int(classes["medical_qa"][3]) >= 3 and classes["medical_qa"][4].strip().endswith("%")
+    medical_before = _classes(before).get("medical_qa", {"requests": 0})["requests"]
+    assert int(classes["medical_qa"][3]) == int(medical_before) + 3
+    assert classes["medical_qa"][4].strip().endswith("%")
     decisions = browser.script(ROWS, "#decisions")
     assert len(decisions) >= 4 and any(row[6] in ("→ e0", "→ e1") for row in decisions)
     assert {row[3] for row in decisions[:4]} == {"medical_qa", "tldr_headline_gen"}
@@ -214,6 +251,7 @@ def test_the_page_renders_live_data_in_chromium(
     browser.screenshot(tmp_path / "dashboard.png")
 
 
+@pytest.mark.timeout(BROWSER_TIMEOUT_S)
 def test_the_page_signs_in_with_basic_credentials(two_engines: list[ChildProcess], browser: Chromium) -> None:
     """With admin keys set, a browser opening the page with the admin key as its Basic password
     renders live data (the page's own polls carry the same credentials)."""
@@ -226,3 +264,18 @@ def test_the_page_signs_in_with_basic_credentials(two_engines: list[ChildProcess
         browser.wait_for("return Number(document.body.dataset.updates) >= 2")
         assert len(browser.script(ROWS, "#engines")) == 2
         browser.get(gw.url + "/dashboard/nope")  # leave the page before the gateway stops
+
+
+def test_a_failing_browser_session_is_an_error_not_a_skip() -> None:
+    """With Chromium installed, a session that cannot start raises BrowserError (which the fixture
+    lets through as a failure), never BrowserUnavailable (which it skips on)."""
+    try:
+        _, driver = chromium_paths()
+    except BrowserUnavailable as exc:
+        pytest.skip(f"headless Chromium unavailable: {exc}")
+    with (
+        pytest.raises(BrowserError, match="webdriver POST /session"),
+        Chromium(("/nonexistent/chromium", driver)),
+    ):
+        pass
+    assert not issubclass(BrowserError, BrowserUnavailable)

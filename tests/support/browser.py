@@ -2,10 +2,13 @@
 protocol with httpx (no Selenium, no browser download).
 
 :func:`chromium_paths` installs both packages with apt-get when they are missing (once per machine,
-under a file lock so parallel test processes do not race) and returns their paths, or raises
-:class:`BrowserUnavailable` saying why it could not. :class:`Chromium` starts chromedriver on a free
+under a file lock so parallel test processes do not race; progress lines while it runs, at most
+:data:`INSTALL_TIMEOUT_S`) and returns their paths, or raises :class:`BrowserUnavailable` saying why
+it could not: the one condition a test may skip on. :class:`Chromium` starts chromedriver on a free
 port and one headless session, with the flags this machine's closed network needs (no background
-networking, component updates or sync, which would otherwise try to reach the internet).
+networking, component updates or sync, which would otherwise try to reach the internet); once the
+browser is installed, anything that goes wrong (the driver, the session, a command) raises
+:class:`BrowserError`, a failure.
 """
 
 from __future__ import annotations
@@ -25,13 +28,21 @@ from typing import Any, Self
 
 import httpx
 
+from gateway.realengines.progress import heartbeat, last_log_line, progress
+
 PACKAGES = ("chromium", "chromium-driver")
 _LOCK = Path(tempfile.gettempdir()) / "slogate-chromium-install.lock"
-_INSTALL_TIMEOUT_S = 1200
+#: the longest an apt-get run (update, or install) may take; tests that may install give their
+#: setup this much beyond pytest's default timeout
+INSTALL_TIMEOUT_S = 900
 
 
 class BrowserUnavailable(Exception):
     """Chromium or chromedriver is missing and could not be installed (the message says why)."""
+
+
+class BrowserError(RuntimeError):
+    """The installed browser or its driver failed: a test failure, never a reason to skip."""
 
 
 def _found() -> tuple[str, str] | None:
@@ -41,12 +52,20 @@ def _found() -> tuple[str, str] | None:
 
 
 def _apt(*args: str, log: Path) -> bool:
+    """apt-get ``args``, its output to ``log``; a progress line every so often with its last line."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    progress(f"apt-get {' '.join(args)} (log: {log})")
+    deadline = time.monotonic() + INSTALL_TIMEOUT_S
     with log.open("ab") as out:
-        done = subprocess.run(
-            ["apt-get", *args], stdout=out, stderr=subprocess.STDOUT, env=env, timeout=_INSTALL_TIMEOUT_S
-        )
-    return done.returncode == 0
+        proc = subprocess.Popen(["apt-get", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(proc.args, INSTALL_TIMEOUT_S)
+            heartbeat(last_log_line(log))
+            time.sleep(1.0)
+    return proc.returncode == 0
 
 
 def chromium_paths() -> tuple[str, str]:
@@ -64,7 +83,6 @@ def chromium_paths() -> tuple[str, str]:
         found = _found()
         if found:
             return found
-        print(f"\n[browser] installing {' '.join(PACKAGES)} with apt-get (log: {log})", flush=True)
         try:
             # a fresh machine's package lists may be missing or stale: update once, then retry
             if not _apt("install", "-y", "-q", *PACKAGES, log=log):
@@ -88,8 +106,9 @@ def _free_port() -> int:
 class Chromium:
     """One headless Chromium session through chromedriver; a context manager."""
 
-    def __init__(self, width: int = 1400, height: int = 1000) -> None:
-        self.browser, self.driver = chromium_paths()
+    def __init__(self, paths: tuple[str, str] | None = None, width: int = 1400, height: int = 1000) -> None:
+        """``paths``: (chromium, chromedriver), from :func:`chromium_paths` when None."""
+        self.browser, self.driver = paths if paths is not None else chromium_paths()
         self.size = (width, height)
         self._profile = tempfile.TemporaryDirectory(prefix="slogate-chromium-")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -109,7 +128,7 @@ class Chromium:
                     break
             if time.monotonic() > deadline or self._proc.poll() is not None:
                 self.__exit__(None, None, None)
-                raise BrowserUnavailable("chromedriver did not start")
+                raise BrowserError(f"{self.driver} did not start")
             time.sleep(0.05)
         args = [
             "--headless=new",
@@ -125,7 +144,11 @@ class Chromium:
             f"--user-data-dir={self._profile.name}",
         ]
         capabilities = {"browserName": "chrome", "goog:chromeOptions": {"binary": self.browser, "args": args}}
-        value = self._command("POST", "/session", {"capabilities": {"alwaysMatch": capabilities}})
+        try:
+            value = self._command("POST", "/session", {"capabilities": {"alwaysMatch": capabilities}})
+        except BaseException:
+            self.__exit__(None, None, None)  # the driver process must not outlive the failure
+            raise
         self._session = value["sessionId"]
         return self
 
@@ -133,7 +156,7 @@ class Chromium:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         if self._session and self._http is not None:
-            with contextlib.suppress(httpx.HTTPError, BrowserUnavailable):
+            with contextlib.suppress(httpx.HTTPError, BrowserError):
                 self._command("DELETE", f"/session/{self._session}")
         if self._http is not None:
             self._http.close()
@@ -151,7 +174,7 @@ class Chromium:
         response = self._http.request(method, path, json=body if body is not None else None)
         value = response.json().get("value")
         if response.status_code >= 400:
-            raise BrowserUnavailable(f"webdriver {method} {path}: {value}")
+            raise BrowserError(f"webdriver {method} {path}: {value}")
         return value
 
     # -- the session -------------------------------------------------------------------------------
@@ -181,4 +204,4 @@ class Chromium:
         path.write_bytes(base64.b64decode(data))
 
 
-__all__ = ["BrowserUnavailable", "Chromium", "chromium_paths"]
+__all__ = ["INSTALL_TIMEOUT_S", "BrowserError", "BrowserUnavailable", "Chromium", "chromium_paths"]
