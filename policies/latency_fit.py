@@ -13,12 +13,21 @@ plain least squares would fit the long prefills and leave short ones off by a la
 
 Coefficients are constrained to be non-negative (a negative ``b`` would predict that longer
 prompts are faster), solved exactly by trying every support set of the three unknowns (NNLS for
-three variables). With too few samples, or a design that cannot separate the terms (every
-sample the same length, or the same batch size), the fit returns the prior unchanged.
+three variables).
 
-Also here, because they are what the fitted coefficients are *for*: the eq.(5) / appendix B
-token budget and the Algorithm 1 maturity time. Everything is pure; :class:`LatencyModel` is a
-value whose ``observe_*`` and ``refit`` return new models.
+The prior (normally the engine's latency profile) enters the fit as a ridge toward its shape at
+the data's level (so an engine uniformly faster or slower than its profile costs nothing), with
+the Bayesian weight "the samples' own relative noise over how far a prior may be off": the data
+decide every direction they can see, and a direction they cannot see (every prompt the same
+length, every decode batch the same size) follows the prior's shape instead of collapsing onto
+one coefficient. Below ``min_samples`` the prior is returned.
+A prefill fit also keeps its per-token cost at no less than :data:`TOKEN_COST_FLOOR` of the
+slope the samples show (seconds per prompt token if all of it were per-token), so data that hide
+the length dependence cannot make the eq.(5) token budget unbounded.
+
+A prefill sample may come from a mixed engine step (chunked prefill: the prompts ran in the same
+forward pass as other requests' decodes). It then carries that batch's decode context and size,
+and the decode share of the step, by the decode coefficients fitted first, is taken out of it.
 """
 
 from __future__ import annotations
@@ -36,8 +45,17 @@ Coeffs = tuple[float, float, float]
 
 #: fewest samples a fit is attempted with; below it the prior is returned
 MIN_SAMPLES = 8
-#: largest condition number of the column-normalised design accepted before falling back
-MAX_CONDITION = 1e8
+#: how far (relatively) a prior may be from the truth: the ridge toward it weighs the samples'
+#: own relative noise variance over this squared (see :func:`_ridge_nnls`)
+PRIOR_SPREAD = 1.0
+#: the least ridge weight, in samples: enough to settle what the data cannot see, nothing more
+_MIN_RIDGE = 1e-6
+#: a sample whose residual is beyond this many robust standard deviations (and beyond
+#: OUTLIER_FLOOR, relatively) is left out of a second fit: timing hiccups are not the engine
+OUTLIER_SIGMAS = 3.0
+OUTLIER_FLOOR = 0.05
+#: a fitted per-token prefill cost is at least this share of the median slope of the samples
+TOKEN_COST_FLOOR = 0.02
 #: token budget reported when eq.(5) puts no bound on it (b == 0, or an infinite TTFT)
 UNBOUNDED_TOKENS = 1 << 30
 
@@ -46,10 +64,17 @@ _Matrix = npt.NDArray[np.float64]
 
 @dataclass(frozen=True, slots=True)
 class PrefillSample:
-    """One observed prefill: the prompt lengths of the batch (tokens) and how long it took (s)."""
+    """One observed prefill: the prompt lengths of the batch (tokens) and how long it took (s).
+
+    ``decode_context`` / ``decode_batch``: the summed current length and the number of requests
+    that decoded in the same engine step (0 for a step that only prefilled); their share of
+    ``seconds`` is not eq.(1)'s and is taken out when the sample is fitted.
+    """
 
     input_lengths: tuple[int, ...]
     seconds: float
+    decode_context: int = 0
+    decode_batch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +99,37 @@ def predict_decode(coeffs: Coeffs, current_lengths_sum: int, batch_size: int) ->
     return a + b * current_lengths_sum + c * batch_size
 
 
+def decode_share(decode: Coeffs, sample: PrefillSample) -> float:
+    """Seconds of a mixed step that its decodes add to the prefill: eq.(2) without its intercept
+    (one forward pass pays one fixed cost, counted as eq.(1)'s ``a``)."""
+    if sample.decode_batch <= 0:
+        return 0.0
+    return decode[1] * sample.decode_context + decode[2] * sample.decode_batch
+
+
+def prefill_seconds(sample: PrefillSample, decode: Coeffs | None) -> float:
+    """The sample's prefill time alone: ``seconds`` less its decodes' share (``nan`` for a mixed
+    sample when no decode coefficients are given: it cannot be used yet)."""
+    if sample.decode_batch <= 0:
+        return sample.seconds
+    if decode is None:
+        return math.nan
+    return sample.seconds - decode_share(decode, sample)
+
+
 def _usable(seconds: float) -> bool:
     # relative error is undefined at y <= 0; a non-finite timing is a measurement bug
     return math.isfinite(seconds) and seconds > 0.0
 
 
-def _prefill_rows(samples: Sequence[PrefillSample]) -> tuple[_Matrix, _Matrix]:
-    rows = [
-        (1.0, float(sum(s.input_lengths)), float(sum(n * n for n in s.input_lengths)), s.seconds)
-        for s in samples
-        if s.input_lengths and _usable(s.seconds)
-    ]
+def _prefill_rows(samples: Sequence[PrefillSample], decode: Coeffs | None) -> tuple[_Matrix, _Matrix]:
+    rows = []
+    for s in samples:
+        seconds = prefill_seconds(s, decode)
+        if s.input_lengths and _usable(seconds):
+            rows.append(
+                (1.0, float(sum(s.input_lengths)), float(sum(n * n for n in s.input_lengths)), seconds)
+            )
     data = np.array(rows, dtype=np.float64).reshape(len(rows), 4)
     return data[:, :3], data[:, 3]
 
@@ -99,63 +144,128 @@ def _decode_rows(samples: Sequence[DecodeSample]) -> tuple[_Matrix, _Matrix]:
     return data[:, :3], data[:, 3]
 
 
-def _nonnegative_least_squares(
-    design: _Matrix, target: _Matrix, prior: Coeffs, relative: bool, min_samples: int, max_condition: float
+def _nnls(gram: _Matrix, moment: _Matrix, norm: float) -> _Matrix | None:
+    """Exact NNLS for three unknowns from the normal equations (``gram = AᵀA``, ``moment = Aᵀb``,
+    ``norm = bᵀb``): the optimum is the unconstrained least-squares solution on some support set,
+    so solve each (3x3 at most) and keep the best one that is non-negative."""
+    best: _Matrix | None = None
+    best_residual = math.inf
+    for size in (3, 2, 1, 0):
+        for support in combinations(range(3), size):
+            cols = list(support)
+            full = np.zeros(3)
+            if cols:
+                sub = gram[np.ix_(cols, cols)]
+                try:
+                    solution = np.linalg.solve(sub, moment[cols])
+                except np.linalg.LinAlgError:  # singular: the least-norm solution
+                    solution = np.linalg.lstsq(sub, moment[cols], rcond=None)[0]
+                if np.any(solution < 0.0) or not np.all(np.isfinite(solution)):
+                    continue
+                full[cols] = solution
+            # |Ax - b|² = xᵀAᵀAx - 2xᵀAᵀb + bᵀb
+            residual = float(full @ gram @ full - 2.0 * full @ moment + norm)
+            if residual < best_residual:
+                best, best_residual = full, residual
+    return best
+
+
+def _ridge_nnls(
+    design: _Matrix, target: _Matrix, prior: Coeffs, relative: bool, min_samples: int, prior_spread: float
 ) -> Coeffs:
-    if design.shape[0] < max(min_samples, design.shape[1]):
+    """Non-negative least squares of ``design @ x ~ target`` with a ridge toward ``prior``.
+
+    The ridge row of coefficient k is ``sqrt(lam) * s_k * (x_k - level * prior_k)``: ``s_k`` is
+    the RMS of column k in the (weighted) design, so moving x_k by d changes a typical (relative)
+    prediction by about ``s_k * d``; ``level`` is the factor that best fits the prior's
+    predictions to the data (the prior's shape, at the data's level). ``lam`` is the Bayesian
+    ridge weight ``noise² / prior_spread²``: the samples' own residual variance (from a first,
+    barely regularised pass) over how far, relatively, a prior may be off. So the prior weighs
+    like a fraction of one sample, and its share shrinks as 1/n; it decides only what the data
+    cannot see. Columns are scaled by ``s_k`` so the unknowns are comparable. Samples whose
+    residual is an outlier (:data:`OUTLIER_SIGMAS`) are then left out and the fit done again.
+    """
+    n = design.shape[0]
+    if n < max(min_samples, 1):
         return prior
     # weights 1/y on the residual, i.e. 1/y² on its square: minimises squared relative error
     weights = 1.0 / target if relative else np.ones_like(target)
     a_mat = design * weights[:, None]
     rhs = target * weights
-    # normalise columns so 1, sum(l) and sum(l²) (spanning ~6 orders of magnitude) are comparable;
-    # the condition number then measures collinearity, not units
-    norms = np.linalg.norm(a_mat, axis=0)
-    if not np.all(norms > 0.0):
-        return prior
-    scaled = a_mat / norms
-    condition = float(np.linalg.cond(scaled))
-    if not math.isfinite(condition) or condition > max_condition:
-        return prior
-    best: _Matrix | None = None
-    best_residual = math.inf
-    # exact NNLS for three unknowns: the optimum is the unconstrained least-squares solution on
-    # some support set, so try them all and keep the best one that is non-negative
-    for size in (3, 2, 1):
-        for support in combinations(range(3), size):
-            cols = list(support)
-            solution, *_ = np.linalg.lstsq(scaled[:, cols], rhs, rcond=None)
-            if np.any(solution < 0.0):
-                continue
-            residual = float(np.sum((scaled[:, cols] @ solution - rhs) ** 2))
-            if residual < best_residual:
-                full = np.zeros(3)
-                full[cols] = solution
-                best, best_residual = full, residual
+    scale = np.sqrt(np.mean(a_mat * a_mat, axis=0))
+    # a column the data never exercise (all zero) is decided by the ridge alone: the prior
+    scale = np.where(scale > 0.0, scale, 1.0)
+    # the ridge pulls toward the prior's shape at the data's level: a prior that is right up to a
+    # constant factor (an engine uniformly faster or slower than its profile) costs nothing, and a
+    # prior far off in level (1 s per token) does not drag the fit toward it
+    prior_vec = np.array(prior, dtype=np.float64)
+    predicted = a_mat @ prior_vec
+    norm = float(predicted @ predicted)
+    level = max(0.0, float(predicted @ rhs) / norm) if norm > 0.0 else 1.0
+    center = scale * level * prior_vec
+    scaled = a_mat / scale
+    # one sample's size in rhs units (1 for relative fits): what prior_spread is relative to
+    unit = float(np.sqrt(np.mean(rhs * rhs)))
+    best = _ridge_passes(scaled, rhs, center, max(prior_spread, 1e-12) * unit)
     if best is None:
         return prior
-    coeffs = best / norms
+    # one robust pass: samples far off the fit (a timing hiccup, a step misread) are left out
+    residuals = scaled @ best - rhs
+    spread = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
+    keep = np.abs(residuals) <= max(OUTLIER_SIGMAS * spread, OUTLIER_FLOOR * unit)
+    if not keep.all() and int(keep.sum()) >= max(min_samples, 3):
+        again = _ridge_passes(scaled[keep], rhs[keep], center, max(prior_spread, 1e-12) * unit)
+        if again is not None:
+            best = again
+    coeffs = best / scale
     return (float(coeffs[0]), float(coeffs[1]), float(coeffs[2]))
+
+
+def _ridge_passes(scaled: _Matrix, rhs: _Matrix, center: _Matrix, spread: float) -> _Matrix | None:
+    """The ridge fit in scaled coordinates: a first pass barely regularised, whose residual
+    variance over ``spread²`` then weighs the ridge of the second."""
+    n = scaled.shape[0]
+    gram = scaled.T @ scaled
+    moment = scaled.T @ rhs
+    norm = float(rhs @ rhs)
+    lam = _MIN_RIDGE
+    best: _Matrix | None = None
+    for _ in range(2):
+        # the ridge rows sqrt(lam) * (x - center) added to the normal equations
+        best = _nnls(gram + lam * np.eye(3), moment + lam * center, norm + lam * float(center @ center))
+        if best is None:
+            return None
+        residual = float(np.sum((scaled @ best - rhs) ** 2)) / max(n - 3, 1)
+        lam = max(_MIN_RIDGE, residual / (spread * spread))
+    return best
 
 
 def fit_prefill(
     samples: Sequence[PrefillSample],
     prior: Coeffs,
     *,
+    decode: Coeffs | None = None,
     relative: bool = True,
     min_samples: int = MIN_SAMPLES,
-    max_condition: float = MAX_CONDITION,
+    prior_spread: float = PRIOR_SPREAD,
 ) -> Coeffs:
     """Fit eq.(1)'s ``(a, b, c) >= 0`` to ``samples``; ``prior`` when there is too little to go on.
 
-    ``relative=True`` (appendix A) minimises squared relative error; ``False`` is plain least
-    squares (kept for comparison). Samples with non-positive or non-finite seconds are ignored.
-    Falls back to ``prior`` with fewer than ``min_samples`` usable samples or when the
-    column-normalised design's condition number exceeds ``max_condition`` (e.g. every batch had
-    the same total length, so ``b`` and ``c`` cannot be told apart).
+    ``decode``: the decode coefficients that take mixed samples' decode share out (without them
+    mixed samples are left out). ``relative=True`` (appendix A) minimises squared relative error;
+    ``False`` is plain least squares (kept for comparison). Samples with non-positive or
+    non-finite seconds (after the decode share) are ignored. Falls back to ``prior`` with fewer
+    than ``min_samples`` usable samples; ``prior_spread`` sets the ridge toward it (module doc).
+    The per-token cost ``b`` is kept at no less than :data:`TOKEN_COST_FLOOR` of the median
+    slope ``seconds / sum(lengths)`` of the samples.
     """
-    design, target = _prefill_rows(samples)
-    return _nonnegative_least_squares(design, target, prior, relative, min_samples, max_condition)
+    design, target = _prefill_rows(samples, decode)
+    fitted = _ridge_nnls(design, target, prior, relative, min_samples, prior_spread)
+    if fitted is prior:
+        return prior
+    a, b, c = fitted
+    slopes = target / np.maximum(design[:, 1], 1.0)
+    return (a, max(b, TOKEN_COST_FLOOR * float(np.median(slopes))), c)
 
 
 def fit_decode(
@@ -164,33 +274,36 @@ def fit_decode(
     *,
     relative: bool = True,
     min_samples: int = MIN_SAMPLES,
-    max_condition: float = MAX_CONDITION,
+    prior_spread: float = PRIOR_SPREAD,
 ) -> Coeffs:
     """Fit eq.(2)'s ``(a', b', c') >= 0``; same contract as :func:`fit_prefill`.
 
-    A constant batch size makes ``a'`` and ``c'`` inseparable: that is ill-conditioned and
-    returns the prior.
+    A constant batch size makes ``a'`` and ``c'`` inseparable: the data fix ``a' + c' * B`` and
+    the ridge splits it as the prior does.
     """
     design, target = _decode_rows(samples)
-    return _nonnegative_least_squares(design, target, prior, relative, min_samples, max_condition)
+    return _ridge_nnls(design, target, prior, relative, min_samples, prior_spread)
 
 
-def prediction_error(coeffs: Coeffs, samples: Sequence[PrefillSample | DecodeSample]) -> float:
+def prediction_error(
+    coeffs: Coeffs, samples: Sequence[PrefillSample | DecodeSample], decode: Coeffs | None = None
+) -> float:
     """Mean absolute relative error ``|predicted - actual| / actual`` over usable samples.
 
     Prefill samples are predicted with eq.(1), decode samples with eq.(2), so pass the matching
-    coefficients. ``nan`` when no sample is usable.
+    coefficients (and, for mixed prefill samples, the decode coefficients that take their decode
+    share out; without them those are skipped). ``nan`` when no sample is usable.
     """
-    errors = []
-    for sample in samples:
-        if not _usable(sample.seconds):
-            continue
-        if isinstance(sample, PrefillSample):
-            predicted = predict_prefill(coeffs, sample.input_lengths)
-        else:
-            predicted = predict_decode(coeffs, sample.current_lengths_sum, sample.batch_size)
-        errors.append(abs(predicted - sample.seconds) / sample.seconds)
-    return sum(errors) / len(errors) if errors else math.nan
+    prefill_design, prefill_target = _prefill_rows(
+        [s for s in samples if isinstance(s, PrefillSample)], decode
+    )
+    decode_design, decode_target = _decode_rows([s for s in samples if isinstance(s, DecodeSample)])
+    design = np.vstack((prefill_design, decode_design))
+    target = np.concatenate((prefill_target, decode_target))
+    if not target.size:
+        return math.nan
+    predicted = design @ np.array(coeffs, dtype=np.float64)
+    return float(np.mean(np.abs(predicted - target) / target))
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +311,10 @@ class LatencyModel:
     """Current coefficients of one engine (or engine type) plus the recent samples they come from.
 
     ``prefill``/``decode`` are what predictions use now; ``prior_*`` (normally the engine latency
-    profile) is what a fit falls back to. The sample rings keep the newest ``capacity`` samples.
-    Every method returns a new model; the caller decides when to :meth:`refit` (e.g. every k
-    observations or on a timer), because a fit costs O(capacity) numpy work.
+    profile) is what a fit is pulled toward and falls back to. The sample rings keep the newest
+    ``capacity`` samples. Every method returns a new model; the caller decides when to
+    :meth:`refit` (e.g. every k observations or on a timer), because a fit costs O(capacity)
+    numpy work.
     """
 
     prefill: Coeffs
@@ -211,17 +325,16 @@ class LatencyModel:
     decode_samples: tuple[DecodeSample, ...] = ()
     capacity: int = 512
     min_samples: int = MIN_SAMPLES
-    #: no fitted coefficient goes below this share of the prior's. The gateway's samples are whole
-    #: requests: under load a TTFT is mostly waiting, so the relative-error fit can explain it with
-    #: a constant and drive ``b`` to 0, and a zero per-token cost makes the eq.(5) budget
-    #: unbounded (measured: 70 k prompt tokens handed to one engine in a turn, P0 timed out for 5 s).
-    prior_floor: float = 0.25
+    #: how far the prior may be off, relatively (the ridge toward it, see the module doc); it
+    #: replaces the old floor at a quarter of the prior, which kept a fit from learning an engine
+    #: more than 4x faster than its profile
+    prior_spread: float = PRIOR_SPREAD
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
-        if not 0.0 <= self.prior_floor <= 1.0:
-            raise ValueError(f"prior_floor must be in [0, 1], got {self.prior_floor}")
+        if not self.prior_spread > 0.0:
+            raise ValueError(f"prior_spread must be > 0, got {self.prior_spread}")
 
     @classmethod
     def from_prior(
@@ -238,20 +351,30 @@ class LatencyModel:
         """Add a decode-step sample, dropping the oldest beyond ``capacity``."""
         return replace(self, decode_samples=(*self.decode_samples, sample)[-self.capacity :])
 
-    def refit(self) -> LatencyModel:
-        """Re-fit both stages on the rings (relative error, non-negative), priors as fallback and
-        ``prior_floor`` times the priors as lower bounds."""
-        prefill = fit_prefill(self.prefill_samples, self.prior_prefill, min_samples=self.min_samples)
-        decode = fit_decode(self.decode_samples, self.prior_decode, min_samples=self.min_samples)
-        return replace(
-            self,
-            prefill=self._floored(prefill, self.prior_prefill),
-            decode=self._floored(decode, self.prior_decode),
+    def decode_is_fitted(self) -> bool:
+        """Whether the decode ring is large enough for :meth:`refit` to fit it (not the prior)."""
+        return sum(1 for s in self.decode_samples if s.batch_size > 0 and _usable(s.seconds)) >= max(
+            self.min_samples, 1
         )
 
-    def _floored(self, fitted: Coeffs, prior: Coeffs) -> Coeffs:
-        a, b, c = (max(f, self.prior_floor * p) for f, p in zip(fitted, prior, strict=True))
-        return (a, b, c)
+    def refit(self) -> LatencyModel:
+        """Re-fit both stages on the rings (relative error, non-negative, ridge toward the priors):
+        decode first, then prefill with mixed samples' decode share taken out by the new decode
+        coefficients (left out while decode still stands on its prior)."""
+        decode = fit_decode(
+            self.decode_samples,
+            self.prior_decode,
+            min_samples=self.min_samples,
+            prior_spread=self.prior_spread,
+        )
+        prefill = fit_prefill(
+            self.prefill_samples,
+            self.prior_prefill,
+            decode=decode if self.decode_is_fitted() else None,
+            min_samples=self.min_samples,
+            prior_spread=self.prior_spread,
+        )
+        return replace(self, prefill=prefill, decode=decode)
 
     def predict_prefill(self, input_lengths: Sequence[int]) -> float:
         return predict_prefill(self.prefill, input_lengths)
@@ -261,7 +384,7 @@ class LatencyModel:
 
     def prefill_error(self) -> float:
         """Mean relative error of the current prefill coefficients on the ring (``nan`` if empty)."""
-        return prediction_error(self.prefill, self.prefill_samples)
+        return prediction_error(self.prefill, self.prefill_samples, self.decode)
 
     def decode_error(self) -> float:
         """Mean relative error of the current decode coefficients on the ring (``nan`` if empty)."""
