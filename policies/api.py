@@ -26,6 +26,33 @@ class Role(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTiming:
+    """The engine's own account of the work it did, cumulative since it started (``None``: the
+    engine does not export that figure). Differences between two scrapes describe the interval.
+
+    ``steps``: engine steps that produced output, and ``step_tokens`` the tokens they carried
+    (vLLM: ``iteration_tokens_total``; llama.cpp: ``n_decode_total``, no token sum);
+    ``prompt_tokens`` / ``generation_tokens``: tokens processed; ``preemptions``: requests sent
+    back to waiting. ``finished``: requests whose timings are summed in ``queue_s`` (waiting in
+    the engine), ``prefill_s`` (scheduled to first token) and ``decode_s`` (first to last token);
+    vLLM sums them per finished request, SGLang only the queue time. llama.cpp's
+    ``prompt_seconds_total`` / ``tokens_predicted_seconds_total`` are per-slot processing times
+    summed as their prompts and generations end: reported as ``prefill_s`` and ``decode_s`` with
+    ``finished`` unknown.
+    """
+
+    steps: float | None = None
+    step_tokens: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+    preemptions: float | None = None
+    finished: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineState:
     """What an engine reported about itself at its last scrape.
 
@@ -42,6 +69,8 @@ class EngineState:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     sleeping: bool = False
+    #: the engine's timing and work counters, where it exports them (latency learning)
+    timing: EngineTiming | None = None
 
 
 @dataclass(frozen=True, slots=True)

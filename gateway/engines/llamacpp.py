@@ -17,15 +17,36 @@ import aiohttp
 
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
-from policies.api import EngineState
+from policies.api import EngineState, EngineTiming
 
+_TIMING = (
+    "llamacpp:n_decode_total",
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:prompt_seconds_total",
+    "llamacpp:tokens_predicted_seconds_total",
+)
 _WANTED = (
     "llamacpp:requests_processing",
     "llamacpp:requests_deferred",
     "llamacpp:prompt_tokens_total",
     "llamacpp:prompt_tokens_cached_total",
     "llamacpp:kv_cache_usage_ratio",
+    *_TIMING,
 )
+
+
+def llamacpp_timing(samples: prom_text.Samples) -> EngineTiming | None:
+    """llama-server's own counters: ``llama_decode`` calls (its steps), tokens, and the summed
+    per-slot prompt and generation times."""
+    if not any(name in samples for name in _TIMING):
+        return None
+    return EngineTiming(
+        steps=prom_text.total(samples, "llamacpp:n_decode_total"),
+        prompt_tokens=prom_text.total(samples, "llamacpp:prompt_tokens_total"),
+        generation_tokens=prom_text.total(samples, "llamacpp:tokens_predicted_total"),
+        prefill_s=prom_text.total(samples, "llamacpp:prompt_seconds_total"),
+        decode_s=prom_text.total(samples, "llamacpp:tokens_predicted_seconds_total"),
+    )
 
 
 def parse_llamacpp_metrics(text: str) -> EngineState:
@@ -38,6 +59,7 @@ def parse_llamacpp_metrics(text: str) -> EngineState:
         kv_usage=gauge(samples, "llamacpp:kv_cache_usage_ratio"),  # older builds only
         prefix_queries=computed + cached,
         prefix_hits=cached,
+        timing=llamacpp_timing(samples),
     )
 
 

@@ -6,8 +6,13 @@ from typing import ClassVar
 
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
-from policies.api import EngineState
+from policies.api import EngineState, EngineTiming
 
+_TIMING = (
+    "sglang:generation_tokens_total",
+    "sglang:queue_time_seconds_sum",
+    "sglang:queue_time_seconds_count",
+)
 _WANTED = (
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
@@ -15,7 +20,21 @@ _WANTED = (
     "sglang:prompt_tokens_total",
     "sglang:cached_tokens_total",
     "sglang:max_total_num_tokens",
+    *_TIMING,
 )
+
+
+def sglang_timing(samples: prom_text.Samples) -> EngineTiming | None:
+    """What SGLang tells of its own work: tokens processed and the time requests queued (it has
+    no per-step or prefill/decode time series)."""
+    if not any(name in samples for name in _TIMING):
+        return None
+    return EngineTiming(
+        prompt_tokens=prom_text.total(samples, "sglang:prompt_tokens_total"),
+        generation_tokens=prom_text.total(samples, "sglang:generation_tokens_total"),
+        finished=prom_text.total(samples, "sglang:queue_time_seconds_count"),
+        queue_s=prom_text.total(samples, "sglang:queue_time_seconds_sum"),
+    )
 
 
 def parse_sglang_metrics(text: str) -> EngineState:
@@ -29,6 +48,7 @@ def parse_sglang_metrics(text: str) -> EngineState:
         prefix_hits=gauge(samples, "sglang:cached_tokens_total"),
         block_size=1,  # SGLang's radix cache works at token granularity
         num_gpu_blocks=int(max_tokens) if max_tokens else None,
+        timing=sglang_timing(samples),
     )
 
 

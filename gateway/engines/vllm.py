@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
-from policies.api import EngineState
+from policies.api import EngineState, EngineTiming
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
@@ -19,7 +19,43 @@ _QUERIES = (
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
 _CACHE_INFO = "vllm:cache_config_info"
 _SLEEP = "vllm:engine_sleep_state"
-_WANTED = (_RUNNING, _WAITING, _KV_NEW, _KV_OLD, *_QUERIES, *_HITS, _CACHE_INFO, _SLEEP)
+_ITERATION = "vllm:iteration_tokens_total"
+_QUEUE = "vllm:request_queue_time_seconds"
+_PREFILL = "vllm:request_prefill_time_seconds"
+_DECODE = "vllm:request_decode_time_seconds"
+_PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
+_GENERATION_TOKENS = ("vllm:generation_tokens_total", "vllm:generation_tokens")
+_PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+_TIMING = (
+    f"{_ITERATION}_count",
+    f"{_ITERATION}_sum",
+    f"{_QUEUE}_sum",
+    f"{_PREFILL}_count",
+    f"{_PREFILL}_sum",
+    f"{_DECODE}_sum",
+    *_PROMPT_TOKENS,
+    *_GENERATION_TOKENS,
+    *_PREEMPTIONS,
+)
+_WANTED = (_RUNNING, _WAITING, _KV_NEW, _KV_OLD, *_QUERIES, *_HITS, _CACHE_INFO, _SLEEP, *_TIMING)
+
+
+def vllm_timing(samples: prom_text.Samples) -> EngineTiming | None:
+    """vLLM's own work and timing counters (summed over data-parallel ranks); ``None`` when the
+    engine exports none of them (an old release)."""
+    if not any(name in samples for name in _TIMING):
+        return None
+    return EngineTiming(
+        steps=prom_text.total(samples, f"{_ITERATION}_count"),
+        step_tokens=prom_text.total(samples, f"{_ITERATION}_sum"),
+        prompt_tokens=prom_text.total(samples, *_PROMPT_TOKENS),
+        generation_tokens=prom_text.total(samples, *_GENERATION_TOKENS),
+        preemptions=prom_text.total(samples, *_PREEMPTIONS),
+        finished=prom_text.total(samples, f"{_PREFILL}_count"),
+        queue_s=prom_text.total(samples, f"{_QUEUE}_sum"),
+        prefill_s=prom_text.total(samples, f"{_PREFILL}_sum"),
+        decode_s=prom_text.total(samples, f"{_DECODE}_sum"),
+    )
 
 
 def parse_vllm_metrics(text: str) -> EngineState:
@@ -47,6 +83,7 @@ def parse_vllm_metrics(text: str) -> EngineState:
         block_size=block_size,
         num_gpu_blocks=num_blocks,
         sleeping=sleeping,
+        timing=vllm_timing(samples),
     )
 
 

@@ -23,6 +23,7 @@ from enum import Enum
 from gateway.sim.kv_cache import KVCache, SeqBlocks, prefix_hashes
 from gateway.sim.output import TokenStream, choice_seed
 from gateway.sim.profiles import EngineProfile
+from gateway.sim.stats import EngineStats
 from policies.latency import batch_step_time
 
 
@@ -69,6 +70,7 @@ class SimRequest:
     stream: TokenStream | None = None
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finish_reason: str | None = None
     order: int = 0
 
@@ -135,6 +137,8 @@ class EngineModel:
         self.held: dict[str, SimRequest] = {}
         self.requests: dict[str, SimRequest] = {}
         self.counters = Counters()
+        #: vLLM's per-step and per-finished-request statistics (exported as its histograms)
+        self.stats = EngineStats(profile.max_model_len)
         self.coefficients = profile.latency.coefficients
         self.paused = False  # asleep or loading weights: nothing is scheduled
         self.admitting = True  # False while draining for /sleep?mode=wait: running ones finish
@@ -329,6 +333,7 @@ class EngineModel:
     def finish(self, batch: Batch, now: float) -> StepResult:
         """Apply ``batch`` (planned earlier) at ``now``, its end time."""
         result = StepResult()
+        first_prompts = 0
         for request, chunk in batch.prefills:
             if request.phase is not Phase.RUNNING:
                 continue  # aborted or preempted meanwhile
@@ -337,6 +342,8 @@ class EngineModel:
             if request.computed >= request.length:
                 if not request.output:
                     self.counters.prompt_tokens += len(request.prompt)
+                    if not request.pooling:
+                        first_prompts += len(request.prompt)
                 if request.pooling:
                     # the pooled hidden state is the whole answer: no token, no decode step
                     self.complete(request, "stop")
@@ -347,6 +354,8 @@ class EngineModel:
             if request.phase is Phase.RUNNING:
                 request.computed += 1
                 self._emit(request, now, result)
+        if result.tokens:
+            self.stats.step(first_prompts, len(result.tokens))
         return result
 
     def _emit(self, request: SimRequest, now: float, result: StepResult) -> None:
@@ -355,6 +364,7 @@ class EngineModel:
         request.output.append(token)
         if request.first_token_at is None:
             request.first_token_at = now
+        request.last_token_at = now
         self.counters.generation_tokens += 1
         result.tokens.append((request, token))
         if request.computed % self.profile.block_size == 0:
@@ -381,6 +391,21 @@ class EngineModel:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if (
+            request.scheduled_at is not None
+            and request.first_token_at is not None
+            and request.last_token_at is not None
+        ):
+            self.stats.finished(
+                arrival=request.arrival,
+                scheduled=request.scheduled_at,
+                first_token=request.first_token_at,
+                last_token=request.last_token_at,
+                prompt_tokens=len(request.prompt),
+                cached_tokens=request.cached_tokens,
+                generated=len(request.output),
+                max_tokens=request.max_tokens,
+            )
         if request.prefill_only:
             request.phase = Phase.HELD
             self.held[request.request_id] = request

@@ -1,9 +1,12 @@
 """Prometheus metrics of one simulated engine, with vLLM 0.33's names, labels and buckets.
 
-Gauges and counters are read from the engine model at scrape time (a custom collector), so the
-per-token hot path pays nothing for them; only the latency histograms are observed per request
-(TTFT, e2e, queue time) or per streamed token (inter-token latency). Each engine has its own
-:class:`CollectorRegistry`, so several engines can live in one process (tests).
+Gauges, counters and the engine's own statistics (vLLM's per-step ``iteration_tokens_total`` and
+per-finished-request queue, prefill, decode and inference times and token counts, kept by the
+model in :mod:`gateway.sim.stats`) are read from the engine model at scrape time (a custom
+collector), so the per-token hot path pays nothing for them; only the latencies the HTTP layer
+sees are observed as they happen (TTFT and e2e per request, inter-token latency per streamed
+token). Each engine has its own :class:`CollectorRegistry`, so several engines can live in one
+process (tests).
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from policies.api import EngineState
+from gateway.sim.stats import REQUEST_LATENCY_BUCKETS, TPOT_BUCKETS
+from gateway.sim.stats import Histogram as StatHistogram
+from policies.api import EngineState, EngineTiming
 
 if TYPE_CHECKING:
     from gateway.sim.engine import EngineModel
@@ -25,6 +30,19 @@ def engine_state(model: EngineModel, sleeping: bool = False) -> EngineState:
     """What the gateway's vLLM adapter reads off this engine's ``/metrics``, without the text:
     the offline cluster simulator scrapes with it, and the exported gauges come from it, so the
     two cannot disagree (a test parses the text and compares)."""
+    stats = model.stats
+    counters = model.counters
+    timing = EngineTiming(
+        steps=float(stats.iteration_tokens.count),
+        step_tokens=float(stats.iteration_tokens.total),
+        prompt_tokens=float(counters.prompt_tokens),
+        generation_tokens=float(counters.generation_tokens),
+        preemptions=float(counters.preemptions),
+        finished=float(stats.prefill.count),
+        queue_s=stats.queue.total,
+        prefill_s=stats.prefill.total,
+        decode_s=stats.decode.total,
+    )
     return EngineState(
         num_running=len(model.running),
         num_waiting=len(model.waiting) + len(model.transferring),
@@ -34,6 +52,7 @@ def engine_state(model: EngineModel, sleeping: bool = False) -> EngineState:
         block_size=model.profile.block_size,
         num_gpu_blocks=model.profile.num_gpu_blocks,
         sleeping=sleeping,
+        timing=timing,
     )
 
 
@@ -61,49 +80,33 @@ TTFT_BUCKETS = (
     640.0,
     2560.0,
 )
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
+ITL_BUCKETS = TPOT_BUCKETS
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
+
+#: vLLM's histograms the engine model keeps itself: (name, help, the model's accumulator)
+_MODEL_HISTOGRAMS = (
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
+    ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue"),
+    ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", "prefill"),
+    ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "decode"),
+    (
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        "inference",
+    ),
+    (
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        "time_per_output_token",
+    ),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", "max_tokens"),
+    (
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        "prefill_kv_computed",
+    ),
 )
 
 
@@ -158,10 +161,16 @@ class _Collector:
         for mode in ("awake", "weights_offloaded", "discard_all"):
             sleep.add_metric([*values, mode], 1.0 if s.admin.sleep_state == mode else 0.0)
         yield sleep
+        for name, doc, attribute in _MODEL_HISTOGRAMS:
+            histogram: StatHistogram = getattr(m.stats, attribute)
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, histogram.cumulative(), sum_value=histogram.total)
+            yield family
 
 
 class SimMetrics:
-    """The registry and the four latency histograms, labelled with ``model_name`` and ``engine``."""
+    """The registry and the latency histograms the HTTP layer observes (TTFT, inter-token, e2e),
+    labelled with ``model_name`` and ``engine``; the rest come from the model (the collector)."""
 
     def __init__(self, server: SimServer) -> None:
         config = server.config
@@ -186,13 +195,6 @@ class SimMetrics:
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency (s)",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(*values)
-        self.queue = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Time spent waiting (s)",
             labels,
             buckets=E2E_BUCKETS,
             registry=self.registry,

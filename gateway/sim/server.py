@@ -119,7 +119,8 @@ class SimServer:
         self.h_ttft = self.metrics_.ttft
         self.h_itl = self.metrics_.itl
         self.h_e2e = self.metrics_.e2e
-        self.h_queue = self.metrics_.queue
+        # the model's own statistics report real seconds, as the HTTP-level histograms do
+        self.model.stats.time_scale = self.scale
 
     # -- clock and driver ------------------------------------------------------------------------
 
@@ -526,8 +527,6 @@ class SimServer:
 
     def _observe(self, sim: SimRequest, first_real: float | None, end_real: float, n: int) -> None:
         arrival_real = self._t0 + sim.arrival / self.scale
-        if sim.scheduled_at is not None:
-            self.h_queue.observe((sim.scheduled_at - sim.arrival) / self.scale)
         if first_real is not None:
             self.h_ttft.observe(first_real - arrival_real)
         self.h_e2e.observe(end_real - arrival_real)

@@ -8,6 +8,7 @@ from gateway.engines import prom_text
 from gateway.engines.llamacpp import parse_llamacpp_metrics, with_slots
 from gateway.engines.sglang import parse_sglang_metrics
 from gateway.engines.vllm import parse_vllm_metrics
+from policies.api import EngineTiming
 
 VLLM_033 = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -118,3 +119,121 @@ def test_parser_tolerates_junk_escapes_and_nan() -> None:
     samples = prom_text.parse(text, ["a", "b"])
     assert samples["a"] == [({"x": 'q"uote', "y": "2"}, 1.0)]
     assert prom_text.total(samples, "missing", "b") == 3.0
+
+
+# -- the engines' own timing (latency learning) -------------------------------------------------------
+
+#: vLLM 0.33's timing series as it exposes them (two data-parallel ranks; buckets elided where
+#: they add nothing: the parser reads the _sum and _count series)
+VLLM_033_TIMING = """\
+# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 3.0
+vllm:iteration_tokens_total_bucket{engine="0",le="+Inf",model_name="m"} 120.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 120.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 5230.0
+vllm:iteration_tokens_total_count{engine="1",model_name="m"} 80.0
+vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 770.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 4100.0
+vllm:prompt_tokens_total{engine="1",model_name="m"} 300.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 1130.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 470.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 9.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 10.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.25
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 4.0
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
+vllm:request_decode_time_seconds_count{engine="0",model_name="m"} 10.0
+vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 12.0
+vllm:request_inference_time_seconds_sum{engine="0",model_name="m"} 13.5
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 4100.0
+"""
+
+
+def test_vllm_timing_sums_ranks_and_reads_sums_and_counts() -> None:
+    timing = parse_vllm_metrics(VLLM_033 + VLLM_033_TIMING).timing
+    assert timing == EngineTiming(
+        steps=200.0,
+        step_tokens=6000.0,
+        prompt_tokens=4400.0,
+        generation_tokens=1600.0,
+        preemptions=2.0,
+        finished=14.0,
+        queue_s=0.25,
+        prefill_s=2.0,
+        decode_s=12.0,
+    )
+    # an engine that exports none of them: no timing, rather than zeros that would read as idle
+    assert parse_vllm_metrics(VLLM_033).timing is None
+    assert parse_vllm_metrics(VLLM_OLD).timing is None
+
+
+#: a real llama-server's /metrics (llama.cpp from llama-cpp-python 0.3.36's vendored tree, tiny
+#: model, two requests), verbatim
+LLAMACPP_REAL = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 27
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total 0
+# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 0.00222
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 6
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 0.002264
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 6
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 23
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 12162.2
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 1766.78
+# HELP llamacpp:requests_processing Number of requests processing
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+# HELP llamacpp:requests_deferred Number of requests deferred
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode gauge
+llamacpp:n_busy_slots_per_decode 1
+"""
+
+
+def test_llamacpp_timing_from_a_real_scrape() -> None:
+    state = parse_llamacpp_metrics(LLAMACPP_REAL)
+    assert state.timing == EngineTiming(
+        steps=6.0, prompt_tokens=27.0, generation_tokens=6.0, prefill_s=0.00222, decode_s=0.002264
+    )
+    assert (state.prefix_queries, state.prefix_hits, state.num_running) == (27.0, 0.0, 0)
+
+
+def test_sglang_timing() -> None:
+    text = """\
+sglang:num_running_reqs{model_name="m"} 7
+sglang:prompt_tokens_total{model_name="m"} 500
+sglang:generation_tokens_total{model_name="m"} 900
+sglang:queue_time_seconds_bucket{le="0.1",model_name="m"} 3
+sglang:queue_time_seconds_sum{model_name="m"} 0.75
+sglang:queue_time_seconds_count{model_name="m"} 5
+"""
+    assert parse_sglang_metrics(text).timing == EngineTiming(
+        prompt_tokens=500.0, generation_tokens=900.0, finished=5.0, queue_s=0.75
+    )

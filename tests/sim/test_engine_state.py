@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import generate_latest
 
 from gateway.engines.vllm import parse_vllm_metrics
@@ -25,3 +26,58 @@ def test_engine_state_is_what_the_vllm_adapter_reads_from_the_metrics_text() -> 
     assert state.num_running == 3 and state.num_waiting == 3 and 0 < state.kv_usage < 1
     parsed = parse_vllm_metrics(generate_latest(server.metrics_.registry).decode())
     assert parsed == state
+
+
+def test_the_engines_own_timing_is_what_the_adapter_reads_and_what_the_model_did() -> None:
+    """vLLM's per-step and per-finished-request statistics: iteration tokens per step that produced
+    output, and queue / prefill / decode time of each finished request, in the exported text and in
+    what the simulator scrapes alike (exact floats), and equal to the model's own timeline."""
+    server = SimServer(SimConfig(profile(max_num_seqs=2, num_gpu_blocks=64), MODEL, engine_id="e0"))
+    model = server.model
+    requests = [request(f"r{i}", [i + 1] * (30 + 40 * i), 4 + i, ignore_eos=True) for i in range(4)]
+    for r in requests:
+        model.add(r)
+    now, steps, tokens = 0.0, 0, 0
+    while model.has_work:
+        batch = model.plan(now)
+        assert batch is not None
+        now += batch.duration
+        result = model.finish(batch, now)
+        firsts = sum(
+            len(r.prompt) for r, _ in result.tokens if r.first_token_at == now and len(r.output) == 1
+        )
+        steps += 1
+        tokens += firsts + len(result.tokens)
+        parsed = parse_vllm_metrics(generate_latest(server.metrics_.registry).decode())
+        assert parsed == engine_state(model)
+    timing = engine_state(model).timing
+    assert timing is not None
+    assert (timing.steps, timing.step_tokens) == (steps, tokens)
+    assert timing.finished == 4 and timing.preemptions == 0
+    assert timing.generation_tokens == sum(len(r.output) for r in requests) == 4 + 5 + 6 + 7
+    assert timing.prompt_tokens == sum(len(r.prompt) for r in requests)
+    for field, spans in (
+        ("queue_s", [(r.arrival, r.scheduled_at) for r in requests]),
+        ("prefill_s", [(r.scheduled_at, r.first_token_at) for r in requests]),
+        ("decode_s", [(r.first_token_at, r.last_token_at) for r in requests]),
+    ):
+        expected = sum(b - a for a, b in spans)  # type: ignore[operator]
+        assert getattr(timing, field) == pytest.approx(expected), field
+    assert timing.queue_s and timing.queue_s > 0  # two of them waited for a sequence slot
+
+
+def test_a_scaled_engine_reports_real_seconds() -> None:
+    config = SimConfig(profile(), MODEL, engine_id="e0", time_scale=10.0)
+    server = SimServer(config)
+    model = server.model
+    model.add(request("r", [5] * 100, 3, ignore_eos=True))
+    now = 0.0
+    while model.has_work:
+        batch = model.plan(now)
+        assert batch is not None
+        now += batch.duration
+        model.finish(batch, now)
+    text = generate_latest(server.metrics_.registry).decode()
+    timing = parse_vllm_metrics(text).timing
+    assert timing is not None and timing.decode_s == pytest.approx(now / 10 - timing.prefill_s)  # type: ignore[operator]
+    assert 'vllm:request_prefill_time_seconds_bucket{engine="e0",le="0.3",model_name="sim-test"} 1.0' in text
