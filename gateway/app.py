@@ -97,6 +97,8 @@ class Gateway:
             for e in s.engines
         ]
         self.fleet = Fleet(adapters, s.stale_after_s)
+        # the latency models learn from the engine steps the fleet's streams and scrapes show
+        self.slo.attach(self.fleet, time.monotonic, s.latency_step_gap_s)
         self.monitor = FleetMonitor(
             self.fleet,
             s.monitor_interval_s,

@@ -190,6 +190,14 @@ LATENCY_ERROR = Gauge(
     ["engine", "stage"],
     registry=REGISTRY,
 )
+LATENCY_SAMPLES = Counter(
+    "slogate_latency_samples",
+    "Latency-model samples by engine and stage (prefill, decode): kept for the fit (outcome kept, or "
+    "calibration for probes), refuted by the engine's own counters for their scrape interval, or "
+    "unclean (an engine step that measured neither equation cleanly; stage step)",
+    ["engine", "stage", "outcome"],
+    registry=REGISTRY,
+)
 
 
 # -- the reference table in docs/observability.md ---------------------------------------------------

@@ -191,6 +191,14 @@ class Settings(BaseSettings):
     eject_after_failures: int = Field(default=2, ge=1)
     readmit_after_successes: int = Field(default=1, ge=1)
 
+    latency_step_gap_s: float = Field(
+        default=0.001,
+        ge=0,
+        allow_inf_nan=False,
+        description="latency learning: streamed tokens of one engine less than this apart are one "
+        "engine step",
+    )
+
     upstream_pool_size: int = Field(default=2048, ge=1, description="max upstream connections in total")
     upstream_pool_per_host: int = Field(default=0, ge=0, description="0 = no per-engine limit")
     upstream_keepalive_s: float = Field(

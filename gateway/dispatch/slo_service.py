@@ -2,26 +2,28 @@
 
 The decisions are pure policies (``policies.slo``, ``policies.priority_mapping``,
 ``policies.latency_fit``); this module holds their explicit state between requests, reads the
-hints from request headers, and turns completions into metrics, mapping-window entries and
-latency-model samples.
+hints from request headers, and turns completions into metrics and mapping-window entries. The
+engines' latency models are learnt from the engine steps the gateway sees
+(:class:`~gateway.dispatch.latency_learner.LatencyLearner`, attached to the fleet by
+:meth:`SloService.attach`), not from whole requests.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway import metrics
 from gateway.api.auth import OPEN_POLICY, clamp_hints, clamp_target
 from gateway.api.errors import bad_request
 from gateway.dispatch.core import ClassLimits
-from gateway.fleet.registry import EngineRecord
-from gateway.serving.call import BatchObservation, Call
+from gateway.dispatch.latency_learner import LatencyLearner
+from gateway.fleet.registry import Fleet
+from gateway.serving.call import Call
 from gateway.settings import ApiKeyPolicy, Settings
 from gateway.sim.profiles import load_profile
-from policies.latency_fit import Coeffs, DecodeSample, LatencyModel, PrefillSample
+from policies.latency_fit import Coeffs, LatencyModel
 from policies.priority_mapping import PriorityMappingState, observe_completion, set_pending
 from policies.slo import (
     SloHints,
@@ -36,7 +38,6 @@ from policies.slo import (
 #: prior used for engines without a latency profile (a 7B-class engine, seconds)
 DEFAULT_PREFILL: Coeffs = (0.025, 1e-4, 0.0)
 DEFAULT_DECODE: Coeffs = (0.012, 4e-8, 1e-4)
-REFIT_EVERY = 64
 
 
 #: explicit targets beyond a day are clamped: no engine or timer needs more, and the gateway
@@ -86,18 +87,21 @@ class SloService:
         path = settings.slo_profile_path()
         self.profile: SloProfile = parse_slo_profile(path.read_text(), str(path))
         self.mapping: PriorityMappingState | None = initial_priority_state(self.profile)
-        self.models: dict[str, LatencyModel] = {}
-        self._observations: dict[str, int] = {}
-        self._rings: dict[str, tuple[deque[PrefillSample], deque[DecodeSample]]] = {}
+        priors: dict[str, tuple[Coeffs, Coeffs]] = {}
+        chunks: dict[str, int | None] = {}
         for engine in settings.engines:
             prefill, decode = DEFAULT_PREFILL, DEFAULT_DECODE
+            chunks[engine.engine_id] = None
             if engine.latency_profile:
-                latency = load_profile(engine.latency_profile, settings.profiles_dir).latency
-                prefill, decode = latency.prefill, latency.decode
+                profile = load_profile(engine.latency_profile, settings.profiles_dir)
+                prefill, decode = profile.latency.prefill, profile.latency.decode
+                if profile.chunked_prefill:
+                    chunks[engine.engine_id] = profile.max_num_batched_tokens
             scale = engine.time_scale  # the engine runs this much faster than its profile
             prefill = (prefill[0] / scale, prefill[1] / scale, prefill[2] / scale)
             decode = (decode[0] / scale, decode[1] / scale, decode[2] / scale)
-            self.models[engine.engine_id] = LatencyModel.from_prior(prefill, decode)
+            priors[engine.engine_id] = (prefill, decode)
+        self.latency = LatencyLearner(priors, chunks)
         self.levels = len(self.profile.priority.levels) if self.profile.priority else 0
         self.pending_by_priority: dict[int, int] = {}
 
@@ -150,11 +154,15 @@ class SloService:
         self.pending_by_priority[priority] = max(0, self.pending_by_priority.get(priority, 1) - 1)
         self.mapping = set_pending(self.mapping, self.pending_by_priority)
 
-    def batch_observation(self, record: EngineRecord, request_id: str) -> BatchObservation:
-        """What shares the engine with ``request_id`` as it is sent (its reservation included):
-        the latency model's view of the batch the request's prefill and decode ran in."""
-        ahead = tuple(n for rid, n in record.unprefilled.items() if rid != request_id)
-        return BatchObservation(record.running_tokens, len(record.running), ahead)
+    def attach(self, fleet: Fleet, clock: Callable[[], float], step_gap_s: float) -> None:
+        """Learn the engines' latency models from ``fleet``'s streamed tokens and scrapes (see
+        :meth:`LatencyLearner.attach`); both drivers call this once, with their own clock."""
+        self.latency.attach(fleet, clock, step_gap_s)
+
+    @property
+    def models(self) -> dict[str, LatencyModel]:
+        """Every engine's current latency model (coefficients; the samples live in the learner)."""
+        return self.latency.models
 
     def account(self, call: Call, status: int) -> str | None:
         """Count the request once with its outcome and learn from its timing; returns the outcome
@@ -172,9 +180,7 @@ class SloService:
             self._judge_objectives(call.target, ttft, tpot)
             if call.engine_id is not None:
                 queue_s = call.dispatched_at - call.arrival if call.dispatched_at else 0.0
-                self.learn(
-                    call.engine_id, call.priority, queue_s, ttft, tpot, call.request.prompt_tokens, call.batch
-                )
+                self.learn(call.priority, queue_s, ttft, tpot)
         return outcome
 
     def _outcome(self, call: Call, status: int) -> str | None:
@@ -212,52 +218,13 @@ class SloService:
         metrics.child(metrics.SLO_OUTCOMES, cls, "tpot", "met" if tpot_ok else "missed").inc()
         metrics.child(metrics.SLO_OUTCOMES, cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
 
-    def learn(
-        self,
-        engine_id: str,
-        priority: int | None,
-        queue_s: float,
-        ttft_s: float,
-        tpot_s: float | None,
-        prompt_tokens: int,
-        batch: BatchObservation | None,
-    ) -> None:
-        """Feed the priority mapper's windows and the engine's latency model with one streamed
-        request that was served: its time queued in the gateway, its TTFT and mean TPOT as the
-        client saw them (the live gateway and the offline simulator both call this)."""
+    def learn(self, priority: int | None, queue_s: float, ttft_s: float, tpot_s: float | None) -> None:
+        """Feed the priority mapper's windows with one streamed request that was served: its time
+        queued in the gateway, its TTFT and mean TPOT as the client saw them (the live gateway and
+        the offline simulator both call this). Whole requests are no measure of an engine's step
+        times (under load a TTFT is mostly waiting): the latency models learn from engine steps."""
         if self.mapping is not None and tpot_s is not None and priority is not None:
             self.mapping = observe_completion(self.mapping, priority, ttft_s, tpot_s, queue_s)
-        model = self.models.get(engine_id)
-        if model is None or batch is None:
-            return
-        # The gateway sees whole requests, not engine steps. The first token comes once every prompt
-        # that was ahead of this one on the engine and this one are prefilled: that is the batch.
-        # The mean inter-token time approximates one decode step of the batch it ran in.
-        # Samples collect in rings here and reach the (immutable) model only when it is re-fitted:
-        # copying a 512-sample tuple per request was most of this method's cost.
-        prefill_ring, decode_ring = self._rings.setdefault(
-            engine_id, (deque(maxlen=model.capacity), deque(maxlen=model.capacity))
-        )
-        prefill_s = ttft_s - queue_s
-        if prefill_s > 0:
-            prefill_ring.append(PrefillSample((*batch.prefill_ahead, prompt_tokens), prefill_s))
-        if tpot_s is not None and tpot_s > 0 and batch.batch_size > 0:
-            decode_ring.append(DecodeSample(batch.batch_tokens, batch.batch_size, tpot_s))
-        count = self._observations.get(engine_id, 0) + 1
-        self._observations[engine_id] = count
-        if count % REFIT_EVERY:
-            return
-        model = dataclasses.replace(
-            model, prefill_samples=tuple(prefill_ring), decode_samples=tuple(decode_ring)
-        ).refit()
-        self.models[engine_id] = model
-        for name, value in zip(("a", "b", "c"), model.prefill, strict=True):
-            metrics.LATENCY_COEFF.labels(engine_id, "prefill", name).set(value)
-        for name, value in zip(("a", "b", "c"), model.decode, strict=True):
-            metrics.LATENCY_COEFF.labels(engine_id, "decode", name).set(value)
-        for stage, err in (("prefill", model.prefill_error()), ("decode", model.decode_error())):
-            if not math.isnan(err):
-                metrics.LATENCY_ERROR.labels(engine_id, stage).set(err)
 
     def class_limits(self, slo_class: str) -> ClassLimits:
         """Queue bounds of ``slo_class`` from the profile (the defaults for a class it lacks)."""
@@ -268,7 +235,6 @@ class SloService:
         return ClassLimits(limits.max_queued, limits.timeout_s, self.profile.class_ttft_s(slo_class))
 
     def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs]:
-        model = self.models.get(engine_id)
-        if model is None:
-            return DEFAULT_PREFILL, DEFAULT_DECODE
-        return model.prefill, model.decode
+        """The engine's current eq.(1) and eq.(2) coefficients (the defaults for an unknown one)."""
+        coefficients = self.latency.coefficients(engine_id)
+        return (DEFAULT_PREFILL, DEFAULT_DECODE) if coefficients is None else coefficients

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.engines import EngineAdapter
 from gateway.fleet.rank_index import RankIndex, RankKey
@@ -90,6 +91,12 @@ class EngineRecord:
 ChangeListener = Callable[[str, str], None]
 
 
+class TokenObserver(Protocol):
+    """Sees every streamed token as it arrives (the latency learner)."""
+
+    def tokens(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None: ...
+
+
 class Fleet:
     """Registry of engines keyed by engine id."""
 
@@ -117,6 +124,8 @@ class Fleet:
         #: per model, the routable engines grouped by the router's ranking key (see rank_by)
         self._ranked: dict[str, RankIndex] = {}
         self.listeners: list[ChangeListener] = []
+        #: told of every streamed token before it is counted (None: nobody watches)
+        self.token_observer: TokenObserver | None = None
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -280,6 +289,9 @@ class Fleet:
 
     def add_generated(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None:
         """``tokens`` more were streamed for ``entry`` (a running request of ``record``)."""
+        observer = self.token_observer
+        if observer is not None:
+            observer.tokens(record, entry, tokens)
         entry.generated += tokens
         record.running_tokens += tokens
 

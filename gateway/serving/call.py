@@ -25,16 +25,6 @@ class ClientGone(Exception):
 
 
 @dataclass(slots=True)
-class BatchObservation:
-    """What ran on the engine beside the request when it was dispatched (latency-model input)."""
-
-    batch_tokens: int = 0
-    batch_size: int = 0
-    #: prompts placed on the same engine and not yet prefilled when this one was sent
-    prefill_ahead: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
 class Call:
     """Everything tracked about one request while it is served.
 
@@ -68,7 +58,6 @@ class Call:
     content_events: int = 0
     completion_tokens: int | None = None
     finished_at: float = 0.0
-    batch: BatchObservation | None = None
     #: time inside the request that was not the gateway's own work: receiving the client's body,
     #: waiting in the admission queue, waiting on engines (see :func:`overhead_header`)
     waited_s: float = 0.0

@@ -243,7 +243,6 @@ class CollocatedFlow:
         call.dispatched_at = entry.dispatched_at = time.monotonic()
         call.engine_id = engine_id
         call.entry = entry
-        call.batch = self.slo.batch_observation(record, call.rid)
         metrics.child(metrics.DISPATCHES, engine_id).inc()
         loop = asyncio.get_running_loop()
         settings = self.settings

@@ -5,7 +5,8 @@ What the live front door, serving flow and monitor do around the core is done he
 moments and with the same calls: classification from the request's SLO headers
 (:meth:`SloService.classify`), tickets and submission (:meth:`DispatchCore.ticket`,
 :meth:`DispatchCore.submit`), the loop's step / deliver / timer (as :class:`DispatchLoop`),
-reservation release when a stream ends, first-token and token accounting, latency-model learning
+reservation release when a stream ends, first-token and token accounting (through which the
+latency learner sees each engine step, as live), the priority mapper's windows
 (:meth:`SloService.learn`) and periodic scrapes of each engine's metrics. The gateway therefore
 knows the engines only as it does live: its own shadow and state as of the last scrape.
 """
@@ -25,7 +26,6 @@ from gateway.experiments.prompts import prompt_token_ids
 from gateway.experiments.replay import Outcome
 from gateway.experiments.workload import RequestSpec
 from gateway.fleet.registry import EngineRecord, RunningEntry
-from gateway.serving.call import BatchObservation
 from gateway.settings import Settings
 from gateway.sim.engine import SimRequest
 from gateway.simulator.clock import EventQueue
@@ -60,7 +60,6 @@ class _Flight:
     first_at: float = 0.0
     last_at: float = 0.0
     tokens: int = 0
-    batch: BatchObservation | None = None
 
 
 class SimGateway:
@@ -73,6 +72,9 @@ class SimGateway:
         self.model = model
         self.fleet = fleet_of(settings.engines, settings.stale_after_s)
         self.slo = SloService(settings)
+        # latency learning from the engine steps, on the virtual clock: a step's tokens arrive at
+        # one instant, so any gap separates two steps
+        self.slo.attach(self.fleet, lambda: clock.now, 0.0)
         self.core = build_core(
             settings, self.fleet, self.slo, RoutingProfile.load(settings.routing_profile_path())
         )
@@ -200,7 +202,6 @@ class SimGateway:
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
-        flight.batch = self.slo.batch_observation(record, flight.rid)
         adapter = record.adapter
         priority = 0
         if adapter.accepts_priority:
@@ -243,13 +244,10 @@ class SimGateway:
             tpot = (flight.last_at - flight.first_at) / (flight.tokens - 1) if flight.tokens > 1 else 0.0
             if flight.tokens:
                 self.slo.learn(
-                    engine_id,
                     flight.priority,
                     flight.dispatched_at - flight.arrival,
                     ttft,
                     tpot if flight.tokens > 1 else None,
-                    flight.prompt_estimate,
-                    flight.batch,
                 )
             self.slo.left(flight.priority)
             self._outcome(flight, 200, ttft, tpot, now - flight.arrival, engine_id)

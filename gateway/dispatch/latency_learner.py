@@ -1,0 +1,311 @@
+"""Per-engine latency models learnt from the engine's own steps, as the gateway sees them.
+
+The mechanism behind :mod:`policies.latency_samples`. Every streamed token passes through
+:meth:`Fleet.add_generated`, which hands it to :meth:`LatencyLearner.tokens` (the live relay and
+the offline simulator both call it, at the moment each token arrives). Tokens of one engine that
+arrive together are one engine step: the learner groups them into bursts and, when the next
+burst begins, describes the finished step (:class:`~policies.latency_samples.StepView`: how long
+it ran, which requests decoded in it and with what context, which prompts completed in it, whether
+other prompts could have shared it) for the policy to turn into a prefill or decode sample.
+
+Samples wait for the engine's next scrape: the engine's own counters for the interval
+(:func:`~policies.latency_samples.check_interval`: steps run, tokens generated, preemptions,
+prefix-cache hits) must agree with what the gateway saw, or the interval's samples are dropped.
+Engines that export no counters (or no metrics at all) have their samples kept at once.
+
+Kept samples go to per-engine rings; the engine's :class:`LatencyModel` is re-fitted once enough
+new ones arrived (often at first, every :data:`REFIT_EVERY` at most), so the dispatcher's
+coefficients follow the engine within a few hundred requests whatever the prior was.
+Calibration probes (``gateway.fleet.calibration``) add their samples through
+:meth:`LatencyLearner.add_samples`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from gateway import metrics
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from policies.api import EngineState
+from policies.latency_fit import Coeffs, DecodeSample, LatencyModel, PrefillSample
+from policies.latency_samples import SeenInterval, StepView, check_interval, step_sample, whole_step
+
+#: largest number of new samples between two re-fits of an engine's model
+REFIT_EVERY = 64
+#: prefill samples waiting for their scrape interval to be confirmed, per engine
+PENDING_LIMIT = 512
+#: decode samples kept per scrape interval (the interval's latest): a busy engine makes one
+#: per step, far more than a fit needs, and every one kept brings the next re-fit closer
+DECODE_PER_INTERVAL = 16
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class _Steps:
+    """One engine's bursts of tokens (steps) and the samples waiting for its next scrape."""
+
+    chunk_tokens: int | None
+    #: False until the first token: no burst to close
+    open: bool = False
+    #: first and last event of the current burst; the previous burst's first event
+    first_at: float = -math.inf
+    last_at: float = -math.inf
+    #: when the current burst's step began, and when the previous one's did
+    start: float = -math.inf
+    prev_start: float = -math.inf
+    #: whether the previous burst was one whole step (its time is the current step's start)
+    prev_whole: bool = False
+    expected: int = 0
+    decodes: int = 0
+    context: int = 0
+    prompts: list[int] = field(default_factory=list)
+    #: earliest send among the requests whose first token is in this burst
+    sent_min: float = math.inf
+    #: entries already counted in this burst (a request may send several events in one step)
+    marked: set[int] = field(default_factory=set)
+    #: the gateway's view of the interval since the last scrape
+    seen_steps: int = 0
+    seen_tokens: int = 0
+    unclean: int = 0
+    last_state: EngineState | None = None
+    pending_prefill: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=PENDING_LIMIT))
+    pending_decode: deque[DecodeSample] = field(default_factory=lambda: deque(maxlen=DECODE_PER_INTERVAL))
+
+
+@dataclass(slots=True)
+class _Rings:
+    prefill: deque[PrefillSample]
+    decode: deque[DecodeSample]
+    #: samples of each stage added since the last re-fit, and in all
+    new_prefill: int = 0
+    new_decode: int = 0
+    total_prefill: int = 0
+    total_decode: int = 0
+
+    def due(self, min_samples: int) -> bool:
+        """Re-fit often while a stage knows little (at 8, 16, 32, ... samples), then every
+        :data:`REFIT_EVERY` new samples of either stage."""
+        return any(
+            new >= min(REFIT_EVERY, max(min_samples, total // 2))
+            for new, total in ((self.new_prefill, self.total_prefill), (self.new_decode, self.total_decode))
+        )
+
+
+class LatencyLearner:
+    """Every engine's latency model, its samples, and the step tracking that produces them."""
+
+    def __init__(
+        self,
+        priors: Mapping[str, tuple[Coeffs, Coeffs]],
+        chunk_tokens: Mapping[str, int | None] | None = None,
+        capacity: int = 512,
+    ) -> None:
+        self.models: dict[str, LatencyModel] = {
+            engine_id: LatencyModel.from_prior(prefill, decode, capacity=capacity)
+            for engine_id, (prefill, decode) in priors.items()
+        }
+        self._rings = {
+            engine_id: _Rings(deque(maxlen=capacity), deque(maxlen=capacity)) for engine_id in self.models
+        }
+        chunks = chunk_tokens or {}
+        self._steps = {engine_id: _Steps(chunks.get(engine_id)) for engine_id in self.models}
+        self._clock: Clock | None = None
+        self._gap = 0.0
+        self._fleet: Fleet | None = None
+        #: engines whose samples need no scrape to confirm them (they export no metrics)
+        self._unchecked: set[str] = set()
+
+    # -- wiring ----------------------------------------------------------------------------------
+
+    def attach(self, fleet: Fleet, clock: Clock, step_gap_s: float) -> None:
+        """Watch ``fleet``'s streamed tokens and scrapes. ``clock`` is the drivers' time (the
+        live gateway's monotonic clock, the simulator's virtual one); tokens of one engine less
+        than ``step_gap_s`` apart belong to one engine step (0 on a virtual clock, where a
+        step's tokens arrive at one instant)."""
+        self._fleet = fleet
+        self._clock = clock
+        self._gap = step_gap_s
+        fleet.token_observer = self
+        fleet.listeners.append(self._on_change)
+        self._unchecked = {
+            engine_id for engine_id, record in fleet.records.items() if record.adapter.metrics_path is None
+        }
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs] | None:
+        model = self.models.get(engine_id)
+        return None if model is None else (model.prefill, model.decode)
+
+    def sample_counts(self, engine_id: str) -> tuple[int, int]:
+        """Prefill and decode samples the engine's rings hold now."""
+        rings = self._rings[engine_id]
+        return len(rings.prefill), len(rings.decode)
+
+    # -- the hot path: one stream event -------------------------------------------------------------
+
+    def tokens(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None:
+        """``tokens`` content events arrived for ``entry`` on ``record``'s engine (called before
+        the entry's count moves, so ``entry.generated`` is what it had before them)."""
+        steps = self._steps.get(record.engine_id)
+        if steps is None or self._clock is None:
+            return
+        now = self._clock()
+        if not steps.open or now - steps.last_at > self._gap:
+            if steps.open:
+                self._close(record, steps, entry)
+            self._begin(record, steps, entry, now)
+        steps.last_at = now
+        steps.seen_tokens += tokens
+        key = id(entry)
+        if key in steps.marked:
+            return
+        steps.marked.add(key)
+        if entry.generated == 0:
+            steps.prompts.append(entry.prompt_tokens)
+            if entry.dispatched_at < steps.sent_min:
+                steps.sent_min = entry.dispatched_at
+        else:
+            steps.decodes += 1
+            steps.context += entry.prompt_tokens + entry.generated
+
+    def _begin(self, record: EngineRecord, steps: _Steps, entry: RunningEntry, now: float) -> None:
+        steps.prev_start = steps.start
+        # provisional: the step began as the previous burst arrived (see _close for an idle engine)
+        steps.start = steps.first_at
+        steps.first_at = now
+        decoding = len(record.running) - len(record.unprefilled)
+        if entry.generated == 0 and entry.prefilled:
+            decoding -= 1  # its first token is this event: it was not decoding when the step began
+        steps.expected = decoding
+        steps.decodes = steps.context = 0
+        steps.prompts = []
+        steps.sent_min = math.inf
+        steps.marked.clear()
+        steps.open = True
+        steps.seen_steps += 1
+
+    def _close(self, record: EngineRecord, steps: _Steps, trigger: RunningEntry) -> None:
+        start = steps.start
+        known_start = steps.prev_whole
+        if steps.expected == 0 and steps.prompts and steps.sent_min >= start:
+            # nothing was decoding when this step began and its first prompt was sent after the
+            # previous burst: the engine was idle and began with that send
+            start = steps.start = steps.sent_min
+            known_start = True
+        other = trigger.generated == 0 and id(trigger) not in steps.marked and trigger.dispatched_at <= start
+        if not other:
+            running = record.running
+            for rid in record.unprefilled:
+                waiting = running.get(rid)
+                if waiting is not None and waiting.dispatched_at <= start:
+                    other = True
+                    break
+        view = StepView(
+            seconds=steps.first_at - start,
+            decodes=steps.decodes,
+            decode_context=steps.context,
+            expected_decodes=steps.expected,
+            prompts=tuple(steps.prompts),
+            prompts_fresh=steps.sent_min > steps.prev_start,
+            other_prefill=other,
+            spread_s=steps.last_at - steps.first_at,
+            chunk_tokens=steps.chunk_tokens,
+            follows_whole_step=known_start,
+        )
+        steps.prev_whole = whole_step(view)
+        sample = step_sample(view)
+        engine_id = record.engine_id
+        if sample is None:
+            steps.unclean += 1
+        elif engine_id in self._unchecked:
+            self._keep(engine_id, (sample,), "kept")
+        elif isinstance(sample, PrefillSample):
+            steps.pending_prefill.append(sample)
+        else:
+            steps.pending_decode.append(sample)
+
+    # -- scrapes: confirm or drop the interval's samples ----------------------------------------------
+
+    def _on_change(self, engine_id: str, what: str) -> None:
+        if what != "state" or self._fleet is None:
+            return
+        steps = self._steps.get(engine_id)
+        if steps is None:
+            return
+        state = self._fleet.records[engine_id].state
+        verdict = check_interval(steps.last_state, state, SeenInterval(steps.seen_steps, steps.seen_tokens))
+        steps.last_state = state
+        steps.seen_steps = steps.seen_tokens = 0
+        if steps.unclean:
+            metrics.child(metrics.LATENCY_SAMPLES, engine_id, "step", "unclean").inc(steps.unclean)
+            steps.unclean = 0
+        for stage, pending, ok in (
+            ("prefill", steps.pending_prefill, verdict.prefill),
+            ("decode", steps.pending_decode, verdict.decode),
+        ):
+            if not pending:
+                continue
+            if ok:
+                self._keep(engine_id, pending, "kept")
+            else:
+                metrics.child(metrics.LATENCY_SAMPLES, engine_id, stage, "refuted").inc(len(pending))
+            pending.clear()
+
+    # -- samples into rings, rings into models --------------------------------------------------------
+
+    def add_samples(
+        self, engine_id: str, samples: Iterable[PrefillSample | DecodeSample], refit: bool = True
+    ) -> None:
+        """Samples measured some other way (calibration probes): kept at once, and the model is
+        re-fitted right away unless ``refit`` is False."""
+        if engine_id not in self._rings:
+            return
+        self._keep(engine_id, tuple(samples), "calibration")
+        if refit:
+            self.refit(engine_id)
+
+    def _keep(self, engine_id: str, samples: Iterable[PrefillSample | DecodeSample], outcome: str) -> None:
+        rings = self._rings[engine_id]
+        prefill = decode = 0
+        for sample in samples:
+            if isinstance(sample, PrefillSample):
+                rings.prefill.append(sample)
+                prefill += 1
+            else:
+                rings.decode.append(sample)
+                decode += 1
+        if prefill:
+            metrics.child(metrics.LATENCY_SAMPLES, engine_id, "prefill", outcome).inc(prefill)
+        if decode:
+            metrics.child(metrics.LATENCY_SAMPLES, engine_id, "decode", outcome).inc(decode)
+        rings.new_prefill += prefill
+        rings.new_decode += decode
+        rings.total_prefill += prefill
+        rings.total_decode += decode
+        if rings.due(self.models[engine_id].min_samples):
+            self.refit(engine_id)
+
+    def refit(self, engine_id: str) -> LatencyModel:
+        """Re-fit the engine's model on its rings now, publish its coefficients, and return it."""
+        rings = self._rings[engine_id]
+        rings.new_prefill = rings.new_decode = 0
+        model = replace(
+            self.models[engine_id], prefill_samples=tuple(rings.prefill), decode_samples=tuple(rings.decode)
+        ).refit()
+        # the rings live here; the model keeps only its coefficients (copying them per fit is enough)
+        model = replace(model, prefill_samples=(), decode_samples=())
+        self.models[engine_id] = model
+        for name, value in zip(("a", "b", "c"), model.prefill, strict=True):
+            metrics.LATENCY_COEFF.labels(engine_id, "prefill", name).set(value)
+        for name, value in zip(("a", "b", "c"), model.decode, strict=True):
+            metrics.LATENCY_COEFF.labels(engine_id, "decode", name).set(value)
+        fitted = replace(model, prefill_samples=tuple(rings.prefill), decode_samples=tuple(rings.decode))
+        for stage, err in (("prefill", fitted.prefill_error()), ("decode", fitted.decode_error())):
+            if not math.isnan(err):
+                metrics.LATENCY_ERROR.labels(engine_id, stage).set(err)
+        return model

@@ -1,0 +1,145 @@
+"""The latency learner's mechanism on a live-like clock: tokens grouped into engine steps by their
+arrival times, the steps described to the policy, samples held until the engine's counters confirm
+them (or kept at once for an engine with no metrics)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.dispatch.latency_learner import DECODE_PER_INTERVAL, LatencyLearner
+from gateway.dispatch.offline import fleet_of
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.settings import EngineConfig
+from policies.api import EngineState, EngineTiming
+from policies.latency_fit import Coeffs, DecodeSample, PrefillSample
+
+PRIOR: tuple[Coeffs, Coeffs] = ((0.02, 1e-4, 0.0), (0.01, 1e-7, 1e-4))
+GAP = 0.001
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(kind: str = "sim") -> tuple[Fleet, LatencyLearner, Clock]:
+    config = EngineConfig(url="http://127.0.0.1:9", kind=kind, model="m", name="e")  # type: ignore[arg-type]
+    fleet = fleet_of([config], 3.0)
+    learner = LatencyLearner({"e": PRIOR})
+    clock = Clock()
+    learner.attach(fleet, clock, GAP)
+    return fleet, learner, clock
+
+
+def send(fleet: Fleet, clock: Clock, rid: str, prompt: int) -> RunningEntry:
+    entry = RunningEntry(prompt, 100, 0.1, 0.0)
+    fleet.reserve("e", rid, entry)
+    entry.dispatched_at = clock.now
+    return entry
+
+
+def token(fleet: Fleet, rid: str) -> None:
+    record = fleet.records["e"]
+    entry = record.running[rid]
+    if not entry.prefilled:
+        fleet.mark_prefilled("e", rid)
+    fleet.add_generated(record, entry, 1)
+
+
+def step(fleet: Fleet, clock: Clock, seconds: float, rids: list[str], jitter: float = 0.0002) -> None:
+    """One engine step of ``seconds``: its tokens reach the gateway ``jitter`` apart (live)."""
+    clock.now += seconds
+    start = clock.now
+    for i, rid in enumerate(rids):
+        clock.now = start + i * jitter
+        token(fleet, rid)
+    clock.now = start
+
+
+def pending(learner: LatencyLearner) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    steps = learner._steps["e"]
+    return list(steps.pending_prefill), list(steps.pending_decode)
+
+
+def test_tokens_that_arrive_together_are_one_step_and_clean_steps_become_samples() -> None:
+    fleet, learner, clock = setup()
+    send(fleet, clock, "a", 300)
+    step(fleet, clock, 0.05, ["a"])  # the engine was idle: a's prefill, from its send
+    send(fleet, clock, "b", 100)  # sent while a decodes: b joins the next step
+    step(fleet, clock, 0.03, ["a", "b"])  # a decodes, b's prompt completes
+    step(fleet, clock, 0.012, ["b", "a"])  # both decode
+    step(fleet, clock, 0.012, ["a", "b"])  # (closes the step before)
+    prefill, decode = pending(learner)
+    assert prefill == [
+        PrefillSample((300,), pytest.approx(0.05)),
+        PrefillSample((100,), pytest.approx(0.03), 301, 1),
+    ]
+    assert decode == [DecodeSample(301 + 1 + 101, 2, pytest.approx(0.012))]
+
+
+def test_a_burst_spread_over_the_step_or_missing_a_decoder_is_no_sample() -> None:
+    """Nor is the step after it: its start, the broken burst's time, is not a step boundary."""
+    fleet, learner, clock = setup()
+    for rid in "abcd":
+        send(fleet, clock, rid, 50)
+    step(fleet, clock, 0.05, list("abcd"))
+    # the gateway lagged: the four tokens came 0.9 ms apart each, 2.7 ms of a 10 ms step
+    step(fleet, clock, 0.01, list("abcd"), jitter=0.0009)
+    step(fleet, clock, 0.01, list("abcd"))  # its start is the lagging burst's: unknown
+    step(fleet, clock, 0.01, list("abc"))  # d's token is missing: not a whole step
+    step(fleet, clock, 0.01, list("abcd"))  # after a broken one
+    step(fleet, clock, 0.011, list("abcd"))  # a sample
+    step(fleet, clock, 0.01, list("abcd"))  # (closes the one before)
+    prefill, decode = pending(learner)
+    assert len(prefill) == 1 and [s.seconds for s in decode] == [pytest.approx(0.011)]
+    assert learner._steps["e"].unclean == 4
+
+
+def test_a_prompt_still_pending_spoils_the_steps_it_may_have_shared() -> None:
+    fleet, learner, clock = setup()
+    send(fleet, clock, "a", 50)
+    step(fleet, clock, 0.02, ["a"])
+    send(fleet, clock, "long", 5000)  # chunked: its first token comes three steps later
+    step(fleet, clock, 0.2, ["a"])
+    step(fleet, clock, 0.2, ["a"])
+    step(fleet, clock, 0.2, ["a", "long"])
+    step(fleet, clock, 0.012, ["a", "long"])
+    step(fleet, clock, 0.012, ["a", "long"])
+    prefill, decode = pending(learner)
+    # a's own prefill, then one clean decode step; the chunk steps and the last chunk are not samples
+    assert [s.input_lengths for s in prefill] == [(50,)]
+    assert len(decode) == 1 and decode[0].batch_size == 2
+
+
+def timing(steps: float, generated: float) -> EngineState:
+    return EngineState(timing=EngineTiming(steps=steps, generation_tokens=generated, preemptions=0.0))
+
+
+def test_samples_wait_for_the_engines_counters_and_are_dropped_when_they_disagree() -> None:
+    fleet, learner, clock = setup()
+    fleet.record_state("e", timing(0, 0), clock.now)  # the baseline
+    send(fleet, clock, "a", 64)
+    for _ in range(20):
+        step(fleet, clock, 0.01, ["a"])
+    assert learner.sample_counts("e") == (0, 0)
+    fleet.record_state("e", timing(20, 20), clock.now)  # the engine agrees: 20 steps, 20 tokens
+    # a's prefill, and of its 18 clean decode steps the interval's latest DECODE_PER_INTERVAL
+    assert learner.sample_counts("e") == (1, DECODE_PER_INTERVAL)
+    for _ in range(20):
+        step(fleet, clock, 0.01, ["a"])
+    fleet.record_state("e", timing(60, 80), clock.now)  # 20 steps and 40 tokens it did not show
+    assert learner.sample_counts("e") == (1, DECODE_PER_INTERVAL)
+    assert pending(learner) == ([], [])
+
+
+def test_an_engine_without_metrics_keeps_its_samples_at_once_and_is_refitted() -> None:
+    fleet, learner, clock = setup("openai")
+    send(fleet, clock, "a", 64)
+    for _ in range(12):
+        step(fleet, clock, 0.03, ["a"])  # decode steps 3x the prior's
+    assert learner.sample_counts("e") == (1, 10)
+    _, decode = learner.coefficients("e") or PRIOR
+    assert decode[0] + decode[1] * 70 + decode[2] == pytest.approx(0.03, rel=1e-3)

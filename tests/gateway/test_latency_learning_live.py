@@ -1,0 +1,69 @@
+"""The live gateway learns an engine's latency model from the streams it relays.
+
+An in-process gateway in front of a simulated engine process that runs at half the speed the
+gateway was told (its prior is 2x too fast); after a few dozen streamed requests, confirmed by the
+engine's own counters at its scrapes, the gateway's coefficients are the engine's, not the prior.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from gateway.procs import ChildProcess, spawn_sim_engine
+from gateway.sim.profiles import load_profile
+from tests.gateway.conftest import MODEL, engine_entry
+from tests.gateway.gateway_thread import run_gateway
+
+TRUTH = load_profile("qwen-7b").latency
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ChildProcess]:
+    # the engine runs the profile in real time; the gateway is told it runs 2x faster
+    with spawn_sim_engine("--profile", "qwen-7b", "--model", MODEL, name="e0") as e:
+        yield e
+
+
+def test_the_live_gateway_learns_the_engine(engine: ChildProcess) -> None:
+    entry = engine_entry(engine, latency_profile="qwen-7b", time_scale=2.0)
+    with run_gateway(engines=[entry], monitor_interval_s=0.25) as gw:
+        slo = gw.gateway.slo
+        prior_prefill, prior_decode = slo.coefficients("e0")
+        assert prior_decode[0] == pytest.approx(TRUTH.decode_a / 2)
+        rng = random.Random(7)
+
+        def one(i: int) -> None:
+            words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((20, 80, 200, 400))))
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": words}],
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                for _ in r.iter_bytes():
+                    pass
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, range(48)))
+        time.sleep(0.6)  # the next scrapes confirm the last samples
+        prefill_samples, decode_samples = slo.latency.sample_counts("e0")
+        assert prefill_samples >= 8 and decode_samples >= 50
+        prefill, decode = slo.coefficients("e0")
+        # a decode step of the four streams (where nearly all the samples are; with a constant
+        # concurrency the split between a' and c' is the noise's): the truth, not the prior's half
+        context = 4 * 300
+        true = TRUTH.decode_a + TRUTH.decode_b * context + TRUTH.decode_c * 4
+        assert decode[0] + decode[1] * context + decode[2] * 4 == pytest.approx(true, rel=0.2)
+        for prompt in (50, 400):
+            true = TRUTH.prefill_a + TRUTH.prefill_b * prompt + TRUTH.prefill_c * prompt**2
+            got = prefill[0] + prefill[1] * prompt + prefill[2] * prompt**2
+            assert got == pytest.approx(true, rel=0.3), (prefill, prior_prefill)
