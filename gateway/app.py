@@ -35,6 +35,7 @@ from gateway.dispatch.build import RoutingProfile, build_core
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
+from gateway.fleet.calibration import Calibrator
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet
 from gateway.serving.call import Receive, Scope, Send
@@ -67,6 +68,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.monitor: FleetMonitor | None = None
+        self.calibrator: Calibrator | None = None
         self.dispatch: DispatchLoop | None = None
         self.proxy: Proxy | None = None
         self.started_at = time.time()
@@ -116,9 +118,16 @@ class Gateway:
             s, self.fleet, self.dispatch, self.slo, self.session, self.tracing, self.decisions
         )
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
+        if s.calibration:
+            self.calibrator = Calibrator(
+                self.fleet, self.slo.latency, self.session, interval_s=s.calibration_interval_s
+            )
+            self.calibrator.start()
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.calibrator is not None:
+            await self.calibrator.stop()
         if self.proxy is not None:
             self.proxy.parser.close()
         if self.dispatch is not None:

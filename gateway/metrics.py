@@ -198,6 +198,13 @@ LATENCY_SAMPLES = Counter(
     ["engine", "stage", "outcome"],
     registry=REGISTRY,
 )
+CALIBRATION_PROBES = Counter(
+    "slogate_calibration_probes",
+    "Calibration requests the gateway sent to an engine of its own accord (never client traffic), by "
+    "outcome: ok, failed, or interrupted (client work arrived, the probe's timing was not used)",
+    ["engine", "outcome"],
+    registry=REGISTRY,
+)
 
 
 # -- the reference table in docs/observability.md ---------------------------------------------------

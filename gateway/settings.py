@@ -198,6 +198,14 @@ class Settings(BaseSettings):
         description="latency learning: streamed tokens of one engine less than this apart are one "
         "engine step",
     )
+    calibration: bool = Field(
+        default=False,
+        description="probe each engine (a few prompts with max_tokens 1, a few short decodes) when it "
+        "joins and when idle, to seed its latency model; never client traffic, never client capacity",
+    )
+    calibration_interval_s: float = Field(
+        default=600.0, gt=0, allow_inf_nan=False, description="an idle engine is probed again after this"
+    )
 
     upstream_pool_size: int = Field(default=2048, ge=1, description="max upstream connections in total")
     upstream_pool_per_host: int = Field(default=0, ge=0, description="0 = no per-engine limit")

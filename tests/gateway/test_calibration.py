@@ -1,0 +1,153 @@
+"""Calibration against a real simulated engine process: probes seed the engine's latency model,
+are never client traffic, and give way to client requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from gateway import metrics
+from gateway.dispatch.slo_service import SloService
+from gateway.engines import adapter_for
+from gateway.fleet.calibration import Calibrator, Interrupted, _prompt_tokens
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.settings import load_settings
+from gateway.sim.profiles import load_profile
+from tests.gateway.gateway_thread import run_gateway, wait_until
+from tests.support.sim_process import SimProcess, start_sim_engine
+
+MODEL = "m"
+#: the engine runs at half its profile's speed; the gateway's prior is the profile: 2x too fast
+SPEED = 0.5
+TRUTH = load_profile("qwen-7b").latency
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[SimProcess]:
+    with start_sim_engine("--profile", "qwen-7b", "--model", MODEL, "--time-scale", str(SPEED)) as proc:
+        yield proc
+
+
+async def setup(engine: SimProcess, session: aiohttp.ClientSession) -> tuple[Fleet, SloService, Calibrator]:
+    settings = load_settings(
+        None,
+        engines=[
+            {"url": engine.url, "kind": "sim", "model": MODEL, "name": "e0", "latency_profile": "qwen-7b"}
+        ],
+    )
+    fleet = Fleet([adapter_for(e, session, 2.0) for e in settings.engines], settings.stale_after_s)
+    fleet.record_health("e0", True, 1, 1)
+    slo = SloService(settings)
+    slo.attach(fleet, time.monotonic, settings.latency_step_gap_s)
+    return fleet, slo, Calibrator(fleet, slo.latency, session, interval_s=600.0, check_every_s=0.05)
+
+
+def slo_requests() -> float:
+    return sum(
+        s.value
+        for family in metrics.REGISTRY.collect()
+        if family.name == "slogate_slo_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    )
+
+
+def probes(outcome: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "slogate_calibration_probes_total", {"engine": "e0", "outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def test_calibration_sets_the_coefficients_within_20_percent(engine: SimProcess) -> None:
+    async with aiohttp.ClientSession() as session:
+        fleet, slo, calibrator = await setup(engine, session)
+        before_slo, before_ok = slo_requests(), probes("ok")
+        assert slo.coefficients("e0") == (TRUTH.prefill, TRUTH.decode)  # the prior: 2x the speed
+        added = await calibrator.calibrate(fleet.records["e0"])
+        prefill, decode = slo.coefficients("e0")
+        # the engine's truth: every step takes 1/SPEED of the profile's time
+        a, b = (TRUTH.prefill_a / SPEED, TRUTH.prefill_b / SPEED)
+        assert prefill[0] == pytest.approx(a, rel=0.2) and prefill[1] == pytest.approx(b, rel=0.2)
+        for prompt in (64, 1024):
+            true = a + b * prompt + TRUTH.prefill_c / SPEED * prompt**2
+            assert prefill[0] + prefill[1] * prompt + prefill[2] * prompt**2 == pytest.approx(true, rel=0.2)
+        assert decode[0] == pytest.approx(TRUTH.decode_a / SPEED, rel=0.2)
+        for batch, context in ((1, 100), (4, 400)):
+            step = decode[0] + decode[1] * context + decode[2] * batch
+            true = (TRUTH.decode_a + TRUTH.decode_b * context + TRUTH.decode_c * batch) / SPEED
+            assert step == pytest.approx(true, rel=0.2)
+        # probes are not client traffic: nothing counted as SLO traffic, nothing reserved
+        assert added >= 16 and probes("ok") - before_ok == 8 + 1 + 1 + 4
+        assert slo_requests() == before_slo
+        assert fleet.records["e0"].in_flight == 0 and not fleet.records["e0"].running
+
+
+async def test_probes_give_way_to_client_requests(engine: SimProcess) -> None:
+    async with aiohttp.ClientSession() as session:
+        fleet, slo, calibrator = await setup(engine, session)
+        record = fleet.records["e0"]
+        fleet.reserve("e0", "client-1", RunningEntry(10, 10, 0.1, time.monotonic()))
+        with pytest.raises(Interrupted):  # a client request is on the engine: no probing
+            await calibrator.calibrate(record)
+        fleet.release("e0", "client-1")
+        before = probes("interrupted")
+        run = asyncio.create_task(calibrator.calibrate(record))
+        await asyncio.sleep(0.3)
+        # a client request comes and goes while the engine is being probed
+        fleet.reserve("e0", "client-2", RunningEntry(10, 10, 0.1, time.monotonic()))
+        fleet.release("e0", "client-2")
+        with pytest.raises(Interrupted):
+            await run
+        assert probes("interrupted") == before + 1
+        assert slo.latency.sample_counts("e0") == (0, 0)  # its timings were not used
+        assert slo.coefficients("e0") == (TRUTH.prefill, TRUTH.decode)
+
+
+async def test_the_calibration_task_probes_a_joining_engine_once_and_stops(engine: SimProcess) -> None:
+    async with aiohttp.ClientSession() as session:
+        _, slo, calibrator = await setup(engine, session)
+        calibrator.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not calibrator.done and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert calibrator.done == ["e0"]
+            await asyncio.sleep(0.3)
+            assert calibrator.done == ["e0"]  # not again before calibration_interval_s
+        finally:
+            await calibrator.stop()
+        assert calibrator._task is None
+        assert slo.coefficients("e0") != (TRUTH.prefill, TRUTH.decode)
+
+
+def test_a_gateway_with_calibration_probes_its_engine_and_stops_it_with_itself(engine: SimProcess) -> None:
+    entry = {"url": engine.url, "kind": "sim", "model": MODEL, "name": "e0", "latency_profile": "qwen-7b"}
+    with run_gateway(engines=[entry], calibration=True) as gw:
+        calibrator = gw.gateway.calibrator
+        assert calibrator is not None
+        assert wait_until(lambda: calibrator.done == ["e0"], timeout=30)
+        prefill, _ = gw.gateway.slo.coefficients("e0")
+        assert prefill[1] == pytest.approx(TRUTH.prefill_b / SPEED, rel=0.2)
+    assert calibrator._task is None  # stopped with the gateway
+    with run_gateway(engines=[entry]) as gw:
+        assert gw.gateway.calibrator is None  # off unless asked for
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"usage":{"prompt_tokens":120,"completion_tokens":1}}', 120),
+        # what the engine computed: cached tokens cost no prefill
+        (b'{"usage":{"prompt_tokens":120,"prompt_tokens_details":{"cached_tokens":96}}}', 24),
+        (b'{"usage":{"prompt_tokens":120,"prompt_tokens_details":null}}', 120),
+        (b'{"usage":null}', None),
+        (b"not json", None),
+    ],
+)
+def test_probe_lengths_are_what_the_engine_computed(body: bytes, expected: int | None) -> None:
+    assert _prompt_tokens(body) == expected
