@@ -1,5 +1,7 @@
 """docker-compose.yml and the Dockerfile read as data, so tests can run what they describe.
 
+:func:`load_compose` reads the file with compose's variable interpolation applied (``${VAR}``,
+``${VAR:-default}`` and the like, from the environment as ``docker compose`` would), and
 :func:`load_services` turns each compose service into its command line (the image's ENTRYPOINT
 plus the service's command), its environment (the image's ENV, then the service's) and its bind
 mounts. :func:`localize` maps that onto this machine: every service on 127.0.0.1 at a port chosen
@@ -9,9 +11,11 @@ with the same rewriting.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,8 +122,42 @@ def _environment(value: Any) -> dict[str, str]:
     return dict(item.split("=", 1) for item in value)
 
 
-def load_compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(path.read_text())  # YAML merge keys (<<) resolved
+#: ``$$``, ``${NAME}``, ``${NAME-d}``, ``${NAME:-d}``, ``${NAME?e}``, ``${NAME:?e}``, ``$NAME``
+_VARIABLE = re.compile(
+    r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """``value`` with compose's variable syntax replaced in every string, as ``docker compose``
+    does before anything else (a required variable that is missing raises ValueError)."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match[str]) -> str:
+        escaped, name, colon, kind, word, bare = match.groups()
+        if escaped:
+            return "$"
+        name = name or bare
+        current = env.get(name)
+        unset = current is None or (colon == ":" and current == "")
+        if kind == "-" and unset:
+            return str(word)
+        if kind == "?" and unset:
+            raise ValueError(f"required variable {name} is missing: {word}")
+        return current or ""
+
+    return _VARIABLE.sub(one, value)
+
+
+def load_compose(path: Path = COMPOSE_FILE, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The compose file as compose sees it: YAML merge keys (<<) resolved, variables from ``env``
+    (this process's environment by default) interpolated."""
+    data: dict[str, Any] = interpolate(yaml.safe_load(path.read_text()), os.environ if env is None else env)
     return data
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -158,3 +160,53 @@ def test_grafana_provisioning_matches_compose() -> None:
     if dashboard.exists():  # written with the metrics work; when present it must be a dashboard
         data = json.loads(dashboard.read_text())
         assert data.get("panels"), "the provisioned dashboard has no panels"
+
+
+def _compose_config(compose_bin: Path, **env: str) -> dict[str, Any]:
+    """``docker-compose config`` of the repo's file with only ``env`` among compose's variables."""
+    base = {k: v for k, v in os.environ.items() if k not in ("SLOGATE_BIND", "GRAFANA_ADMIN_PASSWORD")}
+    proc = subprocess.run(
+        [str(compose_bin), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**base, **env},
+    )
+    assert proc.returncode == 0, proc.stderr
+    services: dict[str, Any] = json.loads(proc.stdout)["services"]
+    return services
+
+
+def test_published_ports_listen_on_localhost_by_default(compose_bin: Path) -> None:
+    """Gateway (no keys by default), Prometheus and Grafana are reachable from this host only,
+    unless SLOGATE_BIND says otherwise."""
+    published = {name: svc.get("ports", []) for name, svc in load_compose(env={})["services"].items()}
+    assert {name for name, ports in published.items() if ports} == {"gateway", "prometheus", "grafana"}
+    assert all(str(p).startswith("127.0.0.1:") for ports in published.values() for p in ports), published
+    for bind in ("127.0.0.1", "0.0.0.0"):
+        services = _compose_config(compose_bin, **({} if bind == "127.0.0.1" else {"SLOGATE_BIND": bind}))
+        hosts = {p["host_ip"] for svc in services.values() for p in svc.get("ports", [])}
+        assert hosts == {bind}, (bind, services)
+
+
+def test_grafana_admin_password_comes_from_the_environment(compose_bin: Path) -> None:
+    default = _compose_config(compose_bin)["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert default == "insecure-default-change-me"
+    text = COMPOSE_FILE.read_text()
+    assert "WARNING: without GRAFANA_ADMIN_PASSWORD set" in text  # the default says what it is
+    chosen = _compose_config(compose_bin, GRAFANA_ADMIN_PASSWORD="a-real-secret")
+    assert chosen["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "a-real-secret"
+
+
+def test_compose_has_a_commented_tracing_example() -> None:
+    """The commented lines, uncommented, make a valid gateway tracing setup and a Jaeger service."""
+    found = re.findall(
+        r"^\s*# (SLOGATE_TRACING|SLOGATE_OTLP_ENDPOINT): (.+)$", COMPOSE_FILE.read_text(), re.M
+    )
+    tracing = {name: value.strip('"') for name, value in found}
+    settings = load_settings(
+        tracing=tracing["SLOGATE_TRACING"] == "true", otlp_endpoint=tracing["SLOGATE_OTLP_ENDPOINT"]
+    )
+    assert settings.tracing and settings.otlp_endpoint == "http://jaeger:4318/v1/traces"
+    assert "#   image: jaegertracing/all-in-one" in COMPOSE_FILE.read_text()
