@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+# next to this file: Locust puts the locustfile's directory on sys.path while it loads it
+from latency_histogram import LatencyHistogram
 from locust import HttpUser, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
@@ -134,22 +137,23 @@ def build_mix(
 
 @dataclass
 class ClassStats:
-    """What one class's requests did; mergeable across workers."""
+    """What one class's requests did; mergeable across workers. TTFT and TPOT are histograms, so
+    memory stays bounded however long the run (percentiles within 1 %)."""
 
     requests: int = 0
     met: int = 0
     missed_ttft: int = 0
     missed_tpot: int = 0
     errors: int = 0
-    ttft_ms: list[float] = field(default_factory=list)
-    tpot_ms: list[float] = field(default_factory=list)
+    ttft_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
+    tpot_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     targets: tuple[float, float] | None = None  # last seen (ttft_ms, tpot_ms)
 
     def merge(self, other: dict[str, Any]) -> None:
         for key in ("requests", "met", "missed_ttft", "missed_tpot", "errors"):
             setattr(self, key, getattr(self, key) + int(other[key]))
-        self.ttft_ms += other["ttft_ms"]
-        self.tpot_ms += other["tpot_ms"]
+        self.ttft_ms.merge(LatencyHistogram.from_dict(other["ttft_ms"]))
+        self.tpot_ms.merge(LatencyHistogram.from_dict(other["tpot_ms"]))
         if other.get("targets"):
             self.targets = (float(other["targets"][0]), float(other["targets"][1]))
 
@@ -160,8 +164,8 @@ class ClassStats:
             "missed_ttft": self.missed_ttft,
             "missed_tpot": self.missed_tpot,
             "errors": self.errors,
-            "ttft_ms": self.ttft_ms,
-            "tpot_ms": self.tpot_ms,
+            "ttft_ms": self.ttft_ms.to_dict(),
+            "tpot_ms": self.tpot_ms.to_dict(),
             "targets": list(self.targets) if self.targets else None,
         }
 
@@ -191,9 +195,9 @@ class Results:
             else:
                 setattr(stats, outcome, getattr(stats, outcome) + 1)
             if ttft_ms is not None:
-                stats.ttft_ms.append(ttft_ms)
+                stats.ttft_ms.add(ttft_ms)
             if tpot_ms is not None:
-                stats.tpot_ms.append(tpot_ms)
+                stats.tpot_ms.add(tpot_ms)
             if targets is not None:
                 stats.targets = targets
 
@@ -218,14 +222,6 @@ MIX: list[SloTask] = []
 MODEL: dict[str, str] = {}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
-    return ordered[rank]
-
-
 def summary(results: Results, mix: list[SloTask]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for t in mix:
@@ -240,11 +236,11 @@ def summary(results: Results, mix: list[SloTask]) -> dict[str, dict[str, Any]]:
             "attainment": s.met / s.requests if s.requests else None,
             "ttft_target_ms": targets[0],
             "tpot_target_ms": targets[1],
-            "ttft_p50_ms": percentile(s.ttft_ms, 50),
-            "ttft_p90_ms": percentile(s.ttft_ms, 90),
-            "ttft_p99_ms": percentile(s.ttft_ms, 99),
-            "tpot_p50_ms": percentile(s.tpot_ms, 50),
-            "tpot_p99_ms": percentile(s.tpot_ms, 99),
+            "ttft_p50_ms": s.ttft_ms.percentile(50),
+            "ttft_p90_ms": s.ttft_ms.percentile(90),
+            "ttft_p99_ms": s.ttft_ms.percentile(99),
+            "tpot_p50_ms": s.tpot_ms.percentile(50),
+            "tpot_p99_ms": s.tpot_ms.percentile(99),
         }
     return out
 
