@@ -1,0 +1,503 @@
+"""The precise feed of the prefix index: engines' KV-cache events over ZMQ.
+
+vLLM (and SGLang, llm-d's simulator, slogate's own simulated engine) publish every change to
+their prefix cache on a ZMQ PUB socket: frames ``(topic, seq as 8 bytes big-endian, payload)``,
+the payload a msgpack ``EventBatch`` (``[ts, events, dp_rank]``, or the same as a map) of
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events, each a map tagged by ``"type"``
+(current vLLM) or a positional array led by the tag (older vLLM, llm-d's default). Block hashes
+are ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the default) or digests (bytes).
+
+One :class:`KVEventSubscriber` per engine keeps the index in step:
+
+- ``BlockStored`` is re-hashed from its ``token_ids`` with the gateway's chain (the engine's own
+  hashes may be salted or random per process), chained from the gateway key of the block its
+  ``parent_block_hash`` names; ``BlockRemoved`` and ``AllBlocksCleared`` drop entries. Only the
+  GPU tier counts as cached (``medium`` GPU or absent) and only the first KV-cache group: a CPU
+  or disk copy still needs a load, and other groups (sliding-window layers) hold other blocks.
+  Blocks whose extra keys carry multimodal identifiers or prompt-embedding digests are not
+  indexed, nor anything after them: the gateway hashes text tokens only and would mistake one
+  image's placeholder tokens for another's.
+- Sequence numbers must follow each other. A gap asks the engine's replay socket (vLLM's
+  ``replay_endpoint``: a ROUTER that resends buffered batches from a given sequence number) for
+  what was missed; if the replay cannot fill the gap, or there is no replay socket, the engine's
+  precise entries are dropped (a resync) and the index carries on from the next batch. A number
+  going backwards means the engine restarted: its cache is empty, and so is its part of the
+  index. The first batch after (re)subscribing asks for the replay of everything the engine
+  still buffers, so a gateway started after its engines learns what they already hold.
+- Socket errors close the sockets and reconnect after an exponential backoff (ZMQ also
+  reconnects its TCP transport on its own, with the same bounds); heartbeats find a dead peer.
+
+Everything runs on the event loop (``zmq.asyncio``), which owns the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from gateway.fleet.block_hash import external_hash
+from gateway.fleet.prefix_index import PrefixIndex
+
+log = logging.getLogger("slogate.fleet")
+
+#: the sequence number vLLM's replay socket ends a replay with (-1 as 8 signed bytes)
+END_SEQ = b"\xff" * 8
+_GPU_MEDIA = (None, "GPU")
+
+
+class EventDecodeError(ValueError):
+    """A payload that is not a KV event batch in either encoding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    engine_hashes: list[int]
+    parent: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    engine_hashes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+#: positional fields of the array ("array_like") encoding, after the tag
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _fields(raw: Any) -> dict[str, Any]:
+    """One event as a map, from either encoding."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(raw[0], ())
+        # msgspec's array_like encoding with omit_defaults leaves trailing defaults out
+        return {"type": raw[0], **dict(zip(names, raw[1:], strict=False))}
+    raise EventDecodeError(f"an event is a map or a tagged array, not {type(raw).__name__}")
+
+
+def _salt(extra: Any, lora_name: str | None) -> str | None:
+    """The ``cache_salt`` among the first block's extra keys: vLLM lists the LoRA name first,
+    then multimodal pairs, then the salt (a string), then prompt-embedding digests (bytes)."""
+    if not isinstance(extra, list | tuple):
+        return None
+    strings = [x for x in extra if isinstance(x, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[-1] if strings else None
+
+
+def _text_only_blocks(extra_keys: Any) -> int | None:
+    """How many leading blocks carry no multimodal or prompt-embedding key (None: all of them).
+    A tuple or list entry is an ``(identifier, offset)`` pair, bytes an embeddings digest."""
+    if not isinstance(extra_keys, list | tuple):
+        return None
+    for i, extra in enumerate(extra_keys):
+        if isinstance(extra, list | tuple) and any(isinstance(x, list | tuple | bytes) for x in extra):
+            return i
+    return None
+
+
+def decode_event(raw: Any) -> Event | None:
+    """One event, or None for an event the index ignores (another tier or KV-cache group)."""
+    ev = _fields(raw)
+    kind = ev.get("type")
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    if kind not in ("BlockStored", "BlockRemoved"):
+        raise EventDecodeError(f"unknown event type {kind!r}")
+    if ev.get("medium") not in _GPU_MEDIA or ev.get("group_idx") not in (None, 0):
+        return None
+    try:
+        hashes = [external_hash(h) for h in ev["block_hashes"]]
+        if kind == "BlockRemoved":
+            return Removed(hashes)
+        parent_raw = ev.get("parent_block_hash")
+        token_ids = ev["token_ids"]
+        block_size = ev["block_size"]
+        if not isinstance(token_ids, list) or not isinstance(block_size, int) or block_size < 1:
+            raise EventDecodeError("BlockStored needs token_ids (a list) and block_size (an int >= 1)")
+        lora = ev.get("lora_name")
+        lora_name = lora if isinstance(lora, str) else None
+        extra_keys = ev.get("extra_keys")
+        keep = _text_only_blocks(extra_keys)
+        if keep is not None:
+            hashes = hashes[:keep]
+            token_ids = token_ids[: keep * block_size]
+        salt = None
+        if parent_raw is None and isinstance(extra_keys, list | tuple) and extra_keys:
+            salt = _salt(extra_keys[0], lora_name)
+        return Stored(
+            hashes,
+            None if parent_raw is None else external_hash(parent_raw),
+            token_ids,
+            block_size,
+            lora_name,
+            salt,
+        )
+    except (KeyError, TypeError) as exc:
+        raise EventDecodeError(f"malformed {kind}: {exc!r}") from None
+
+
+def decode_batch(payload: bytes) -> list[Event]:
+    """The events of one batch, in order, in either encoding of the batch and its events."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise EventDecodeError(f"not msgpack: {exc}") from None
+    if isinstance(batch, dict):
+        raw_events = batch.get("events")
+    elif isinstance(batch, list | tuple) and len(batch) >= 2:
+        raw_events = batch[1]
+    else:
+        raise EventDecodeError("an event batch is [ts, events, dp_rank] or a map with 'events'")
+    if not isinstance(raw_events, list):
+        raise EventDecodeError("an event batch's events are a list")
+    events: list[Event] = []
+    for raw in raw_events:
+        event = decode_event(raw)
+        if event is not None:
+            events.append(event)
+    return events
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventSource:
+    """Where one engine publishes its KV events.
+
+    ``endpoint``: the engine's PUB address as the gateway reaches it (``tcp://engine:5557``).
+    ``bind``: the engine connects instead (its own endpoint names a host, not ``*``), so the
+    gateway binds ``endpoint``. ``topic``: subscription prefix (``""``: everything).
+    ``replay_endpoint``: the engine's replay ROUTER, when it has one.
+    """
+
+    engine_id: str
+    endpoint: str
+    topic: str = ""
+    replay_endpoint: str | None = None
+    bind: bool = False
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    #: gaps that the replay filled
+    replayed: int = 0
+    #: gaps (or undecodable batches) after which the engine's precise entries were dropped
+    resyncs: int = 0
+    #: sequence numbers that went backwards: the engine restarted
+    restarts: int = 0
+    decode_errors: int = 0
+    reconnects: int = 0
+
+
+@dataclass(slots=True)
+class _Backoff:
+    low: float
+    high: float
+    current: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.current = self.low
+
+    def next(self) -> float:
+        # full jitter: subscribers of engines that went down together do not retry in step
+        delay = random.uniform(self.low, self.current)
+        self.current = min(self.high, self.current * 2)
+        return delay
+
+    def reset(self) -> None:
+        self.current = self.low
+
+
+class KVEventSubscriber:
+    """Keeps one engine's part of the index in step with the engine's KV events."""
+
+    def __init__(
+        self,
+        source: KVEventSource,
+        index: PrefixIndex,
+        context: zmq.asyncio.Context,
+        *,
+        replay_timeout_s: float = 2.0,
+        backoff_s: tuple[float, float] = (0.1, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.index = index
+        self.context = context
+        self.replay_timeout_s = replay_timeout_s
+        self.clock = clock
+        self.stats = SubscriberStats()
+        #: the last sequence number applied (None: nothing yet, or the engine restarted)
+        self.last_seq: int | None = None
+        self._backoff = _Backoff(*backoff_s)
+        self._sub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: set once the SUB socket is connected (tests wait for it; ZMQ drops what a subscriber
+        #: misses before its subscription reaches the publisher)
+        self.connected = asyncio.Event()
+
+    @property
+    def engine_id(self) -> str:
+        return self.source.engine_id
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.engine_id}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # stop()
+                # a socket closed under the subscriber cancels its pending receive
+                self._reconnecting("socket closed")
+            except Exception as exc:  # a socket or a bug: reconnect rather than stop for good
+                self._reconnecting(f"{type(exc).__name__}: {exc}")
+            self._close()
+            await asyncio.sleep(self._backoff.next())
+
+    def _reconnecting(self, reason: str) -> None:
+        self.stats.reconnects += 1
+        log.warning(
+            "KV events of %s: %s; reconnecting", self.engine_id, reason, extra={"engine": self.engine_id}
+        )
+
+    def _close(self) -> None:
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._replay = None
+        self.connected.clear()
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ's own reconnection of the transport, with the same bounds as ours
+        sock.setsockopt(zmq.RECONNECT_IVL, int(self._backoff.low * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._backoff.high * 1000))
+        # ZMTP heartbeats: a publisher that vanished without closing is noticed within seconds
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        return sock
+
+    async def _session(self) -> None:
+        sub = self._sub = self._socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        if self.source.bind:
+            sub.bind(self.source.endpoint)
+        else:
+            sub.connect(self.source.endpoint)
+        self.connected.set()
+        while True:
+            frames = await sub.recv_multipart()
+            self._backoff.reset()
+            if len(frames) == 3:
+                _topic, seq_bytes, payload = frames
+            elif len(frames) == 2:  # a publisher without a topic frame
+                seq_bytes, payload = frames
+            else:
+                self.stats.decode_errors += 1
+                continue
+            await self.on_batch(int.from_bytes(seq_bytes, "big"), payload)
+
+    # -- sequence numbers, replay, resync --------------------------------------------------------
+
+    async def on_batch(self, seq: int, payload: bytes) -> None:
+        """One batch from the live stream, in order of arrival."""
+        last = self.last_seq
+        if last is not None and seq <= last:
+            # the publisher's numbering started again: the engine restarted with an empty cache
+            self.stats.restarts += 1
+            self.index.cleared(self.engine_id)
+            last = self.last_seq = None
+        if last is None:
+            if seq > 0 and self.source.replay_endpoint is not None:
+                # first batch seen: what the engine still buffers tells what it already holds
+                for s, p in _contiguous_before(await self.replay(0) or [], seq):
+                    self._apply(s, p)
+        elif seq > last + 1:
+            await self._fill_gap(last + 1, seq)
+        self._apply(seq, payload)
+
+    async def _fill_gap(self, start: int, seq: int) -> None:
+        missed = await self.replay(start) if self.source.replay_endpoint is not None else None
+        run = _contiguous_before(missed or [], seq, start)
+        if len(run) == seq - start:
+            self.stats.replayed += 1
+            for s, p in run:
+                self._apply(s, p)
+            return
+        self.stats.resyncs += 1
+        log.info(
+            "KV events of %s: batches %d-%d lost; dropping what its events said",
+            self.engine_id,
+            start,
+            seq - 1,
+            extra={"engine": self.engine_id},
+        )
+        self.index.drop_precise(self.engine_id)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        self.stats.batches += 1
+        try:
+            events = decode_batch(payload)
+        except EventDecodeError as exc:
+            # what this batch changed is unknown, so everything the events said may be wrong
+            self.stats.decode_errors += 1
+            self.stats.resyncs += 1
+            log.warning(
+                "KV events of %s: batch %d undecodable (%s); dropping what its events said",
+                self.engine_id,
+                seq,
+                exc,
+                extra={"engine": self.engine_id},
+            )
+            self.index.drop_precise(self.engine_id)
+            return
+        apply_events(self.index, self.engine_id, events, self.clock())
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask the engine's replay socket for every buffered batch from ``start``; None when it
+        does not answer in time (the socket is then replaced: a late answer must not be read as
+        the next replay's)."""
+        endpoint = self.source.replay_endpoint
+        if endpoint is None:
+            return None
+        if self._replay is None:
+            # DEALER, not REQ: a request that times out leaves a REQ socket stuck mid-exchange
+            self._replay = self._socket(zmq.DEALER)
+            self._replay.connect(endpoint)
+        sock = self._replay
+        await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        got: list[tuple[int, bytes]] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.replay_timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await sock.poll(remaining * 1000):
+                sock.close(linger=0)
+                self._replay = None
+                return None
+            frames = await sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]  # the ROUTER's delimiter
+            # current vLLM: (topic, seq, payload); older releases: (seq, payload)
+            if len(frames) == 3:
+                seq_bytes, payload = frames[1], frames[2]
+            elif len(frames) == 2:
+                seq_bytes, payload = frames
+            else:
+                continue
+            if seq_bytes == END_SEQ:
+                return got
+            got.append((int.from_bytes(seq_bytes, "big"), payload))
+
+
+def _contiguous_before(
+    batches: Iterable[tuple[int, bytes]], seq: int, start: int | None = None
+) -> list[tuple[int, bytes]]:
+    """Replayed batches that lead up to ``seq`` without a hole, in order: from ``start`` on (a
+    gap: the caller checks the run reaches ``seq``), or else the run that ends right before
+    ``seq`` (a first subscription: what came before a hole in the engine's buffer could have
+    been undone in the hole, so it is left out)."""
+    by_seq = {s: p for s, p in batches if s < seq}
+    run: list[tuple[int, bytes]] = []
+    if start is not None:
+        s = start
+        while s in by_seq:
+            run.append((s, by_seq[s]))
+            s += 1
+        return run
+    s = seq - 1
+    while s in by_seq:
+        run.append((s, by_seq[s]))
+        s -= 1
+    return run[::-1]
+
+
+def apply_events(index: PrefixIndex, engine_id: str, events: Sequence[Event], now: float) -> None:
+    """Write one batch's events into the index, in order."""
+    for event in events:
+        if isinstance(event, Stored):
+            index.stored(
+                engine_id,
+                event.engine_hashes,
+                event.parent,
+                event.token_ids,
+                event.block_size,
+                now,
+                event.lora_name,
+                event.cache_salt,
+            )
+        elif isinstance(event, Removed):
+            index.removed(engine_id, event.engine_hashes)
+        else:
+            index.cleared(engine_id)
+
+
+class KVEventFeed:
+    """Subscribers for every engine that publishes KV events; one ZMQ context, stopped together."""
+
+    def __init__(self, index: PrefixIndex, sources: Iterable[KVEventSource], **options: Any) -> None:
+        self.index = index
+        self.context = zmq.asyncio.Context()
+        self.subscribers = {
+            s.engine_id: KVEventSubscriber(s, index, self.context, **options) for s in sources
+        }
+
+    def start(self) -> None:
+        for subscriber in self.subscribers.values():
+            subscriber.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.subscribers.values()))
+        self.context.term()

@@ -1,0 +1,461 @@
+"""The precise feed: KV events decoded in both encodings, sequence gaps, replay, restarts,
+reconnection, and a real simulated engine process keeping the index in step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.fleet.block_hash import PromptBlocks, root_key
+from gateway.fleet.kv_events import (
+    END_SEQ,
+    Cleared,
+    EventDecodeError,
+    KVEventFeed,
+    KVEventSource,
+    KVEventSubscriber,
+    Removed,
+    Stored,
+    decode_batch,
+)
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.sim.kv_cache import prefix_hashes
+from gateway.tokenizer import apply_chat_template, encode
+from tests.support.sim_process import async_sim_engine
+
+MODEL = "m"
+BS = 16
+ROOT = root_key(MODEL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _prompt(start: int, blocks: int) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+# -- the two encodings ----------------------------------------------------------------------------
+
+
+def stored_map(
+    tokens: list[int], parent: int | None = None, hashes: list[int] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A BlockStored as the simulated engine builds it (its hashes by default: a chain rooted
+    at these tokens)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": prefix_hashes(tokens, BS) if hashes is None else hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **extra,
+    }
+
+
+def as_array(event: dict[str, Any]) -> list[Any]:
+    """The older msgspec array_like encoding: the tag, then the fields in declaration order,
+    trailing defaults left out."""
+    if event["type"] == "BlockStored":
+        names = [
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+        ]
+        names += [n for n in ("extra_keys", "group_idx") if n in event]
+    elif event["type"] == "BlockRemoved":
+        names = ["block_hashes", "medium"]
+    else:
+        names = []
+    return [event["type"], *(event[n] for n in names)]
+
+
+def test_decode_map_and_array_encodings_alike() -> None:
+    tokens = _prompt(300, 3)
+    events = [
+        stored_map(tokens),
+        {"type": "BlockRemoved", "block_hashes": prefix_hashes(tokens, BS)[2:], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ]
+    expected = [
+        Stored(prefix_hashes(tokens, BS), None, tokens, BS, None, None),
+        Removed(prefix_hashes(tokens, BS)[2:]),
+        Cleared(),
+    ]
+    as_map = msgpack.packb([1.0, events, 0])
+    legacy = msgpack.packb([1.0, [as_array(e) for e in events]])
+    batch_map = msgpack.packb({"ts": 1.0, "events": events, "data_parallel_rank": 0})
+    assert decode_batch(as_map) == decode_batch(legacy) == decode_batch(batch_map) == expected
+
+
+def test_decode_hashes_as_bytes_and_ignored_events() -> None:
+    digest = bytes(range(32))
+    tokens = _prompt(300, 1)
+    events = [
+        {**stored_map(tokens), "block_hashes": [digest]},
+        {**stored_map(tokens), "medium": "CPU"},  # an offloaded copy: not in the GPU cache
+        {**stored_map(tokens), "group_idx": 1},  # another KV-cache group (sliding window)
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "DISK"},
+    ]
+    decoded = decode_batch(msgpack.packb([0.0, events, 0]))
+    assert decoded == [Stored([int.from_bytes(digest[-8:], "big")], None, tokens, BS, None, None)]
+
+
+def test_decode_lora_salt_and_multimodal_extra_keys() -> None:
+    tokens = _prompt(300, 3)
+    lora_salted = stored_map(tokens, lora_name="ad", extra_keys=[["ad", "salt-1"], ["ad"], ["ad"]])
+    (event,) = decode_batch(msgpack.packb([0.0, [lora_salted]]))
+    assert isinstance(event, Stored) and event.lora_name == "ad" and event.cache_salt == "salt-1"
+    # an image in block 1: blocks from there on are not text the gateway can hash
+    with_image = stored_map(tokens, extra_keys=[None, [["mm-hash", 3]], [["mm-hash", -13]]])
+    (event,) = decode_batch(msgpack.packb([0.0, [with_image]]))
+    assert isinstance(event, Stored) and len(event.engine_hashes) == 1 and event.token_ids == tokens[:BS]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgpack.packb("nope"),
+        msgpack.packb([0.0, [{"type": "Nope"}]]),
+        msgpack.packb([0.0, [{"type": "BlockStored"}]]),
+    ],
+)
+def test_undecodable_batches(payload: bytes) -> None:
+    with pytest.raises(EventDecodeError):
+        decode_batch(payload)
+
+
+# -- a vLLM-like publisher: PUB + replay ROUTER over a bounded buffer ------------------------------
+
+
+class FakeEngine:
+    """Publishes as vLLM's ZmqEventPublisher does; ``old_replay`` answers replays in the older
+    framing (no topic frame); ``lose`` drops batches on the way (they stay in the buffer)."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        array: bool = False,
+        buffer: int = 10_000,
+        replay: bool = True,
+        old_replay: bool = False,
+    ) -> None:
+        self.ctx = ctx
+        self.port = _free_port()
+        self.replay_port = _free_port() if replay else None
+        self.array = array
+        self.old_replay = old_replay
+        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer_size = buffer
+        self.seq = 0
+        self.topic = b"kv@e0@m"
+        self.replays: list[int] = []
+        self.pub: zmq.asyncio.Socket | None = None
+        self.router: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.open()
+
+    def open(self) -> None:
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        if self.replay_port is not None:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def restart(self) -> None:
+        """A new publisher on the same port, numbering from 0 (ZMQ frees a port asynchronously)."""
+        await self.close()
+        self.seq, self.buffer = 0, []
+        for _ in range(100):
+            try:
+                self.open()
+                return
+            except zmq.ZMQError:
+                await asyncio.sleep(0.05)
+        self.open()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for sock in (self.pub, self.router):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def source(self, engine_id: str = "e0") -> KVEventSource:
+        return KVEventSource(
+            engine_id,
+            f"tcp://127.0.0.1:{self.port}",
+            topic="kv@",
+            replay_endpoint=None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}",
+        )
+
+    def publish(self, events: list[dict[str, Any]], lose: bool = False) -> int:
+        encoded = [as_array(e) for e in events] if self.array else events
+        payload = msgpack.packb([time.time(), encoded, 0], use_bin_type=True)
+        seq, self.seq = self.seq, self.seq + 1
+        self.buffer = [*self.buffer, (seq, payload)][-self.buffer_size :]
+        if not lose:
+            assert self.pub is not None
+            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+        return seq
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.replays.append(first)
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    head = [client, b""] if self.old_replay else [client, b"", self.topic]
+                    await self.router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            end = [client, b"", END_SEQ, b""] if self.old_replay else [client, b"", b"", END_SEQ, b""]
+            await self.router.send_multipart(end)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def subscribed(
+    engine: FakeEngine, index: PrefixIndex, **options: Any
+) -> AsyncIterator[KVEventSubscriber]:
+    sub = KVEventSubscriber(engine.source(), index, engine.ctx, **options)
+    sub.start()
+    await sub.connected.wait()
+    await asyncio.sleep(0.3)  # the subscription reaches the publisher (ZMQ's slow joiner)
+    try:
+        yield sub
+    finally:
+        await sub.stop()
+
+
+def _index() -> PrefixIndex:
+    index = PrefixIndex(1 << 24, 60.0)
+    index.add_engine("e0", MODEL, BS)
+    return index
+
+
+def _hits(index: PrefixIndex, tokens: list[int]) -> int:
+    return index.match(PromptBlocks(tokens, ROOT), ["e0"])["e0"]
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    yield context
+    context.term()
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["map", "array"])
+async def test_events_keep_the_index_in_step(ctx: zmq.asyncio.Context, array: bool) -> None:
+    engine = FakeEngine(ctx, array=array)
+    index = _index()
+    a, b = _prompt(300, 4), _prompt(5000, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(a[: 2 * BS])])
+            engine.publish([stored_map(a[2 * BS :], prefix_hashes(a, BS)[1], prefix_hashes(a, BS)[2:])])
+            await until(lambda: _hits(index, a) == 4)
+            # the continuation was keyed from the engine's hash of its parent
+            engine.publish(
+                [
+                    stored_map(b),
+                    {"type": "BlockRemoved", "block_hashes": prefix_hashes(a, BS)[3:], "medium": "GPU"},
+                ]
+            )
+            await until(lambda: _hits(index, b) == 2)
+            assert _hits(index, a) == 3
+            engine.publish([{"type": "AllBlocksCleared"}])
+            await until(lambda: _hits(index, b) == 0)
+            assert sub.stats.resyncs == 0 and sub.last_seq == 3
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("old_replay", [False, True], ids=["replay-with-topic", "replay-without-topic"])
+async def test_a_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, old_replay: bool) -> None:
+    engine = FakeEngine(ctx, old_replay=old_replay)
+    index = _index()
+    a, b, c = _prompt(300, 2), _prompt(5000, 2), _prompt(9000, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(a)])
+            await until(lambda: _hits(index, a) == 2)
+            engine.publish([stored_map(b)], lose=True)  # lost on the way, still in the buffer
+            engine.publish([stored_map(c)])
+            await until(lambda: _hits(index, c) == 2)
+            assert _hits(index, b) == 2 and _hits(index, a) == 2
+            assert engine.replays == [1] and sub.stats.replayed == 1 and sub.stats.resyncs == 0
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["buffer-too-short", "no-replay-socket"])
+async def test_an_unfillable_gap_resyncs(ctx: zmq.asyncio.Context, replay: bool) -> None:
+    engine = FakeEngine(ctx, buffer=1, replay=replay)
+    index = _index()
+    a, lost, c = _prompt(300, 2), _prompt(5000, 2), _prompt(9000, 2)
+    guessed = PromptBlocks(_prompt(20000, 2), ROOT)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(a)])
+            await until(lambda: _hits(index, a) == 2)
+            index.record_dispatch("e0", guessed, time.monotonic())
+            engine.publish([stored_map(lost)], lose=True)
+            engine.publish([stored_map(lost[:BS])], lose=True)  # pushes the lost one out of the buffer
+            engine.publish([stored_map(c)])
+            await until(lambda: _hits(index, c) == 2)
+            # what the events said before the gap is dropped (it may have been undone in it);
+            # the gateway's own dispatch guesses stay
+            assert _hits(index, a) == 0 and _hits(index, lost) == 0
+            assert index.match(guessed, ["e0"]) == {"e0": 2}
+            assert sub.stats.resyncs == 1 and sub.stats.replayed == 0
+    finally:
+        await engine.close()
+
+
+async def test_first_batch_replays_what_the_engine_already_holds(ctx: zmq.asyncio.Context) -> None:
+    engine = FakeEngine(ctx)
+    early = _prompt(300, 3)
+    engine.publish([stored_map(early)])  # before the gateway subscribed
+    engine.publish([{"type": "BlockRemoved", "block_hashes": prefix_hashes(early, BS)[2:], "medium": "GPU"}])
+    index = _index()
+    try:
+        async with subscribed(engine, index) as sub:
+            later = _prompt(5000, 1)
+            engine.publish([stored_map(later)])
+            await until(lambda: _hits(index, later) == 1)
+            assert _hits(index, early) == 2 and engine.replays == [0] and sub.last_seq == 2
+    finally:
+        await engine.close()
+
+
+async def test_a_restarted_engine_empties_its_entries(ctx: zmq.asyncio.Context) -> None:
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    a, b = _prompt(300, 2), _prompt(5000, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(a)])
+            engine.publish([stored_map(b[:BS])])
+            await until(lambda: sub.last_seq == 1)
+            # the engine restarts: a new publisher on the same port, numbering from 0 again
+            await engine.restart()
+            await asyncio.sleep(1.0)  # ZMQ reconnects the subscriber by itself
+            engine.publish([stored_map(b)])
+            await until(lambda: _hits(index, b) == 2)
+            assert _hits(index, a) == 0 and sub.stats.restarts == 1
+    finally:
+        await engine.close()
+
+
+async def test_undecodable_batch_resyncs_and_a_socket_error_reconnects(ctx: zmq.asyncio.Context) -> None:
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    a, b = _prompt(300, 2), _prompt(5000, 2)
+    try:
+        async with subscribed(engine, index, backoff_s=(0.01, 0.05)) as sub:
+            engine.publish([stored_map(a)])
+            await until(lambda: _hits(index, a) == 2)
+            assert engine.pub is not None
+            engine.pub.send_multipart([engine.topic, (1).to_bytes(8, "big"), b"\xc1"])
+            engine.seq = 2
+            await until(lambda: sub.stats.decode_errors == 1)
+            assert _hits(index, a) == 0 and sub.stats.resyncs == 1
+            # a broken socket: the subscriber closes it and connects again after its backoff
+            assert sub._sub is not None
+            sub._sub.close(linger=0)
+            await until(lambda: sub.stats.reconnects == 1 and sub.connected.is_set())
+            await asyncio.sleep(0.3)
+            engine.publish([stored_map(b)])
+            await until(lambda: _hits(index, b) == 2)
+    finally:
+        await engine.close()
+
+
+async def test_feed_stops_cleanly(ctx: zmq.asyncio.Context) -> None:
+    engine = FakeEngine(ctx)
+    index = _index()
+    feed = KVEventFeed(index, [engine.source()])
+    feed.start()
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(feed.stop(), 2.0)
+    assert all(s._task is None and s._sub is None for s in feed.subscribers.values())
+    await engine.close()
+
+
+# -- a real simulated engine ------------------------------------------------------------------------
+
+
+async def test_a_sim_engine_s_events_keep_the_index_in_step() -> None:
+    """The simulated engine as a process: a chat completion's prompt, rendered with the chat
+    template the engine applies, is found cached once the engine reports it; a prefix-cache
+    reset empties it; a prompt the engine had to evict goes."""
+    port = _free_port()
+    args = ("--profile", "qwen-7b", "--model", MODEL, "--time-scale", "10", "--num-gpu-blocks", "24")
+    async with async_sim_engine(*args, "--kv-events-endpoint", f"tcp://*:{port}") as proc:
+        index = _index()
+        feed = KVEventFeed(index, [KVEventSource("e0", f"tcp://127.0.0.1:{port}")])
+        feed.start()
+        try:
+            await feed.subscribers["e0"].connected.wait()
+            await asyncio.sleep(0.5)
+            messages = [
+                {"role": "system", "content": "you are a helpful assistant " * 12},
+                {"role": "user", "content": "what is the capital of france"},
+            ]
+            tokens = encode(apply_chat_template(messages))
+            full = len(tokens) // BS
+            assert full >= 4
+            async with aiohttp.ClientSession() as s:
+                body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+                async with s.post(proc.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                await until(lambda: _hits(index, tokens) == full)
+                # another prompt that needs most of the 24 blocks: the engine evicts the first
+                other = list(range(1000, 1000 + 22 * BS))
+                async with s.post(
+                    proc.url + "/v1/completions", json={"model": MODEL, "prompt": other, "max_tokens": 1}
+                ) as r:
+                    assert r.status == 200
+                await until(lambda: _hits(index, other) == 22)
+                assert _hits(index, tokens) < full
+                async with s.post(proc.url + "/reset_prefix_cache") as r:
+                    assert r.status == 200
+                await until(lambda: _hits(index, other) == 0)
+            assert feed.subscribers["e0"].stats.resyncs == 0
+        finally:
+            await feed.stop()
