@@ -23,11 +23,18 @@ from pathlib import Path
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.priority_ramp import plot as plot_ramp
 from gateway.experiments.replay import Outcome
+from gateway.experiments.runner import PRIO_SUFFIX
 from gateway.experiments.workloads import read_workload
+from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.report import Row, plot_curves, row, table
 from gateway.simulator.scenario import RunResult, Scenario, run
 
-PRIO_SUFFIX = "+prio"
+
+def _disturbance(text: str) -> Disturbance:
+    try:
+        return Disturbance.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_rates(text: str) -> list[float]:
@@ -68,6 +75,7 @@ def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -
         duration_s=args.duration,
         seed=seed,
         engine_priority=prio or args.engine_priority,
+        disturbances=tuple(getattr(args, "disturbances", ())),
     )
 
 
@@ -93,6 +101,15 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--out", type=Path, default=Path("results/simulate"))
+    parser.add_argument(
+        "--disturb",
+        dest="disturbances",
+        action="append",
+        type=_disturbance,
+        default=[],
+        metavar="KIND:START:END[:MAGNITUDE]",
+        help="inject slow-engine (x slower), stale-scrapes or gateway-stall (s late); repeatable",
+    )
     parser.add_argument(
         "--calibrate",
         action="store_true",

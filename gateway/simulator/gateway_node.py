@@ -14,8 +14,9 @@ knows the engines only as it does live: its own shadow and state as of the last 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import chat_prompt_estimate
@@ -29,6 +30,7 @@ from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.settings import Settings
 from gateway.sim.engine import SimRequest
 from gateway.simulator.clock import EventQueue
+from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
 from gateway.tokenizer import encode
 from policies.api import RequestView
@@ -50,10 +52,10 @@ def engine_prompt(spec: RequestSpec) -> list[int]:
 class _Flight:
     spec: RequestSpec
     rid: str
+    #: when the gateway took the request in (its clock; later than sent during a stall)
     arrival: float
     target: SloTarget
     priority: int | None
-    prompt_estimate: int
     entry: RunningEntry
     record: EngineRecord | None = None
     dispatched_at: float = 0.0
@@ -87,6 +89,8 @@ class SimGateway:
         self._timer_at = math.inf
         self._timer_version = 0
         self._scraping = True
+        #: injected scrape blackouts and stalls (gateway.simulator.disturbance)
+        self.disturbances: list[Disturbance] = []
 
     # -- engines and scrapes -----------------------------------------------------------------------
 
@@ -110,12 +114,31 @@ class SimGateway:
     def _scrape_every(self, engine_id: str) -> None:
         if not self._scraping:
             return
-        self._scrape(engine_id)
+        if self._disturbed("stale-scrapes") is None:
+            self._scrape(engine_id)
         self.clock.at(self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id)
+
+    def _disturbed(self, kind: str) -> float | None:
+        """The magnitude of a disturbance of ``kind`` in effect now, else None."""
+        now = self.clock.now
+        for d in self.disturbances:
+            if d.kind == kind and d.covers(now):
+                return d.magnitude
+        return None
+
+    def _stalled(self, fn: Callable[..., None], *args: Any) -> bool:
+        """During a gateway stall, handle ``fn(*args)`` that much later (once); True if deferred."""
+        delay = self._disturbed("gateway-stall") if self.disturbances else None
+        if not delay:
+            return False
+        self.clock.at(self.clock.now + delay, fn, *args, True)
+        return True
 
     # -- the front door: one request arrives -------------------------------------------------------
 
-    def arrive(self, spec: RequestSpec) -> None:
+    def arrive(self, spec: RequestSpec, deferred: bool = False) -> None:
+        if not deferred and self._stalled(self.arrive, spec):
+            return
         now = self.clock.now
         self._count += 1
         rid = f"sg-sim-{self._count}"
@@ -138,7 +161,7 @@ class SimGateway:
             task=target.slo_class,
         )
         entry = RunningEntry(estimate, spec.output_tokens, target.tpot_s, 0.0)
-        flight = _Flight(spec, rid, now, target, priority, estimate, entry)
+        flight = _Flight(spec, rid, now, target, priority, entry)
         self.flights[rid] = flight
         ticket = self.core.ticket(view, target.ttft_s, target.tpot_s, target.slo_class, entry, now)
         try:
@@ -158,7 +181,9 @@ class SimGateway:
             self._step_due = True
             self.clock.soon(self._step)
 
-    def _step(self) -> None:
+    def _step(self, deferred: bool = False) -> None:
+        if not deferred and self._stalled(self._step):
+            return
         self._step_due = False
         self.core.step(self.clock.now)
         self._deliver()
@@ -220,7 +245,11 @@ class SimGateway:
         )
         self.engines[record.engine_id].add(request)
 
-    def on_tokens(self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float) -> None:
+    def on_tokens(
+        self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
+    ) -> None:
+        if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
+            return
         flights = self.flights
         fleet = self.fleet
         for request, _ in tokens:
@@ -234,28 +263,40 @@ class SimGateway:
             flight.tokens += 1
             fleet.add_generated(flight.record, flight.entry, 1)
 
-    def on_finished(self, engine_id: str, requests: list[SimRequest], now: float) -> None:
+    def _tokens_late(self, engine_id: str, tokens: list[tuple[SimRequest, int]], deferred: bool) -> None:
+        self.on_tokens(engine_id, tokens, self.clock.now, deferred)
+
+    def _finished_late(self, engine_id: str, requests: list[SimRequest], deferred: bool) -> None:
+        self.on_finished(engine_id, requests, self.clock.now, deferred)
+
+    def on_finished(
+        self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
+    ) -> None:
+        if not deferred and self._stalled(self._finished_late, engine_id, requests):
+            return
         for request in requests:
             flight = self.flights.pop(request.request_id, None)
             if flight is None:
                 continue
             self.fleet.release(engine_id, flight.rid)
-            ttft = flight.first_at - flight.arrival if flight.tokens else math.inf
+            # the client's view: from when it sent the request (the workload's arrival time)
+            sent = flight.spec.at
+            ttft = flight.first_at - sent if flight.tokens else math.inf
             tpot = (flight.last_at - flight.first_at) / (flight.tokens - 1) if flight.tokens > 1 else 0.0
             if flight.tokens:
                 self.slo.learn(
                     flight.priority,
                     flight.dispatched_at - flight.arrival,
-                    ttft,
+                    flight.first_at - flight.arrival,  # the gateway's view, as live
                     tpot if flight.tokens > 1 else None,
                 )
             self.slo.left(flight.priority)
-            self._outcome(flight, 200, ttft, tpot, now - flight.arrival, engine_id)
+            self._outcome(flight, 200, ttft, tpot, now - sent, engine_id)
 
     def _refused(self, flight: _Flight, status: int) -> None:
         self.flights.pop(flight.rid, None)
         self.slo.left(flight.priority)
-        self._outcome(flight, status, math.inf, 0.0, self.clock.now - flight.arrival, "")
+        self._outcome(flight, status, math.inf, 0.0, self.clock.now - flight.spec.at, "")
 
     def _outcome(
         self, flight: _Flight, status: int, ttft: float, tpot: float, e2e: float, engine: str
@@ -268,7 +309,7 @@ class SimGateway:
                 tpot,
                 e2e,
                 flight.tokens,
-                flight.arrival,
+                flight.spec.at,
                 engine,
                 flight.target.ttft_s,
                 flight.target.tpot_s,

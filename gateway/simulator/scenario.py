@@ -14,6 +14,7 @@ from gateway.experiments.workloads import load_workload
 from gateway.settings import EngineConfig, Settings
 from gateway.sim.profiles import load_profile
 from gateway.simulator.clock import EventQueue
+from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
 from gateway.simulator.gateway_node import SimGateway
 
@@ -45,6 +46,8 @@ class Scenario:
     #: (0.5: every step takes twice what the gateway was told)
     engine_speed: float = 1.0
     max_engine_load: int | None = None
+    #: injected faults (see gateway.simulator.disturbance)
+    disturbances: tuple[Disturbance, ...] = ()
     #: extra settings passed to the gateway (any Settings field)
     settings: tuple[tuple[str, object], ...] = field(default=())
 
@@ -124,6 +127,21 @@ class Simulation:
             for i, engine in enumerate(settings.engines)
         ]
         self.gateway.attach(self.nodes)
+        for disturbance in scenario.disturbances:
+            self._inject(disturbance)
+
+    def _inject(self, disturbance: Disturbance) -> None:
+        if disturbance.kind == "slow-engine":
+            model = self.nodes[0].model
+            normal = model.slow_factor
+
+            def slow_down(factor: float) -> None:
+                model.slow_factor = factor
+
+            self.clock.at(disturbance.start_s, slow_down, normal * disturbance.magnitude)
+            self.clock.at(disturbance.end_s, slow_down, normal)
+        else:
+            self.gateway.disturbances.append(disturbance)
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Replay the workload; ``progress(done, total)`` is called as requests finish (every 2 %)."""

@@ -1,0 +1,52 @@
+"""Disturbances injected into a simulated run, to see whether a policy degrades gracefully.
+
+* ``slow-engine``: engine 0 runs ``magnitude`` times slower between ``start`` and ``end`` (a
+  CPU-starved or thermally throttled engine);
+* ``stale-scrapes``: no scrape reaches the gateway between ``start`` and ``end`` (a monitor that
+  cannot keep up); the gateway routes on its shadow and stale state;
+* ``gateway-stall``: every event the gateway handles between ``start`` and ``end`` is handled
+  ``magnitude`` seconds late (a CPU-starved gateway): arrivals, dispatch turns, tokens, ends.
+
+Written ``kind:start:end[:magnitude]`` on the command line (seconds of virtual time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["slow-engine", "stale-scrapes", "gateway-stall"]
+KINDS: tuple[Kind, ...] = ("slow-engine", "stale-scrapes", "gateway-stall")
+DEFAULT_MAGNITUDE: dict[Kind, float] = {"slow-engine": 3.0, "stale-scrapes": 0.0, "gateway-stall": 0.2}
+
+
+@dataclass(frozen=True, slots=True)
+class Disturbance:
+    kind: Kind
+    start_s: float
+    end_s: float
+    magnitude: float
+
+    def covers(self, now: float) -> bool:
+        return self.start_s <= now < self.end_s
+
+    @classmethod
+    def parse(cls, text: str) -> Disturbance:
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in KINDS:
+            raise ValueError(
+                f"disturbance {text!r}: expected kind:start:end[:magnitude], kind one of {', '.join(KINDS)}"
+            )
+        kind = parts[0]
+        try:
+            start, end = float(parts[1]), float(parts[2])
+            magnitude = float(parts[3]) if len(parts) == 4 else DEFAULT_MAGNITUDE[kind]
+        except ValueError:
+            raise ValueError(f"disturbance {text!r}: start, end and magnitude must be numbers") from None
+        if not 0 <= start < end:
+            raise ValueError(f"disturbance {text!r}: need 0 <= start < end")
+        if kind == "slow-engine" and magnitude <= 0:
+            raise ValueError(f"disturbance {text!r}: a slow-down factor must be > 0")
+        if kind == "gateway-stall" and magnitude < 0:
+            raise ValueError(f"disturbance {text!r}: a stall must be >= 0 seconds")
+        return cls(kind, start, end, magnitude)

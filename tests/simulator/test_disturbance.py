@@ -1,0 +1,58 @@
+"""Injected disturbances do what they say, so robustness comparisons measure the policies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gateway.experiments.replay import summarize
+from gateway.simulator.disturbance import Disturbance
+from gateway.simulator.scenario import Scenario, Simulation, run
+
+
+def _base(**kw: object) -> Scenario:
+    scenario = Scenario(
+        "hyperflexis-4task", qps=40, policy="least-load", engines=2, duration_s=40, requests=1600
+    )
+    return dataclasses.replace(scenario, **kw)  # type: ignore[arg-type]
+
+
+def test_parse() -> None:
+    assert Disturbance.parse("slow-engine:10:20") == Disturbance("slow-engine", 10.0, 20.0, 3.0)
+    assert Disturbance.parse("gateway-stall:0:5:0.5").magnitude == 0.5
+    for bad in ("slow:1:2", "slow-engine:2:1", "slow-engine:a:b", "slow-engine:1", "slow-engine:0:1:0"):
+        with pytest.raises(ValueError):
+            Disturbance.parse(bad)
+
+
+def test_a_slow_engine_runs_slower_only_inside_its_window() -> None:
+    clean = run(_base())
+    slow = run(_base(disturbances=(Disturbance("slow-engine", 10.0, 30.0, 4.0),)))
+    # engine 0's steps take 4x longer inside the window: least load still sends it its share
+    assert summarize(slow.outcomes).attainment < summarize(clean.outcomes).attainment - 0.05
+    inside = [o for o in slow.outcomes if o.engine == "sim-0" and 12 <= o.spec.at < 28]
+    before = [o for o in slow.outcomes if o.engine == "sim-0" and o.spec.at < 9]
+    mean = lambda xs: sum(o.tpot_s for o in xs) / len(xs)  # noqa: E731
+    assert mean(inside) > 2 * mean(before)
+
+
+def test_stale_scrapes_freeze_what_the_gateway_knows_of_the_engines() -> None:
+    sim = Simulation(_base(disturbances=(Disturbance("stale-scrapes", 5.0, 10**6, 0.0),)))
+    sim.run()
+    assert all(r.state_at < 6.0 for r in sim.gateway.fleet.records.values())
+    clean = Simulation(_base())
+    clean.run()
+    assert all(r.state_at > 30.0 for r in clean.gateway.fleet.records.values())
+
+
+def test_a_gateway_stall_delays_what_clients_see_by_about_its_length() -> None:
+    clean = run(_base(qps=10, requests=400))
+    stalled = run(_base(qps=10, requests=400, disturbances=(Disturbance("gateway-stall", 10.0, 20.0, 0.5),)))
+    inside = [o.ttft_s for o in stalled.outcomes if 11 <= o.spec.at < 19]
+    baseline = [o.ttft_s for o in clean.outcomes if 11 <= o.spec.at < 19]
+    # arrival handling, dispatch and the first token are each handled 0.5 s late
+    assert sum(inside) / len(inside) > sum(baseline) / len(baseline) + 0.9
+    assert [o.ttft_s for o in stalled.outcomes if o.spec.at < 9] == [
+        o.ttft_s for o in clean.outcomes if o.spec.at < 9
+    ]
