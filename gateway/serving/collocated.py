@@ -168,7 +168,10 @@ class CollocatedFlow:
             "slogate.dispatcher": self.dispatcher,
             "slogate.queued": queued,
             "slogate.slo_class": call.target.slo_class,
-            "gen_ai.request.model": call.request.model,
+            # a client's model name is bounded to what the fleet serves, as on the request span
+            "gen_ai.request.model": (
+                call.request.model if call.request.model in self.fleet.served_models else "(unknown)"
+            ),
         }
         if tried:
             attributes["slogate.excluded_engines"] = tuple(tried)
