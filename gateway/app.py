@@ -191,11 +191,7 @@ def _error_response(error: GatewayError) -> Response:
 
 
 def _dispatching(loop: DispatchLoop | None) -> bool:
-    """Whether the dispatch loop's task is alive (it ends only when stopped or on a bug that
-    escaped its own handler; either way nothing would be dispatched)."""
-    # DispatchLoop has no public state for this; its task is the truth
-    task = None if loop is None else loop._task
-    return task is not None and not task.done()
+    return loop is not None and loop.running
 
 
 def _display_url(url: str) -> str:

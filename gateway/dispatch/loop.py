@@ -69,6 +69,12 @@ class DispatchLoop:
         )
         self._deliver()
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop's task is alive (it ends only when stopped, or on a bug that escaped
+        its own handler; either way nothing would be dispatched)."""
+        return self._task is not None and not self._task.done()
+
     def wake(self) -> None:
         self._event.set()
 
