@@ -11,7 +11,7 @@ memory a policy needs is explicit state that it returns, never hidden module glo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -96,6 +96,9 @@ class EngineSnapshot:
     in_flight_at_scrape: int = 0
     state: EngineState | None = None
     accepts_priority: bool = False
+    #: prompt + generated-so-far tokens of this gateway's requests on the engine (Gimbal's running
+    #: load); refreshed whenever the entry is rebuilt (reservation, release, first token, scrape)
+    running_tokens: int = 0
     #: :func:`estimated_load` of this snapshot, computed once when it is made (scorers read it for
     #: every engine on every placement)
     load: float = field(init=False, compare=False)
@@ -113,11 +116,42 @@ class FleetSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of the request's prompt each engine already holds in its prefix cache, as the
+    gateway's prefix index knows it at the moment of routing.
+
+    ``prompt_tokens``: tokens that were hashed (the whole prompt as the engine's chat template
+    renders it, exact, unlike ``RequestView.prompt_tokens``); ``cached_tokens``: engine id ->
+    leading prompt tokens cached there (whole blocks; an engine absent holds none).
+    """
+
+    prompt_tokens: int
+    cached_tokens: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """The session a request belongs to, for session affinity.
+
+    ``key``: from ``x-session-id``, else the body's ``user``, else the API key (never the key
+    itself: its fingerprint). ``engine_id``: where this session's last request was sent, if that
+    was within the affinity TTL (the router fills it from its affinity store and records every
+    choice back, as Gimbal's Algorithm 1 updates its user-engine map).
+    """
+
+    key: str
+    engine_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestView:
     """What routing knows about a request: never the body itself.
 
     ``prompt_tokens`` is the gateway's estimate; ``max_output_tokens`` is the client's bound
     (or the gateway default). ``arrival`` is on the same clock as ``FleetSnapshot.taken_at``.
+    ``prefix`` and ``affinity`` are filled by the router when a prefix index / affinity store is
+    configured and the front door gave it the request's prompt blocks / session key; ``None``
+    otherwise, and every scorer must then treat the engines alike.
     """
 
     request_id: str
@@ -128,6 +162,8 @@ class RequestView:
     tenant: str = "default"
     task: str | None = None
     priority: int = 0
+    prefix: PrefixMatch | None = None
+    affinity: Affinity | None = None
 
 
 def estimated_load(engine: EngineSnapshot) -> float:

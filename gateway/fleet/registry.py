@@ -232,6 +232,7 @@ class Fleet:
             in_flight_at_scrape=r.in_flight_at_scrape,
             state=r.state,
             accepts_priority=r.adapter.accepts_priority,
+            running_tokens=r.running_tokens,
         )
 
     def touch(self, engine_id: str) -> None:

@@ -1,0 +1,125 @@
+"""Session affinity: the session key, the state-store seam that remembers where a session went,
+and the scorer that prefers that engine.
+
+A session's next request usually repeats its whole history as the prompt, so the engine that
+served the last one holds most of it in cache. The router looks the session up before it routes
+(``RequestView.affinity``) and records where the request went after; the scorer only reads.
+
+The store is a seam: :class:`AffinityStore` is all the router needs, :class:`MemoryAffinityStore`
+is the one-gateway implementation. It is synchronous on purpose (routing never waits on I/O): a
+shared one for several gateway replicas keeps a local copy like this one and exchanges changes
+with Redis in the background (write-behind, a subscription for the others' writes), where a
+lookup missing another replica's latest write only costs one cache miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from policies.api import EngineSnapshot, RequestView
+from policies.plugins.cache_aware import ImbalanceGuard
+from policies.registry import register
+
+#: session ids and user names longer than this are keyed by a digest (bounded memory per entry)
+_MAX_KEY_PART = 128
+
+
+def _part(value: str) -> str:
+    if len(value) <= _MAX_KEY_PART:
+        return value
+    return "#" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def affinity_key(
+    tenant: str,
+    session_id: str | None = None,
+    user: str | None = None,
+    api_key_id: str | None = None,
+) -> str | None:
+    """The session key of a request: ``x-session-id`` if the client sent one, else the body's
+    ``user``, else the API key's fingerprint (``api_key_id``; never the key); None when there is
+    none of them. Session ids and users are client-chosen, so they are scoped by tenant: two
+    tenants' "alice" are two sessions. The source is part of the key, so a session id can never
+    equal a user name."""
+    if session_id:
+        return f"{_part(tenant)}\x1fs:{_part(session_id)}"
+    if user:
+        return f"{_part(tenant)}\x1fu:{_part(user)}"
+    if api_key_id:
+        return f"k:{_part(api_key_id)}"
+    return None
+
+
+class AffinityStore(Protocol):
+    """Where sessions last went. ``now`` is the caller's monotonic clock: the store reads none."""
+
+    def get(self, key: str, now: float) -> str | None:
+        """The engine ``key`` was last sent to, if that was within the TTL."""
+        ...
+
+    def put(self, key: str, engine_id: str, now: float) -> None:
+        """``key`` was just sent to ``engine_id``."""
+        ...
+
+
+class MemoryAffinityStore:
+    """Session -> (engine, last use) in LRU order, for one gateway process.
+
+    Bounded: beyond ``max_entries`` the least recently used session is forgotten (it then routes
+    like a new one). An entry expires ``ttl_s`` after the session's last request: an engine's
+    cache turns over in minutes, after which sticking to it buys nothing.
+    """
+
+    def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str, now: float) -> str | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        engine_id, last = entry
+        if now - last > self.ttl_s:
+            del self._entries[key]
+            return None
+        return engine_id
+
+    def put(self, key: str, engine_id: str, now: float) -> None:
+        self._entries[key] = (engine_id, now)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
+@register("scorer", "session_affinity")
+class SessionAffinity:
+    """1 for the engine the request's session last went to (``RequestView.affinity``), 0 for
+    the others (all 0 for a request without a session, a new or expired one, or one whose
+    engine is not a candidate now).
+
+    With the imbalance guard (``max_spread`` requests, ``max_ratio``; ``max_spread: null`` turns
+    it off) the session's engine scores 0 while it is over the bound: the session keeps its
+    engine while that engine is not overloaded, and load decides otherwise.
+    """
+
+    def __init__(self, max_spread: float | None = 8.0, max_ratio: float = 1.5) -> None:
+        self.guard = None if max_spread is None else ImbalanceGuard(max_spread, max_ratio)
+
+    def score(self, request: RequestView, engines: Sequence[EngineSnapshot], now: float) -> list[float]:
+        affinity = request.affinity
+        target = None if affinity is None else affinity.engine_id
+        scores = [1.0 if e.engine_id == target else 0.0 for e in engines]
+        if target is None or self.guard is None or not any(scores):
+            return scores
+        return [0.0 if over else s for s, over in zip(scores, self.guard.over(engines), strict=True)]
