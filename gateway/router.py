@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gateway import metrics
+from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import EngineSnapshot, Filter, Picker, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
@@ -93,11 +94,17 @@ def timed(pipeline: RoutingPipeline) -> RoutingPipeline:
 
 
 class Router:
-    """Chooses an engine for a request from the current fleet snapshot."""
+    """Chooses an engine for a request from the current fleet snapshot.
 
-    def __init__(self, fleet: Fleet, pipeline: RoutingPipeline) -> None:
+    With ``prefix`` (the prefix index and the affinity store), the request view the pipeline sees
+    carries each candidate's cached prefix and the session's last engine, and every choice is
+    recorded back into both.
+    """
+
+    def __init__(self, fleet: Fleet, pipeline: RoutingPipeline, prefix: PrefixRouting | None = None) -> None:
         self.fleet = fleet
         self.pipeline = timed(pipeline)
+        self.prefix = prefix
         self._picker_state = self.pipeline.picker.initial_state()
         # a profile that picks by one key over unit-weight engines (least load, max_score): the
         # fleet keeps engines grouped by that key and a placement takes the best group's next
@@ -132,6 +139,8 @@ class Router:
             index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
             record = self.fleet.records[routable[slots[index]].engine_id]
             self._ranked_hist.observe(time.perf_counter() - t0)
+            if self.prefix is not None:
+                self.prefix.dispatched(request.request_id, record.engine_id, now)
             return record
         candidates: Sequence[EngineSnapshot] = self.fleet.candidates(request.model, now)
         if exclude:
@@ -140,6 +149,8 @@ class Router:
             return None
         if max_load is not None and min(candidates, key=_load).load >= max_load:
             return None  # every engine is full: the common answer under overload, in one C-level pass
+        if self.prefix is not None:
+            request = self.prefix.annotate(request, candidates, now)
         chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
         if chosen is not None and max_load is not None and not chosen.load < max_load:
             # the pipeline's favourite is full; only then pay for the room filter and ask again
@@ -148,4 +159,8 @@ class Router:
                 return None
             chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
         self._picker_state = state
-        return None if chosen is None else self.fleet.records[chosen.engine_id]
+        if chosen is None:
+            return None
+        if self.prefix is not None:
+            self.prefix.dispatched(request.request_id, chosen.engine_id, now)
+        return self.fleet.records[chosen.engine_id]

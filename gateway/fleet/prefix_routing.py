@@ -1,0 +1,104 @@
+"""What the router adds to a request before the pipeline scores engines: how much of its prompt
+each candidate holds (the prefix index) and where its session went last (the affinity store);
+and what it records once an engine is chosen (the approximate feed, the session's engine).
+
+The front door hands over a request's prompt blocks and session key once, when it has parsed
+the body (:meth:`PrefixRouting.attach`), and takes them back when the request ends
+(:meth:`PrefixRouting.detach`); the router calls :meth:`annotate` and :meth:`dispatched` around
+every choice, so a request that waited in the queue is matched against the index as it is when
+it finally goes, and a failover that re-routes it is matched again without the engine it left.
+
+Engines join the index with the fleet (model and, once scraped, block size from the engine's
+``cache_config_info``); a change of block size empties that engine's part of the index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from gateway.fleet.block_hash import PromptBlocks
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.registry import Fleet
+from policies.api import Affinity, EngineSnapshot, PrefixMatch, RequestView
+from policies.plugins.affinity import AffinityStore
+
+#: requests attached and not yet detached beyond which the oldest are dropped: a front-door path
+#: that forgot to detach must cost a routing hint, never unbounded memory
+MAX_ATTACHED = 65_536
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    prompt: PromptBlocks | None
+    affinity_key: str | None
+
+
+class PrefixRouting:
+    """The prefix index and the affinity store, as the router uses them (either may be off)."""
+
+    def __init__(self, fleet: Fleet, index: PrefixIndex | None, affinity: AffinityStore | None) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.affinity = affinity
+        self._attached: OrderedDict[str, Attached] = OrderedDict()
+        if index is not None:
+            for record in fleet.records.values():
+                block_size = record.state.block_size if record.state is not None else None
+                index.add_engine(record.engine_id, record.model, block_size)
+            fleet.listeners.append(self._on_change)
+
+    def _on_change(self, engine_id: str, what: str) -> None:
+        if what != "state" or self.index is None:
+            return
+        state = self.fleet.records[engine_id].state
+        if state is not None and state.block_size:
+            self.index.set_block_size(engine_id, state.block_size)
+
+    # -- the front door's side ---------------------------------------------------------------------
+
+    def attach(self, request_id: str, prompt: PromptBlocks | None, affinity_key: str | None) -> None:
+        if prompt is None and affinity_key is None:
+            return
+        self._attached[request_id] = Attached(prompt, affinity_key)
+        self._attached.move_to_end(request_id)
+        while len(self._attached) > MAX_ATTACHED:
+            self._attached.popitem(last=False)
+
+    def detach(self, request_id: str) -> None:
+        self._attached.pop(request_id, None)
+
+    def attached(self, request_id: str) -> Attached | None:
+        return self._attached.get(request_id)
+
+    # -- the router's side -------------------------------------------------------------------------
+
+    def annotate(self, view: RequestView, candidates: Sequence[EngineSnapshot], now: float) -> RequestView:
+        """``view`` with ``prefix`` (cached tokens per candidate) and ``affinity`` filled in, as
+        far as the request was attached; the view itself when nothing is known of it."""
+        attached = self._attached.get(view.request_id)
+        if attached is None:
+            return view
+        prefix = view.prefix
+        if attached.prompt is not None and self.index is not None:
+            self.index.expire(now)
+            cached = self.index.cached_tokens(attached.prompt, [e.engine_id for e in candidates])
+            prefix = PrefixMatch(len(attached.prompt), cached)
+        affinity = view.affinity
+        if attached.affinity_key is not None and self.affinity is not None:
+            affinity = Affinity(attached.affinity_key, self.affinity.get(attached.affinity_key, now))
+        if prefix is view.prefix and affinity is view.affinity:
+            return view
+        return replace(view, prefix=prefix, affinity=affinity)
+
+    def dispatched(self, request_id: str, engine_id: str, now: float) -> None:
+        """The router chose ``engine_id``: the prompt will be cached there, the session goes there
+        (Gimbal's line 21: the map is updated with every choice, affinity or not)."""
+        attached = self._attached.get(request_id)
+        if attached is None:
+            return
+        if attached.prompt is not None and self.index is not None:
+            self.index.record_dispatch(engine_id, attached.prompt, now)
+        if attached.affinity_key is not None and self.affinity is not None:
+            self.affinity.put(attached.affinity_key, engine_id, now)

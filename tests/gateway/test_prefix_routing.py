@@ -1,0 +1,126 @@
+"""The router with the prefix index and the affinity store: candidates carry each engine's cached
+prefix, choices feed the index and the store back, sessions stick within the imbalance bound."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.block_hash import PromptBlocks, root_key
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.prefix_routing import PrefixRouting
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.router import Router, load_pipeline
+from gateway.tokenizer import apply_chat_template, encode
+from policies.api import EngineState, RequestView
+from policies.plugins.affinity import MemoryAffinityStore, affinity_key
+
+PROFILES = Path(__file__).resolve().parents[2] / "profiles" / "routing"
+MODEL = "m"
+ENGINES = [f"{MODEL}-{i}" for i in range(4)]
+
+
+def _setup(profile: str = "prefix-aware") -> tuple[Fleet, Router, PrefixRouting]:
+    fleet = offline_fleet({MODEL: 4})
+    routing = PrefixRouting(fleet, PrefixIndex(1 << 24, 120.0), MemoryAffinityStore(ttl_s=300.0))
+    return fleet, Router(fleet, load_pipeline(PROFILES / f"{profile}.yaml"), routing), routing
+
+
+def _chat(system: str, user: str) -> PromptBlocks:
+    """The prompt as the engine renders it: the chat template's order, all messages."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return PromptBlocks(encode(apply_chat_template(messages)), root_key(MODEL))
+
+
+def _view(rid: str) -> RequestView:
+    return RequestView(rid, MODEL, 500, 50)
+
+
+def _load(fleet: Fleet, engine: str, n: int) -> None:
+    start = fleet.records[engine].in_flight
+    for i in range(start, start + n):
+        fleet.reserve(engine, f"{engine}-busy-{i}", RunningEntry(100, 10, 0.1, 0.0))
+
+
+SYSTEM = "you are a careful assistant who answers in full sentences " * 20
+
+
+def test_candidates_carry_each_engine_s_cached_prefix() -> None:
+    fleet, router, routing = _setup()
+    first = _chat(SYSTEM, "what is the capital of france")
+    routing.attach("r1", first, None)
+    chosen = router.choose(_view("r1"), now=0.0)
+    assert chosen is not None
+    # a second turn behind the same system prompt: the engine that took the first holds it
+    second = _chat(SYSTEM, "and of spain")
+    routing.attach("r2", second, None)
+    view = routing.annotate(_view("r2"), fleet.candidates(MODEL), now=1.0)
+    assert view.prefix is not None and view.prefix.prompt_tokens == len(second)
+    cached = dict(view.prefix.cached_tokens)
+    shared_blocks = next(
+        i for i, (a, b) in enumerate(zip(first.hashes(16), second.hashes(16), strict=False)) if a != b
+    )
+    assert cached == {e: (shared_blocks * 16 if e == chosen.engine_id else 0) for e in ENGINES}
+    assert router.choose(_view("r2"), now=1.0) is chosen  # and the router sends it there
+    routing.detach("r1")
+    routing.detach("r2")
+    assert routing.attached("r1") is None
+    # a request nobody attached routes by load alone, with nothing recorded
+    assert routing.annotate(_view("r3"), fleet.candidates(MODEL), 2.0) == _view("r3")
+
+
+def test_a_session_sticks_while_its_engine_is_within_the_bound() -> None:
+    fleet, router, routing = _setup()
+    key = affinity_key("tenant", session_id="conversation-7")
+    assert key is not None
+    routing.attach("t1", None, key)
+    home = router.choose(_view("t1"), now=0.0)
+    assert home is not None
+    for turn in range(2, 8):  # each turn is more load on home: it stays while within 8 of the least
+        _load(fleet, home.engine_id, 1)
+        routing.attach(f"t{turn}", None, key)
+        assert router.choose(_view(f"t{turn}"), now=float(turn)) is home
+    _load(fleet, home.engine_id, 3)  # 9 above the others: over the bound, load wins
+    routing.attach("t9", None, key)
+    moved = router.choose(_view("t9"), now=9.0)
+    assert moved is not None and moved is not home
+    # and the session now lives where it went (the store records every choice)
+    assert routing.affinity is not None and routing.affinity.get(key, 9.0) == moved.engine_id
+
+
+def test_cache_misses_spread_over_the_engines() -> None:
+    """Distinct prompts (every one a miss) on idle engines: random ties, not the first engine."""
+    _, router, routing = _setup()
+    counts: Counter[str] = Counter()
+    for i in range(400):
+        routing.attach(f"m{i}", _chat(f"system {i}", "hello"), None)
+        chosen = router.choose(_view(f"m{i}"), now=float(i))
+        assert chosen is not None
+        counts[chosen.engine_id] += 1
+        routing.detach(f"m{i}")
+    assert set(counts) == set(ENGINES) and min(counts.values()) > 60
+
+
+def test_block_size_follows_the_engine_s_scrape() -> None:
+    fleet, _, routing = _setup()
+    assert routing.index is not None and routing.index.block_size(ENGINES[0]) == 16
+    fleet.record_state(ENGINES[0], EngineState(block_size=32, num_gpu_blocks=1000), now=0.0)
+    assert routing.index.block_size(ENGINES[0]) == 32 and routing.index.block_size(ENGINES[1]) == 16
+
+
+def test_gimbal_profile_through_the_router() -> None:
+    fleet, router, routing = _setup("gimbal")
+    for i, engine in enumerate(ENGINES):
+        fleet.record_state(engine, EngineState(kv_usage=0.2 + 0.1 * i), now=0.0)
+    key = affinity_key("tenant", user="alice")
+    routing.attach("g1", None, key)
+    first = router.choose(_view("g1"), now=0.0)
+    assert first is not None
+    routing.attach("g2", None, key)
+    assert router.choose(_view("g2"), now=1.0) is first  # no engine over theta_kv: affinity
+    # an engine at theta_kv with the others 0.1 below it: the emptiest cache wins, not the user's
+    fleet.record_state(ENGINES[3], EngineState(kv_usage=0.95), now=2.0)
+    routing.attach("g3", None, key)
+    chosen = router.choose(_view("g3"), now=2.0)
+    assert chosen is not None and chosen.engine_id == ENGINES[0]
