@@ -369,13 +369,14 @@ def _fill_worker(
         need_kv = prompt + item.view.max_output_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
-        fits = not ((prompt > budget_left and admitted) or need_kv > kv_left)
         if lane is not None and now > last_feasible_start(item, lane):
             # from here on the queue holds only requests late on the lane's estimate, which this
             # worker cannot beat: skipping them one by one would change nothing
-            slack_bound = slack_bound or fits
+            # (slack, not capacity, holds these back: a later one might fit, so an arrival may
+            # wake this worker; "full" is only for workers nothing could fit)
+            slack_bound = True
             break
-        if not fits:
+        if (prompt > budget_left and admitted) or need_kv > kv_left:
             misses += 1
             continue
         if late_rejected and item.ttft_deadline < now + a + b * prompt + c * prompt * prompt:
@@ -391,7 +392,9 @@ def _fill_worker(
             slack_bound = True
             # Slack only shrinks with time, so this worker will not take it before an event,
             # except once it is late everywhere (late backfill): that moment is worth a timer.
-            turns_late = item.ttft_deadline - predict_prefill(coeffs, (prompt,))
+            # the first instant it is late (deadline < now + prefill), not the boundary itself:
+            # a timer set for the boundary would find it not yet late and park for good
+            turns_late = math.nextafter(item.ttft_deadline - predict_prefill(coeffs, (prompt,)), math.inf)
             if turns_late > now:
                 late_at = min(late_at, turns_late)
             continue

@@ -625,13 +625,14 @@ class LateLast:
     changes part once, at its last feasible start (the queue re-keys it then).
     """
 
-    __slots__ = ("inner", "name", "uses_backlog")
+    __slots__ = ("inner", "name", "uses_backlog", "uses_flows")
     context_sensitive = True
 
     def __init__(self, inner: QueueOrder) -> None:
         self.inner = inner
         self.name = inner.name
         self.uses_backlog: bool = getattr(inner, "uses_backlog", False)
+        self.uses_flows: bool = getattr(inner, "uses_flows", False)
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> tuple[tuple[float, ...], float]:
         inner_key, valid_until = self.inner.key(item, now, ctx)

@@ -60,6 +60,10 @@ PRUNE_SCAN = 8
 MAX_BATCH = 64
 
 
+#: how far an explicit, laxer TTFT may stretch its class's queue timeout
+MAX_TIMEOUT_SCALE = 20.0
+
+
 @dataclass(frozen=True, slots=True)
 class ClassLimits:
     max_queued: int = 1024
@@ -70,7 +74,9 @@ class ClassLimits:
 
     def timeout_for(self, ttft_s: float) -> float:
         if self.class_ttft_s and ttft_s > self.class_ttft_s:
-            return self.queue_timeout_s * (ttft_s / self.class_ttft_s)
+            # at most MAX_TIMEOUT_SCALE x the class's: a day-long claim must not hold a queue slot
+            # for days
+            return self.queue_timeout_s * min(MAX_TIMEOUT_SCALE, ttft_s / self.class_ttft_s)
         return self.queue_timeout_s
 
 
@@ -91,6 +97,11 @@ class Ticket:
 
 
 Outcome = tuple[str, "EngineRecord | GatewayError"]
+
+
+def _rid_of(item: QueuedRequest | None) -> str | None:
+    # orders may store a re-stamped copy of the item: compare ids, not objects
+    return None if item is None else item.view.request_id
 
 
 class DispatchCore:
@@ -142,8 +153,7 @@ class DispatchCore:
         #: HyperFlexis engines between turns (maturity times, parked engines)
         self.workers = HyperFlexisWorkers(fleet, coefficients, max_engine_load)
         self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
-        self._context = self._default_context
-        self._context_key: tuple[float, ...] = ()
+        self._contexts: dict[str, tuple[tuple[float, ...], OrderContext]] = {}
         self._seq = 0
         fleet.listeners.append(self._on_engine_change)
 
@@ -177,22 +187,35 @@ class DispatchCore:
         queue = self.queues.get(model)
         return 0 if queue is None else len(queue)
 
-    def context(self) -> OrderContext:
-        """Fleet-level estimates for the queue orders, from the first engine's latency model."""
-        first = next(iter(self.fleet.records), None)
-        if first is None:
+    def context(self, model: str) -> OrderContext:
+        """The queue orders' estimates for one model's queue: its fastest engine's latency model
+        (so "late" means late on every engine that could take the request), and how many
+        engines drain that queue."""
+        engines = self.fleet.engines_of.get(model, ())
+        if not engines:
             return self._default_context
-        (a, b, _), (a_d, _, _) = self.coefficients(first)
-        key = (a, b, a_d, len(self.fleet.records))
-        if key != self._context_key:
-            self._context_key = key
-            self._context = OrderContext(
-                prefill_tokens_per_s=1.0 / b if b > 0 else 1e9,
+        a = b = a_d = math.inf
+        for record in engines:
+            (pa, pb, _), (da, _, _) = self.coefficients(record.engine_id)
+            a, b, a_d = min(a, pa), min(b, pb), min(a_d, da)
+        key = (a, b, a_d, len(engines))
+        cached = self._contexts.get(model)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        # a bad profile or a degenerate fit must not stop every submit and step
+        finite = all(math.isfinite(x) and x >= 0 for x in key[:3])
+        context = (
+            OrderContext(
+                prefill_tokens_per_s=1.0 / b if b > 1e-12 else 1e9,
                 decode_step_s=max(a_d, 1e-6),
                 prefill_base_s=a,
-                prefill_engines=max(1, len(self.fleet.records)),
+                prefill_engines=max(1, len(engines)),
             )
-        return self._context
+            if finite
+            else self._default_context
+        )
+        self._contexts[model] = (key, context)
+        return context
 
     def next_wake(self) -> float:
         """When :meth:`step` must run absent events: a queue expiry or a HyperFlexis maturity."""
@@ -237,11 +260,6 @@ class DispatchCore:
         if rid in self.tickets:
             raise ValueError(f"request id {rid!r} is already queued")
         queue = self.queues.get(model)
-        if self.hyperflexis is not None and self.hyperflexis.tightest_window_s > 0:
-            window = self._recent_ttft.get(model)
-            if window is None:
-                window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
-            window.add(ticket.item.ttft_slo, now)
         if self.hyperflexis is None and (queue is None or not len(queue)):
             record = self._choose(ticket, (), now)
             if record is not None:
@@ -272,7 +290,7 @@ class DispatchCore:
             self._join_batch(ticket, queue, now)
         behind = len(queue) > 0  # a head is already waiting (or about to be tried)
         first_expiry = queue.next_expiry()
-        ctx = self.context()
+        ctx = self.context(model)
         queue.push(ticket.item, now, ctx)
         self.tickets[rid] = ticket
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
@@ -296,9 +314,19 @@ class DispatchCore:
             # and that wakes the loop itself: under saturation every arrival woke a turn that
             # placed nothing. It still wakes when it is the new head (a request-dependent pipeline
             # may place it where the old head did not fit) or expires before anything queued.
-            if not behind or ticket.item.queue_deadline < first_expiry or queue.peek(now, ctx) is ticket.item:
+            if (
+                not behind
+                or ticket.item.queue_deadline < first_expiry
+                or _rid_of(queue.peek(now, ctx)) == rid
+            ):
                 self.wake()
             return None
+        if self.hyperflexis.tightest_window_s > 0:
+            # only admitted arrivals count (a refused one asks nothing of the engines)
+            window = self._recent_ttft.get(model)
+            if window is None:
+                window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
+            window.add(ticket.item.ttft_slo, now)
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
         self.workers.shorten_holds(now, self.hyperflexis)
         if self.workers.next_mature(model) <= now:
@@ -369,7 +397,7 @@ class DispatchCore:
 
     def _dispatch_pipeline(self, model: str, now: float) -> None:
         queue = self.queues[model]
-        ctx = self.context()
+        ctx = self.context(model)
         while True:
             item = queue.peek(now, ctx)
             if item is None:
@@ -405,7 +433,7 @@ class DispatchCore:
         assert self.hyperflexis is not None
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
-        head = queue.head(now, self.context(), 2 * self.hyperflexis.max_scan)
+        head = queue.head(now, self.context(model), 2 * self.hyperflexis.max_scan)
         decision = hyperflexis_dispatch(
             head,
             workers,
@@ -437,7 +465,11 @@ class DispatchCore:
         the SLO profile's tightest when none arrived within the window (or no window is set)."""
         window = self._recent_ttft.get(model)
         recent = math.inf if window is None else window.min(now)
-        return recent if recent != math.inf else self.tightest_ttft_s
+        if recent == math.inf:
+            return self.tightest_ttft_s
+        # never tighter than the profile's tightest class: a client claiming a 1 ms TTFT must not
+        # shrink every worker's budget to nothing for the whole window
+        return max(recent, self.tightest_ttft_s) if math.isfinite(self.tightest_ttft_s) else recent
 
     # -- engine events -----------------------------------------------------------------------------
 
@@ -523,7 +555,7 @@ class DispatchCore:
             if peer is not None and peer.request_id in queue
         ]
         stamped = with_batch([p.item for p in peers] + [ticket.item])
-        ctx = self.context()
+        ctx = self.context(ticket.item.view.model)
         for peer, item in zip(peers, stamped, strict=False):
             queue.remove(peer.request_id)
             peer.item = item
@@ -566,7 +598,7 @@ class DispatchCore:
             queued_prompt_tokens=view.prompt_tokens
             + (queue.queued_prompt_tokens if queue is not None else 0),
         )
-        if not saturated(pool, self.context(), self.shedding):
+        if not saturated(pool, self.context(model), self.shedding):
             return False
         newcomer = ShedCandidate(view.request_id, view.priority, ticket.item.seq)
         victim = shed_victim(self.shedding, newcomer, self._least_urgent_newest(model))
@@ -606,7 +638,7 @@ class DispatchCore:
         heap = self._class_deadlines.get((model, slo_class))
         if not heap:
             return False
-        ctx = self.context()
+        ctx = self.context(model)
         looked: list[tuple[float, int, str]] = []
         found: str | None = None
         while heap and len(looked) < PRUNE_SCAN:

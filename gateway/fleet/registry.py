@@ -164,8 +164,8 @@ class Fleet:
             if slot is not None:
                 self._routable[record.model][slot] = snap
                 ranked = self._ranked.get(record.model)
-                if ranked is not None:
-                    ranked.update(slot, snap)
+                if ranked is not None and record.model not in self._routable_stale:
+                    ranked.update(slot, snap)  # (a stale model's index is rebuilt on its next read)
         self._dirty.clear()
         self._snapshot = None
         self._built_at = now

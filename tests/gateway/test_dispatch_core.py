@@ -330,7 +330,7 @@ def test_red_ranks_a_client_batch_as_one() -> None:
         member.item = QueuedRequest(member.item.view, ttft_slo=ttft, tpot_slo=0.1, seq=i, queue_deadline=30.0)
         member.batch = ("tenant", "job-7")
         core.submit(member, 0.0)
-    order = [item.view.request_id for item in core.queues["a"].iter_in_order(0.0, core.context(), 10)]
+    order = [item.view.request_id for item in core.queues["a"].iter_in_order(0.0, core.context("a"), 10)]
     assert order[0] == "lone-1", order  # plain EDF would put batch-2 (due at 0.5 s) first
     assert set(order[1:]) == {"batch-2", "batch-3", "batch-4", "batch-5"}
     assert all(len(t.item.batch_deadlines) == 4 for t in core.tickets.values() if t.batch)
@@ -530,3 +530,40 @@ async def test_arrivals_behind_a_waiting_head_do_not_each_wake_the_loop() -> Non
         assert len(served) == 51 and loop.core.queued() == 0
     finally:
         await loop.stop()
+
+
+def test_each_models_queue_is_keyed_with_its_own_fastest_engine() -> None:
+    """A slow model listed first must not decide what counts as late for a fast one."""
+    fleet = offline_fleet({"big": 1, "a": 2})
+    speeds = {"big-0": (2.0, 1e-3), "a-0": (0.05, 2e-4), "a-1": (0.02, 1e-4)}
+
+    def coefficients(engine_id: str) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        a, b = speeds[engine_id]
+        return (a, b, 0.0), (0.01, 0.0, 0.0)
+
+    core = DispatchCore(
+        fleet,
+        Router(fleet, compile_profile({"scorers": [{"name": "least_load"}]})),
+        make_order("fcfs", {}),
+        coefficients,
+        lambda _: ClassLimits(),
+    )
+    assert core.context("a").prefill_base_s == 0.02
+    assert core.context("a").prefill_tokens_per_s == pytest.approx(1e4)
+    assert core.context("a").prefill_engines == 2
+    assert core.context("big").prefill_base_s == 2.0
+    speeds["a-1"] = (math.nan, 1e-4)  # a degenerate fit never stops dispatch
+    assert core.context("a").prefill_engines >= 1
+
+
+def test_class_timeouts_stretch_at_most_twenty_fold() -> None:
+    limits = ClassLimits(queue_timeout_s=3.5, class_ttft_s=0.5)
+    assert limits.timeout_for(86_400.0) == pytest.approx(70.0)
+
+
+def test_a_claimed_tiny_ttft_cannot_shrink_the_budget_below_the_profiles_tightest() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", tightest_ttft_s=0.5)
+    view = RequestView("r-1", "a", 100, 10, 0.0)
+    core.submit(core.ticket(view, 0.001, 0.1, "c", RunningEntry(100, 10, 0.1, 0.0), 0.0), 0.0)
+    assert core._tightest("a", 1.0) == 0.5

@@ -89,3 +89,14 @@ def test_weighted_engines_keep_the_full_pass() -> None:
     assert (
         Router(offline_fleet({"m": 2}), compile_profile({"scorers": [{"name": "kv_free"}]}))._ranked is False
     )
+
+
+def test_ranking_turned_on_after_candidates_were_read_does_not_break_snapshots() -> None:
+    fleet = offline_fleet({"m": 3})
+    fleet.candidates("m", 0.0)  # routable slots exist before the index does
+    router = Router(fleet, compile_profile(LEAST_LOAD))
+    fleet.reserve("m-1", "r", RunningEntry(10, 10, 0.1, 0.0))
+    fleet.snapshot(0.1)
+    view = RequestView("q", "m", 10, 10)
+    first = router.choose(view, now=0.2)
+    assert first is not None and first.engine_id != "m-1"

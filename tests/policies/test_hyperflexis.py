@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -311,3 +312,16 @@ def test_a_turn_reports_the_prefill_its_hold_amortises() -> None:
     decision = dispatch([req("a", prompt=300), req("b", prompt=200)], [worker("w")], 0.0)
     assert decision.prefill_s["w"] == pytest.approx(PREFILL[0] + PREFILL[1] * 500)
     assert decision.maturity["w"] > decision.prefill_s["w"]
+
+
+def test_a_worker_that_waits_for_a_request_to_turn_late_takes_it_at_that_time() -> None:
+    """The timer is set for the first instant the request is late (not the boundary, where it is
+    not late yet and the worker would otherwise park for good)."""
+    item = req("x", prompt=1000, arrival=0.0, ttft=1.0)  # prefill 0.12 s: late from 0.88 s
+    busy = worker("w", running=(RunningRequest(100, 1, 0.1, prefilled=False),))
+    early = dispatch([item], [busy], 0.87, HyperFlexisParams(theta=0.99))
+    assert early.assignments == ()
+    at = early.maturity["w"]
+    assert 0.87 < at <= 0.8800001
+    late = dispatch([item], [dataclasses.replace(busy, maturity=at)], at, HyperFlexisParams(theta=0.99))
+    assert [(a.request_id, a.feasible) for a in late.assignments] == [("x", False)]
