@@ -134,6 +134,9 @@ class DispatchCore:
         self.shedding = shedding
         #: per model and band (priority), the queued tickets newest first: (-seq, id), lazily pruned
         self._band_newest: dict[str, dict[int, list[tuple[int, str]]]] = {}
+        #: queued tickets per (model, band): a band whose last ticket left is dropped at once, so
+        #: the index stays as large as the priorities actually queued
+        self._band_live: dict[tuple[str, int], int] = {}
         self.queues: dict[str, AdmissionQueue] = {}
         self.tickets: dict[str, Ticket] = {}
         #: queued requests per (model, SLO class): a class's limit applies within one model's queue
@@ -305,6 +308,8 @@ class DispatchCore:
             bands = self._band_newest.setdefault(model, {})
             newest = bands.setdefault(view.priority, [])
             heapq.heappush(newest, (-ticket.item.seq, rid))
+            live = (model, view.priority)
+            self._band_live[live] = self._band_live.get(live, 0) + 1
             if len(newest) > 64 + 2 * len(queue):
                 newest[:] = [e for e in newest if e[1] in self.tickets]
                 heapq.heapify(newest)
@@ -579,6 +584,14 @@ class DispatchCore:
             if queue is not None:
                 queue.remove(rid)
         self.queued_per_class[(ticket.item.view.model, ticket.slo_class)] -= 1
+        if self.shedding is not None:
+            live = (ticket.item.view.model, ticket.item.view.priority)
+            left = self._band_live.get(live, 0) - 1
+            if left > 0:
+                self._band_live[live] = left
+            else:
+                self._band_live.pop(live, None)
+                self._band_newest.get(live[0], {}).pop(live[1], None)
         metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).dec()
         if now is not None:
             metrics.child(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))

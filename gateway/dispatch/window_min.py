@@ -24,6 +24,9 @@ class WindowMin:
         while items and items[-1][1] >= value:
             items.pop()
         items.append((now, value))
+        horizon = now - self.window_s
+        while items[0][0] < horizon:  # expire here too: reads may be rare (every worker parked)
+            items.popleft()
 
     def min(self, now: float) -> float:
         items = self._items

@@ -359,3 +359,14 @@ def test_drivers_that_start_engines_start_them_as_the_profile_expects() -> None:
     )
     other = settings_with("flow-control")
     assert not profile_engine_scheduling(other) and with_profile_engines(other) is other
+
+
+def test_the_band_index_holds_only_priorities_still_queued() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = shedding_core(fleet, max_queue_s=1e9)  # never saturated: only the bookkeeping runs
+    assert core.submit(ticket(0), 0.0) is not None  # the engine's one seat
+    for seq in range(1, 200):  # each queued with its own priority, then cancelled
+        assert core.submit(ticket(seq, band=seq), 0.0) is None
+        assert core.cancel(f"r-{seq}", 0.0)
+    assert core.submit(ticket(500, band=3), 0.0) is None
+    assert list(core._band_newest["a"]) == [3] and core._band_live == {("a", 3): 1}

@@ -44,3 +44,10 @@ def test_hyperflexis_budgets_against_recent_arrivals_then_falls_back_to_the_prof
     assert core._tightest("a", 3.0) == 2.0
     assert core._tightest("a", 31.5) == 8.0  # the 2 s one left the window; 8 s arrived at t=2
     assert core._tightest("a", 60.0) == 0.1
+
+
+def test_window_min_stays_bounded_without_reads() -> None:
+    window = WindowMin(10.0)
+    for i in range(10_000):  # increasing values: none is dropped for a smaller newcomer
+        window.add(float(i), float(i))
+    assert len(window._items) <= 11
