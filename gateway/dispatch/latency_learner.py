@@ -35,6 +35,9 @@ from policies.latency_samples import SeenInterval, StepView, check_interval, ste
 
 #: largest number of new samples between two re-fits of an engine's model
 REFIT_EVERY = 64
+#: once an engine's rings are full, at most one re-fit per this many seconds (a fit is ~3 ms of
+#: numpy on the event loop; at 256 busy engines every-64-samples would take a core's fifth)
+REFIT_MIN_INTERVAL_S = 10.0
 #: prefill samples waiting for their scrape interval to be confirmed, per engine
 PENDING_LIMIT = 512
 #: decode samples kept per scrape interval (the interval's latest): a busy engine makes one
@@ -85,6 +88,7 @@ class _Rings:
     new_decode: int = 0
     total_prefill: int = 0
     total_decode: int = 0
+    last_refit: float = -math.inf
 
     def due(self, min_samples: int) -> bool:
         """Re-fit often while a stage knows little (at 8, 16, 32, ... samples), then every
@@ -287,8 +291,18 @@ class LatencyLearner:
         rings.new_decode += decode
         rings.total_prefill += prefill
         rings.total_decode += decode
-        if rings.due(self.models[engine_id].min_samples):
+        if rings.due(self.models[engine_id].min_samples) and self._may_refit(rings):
             self.refit(engine_id)
+
+    def _may_refit(self, rings: _Rings) -> bool:
+        full = len(rings.prefill) == rings.prefill.maxlen or len(rings.decode) == rings.decode.maxlen
+        if not full or self._clock is None:
+            return True
+        now = self._clock()
+        if now - rings.last_refit < REFIT_MIN_INTERVAL_S:
+            return False
+        rings.last_refit = now
+        return True
 
     def refit(self, engine_id: str) -> LatencyModel:
         """Re-fit the engine's model on its rings now, publish its coefficients, and return it."""

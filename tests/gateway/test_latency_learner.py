@@ -143,3 +143,25 @@ def test_an_engine_without_metrics_keeps_its_samples_at_once_and_is_refitted() -
     assert learner.sample_counts("e") == (1, 10)
     _, decode = learner.coefficients("e") or PRIOR
     assert decode[0] + decode[1] * 70 + decode[2] == pytest.approx(0.03, rel=1e-3)
+
+
+def test_a_full_engine_is_refitted_at_most_every_ten_seconds() -> None:
+    from gateway.dispatch import latency_learner as module
+    from policies.latency_fit import DecodeSample
+
+    learner = module.LatencyLearner({"e": ((0.02, 1e-4, 0.0), (0.01, 1e-8, 1e-4))}, capacity=64)
+    now = [0.0]
+    learner._clock = lambda: now[0]
+    fits: list[float] = []
+    original = learner.refit
+
+    def counted(engine_id: str):  # type: ignore[no-untyped-def]
+        fits.append(now[0])
+        return original(engine_id)
+
+    learner.refit = counted  # type: ignore[method-assign]
+    for i in range(64 * 6):  # the ring fills, then 64 new samples keep falling due
+        now[0] = i * 0.01
+        learner._keep("e", [DecodeSample(1000 + i, 1 + i % 8, 0.011 + 1e-4 * (1 + i % 8))], "used")
+    after_full = [t for t in fits if t >= 0.64]
+    assert len(after_full) == 1  # 3.2 s of samples after the ring filled: one re-fit, not four
