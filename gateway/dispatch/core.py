@@ -60,6 +60,8 @@ PRUNE_SCAN = 8
 MAX_BATCH = 64
 
 
+#: a model's queue context (its fastest engine's latency model) is recomputed at most this often
+CONTEXT_REFRESH_S = 1.0
 #: how far an explicit, laxer TTFT may stretch its class's queue timeout
 MAX_TIMEOUT_SCALE = 20.0
 
@@ -156,7 +158,8 @@ class DispatchCore:
         #: HyperFlexis engines between turns (maturity times, parked engines)
         self.workers = HyperFlexisWorkers(fleet, coefficients, max_engine_load)
         self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
-        self._contexts: dict[str, tuple[tuple[float, ...], OrderContext]] = {}
+        #: per model: when its queue context was computed, and the context
+        self._contexts: dict[str, tuple[float, OrderContext]] = {}
         self._seq = 0
         fleet.listeners.append(self._on_engine_change)
 
@@ -190,10 +193,14 @@ class DispatchCore:
         queue = self.queues.get(model)
         return 0 if queue is None else len(queue)
 
-    def context(self, model: str) -> OrderContext:
+    def context(self, model: str, now: float | None = None) -> OrderContext:
         """The queue orders' estimates for one model's queue: its fastest engine's latency model
         (so "late" means late on every engine that could take the request), and how many
-        engines drain that queue."""
+        engines drain that queue. Recomputed at most every ``CONTEXT_REFRESH_S`` of ``now``
+        (a pass over the model's engines; latency models change far more slowly)."""
+        cached = self._contexts.get(model)
+        if cached is not None and now is not None and now - cached[0] < CONTEXT_REFRESH_S:
+            return cached[1]
         engines = self.fleet.engines_of.get(model, ())
         if not engines:
             return self._default_context
@@ -201,12 +208,8 @@ class DispatchCore:
         for record in engines:
             (pa, pb, _), (da, _, _) = self.coefficients(record.engine_id)
             a, b, a_d = min(a, pa), min(b, pb), min(a_d, da)
-        key = (a, b, a_d, len(engines))
-        cached = self._contexts.get(model)
-        if cached is not None and cached[0] == key:
-            return cached[1]
         # a bad profile or a degenerate fit must not stop every submit and step
-        finite = all(math.isfinite(x) and x >= 0 for x in key[:3])
+        finite = all(math.isfinite(x) and x >= 0 for x in (a, b, a_d))
         context = (
             OrderContext(
                 prefill_tokens_per_s=1.0 / b if b > 1e-12 else 1e9,
@@ -217,7 +220,9 @@ class DispatchCore:
             if finite
             else self._default_context
         )
-        self._contexts[model] = (key, context)
+        if cached is not None and cached[1] == context:
+            context = cached[1]  # the same object: the queue skips comparing what did not change
+        self._contexts[model] = (now if now is not None else -math.inf, context)
         return context
 
     def next_wake(self) -> float:
@@ -293,7 +298,7 @@ class DispatchCore:
             self._join_batch(ticket, queue, now)
         behind = len(queue) > 0  # a head is already waiting (or about to be tried)
         first_expiry = queue.next_expiry()
-        ctx = self.context(model)
+        ctx = self.context(model, now)
         queue.push(ticket.item, now, ctx)
         self.tickets[rid] = ticket
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
@@ -402,7 +407,7 @@ class DispatchCore:
 
     def _dispatch_pipeline(self, model: str, now: float) -> None:
         queue = self.queues[model]
-        ctx = self.context(model)
+        ctx = self.context(model, now)
         while True:
             item = queue.peek(now, ctx)
             if item is None:
@@ -438,7 +443,7 @@ class DispatchCore:
         assert self.hyperflexis is not None
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
-        head = queue.head(now, self.context(model), 2 * self.hyperflexis.max_scan)
+        head = queue.head(now, self.context(model, now), 2 * self.hyperflexis.max_scan)
         decision = hyperflexis_dispatch(
             head,
             workers,
@@ -560,7 +565,7 @@ class DispatchCore:
             if peer is not None and peer.request_id in queue
         ]
         stamped = with_batch([p.item for p in peers] + [ticket.item])
-        ctx = self.context(ticket.item.view.model)
+        ctx = self.context(ticket.item.view.model, now)
         for peer, item in zip(peers, stamped, strict=False):
             queue.remove(peer.request_id)
             peer.item = item
@@ -611,7 +616,7 @@ class DispatchCore:
             queued_prompt_tokens=view.prompt_tokens
             + (queue.queued_prompt_tokens if queue is not None else 0),
         )
-        if not saturated(pool, self.context(model), self.shedding):
+        if not saturated(pool, self.context(model, now), self.shedding):
             return False
         newcomer = ShedCandidate(view.request_id, view.priority, ticket.item.seq)
         victim = shed_victim(self.shedding, newcomer, self._least_urgent_newest(model))
@@ -651,7 +656,7 @@ class DispatchCore:
         heap = self._class_deadlines.get((model, slo_class))
         if not heap:
             return False
-        ctx = self.context(model)
+        ctx = self.context(model, now)
         looked: list[tuple[float, int, str]] = []
         found: str | None = None
         while heap and len(looked) < PRUNE_SCAN:
