@@ -19,11 +19,13 @@ from gateway.tokenizer import encode
 
 SHIPPED = {
     "bursty",
+    "calibration",
     "hyperflexis-2task",
     "hyperflexis-4task",
     "long-tail",
     "multi-turn",
     "priority-ramp",
+    "tpot-bound",
     "trace-mmpp",
 }
 
