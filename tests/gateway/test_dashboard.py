@@ -120,7 +120,8 @@ def test_queue_depth_per_model_and_class_and_refusals() -> None:
     gate = threading.Event()
     with (
         HeaderEngine(gate=gate) as held,
-        run_gateway(engines=[held.entry("held")], max_engine_load=1, monitor_interval_s=0.2) as gw,
+        # (no health check within the test: one would re-admit the engine it ejects at the end)
+        run_gateway(engines=[held.entry("held")], max_engine_load=1, monitor_interval_s=30.0) as gw,
     ):
         threads = [
             threading.Thread(
