@@ -26,6 +26,11 @@ from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 PRIO_SUFFIX = "+prio"
 
 
+def split_prio(policy: str) -> tuple[str, bool]:
+    """``"<profile>+prio"`` -> (profile, True): the engines schedule by the forwarded deadline."""
+    return (policy.removesuffix(PRIO_SUFFIX), True) if policy.endswith(PRIO_SUFFIX) else (policy, False)
+
+
 def routing_profile_path(name: str) -> Path:
     """A routing profile by name (profiles/routing/<name>.yaml) or path."""
     if name.endswith((".yaml", ".yml")):
@@ -63,10 +68,9 @@ class Stack:
     def __init__(self, policy: str, engines: int, profile: str, time_scale: float, slo_profile: str) -> None:
         # "<profile>+prio", or a profile that asks for it (engine_scheduling: deadline): engines
         # order their own queues by the TTFT deadline the gateway forwards
-        base = policy.removesuffix(PRIO_SUFFIX)
+        base, prio = split_prio(policy)
         self.deadline_engines = (
-            policy.endswith(PRIO_SUFFIX)
-            or RoutingProfile.load(routing_profile_path(base)).dispatcher.deadline_engines
+            prio or RoutingProfile.load(routing_profile_path(base)).dispatcher.deadline_engines
         )
         self.policy = base
         self.engine_args: tuple[str, ...] = (

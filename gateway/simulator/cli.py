@@ -23,7 +23,7 @@ from pathlib import Path
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.priority_ramp import plot as plot_ramp
 from gateway.experiments.replay import Outcome
-from gateway.experiments.runner import PRIO_SUFFIX
+from gateway.experiments.runner import PRIO_SUFFIX, split_prio
 from gateway.experiments.workloads import read_workload
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.report import Row, plot_curves, row, table
@@ -60,7 +60,7 @@ def parse_rates(text: str) -> list[float]:
 
 
 def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -> Scenario:
-    profile, prio = (policy[: -len(PRIO_SUFFIX)], True) if policy.endswith(PRIO_SUFFIX) else (policy, False)
+    profile, prio = split_prio(policy)
     ramp = read_workload(args.workload).kind == "ramp"
     return Scenario(
         workload=args.workload,

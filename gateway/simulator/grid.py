@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
-from gateway.experiments.runner import PRIO_SUFFIX
+from gateway.experiments.runner import split_prio
 from gateway.simulator.capacity import engine_capacity
 from gateway.simulator.scenario import RunResult, Scenario, run
 
@@ -64,7 +64,7 @@ class Result:
 
 
 def _scenario(cell: Cell, policy: str, engines: int, duration_s: float, seed: int) -> Scenario:
-    profile, prio = (policy[: -len(PRIO_SUFFIX)], True) if policy.endswith(PRIO_SUFFIX) else (policy, False)
+    profile, prio = split_prio(policy)
     ramp = cell.load == 0
     return Scenario(
         workload=cell.workload,
