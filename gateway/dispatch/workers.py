@@ -17,8 +17,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 
-from gateway.fleet.registry import EngineRecord, Fleet
-from policies.api import Role
+from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
 from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView, shortened_maturity
 from policies.latency_fit import Coeffs
 
@@ -44,7 +43,7 @@ class HyperFlexisWorkers:
         #: held engines whose every dispatched prefill has produced its first token
         self._prefilled: set[str] = set()
         for record in fleet.records.values():
-            if record.adapter.role == Role.COLLOCATED:
+            if record.adapter.role in FRONT_ROLES:
                 self.set(record.model, record.engine_id, 0.0)
 
     @property
@@ -114,8 +113,8 @@ class HyperFlexisWorkers:
             if self._version[engine_id] != version:
                 continue  # superseded
             record = self.fleet.records[engine_id]
-            if not record.healthy:
-                self.set(model, engine_id, math.inf)
+            if not record.healthy or record.draining or record.adapter.role not in FRONT_ROLES:
+                self.set(model, engine_id, math.inf)  # back with the event that returns it
                 continue
             workers.append(self._view(record, at))
         return workers
@@ -128,9 +127,13 @@ class HyperFlexisWorkers:
         concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default prior,
         behind an engine with nothing to do); an engine back in health is mature at once."""
         engine_id = record.engine_id
+        model = record.model
+        if what == "role":  # drained, flipped or back in rotation: a fresh look either way
+            if record.adapter.role in FRONT_ROLES and not record.draining:
+                self.unpark(model, engine_id, -math.inf)
+            return
         if engine_id not in self.maturity:
             return
-        model = record.model
         if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
             # (a non-streamed answer shows no first token: its end shows the prefill was done)
             self._prefilled.add(engine_id)

@@ -60,6 +60,8 @@ class EngineRecord:
     #: sum over running requests of prompt tokens + tokens generated so far (the decode batch's
     #: current length), kept as requests come, stream and go
     running_tokens: int = 0
+    #: taken out of rotation for an admin action (a role flip): healthy, but given no new work
+    draining: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -87,7 +89,11 @@ class EngineRecord:
         return max(0, capacity - used)
 
 
-#: called with (engine id, what changed): "release", "prefilled", "state", "health"
+#: the roles that take a request from the admission queue: a collocated engine serves it whole, a
+#: prefill engine serves its prefill stage; decode engines are placed on by the decode stage
+FRONT_ROLES = frozenset((Role.COLLOCATED, Role.PREFILL))
+
+#: called with (engine id, what changed): "release", "prefilled", "state", "health", "role"
 ChangeListener = Callable[[str, str], None]
 
 
@@ -111,6 +117,7 @@ class Fleet:
         self.engines_of: dict[str, tuple[EngineRecord, ...]] = {
             m: tuple(r for r in self._by_index if r.model == m) for m in self.served_models
         }
+        #: per model, healthy engines of the front pool (see FRONT_ROLES) that are not draining
         self._healthy_per_model: dict[str, int] = dict.fromkeys(self.served_models, 0)
         self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
         self._dirty: set[int] = set(range(len(self._by_index)))
@@ -136,8 +143,25 @@ class Fleet:
         return {m for m, n in self._healthy_per_model.items() if n}
 
     def has_healthy(self, model: str) -> bool:
-        """O(1): whether any engine serving ``model`` is in rotation."""
+        """O(1): whether any engine that takes ``model``'s queued requests (collocated or
+        prefill) is in rotation."""
         return self._healthy_per_model.get(model, 0) > 0
+
+    def has_prefill_pool(self, model: str) -> bool:
+        """Whether ``model`` is served disaggregated: some engine of it has the prefill role."""
+        return any(r.adapter.role is Role.PREFILL for r in self.engines_of.get(model, ()))
+
+    def decode_pool(self, model: str, now: float | None = None) -> list[EngineSnapshot]:
+        """Healthy decode engines of ``model`` not draining, in fleet order (O(engines of the
+        model); the decode stage runs once per disaggregated request, not per queue event)."""
+        if self._dirty:
+            self._rebuild_dirty(now)
+        pool: list[EngineSnapshot] = []
+        for record in self.engines_of.get(model, ()):
+            snap = self._engine_snaps[record.index]
+            if snap is not None and snap.healthy and snap.role is Role.DECODE and not record.draining:
+                pool.append(snap)
+        return pool
 
     def snapshot(self, now: float | None = None) -> FleetSnapshot:
         """Immutable view for policies; only engines changed since the last one are rebuilt.
@@ -171,7 +195,8 @@ class Fleet:
         self._built_at = now
 
     def candidates(self, model: str, now: float | None = None) -> tuple[EngineSnapshot, ...]:
-        """Healthy collocated engines serving ``model``, as snapshot entries: O(1) in Python (a
+        """Healthy engines of ``model``'s front pool (collocated or prefill, not draining), as
+        snapshot entries: O(1) in Python (a
         copy of a patched list) unless health changed since the last call."""
         return tuple(self._routable_of(model, now))
 
@@ -200,7 +225,7 @@ class Fleet:
             for record in self.engines_of.get(model, ()):
                 self._routable_slot.pop(record.index, None)
                 snap = self._engine_snaps[record.index]
-                if snap is not None and snap.healthy and snap.role is Role.COLLOCATED:
+                if snap is not None and snap.healthy and snap.role in FRONT_ROLES and not record.draining:
                     self._routable_slot[record.index] = len(routable)
                     routable.append(snap)
             self._routable[model] = routable
@@ -307,14 +332,44 @@ class Fleet:
         self._dirty.add(record.index)
         self._notify(engine_id, "state")
 
+    @staticmethod
+    def _in_front(record: EngineRecord) -> bool:
+        return record.healthy and not record.draining and record.adapter.role in FRONT_ROLES
+
     def _set_healthy(self, record: EngineRecord, healthy: bool) -> None:
         if record.healthy == healthy:
             return
+        before = self._in_front(record)
         record.healthy = healthy
-        self._healthy_per_model[record.model] += 1 if healthy else -1
+        self._membership_changed(record, before)
+        self._notify(record.engine_id, "health")
+
+    def _membership_changed(self, record: EngineRecord, was_in_front: bool) -> None:
+        now_in_front = self._in_front(record)
+        if now_in_front != was_in_front:
+            self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
         self._dirty.add(record.index)
-        self._notify(record.engine_id, "health")
+
+    def set_draining(self, engine_id: str, draining: bool) -> None:
+        """Take the engine out of rotation (no new work; what runs there finishes) or back in."""
+        record = self.records[engine_id]
+        if record.draining == draining:
+            return
+        before = self._in_front(record)
+        record.draining = draining
+        self._membership_changed(record, before)
+        self._notify(engine_id, "role")
+
+    def set_role(self, engine_id: str, role: Role) -> None:
+        """The engine now serves as ``role`` (after the admin flip drained it)."""
+        record = self.records[engine_id]
+        if record.adapter.role is role:
+            return
+        before = self._in_front(record)
+        record.adapter.role = role
+        self._membership_changed(record, before)
+        self._notify(engine_id, "role")
 
     def record_health(
         self, engine_id: str, ok: bool, eject_after: int, readmit_after: int, error: str = ""
