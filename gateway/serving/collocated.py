@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,6 +56,9 @@ PATHS = {
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
 }
+#: one placement's work: (call, engine placed, its reservation, the request's deadline or None)
+#: -> the status sent to the client, or a retryable error
+Stage = Callable[[Call, EngineRecord, RunningEntry, float | None], Awaitable[int | GatewayError]]
 #: engine ``priority`` values stay integers that every JSON parser reads exactly
 _MAX_PRIORITY = (1 << 53) - 1
 
@@ -88,10 +92,16 @@ class CollocatedFlow:
             sock_connect=settings.connect_timeout_s,
         )
 
-    async def serve(self, call: Call) -> int:
-        """Place and relay ``call``; returns the status sent, raises GatewayError before any byte."""
+    async def serve(self, call: Call, stage: Stage | None = None) -> int:
+        """Place and relay ``call``; returns the status sent, raises GatewayError before any byte.
+
+        ``stage`` serves one placement (default :meth:`attempt`: the whole request on the engine
+        placed); the disaggregated flow passes its own, which runs a prefill engine's part and
+        then the decode stage, so both flows share placement, retries and their bookkeeping.
+        """
         request = call.request
         target = call.target
+        serve_on = self.attempt if stage is None else stage
         view = RequestView(
             request_id=call.rid,
             model=request.model,
@@ -128,7 +138,7 @@ class CollocatedFlow:
             self._decided(call, attempt, asked, asked_ns, suspended.value, record, None, tried)
             tried.append(record.engine_id)
             try:
-                outcome = await self._attempt(call, record, entry, deadline)
+                outcome = await serve_on(call, record, entry, deadline)
             finally:
                 self.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
@@ -194,13 +204,21 @@ class CollocatedFlow:
             fail(dispatch, error.code, error.status)
         dispatch.end(end_ns)
 
-    def _body_for(self, call: Call, record: EngineRecord) -> bytes:
+    def body_for(
+        self,
+        call: Call,
+        record: EngineRecord,
+        overrides: dict[str, Any] | None = None,
+        remove: tuple[str, ...] = (),
+    ) -> bytes:
         """The bytes to send upstream: the client's own, with at most a member or two spliced in.
 
         Members of a JSON object are unordered, so a field the body lacks is inserted right after
         its opening brace; re-serialising a 15 MB body would block the event loop for 7-26 ms.
         Only a body that must lose a field (a ``priority`` the engine would reject) or already
-        has the one to change is re-serialised.
+        has the one to change is re-serialised. ``overrides`` and ``remove`` are a stage's own
+        changes (a P/D prefill's ``max_tokens``, ``kv_transfer_params``...): they go into a copy,
+        so the client's body stays what it was for the next stage.
         """
         request = call.request
         adapter = record.adapter
@@ -214,34 +232,47 @@ class CollocatedFlow:
             # gateway started, so the engine's order agrees with the gateway's deadline orders.
             deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
             extra["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
-        if request.stream and not request.client_wants_usage:
+        stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
+        if stream and not request.client_wants_usage:
             extra["stream_options"] = {"include_usage": True}
-        if not extra:
+        if overrides:
+            extra.update(overrides)
+        if not extra and not remove:
             return orjson.dumps(request.body) if request.body_edited else request.raw
-        if request.body_edited or any(key in keys for key in extra):
+        if overrides or remove or request.body_edited or any(key in keys for key in extra):
             body = request.body
             if "stream_options" in extra:
                 extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            if overrides or remove:
+                body = {k: v for k, v in body.items() if k not in remove}
+            else:
+                request.body_edited = True
             body.update(extra)
-            request.body_edited = True
             return orjson.dumps(body)
         # parse_request accepted a JSON object with a "model": it opens with "{" and has a member
         at = request.raw.index(b"{") + 1
         return b"".join((request.raw[:at], orjson.dumps(extra)[1:-1], b",", request.raw[at:]))
 
-    def _headers_for(self, call: Call, record: EngineRecord) -> dict[str, str]:
+    def headers_for(self, call: Call, record: EngineRecord) -> dict[str, str]:
         adapter = record.adapter
         forwarded = adapter.forwarded_headers(call.forward_headers) if call.forward_headers else None
         return adapter.upstream_headers(call.rid, forwarded)
 
-    async def _attempt(
-        self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
+    async def attempt(
+        self,
+        call: Call,
+        record: EngineRecord,
+        entry: RunningEntry,
+        deadline: float | None,
+        payload: bytes | None = None,
     ) -> int | GatewayError:
-        """One engine. Returns the status sent to the client, or a retryable error."""
+        """The whole request (or, given ``payload``, a decode stage's body) on one engine.
+        Returns the status sent to the client, or a retryable error."""
         request = call.request
         engine_id = record.engine_id
-        payload = self._body_for(call, record)
-        headers = self._headers_for(call, record)
+        if payload is None:
+            payload = self.body_for(call, record)
+        headers = self.headers_for(call, record)
         url = record.adapter.url(PATHS[request.kind])
         call.dispatched_at = entry.dispatched_at = time.monotonic()
         call.engine_id = engine_id
@@ -255,7 +286,7 @@ class CollocatedFlow:
             headers_at = min(first_token_at, loop.time() + settings.headers_timeout_s)
         else:
             first_token_at = headers_at = loop.time() + (deadline - time.monotonic())
-        up = self._upstream_span(call, record, url, headers) if call.span is not None else None
+        up = self.upstream_span(call, record, url, headers) if call.span is not None else None
         try:
             outcome = await self._exchange(
                 call, record, url, payload, headers, headers_at, first_token_at, up
@@ -268,7 +299,7 @@ class CollocatedFlow:
             _end_upstream(up, call, outcome)
         return outcome
 
-    def _upstream_span(self, call: Call, record: EngineRecord, url: str, headers: dict[str, str]) -> Span:
+    def upstream_span(self, call: Call, record: EngineRecord, url: str, headers: dict[str, str]) -> Span:
         """The upstream call's span; the engine is sent its context as ``traceparent``."""
         assert call.span is not None
         adapter = record.adapter
@@ -288,7 +319,7 @@ class CollocatedFlow:
         call.upstream_span = span
         return span
 
-    async def _exchange(
+    async def post(
         self,
         call: Call,
         record: EngineRecord,
@@ -296,13 +327,11 @@ class CollocatedFlow:
         payload: bytes,
         headers: dict[str, str],
         headers_at: float,
-        first_token_at: float,
-        up: Span | None,
-    ) -> int | GatewayError:
-        """Send the request to the engine and relay its answer (see :meth:`_attempt`)."""
-        request = call.request
+    ) -> aiohttp.ClientResponse | GatewayError:
+        """POST to the engine until its response headers; a retryable failure comes back as a
+        GatewayError (connecting failed, the engine closed a pooled connection twice, a malformed
+        answer); a timeout after the request reached the engine raises (never retried)."""
         engine_id = record.engine_id
-        settings = self.settings
         sent_at = time.monotonic()
         try:
             for fresh in (False, True):
@@ -311,7 +340,7 @@ class CollocatedFlow:
                         response = await self.session.post(
                             url, data=payload, headers=headers, timeout=self._timeout
                         )
-                    break
+                    return response
                 except aiohttp.ConnectionTimeoutError:
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect_timeout").inc()
                     metrics.UPSTREAM_RETRIES.labels("connect").inc()
@@ -358,11 +387,31 @@ class CollocatedFlow:
                     )
         finally:
             call.waited_s += time.monotonic() - sent_at  # connecting and the engine's headers
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    async def _exchange(
+        self,
+        call: Call,
+        record: EngineRecord,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        headers_at: float,
+        first_token_at: float,
+        up: Span | None,
+    ) -> int | GatewayError:
+        """Send the request to the engine and relay its answer (see :meth:`attempt`)."""
+        request = call.request
+        engine_id = record.engine_id
+        settings = self.settings
+        response = await self.post(call, record, url, payload, headers, headers_at)
+        if isinstance(response, GatewayError):
+            return response
         if up is not None:
             up.set_attribute("http.response.status_code", response.status)
         try:
             if response.status >= 400:
-                return await self._engine_refused(call, record, response, headers_at)
+                return await self.engine_refused(call, record, response, headers_at)
             if request.stream:
                 return await relay_stream(
                     call, response, self.fleet, record, first_token_at, settings.idle_timeout_s
@@ -386,7 +435,7 @@ class CollocatedFlow:
         finally:
             response.close()  # also aborts the engine's request if it is still running
 
-    async def _engine_refused(
+    async def engine_refused(
         self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
     ) -> GatewayError:
         engine_id = record.engine_id

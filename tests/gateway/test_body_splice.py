@@ -49,7 +49,7 @@ def keys(body: bytes) -> list[str]:
 @pytest.mark.parametrize("spaces", [b"", b"  \n "])
 def test_stream_usage_is_spliced_into_the_clients_bytes(spaces: bytes) -> None:
     raw = spaces + b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"x":1.50}'
-    sent = flow()._body_for(call(raw), record("openai", False))
+    sent = flow().body_for(call(raw), record("openai", False))
     assert sent.endswith(b'"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"x":1.50}')
     assert json.loads(sent)["stream_options"] == {"include_usage": True}
     assert sorted(keys(sent)) == ["messages", "model", "stream", "stream_options", "x"]
@@ -57,10 +57,10 @@ def test_stream_usage_is_spliced_into_the_clients_bytes(spaces: bytes) -> None:
 
 def test_priority_is_spliced_once_and_a_clients_own_is_replaced() -> None:
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
-    sent = flow()._body_for(call(raw), record("vllm", True))
+    sent = flow().body_for(call(raw), record("vllm", True))
     assert json.loads(sent)["priority"] == 11_000 and keys(sent).count("priority") == 1
     own = b'{"model":"m","priority":-5,"messages":[{"role":"user","content":"hi"}]}'
-    sent = flow()._body_for(call(own), record("vllm", True))
+    sent = flow().body_for(call(own), record("vllm", True))
     assert keys(sent).count("priority") == 1 and json.loads(sent)["priority"] == 11_000
 
 
@@ -69,9 +69,9 @@ def test_a_field_removed_for_one_engine_stays_removed_for_the_next() -> None:
     takes one must not find the client's value again in the raw bytes."""
     c = call(b'{"model":"m","priority":-5,"messages":[{"role":"user","content":"hi"}],"stream":true}')
     f = flow()
-    first = f._body_for(c, record("openai", False))
+    first = f.body_for(c, record("openai", False))
     assert "priority" not in json.loads(first)
-    second = f._body_for(c, record("vllm", True))
+    second = f.body_for(c, record("vllm", True))
     assert keys(second).count("priority") == 1 and json.loads(second)["priority"] == 11_000
     assert keys(second).count("stream_options") == 1
 
@@ -79,12 +79,12 @@ def test_a_field_removed_for_one_engine_stays_removed_for_the_next() -> None:
 def test_an_untouched_body_is_sent_as_is() -> None:
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}], "stream": false}'
     c = call(raw)
-    assert flow()._body_for(c, record("openai", False)) is c.request.raw
+    assert flow().body_for(c, record("openai", False)) is c.request.raw
 
 
 def test_a_body_re_serialised_for_one_field_keeps_the_spliced_other() -> None:
     """The client's stream_options must be merged (re-serialised), and the engine's priority must
     still go with it (found by the fuzz test: the priority was lost)."""
     raw = b'{"model":"m","messages":[{"role":"user","content":""}],"stream":true,"stream_options":{"include_usage":false}}'
-    sent = json.loads(flow()._body_for(call(raw), record("vllm", True)))
+    sent = json.loads(flow().body_for(call(raw), record("vllm", True)))
     assert sent["priority"] == 11_000 and sent["stream_options"] == {"include_usage": True}

@@ -36,7 +36,7 @@ async def test_a_large_body_parsed_in_the_worker_matches_parsing_in_place() -> N
         assert offloaded.keys == frozenset(here.body)
         # the forwarded bytes are spliced without decoding the body on the event loop
         call = Call(offloaded, "sg-1", "c", 10.0, _noop, TARGET, None, (), {})
-        sent = flow()._body_for(call, record("vllm", True))
+        sent = flow().body_for(call, record("vllm", True))
         assert offloaded.parsed is None and orjson.loads(sent)["stream_options"] == {"include_usage": True}
         assert offloaded.body == here.body  # decoded on first use
         pool = parser._pool
