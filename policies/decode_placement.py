@@ -1,0 +1,141 @@
+"""Decode-stage placement for prefill/decode disaggregation: which decode engine takes a request
+whose prefill has just finished.
+
+What it decides: one decode engine for one request, at the moment its prefill completes (the
+second stage of two-stage P/D dispatch, HyperFlexis §5.1: the Dispatcher places the prefill, the
+Migrator places the decode later, with the fleet's state of that moment, instead of fixing the pair
+when the request arrives).
+
+From what: the request's :class:`DecodeDemand` (prompt tokens whose KV moves, output bound, TPOT
+target) and, per candidate engine, its snapshot (``in_flight`` requests and their
+``running_tokens``: the decode batch the request would join), its latency coefficients, the KV
+transfers into it that have not finished (the load on its ingress link) and its free KV room.
+
+How (Kairos §3.2, slack between the TPOT target and the decode step time): for every candidate
+
+* the decode step it would run after admitting the request, HyperFlexis eq.(2)
+  (:func:`policies.latency.decode_step_time`) over the batch it holds now plus this request:
+  ``B = in_flight + 1`` sequences of ``running_tokens + prompt_tokens`` context tokens in total;
+* the transfer time of the request's KV over the candidate's ingress link, shared with the
+  transfers already in flight there: ``latency + prompt_tokens / speed * (transfers_in_flight + 1)``
+  (with ``n`` transfers sharing the link fairly, each moves at ``1/(n+1)`` of its speed; with a
+  serial link, the request waits for ``n`` transfers of about its own size: the same figure);
+* Kairos eq.(2)'s slack at the first decode step (``N = 0``, the prefill's end as the origin):
+  ``slack = TPOT - transfer - step``, the time the first decoded token has to spare.
+
+An engine is *feasible* when its predicted step meets the request's TPOT target, the decode batch
+stays within the decode token budget (``max_decode_batch_tokens``: context tokens of one decode
+step, the ``sum(l_cur)`` of eq.(2), when the profile sets one) and its KV room holds the prompt and
+the whole output (``prompt + max_output``; unknown room counts as enough). Among feasible engines
+the one with the most slack wins: the least loaded decode batch net of its link's queue, so load
+spreads over the pool instead of piling on one engine (the one-worker bug of peer P/D routers).
+When no engine is feasible the least bad one is chosen: first any engine whose KV holds the
+request, then the most slack; without any KV fit, the smallest KV shortfall. ``None`` only when
+there is no candidate at all. Ties go to the earlier candidate (fleet order), so the choice is
+deterministic.
+
+Pure: no I/O, no clock, no imports from ``gateway``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.api import EngineSnapshot
+from policies.latency import LatencyCoefficients, decode_step_time
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCandidate:
+    """One decode engine as the decode stage sees it (healthy, role DECODE or COLLOCATED)."""
+
+    engine: EngineSnapshot
+    #: the engine's latency model (eq.(1)/(2) coefficients)
+    coefficients: LatencyCoefficients
+    #: KV transfers into this engine not yet finished (its ingress link's load)
+    transfers_in_flight: int = 0
+    #: KV room in tokens (None: unknown)
+    free_kv_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeDemand:
+    """The request whose prefill just finished."""
+
+    request_id: str
+    #: tokens whose KV moves to the decode engine
+    prompt_tokens: int
+    max_output_tokens: int
+    #: the request's TPOT target, s
+    tpot_s: float
+    #: the prefill engine
+    source_engine: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlacementParams:
+    #: link speed in KV tokens per second (predicts the transfer time)
+    transfer_tokens_per_s: float = 2.0e6
+    #: fixed cost of one transfer, s
+    transfer_latency_s: float = 0.001
+    #: the decode token budget: context tokens of one decode step, if the profile sets one
+    max_decode_batch_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChoice:
+    engine_id: str
+    #: the decode step time predicted with this request added, s
+    predicted_tpot_s: float
+    #: the KV transfer time predicted over the engine's link, s
+    predicted_transfer_s: float
+    #: meets the TPOT target (and the decode token budget) and fits KV
+    feasible: bool
+
+
+def predicted_transfer_s(
+    demand: DecodeDemand, transfers_in_flight: int, params: DecodePlacementParams
+) -> float:
+    """Seconds to move the request's KV over a link already carrying ``transfers_in_flight``."""
+    speed = params.transfer_tokens_per_s
+    per_transfer = demand.prompt_tokens / speed if speed > 0 else 0.0
+    return params.transfer_latency_s + per_transfer * (max(0, transfers_in_flight) + 1)
+
+
+def predicted_step_s(candidate: DecodeCandidate, demand: DecodeDemand) -> float:
+    """Eq.(2) for the candidate's decode batch with the request added.
+
+    Eq.(2) depends only on the batch's size and its total context, so the batch is given as one
+    length carrying the whole context and ``in_flight`` empty ones.
+    """
+    engine = candidate.engine
+    context = max(0, engine.running_tokens) + demand.prompt_tokens
+    lengths = [context, *([0] * max(0, engine.in_flight))]
+    return decode_step_time(candidate.coefficients, lengths)
+
+
+def place_decode(
+    demand: DecodeDemand, candidates: Sequence[DecodeCandidate], params: DecodePlacementParams
+) -> DecodeChoice | None:
+    """The decode engine for ``demand`` (see the module docstring); None only without candidates."""
+    best: tuple[tuple[int, int, int, float], DecodeChoice] | None = None
+    need = demand.prompt_tokens + demand.max_output_tokens
+    for candidate in candidates:
+        step = predicted_step_s(candidate, demand)
+        transfer = predicted_transfer_s(demand, candidate.transfers_in_flight, params)
+        room = candidate.free_kv_tokens
+        shortfall = 0 if room is None else max(0, need - room)
+        fits_kv = shortfall == 0
+        budget = params.max_decode_batch_tokens
+        within_budget = (
+            budget is None or max(0, candidate.engine.running_tokens) + demand.prompt_tokens <= budget
+        )
+        feasible = fits_kv and within_budget and step <= demand.tpot_s
+        slack = demand.tpot_s - transfer - step
+        # smaller is better; strict comparison keeps the earlier candidate on ties (fleet order)
+        key = (0 if feasible else 1, 0 if fits_kv else 1, shortfall, -slack)
+        if best is None or key < best[0]:
+            choice = DecodeChoice(candidate.engine.engine_id, step, transfer, feasible)
+            best = (key, choice)
+    return None if best is None else best[1]
