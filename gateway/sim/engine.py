@@ -11,6 +11,12 @@ each, or their next prefill chunk), then waiting requests in FCFS or priority or
 are sequence slots, token budget and KV blocks. A running request that needs a block when none
 is free preempts the lowest-priority, latest-arrived running request (recompute: its blocks are
 released and it goes back to the front of the waiting queue).
+
+P/D: a decode engine's KV arrives over its ingress link, modelled as one serial FIFO channel:
+:meth:`EngineModel.reserve_link` starts a transfer when the link is free (at once, or when the
+transfers reserved before it end) and keeps the link for the profile's transfer time (setup
+latency plus size over bandwidth), so concurrent transfers into one engine queue behind each other
+and the order they are handed to the link decides who waits.
 """
 
 from __future__ import annotations
@@ -143,6 +149,11 @@ class EngineModel:
         self.paused = False  # asleep or loading weights: nothing is scheduled
         self.admitting = True  # False while draining for /sleep?mode=wait: running ones finish
         self._order = 0
+        #: the ingress KV link (serial FIFO): when it finishes the transfers reserved so far
+        self.link_free_at = 0.0
+        #: transfers reserved and link seconds they took, since start
+        self.link_transfers = 0
+        self.link_busy_s = 0.0
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -191,6 +202,16 @@ class EngineModel:
         for rid in expired:
             self.release_held(rid)
         return expired
+
+    def reserve_link(self, tokens: int, now: float) -> float:
+        """Reserve the ingress link for ``tokens`` of KV from ``now``; returns when they have all
+        arrived. The link carries one transfer at a time, in the order they are reserved."""
+        start = max(now, self.link_free_at)
+        seconds = self.profile.transfer_time_s(tokens)
+        self.link_free_at = start + seconds
+        self.link_transfers += 1
+        self.link_busy_s += seconds
+        return self.link_free_at
 
     # -- scheduling ------------------------------------------------------------------------------
 
@@ -433,4 +454,5 @@ class EngineModel:
         self.held.clear()
         self.requests.clear()
         self.cache.clear()
+        self.link_free_at = 0.0  # transfers in progress are lost with the engine
         return lost

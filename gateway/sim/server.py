@@ -515,7 +515,8 @@ class SimServer:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BadRequest(503, f"KV transfer from {source} failed: {exc!r}") from None
         sim.remote_kv = True
-        sim.kv_ready_at = self.now() + self.profile.transfer_time_s(int(data["tokens"]))
+        # the KV shares this engine's ingress link with other transfers (serial FIFO)
+        sim.kv_ready_at = self.model.reserve_link(int(data["tokens"]), self.now())
 
     async def _tokens(self, channel: Channel) -> list[int]:
         await channel.event.wait()
