@@ -38,10 +38,13 @@ from gateway.engines import adapter_for
 from gateway.fleet.calibration import Calibrator
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet
+from gateway.fleet.roles import flip_role
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
+from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import Settings
 from gateway.tracing import Tracing
+from policies.api import Role
 
 log = logging.getLogger("slogate.app")
 
@@ -114,9 +117,10 @@ class Gateway:
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
         self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing))
         self.dispatch.start()
-        flow = CollocatedFlow(
+        collocated = CollocatedFlow(
             s, self.fleet, self.dispatch, self.slo, self.session, self.tracing, self.decisions
         )
+        flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
         if s.calibration:
             self.calibrator = Calibrator(
@@ -303,6 +307,41 @@ def build_api(gateway: Gateway) -> FastAPI:
                 }
             )
         return _json({"engines": out})
+
+    @api.post("/admin/engines/{engine_id}/role")
+    async def engine_role(engine_id: str, request: Request) -> Response:
+        """Drain the engine, switch it to ``{"role": ...}`` and put it back (gateway.fleet.roles).
+        ``drain_timeout_s`` (default 60) bounds the drain; past it the role stays."""
+        f = fleet()
+        try:
+            if engine_id not in f.records:
+                raise GatewayError(
+                    404, f"no engine {engine_id!r}", param="engine_id", code="engine_not_found"
+                )
+            try:
+                body = orjson.loads(await request.body())
+            except orjson.JSONDecodeError:
+                body = None
+            if not isinstance(body, dict) or body.get("role") not in {r.value for r in Role}:
+                raise GatewayError(
+                    400, 'body must be {"role": "collocated"|"prefill"|"decode"}', param="role"
+                )
+            drain = body.get("drain_timeout_s", 60.0)
+            if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 3600:
+                raise GatewayError(
+                    400, "drain_timeout_s must be a number of seconds in 0..3600", param="drain_timeout_s"
+                )
+            flip = await flip_role(f, engine_id, Role(body["role"]), float(drain))
+        except GatewayError as error:
+            return _error_response(error)
+        return _json(
+            {
+                "id": flip.engine_id,
+                "role": flip.role.value,
+                "before": flip.before.value,
+                "drained_s": round(flip.drained_s, 3),
+            }
+        )
 
     return api
 

@@ -26,6 +26,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def pd_split(text: str) -> tuple[int, int]:
+    """``P:D`` -> (prefill engines, decode engines), each at least 1."""
+    prefill, sep, decode = text.partition(":")
+    try:
+        counts = (int(prefill), int(decode))
+    except ValueError:
+        counts = (0, 0)
+    if not sep or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), got {text!r}")
+    return counts
+
+
 def _up(args: argparse.Namespace) -> int:
     from gateway.up import run_up
 
@@ -96,6 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--engines", type=int, default=2, help="number of simulated engines")
+    p.add_argument(
+        "--pd",
+        type=pd_split,
+        metavar="P:D",
+        help="disaggregated: P prefill and D decode engines (instead of --engines collocated ones)",
+    )
+    p.add_argument(
+        "--kv-transfer",
+        choices=("nixl", "bootstrap"),
+        default="nixl",
+        help="with --pd: how the engines hand over KV (vLLM NIXL style or SGLang bootstrap style)",
+    )
     p.add_argument("--profile", default="qwen-7b", help="engine profile for the simulated engines")
     p.add_argument("--model", default=None, help="served model name (default: the profile's)")
     p.add_argument("--time-scale", type=float, default=1.0, help="run simulated time this many times faster")

@@ -93,6 +93,21 @@ CLIENT_DISCONNECTS = Counter(
 DISPATCHES = Counter(
     "slogate_dispatches", "Requests sent to an engine (retries count again)", ["engine"], registry=REGISTRY
 )
+PD_REQUESTS = Counter(
+    "slogate_pd_requests",
+    "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "
+    "engine, then decode engine), whole_on_decode (short prompt, n > 1, embeddings, or mode never) "
+    "or fallback (every prefill attempt failed: served whole on a decode engine)",
+    ["model", "path"],
+    registry=REGISTRY,
+)
+PD_DECODE_PLACEMENTS = Counter(
+    "slogate_pd_decode_placements",
+    "Decode-stage placements: feasible (TPOT and KV met), best_effort (none was), none (no decode "
+    "engine in rotation)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 NO_ENGINE = Counter(
     "slogate_no_engine",
     "Requests refused because no healthy engine serves the model",

@@ -32,6 +32,7 @@ from policies.api import Role
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
+KvTransfer = Literal["nixl", "bootstrap"]
 
 #: settings whose values (or, for mappings, whose keys) are API keys: never printed
 SECRET_FIELDS = frozenset(
@@ -108,6 +109,33 @@ class EngineConfig(BaseModel):
     time_scale: float = Field(
         default=1.0, gt=0, description="engine runs this many times faster than its profile"
     )
+    kv_transfer: KvTransfer | None = Field(
+        default=None,
+        description="how a prefill engine hands KV to a decode engine: nixl (vLLM: the prefill runs "
+        "first and its kv_transfer_params go to the decode) or bootstrap (SGLang: bootstrap host, "
+        "port and room in both bodies, sent together); default per kind: sglang bootstrap, else nixl",
+    )
+    bootstrap_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="a bootstrap prefill engine's KV bootstrap port (SGLang "
+        "--disaggregation-bootstrap-port, default 8998; the simulated engine: its HTTP port)",
+    )
+
+    @property
+    def transfer_protocol(self) -> KvTransfer:
+        if self.kv_transfer is not None:
+            return self.kv_transfer
+        return "bootstrap" if self.kind == "sglang" else "nixl"
+
+    @property
+    def kv_bootstrap_port(self) -> int:
+        if self.bootstrap_port is not None:
+            return self.bootstrap_port
+        if self.kind == "sim":
+            return self.url.port or 80
+        return 8998
 
     @property
     def base_url(self) -> str:

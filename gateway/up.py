@@ -17,32 +17,45 @@ from gateway.settings import load_settings_or_exit
 
 def run_up(args: argparse.Namespace) -> int:
     engines: list[ChildProcess] = []
+    roles: list[str] = []
     try:
-        for i in range(args.engines):
-            extra = [
-                "--profile",
-                args.profile,
-                "--time-scale",
-                str(args.time_scale),
-                "--engine-id",
-                f"sim-{i}",
-            ]
+        if args.pd is not None:
+            prefill, decode = args.pd
+            plan = [("prefill", f"prefill-{i}") for i in range(prefill)]
+            plan += [("decode", f"decode-{i}") for i in range(decode)]
+        else:
+            plan = [("collocated", f"sim-{i}") for i in range(args.engines)]
+        for role, name in plan:
+            extra = ["--profile", args.profile, "--time-scale", str(args.time_scale), "--engine-id", name]
+            if role != "collocated":
+                extra += ["--role", role]
             if args.model:
                 extra += ["--model", args.model]
-            engines.append(spawn_sim_engine(*extra, name=f"sim-{i}"))
+            engines.append(spawn_sim_engine(*extra, name=name))
+            roles.append(role)
         model = args.model or _served_model(engines[0].url)
         settings = load_settings_or_exit(
             args.config,
             host=args.host,
             port=args.port,
-            engines=[{"url": e.url, "kind": "sim", "model": model, "name": e.name} for e in engines],
+            engines=[
+                {
+                    "url": e.url,
+                    "kind": "sim",
+                    "model": model,
+                    "name": e.name,
+                    "role": role,
+                    **({"kv_transfer": args.kv_transfer} if role == "prefill" else {}),
+                }
+                for e, role in zip(engines, roles, strict=True)
+            ],
             # every engine here is simulated: let clients drive them (X-Sim-Output-Len, X-Sim-Fault)
             forward_sim_headers=True,
         )
         base = f"http://{settings.host}:{settings.port}"
         print(f"slogate gateway on {base}  ({len(engines)} simulated engines, model {model!r})", flush=True)
-        for e in engines:
-            print(f"  engine {e.name}: {e.url}", flush=True)
+        for e, role in zip(engines, roles, strict=True):
+            print(f"  engine {e.name} ({role}): {e.url}", flush=True)
         print(
             f"try:\n  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '

@@ -114,6 +114,8 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
         "queue_order",
         "engine_scheduling",
         "shedding",
+        "disaggregation",
+        "decode_placement",
         "filters",
         "scorers",
         "picker",

@@ -26,7 +26,7 @@ from gateway.api.request_parse import RouteKind
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.registry import Fleet
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
-from gateway.serving.collocated import CollocatedFlow
+from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
 
@@ -72,7 +72,7 @@ class Proxy:
     """Shared by the three OpenAI routes; one instance per app."""
 
     def __init__(
-        self, settings: Settings, fleet: Fleet, slo: SloService, flow: CollocatedFlow, auth: Authenticator
+        self, settings: Settings, fleet: Fleet, slo: SloService, flow: DisaggregatedFlow, auth: Authenticator
     ) -> None:
         self.settings = settings
         self.fleet = fleet

@@ -6,6 +6,8 @@ dispatcher: {name: hyperflexis, params: {theta: 0.5}}   # or {name: pipeline} (t
 queue_order: {name: sedf, params: {}}                    # any name in policies.queue_order.ORDERS
 engine_scheduling: deadline                              # or default (the default)
 shedding: {max_queue_s: 2.0, min_band: null}             # absent: no saturation shedding
+disaggregation: {mode: conditional, min_prompt_tokens: 256, max_cached_fraction: 0.5}
+decode_placement: {transfer_tokens_per_s: 2.0e6, transfer_latency_s: 0.001}
 ```
 
 Either dispatcher also takes ``max_engine_load`` (requests one engine may hold before the rest
@@ -14,16 +16,20 @@ on a queue, and a pipeline profile without a cap never queues. ``engine_scheduli
 says the profile relies on the engines ordering their own queues by the TTFT deadline the gateway
 forwards as the request's ``priority`` (vLLM ``--scheduling-policy priority``, SGLang priority
 scheduling): drivers that start engines (the simulator, the experiment runner) start them so, and
-the gateway warns at start-up about configured engines that are not. See docs/routing-profiles.md.
+the gateway warns at start-up about configured engines that are not. ``disaggregation`` and
+``decode_placement`` apply to models served by prefill and decode engines (see docs/pd.md).
+See docs/routing-profiles.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
 from policies.api import PolicyConfigError
+from policies.decode_placement import DecodePlacementParams
+from policies.disaggregation import DisaggregationMode, DisaggregationParams
 from policies.flow_control import SheddingParams
 from policies.hyperflexis import HyperFlexisParams
 from policies.queue_order import QueueOrder, make_order
@@ -44,6 +50,10 @@ class DispatcherConfig:
     max_engine_load: int | None = None
     #: saturation shedding (llm-d flow control); ``None``: none
     shedding: SheddingParams | None = None
+    #: which requests of a P/D-served model go through the prefill pool
+    disaggregation: DisaggregationParams = field(default_factory=DisaggregationParams)
+    #: the decode stage's link model and decode token budget
+    decode_placement: DecodePlacementParams = field(default_factory=DecodePlacementParams)
 
     @property
     def deadline_engines(self) -> bool:
@@ -100,6 +110,30 @@ def _shedding(profile: Mapping[str, Any]) -> SheddingParams | None:
         raise PolicyConfigError(f"shedding: {exc}") from None
 
 
+def _section(profile: Mapping[str, Any], key: str, kind: Any) -> Any:
+    """A flat parameter section made into ``kind`` (a dataclass), with messages that say how to
+    fix it; an absent section is ``kind()``."""
+    value = profile.get(key)
+    if value is None:
+        return kind()
+    if not isinstance(value, Mapping):
+        raise PolicyConfigError(f"routing profile {key!r} must be a mapping of parameters")
+    accepted = {f.name for f in fields(kind)}
+    unknown = sorted(set(value) - accepted)
+    if unknown:
+        raise PolicyConfigError(f"{key} has no parameter {unknown}; it accepts: {sorted(accepted)}")
+    params = dict(value)
+    if kind is DisaggregationParams and "mode" in params:
+        modes = [m.value for m in DisaggregationMode]
+        if params["mode"] not in modes:
+            raise PolicyConfigError(f"disaggregation.mode must be one of {modes}, got {params['mode']!r}")
+        params["mode"] = DisaggregationMode(params["mode"])
+    try:
+        return kind(**params)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"{key}: {exc}") from None
+
+
 def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
     name, params = _entry(profile, "dispatcher", "pipeline")
     if name not in DISPATCHERS:
@@ -129,4 +163,6 @@ def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
         engine_scheduling=_engine_scheduling(profile),
         max_engine_load=max_engine_load,
         shedding=_shedding(profile),
+        disaggregation=_section(profile, "disaggregation", DisaggregationParams),
+        decode_placement=_section(profile, "decode_placement", DecodePlacementParams),
     )

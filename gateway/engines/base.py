@@ -107,6 +107,17 @@ class EngineAdapter:
             return True
         return False
 
+    # -- lifecycle hooks ---------------------------------------------------------------------------
+
+    async def switch_role(self, role: Role) -> None:
+        """Tell the engine it now serves as ``role`` (called drained, by the admin role flip).
+
+        vLLM engines run their KV connector as ``kv_both`` for flips, so a request's
+        ``kv_transfer_params`` alone say which side it is: nothing to tell. Engines whose role is
+        a server setting (the simulated engine's bootstrap mode) override this.
+        """
+        return None
+
     # -- monitoring ------------------------------------------------------------------------------
 
     async def health(self) -> bool:

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
-from policies.api import EngineState, EngineTiming
+from policies.api import EngineState, EngineTiming, Role
 
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
@@ -100,3 +100,11 @@ class SimAdapter(VllmAdapter):
 
     kind: ClassVar[str] = "sim"
     accepts_sim_headers: ClassVar[bool] = True
+
+    async def switch_role(self, role: Role) -> None:
+        """The simulated engine's bootstrap (SGLang-style) handling depends on its role."""
+        async with self.session.post(
+            self.url("/sim/role"), json={"role": role.value}, timeout=self._health_timeout, headers=self._auth
+        ) as resp:
+            await resp.read()
+            resp.raise_for_status()

@@ -119,6 +119,11 @@ class Fleet:
         }
         #: per model, healthy engines of the front pool (see FRONT_ROLES) that are not draining
         self._healthy_per_model: dict[str, int] = dict.fromkeys(self.served_models, 0)
+        #: per model, engines with the prefill role (healthy or not)
+        self._prefill_engines: dict[str, int] = dict.fromkeys(self.served_models, 0)
+        for record in self._by_index:
+            if record.adapter.role is Role.PREFILL:
+                self._prefill_engines[record.model] += 1
         self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
         self._dirty: set[int] = set(range(len(self._by_index)))
         self._snapshot: FleetSnapshot | None = None
@@ -148,8 +153,8 @@ class Fleet:
         return self._healthy_per_model.get(model, 0) > 0
 
     def has_prefill_pool(self, model: str) -> bool:
-        """Whether ``model`` is served disaggregated: some engine of it has the prefill role."""
-        return any(r.adapter.role is Role.PREFILL for r in self.engines_of.get(model, ()))
+        """O(1): whether ``model`` is served disaggregated (some engine of it is a prefill one)."""
+        return self._prefill_engines.get(model, 0) > 0
 
     def decode_pool(self, model: str, now: float | None = None) -> list[EngineSnapshot]:
         """Healthy decode engines of ``model`` not draining, in fleet order (O(engines of the
@@ -367,6 +372,7 @@ class Fleet:
         if record.adapter.role is role:
             return
         before = self._in_front(record)
+        self._prefill_engines[record.model] += (role is Role.PREFILL) - (record.adapter.role is Role.PREFILL)
         record.adapter.role = role
         self._membership_changed(record, before)
         self._notify(engine_id, "role")

@@ -293,10 +293,10 @@ class CollocatedFlow:
             )
         except BaseException as exc:
             if up is not None:
-                _end_upstream(up, call, exc)
+                end_upstream(up, call, exc)
             raise
         if up is not None:
-            _end_upstream(up, call, outcome)
+            end_upstream(up, call, outcome)
         return outcome
 
     def upstream_span(self, call: Call, record: EngineRecord, url: str, headers: dict[str, str]) -> Span:
@@ -327,10 +327,13 @@ class CollocatedFlow:
         payload: bytes,
         headers: dict[str, str],
         headers_at: float,
+        count_wait: bool = True,
     ) -> aiohttp.ClientResponse | GatewayError:
         """POST to the engine until its response headers; a retryable failure comes back as a
         GatewayError (connecting failed, the engine closed a pooled connection twice, a malformed
-        answer); a timeout after the request reached the engine raises (never retried)."""
+        answer); a timeout after the request reached the engine raises (never retried).
+        ``count_wait``: the wait is not the gateway's own time (False for a request sent beside
+        another, whose wait is counted once)."""
         engine_id = record.engine_id
         sent_at = time.monotonic()
         try:
@@ -386,7 +389,8 @@ class CollocatedFlow:
                         502, f"engine {engine_id} sent a malformed answer", code="upstream_failed"
                     )
         finally:
-            call.waited_s += time.monotonic() - sent_at  # connecting and the engine's headers
+            if count_wait:
+                call.waited_s += time.monotonic() - sent_at  # connecting and the engine's headers
         raise AssertionError("unreachable: the second try returns or raises")
 
     async def _exchange(
@@ -479,7 +483,7 @@ def dispatcher_name(settings: Settings) -> str:
     return Path(settings.routing_profile).stem
 
 
-def _end_upstream(span: Span, call: Call, result: int | GatewayError | BaseException) -> None:
+def end_upstream(span: Span, call: Call, result: int | GatewayError | BaseException) -> None:
     """End an upstream span with how the attempt ended (the engine's own status is on it)."""
     if call.content_events:
         span.set_attribute("slogate.content_events", call.content_events)

@@ -14,6 +14,8 @@ a weight load sleeps ``profile.weights.load_time_s(source) / time_scale`` real s
   the disk load time. ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``.
 * ``POST /sim/load_weights {"source":"disk"|"cpu"|"peer","peer_url"?}`` pauses the engine for the
   profile's load time and answers ``{"status":"loaded","source":..,"seconds":..}``.
+* ``POST /sim/role {"role":"collocated"|"prefill"|"decode"}``: the role bootstrap-room requests
+  are served as (the gateway's admin role flip calls it).
 * ``POST /sim/fault {"mode":"crash"|"hang"|"slow","factor":F}`` or ``{"clear":true}``.
 * ``POST /sim/kv/pull {"request_id":..}`` or ``{"room":..,"wait_s":..}``: a decode engine takes the
   KV a prefill left here (the blocks are freed) and learns how many tokens it covers.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -73,6 +76,7 @@ class AdminRoutes:
         r.add_post("/sim/load_weights", self.load_weights)
         r.add_post("/sim/fault", self.fault)
         r.add_post("/sim/kv/pull", self.kv_pull)
+        r.add_post("/sim/role", self.role)
 
     @property
     def sleep_state(self) -> str:
@@ -123,6 +127,20 @@ class AdminRoutes:
             s.model.paused = False
             s.wake_driver()
         return _json({"status": "sleeping" if self.asleep else "awake", "tags": tags})
+
+    async def role(self, http: web.Request) -> web.Response:
+        """``{"role": "collocated"|"prefill"|"decode"}``: what bootstrap-room requests mean here
+        (a gateway's role flip; NIXL-style requests carry their side in kv_transfer_params)."""
+        try:
+            body = await http.json()
+        except ValueError:
+            body = None
+        role = body.get("role") if isinstance(body, dict) else None
+        if role not in ("collocated", "prefill", "decode"):
+            return _bad("role must be collocated, prefill or decode", "role")
+        s = self.server
+        s.config = dataclasses.replace(s.config, role=role)
+        return _json({"role": role})
 
     async def is_sleeping(self, _: web.Request) -> web.Response:
         return _json({"is_sleeping": bool(self.asleep)})

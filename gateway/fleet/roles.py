@@ -1,0 +1,88 @@
+"""Role flips: an engine switches between collocated, prefill and decode without losing a request.
+
+The flip drains first: the engine leaves rotation (no new placement in either stage), what runs
+there finishes, the engine is told its new role through its adapter's hook, and it comes back
+in its new pool. A flip that would leave a model with nobody to take its queue (no collocated or
+prefill engine) or a disaggregated model with no decode engine is refused: the admin call says
+which engine to add first. A drain that does not finish in time is undone, and the engine keeps
+its role. Called by ``POST /admin/engines/{id}/role``; the autoscaler will call it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from gateway.api.errors import GatewayError
+from gateway.fleet.registry import FRONT_ROLES, Fleet
+from policies.api import Role
+
+log = logging.getLogger("slogate.fleet.roles")
+
+#: how often a drain looks whether the engine's last request has left
+_DRAIN_POLL_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class RoleFlip:
+    engine_id: str
+    before: Role
+    role: Role
+    drained_s: float
+
+
+def check_flip(fleet: Fleet, engine_id: str, role: Role) -> None:
+    """Raise a 409 GatewayError when flipping ``engine_id`` to ``role`` would strand its model."""
+    record = fleet.records[engine_id]
+    model = record.model
+    others = [r for r in fleet.engines_of[model] if r.engine_id != engine_id]
+    after = [(r.adapter.role, r.healthy and not r.draining) for r in others] + [(role, record.healthy)]
+    if not any(r in FRONT_ROLES and up for r, up in after):
+        raise GatewayError(
+            409,
+            f"engine {engine_id} is the last engine taking model {model!r}'s requests (collocated or "
+            "prefill) in rotation: add or heal another one first",
+            code="last_engine",
+        )
+    if any(r is Role.PREFILL for r, _ in after) and not any(r is Role.DECODE and up for r, up in after):
+        raise GatewayError(
+            409,
+            f"model {model!r} has prefill engines but would have no decode engine in rotation: "
+            "add or heal one first",
+            code="last_engine",
+        )
+
+
+async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: float) -> RoleFlip:
+    """Drain ``engine_id``, switch it to ``role``, put it back (see the module docstring)."""
+    record = fleet.records[engine_id]
+    before = record.adapter.role
+    if before is role:
+        return RoleFlip(engine_id, before, role, 0.0)
+    if record.draining:
+        raise GatewayError(409, f"engine {engine_id} is already being drained", code="draining")
+    check_flip(fleet, engine_id, role)
+    started = time.monotonic()
+    fleet.set_draining(engine_id, True)
+    try:
+        while record.running:
+            if time.monotonic() - started > drain_timeout_s:
+                raise GatewayError(
+                    409,
+                    f"engine {engine_id} still runs {len(record.running)} requests after "
+                    f"{drain_timeout_s:g} s; its role is unchanged",
+                    code="drain_timeout",
+                )
+            await asyncio.sleep(_DRAIN_POLL_S)
+        try:
+            await record.adapter.switch_role(role)
+        except Exception as exc:  # the engine did not take it: it keeps serving as before
+            raise GatewayError(502, f"engine {engine_id} refused the role change: {exc!r}") from None
+        fleet.set_role(engine_id, role)
+    finally:
+        fleet.set_draining(engine_id, False)
+    drained = time.monotonic() - started
+    log.info("engine %s: role %s -> %s after %.3f s drain", engine_id, before.value, role.value, drained)
+    return RoleFlip(engine_id, before, role, drained)

@@ -1,0 +1,442 @@
+"""The disaggregated flow: a prefill engine computes the prompt's KV, a decode engine streams.
+
+Two-stage placement (HyperFlexis §5.1): the prefill goes through the admission queue and the
+dispatcher like any request (the front pool of a P/D model is its prefill engines); the decode
+engine is chosen only when the prefill has finished, with the fleet as it is at that moment
+(:func:`policies.decode_placement.place_decode`: TPOT slack after the request joins, KV room,
+transfers already arriving on the engine's link). Peer gateways fix the pair at arrival.
+
+Protocols, by the prefill engine's ``kv_transfer`` (docs/pd.md):
+
+* ``nixl`` (vLLM): the prefill is sent alone with ``kv_transfer_params.do_remote_decode``,
+  ``max_tokens`` 1, no stream (``stream_options`` and ``min_tokens`` removed); the
+  ``kv_transfer_params`` it answers go verbatim into the decode request, which carries the
+  client's own body otherwise. The engines move the KV between them.
+* ``bootstrap`` (SGLang): bootstrap host, port and a random room go into both bodies and both are
+  sent together, so the decode engine is placed when the prefill is (the protocol needs the pair
+  up front). If the prefill fails before the decode has answered anything, the decode request
+  is closed at once rather than left waiting for KV that will not come (aibrix#2289, #2746).
+
+Which requests go through the prefill pool (:func:`policies.disaggregation.decide_disaggregation`):
+``always``, ``never``, or ``conditional`` (short prompts run whole on a decode engine). A
+prefill that fails on every attempt, or a model whose prefill engines are all out, falls back to
+running the request whole on a decode engine, except under ``always``, which never prefills on a
+decode engine and answers the error instead (llm-d#2427).
+
+The client sees one response; ``x-slogate-prefill-engine`` names the prefill engine and
+``x-slogate-engine`` the decode engine. Each engine's capacity is reserved while it works on the
+request and released when its part ends (the prefill's when its answer arrives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.dispatch.profile import DispatcherConfig
+from gateway.dispatch.slo_service import SloService
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.serving.call import Call
+from gateway.serving.collocated import PATHS, CollocatedFlow, end_upstream
+from gateway.tracing import SPAN_DISPATCH, Span, Tracing
+from policies.api import Role
+from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
+from policies.disaggregation import DisaggregationMode, decide_disaggregation
+from policies.latency import LatencyCoefficients
+
+log = logging.getLogger("slogate.serving.pd")
+
+PREFILL_ENGINE_HEADER = b"x-slogate-prefill-engine"
+#: what a vLLM prefill request carries (NIXL connector; the decode gets the prefill's answer)
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+#: fields a prefill engine does not take (vLLM's P/D proxy removes them, the decode keeps them)
+PREFILL_REMOVES = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+@dataclass(slots=True)
+class _Progress:
+    """One disaggregated request's progress across the placement loop's attempts."""
+
+    #: the client's reply headers before a stage added its own
+    reply_headers: tuple[tuple[bytes, bytes], ...]
+    #: a prefill finished: later failures are the decode's, which no fallback repeats
+    prefilled: bool = False
+    decode_tried: list[str] = field(default_factory=list)
+
+
+class DisaggregatedFlow:
+    """Serves every request: models with prefill engines two-stage, the rest collocated."""
+
+    def __init__(
+        self, fleet: Fleet, collocated: CollocatedFlow, slo: SloService, config: DispatcherConfig
+    ) -> None:
+        self.fleet = fleet
+        self.collocated = collocated
+        self.slo = slo
+        self.tracing: Tracing = collocated.tracing
+        self.settings = collocated.settings
+        self.params = config.disaggregation
+        self.placement = config.decode_placement
+
+    async def serve(self, call: Call) -> int:
+        request = call.request
+        model = request.model
+        if not self.fleet.has_prefill_pool(model):
+            return await self.collocated.serve(call)
+        always = self.params.mode is DisaggregationMode.ALWAYS
+        body_n = request.body.get("n") if request.parsed is not None or "n" in request.keys else None
+        whole = request.kind == "embeddings" or (isinstance(body_n, int) and body_n > 1 and not always)
+        if whole or not decide_disaggregation(request.prompt_tokens, None, self.params).disaggregate:
+            metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
+            return await self._whole_on_decode(call, None)
+        progress = _Progress(call.reply_headers)
+
+        async def stage(
+            call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
+        ) -> int | GatewayError:
+            return await self._stage(progress, call, record, entry, deadline)
+
+        try:
+            status = await self.collocated.serve(call, stage)
+        except GatewayError as error:
+            if always or progress.prefilled or not 500 <= error.status < 600:
+                raise
+            # every prefill attempt failed (or no prefill engine is in rotation): the request
+            # runs whole on a decode engine, which can prefill too
+            log.warning(
+                "prefill failed (%s); serving whole on a decode engine",
+                error.code or error.status,
+                extra={"request_id": call.client_rid},
+            )
+            metrics.child(metrics.PD_REQUESTS, model, "fallback").inc()
+            call.reply_headers = progress.reply_headers
+            return await self._whole_on_decode(call, error)
+        metrics.child(metrics.PD_REQUESTS, model, "disaggregated").inc()
+        return status
+
+    # -- the prefill engine's part ------------------------------------------------------------------
+
+    async def _stage(
+        self,
+        progress: _Progress,
+        call: Call,
+        record: EngineRecord,
+        entry: RunningEntry,
+        deadline: float | None,
+    ) -> int | GatewayError:
+        """One placement from the front pool: a collocated engine serves whole; a prefill
+        engine prefills, then the decode stage runs."""
+        if record.adapter.role is not Role.PREFILL:
+            return await self.collocated.attempt(call, record, entry, deadline)
+        call.reply_headers = progress.reply_headers
+        if record.adapter.config.transfer_protocol == "bootstrap":
+            return await self._bootstrap(progress, call, record, entry, deadline)
+        kv = await self._prefill_nixl(call, record, entry, deadline)
+        self.collocated.dispatch.release(record.engine_id, call.rid)  # its part is over
+        if isinstance(kv, GatewayError):
+            return kv
+        progress.prefilled = True
+        return await self._decode_stage(progress, call, record, deadline, {"kv_transfer_params": kv})
+
+    async def _prefill_nixl(
+        self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
+    ) -> dict[str, object] | GatewayError:
+        """Run the prefill alone; its ``kv_transfer_params``, or a retryable error."""
+        overrides: dict[str, object] = {
+            "stream": False,
+            "max_tokens": 1,
+            "kv_transfer_params": NIXL_PREFILL_PARAMS,
+        }
+        if call.request.kind == "chat":
+            overrides["max_completion_tokens"] = 1
+        payload = self.collocated.body_for(call, record, overrides, PREFILL_REMOVES)
+        body = await self._prefill_exchange(call, record, entry, payload, deadline, count_wait=True)
+        if isinstance(body, GatewayError):
+            return body
+        try:
+            answer = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            answer = None
+        kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(kv, dict):
+            metrics.child(metrics.UPSTREAM_ERRORS, record.engine_id, "protocol").inc()
+            return GatewayError(
+                502,
+                f"prefill engine {record.engine_id} answered without kv_transfer_params "
+                "(is it running with a KV connector?)",
+                code="upstream_failed",
+            )
+        return kv
+
+    async def _prefill_exchange(
+        self,
+        call: Call,
+        record: EngineRecord,
+        entry: RunningEntry,
+        payload: bytes,
+        deadline: float | None,
+        count_wait: bool,
+    ) -> bytes | GatewayError:
+        """POST a prefill and read its whole answer within the first-token limit (the prefill is
+        the request's time to first token); failures and timeouts are retryable: the client has
+        seen nothing, and closing the response aborts the engine's request."""
+        settings = self.settings
+        collocated = self.collocated
+        engine_id = record.engine_id
+        url = record.adapter.url(PATHS[call.request.kind])
+        headers = collocated.headers_for(call, record)
+        loop = asyncio.get_running_loop()
+        finish_at = loop.time() + settings.first_token_timeout_s
+        if deadline is not None:
+            finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
+        entry.dispatched_at = time.monotonic()
+        metrics.child(metrics.DISPATCHES, engine_id).inc()
+        up = collocated.upstream_span(call, record, url, headers) if call.span is not None else None
+        outcome: bytes | GatewayError | BaseException = GatewayError(502, "prefill did not run")
+        try:
+            outcome = await self._prefill_read(call, record, url, payload, headers, finish_at, count_wait)
+            if isinstance(outcome, bytes):
+                self.fleet.mark_prefilled(engine_id, call.rid)
+            return outcome
+        except BaseException as exc:
+            outcome = exc
+            raise
+        finally:
+            if up is not None:
+                _end_prefill_span(up, call, outcome)
+
+    async def _prefill_read(
+        self,
+        call: Call,
+        record: EngineRecord,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        finish_at: float,
+        count_wait: bool,
+    ) -> bytes | GatewayError:
+        engine_id = record.engine_id
+        started = time.monotonic()
+        try:
+            response = await self.collocated.post(call, record, url, payload, headers, finish_at, count_wait)
+        except GatewayError as error:
+            if error.code != "upstream_timeout":
+                raise
+            return error  # a prefill that timed out is retried elsewhere (this one is aborted)
+        if isinstance(response, GatewayError):
+            return response
+        try:
+            if response.status >= 400:
+                return await self.collocated.engine_refused(call, record, response, finish_at)
+            try:
+                async with asyncio.timeout_at(finish_at):
+                    return await response.read()
+            except TimeoutError:
+                metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+                return GatewayError(
+                    504, f"prefill engine {engine_id} did not finish in time", code="upstream_timeout"
+                )
+            except aiohttp.ClientError as exc:
+                metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+                return GatewayError(
+                    502, f"prefill engine {engine_id} failed: {exc!r}", code="upstream_failed"
+                )
+        finally:
+            response.close()
+            if count_wait:
+                call.waited_s += time.monotonic() - started
+
+    # -- the decode stage ---------------------------------------------------------------------------
+
+    def place_decode(self, call: Call, source: str | None, exclude: list[str]) -> DecodeChoice | None:
+        """The decode engine for ``call`` now (None: no decode engine in rotation)."""
+        fleet = self.fleet
+        candidates = []
+        for snap in fleet.decode_pool(call.request.model):
+            if snap.engine_id in exclude:
+                continue
+            record = fleet.records[snap.engine_id]
+            prefill, decode = self.slo.coefficients(snap.engine_id)
+            candidates.append(
+                DecodeCandidate(
+                    snap,
+                    LatencyCoefficients(*prefill, *decode),
+                    # a decode engine's requests without a first token are the KV still arriving
+                    transfers_in_flight=len(record.unprefilled),
+                    free_kv_tokens=record.free_kv_tokens(),
+                )
+            )
+        request = call.request
+        demand = DecodeDemand(call.rid, request.prompt_tokens, request.max_tokens, call.target.tpot_s, source)
+        choice = place_decode(demand, candidates, self.placement)
+        metrics.child(
+            metrics.PD_DECODE_PLACEMENTS,
+            "none" if choice is None else "feasible" if choice.feasible else "best_effort",
+        ).inc()
+        if call.span is not None:
+            self._decode_span(call, choice, len(candidates))
+        return choice
+
+    def _decode_span(self, call: Call, choice: DecodeChoice | None, candidates: int) -> None:
+        assert call.span is not None
+        attributes: dict[str, object] = {"slogate.stage": "decode", "slogate.decode.candidates": candidates}
+        if choice is not None:
+            attributes["slogate.engine"] = choice.engine_id
+            attributes["slogate.decode.feasible"] = choice.feasible
+            attributes["slogate.decode.predicted_tpot_ms"] = round(choice.predicted_tpot_s * 1000, 3)
+            attributes["slogate.decode.predicted_transfer_ms"] = round(choice.predicted_transfer_s * 1000, 3)
+        span = self.tracing.child(call.span, SPAN_DISPATCH, attributes)
+        span.end()
+
+    def _no_decode_engine(self, model: str) -> GatewayError:
+        return GatewayError(
+            503, f"no decode engine of model {model!r} is in rotation; retry later", code="no_healthy_engine"
+        )
+
+    async def _decode_stage(
+        self,
+        progress: _Progress,
+        call: Call,
+        prefill: EngineRecord,
+        deadline: float | None,
+        overrides: dict[str, object],
+    ) -> int | GatewayError:
+        """Place the decode now and run it; another decode engine if one refuses before any
+        byte (the prefill engine keeps the KV for its lease)."""
+        call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
+        outcome: int | GatewayError = self._no_decode_engine(call.request.model)
+        for _ in range(self.settings.dispatch_attempts):
+            choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
+            if choice is None:
+                return outcome
+            progress.decode_tried.append(choice.engine_id)
+            record = self.fleet.records[choice.engine_id]
+            entry = self._reserve(call, record)
+            try:
+                payload = self.collocated.body_for(call, record, overrides)
+                outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
+            finally:
+                self.collocated.dispatch.release(record.engine_id, call.rid)
+            if isinstance(outcome, int):
+                return outcome
+        return outcome
+
+    def _reserve(self, call: Call, record: EngineRecord) -> RunningEntry:
+        request = call.request
+        entry = RunningEntry(request.prompt_tokens, request.max_tokens, call.target.tpot_s, 0.0)
+        self.fleet.reserve(record.engine_id, call.rid, entry)
+        return entry
+
+    async def _whole_on_decode(self, call: Call, cause: GatewayError | None) -> int:
+        """The whole request on decode engines (short prompt, or the prefill pool failed)."""
+        model = call.request.model
+        deadline = None if call.request.stream else call.arrival + self.settings.request_timeout_s
+        tried: list[str] = []
+        outcome: int | GatewayError = cause or self._no_decode_engine(model)
+        for _ in range(self.settings.dispatch_attempts):
+            choice = self.place_decode(call, None, tried)
+            if choice is None:
+                break
+            tried.append(choice.engine_id)
+            record = self.fleet.records[choice.engine_id]
+            entry = self._reserve(call, record)
+            try:
+                outcome = await self.collocated.attempt(call, record, entry, deadline)
+            finally:
+                self.collocated.dispatch.release(record.engine_id, call.rid)
+            if isinstance(outcome, int):
+                return outcome
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        if isinstance(outcome, int):
+            return outcome
+        raise outcome if tried else self._no_decode_engine(model) if cause is None else cause
+
+    # -- SGLang: bootstrap room, both engines at once -----------------------------------------------
+
+    async def _bootstrap(
+        self,
+        progress: _Progress,
+        call: Call,
+        prefill: EngineRecord,
+        entry: RunningEntry,
+        deadline: float | None,
+    ) -> int | GatewayError:
+        choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
+        if choice is None:
+            self.collocated.dispatch.release(prefill.engine_id, call.rid)
+            return self._no_decode_engine(call.request.model)
+        progress.decode_tried.append(choice.engine_id)
+        decode = self.fleet.records[choice.engine_id]
+        config = prefill.adapter.config
+        fields: dict[str, object] = {
+            "bootstrap_host": urlsplit(prefill.adapter.url("/")).hostname or "",
+            "bootstrap_port": config.kv_bootstrap_port,
+            # SGLang's own router draws the room the same way: a random non-negative i64
+            "bootstrap_room": random.getrandbits(63),
+        }
+        prefill_payload = self.collocated.body_for(
+            call, prefill, {**fields, "stream": False}, PREFILL_REMOVES
+        )
+        call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
+        decode_entry = self._reserve(call, decode)
+        prefill_task = asyncio.create_task(
+            self._prefill_exchange(call, prefill, entry, prefill_payload, deadline, count_wait=False)
+        )
+        decode_task = asyncio.create_task(
+            self.collocated.attempt(
+                call, decode, decode_entry, deadline, self.collocated.body_for(call, decode, fields)
+            )
+        )
+        try:
+            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done():
+                self.collocated.dispatch.release(prefill.engine_id, call.rid)
+                failed = prefill_task.exception()
+                if failed is None:
+                    answer = prefill_task.result()
+                    failed = answer if isinstance(answer, GatewayError) else None
+                if failed is not None and not decode_task.done() and call.overhead_s < 0:
+                    # the decode would wait for KV that is not coming: close it now
+                    decode_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await decode_task
+                    if isinstance(failed, GatewayError) and (failed.status >= 500 or failed.status == 429):
+                        return failed
+                    raise failed
+                progress.prefilled = failed is None
+            outcome = await decode_task
+            progress.prefilled = progress.prefilled or isinstance(outcome, int)
+            return outcome
+        finally:
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                if prefill_task.done() and not prefill_task.cancelled():
+                    prefill_task.exception()  # retrieved: no "never retrieved" warning
+            self.collocated.dispatch.release(prefill.engine_id, call.rid)
+            self.collocated.dispatch.release(decode.engine_id, call.rid)
+
+
+def _end_prefill_span(span: Span, call: Call, outcome: bytes | GatewayError | BaseException) -> None:
+    end_upstream(span, call, 200 if isinstance(outcome, bytes) else outcome)

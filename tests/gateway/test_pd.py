@@ -1,0 +1,254 @@
+"""Prefill/decode disaggregation against simulated engines run as real processes.
+
+Both handover protocols (vLLM NIXL style, SGLang bootstrap style): the client's answer equals the
+collocated answer token for token; the decode engine is chosen after the prefill and load spreads
+over the decode pool; a failed prefill falls back (conditional) or answers a clear error without
+leaving a decode waiting (always); short prompts skip the prefill pool; role flips drain first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.engines.vllm import parse_vllm_metrics
+from gateway.procs import ChildProcess, spawn_sim_engine
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+
+#: a prompt long enough to be disaggregated under the conditional default (256 tokens)
+LONG = "tell me about the weather in the hills " * 60
+SHORT = "hi"
+
+
+def profile(tmp_path: Path, mode: str, min_prompt_tokens: int = 256) -> Path:
+    path = tmp_path / f"pd-{mode}.yaml"
+    path.write_text(
+        "name: pd-test\nfilters: []\nscorers:\n  - name: least_load\n    weight: 1.0\n"
+        "picker:\n  name: max_score\n"
+        f"disaggregation: {{mode: {mode}, min_prompt_tokens: {min_prompt_tokens}}}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, ChildProcess]]:
+    """Two prefill, two decode and one collocated engine (the reference), all the same model."""
+    names = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode", "c0": "collocated"}
+    engines: dict[str, ChildProcess] = {}
+    try:
+        for name, role in names.items():
+            engines[name] = spawn_sim_engine(*SIM_ARGS, "--role", role, name=name)
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.stop()
+
+
+def pd_entries(fleet: dict[str, ChildProcess], kv_transfer: str = "nixl") -> list[dict[str, object]]:
+    return [
+        engine_entry(fleet["p0"], role="prefill", kv_transfer=kv_transfer),
+        engine_entry(fleet["p1"], role="prefill", kv_transfer=kv_transfer),
+        engine_entry(fleet["d0"], role="decode"),
+        engine_entry(fleet["d1"], role="decode"),
+    ]
+
+
+def chat(
+    gw: RunningGateway, content: str, stream: bool, max_tokens: int = 24, **extra: Any
+) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    body.update(extra)
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def answer_of(response: httpx.Response, stream: bool) -> tuple[str, dict[str, Any]]:
+    """The text and the usage (token counts; prefix-cache hits differ by engine history) of a
+    chat answer, streamed or not."""
+    assert response.status_code == 200, response.text
+    if not stream:
+        data = response.json()
+        return data["choices"][0]["message"]["content"], _counts(data["usage"])
+    text, usage = [], {}
+    for line in response.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        for choice in chunk.get("choices") or ():
+            text.append(choice["delta"].get("content") or "")
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return "".join(text), _counts(usage)
+
+
+def _counts(usage: dict[str, Any]) -> dict[str, Any]:
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def requests_served(engine: ChildProcess) -> float:
+    """Requests the engine finished (its own counter, whatever the reason)."""
+    metrics = httpx.get(engine.url + "/metrics").text
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith("vllm:request_success_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def running(engine: ChildProcess) -> int:
+    state = parse_vllm_metrics(httpx.get(engine.url + "/metrics").text)
+    return state.num_running + state.num_waiting
+
+
+@pytest.mark.parametrize("kv_transfer", ["nixl", "bootstrap"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_pd_answer_equals_collocated_answer(
+    fleet: dict[str, ChildProcess], tmp_path: Path, kv_transfer: str, stream: bool
+) -> None:
+    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+        reference = answer_of(chat(gw, LONG, stream), stream)
+    with run_gateway(
+        engines=pd_entries(fleet, kv_transfer), routing_profile=str(profile(tmp_path, "always"))
+    ) as gw:
+        response = chat(gw, LONG, stream)
+        assert answer_of(response, stream) == reference
+        assert response.headers["x-slogate-prefill-engine"] in ("p0", "p1")
+        assert response.headers["x-slogate-engine"] in ("d0", "d1")
+        assert reference[1]["completion_tokens"] == 24
+
+
+def test_decode_placement_spreads_over_the_decode_pool(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """The P/D router bug peers had (everything on one decode worker) does not happen here."""
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: chat(gw, LONG, True, max_tokens=48), range(16)))
+        decoders = [r.headers["x-slogate-engine"] for r in responses]
+        prefillers = [r.headers["x-slogate-prefill-engine"] for r in responses]
+        for r in responses:
+            answer_of(r, True)
+        assert 4 <= decoders.count("d0") <= 12, decoders
+        assert 4 <= prefillers.count("p0") <= 12, prefillers
+        fleet_state = gw.gateway.fleet
+        assert all(not r.running for r in fleet_state.records.values())
+
+
+def test_conditional_short_prompt_skips_the_prefill_pool(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    prefill_before = requests_served(fleet["p0"]) + requests_served(fleet["p1"])
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+        short = chat(gw, SHORT, True)
+        answer_of(short, True)
+        assert "x-slogate-prefill-engine" not in short.headers
+        assert short.headers["x-slogate-engine"] in ("d0", "d1")
+        assert requests_served(fleet["p0"]) + requests_served(fleet["p1"]) == prefill_before
+        long = chat(gw, LONG, True)
+        answer_of(long, True)
+        assert long.headers["x-slogate-prefill-engine"] in ("p0", "p1")
+
+
+def test_always_never_prefills_on_a_decode_engine(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
+    """llm-d#2427: 'always disaggregate' must not quietly run prompts on decode engines."""
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        short = chat(gw, SHORT, False)
+        answer_of(short, False)
+        assert short.headers["x-slogate-prefill-engine"] in ("p0", "p1")
+
+
+@pytest.fixture()
+def dead_prefill() -> Iterator[ChildProcess]:
+    with spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="pdead") as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("kv_transfer", ["nixl", "bootstrap"])
+def test_failed_prefill_falls_back_or_errors_and_never_leaves_a_decode_waiting(
+    fleet: dict[str, ChildProcess], dead_prefill: ChildProcess, tmp_path: Path, kv_transfer: str
+) -> None:
+    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+        reference = answer_of(chat(gw, LONG, True), True)
+    engines = [
+        engine_entry(dead_prefill, role="prefill", kv_transfer=kv_transfer),
+        engine_entry(fleet["d0"], role="decode"),
+    ]
+    # the prefill engine crashes on its first token: every prefill it takes fails
+    httpx.post(dead_prefill.url + "/sim/fault", json={"mode": "crash"}).raise_for_status()
+    with run_gateway(
+        engines=engines, routing_profile=str(profile(tmp_path, "conditional")), monitor_interval_s=30
+    ) as gw:
+        response = chat(gw, LONG, True)
+        assert answer_of(response, True) == reference
+        assert response.headers["x-slogate-engine"] == "d0"
+        assert "x-slogate-prefill-engine" not in response.headers
+    with run_gateway(
+        engines=engines, routing_profile=str(profile(tmp_path, "always")), monitor_interval_s=30
+    ) as gw:
+        response = chat(gw, LONG, True)
+        assert response.status_code in (502, 503), response.text
+        assert response.json()["error"]["message"]
+        assert wait_until(lambda: running(fleet["d0"]) == 0, timeout=3.0)
+        assert all(not r.running for r in gw.gateway.fleet.records.values())
+
+
+def test_prefill_engine_killed_mid_prefill_falls_back(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
+    with spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="pkill") as victim:
+        engines = [engine_entry(victim, role="prefill"), engine_entry(fleet["d1"], role="decode")]
+        with run_gateway(engines=engines, routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+            answer_of(chat(gw, LONG, False), False)  # up and serving
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.proc.wait(5)
+            response = chat(gw, LONG, False)
+            text, usage = answer_of(response, False)
+            assert response.headers["x-slogate-engine"] == "d1"
+            assert usage["completion_tokens"] == 24 and text
+
+
+def test_role_flip_drains_then_switches(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
+    with run_gateway(engines=[*pd_entries(fleet)], routing_profile=str(profile(tmp_path, "always"))) as gw:
+        r = httpx.post(gw.url + "/admin/engines/p1/role", json={"role": "decode"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["role"] == "decode"
+        roles = {e["id"]: e["role"] for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+        assert roles["p1"] == "decode"
+        seen = {chat(gw, LONG, True).headers["x-slogate-prefill-engine"] for _ in range(4)}
+        assert seen == {"p0"}
+        # the last prefill engine of a model cannot be flipped away under 'always'
+        r = httpx.post(gw.url + "/admin/engines/p0/role", json={"role": "decode"}, timeout=30)
+        assert r.status_code == 409, r.text
+        r = httpx.post(gw.url + "/admin/engines/p1/role", json={"role": "chef"}, timeout=30)
+        assert r.status_code == 400
+        assert httpx.post(gw.url + "/admin/engines/p1/role", json={"role": "prefill"}).status_code == 200
+
+
+def test_role_flip_waits_for_running_streams(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
+    """Flipping a decode engine under load: it takes nothing new, its streams finish, then it flips."""
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(chat, gw, LONG, True, 160, ignore_eos=True) for _ in range(6)]
+            d1 = gw.gateway.fleet.records["d1"]
+            assert wait_until(lambda: len(d1.running) > 0, timeout=10)
+            flip = httpx.post(gw.url + "/admin/engines/d1/role", json={"role": "prefill"}, timeout=60)
+            assert flip.status_code == 200, flip.text
+            assert flip.json()["drained_s"] > 0
+            assert not d1.running
+            for future in streams:
+                text, usage = answer_of(future.result(), True)
+                assert usage["completion_tokens"] == 160
+        after = chat(gw, LONG, True)
+        assert after.headers["x-slogate-engine"] == "d0"
+        assert httpx.post(gw.url + "/admin/engines/d1/role", json={"role": "decode"}).status_code == 200
