@@ -116,6 +116,7 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
         "shedding",
         "disaggregation",
         "decode_placement",
+        "kv_transfer",
         "filters",
         "scorers",
         "picker",

@@ -8,6 +8,7 @@ engine_scheduling: deadline                              # or default (the defau
 shedding: {max_queue_s: 2.0, min_band: null}             # absent: no saturation shedding
 disaggregation: {mode: conditional, min_prompt_tokens: 256, max_cached_fraction: 0.5}
 decode_placement: {transfer_tokens_per_s: 2.0e6, transfer_latency_s: 0.001}
+kv_transfer: {order: rmlq, max_per_engine: 2, levels: 4}        # absent: transfers not gated
 ```
 
 Either dispatcher also takes ``max_engine_load`` (requests one engine may hold before the rest
@@ -40,6 +41,30 @@ ENGINE_SCHEDULING: tuple[EngineScheduling, ...] = ("default", "deadline")
 
 
 @dataclass(frozen=True, slots=True)
+class TransferGateConfig:
+    """How decode stages share a decode engine's KV ingress (gateway.dispatch.transfer_gate)."""
+
+    #: ``rmlq`` (MFS reverse multi-level queue) or ``fifo``
+    order: str = "rmlq"
+    #: transfers in flight into one decode engine; the rest wait in ``order``
+    max_per_engine: int = 2
+    #: RMLQ levels (K)
+    levels: int = 4
+
+    def __post_init__(self) -> None:
+        if self.order not in ("rmlq", "fifo"):
+            raise ValueError(f"order must be rmlq or fifo, got {self.order!r}")
+        if (
+            isinstance(self.max_per_engine, bool)
+            or not isinstance(self.max_per_engine, int)
+            or self.max_per_engine < 1
+        ):
+            raise ValueError("max_per_engine must be an integer >= 1")
+        if isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels < 2:
+            raise ValueError("levels must be an integer >= 2")
+
+
+@dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     hyperflexis: HyperFlexisParams | None
     order: QueueOrder
@@ -54,6 +79,8 @@ class DispatcherConfig:
     disaggregation: DisaggregationParams = field(default_factory=DisaggregationParams)
     #: the decode stage's link model and decode token budget
     decode_placement: DecodePlacementParams = field(default_factory=DecodePlacementParams)
+    #: KV-transfer gating per decode engine; ``None``: decode requests go at once
+    kv_transfer: TransferGateConfig | None = None
 
     @property
     def deadline_engines(self) -> bool:
@@ -165,4 +192,7 @@ def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
         shedding=_shedding(profile),
         disaggregation=_section(profile, "disaggregation", DisaggregationParams),
         decode_placement=_section(profile, "decode_placement", DecodePlacementParams),
+        kv_transfer=None
+        if profile.get("kv_transfer") is None
+        else _section(profile, "kv_transfer", TransferGateConfig),
     )

@@ -36,6 +36,8 @@ class RunningEntry:
     dispatched_at: float
     generated: int = 0
     prefilled: bool = False
+    #: called once when the first token arrives (a decode stage's KV transfer is over by then)
+    on_prefilled: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -316,6 +318,12 @@ class Fleet:
             return
         entry.prefilled = True
         record.unprefilled.pop(request_id, None)
+        if entry.on_prefilled is not None:
+            callback, entry.on_prefilled = entry.on_prefilled, None
+            try:
+                callback()
+            except Exception:  # the caller's bug must not stop the relay that reported the token
+                log.exception("on_prefilled callback of %s failed", request_id)
         self._notify(engine_id, "prefilled")
 
     def add_generated(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None:

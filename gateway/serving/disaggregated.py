@@ -45,6 +45,7 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.dispatch.profile import DispatcherConfig
 from gateway.dispatch.slo_service import SloService
+from gateway.dispatch.transfer_gate import TransferGate
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call
 from gateway.serving.collocated import PATHS, CollocatedFlow, end_upstream
@@ -53,6 +54,7 @@ from policies.api import Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
 from policies.disaggregation import DisaggregationMode, decide_disaggregation
 from policies.latency import LatencyCoefficients
+from policies.transfer_order import LinkParams, TransferRequest, make_transfer_order
 
 log = logging.getLogger("slogate.serving.pd")
 
@@ -94,6 +96,13 @@ class DisaggregatedFlow:
         self.settings = collocated.settings
         self.params = config.disaggregation
         self.placement = config.decode_placement
+        #: orders KV transfers into each decode engine (None: decode requests go at once)
+        self.gate: TransferGate | None = None
+        gating = config.kv_transfer
+        if gating is not None:
+            link = LinkParams(config.decode_placement.transfer_tokens_per_s)
+            order = make_transfer_order(gating.order, link, gating.levels)
+            self.gate = TransferGate(order, gating.max_per_engine, time.monotonic)
 
     async def serve(self, call: Call) -> int:
         request = call.request
@@ -330,13 +339,31 @@ class DisaggregatedFlow:
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)
             try:
+                await self._transfer_turn(call, record, entry)
                 payload = self.collocated.body_for(call, record, overrides)
                 outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
             finally:
+                if self.gate is not None:
+                    self.gate.done(record.engine_id, call.rid)
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
         return outcome
+
+    async def _transfer_turn(self, call: Call, record: EngineRecord, entry: RunningEntry) -> None:
+        """Wait until the request's KV may move into ``record`` (see gateway.dispatch.transfer_gate);
+        its turn ends with the decode engine's first token."""
+        gate = self.gate
+        if gate is None:
+            return
+        engine_id = record.engine_id
+        rid = call.rid
+        # the KV has to arrive before the TTFT deadline (monotonic, as the gate's clock)
+        request = TransferRequest(rid, call.request.prompt_tokens, call.arrival + call.target.ttft_s)
+        waited_from = time.monotonic()
+        await gate.admit(engine_id, request)
+        call.waited_s += time.monotonic() - waited_from
+        entry.on_prefilled = lambda: gate.done(engine_id, rid)
 
     def _reserve(self, call: Call, record: EngineRecord) -> RunningEntry:
         request = call.request

@@ -29,12 +29,12 @@ LONG = "tell me about the weather in the hills " * 60
 SHORT = "hi"
 
 
-def profile(tmp_path: Path, mode: str, min_prompt_tokens: int = 256) -> Path:
+def profile(tmp_path: Path, mode: str, min_prompt_tokens: int = 256, extra: str = "") -> Path:
     path = tmp_path / f"pd-{mode}.yaml"
     path.write_text(
         "name: pd-test\nfilters: []\nscorers:\n  - name: least_load\n    weight: 1.0\n"
         "picker:\n  name: max_score\n"
-        f"disaggregation: {{mode: {mode}, min_prompt_tokens: {min_prompt_tokens}}}\n"
+        f"disaggregation: {{mode: {mode}, min_prompt_tokens: {min_prompt_tokens}}}\n{extra}"
     )
     return path
 
@@ -252,3 +252,25 @@ def test_role_flip_waits_for_running_streams(fleet: dict[str, ChildProcess], tmp
         after = chat(gw, LONG, True)
         assert after.headers["x-slogate-engine"] == "d0"
         assert httpx.post(gw.url + "/admin/engines/d1/role", json={"role": "decode"}).status_code == 200
+
+
+@pytest.mark.parametrize("order", ["rmlq", "fifo"])
+def test_gated_transfers_one_per_decode_engine(
+    fleet: dict[str, ChildProcess], tmp_path: Path, order: str
+) -> None:
+    """With one KV transfer at a time per decode engine, concurrent requests queue at the gate and
+    every one completes with the collocated answer; nothing is left in the gate or the fleet."""
+    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+        reference = answer_of(chat(gw, LONG, True, max_tokens=32), True)
+    gating = f"kv_transfer: {{order: {order}, max_per_engine: 1}}\n"
+    with run_gateway(
+        engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always", extra=gating))
+    ) as gw:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: chat(gw, LONG, True, max_tokens=32), range(12)))
+        assert all(answer_of(r, True) == reference for r in responses)
+        flow = gw.gateway.proxy.flow
+        assert flow.gate is not None
+        assert flow.gate.waited_total > 0  # the gate did hold transfers back
+        assert all(flow.gate.in_flight(e) == 0 and flow.gate.waiting(e) == 0 for e in ("d0", "d1"))
+        assert all(not r.running for r in gw.gateway.fleet.records.values())
