@@ -61,6 +61,8 @@ SPAN_QUEUE_WAIT = "slogate.queue_wait"
 UPSTREAM_SPANS = {role: f"slogate.upstream.{role.value}" for role in Role}
 #: event on the upstream span when the first streamed event arrives
 EVENT_FIRST_TOKEN = "first_token"
+#: event on the request span each time a stream is resumed on another engine (decode migration)
+EVENT_MIGRATION = "slogate.migration"
 
 OTLP_MODULES = {
     "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
@@ -263,6 +265,7 @@ def now_ns() -> int:
 
 __all__ = [
     "EVENT_FIRST_TOKEN",
+    "EVENT_MIGRATION",
     "MAX_ATTRIBUTE_LENGTH",
     "MAX_TRACE_HEADER_LENGTH",
     "SPAN_DISPATCH",

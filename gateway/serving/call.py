@@ -14,6 +14,8 @@ from policies.slo import SloTarget
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from gateway.serving.stream_state import StreamLedger
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -67,6 +69,8 @@ class Call:
     #: upstream call's, for the first-token event
     span: Span | None = None
     upstream_span: Span | None = None
+    #: what the current stream relayed, when it may migrate to another engine (None: it may not)
+    ledger: StreamLedger | None = None
 
 
 OVERHEAD_HEADER = b"x-slogate-overhead-ms"

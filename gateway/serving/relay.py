@@ -26,7 +26,9 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, Send, overhead_header
+from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.tracing import EVENT_FIRST_TOKEN
+from policies.migration import MigrationReason
 
 log = logging.getLogger("slogate.relay")
 
@@ -126,11 +128,15 @@ async def relay_stream(
     record: EngineRecord,
     first_token_at: float,
     idle_s: float,
-) -> int:
+    ledger: StreamLedger | None = None,
+) -> int | Cut:
     """Relay an SSE stream until ``[DONE]``; returns the status the client was given.
 
     ``first_token_at`` is the loop-time deadline for the first event. Raises :class:`ClientGone`
-    when the client stopped reading for ``idle_s``.
+    when the client stopped reading for ``idle_s``. With a ``ledger`` (a stream that may migrate)
+    every relayed chunk is recorded in it, and an engine failure, a stall after the first event or
+    a slack move returns a :class:`Cut` instead of ending the stream: the caller resumes it or
+    ends it with the error the cut carries.
     """
     send = call.send
     request = call.request
@@ -154,6 +160,8 @@ async def relay_stream(
     sending = False
     events = 0
     pending = b""
+    tracking = ledger is not None and ledger.tracking
+    moved: Cut | None = None
     try:
         async with asyncio.timeout_at(first_token_at) as deadline:
             rearmed_at = 0.0
@@ -206,6 +214,11 @@ async def relay_stream(
                     sending = False
                 if done:
                     break  # an engine that holds the connection open after [DONE] is not waited for
+                if tracking and ledger.feed(complete, content, now):  # type: ignore[union-attr]
+                    placed = await ledger.move(now)  # type: ignore[union-attr]
+                    if placed is not None:
+                        moved = Cut(MigrationReason.SLACK, engine_id, None, placed)
+                        break
     except TimeoutError:
         if sending:
             metrics.SLOW_CLIENTS.inc()
@@ -213,9 +226,10 @@ async def relay_stream(
             raise ClientGone() from None
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
         what = "sent no first token" if not call.first_at else "stalled between events"
-        await _end_with_error(
-            send, GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
-        )
+        error = GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
+        if ledger is not None and call.first_at:
+            return Cut(MigrationReason.STALL, engine_id, error)
+        await _end_with_error(send, error)
         return 504
     except _Oversized:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
@@ -225,20 +239,23 @@ async def relay_stream(
         return 502
     except aiohttp.ClientError as exc:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
-        await _end_with_error(
-            send, GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
-        )
+        error = GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
+        if ledger is not None:
+            return Cut(MigrationReason.FAILURE, engine_id, error)
+        await _end_with_error(send, error)
         return 502
     finally:
         metrics.SSE_EVENTS.inc(events)
+    if moved is not None:
+        return moved
     if not done:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
-        await _end_with_error(
-            send,
-            GatewayError(
-                502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"
-            ),
+        error = GatewayError(
+            502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"
         )
+        if ledger is not None:
+            return Cut(MigrationReason.FAILURE, engine_id, error)
+        await _end_with_error(send, error)
         return 502
     if call.watcher is not None:
         call.watcher.cancel()

@@ -1,0 +1,732 @@
+"""Decode migration: resume a started stream on another engine with exact token continuity.
+
+The collocated relay hands over a :class:`~gateway.serving.stream_state.Cut` when a stream that
+may migrate leaves its engine: the engine failed (the connection was cut, the stream ended before
+``[DONE]``, it stalled after its first event) or its TPOT slack stayed negative while another
+engine had room (the slack move already reserved that engine). :meth:`Migrator.resume` asks the
+pure policy (:mod:`policies.migration`) whether to go on, and if so re-issues the prompt's token
+ids plus every output token id relayed so far to another engine through ``/v1/completions`` with
+the remaining budget, the way Dynamo migrates (``--migration-limit``): the new engine re-prefills
+(its prefix cache helps) and continues exactly where the first one stopped, because the output
+is a function of the sequence (greedy decoding, or the simulated engine).
+
+Its chunks are turned into the client's shape (chat ``delta.content`` or completion ``text``)
+under the first engine's ``id``, ``created`` and ``model``; the final ``usage`` counts the
+client's own prompt and every output token (those relayed before the move plus the new engine's
+``completion_tokens``). Only the migrated part is parsed: before a migration the relay stays
+byte for byte. Placement goes through :meth:`DispatchLoop.place` with the engines already used
+excluded; each reservation is released when that engine's part ends, however it ends.
+
+Not migrated (a clear error event instead): requests :func:`policies.migration.unsupported`
+refuses (guided decoding, ``n > 1``, log-probabilities, text stop strings), engines that return
+no token ids (kinds other than ``vllm`` and ``sim``), a cut before any event (nothing to resume
+from), and a stream past its ``migration_limit``. Non-streamed requests are never cut in front of
+the client: a failure before the answer is read is retried whole on another engine before any
+byte is sent (``dispatch_attempts``), so they need no migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from gateway import metrics
+from gateway.api.errors import GatewayError
+from gateway.fleet.registry import EngineRecord, RunningEntry
+from gateway.serving.call import Call, ClientGone
+from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
+from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail
+from policies.api import RequestView, Role
+from policies.migration import (
+    Candidate,
+    MigrationReason,
+    MigrationSettings,
+    StreamView,
+    decide_on_failure,
+    decide_on_slack,
+    unsupported,
+)
+
+if TYPE_CHECKING:
+    from gateway.serving.collocated import CollocatedFlow
+
+log = logging.getLogger("slogate.migration")
+
+#: engine kinds that return token ids (``return_token_ids``) and take a token-id prompt
+TOKEN_ID_KINDS = frozenset(("vllm", "sim"))
+#: body fields :func:`policies.migration.unsupported` reads; a body with none of them is
+#: accepted without decoding it (a large body parsed in a worker stays undecoded)
+_POLICY_FIELDS = frozenset(
+    (
+        "n",
+        "best_of",
+        "use_beam_search",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "stop",
+    )
+)
+#: sampling fields carried to the continuation as the client sent them (the rest of a chat or
+#: completions body describes the prompt or the answer's shape, which the continuation replaces)
+_CARRIED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "user",
+)
+#: client headers a continuation does not repeat: a simulated fault targets the engine it first
+#: reached, and the natural output length is carried in the body, less what was already relayed
+_NOT_REPEATED = frozenset(("x-sim-fault", "x-sim-output-len"))
+_MAX_PRIORITY = (1 << 53) - 1
+
+
+class _Shape:
+    """Chunks in the client's shape under the first engine's id, ``created`` and model."""
+
+    __slots__ = ("chat", "head")
+
+    def __init__(self, kind: str, first: dict[str, Any]) -> None:
+        self.chat = kind == "chat"
+        ident = {
+            "id": first.get("id"),
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": first.get("created"),
+            "model": first.get("model"),
+        }
+        self.head = b"data: " + orjson.dumps(ident)[:-1]
+
+    def chunk(self, text: str, ids: list[int] | None, finish: str | None) -> bytes:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or finish is None else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        if ids is not None:
+            choice["token_ids"] = ids
+        return self.head + b',"choices":[' + orjson.dumps(choice) + b"]}\n\n"
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+
+
+class _Resume:
+    """What every continuation of one stream shares: its prompt ids, limits and client shape."""
+
+    __slots__ = ("limit", "min_tokens", "natural", "prompt_ids", "shape")
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        shape: _Shape,
+        limit: int | None,
+        min_tokens: int | None,
+        natural: int | None,
+    ) -> None:
+        self.prompt_ids = prompt_ids
+        self.shape = shape
+        #: the client's max_tokens (None: the engine's default, the rest of the context)
+        self.limit = limit
+        self.min_tokens = min_tokens
+        #: the simulated engine's natural output length (sim_output_len / X-Sim-Output-Len)
+        self.natural = natural
+
+
+class _Failed(Exception):
+    """The continuation's engine sent something that is not a completion chunk."""
+
+
+class Migrator:
+    """Resumes cut streams of one :class:`CollocatedFlow` (its settings, fleet, dispatch, session)."""
+
+    def __init__(self, flow: CollocatedFlow) -> None:
+        self.flow = flow
+        s = flow.settings
+        self.policy = MigrationSettings(
+            limit=s.migration_limit,
+            slack=s.migration_slack,
+            slack_bound_s=s.migration_slack_bound_s,
+            min_remaining_tokens=s.migration_min_remaining_tokens,
+            target_margin=s.migration_target_margin,
+        )
+
+    # -- before the stream: may it migrate? -------------------------------------------------------
+
+    def ledger(self, call: Call, record: EngineRecord) -> StreamLedger | None:
+        """A ledger for a stream about to start on ``record`` (None: not a stream)."""
+        request = call.request
+        if not request.stream or request.kind == "embeddings":
+            return None
+        blocked = self._blocked(call, record)
+        ledger = StreamLedger(blocked)
+        if blocked is None and self.policy.slack and call.target.tpot_s > 0:
+
+            async def mover() -> EngineRecord | None:
+                return await self._slack_move(call, ledger)
+
+            ledger.watch_slack(call.target.tpot_s, self.policy.slack_bound_s, mover)
+        return ledger
+
+    def _blocked(self, call: Call, record: EngineRecord) -> str | None:
+        kind = record.adapter.kind
+        if kind not in TOKEN_ID_KINDS:
+            return f"engine kind {kind!r} returns no token ids"
+        request = call.request
+        keys = request.keys if request.parsed is None else request.parsed.keys()
+        if not any(key in _POLICY_FIELDS for key in keys):
+            return None
+        return unsupported(request.body)
+
+    # -- after the cut ----------------------------------------------------------------------------
+
+    async def resume(self, call: Call, cut: Cut, tried: list[str]) -> int:
+        """Carry on the stream ``cut`` left, on other engines, within the migration limit; or end
+        it with a clear error event. Returns the status the client was given (its headers went
+        out with the first engine's)."""
+        ledger = call.ledger
+        assert ledger is not None, "only a stream with a ledger is cut"
+        placed = cut.placed
+        try:
+            while True:
+                if placed is None:
+                    decision = decide_on_failure(
+                        self._view(call, ledger, time.monotonic()),
+                        self.policy,
+                        cut.reason,
+                        ledger.blocked,
+                        resumable=ledger.first_chunk is not None,
+                    )
+                    if not decision.migrate:
+                        metrics.child(metrics.MIGRATIONS_REFUSED, _refusal(decision.why)).inc()
+                        return await self._give_up(call, cut.error, decision.why)
+                state = self._resume_state(call, ledger)
+                if state is None:
+                    metrics.child(metrics.MIGRATIONS_REFUSED, "no_token_ids").inc()
+                    return await self._give_up(call, cut.error, "not migrated: no token ids to resume from")
+                done = self._finished_here(ledger, state)
+                if done is not None:
+                    return await self._finish(call, ledger, state, None, done)
+                ledger.migrations += 1
+                ledger.visited.append(cut.engine_id)
+                metrics.child(metrics.MIGRATIONS, cut.reason.value).inc()
+                outcome: int | Cut | GatewayError | None = None
+                for _ in range(self.flow.settings.dispatch_attempts):
+                    if placed is None:
+                        found = await self._place(call, ledger, state, self._excluded(call, ledger, tried))
+                        if isinstance(found, GatewayError):
+                            outcome = outcome if isinstance(outcome, GatewayError) else found
+                            break
+                        placed = found
+                    record, placed = placed, None
+                    tried.append(record.engine_id)
+                    self._announce(call, ledger, cut, record)
+                    try:
+                        outcome = await self._continue(call, ledger, state, record)
+                    finally:
+                        self.flow.dispatch.release(record.engine_id, call.rid)
+                    if not isinstance(outcome, GatewayError):
+                        break
+                if isinstance(outcome, int):
+                    return outcome
+                if isinstance(outcome, Cut):
+                    cut, placed = outcome, outcome.placed
+                    continue
+                metrics.child(metrics.MIGRATIONS_REFUSED, "no_engine").inc()
+                why = "no engine could resume it" + (f" ({outcome.message})" if outcome is not None else "")
+                return await self._give_up(call, cut.error, f"migration failed: {why}")
+        except GatewayError as error:  # the client has the stream's headers: say it in the stream
+            return await self._give_up(call, error, "")
+        finally:
+            if placed is not None:
+                self.flow.dispatch.release(placed.engine_id, call.rid)
+
+    def _view(self, call: Call, ledger: StreamLedger, now: float) -> StreamView:
+        relayed = len(ledger.tokens()) if ledger.tracking else 0
+        return StreamView(
+            migrations=ledger.migrations,
+            remaining_tokens=max(0, call.request.max_tokens - relayed),
+            tpot_target_s=call.target.tpot_s,
+            observed_tpot_s=ledger.observed_tpot(now),
+            negative_for_s=ledger.negative_for(now),
+        )
+
+    def _resume_state(self, call: Call, ledger: StreamLedger) -> _Resume | None:
+        state = ledger.resume
+        if isinstance(state, _Resume):
+            return state
+        try:
+            first = ledger.first_event()
+        except orjson.JSONDecodeError:
+            first = None
+        if first is None:
+            return None
+        prompt = first.get("prompt_token_ids")
+        if prompt is None:
+            choices = first.get("choices")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                prompt = choices[0].get("prompt_token_ids")
+        if not isinstance(prompt, list) or not prompt:
+            return None
+        request = call.request
+        body = request.body
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        min_tokens = body.get("min_tokens")
+        natural = body.get("sim_output_len")
+        header = next((v for k, v in call.forward_headers.items() if k.lower() == "x-sim-output-len"), None)
+        if header is not None and header.strip().isdigit():
+            natural = int(header) if not isinstance(natural, int) else min(natural, int(header))
+        state = _Resume(
+            prompt,
+            _Shape(request.kind, first),
+            limit if isinstance(limit, int) else None,
+            min_tokens if isinstance(min_tokens, int) else None,
+            natural if isinstance(natural, int) else None,
+        )
+        ledger.resume = state
+        return state
+
+    @staticmethod
+    def _finished_here(ledger: StreamLedger, state: _Resume) -> str | None:
+        """The answer is already complete: '' when its finish chunk was relayed, else the finish
+        reason the budget implies; None when there is more to generate."""
+        if ledger.finished:
+            return ""
+        produced = len(ledger.tokens())
+        if state.limit is not None and produced >= state.limit:
+            return "length"
+        if state.natural is not None and produced >= state.natural:
+            return "stop"
+        return None
+
+    def _excluded(self, call: Call, ledger: StreamLedger, tried: list[str]) -> list[str]:
+        """Engines a continuation may not go to: those that served the stream already (their
+        request ids were used, and a failed one may be failing still) and prefill engines."""
+        out = set(tried) | set(ledger.visited)
+        if call.engine_id:
+            out.add(call.engine_id)
+        for engine_id, record in self.flow.fleet.records.items():
+            if record.adapter.role is Role.PREFILL:
+                out.add(engine_id)
+        return sorted(out)
+
+    async def _place(
+        self, call: Call, ledger: StreamLedger, state: _Resume, exclude: list[str]
+    ) -> EngineRecord | GatewayError:
+        """Another engine for the rest of the stream, reserved under the request's id."""
+        request = call.request
+        target = call.target
+        relayed = len(ledger.tokens())
+        prompt = len(state.prompt_ids) + relayed
+        remaining = max(1, request.max_tokens - relayed)
+        view = RequestView(
+            request_id=call.rid,
+            model=request.model,
+            prompt_tokens=prompt,
+            max_output_tokens=remaining,
+            arrival=call.arrival,
+            priority=call.queue_priority,
+            task=target.slo_class,
+            tenant=call.tenant,
+        )
+        entry = RunningEntry(prompt, remaining, target.tpot_s, 0.0)
+        try:
+            return await self.flow.dispatch.place(
+                view, target.ttft_s, target.tpot_s, target.slo_class, entry, exclude
+            )
+        except GatewayError as error:
+            return error
+
+    async def _slack_move(self, call: Call, ledger: StreamLedger) -> EngineRecord | None:
+        """The slack trigger: an engine reserved for the move, or None to stay where it is."""
+        now = time.monotonic()
+        state = self._resume_state(call, ledger)
+        if state is None:
+            return None
+        exclude = set(self._excluded(call, ledger, []))
+        relayed = len(ledger.tokens())
+        context = len(state.prompt_ids) + relayed
+        remaining = call.request.max_tokens - relayed
+        if state.limit is not None:
+            remaining = min(remaining, state.limit - relayed)
+        if state.natural is not None:
+            remaining = min(remaining, state.natural - relayed)
+        candidates = self._candidates(call, exclude, context, max(0, remaining), now)
+        view = self._view(call, ledger, now)
+        view = StreamView(
+            view.migrations, max(0, remaining), view.tpot_target_s, view.observed_tpot_s, view.negative_for_s
+        )
+        decision = decide_on_slack(view, candidates, self.policy)
+        if not decision.migrate:
+            return None
+        targets = set(decision.targets)
+        others = [e for e in self.flow.fleet.records if e not in targets]
+        found = await self._place(call, ledger, state, sorted(exclude | set(others)))
+        if isinstance(found, GatewayError):
+            return None
+        log.info(
+            "slack move: %s",
+            decision.why,
+            extra={"request_id": call.client_rid, "engine": call.engine_id, "target": found.engine_id},
+        )
+        return found
+
+    def _candidates(
+        self, call: Call, exclude: set[str], context: int, remaining: int, now: float
+    ) -> list[Candidate]:
+        """The engines a slow stream could move to, with room and their predicted decode pace."""
+        fleet = self.flow.fleet
+        max_load = getattr(self.flow.dispatch.core, "max_engine_load", None)
+        need = context + remaining
+        out: list[Candidate] = []
+        for snap in fleet.candidates(call.request.model, now):
+            if snap.role is not Role.COLLOCATED or snap.engine_id in exclude:
+                continue
+            record = fleet.records[snap.engine_id]
+            free = record.free_kv_tokens()
+            room = (max_load is None or snap.in_flight < max_load) and (free is None or free >= need)
+            prefill, decode = self.flow.slo.coefficients(snap.engine_id)
+            running = snap.state.num_running if snap.state is not None else 0
+            batch = max(snap.in_flight, running) + 1
+            tpot = decode[0] + decode[1] * (snap.running_tokens + context) + decode[2] * batch
+            resume = prefill[0] + prefill[1] * context + prefill[2] * context * context
+            out.append(Candidate(snap.engine_id, room, tpot, resume))
+        return out
+
+    def _announce(self, call: Call, ledger: StreamLedger, cut: Cut, record: EngineRecord) -> None:
+        relayed = len(ledger.tokens())
+        if call.span is not None:
+            call.span.add_event(
+                EVENT_MIGRATION,
+                {
+                    "slogate.migration.reason": cut.reason.value,
+                    "slogate.migration.from": cut.engine_id,
+                    "slogate.migration.to": record.engine_id,
+                    "slogate.migration.tokens": relayed,
+                    "slogate.migration.count": ledger.migrations,
+                },
+            )
+        log.info(
+            "stream migrated from %s to %s (%s) after %d tokens",
+            cut.engine_id,
+            record.engine_id,
+            cut.reason.value,
+            relayed,
+            extra={
+                "request_id": call.client_rid,
+                "migration": {
+                    "reason": cut.reason.value,
+                    "from": cut.engine_id,
+                    "to": record.engine_id,
+                    "tokens": relayed,
+                    "count": ledger.migrations,
+                },
+            },
+        )
+
+    # -- one continuation -------------------------------------------------------------------------
+
+    def _body(self, call: Call, record: EngineRecord, ledger: StreamLedger, state: _Resume) -> bytes:
+        source = call.request.body
+        generated = ledger.tokens()
+        relayed = len(generated)
+        body: dict[str, Any] = {k: source[k] for k in _CARRIED if k in source}
+        body["model"] = call.request.model
+        body["prompt"] = [*state.prompt_ids, *generated]
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        body["return_token_ids"] = True
+        if state.limit is not None:
+            body["max_tokens"] = state.limit - relayed
+        if state.min_tokens is not None:
+            body["min_tokens"] = max(0, state.min_tokens - relayed)
+        if state.natural is not None:
+            body["sim_output_len"] = state.natural - relayed
+        adapter = record.adapter
+        if adapter.accepts_priority:  # as the first engine was sent: the TTFT deadline, in ms
+            deadline_ms = int((call.arrival + call.target.ttft_s - self.flow._epoch) * 1000)
+            body["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
+        return orjson.dumps(body)
+
+    def _headers(self, call: Call, record: EngineRecord) -> dict[str, str]:
+        adapter = record.adapter
+        forwarded = adapter.forwarded_headers(call.forward_headers) if call.forward_headers else None
+        if forwarded:
+            forwarded = {k: v for k, v in forwarded.items() if k.lower() not in _NOT_REPEATED}
+        return adapter.upstream_headers(call.rid, forwarded)
+
+    async def _continue(
+        self, call: Call, ledger: StreamLedger, state: _Resume, record: EngineRecord
+    ) -> int | Cut | GatewayError:
+        """The rest of the stream on ``record``: the status sent, a Cut (it left this engine too),
+        or a retryable error before the engine sent anything."""
+        flow = self.flow
+        settings = flow.settings
+        entry = record.running.get(call.rid) or RunningEntry(0, 0, call.target.tpot_s, 0.0)
+        url = record.adapter.url("/v1/completions")
+        payload = self._body(call, record, ledger, state)
+        headers = self._headers(call, record)
+        call.engine_id = record.engine_id
+        call.entry = entry
+        entry.dispatched_at = time.monotonic()
+        metrics.child(metrics.DISPATCHES, record.engine_id).inc()
+        loop = asyncio.get_running_loop()
+        first_at = loop.time() + settings.first_token_timeout_s
+        headers_at = min(first_at, loop.time() + settings.headers_timeout_s)
+        up = flow.upstream_span(call, record, url, headers) if call.span is not None else None
+        try:
+            outcome = await self._exchange(
+                call, ledger, state, record, entry, url, payload, headers, headers_at, first_at
+            )
+        except BaseException as exc:
+            if up is not None:
+                _end_span(up, exc)
+            raise
+        if up is not None:
+            _end_span(up, outcome)
+        return outcome
+
+    async def _exchange(
+        self,
+        call: Call,
+        ledger: StreamLedger,
+        state: _Resume,
+        record: EngineRecord,
+        entry: RunningEntry,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        headers_at: float,
+        first_at: float,
+    ) -> int | Cut | GatewayError:
+        response = await self.flow.post(call, record, url, payload, headers, headers_at)
+        if isinstance(response, GatewayError):
+            return response
+        try:
+            if response.status >= 400:
+                return await self.flow.engine_refused(call, record, response, headers_at)
+            return await self._relay(call, ledger, state, record, entry, response, first_at)
+        finally:
+            response.close()  # also aborts the engine's request if it is still running
+
+    async def _relay(
+        self,
+        call: Call,
+        ledger: StreamLedger,
+        state: _Resume,
+        record: EngineRecord,
+        entry: RunningEntry,
+        response: aiohttp.ClientResponse,
+        first_at: float,
+    ) -> int | Cut:
+        """Relay a continuation: parse each event, re-shape it for the client, record its ids."""
+        send = call.send
+        fleet = self.flow.fleet
+        engine_id = record.engine_id
+        idle_s = self.flow.settings.idle_timeout_s
+        shape = state.shape
+        clock = asyncio.get_running_loop().time
+        base = len(ledger.tokens())
+        ledger.on_new_engine()
+        usage: dict[str, Any] | None = None
+        started = done = sending = False
+        pending = b""
+        sep = b"\n\n"
+        try:
+            async with asyncio.timeout_at(first_at) as deadline:
+                read = response.content.readany
+                while chunk := await read():
+                    data = pending + chunk if pending else chunk
+                    end = data.rfind(sep)
+                    if end < 0 and sep == b"\n\n" and b"\r\n\r\n" in data:
+                        sep = b"\r\n\r\n"
+                        end = data.rfind(sep)
+                    if end < 0:
+                        if len(data) > MAX_EVENT_BYTES:
+                            raise _Failed("an oversized event")
+                        pending = data
+                        continue
+                    end += len(sep)
+                    complete, pending = data[:end], data[end:]
+                    out: list[bytes] = []
+                    for event in complete.split(sep)[:-1]:
+                        payload = event[6:] if event.startswith(b"data: ") else event
+                        payload = payload.strip()
+                        if not payload or payload.startswith(b":"):
+                            continue
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        message = orjson.loads(payload)
+                        if not isinstance(message, dict) or "error" in message:
+                            raise _Failed(f"an error event: {payload[:200]!r}")
+                        choices = message.get("choices")
+                        if not choices:
+                            if isinstance(message.get("usage"), dict):
+                                usage = message["usage"]
+                            continue
+                        choice = choices[0]
+                        ids = choice.get("token_ids")
+                        if isinstance(ids, list):
+                            ledger.extend(ids)
+                        finish = choice.get("finish_reason")
+                        if finish:
+                            ledger.finished = True
+                        out.append(
+                            shape.chunk(
+                                choice.get("text") or "", ids if isinstance(ids, list) else None, finish
+                            )
+                        )
+                    now = time.monotonic()
+                    deadline.reschedule(clock() + idle_s)
+                    if out:
+                        if not started:
+                            started = True
+                            fleet.mark_prefilled(engine_id, call.rid)
+                            if call.upstream_span is not None:
+                                call.upstream_span.add_event(EVENT_FIRST_TOKEN)
+                        call.last_at = now
+                        call.content_events += len(out)
+                        fleet.add_generated(record, entry, len(out))
+                        sending = True
+                        await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                        sending = False
+                    if done:
+                        break
+                    if out and not ledger.finished and ledger.tick(len(out), now):
+                        placed = await ledger.move(now)
+                        if placed is not None:
+                            return Cut(MigrationReason.SLACK, engine_id, None, placed)
+        except TimeoutError:
+            if sending:
+                metrics.SLOW_CLIENTS.inc()
+                raise ClientGone() from None
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
+            what = "sent no first token" if not started else "stalled between events"
+            error = GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
+            return Cut(MigrationReason.STALL, engine_id, error)
+        except (aiohttp.ClientError, _Failed, orjson.JSONDecodeError) as exc:
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+            error = GatewayError(
+                502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed"
+            )
+            return Cut(MigrationReason.FAILURE, engine_id, error)
+        if not done:
+            metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+            error = GatewayError(
+                502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"
+            )
+            return Cut(MigrationReason.FAILURE, engine_id, error)
+        return await self._finish(call, ledger, state, record, "", base, usage)
+
+    async def _finish(
+        self,
+        call: Call,
+        ledger: StreamLedger,
+        state: _Resume,
+        record: EngineRecord | None,
+        finish: str,
+        base: int | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> int:
+        """End the stream: a finish chunk if the answer still lacks one, the usage (the client's
+        prompt, every output token), ``[DONE]``."""
+        if call.watcher is not None:
+            call.watcher.cancel()
+        call.finished_at = time.monotonic()
+        if record is not None:  # the engine's part is over before a slow client takes the last bytes
+            self.flow.dispatch.release(record.engine_id, call.rid)
+        produced = len(ledger.tokens())
+        completion = produced
+        if base is not None and usage is not None and isinstance(usage.get("completion_tokens"), int):
+            completion = base + usage["completion_tokens"]
+        prompt = len(state.prompt_ids)
+        totals: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
+        details = usage.get("prompt_tokens_details") if usage is not None else None
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            totals["prompt_tokens_details"] = {"cached_tokens": min(prompt, details["cached_tokens"])}
+        record_usage(call, totals)
+        tail = b""
+        if finish:
+            tail += state.shape.chunk("", None, finish)
+            call.content_events += 1
+        if call.request.client_wants_usage:
+            tail += state.shape.usage(totals)
+        idle_s = self.flow.settings.idle_timeout_s
+        await send_bounded(
+            call.send,
+            {"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False},
+            idle_s,
+        )
+        return 200
+
+    async def _give_up(self, call: Call, error: GatewayError | None, why: str) -> int:
+        """End the stream with an error event saying what failed and why it was not resumed."""
+        if error is None:
+            error = GatewayError(502, "the stream could not be resumed", code="upstream_failed")
+        message = f"{error.message}; {why}" if why else error.message
+        log.warning(message, extra={"request_id": call.client_rid})
+        final = GatewayError(error.status, message, code=error.code or "upstream_failed")
+        event = final.sse_event() + b"data: [DONE]\n\n"
+        await send_bounded(call.send, {"type": "http.response.body", "body": event, "more_body": False}, 1.0)
+        return final.status
+
+
+def _refusal(why: str) -> str:
+    if "limit" in why:
+        return "limit"
+    if "token ids" in why:
+        return "no_token_ids"
+    return "unsupported"
+
+
+def _end_span(span: Span, result: int | Cut | GatewayError | BaseException) -> None:
+    if isinstance(result, Cut):
+        span.set_attribute("slogate.migration.left", result.reason.value)
+        if result.error is not None:
+            fail(span, result.error.code or str(result.error.status))
+    elif isinstance(result, GatewayError):
+        fail(span, result.code or str(result.status))
+    elif isinstance(result, ClientGone | asyncio.CancelledError):
+        span.set_attribute("error.type", "client_disconnected")
+    elif isinstance(result, BaseException):
+        fail(span, type(result).__name__)
+    span.end()
+
+
+__all__ = ["TOKEN_ID_KINDS", "Migrator"]

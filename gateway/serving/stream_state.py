@@ -1,0 +1,214 @@
+"""What a migratable stream has relayed so far, kept cheaply so it can resume on another engine.
+
+The collocated relay stays byte for byte: it never parses an event. For a stream that may migrate
+(``migration_limit`` > 0, a streamed request that :func:`policies.migration.unsupported` accepts,
+an engine that returns token ids) it hands each relayed chunk to :meth:`StreamLedger.feed`, which
+keeps a reference to the first chunk (its id, ``created``, model and ``prompt_token_ids``) and
+slices of the ``"token_ids":[...]`` arrays located with ``bytes.find``; nothing is decoded until a
+migration needs it. The same object measures the stream's TPOT slack on its current engine
+(Kairos eq. 2, :func:`policies.migration.tpot_slack`) and tells the relay when the slack trigger
+should be consulted.
+
+When the stream leaves its engine the relay returns a :class:`Cut` carrying why, and the
+serving flow hands it to :mod:`gateway.serving.migration`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from policies.migration import MigrationReason, tpot_slack
+
+if TYPE_CHECKING:
+    from gateway.api.errors import GatewayError
+    from gateway.fleet.registry import EngineRecord
+
+_TOKEN_IDS = b'"token_ids":['
+_FINISHED = b'"finish_reason":"'
+#: how long after a slack check that did not move the stream the next one may come
+SLACK_RECHECK_S = 0.25
+
+
+class Cut:
+    """A stream left its engine before ``[DONE]``: ``reason`` why, ``error`` what the client is
+    told if it is not resumed (None for a slack move), ``placed`` the engine already reserved for
+    it (a slack move reserves its target before it leaves the old engine)."""
+
+    __slots__ = ("engine_id", "error", "placed", "reason")
+
+    def __init__(
+        self,
+        reason: MigrationReason,
+        engine_id: str,
+        error: GatewayError | None,
+        placed: EngineRecord | None = None,
+    ) -> None:
+        self.reason = reason
+        self.engine_id = engine_id
+        self.error = error
+        self.placed = placed
+
+    def __repr__(self) -> str:
+        return f"Cut({self.reason.value}, {self.engine_id!r})"
+
+
+class StreamLedger:
+    """One stream's resumable state. ``blocked`` says why it cannot migrate (None: it can);
+    a blocked ledger records nothing, so the relay can still say why when the engine fails."""
+
+    __slots__ = (
+        "blocked",
+        "bound_s",
+        "finished",
+        "first_chunk",
+        "generated",
+        "id_slices",
+        "migrations",
+        "mover",
+        "n_here",
+        "neg_since",
+        "next_check",
+        "prompt_ids",
+        "resume",
+        "t_first",
+        "tpot_s",
+        "tracking",
+        "visited",
+    )
+
+    def __init__(self, blocked: str | None = None) -> None:
+        self.blocked = blocked
+        #: the relay feeds this ledger (token ids are asked for and recorded)
+        self.tracking = blocked is None
+        self.first_chunk: bytes | None = None
+        self.id_slices: list[bytes] = []
+        self.generated: list[int] = []
+        self.prompt_ids: list[int] | None = None
+        #: a finish chunk (``finish_reason`` set) was relayed
+        self.finished = False
+        self.migrations = 0
+        #: engines the stream left (a continuation goes to none of them)
+        self.visited: list[str] = []
+        #: what every continuation shares, made by the migration module at its first use
+        self.resume: Any = None
+        # slack on the current engine: target (0: not watched), first token there, tokens since
+        self.tpot_s = 0.0
+        self.bound_s = 0.0
+        self.t_first = 0.0
+        self.n_here = 0
+        self.neg_since = 0.0
+        self.next_check = 0.0
+        #: called when the slack trigger should be consulted: the engine reserved for the move,
+        #: or None to stay
+        self.mover: Callable[[], Awaitable[EngineRecord | None]] | None = None
+
+    # -- recording --------------------------------------------------------------------------------
+
+    def feed(self, chunk: bytes, content: int, now: float) -> bool:
+        """Record a relayed chunk of the first engine (raw SSE bytes, ``content`` events with
+        output). True when the slack trigger should be consulted now."""
+        if self.first_chunk is None:
+            self.first_chunk = chunk
+        find = chunk.find
+        at = find(_TOKEN_IDS)
+        while at >= 0:
+            start = at + len(_TOKEN_IDS)
+            end = find(b"]", start)
+            if end < 0:
+                break
+            if end > start:
+                self.id_slices.append(chunk[start:end])
+            at = find(_TOKEN_IDS, end)
+        if not self.finished and _FINISHED in chunk:
+            self.finished = True
+        return self.tick(content, now) if content else False
+
+    def extend(self, ids: list[int]) -> None:
+        """Token ids of a resumed stream's chunk (already decoded by the migration relay)."""
+        if self.id_slices:
+            self._materialise()
+        self.generated.extend(ids)
+
+    def tokens(self) -> list[int]:
+        """Every output token id relayed so far, in order."""
+        if self.id_slices:
+            self._materialise()
+        return self.generated
+
+    def _materialise(self) -> None:
+        self.generated.extend(orjson.loads(b"[" + b",".join(self.id_slices) + b"]"))
+        self.id_slices.clear()
+
+    def first_event(self) -> dict[str, Any] | None:
+        """The first relayed event, decoded (id, created, model, prompt ids); None if none came."""
+        chunk = self.first_chunk
+        if chunk is None:
+            return None
+        for event in chunk.replace(b"\r\n", b"\n").split(b"\n\n"):
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    if payload.startswith(b"{"):
+                        data = orjson.loads(payload)
+                        if isinstance(data, dict):
+                            return data
+        return None
+
+    # -- TPOT slack on the current engine ---------------------------------------------------------
+
+    def watch_slack(
+        self, tpot_s: float, bound_s: float, mover: Callable[[], Awaitable[EngineRecord | None]]
+    ) -> None:
+        self.tpot_s = tpot_s
+        self.bound_s = bound_s
+        self.mover = mover
+
+    def on_new_engine(self) -> None:
+        """The stream moved: its slack is measured afresh from its first token on the new engine."""
+        self.t_first = 0.0
+        self.n_here = 0
+        self.neg_since = 0.0
+        self.next_check = 0.0
+
+    def tick(self, content: int, now: float) -> bool:
+        """``content`` output events arrived at ``now``; True when the slack has been negative for
+        the bound (and the last check is long enough ago)."""
+        if self.tpot_s <= 0.0:
+            return False
+        if not self.t_first:
+            self.t_first = now
+            self.n_here = content - 1
+            return False
+        self.n_here += content
+        if tpot_slack(self.tpot_s, self.n_here, now - self.t_first) >= 0.0:
+            self.neg_since = 0.0
+            return False
+        if not self.neg_since:
+            self.neg_since = now
+            return False
+        return now - self.neg_since >= self.bound_s and now >= self.next_check
+
+    def observed_tpot(self, now: float) -> float:
+        return (now - self.t_first) / self.n_here if self.t_first and self.n_here > 0 else 0.0
+
+    def negative_for(self, now: float) -> float:
+        return now - self.neg_since if self.neg_since else 0.0
+
+    async def move(self, now: float) -> EngineRecord | None:
+        """Consult the slack trigger (see :attr:`mover`); None: stay, and check again later."""
+        if self.mover is None:
+            return None
+        self.next_check = now + max(SLACK_RECHECK_S, self.bound_s / 2)
+        return await self.mover()
+
+    def cut(
+        self,
+        reason: MigrationReason,
+        engine_id: str,
+        error: GatewayError | None,
+        placed: EngineRecord | None = None,
+    ) -> Cut:
+        return Cut(reason, engine_id, error, placed)

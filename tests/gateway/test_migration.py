@@ -1,0 +1,379 @@
+"""Decode migration through the live gateway: streams cut mid-answer (a crash, a killed engine, a
+stall) or slowed past their TPOT slack are resumed on another engine with exactly the output an
+uninterrupted run gives, the same SSE id and ``created``, and correct usage; the migration limit
+holds; requests that cannot be resumed end with a clear error; engine capacity stays exact.
+
+Simulated engines run as real processes; their output is a deterministic function of the token
+sequence, so a reference run straight against an engine says what every stream must contain."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.procs import ChildProcess, spawn_sim_engine
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+#: engines at real time, so a 3x slow-down is tens of milliseconds per token
+REAL_TIME_ARGS = ("--profile", "qwen-7b", "--model", MODEL, "--time-scale", "1")
+
+
+@dataclass
+class Stream:
+    """One SSE answer as a client reads it."""
+
+    status: int
+    engine: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    done: bool = False
+    error: dict[str, Any] | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    finishes: list[str] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+
+    @property
+    def idents(self) -> set[tuple[str, int, str]]:
+        return {(e["id"], e["created"], e["model"]) for e in self.events}
+
+    def add(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        data = orjson.loads(payload)
+        if "error" in data:
+            self.error = data["error"]
+            return
+        self.events.append(data)
+        if self.prompt_ids is None:
+            self.prompt_ids = data.get("prompt_token_ids") or (
+                data["choices"][0].get("prompt_token_ids") if data.get("choices") else None
+            )
+        if data.get("usage"):
+            self.usage = data["usage"]
+        for choice in data.get("choices") or ():
+            self.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            self.token_ids += choice.get("token_ids") or []
+            if choice.get("finish_reason"):
+                self.finishes.append(choice["finish_reason"])
+
+
+def parse(status: int, engine: str, raw: bytes) -> Stream:
+    stream = Stream(status, engine)
+    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        if block.startswith(b"data: "):
+            stream.add(block[6:].strip())
+    return stream
+
+
+def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
+def reference(engine: ChildProcess, path: str, body: dict[str, Any]) -> Stream:
+    """The uninterrupted answer, straight from an engine (with its token ids)."""
+    r = httpx.post(engine.url + path, json={**body, "return_token_ids": True}, timeout=60)
+    return parse(r.status_code, "", r.content)
+
+
+def post(
+    gw: RunningGateway, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Stream:
+    r = httpx.post(gw.url + path, json=body, headers=headers or {}, timeout=60)
+    return parse(r.status_code, r.headers.get("x-slogate-engine", ""), r.content)
+
+
+def metric(gw: RunningGateway, name: str, **labels: str) -> float:
+    text = httpx.get(gw.url + "/metrics").text
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def sim_fault(engine: ChildProcess, fault: dict[str, Any]) -> None:
+    httpx.post(engine.url + "/sim/fault", json=fault, timeout=5).raise_for_status()
+
+
+def capacity_is_released(gw: RunningGateway) -> bool:
+    fleet = gw.gateway.fleet
+    assert fleet is not None
+    return all(r.in_flight == 0 and not r.running and r.in_flight_tokens == 0 for r in fleet.records.values())
+
+
+def assert_exact(got: Stream, ref: Stream, max_tokens: int) -> None:
+    """Exactly the reference output: text and token ids (none lost or repeated), one id and
+    ``created`` on every chunk, one finish at the end, usage of the client's own prompt."""
+    assert got.status == 200 and got.error is None and got.done, (got.error, got.done)
+    assert got.token_ids == ref.token_ids
+    assert got.text == ref.text
+    assert len(got.idents) == 1, got.idents
+    assert got.finishes == ["length"]
+    assert got.usage is not None and ref.usage is not None
+    assert got.usage["prompt_tokens"] == ref.usage["prompt_tokens"]
+    assert got.usage["completion_tokens"] == max_tokens == len(got.token_ids)
+    assert got.usage["total_tokens"] == ref.usage["prompt_tokens"] + max_tokens
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[ChildProcess]]:
+    with (
+        spawn_sim_engine(*SIM_ARGS, name="m0") as m0,
+        spawn_sim_engine(*SIM_ARGS, name="m1") as m1,
+        spawn_sim_engine(*SIM_ARGS, name="m2") as m2,
+    ):
+        yield [m0, m1, m2]
+
+
+@pytest.fixture()
+def healthy(engines: list[ChildProcess]) -> Iterator[list[ChildProcess]]:
+    """The module's engines, revived after each test (a crash or hang is engine-wide)."""
+    yield engines
+    for engine in engines:
+        sim_fault(engine, {"clear": True})
+
+
+def gateway(engines: list[ChildProcess], **settings: Any) -> Any:
+    return run_gateway(
+        engines=[engine_entry(e) for e in engines],
+        forward_sim_headers=True,
+        monitor_interval_s=0.2,
+        **settings,
+    )
+
+
+# -- a crash mid-stream ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "make"), [(CHAT, chat_body), (COMPLETIONS, completion_body)], ids=["chat", "completions"]
+)
+def test_crash_mid_stream_is_resumed_with_the_exact_output(
+    healthy: list[ChildProcess], path: str, make: Any
+) -> None:
+    body = make("the migration test prompt", 80)
+    ref = reference(healthy[2], path, body)
+    assert len(ref.token_ids) == 80
+    with gateway(healthy, migration_limit=2) as gw:
+        before = metric(gw, "slogate_migrations_total", reason="failure")
+        got = post(gw, path, body, {"X-Sim-Fault": "crash-after=25"})
+        assert_exact(got, ref, 80)
+        assert metric(gw, "slogate_migrations_total", reason="failure") == before + 1
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+def test_client_without_usage_gets_none_and_the_same_text(healthy: list[ChildProcess]) -> None:
+    body = chat_body("no usage please", 50)
+    del body["stream_options"]
+    ref = reference(healthy[1], CHAT, body)
+    with gateway(healthy, migration_limit=1) as gw:
+        got = post(gw, CHAT, body, {"X-Sim-Fault": "crash-after=10"})
+        assert got.error is None and got.done
+        assert got.text == ref.text and got.token_ids == ref.token_ids
+        assert got.usage is None
+        assert got.finishes == ["length"]
+
+
+def test_without_migration_no_token_ids_are_asked_for(healthy: list[ChildProcess]) -> None:
+    with gateway(healthy) as gw:
+        r = httpx.post(gw.url + CHAT, json=chat_body("plain relay", 5), timeout=30)
+        assert r.status_code == 200 and b"token_ids" not in r.content
+
+
+# -- the limit, and requests that cannot be resumed ----------------------------------------------
+
+
+def test_migration_limit_is_respected(healthy: list[ChildProcess]) -> None:
+    """Limit 1: the first engine crashes, the stream moves to an engine that hangs, and the
+    second stall ends the stream with an error naming the limit (no second migration)."""
+    body = chat_body("limited migrations", 200)
+    ref = reference(healthy[0], CHAT, body)
+    settings = {"migration_limit": 1, "first_token_timeout_s": 1.5, "idle_timeout_s": 1.5}
+    with gateway(healthy, **settings) as gw:
+        failures = metric(gw, "slogate_migrations_total", reason="failure")
+        stalls = metric(gw, "slogate_migrations_total", reason="stall")
+        with httpx.stream(
+            "POST", gw.url + CHAT, json=body, headers={"X-Sim-Fault": "crash-after=30"}, timeout=30
+        ) as r:
+            first = r.headers["x-slogate-engine"]
+            for engine in healthy:
+                if engine.name != first:
+                    sim_fault(engine, {"mode": "hang"})
+            raw = r.read()
+        got = parse(r.status_code, first, raw)
+        assert got.error is not None and got.done
+        assert "migration limit (1) reached" in got.error["message"], got.error
+        assert got.token_ids == ref.token_ids[: len(got.token_ids)] and len(got.token_ids) >= 25
+        assert metric(gw, "slogate_migrations_total", reason="failure") == failures + 1
+        assert metric(gw, "slogate_migrations_total", reason="stall") == stalls
+        assert metric(gw, "slogate_migrations_refused_total", why="limit") >= 1
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "guided"),
+        ({"guided_regex": "[a-z ]+"}, "guided"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "tool_choice": "required",
+            },
+            "guided",
+        ),
+        ({"n": 2, "temperature": 1.0}, "n = 2"),
+    ],
+    ids=["json_schema", "guided_regex", "tool_choice_required", "n2"],
+)
+def test_unresumable_requests_end_with_a_clear_error(
+    healthy: list[ChildProcess], extra: dict[str, Any], why: str
+) -> None:
+    with gateway(healthy, migration_limit=2) as gw:
+        before = metric(gw, "slogate_migrations_total", reason="failure")
+        got = post(gw, CHAT, chat_body("cannot move", 60, **extra), {"X-Sim-Fault": "crash-after=8"})
+        assert got.error is not None and got.done
+        message = got.error["message"]
+        assert "not migrated" in message and why in message and "cannot be resumed" in message, message
+        assert not got.token_ids  # the engine was not asked for token ids
+        assert metric(gw, "slogate_migrations_total", reason="failure") == before
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+# -- under load: one of four engines killed ------------------------------------------------------
+
+
+async def _read_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], progress: list[int], i: int
+) -> Stream:
+    async with client.stream("POST", url, json=body) as r:
+        stream = Stream(r.status_code, r.headers.get("x-slogate-engine", ""))
+        buffer = b""
+        async for chunk in r.aiter_bytes():
+            buffer += chunk
+            *blocks, buffer = buffer.split(b"\n\n")
+            for block in blocks:
+                if block.startswith(b"data: "):
+                    stream.add(block[6:].strip())
+            progress[i] = len(stream.token_ids)
+        return stream
+
+
+def test_killed_engine_under_load_loses_no_stream() -> None:
+    """Four engines, eight streams each; one engine is killed (SIGKILL) while every stream is
+    under way: every stream completes with exactly its reference output and usage."""
+    n_streams, max_tokens = 32, 160
+    with (
+        spawn_sim_engine(*SIM_ARGS, name="k0") as k0,
+        spawn_sim_engine(*SIM_ARGS, name="k1") as k1,
+        spawn_sim_engine(*SIM_ARGS, name="k2") as k2,
+        spawn_sim_engine(*SIM_ARGS, name="k3") as k3,
+    ):
+        fleet = [k0, k1, k2, k3]
+        bodies = [chat_body(f"stream number {i} of the load test", max_tokens) for i in range(n_streams)]
+
+        async def references() -> list[Stream]:
+            async with httpx.AsyncClient(timeout=60) as client:
+
+                async def one(body: dict[str, Any]) -> Stream:
+                    r = await client.post(k0.url + CHAT, json={**body, "return_token_ids": True})
+                    return parse(r.status_code, "", r.content)
+
+                return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+        refs = asyncio.run(references())
+        with gateway(fleet, migration_limit=2) as gw:
+            progress = [0] * n_streams
+            victim = k2
+
+            async def run() -> list[Stream]:
+                limits = httpx.Limits(max_connections=n_streams + 4)
+                async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                    tasks = [
+                        asyncio.create_task(_read_stream(client, gw.url + CHAT, body, progress, i))
+                        for i, body in enumerate(bodies)
+                    ]
+                    deadline = time.monotonic() + 30
+                    while min(progress) < 20 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert max(progress) < max_tokens, "the streams ended before the kill"
+                    os.kill(victim.pid, signal.SIGKILL)
+                    return list(await asyncio.gather(*tasks))
+
+            before = metric(gw, "slogate_migrations_total", reason="failure")
+            streams = asyncio.run(run())
+            on_victim = [s for s in streams if s.engine == victim.name]
+            assert on_victim, "no stream was on the killed engine"
+            for got, ref in zip(streams, refs, strict=True):
+                assert_exact(got, ref, max_tokens)
+            migrated = metric(gw, "slogate_migrations_total", reason="failure") - before
+            assert migrated == len(on_victim)
+            assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+# -- slack: one engine slowed 3x -----------------------------------------------------------------
+
+
+def test_slack_moves_a_stream_off_a_slowed_engine_with_the_exact_output() -> None:
+    """Real-time engines (decode step ~12 ms); the stream's engine slows down 3x (~37 ms a token)
+    against a 25 ms TPOT target: its slack stays negative, so it moves to the other engine, and
+    the client still gets exactly the reference output."""
+    max_tokens = 150
+    with (
+        spawn_sim_engine(*REAL_TIME_ARGS, name="s0") as s0,
+        spawn_sim_engine(*REAL_TIME_ARGS, name="s1") as s1,
+    ):
+        body = chat_body("a stream on a slow engine", max_tokens)
+        ref = reference(s0, CHAT, body)
+        settings = {"migration_limit": 1, "migration_slack_bound_s": 0.3}
+        with gateway([s0, s1], **settings) as gw:
+            before = metric(gw, "slogate_migrations_total", reason="slack")
+            headers = {"X-Sim-Fault": "slow=3", "x-slo-tpot-ms": "25"}
+            started = time.monotonic()
+            got = post(gw, CHAT, body, headers)
+            took = time.monotonic() - started
+            assert_exact(got, ref, max_tokens)
+            assert metric(gw, "slogate_migrations_total", reason="slack") == before + 1
+            other = s1 if got.engine == "s0" else s0
+            generated = [
+                float(line.split()[-1])
+                for line in httpx.get(other.url + "/metrics").text.splitlines()
+                if line.startswith("vllm:generation_tokens_total")
+            ]
+            assert sum(generated) > max_tokens / 2  # most of the answer came from the fast engine
+            assert took < max_tokens * 0.036, took  # all on the slow engine: ~5.5 s
+            assert wait_until(lambda: capacity_is_released(gw), timeout=5)
