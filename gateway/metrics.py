@@ -108,6 +108,22 @@ PD_DECODE_PLACEMENTS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+MIGRATIONS = Counter(
+    "slogate_migrations",
+    "Streams resumed on another engine mid-answer (decode migration), by why they left their engine: "
+    "failure (cut or ended early), stall (silent past the idle limit), slack (TPOT slack negative "
+    "past the bound while another engine had room)",
+    ["reason"],
+    registry=REGISTRY,
+)
+MIGRATIONS_REFUSED = Counter(
+    "slogate_migrations_refused",
+    "Streams cut mid-answer that were ended with an error instead of migrated: unsupported (guided "
+    "decoding, n > 1, log-probabilities, stop strings, an engine without token ids), limit "
+    "(migration_limit reached), no_token_ids (nothing relayed to resume from), no_engine",
+    ["why"],
+    registry=REGISTRY,
+)
 NO_ENGINE = Counter(
     "slogate_no_engine",
     "Requests refused because no healthy engine serves the model",

@@ -35,7 +35,9 @@ from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call, ClientGone
+from gateway.serving.migration import Migrator
 from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
+from gateway.serving.stream_state import Cut
 from gateway.settings import Settings
 from gateway.tracing import (
     SPAN_DISPATCH,
@@ -91,6 +93,8 @@ class CollocatedFlow:
             connect=settings.pool_timeout_s + settings.connect_timeout_s,
             sock_connect=settings.connect_timeout_s,
         )
+        #: decode migration (resumes cut streams on other engines); None when migration_limit is 0
+        self.migration = Migrator(self) if settings.migration_limit > 0 else None
 
     async def serve(self, call: Call, stage: Stage | None = None) -> int:
         """Place and relay ``call``; returns the status sent, raises GatewayError before any byte.
@@ -235,6 +239,8 @@ class CollocatedFlow:
         stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
         if stream and not request.client_wants_usage:
             extra["stream_options"] = {"include_usage": True}
+        if overrides is None and call.ledger is not None and call.ledger.tracking:
+            extra["return_token_ids"] = True  # decode migration resumes from the relayed token ids
         if overrides:
             extra.update(overrides)
         if not extra and not remove:
@@ -267,9 +273,12 @@ class CollocatedFlow:
         payload: bytes | None = None,
     ) -> int | GatewayError:
         """The whole request (or, given ``payload``, a decode stage's body) on one engine.
-        Returns the status sent to the client, or a retryable error."""
+        Returns the status sent to the client, or a retryable error. A stream that may migrate
+        and leaves this engine mid-answer is resumed elsewhere (see :mod:`gateway.serving.migration`)."""
         request = call.request
         engine_id = record.engine_id
+        migration = self.migration
+        call.ledger = migration.ledger(call, record) if migration is not None and payload is None else None
         if payload is None:
             payload = self.body_for(call, record)
         headers = self.headers_for(call, record)
@@ -297,6 +306,10 @@ class CollocatedFlow:
             raise
         if up is not None:
             end_upstream(up, call, outcome)
+        if isinstance(outcome, Cut):  # the stream started and left this engine: resume it elsewhere
+            assert self.migration is not None
+            self.dispatch.release(engine_id, call.rid)  # this engine's part is over (idempotent)
+            return await self.migration.resume(call, outcome, [engine_id])
         return outcome
 
     def upstream_span(self, call: Call, record: EngineRecord, url: str, headers: dict[str, str]) -> Span:
@@ -403,7 +416,7 @@ class CollocatedFlow:
         headers_at: float,
         first_token_at: float,
         up: Span | None,
-    ) -> int | GatewayError:
+    ) -> int | GatewayError | Cut:
         """Send the request to the engine and relay its answer (see :meth:`attempt`)."""
         request = call.request
         engine_id = record.engine_id
@@ -418,7 +431,7 @@ class CollocatedFlow:
                 return await self.engine_refused(call, record, response, headers_at)
             if request.stream:
                 return await relay_stream(
-                    call, response, self.fleet, record, first_token_at, settings.idle_timeout_s
+                    call, response, self.fleet, record, first_token_at, settings.idle_timeout_s, call.ledger
                 )
             read_at = time.monotonic()
             try:
@@ -483,12 +496,16 @@ def dispatcher_name(settings: Settings) -> str:
     return Path(settings.routing_profile).stem
 
 
-def end_upstream(span: Span, call: Call, result: int | GatewayError | BaseException) -> None:
+def end_upstream(span: Span, call: Call, result: int | GatewayError | Cut | BaseException) -> None:
     """End an upstream span with how the attempt ended (the engine's own status is on it)."""
     if call.content_events:
         span.set_attribute("slogate.content_events", call.content_events)
     if isinstance(result, GatewayError):
         fail(span, result.code or str(result.status))
+    elif isinstance(result, Cut):  # the stream left this engine (decode migration)
+        span.set_attribute("slogate.migration.left", result.reason.value)
+        if result.error is not None:
+            fail(span, result.error.code or str(result.error.status))
     elif isinstance(result, ClientGone | asyncio.CancelledError):
         span.set_attribute("error.type", "client_disconnected")
     elif isinstance(result, BaseException):
