@@ -32,7 +32,7 @@ from policies.api import Role
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
-KvTransfer = Literal["nixl", "bootstrap"]
+KvTransfer = Literal["nixl", "bootstrap", "shared"]
 
 #: settings whose values (or, for mappings, whose keys) are API keys: never printed
 SECRET_FIELDS = frozenset(
@@ -112,8 +112,10 @@ class EngineConfig(BaseModel):
     kv_transfer: KvTransfer | None = Field(
         default=None,
         description="how a prefill engine hands KV to a decode engine: nixl (vLLM: the prefill runs "
-        "first and its kv_transfer_params go to the decode) or bootstrap (SGLang: bootstrap host, "
-        "port and room in both bodies, sent together); default per kind: sglang bootstrap, else nixl",
+        "first and its kv_transfer_params go to the decode), bootstrap (SGLang: bootstrap host, "
+        "port and room in both bodies, sent together) or shared (a KV store both engines read by "
+        "prefix, e.g. vLLM's ExampleConnector or LMCache: the prefill runs first, the decode gets "
+        "the client's body); default per kind: sglang bootstrap, else nixl",
     )
     bootstrap_port: int | None = Field(
         default=None,

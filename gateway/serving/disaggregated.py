@@ -6,7 +6,8 @@ engine is chosen only when the prefill has finished, with the fleet as it is at 
 (:func:`policies.decode_placement.place_decode`: TPOT slack after the request joins, KV room,
 transfers already arriving on the engine's link). Peer gateways fix the pair at arrival.
 
-Protocols, by the prefill engine's ``kv_transfer`` (docs/pd.md):
+Protocols, by the prefill engine's ``kv_transfer`` (docs/pd.md); ``shared`` (a KV store both
+engines read by prefix: vLLM's ExampleConnector, LMCache) runs as ``nixl`` without the params:
 
 * ``nixl`` (vLLM): the prefill is sent alone with ``kv_transfer_params.do_remote_decode``,
   ``max_tokens`` 1, no stream (``stream_options`` and ``min_tokens`` removed); the
@@ -157,28 +158,31 @@ class DisaggregatedFlow:
         call.reply_headers = progress.reply_headers
         if record.adapter.config.transfer_protocol == "bootstrap":
             return await self._bootstrap(progress, call, record, entry, deadline)
-        kv = await self._prefill_nixl(call, record, entry, deadline)
+        shared = record.adapter.config.transfer_protocol == "shared"
+        kv = await self._prefill_first(call, record, entry, deadline, shared)
         self.collocated.dispatch.release(record.engine_id, call.rid)  # its part is over
         if isinstance(kv, GatewayError):
             return kv
         progress.prefilled = True
-        return await self._decode_stage(progress, call, record, deadline, {"kv_transfer_params": kv})
+        overrides: dict[str, object] = {} if shared else {"kv_transfer_params": kv}
+        return await self._decode_stage(progress, call, record, deadline, overrides)
 
-    async def _prefill_nixl(
-        self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
+    async def _prefill_first(
+        self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None, shared: bool
     ) -> dict[str, object] | GatewayError:
-        """Run the prefill alone; its ``kv_transfer_params``, or a retryable error."""
-        overrides: dict[str, object] = {
-            "stream": False,
-            "max_tokens": 1,
-            "kv_transfer_params": NIXL_PREFILL_PARAMS,
-        }
+        """Run the prefill alone; its ``kv_transfer_params`` (empty for a shared KV store, where
+        the decode engine finds the KV by prefix), or a retryable error."""
+        overrides: dict[str, object] = {"stream": False, "max_tokens": 1}
+        if not shared:
+            overrides["kv_transfer_params"] = NIXL_PREFILL_PARAMS
         if call.request.kind == "chat":
             overrides["max_completion_tokens"] = 1
         payload = self.collocated.body_for(call, record, overrides, PREFILL_REMOVES)
         body = await self._prefill_exchange(call, record, entry, payload, deadline, count_wait=True)
         if isinstance(body, GatewayError):
             return body
+        if shared:
+            return {}
         try:
             answer = orjson.loads(body)
         except orjson.JSONDecodeError:
