@@ -53,6 +53,10 @@ def _experiment(args: argparse.Namespace) -> int:
         from gateway.simulator.grid import grid_main
 
         return grid_main(args)
+    if args.experiment == "pd":
+        from gateway.simulator.pd_experiment import pd_main
+
+        return pd_main(args)
     from gateway.experiments.runner import experiment_main
 
     return experiment_main(args)
@@ -143,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_grid_arguments(
         exp_sub.add_parser("grid", help="offline: policies x workloads x load (x capacity) x engine speed")
+    )
+    from gateway.simulator.pd_experiment import add_pd_arguments
+
+    add_pd_arguments(
+        exp_sub.add_parser("pd", help="offline P/D: one-shot RR pairing vs two-stage; FIFO vs RMLQ transfers")
     )
     p.set_defaults(func=_experiment)
 

@@ -59,6 +59,18 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def pd_counts(text: str) -> tuple[int, int]:
+    """``P:D`` -> (prefill engines, decode engines), each at least 1."""
+    prefill, sep, decode = text.partition(":")
+    try:
+        counts = (int(prefill), int(decode))
+    except ValueError:
+        counts = (0, 0)
+    if not sep or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), got {text!r}")
+    return counts
+
+
 def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -> Scenario:
     profile, prio = split_prio(policy)
     ramp = read_workload(args.workload).kind == "ramp"
@@ -76,6 +88,10 @@ def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -
         seed=seed,
         engine_priority=prio or args.engine_priority,
         disturbances=tuple(getattr(args, "disturbances", ())),
+        pd=getattr(args, "pd", None),
+        pd_mode=getattr(args, "pd_mode", "two-stage"),
+        transfer_order=getattr(args, "transfer_order", "fifo"),
+        link_gbps=getattr(args, "link_gbps", None),
     )
 
 
@@ -109,6 +125,25 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND:START:END[:MAGNITUDE]",
         help="inject slow-engine (x slower), stale-scrapes or gateway-stall (s late); repeatable",
+    )
+    parser.add_argument(
+        "--pd",
+        type=pd_counts,
+        default=None,
+        metavar="P:D",
+        help="disaggregated: P prefill and D decode engines instead of --engines collocated ones",
+    )
+    parser.add_argument(
+        "--pd-mode",
+        choices=("two-stage", "one-shot"),
+        default="two-stage",
+        help="with --pd: decode placed when the prefill ends, or the pair fixed at dispatch (round robin)",
+    )
+    parser.add_argument(
+        "--transfer-order", choices=("fifo", "rmlq"), default="fifo", help="with --pd: KV transfer order"
+    )
+    parser.add_argument(
+        "--link-gbps", type=float, default=None, help="with --pd: KV link GB/s (default: the profile's)"
     )
     parser.add_argument(
         "--calibrate",
@@ -146,9 +181,10 @@ def simulate_main(args: argparse.Namespace) -> int:
     seeds = range(args.seed, args.seed + args.repeat)
     points = [scenario_for(args, p, q, s) for q in rates for p in policies for s in seeds]
     args.out.mkdir(parents=True, exist_ok=True)
+    fleet = f"{args.engines}" if args.pd is None else f"P/D {args.pd[0]}:{args.pd[1]} ({args.pd_mode})"
     print(
         f"[simulate] {len(points)} runs: {len(policies)} policies x {len(rates)} rates x "
-        f"{args.repeat} seeds, {args.engines} x {args.profile}, workload {args.workload}, "
+        f"{args.repeat} seeds, {fleet} x {args.profile}, workload {args.workload}, "
         f"{min(args.jobs, len(points))} processes",
         file=sys.stderr,
         flush=True,
@@ -185,7 +221,7 @@ def simulate_main(args: argparse.Namespace) -> int:
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "points.json").write_text(json.dumps([_as_json(r) for r in rows], indent=2))
     curves = args.out / "attainment_vs_qps.png"
-    plot_curves(rows, curves, f"{args.workload}: {args.engines} x {args.profile} (simulated)")
+    plot_curves(rows, curves, f"{args.workload}: {fleet} x {args.profile} (simulated)")
     written = [args.out / "table.md", args.out / "points.json", curves]
     if read_workload(args.workload).kind == "ramp":
         for qps in rates:

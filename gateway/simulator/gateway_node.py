@@ -151,16 +151,17 @@ class SimGateway:
         target, priority = self.slo.classify(headers, 0)
         self.slo.started(priority)
         estimate = chat_prompt_estimate(1, spec.prompt_tokens)
+        output = self._placed_output_tokens(spec)
         view = RequestView(
             request_id=rid,
             model=self.model,
             prompt_tokens=estimate,
-            max_output_tokens=spec.output_tokens,
+            max_output_tokens=output,
             arrival=now,
             priority=priority if priority is not None else 0,
             task=target.slo_class,
         )
-        entry = RunningEntry(estimate, spec.output_tokens, target.tpot_s, 0.0)
+        entry = RunningEntry(estimate, output, target.tpot_s, 0.0)
         flight = _Flight(spec, rid, now, target, priority, entry)
         self.flights[rid] = flight
         ticket = self.core.ticket(view, target.ttft_s, target.tpot_s, target.slo_class, entry, now)
@@ -173,6 +174,11 @@ class SimGateway:
         if record is not None:
             self._send(flight, record)
         self._deliver()
+
+    def _placed_output_tokens(self, spec: RequestSpec) -> int:
+        """Output tokens the engine the dispatch core places on will produce (all of them here;
+        a prefill engine in P/D produces one)."""
+        return spec.output_tokens
 
     # -- the dispatch loop, as DispatchLoop runs it ------------------------------------------------
 
@@ -278,7 +284,7 @@ class SimGateway:
             flight = self.flights.pop(request.request_id, None)
             if flight is None:
                 continue
-            self.fleet.release(engine_id, flight.rid)
+            self._release(engine_id, flight.rid)
             # the client's view: from when it sent the request (the workload's arrival time)
             sent = flight.spec.at
             ttft = flight.first_at - sent if flight.tokens else math.inf
@@ -292,6 +298,10 @@ class SimGateway:
                 )
             self.slo.left(flight.priority)
             self._outcome(flight, 200, ttft, tpot, now - sent, engine_id)
+
+    def _release(self, engine_id: str, request_id: str) -> None:
+        """The request left the engine: its reservation goes back (the serving flow's release)."""
+        self.fleet.release(engine_id, request_id)
 
     def _refused(self, flight: _Flight, status: int) -> None:
         self.flights.pop(flight.rid, None)

@@ -12,7 +12,7 @@ from gateway.experiments.replay import Outcome
 from gateway.experiments.workload import RequestSpec
 from gateway.experiments.workloads import load_workload
 from gateway.settings import EngineConfig, Settings
-from gateway.sim.profiles import load_profile
+from gateway.sim.profiles import EngineProfile, load_profile
 from gateway.simulator.clock import EventQueue
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
@@ -50,8 +50,19 @@ class Scenario:
     disturbances: tuple[Disturbance, ...] = ()
     #: extra settings passed to the gateway (any Settings field)
     settings: tuple[tuple[str, object], ...] = field(default=())
+    #: prefill/decode disaggregation: (prefill engines, decode engines) instead of ``engines``
+    #: collocated ones (gateway.simulator.pd)
+    pd: tuple[int, int] | None = None
+    #: P/D: ``two-stage`` (decode placed when the prefill ends) or ``one-shot`` (pair at dispatch)
+    pd_mode: str = "two-stage"
+    #: P/D: the order of KV transfers waiting for a decode engine's link: ``fifo`` or ``rmlq``
+    transfer_order: str = "fifo"
+    #: the engines' KV link bandwidth, GB/s (None: the engine profile's)
+    link_gbps: float | None = None
 
     def label(self) -> str:
+        if self.pd is not None:
+            return f"{self.policy} P/D {self.pd[0]}:{self.pd[1]} {self.pd_mode} @ {self.qps:g} QPS"
         return f"{self.policy} @ {self.qps:g} QPS"
 
 
@@ -67,19 +78,25 @@ class RunResult:
     cost_units: float
     #: virtual seconds engines spent running steps, summed over engines
     busy_s: float
+    #: per engine: virtual seconds running steps, and requests (or P/D stages) it ran
+    busy_by_engine: dict[str, float] = field(default_factory=dict)
+    served_by_engine: dict[str, int] = field(default_factory=dict)
 
 
 def settings_for(scenario: Scenario) -> Settings:
+    """The gateway's settings; in P/D mode its engines (the dispatch core's) are the prefill ones."""
+    name = "sim" if scenario.pd is None else "prefill"
+    count = scenario.engines if scenario.pd is None else scenario.pd[0]
     engines = [
         EngineConfig(
-            url=f"http://sim-{i}.invalid:8000",  # type: ignore[arg-type]
+            url=f"http://{name}-{i}.invalid:8000",  # type: ignore[arg-type]
             kind="sim",
             model=MODEL,
-            name=f"sim-{i}",
+            name=f"{name}-{i}",
             latency_profile=scenario.engine_profile,
             priority_scheduling=scenario.engine_priority,
         )
-        for i in range(scenario.engines)
+        for i in range(count)
     ]
     extra: dict[str, Any] = dict(scenario.settings)
     settings = Settings(
@@ -112,7 +129,13 @@ class Simulation:
         self.specs = list(workload) if workload is not None else workload_for(scenario)
         settings = settings_for(scenario)
         profile = load_profile(scenario.engine_profile, settings.profiles_dir)
+        if scenario.link_gbps is not None:
+            link = profile.transfer.model_copy(update={"link_bandwidth_gbps": scenario.link_gbps})
+            profile = profile.model_copy(update={"transfer": link})
         self.clock = EventQueue()
+        if scenario.pd is not None:
+            self._pd(scenario, settings, profile)
+            return
         self.gateway = SimGateway(settings, self.clock, MODEL, scenario.explicit_slo)
         self.nodes = [
             EngineNode(
@@ -127,6 +150,33 @@ class Simulation:
             for i, engine in enumerate(settings.engines)
         ]
         self.gateway.attach(self.nodes)
+        for disturbance in scenario.disturbances:
+            self._inject(disturbance)
+
+    def _pd(self, scenario: Scenario, settings: Settings, profile: EngineProfile) -> None:
+        from gateway.simulator.pd import PdGateway, build_nodes, pd_engines
+
+        assert scenario.pd is not None
+        prefill, decode = scenario.pd
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"P/D needs at least one prefill and one decode engine, got {prefill}:{decode}")
+        decode_configs = pd_engines(
+            settings, profile, decode, scenario.engine_profile, scenario.engine_priority
+        )
+        gateway = PdGateway(
+            settings,
+            decode_configs,
+            profile,
+            self.clock,
+            MODEL,
+            scenario.explicit_slo,
+            mode=scenario.pd_mode,
+            transfer_order=scenario.transfer_order,
+        )
+        self.gateway = gateway
+        self.nodes = build_nodes(
+            gateway, settings, decode_configs, profile, self.clock, 1.0 / scenario.engine_speed, scenario.seed
+        )
         for disturbance in scenario.disturbances:
             self._inject(disturbance)
 
@@ -190,9 +240,21 @@ class Simulation:
             clock.events,
             wall,
             makespan,
-            scenario.engines * makespan / COST_UNIT_S,
+            len(self.nodes) * makespan / COST_UNIT_S,
             sum(node.busy_s for node in self.nodes),
+            {node.engine_id: node.busy_s for node in self.nodes},
+            self._served(),
         )
+
+    def _served(self) -> dict[str, int]:
+        served = getattr(self.gateway, "served", None)
+        if isinstance(served, dict):
+            return {node.engine_id: served.get(node.engine_id, 0) for node in self.nodes}
+        counts = {node.engine_id: 0 for node in self.nodes}
+        for outcome in self.gateway.outcomes:
+            if outcome.engine in counts:
+                counts[outcome.engine] += 1
+        return counts
 
 
 def run(
