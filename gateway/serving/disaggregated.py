@@ -246,7 +246,6 @@ class DisaggregatedFlow:
         count_wait: bool,
     ) -> bytes | GatewayError:
         engine_id = record.engine_id
-        started = time.monotonic()
         try:
             response = await self.collocated.post(call, record, url, payload, headers, finish_at, count_wait)
         except GatewayError as error:
@@ -258,6 +257,7 @@ class DisaggregatedFlow:
         try:
             if response.status >= 400:
                 return await self.collocated.engine_refused(call, record, response, finish_at)
+            started = time.monotonic()  # (post counted the wait for the headers)
             try:
                 async with asyncio.timeout_at(finish_at):
                     return await response.read()
@@ -271,10 +271,11 @@ class DisaggregatedFlow:
                 return GatewayError(
                     502, f"prefill engine {engine_id} failed: {exc!r}", code="upstream_failed"
                 )
+            finally:
+                if count_wait:
+                    call.waited_s += time.monotonic() - started  # the engine computing the prefill
         finally:
             response.close()
-            if count_wait:
-                call.waited_s += time.monotonic() - started
 
     # -- the decode stage ---------------------------------------------------------------------------
 

@@ -128,6 +128,8 @@ def test_pd_answer_equals_collocated_answer(
         assert response.headers["x-slogate-prefill-engine"] in ("p0", "p1")
         assert response.headers["x-slogate-engine"] in ("d0", "d1")
         assert reference[1]["completion_tokens"] == 24
+        # the gateway's own time: the engines' prefill and the waits are not in it (nor counted twice)
+        assert 0.0 < float(response.headers["x-slogate-overhead-ms"]) < 50.0
 
 
 def test_decode_placement_spreads_over_the_decode_pool(
