@@ -120,7 +120,7 @@ def _spread(point: Point, prefix: str) -> str:
     busy = [b for e, b in point.busy.items() if e.startswith(prefix)]
     if not served:
         return "-"
-    return f"{min(served)}-{max(served)} ({max(busy, default=0):.0%} busy max)"
+    return f"{min(served)}-{max(served)} ({max(busy, default=0):.0%})"
 
 
 def verdict(points: list[Point]) -> tuple[float | None, float, float, bool]:
@@ -145,6 +145,11 @@ def render(points: list[Point]) -> str:
         "| prefills per engine | decodes per engine |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    note = (
+        "Per engine: stages run, min-max over the pool (the busiest engine's share of the run spent "
+        "stepping; a decode engine steps whenever it holds a request, so ~100 % there means busy, "
+        "not saturated)."
+    )
     for p in sorted((p for p in points if p.part == "placement"), key=lambda p: (p.qps, p.series)):
         lines.append(
             f"| {p.qps:g} | {p.series} | {p.attainment:.1%} | {p.ttft_attainment:.1%} | "
@@ -152,7 +157,7 @@ def render(points: list[Point]) -> str:
             f"{_spread(p, 'prefill-')} | {_spread(p, 'decode-')} |"
         )
     qps, base, mine, met = verdict(points)
-    lines.append("")
+    lines += ["", note, ""]
     if qps is None:
         lines.append("Verdict: one-shot RR never attains < 50 % in this sweep (raise --qps).")
     else:
