@@ -314,6 +314,18 @@ class Settings(BaseSettings):
                     f"duplicate engine id {engine.engine_id!r}; give each engine a distinct name"
                 )
             seen.add(engine.engine_id)
+        roles: dict[str, set[Role]] = {}
+        for engine in engines:
+            roles.setdefault(engine.model, set()).add(engine.role)
+        for model, present in sorted(roles.items()):
+            # a half of a P/D pair alone serves nothing: say which half is missing
+            if Role.PREFILL in present and Role.DECODE not in present:
+                raise ValueError(f"model {model!r} has prefill engines but no decode engine (role: decode)")
+            if Role.DECODE in present and not present & {Role.PREFILL, Role.COLLOCATED}:
+                raise ValueError(
+                    f"model {model!r} has decode engines but no prefill engine: give one role: prefill, "
+                    "or make them role: collocated"
+                )
         return engines
 
     @field_validator("api_keys", "admin_api_keys")

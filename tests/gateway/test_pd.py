@@ -276,3 +276,21 @@ def test_gated_transfers_one_per_decode_engine(
         assert flow.gate.waited_total > 0  # the gate did hold transfers back
         assert all(flow.gate.in_flight(e) == 0 and flow.gate.waiting(e) == 0 for e in ("d0", "d1"))
         assert all(not r.running for r in gw.gateway.fleet.records.values())
+
+
+@pytest.mark.parametrize(
+    ("roles", "message"),
+    [
+        (["prefill"], "has prefill engines but no decode engine"),
+        (["decode", "decode"], "has decode engines but no prefill engine"),
+    ],
+)
+def test_half_a_pd_pair_is_refused_at_start_up(roles: list[str], message: str) -> None:
+    from gateway.settings import load_settings
+
+    engines = [
+        {"url": f"http://127.0.0.1:{9000 + i}", "kind": "sim", "model": MODEL, "name": f"e{i}", "role": role}
+        for i, role in enumerate(roles)
+    ]
+    with pytest.raises(ValueError, match=message):
+        load_settings(None, engines=engines)
