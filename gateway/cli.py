@@ -57,6 +57,10 @@ def _experiment(args: argparse.Namespace) -> int:
         from gateway.simulator.pd_experiment import pd_main
 
         return pd_main(args)
+    if args.experiment == "migration":
+        from gateway.experiments.migration import migration_main
+
+        return migration_main(args)
     from gateway.experiments.runner import experiment_main
 
     return experiment_main(args)
@@ -152,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_pd_arguments(
         exp_sub.add_parser("pd", help="offline P/D: one-shot RR pairing vs two-stage; FIFO vs RMLQ transfers")
+    )
+    from gateway.experiments.migration import add_migration_arguments
+
+    add_migration_arguments(
+        exp_sub.add_parser(
+            "migration", help="decode migration: an engine killed under load; a slowed engine, slack moves"
+        )
     )
     p.set_defaults(func=_experiment)
 

@@ -14,10 +14,13 @@ asks these functions three things:
   resume, within the request's migration limit.
 * :func:`decide_on_slack` - the HyperFlexis Migrator's trigger with Kairos' TPOT slack (§3.2,
   eq. 2): the stream's slack on its current engine, ``tpot_target * (n + 1) - elapsed`` (``n``
-  tokens since its first token there), has stayed negative for ``slack_bound_s``, enough tokens
-  remain, and another engine has room and is predicted to decode the rest faster by more than the
-  re-prefill costs. The slack is measured per engine, from the stream's first token on it, so a
-  stream resumed on a fast engine does not carry the slow engine's debt into another move.
+  tokens since its first token there), has stayed negative for ``slack_bound_s`` and is still
+  falling (the pace since it turned negative is slower than the target: a stream that is paying
+  back a transient stall, such as a burst of prefills on its engine, stays), enough tokens remain,
+  and another engine has room and is predicted to decode the rest faster by more than the
+  re-prefill (its queued prompts included) costs. The slack is measured per engine, from the
+  stream's first token on it, so a stream resumed on a fast engine does not carry the slow
+  engine's debt into another move.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class StreamView:
     ``migrations``: moves so far. ``remaining_tokens``: output budget left (``max_tokens`` less the
     tokens relayed). ``tpot_target_s``: the request's TPOT objective. ``observed_tpot_s``: mean time
     per token on the current engine since its first token there. ``negative_for_s``: how long the
-    slack has been negative without a break (0 when it is not).
+    slack has been negative without a break (0 when it is not). ``recent_tpot_s``: time per token
+    since the slack turned negative (``inf`` when no token came since; None: not measured).
     """
 
     migrations: int
@@ -68,6 +72,7 @@ class StreamView:
     tpot_target_s: float
     observed_tpot_s: float = 0.0
     negative_for_s: float = 0.0
+    recent_tpot_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +191,8 @@ def decide_on_slack(
         return Decision(False, MigrationReason.SLACK, why="too few tokens left")
     if stream.observed_tpot_s <= stream.tpot_target_s:
         return Decision(False, MigrationReason.SLACK, why="the stream keeps its TPOT pace")
+    if stream.recent_tpot_s is not None and stream.recent_tpot_s <= stream.tpot_target_s:
+        return Decision(False, MigrationReason.SLACK, why="the stream is catching up")
     ceiling = stream.tpot_target_s * settings.target_margin
     good: list[tuple[float, str]] = []
     for c in candidates:

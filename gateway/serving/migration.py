@@ -41,7 +41,7 @@ from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
 from gateway.serving.stream_state import Cut, StreamLedger
-from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail
+from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
 from policies.migration import (
     Candidate,
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slogate.migration")
 
+COMPLETIONS = "/v1/completions"
+PATHS = {"chat": "/v1/chat/completions", "completions": COMPLETIONS}
 #: engine kinds that return token ids (``return_token_ids``) and take a token-id prompt
 TOKEN_ID_KINDS = frozenset(("vllm", "sim"))
 #: body fields :func:`policies.migration.unsupported` reads; a body with none of them is
@@ -126,10 +128,13 @@ class _Shape:
         }
         self.head = b"data: " + orjson.dumps(ident)[:-1]
 
-    def chunk(self, text: str, ids: list[int] | None, finish: str | None) -> bytes:
+    def chunk(self, text: str, ids: list[int] | None, finish: str | None, first: bool = False) -> bytes:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["delta"] = {"content": text} if text or finish is None else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text or finish is None:
+                delta["content"] = text
+            choice["delta"] = delta
         else:
             choice["text"] = text
         choice["logprobs"] = None
@@ -226,17 +231,18 @@ class Migrator:
                         self.policy,
                         cut.reason,
                         ledger.blocked,
-                        resumable=ledger.first_chunk is not None,
+                        # nothing relayed yet: the original request is re-sent (a restart)
+                        resumable=ledger.first_chunk is None or self._resume_state(call, ledger) is not None,
                     )
                     if not decision.migrate:
                         metrics.child(metrics.MIGRATIONS_REFUSED, _refusal(decision.why)).inc()
                         return await self._give_up(call, cut.error, decision.why)
                 state = self._resume_state(call, ledger)
-                if state is None:
+                if state is None and ledger.first_chunk is not None:
                     metrics.child(metrics.MIGRATIONS_REFUSED, "no_token_ids").inc()
                     return await self._give_up(call, cut.error, "not migrated: no token ids to resume from")
-                done = self._finished_here(ledger, state)
-                if done is not None:
+                done = self._finished_here(ledger, state) if state is not None else None
+                if done is not None and state is not None:
                     return await self._finish(call, ledger, state, None, done)
                 ledger.migrations += 1
                 ledger.visited.append(cut.engine_id)
@@ -280,6 +286,7 @@ class Migrator:
             tpot_target_s=call.target.tpot_s,
             observed_tpot_s=ledger.observed_tpot(now),
             negative_for_s=ledger.negative_for(now),
+            recent_tpot_s=ledger.recent_tpot(now),
         )
 
     def _resume_state(self, call: Call, ledger: StreamLedger) -> _Resume | None:
@@ -342,13 +349,13 @@ class Migrator:
         return sorted(out)
 
     async def _place(
-        self, call: Call, ledger: StreamLedger, state: _Resume, exclude: list[str]
+        self, call: Call, ledger: StreamLedger, state: _Resume | None, exclude: list[str]
     ) -> EngineRecord | GatewayError:
         """Another engine for the rest of the stream, reserved under the request's id."""
         request = call.request
         target = call.target
         relayed = len(ledger.tokens())
-        prompt = len(state.prompt_ids) + relayed
+        prompt = (len(state.prompt_ids) if state is not None else request.prompt_tokens) + relayed
         remaining = max(1, request.max_tokens - relayed)
         view = RequestView(
             request_id=call.rid,
@@ -361,12 +368,19 @@ class Migrator:
             tenant=call.tenant,
         )
         entry = RunningEntry(prompt, remaining, target.tpot_s, 0.0)
+        asked = time.monotonic()
+        asked_ns = now_ns() if call.span is not None else 0
+        attempt = len(ledger.visited) + 1
         try:
-            return await self.flow.dispatch.place(
+            record = await self.flow.dispatch.place(
                 view, target.ttft_s, target.tpot_s, target.slo_class, entry, exclude
             )
         except GatewayError as error:
+            self.flow._decided(call, attempt, asked, asked_ns, False, None, error, exclude)
             return error
+        # the dispatch span and /dashboard's decision log, as for any placement
+        self.flow._decided(call, attempt, asked, asked_ns, False, record, None, exclude)
+        return record
 
     async def _slack_move(self, call: Call, ledger: StreamLedger) -> EngineRecord | None:
         """The slack trigger: an engine reserved for the move, or None to stay where it is."""
@@ -385,7 +399,12 @@ class Migrator:
         candidates = self._candidates(call, exclude, context, max(0, remaining), now)
         view = self._view(call, ledger, now)
         view = StreamView(
-            view.migrations, max(0, remaining), view.tpot_target_s, view.observed_tpot_s, view.negative_for_s
+            view.migrations,
+            max(0, remaining),
+            view.tpot_target_s,
+            view.observed_tpot_s,
+            view.negative_for_s,
+            view.recent_tpot_s,
         )
         decision = decide_on_slack(view, candidates, self.policy)
         if not decision.migrate:
@@ -420,7 +439,9 @@ class Migrator:
             running = snap.state.num_running if snap.state is not None else 0
             batch = max(snap.in_flight, running) + 1
             tpot = decode[0] + decode[1] * (snap.running_tokens + context) + decode[2] * batch
-            resume = prefill[0] + prefill[1] * context + prefill[2] * context * context
+            # the re-prefill waits for the prompts already queued there (a burst of moves, say)
+            queued = sum(record.unprefilled.values()) + context
+            resume = prefill[0] + prefill[1] * queued + prefill[2] * queued * queued
             out.append(Candidate(snap.engine_id, room, tpot, resume))
         return out
 
@@ -457,7 +478,9 @@ class Migrator:
 
     # -- one continuation -------------------------------------------------------------------------
 
-    def _body(self, call: Call, record: EngineRecord, ledger: StreamLedger, state: _Resume) -> bytes:
+    def _body(self, call: Call, record: EngineRecord, ledger: StreamLedger, state: _Resume | None) -> bytes:
+        if state is None:  # a restart: the client's request as the first engine got it
+            return self.flow.body_for(call, record)
         source = call.request.body
         generated = ledger.tokens()
         relayed = len(generated)
@@ -487,14 +510,14 @@ class Migrator:
         return adapter.upstream_headers(call.rid, forwarded)
 
     async def _continue(
-        self, call: Call, ledger: StreamLedger, state: _Resume, record: EngineRecord
+        self, call: Call, ledger: StreamLedger, state: _Resume | None, record: EngineRecord
     ) -> int | Cut | GatewayError:
         """The rest of the stream on ``record``: the status sent, a Cut (it left this engine too),
         or a retryable error before the engine sent anything."""
         flow = self.flow
         settings = flow.settings
         entry = record.running.get(call.rid) or RunningEntry(0, 0, call.target.tpot_s, 0.0)
-        url = record.adapter.url("/v1/completions")
+        url = record.adapter.url(COMPLETIONS if state is not None else PATHS[call.request.kind])
         payload = self._body(call, record, ledger, state)
         headers = self._headers(call, record)
         call.engine_id = record.engine_id
@@ -521,7 +544,7 @@ class Migrator:
         self,
         call: Call,
         ledger: StreamLedger,
-        state: _Resume,
+        state: _Resume | None,
         record: EngineRecord,
         entry: RunningEntry,
         url: str,
@@ -544,18 +567,19 @@ class Migrator:
         self,
         call: Call,
         ledger: StreamLedger,
-        state: _Resume,
+        state: _Resume | None,
         record: EngineRecord,
         entry: RunningEntry,
         response: aiohttp.ClientResponse,
         first_at: float,
     ) -> int | Cut:
-        """Relay a continuation: parse each event, re-shape it for the client, record its ids."""
+        """Relay a continuation: parse each event, re-shape it for the client, record its ids.
+        Without ``state`` (a restart: the client has seen no event yet) the first event names the
+        stream, as the first engine's would have."""
         send = call.send
         fleet = self.flow.fleet
         engine_id = record.engine_id
         idle_s = self.flow.settings.idle_timeout_s
-        shape = state.shape
         clock = asyncio.get_running_loop().time
         base = len(ledger.tokens())
         ledger.on_new_engine()
@@ -596,6 +620,12 @@ class Migrator:
                             if isinstance(message.get("usage"), dict):
                                 usage = message["usage"]
                             continue
+                        first = state is None
+                        if state is None:  # a restart's first event: it names the stream
+                            ledger.first_chunk = b"data: " + payload + b"\n\n"
+                            state = self._resume_state(call, ledger)
+                            if state is None:
+                                raise _Failed("a first event without prompt token ids")
                         choice = choices[0]
                         ids = choice.get("token_ids")
                         if isinstance(ids, list):
@@ -603,11 +633,10 @@ class Migrator:
                         finish = choice.get("finish_reason")
                         if finish:
                             ledger.finished = True
-                        out.append(
-                            shape.chunk(
-                                choice.get("text") or "", ids if isinstance(ids, list) else None, finish
-                            )
-                        )
+                        delta = choice.get("delta")
+                        text = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
+                        ids = ids if isinstance(ids, list) else None
+                        out.append(state.shape.chunk(text, ids, finish, first))
                     now = time.monotonic()
                     deadline.reschedule(clock() + idle_s)
                     if out:
@@ -642,7 +671,7 @@ class Migrator:
                 502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed"
             )
             return Cut(MigrationReason.FAILURE, engine_id, error)
-        if not done:
+        if not done or state is None:
             metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             error = GatewayError(
                 502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"

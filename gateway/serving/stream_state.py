@@ -69,6 +69,7 @@ class StreamLedger:
         "migrations",
         "mover",
         "n_here",
+        "n_neg",
         "neg_since",
         "next_check",
         "prompt_ids",
@@ -100,6 +101,7 @@ class StreamLedger:
         self.t_first = 0.0
         self.n_here = 0
         self.neg_since = 0.0
+        self.n_neg = 0
         self.next_check = 0.0
         #: called when the slack trigger should be consulted: the engine reserved for the move,
         #: or None to stay
@@ -188,6 +190,7 @@ class StreamLedger:
             return False
         if not self.neg_since:
             self.neg_since = now
+            self.n_neg = self.n_here
             return False
         return now - self.neg_since >= self.bound_s and now >= self.next_check
 
@@ -196,6 +199,13 @@ class StreamLedger:
 
     def negative_for(self, now: float) -> float:
         return now - self.neg_since if self.neg_since else 0.0
+
+    def recent_tpot(self, now: float) -> float | None:
+        """Time per token since the slack turned negative (inf: none came since)."""
+        if not self.neg_since:
+            return None
+        tokens = self.n_here - self.n_neg
+        return (now - self.neg_since) / tokens if tokens > 0 else float("inf")
 
     async def move(self, now: float) -> EngineRecord | None:
         """Consult the slack trigger (see :attr:`mover`); None: stay, and check again later."""

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.procs import ChildProcess, spawn_sim_engine
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
@@ -180,20 +181,50 @@ def gateway(engines: list[ChildProcess], **settings: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("path", "make"), [(CHAT, chat_body), (COMPLETIONS, completion_body)], ids=["chat", "completions"]
+    ("path", "make", "crash_after"),
+    [(CHAT, chat_body, 25), (COMPLETIONS, completion_body, 25), (CHAT, chat_body, 1)],
+    ids=["chat", "completions", "chat-before-first-token"],
 )
 def test_crash_mid_stream_is_resumed_with_the_exact_output(
-    healthy: list[ChildProcess], path: str, make: Any
+    healthy: list[ChildProcess], path: str, make: Any, crash_after: int
 ) -> None:
+    """crash-after=25: 24 tokens relayed, the rest from another engine; crash-after=1: the engine
+    dies before its first event (only the headers went out), so the request is re-sent whole."""
     body = make("the migration test prompt", 80)
     ref = reference(healthy[2], path, body)
     assert len(ref.token_ids) == 80
     with gateway(healthy, migration_limit=2) as gw:
         before = metric(gw, "slogate_migrations_total", reason="failure")
-        got = post(gw, path, body, {"X-Sim-Fault": "crash-after=25"})
+        got = post(gw, path, body, {"X-Sim-Fault": f"crash-after={crash_after}"})
         assert_exact(got, ref, 80)
         assert metric(gw, "slogate_migrations_total", reason="failure") == before + 1
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+        if path == CHAT:
+            assert got.events[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_a_migration_is_a_span_event_and_a_dispatch(healthy: list[ChildProcess]) -> None:
+    exporter = InMemorySpanExporter()
+    with gateway(healthy, migration_limit=1, tracing=True, span_exporter=exporter) as gw:
+        got = post(gw, CHAT, chat_body("traced migration", 40), {"X-Sim-Fault": "crash-after=10"})
+        assert got.error is None and got.done
+
+        def request_span() -> Any:
+            return next((s for s in exporter.get_finished_spans() if s.name == "slogate.request"), None)
+
+        assert wait_until(lambda: request_span() is not None)
+        spans = exporter.get_finished_spans()
+        events = [e for e in request_span().events if e.name == "slogate.migration"]
+        assert len(events) == 1
+        attributes = dict(events[0].attributes or {})
+        assert attributes["slogate.migration.reason"] == "failure"
+        assert attributes["slogate.migration.from"] == got.engine
+        assert attributes["slogate.migration.to"] != got.engine
+        assert attributes["slogate.migration.tokens"] == 9
+        assert len([s for s in spans if s.name == "slogate.dispatch"]) == 2
+        upstream = [s for s in spans if s.name == "slogate.upstream.collocated"]
+        assert [dict(s.attributes or {}).get("url.path") for s in upstream] == [CHAT, COMPLETIONS]
+        assert dict(upstream[0].attributes or {})["slogate.migration.left"] == "failure"
 
 
 def test_client_without_usage_gets_none_and_the_same_text(healthy: list[ChildProcess]) -> None:

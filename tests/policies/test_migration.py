@@ -113,6 +113,10 @@ FAST = Candidate("fast", has_room=True, predicted_tpot_s=0.02, resume_s=0.1)
         (StreamView(0, 200, 0.05, 0.15, 0.5), [FAST], ON, (), "not negative for long enough"),
         (StreamView(0, 10, 0.05, 0.15, 2.0), [FAST], ON, (), "too few tokens"),
         (StreamView(0, 200, 0.05, 0.04, 2.0), [FAST], ON, (), "keeps its TPOT pace"),
+        # behind, but paying the deficit back (a transient stall): stays
+        (StreamView(0, 200, 0.05, 0.15, 2.0, 0.03), [FAST], ON, (), "catching up"),
+        # no token at all since the slack turned negative: moves
+        (StreamView(0, 200, 0.05, 0.15, 2.0, float("inf")), [FAST], ON, ("fast",), ""),
         (SLOW, [Candidate("full", False, 0.02, 0.1)], ON, (), "no engine with room"),
         # 45 ms predicted > 0.8 x 50 ms: would not meet the target with margin
         (SLOW, [Candidate("meh", True, 0.045, 0.1)], ON, (), "no engine with room"),
