@@ -434,6 +434,7 @@ def add_migration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-factor", type=float, default=3.0)
     parser.add_argument("--tpot-ms", type=float, default=25.0)
     parser.add_argument("--slack-bound", type=float, default=0.5, help="migration_slack_bound_s")
+    parser.add_argument("--repeat", type=int, default=1, help="slow-engine runs of each, interleaved")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
 
@@ -460,8 +461,9 @@ def migration_main(args: argparse.Namespace) -> int:
         str(args.max_num_seqs),
     )
     killed = _killed(args, jobs, engine_args) if args.scenario in ("all", "killed") else None
+    # off and on interleaved, so a change in the machine's load hits both alike
     slow = (
-        [_slow(args, jobs, engine_args, migrate) for migrate in (False, True)]
+        [_slow(args, jobs, engine_args, migrate) for _ in range(args.repeat) for migrate in (False, True)]
         if args.scenario in ("all", "slow")
         else []
     )
