@@ -59,6 +59,26 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def _disaggregation(text: str) -> str:
+    from gateway.simulator.pd import disaggregation_params
+
+    try:
+        disaggregation_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        speeds = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        speeds = ()
+    if not speeds or any(not v > 0 for v in speeds):
+        raise argparse.ArgumentTypeError(f"expected a comma list of speeds > 0, got {text!r}")
+    return speeds
+
+
 def pd_counts(text: str) -> tuple[int, int]:
     """``P:D`` -> (prefill engines, decode engines), each at least 1."""
     prefill, sep, decode = text.partition(":")
@@ -92,6 +112,8 @@ def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -
         pd_mode=getattr(args, "pd_mode", "two-stage"),
         transfer_order=getattr(args, "transfer_order", "fifo"),
         link_gbps=getattr(args, "link_gbps", None),
+        decode_speeds=tuple(getattr(args, "decode_speeds", None) or ()),
+        disaggregation=getattr(args, "disaggregation", None),
     )
 
 
@@ -123,8 +145,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         type=_disturbance,
         default=[],
-        metavar="KIND:START:END[:MAGNITUDE]",
-        help="inject slow-engine (x slower), stale-scrapes or gateway-stall (s late); repeatable",
+        metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
+        help="inject slow-engine (x slower; a 5th field names the engine, e.g. "
+        "slow-engine:10:40:3:decode-1), stale-scrapes or gateway-stall (s late); repeatable",
     )
     parser.add_argument(
         "--pd",
@@ -135,9 +158,25 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pd-mode",
-        choices=("two-stage", "one-shot"),
+        choices=("two-stage", "one-shot", "one-shot-least-load"),
         default="two-stage",
-        help="with --pd: decode placed when the prefill ends, or the pair fixed at dispatch (round robin)",
+        help="with --pd: decode placed when the prefill ends, or the pair fixed when the prefill is "
+        "dispatched (decode round robin, or least loaded)",
+    )
+    parser.add_argument(
+        "--disaggregation",
+        type=_disaggregation,
+        default=None,
+        metavar="MODE",
+        help="with --pd: always | never | conditional[:min_prompt_tokens] instead of the routing "
+        "profile's disaggregation section (default: the profile's, as live)",
+    )
+    parser.add_argument(
+        "--decode-speeds",
+        type=_speeds,
+        default=None,
+        metavar="S0,S1,...",
+        help="with --pd: each decode engine's speed relative to its profile (its time_scale), e.g. 1,0.5",
     )
     parser.add_argument(
         "--transfer-order", choices=("fifo", "rmlq"), default="fifo", help="with --pd: KV transfer order"

@@ -1,13 +1,15 @@
 """Disturbances injected into a simulated run, to see whether a policy degrades gracefully.
 
-* ``slow-engine``: engine 0 runs ``magnitude`` times slower between ``start`` and ``end`` (a
-  CPU-starved or thermally throttled engine);
+* ``slow-engine``: one engine (engine 0, or the one named) runs ``magnitude`` times slower
+  between ``start`` and ``end`` (a CPU-starved or thermally throttled engine); the gateway is not
+  told, it sees only the engine's own pace;
 * ``stale-scrapes``: no scrape reaches the gateway between ``start`` and ``end`` (a monitor that
   cannot keep up); the gateway routes on its shadow and stale state;
 * ``gateway-stall``: every event the gateway handles between ``start`` and ``end`` is handled
   ``magnitude`` seconds late (a CPU-starved gateway): arrivals, dispatch turns, tokens, ends.
 
-Written ``kind:start:end[:magnitude]`` on the command line (seconds of virtual time).
+Written ``kind:start:end[:magnitude[:engine]]`` on the command line (seconds of virtual time;
+``engine``, an engine id such as ``decode-1``, only for ``slow-engine``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Disturbance:
     start_s: float
     end_s: float
     magnitude: float
+    #: slow-engine: the engine slowed (None: the first engine)
+    engine: str | None = None
 
     def covers(self, now: float) -> bool:
         return self.start_s <= now < self.end_s
@@ -33,14 +37,18 @@ class Disturbance:
     @classmethod
     def parse(cls, text: str) -> Disturbance:
         parts = text.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in KINDS:
+        if len(parts) not in (3, 4, 5) or parts[0] not in KINDS:
             raise ValueError(
-                f"disturbance {text!r}: expected kind:start:end[:magnitude], kind one of {', '.join(KINDS)}"
+                f"disturbance {text!r}: expected kind:start:end[:magnitude[:engine]], kind one of "
+                f"{', '.join(KINDS)}"
             )
         kind = parts[0]
+        engine = parts[4] if len(parts) == 5 else None
+        if engine is not None and (kind != "slow-engine" or not engine):
+            raise ValueError(f"disturbance {text!r}: only slow-engine names an engine")
         try:
             start, end = float(parts[1]), float(parts[2])
-            magnitude = float(parts[3]) if len(parts) == 4 else DEFAULT_MAGNITUDE[kind]
+            magnitude = float(parts[3]) if len(parts) >= 4 and parts[3] else DEFAULT_MAGNITUDE[kind]
         except ValueError:
             raise ValueError(f"disturbance {text!r}: start, end and magnitude must be numbers") from None
         if not 0 <= start < end:
@@ -49,4 +57,4 @@ class Disturbance:
             raise ValueError(f"disturbance {text!r}: a slow-down factor must be > 0")
         if kind == "gateway-stall" and magnitude < 0:
             raise ValueError(f"disturbance {text!r}: a stall must be >= 0 seconds")
-        return cls(kind, start, end, magnitude)
+        return cls(kind, start, end, magnitude, engine)

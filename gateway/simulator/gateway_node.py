@@ -77,9 +77,8 @@ class SimGateway:
         # latency learning from the engine steps, on the virtual clock: a step's tokens arrive at
         # one instant, so any gap separates two steps
         self.slo.attach(self.fleet, lambda: clock.now, 0.0)
-        self.core = build_core(
-            settings, self.fleet, self.slo, RoutingProfile.load(settings.routing_profile_path())
-        )
+        self.routing = RoutingProfile.load(settings.routing_profile_path())
+        self.core = build_core(settings, self.fleet, self.slo, self.routing)
         self.core.wake = self._wake
         self.engines: dict[str, EngineNode] = {}
         self.flights: dict[str, _Flight] = {}
@@ -164,6 +163,8 @@ class SimGateway:
         entry = RunningEntry(estimate, output, target.tpot_s, 0.0)
         flight = _Flight(spec, rid, now, target, priority, entry)
         self.flights[rid] = flight
+        if self._outside_queue(flight):
+            return
         ticket = self.core.ticket(view, target.ttft_s, target.tpot_s, target.slo_class, entry, now)
         try:
             record = self.core.submit(ticket, now)
@@ -174,6 +175,11 @@ class SimGateway:
         if record is not None:
             self._send(flight, record)
         self._deliver()
+
+    def _outside_queue(self, flight: _Flight) -> bool:
+        """Serve ``flight`` without the admission queue, as the front door does for some
+        requests (a P/D model's short prompts run whole on a decode engine); True if it did."""
+        return False
 
     def _placed_output_tokens(self, spec: RequestSpec) -> int:
         """Output tokens the engine the dispatch core places on will produce (all of them here;
@@ -233,23 +239,27 @@ class SimGateway:
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
-        adapter = record.adapter
-        priority = 0
-        if adapter.accepts_priority:
-            # the live flow's engine priority: the TTFT deadline in ms since the gateway started
-            deadline_ms = int((flight.arrival + flight.target.ttft_s) * 1000)
-            priority = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
         spec = flight.spec
         request = SimRequest(
             flight.rid,
             engine_prompt(spec),
             spec.output_tokens,
             now,
-            priority=priority,
+            priority=self._engine_priority(flight, record),
             ignore_eos=True,
             output_len=spec.output_tokens,
         )
         self.engines[record.engine_id].add(request)
+
+    @staticmethod
+    def _engine_priority(flight: _Flight, record: EngineRecord) -> int:
+        """The live flow's engine priority: the TTFT deadline in ms since the gateway started
+        (0 for an engine that takes none)."""
+        adapter = record.adapter
+        if not adapter.accepts_priority:
+            return 0
+        deadline_ms = int((flight.arrival + flight.target.ttft_s) * 1000)
+        return adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
 
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False

@@ -1,52 +1,68 @@
-"""Prefill/decode disaggregation in the offline simulator: prefill engines behind the gateway's own
-dispatch core, decode engines placed by the decode stage, KV moved over each decode engine's
-ingress link in the order of a transfer policy.
+"""Prefill/decode disaggregation in the offline simulator: one fleet of prefill and decode
+engines behind the gateway's own dispatch core, decode engines placed by the decode stage, KV
+moved over each decode engine's ingress link in the order of a transfer policy.
 
-One request: the dispatch core places its prefill on a prefill engine (the same core, queue order
-and routing profile as collocated; the engine computes the prompt, emits one token and holds the
-KV, vLLM's ``do_remote_decode``). When the prefill ends, the decode engine is chosen:
+The fleet is the live registry with the engines' roles: the dispatch core (and HyperFlexis's
+workers) serve the model's front pool, its prefill engines; the decode stage reads
+:meth:`Fleet.decode_pool`. What the live disaggregated flow (``gateway/serving/disaggregated.py``)
+does around them is done here at the same moments with the same calls:
 
-* ``two-stage`` (HyperFlexis §5.1, the Migrator): :func:`policies.decode_placement.place_decode`
-  with the decode fleet's state of that moment (the gateway's shadow of each decode engine,
-  its last scrape's KV room, the transfers queued or running into it);
-* ``one-shot`` (what peer gateways do): the pair was fixed when the prefill was dispatched, the
-  decode engine by round robin (with a pipeline profile that never queues, at arrival).
+* **which path** (:func:`policies.disaggregation.decide_disaggregation` with the routing profile's
+  ``disaggregation`` section, or the scenario's override): a request that is not disaggregated
+  (``never``, or a prompt shorter than ``min_prompt_tokens`` under ``conditional``) skips the
+  admission queue and runs whole on the decode engine the decode stage picks, as live;
+* **the prefill**: the dispatch core places it on a prefill engine (the same core, queue order and
+  routing profile as collocated); the engine computes the prompt, emits one token and holds the
+  KV (vLLM's ``do_remote_decode``); the prefill engine's reservation is released when it answers;
+* **the decode engine**, by ``mode``:
 
-The KV transfer then waits in the decode engine's link queue; the gateway hands the link one
-transfer at a time (the decode request is sent, and the engine pulls the KV, only when its link is
-free), in the order of :mod:`policies.transfer_order` (FIFO or MFS's RMLQ, with the request's TTFT
-deadline less its predicted first decode step as the transfer's explicit deadline). The engine's
-link is :meth:`gateway.sim.engine.EngineModel.reserve_link` (serial). The prefill engine frees the
-held KV when the transfer ends. The client's first token is the decode engine's first token.
+  * ``two-stage`` (HyperFlexis §5.1): when the prefill ends,
+    :func:`policies.decode_placement.place_decode` over the decode pool's snapshots, each with its
+    learnt coefficients (:meth:`SloService.coefficients`), the decode engine's requests without a
+    first token as its transfers in flight, and the record's free KV room, as live;
+  * ``one-shot`` (peer gateways): the pair is fixed when the prefill is dispatched, the decode
+    engine round robin;
+  * ``one-shot-least-load`` (a stronger peer baseline): fixed at the same moment, the decode
+    engine with the least estimated load (:func:`policies.api.estimated_load`, the shadow counting
+    the pairs made since the last scrape);
 
-Workaround: the committed fleet registry routes only collocated engines from the admission queue,
-so the prefill engines are given to the core as a fleet of their own (configured collocated: they
-only ever receive prefills here) and the decode engines live in a second fleet the decode stage
-reads. The decode stage uses each decode engine's profile coefficients (its prior), not a learnt
-model.
+  in every mode the decode engine's capacity is reserved when it is chosen and released when the
+  stream ends;
+* **the transfer**: the request waits in the decode engine's link queue; the gateway hands the link
+  one transfer at a time (the decode request is sent, and the engine pulls the KV, only when its
+  link is free), in the order of :mod:`policies.transfer_order` (FIFO or MFS's RMLQ, the request's
+  TTFT deadline less its predicted first decode step as the transfer's explicit deadline). The
+  engine's link is :meth:`gateway.sim.engine.EngineModel.reserve_link` (serial). The prefill engine
+  frees the held KV when the transfer ends. The client's first token is the decode engine's.
+
+Where this differs from live: the link queue stands in for the live KV-transfer gate
+(``dispatch/transfer_gate.py``, asyncio; one transfer per link at a time, its turn ending when the
+KV has arrived rather than at the first token); the prefill's ticket and reservation carry one
+output token (what the prefill engine produces), where the live flow reserves the client's
+``max_tokens`` on the prefill engine.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from gateway.dispatch.offline import fleet_of
 from gateway.experiments.workload import RequestSpec
 from gateway.fleet.registry import EngineRecord, RunningEntry
-from gateway.settings import EngineConfig, Settings
+from gateway.settings import Settings
 from gateway.sim.engine import SimRequest
 from gateway.sim.profiles import EngineProfile
 from gateway.simulator.clock import EventQueue
-from gateway.simulator.engine_node import EngineNode
-from gateway.simulator.gateway_node import _MAX_PRIORITY, SimGateway, _Flight, engine_prompt
-from policies.api import Role
+from gateway.simulator.gateway_node import SimGateway, _Flight, engine_prompt
+from policies.api import Role, estimated_load
 from policies.decode_placement import (
     DecodeCandidate,
+    DecodeChoice,
     DecodeDemand,
-    DecodePlacementParams,
     place_decode,
 )
+from policies.disaggregation import DisaggregationMode, DisaggregationParams, decide_disaggregation
+from policies.latency import LatencyCoefficients
 from policies.transfer_order import (
     LinkParams,
     TransferOrder,
@@ -55,7 +71,7 @@ from policies.transfer_order import (
     make_transfer_order,
 )
 
-MODES = ("two-stage", "one-shot")
+MODES = ("two-stage", "one-shot", "one-shot-least-load")
 ORDERS = ("fifo", "rmlq")
 
 
@@ -64,6 +80,24 @@ def link_tokens_per_s(profile: EngineProfile) -> float:
     if profile.kv_bytes_per_token <= 0:
         return math.inf
     return profile.transfer.link_bandwidth_gbps * 1e9 / profile.kv_bytes_per_token
+
+
+def disaggregation_params(text: str | None) -> DisaggregationParams | None:
+    """``always`` | ``never`` | ``conditional[:min_prompt_tokens]`` (None: None, the profile's)."""
+    if text is None:
+        return None
+    mode, _, threshold = text.partition(":")
+    try:
+        params = DisaggregationParams(DisaggregationMode(mode))
+        if threshold:
+            if params.mode is not DisaggregationMode.CONDITIONAL:
+                raise ValueError
+            params = replace(params, min_prompt_tokens=int(threshold))
+    except ValueError:
+        raise ValueError(
+            f"disaggregation {text!r}: expected always, never or conditional[:min_prompt_tokens]"
+        ) from None
+    return params
 
 
 @dataclass(slots=True)
@@ -76,13 +110,14 @@ class _Stage:
     decode_entry: RunningEntry | None = None
     #: the predicted first decode step on the chosen engine (the transfer's deadline margin)
     step_s: float = 0.0
+    #: runs whole on the decode engine (not disaggregated)
+    whole: bool = False
 
 
 class PdGateway(SimGateway):
     def __init__(
         self,
         settings: Settings,
-        decode_configs: list[EngineConfig],
         profile: EngineProfile,
         clock: EventQueue,
         model: str,
@@ -90,17 +125,26 @@ class PdGateway(SimGateway):
         *,
         mode: str = "two-stage",
         transfer_order: str = "fifo",
+        disaggregation: DisaggregationParams | None = None,
     ) -> None:
+        """``settings.engines`` hold the prefill and decode engines (their ``role``);
+        ``disaggregation`` replaces the routing profile's section (None: the profile's)."""
         if mode not in MODES:
-            raise ValueError(f"unknown P/D mode {mode!r}; use {' or '.join(MODES)}")
+            raise ValueError(f"unknown P/D mode {mode!r}; use one of {', '.join(MODES)}")
         super().__init__(settings, clock, model, explicit_slo)
         self.mode = mode
-        self.decode_fleet = fleet_of(decode_configs, settings.stale_after_s)
-        self.decode_ids = [c.engine_id for c in decode_configs]
-        self.coefficients = profile.latency.coefficients
+        dispatcher = self.routing.dispatcher
+        self.disaggregation = disaggregation or dispatcher.disaggregation
+        self.decode_ids = [e.engine_id for e in settings.engines if e.role is Role.DECODE]
+        if not self.decode_ids or not self.fleet.has_prefill_pool(model):
+            raise ValueError("P/D needs prefill and decode engines (role: prefill, role: decode)")
         speed = link_tokens_per_s(profile)
-        self.placement = DecodePlacementParams(
-            transfer_tokens_per_s=speed, transfer_latency_s=profile.transfer.link_latency_s
+        # the profile's decode token budget; the link as the simulated hardware has it (what an
+        # operator would write in decode_placement for these engines)
+        self.placement = replace(
+            dispatcher.decode_placement,
+            transfer_tokens_per_s=speed,
+            transfer_latency_s=profile.transfer.link_latency_s,
         )
         self.order: TransferOrder = make_transfer_order(transfer_order, LinkParams(speed))
         self.queues: dict[str, TransferQueue] = {d: TransferQueue() for d in self.decode_ids}
@@ -109,13 +153,45 @@ class PdGateway(SimGateway):
         self._rr = 0
         #: requests whose stage each engine ran (prefills on prefill engines, decodes on decode ones)
         self.served: dict[str, int] = {}
+        #: requests served whole on a decode engine (not disaggregated)
+        self.whole = 0
+        #: decode placements place_decode judged feasible / best effort
+        self.placements = {"feasible": 0, "best_effort": 0}
 
     def _placed_output_tokens(self, spec: RequestSpec) -> int:
         return 1  # the prefill engine computes the prompt and emits one token
 
-    def _scrape(self, engine_id: str) -> None:
-        fleet = self.decode_fleet if engine_id in self.queues else self.fleet
-        fleet.record_state(engine_id, self.engines[engine_id].state(), self.clock.now)
+    # -- the front door: disaggregated or whole on a decode engine -------------------------------
+
+    def _outside_queue(self, flight: _Flight) -> bool:
+        decision = decide_disaggregation(flight.entry.prompt_tokens, None, self.disaggregation)
+        if decision.disaggregate:
+            return False
+        engine_id = self._pick_decode(flight, None)
+        if engine_id is None:
+            self._refused(flight, 503)
+            return True
+        stage = _Stage(engine_prompt(flight.spec), decode_engine=engine_id, whole=True)
+        self.stages[flight.rid] = stage
+        entry = self._reserve_decode(flight, stage)
+        record = self.fleet.records[engine_id]
+        now = self.clock.now
+        flight.record = record
+        flight.dispatched_at = entry.dispatched_at = now
+        spec = flight.spec
+        request = SimRequest(
+            flight.rid,
+            list(stage.prompt),
+            spec.output_tokens,
+            now,
+            priority=self._engine_priority(flight, record),
+            ignore_eos=True,
+            output_len=spec.output_tokens,
+        )
+        self.engines[engine_id].add(request)
+        self.served[engine_id] = self.served.get(engine_id, 0) + 1
+        self.whole += 1
+        return True
 
     # -- stage 1: the prefill, placed by the dispatch core ---------------------------------------
 
@@ -124,17 +200,21 @@ class PdGateway(SimGateway):
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
-        priority = 0
-        if record.adapter.accepts_priority:
-            deadline_ms = int((flight.arrival + flight.target.ttft_s) * 1000)
-            priority = record.adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
-        prompt = engine_prompt(flight.spec)
-        stage = _Stage(prompt, prefill_engine=record.engine_id)
-        if self.mode == "one-shot":
-            stage.decode_engine = self.decode_ids[self._rr % len(self.decode_ids)]
-            self._rr += 1
+        stage = _Stage(engine_prompt(flight.spec), prefill_engine=record.engine_id)
         self.stages[flight.rid] = stage
-        request = SimRequest(flight.rid, list(prompt), 1, now, priority=priority, prefill_only=True)
+        if self.mode != "two-stage":  # the pair is fixed now
+            engine_id = self._pick_decode(flight, record.engine_id)
+            if engine_id is not None:
+                stage.decode_engine = engine_id
+                self._reserve_decode(flight, stage)
+        request = SimRequest(
+            flight.rid,
+            list(stage.prompt),
+            1,
+            now,
+            priority=self._engine_priority(flight, record),
+            prefill_only=True,
+        )
         self.engines[record.engine_id].add(request)
         self.served[record.engine_id] = self.served.get(record.engine_id, 0) + 1
 
@@ -143,12 +223,13 @@ class PdGateway(SimGateway):
     ) -> None:
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
             return
+        fleet = self.fleet
         if engine_id not in self.queues:
             for request, _ in tokens:  # the prefill's own token: the client never sees it
                 if request.request_id in self.flights:
-                    self.fleet.mark_prefilled(engine_id, request.request_id)
+                    fleet.mark_prefilled(engine_id, request.request_id)
             return
-        record = self.decode_fleet.records[engine_id]
+        record = fleet.records[engine_id]
         for request, _ in tokens:
             flight = self.flights.get(request.request_id)
             stage = self.stages.get(request.request_id)
@@ -156,10 +237,11 @@ class PdGateway(SimGateway):
                 continue
             if not flight.tokens:
                 flight.first_at = now
-                self.decode_fleet.mark_prefilled(engine_id, flight.rid)
+                # the KV has arrived (or the prompt was computed here): as the live relay does
+                fleet.mark_prefilled(engine_id, flight.rid)
             flight.last_at = now
             flight.tokens += 1
-            self.decode_fleet.add_generated(record, stage.decode_entry, 1)
+            fleet.add_generated(record, stage.decode_entry, 1)
 
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
@@ -176,49 +258,77 @@ class PdGateway(SimGateway):
                 self._decode_stage(flight)
 
     def _release(self, engine_id: str, request_id: str) -> None:
-        """A decode ended (only decodes reach the collocated ending)."""
-        self.decode_fleet.release(engine_id, request_id)
+        """A decode (or a whole request on a decode engine) ended."""
+        self.fleet.release(engine_id, request_id)
         self.stages.pop(request_id, None)
 
     # -- stage 2: the decode engine, then the KV transfer ----------------------------------------
 
+    def place(self, flight: _Flight, source: str | None) -> DecodeChoice | None:
+        """The decode stage's choice now, from what the live flow gives it
+        (``DisaggregatedFlow.place_decode``)."""
+        fleet = self.fleet
+        now = self.clock.now
+        candidates = []
+        for snap in fleet.decode_pool(self.model, now):
+            record = fleet.records[snap.engine_id]
+            prefill, decode = self.slo.coefficients(snap.engine_id)
+            candidates.append(
+                DecodeCandidate(
+                    snap,
+                    LatencyCoefficients(*prefill, *decode),
+                    # a decode engine's requests without a first token are the KV still arriving
+                    transfers_in_flight=len(record.unprefilled),
+                    free_kv_tokens=record.free_kv_tokens(),
+                )
+            )
+        entry = flight.entry
+        demand = DecodeDemand(
+            flight.rid, entry.prompt_tokens, flight.spec.output_tokens, flight.target.tpot_s, source
+        )
+        choice = place_decode(demand, candidates, self.placement)
+        if choice is not None:
+            self.placements["feasible" if choice.feasible else "best_effort"] += 1
+        return choice
+
+    def _pick_decode(self, flight: _Flight, source: str | None) -> str | None:
+        """The decode engine by this gateway's mode (None: no decode engine in rotation)."""
+        if self.mode == "two-stage":
+            choice = self.place(flight, source)
+            if choice is None:
+                return None
+            stage = self.stages.get(flight.rid)
+            if stage is not None:
+                stage.step_s = choice.predicted_tpot_s
+            return choice.engine_id
+        pool = self.fleet.decode_pool(self.model, self.clock.now)
+        if not pool:
+            return None
+        if self.mode == "one-shot":
+            self._rr += 1
+            return pool[(self._rr - 1) % len(pool)].engine_id
+        return min(pool, key=estimated_load).engine_id  # ties: fleet order
+
+    def _reserve_decode(self, flight: _Flight, stage: _Stage) -> RunningEntry:
+        entry = RunningEntry(flight.entry.prompt_tokens, flight.spec.output_tokens, flight.target.tpot_s, 0.0)
+        stage.decode_entry = entry
+        self.fleet.reserve(stage.decode_engine, flight.rid, entry)
+        return entry
+
     def _decode_stage(self, flight: _Flight) -> None:
         stage = self.stages[flight.rid]
-        spec = flight.spec
-        if self.mode == "two-stage":
-            now = self.clock.now
-            candidates = []
-            for engine_id in self.decode_ids:
-                record = self.decode_fleet.records[engine_id]
-                if not record.healthy:
-                    continue
-                waiting = len(self.queues[engine_id]) + (1 if self.link_busy[engine_id] else 0)
-                candidates.append(
-                    DecodeCandidate(
-                        self.decode_fleet.engine_snapshot(engine_id, now),
-                        self.coefficients,
-                        waiting,
-                        record.free_kv_tokens(),
-                    )
-                )
-            demand = DecodeDemand(
-                flight.rid, len(stage.prompt), spec.output_tokens, flight.target.tpot_s, stage.prefill_engine
-            )
-            choice = place_decode(demand, candidates, self.placement)
-            if choice is None:  # no decode engine at all: the prefill's KV is dropped
+        if stage.decode_entry is None:  # two-stage: placed now
+            engine_id = self._pick_decode(flight, stage.prefill_engine)
+            if engine_id is None:  # no decode engine at all: the prefill's KV is dropped
                 self.engines[stage.prefill_engine].model.release_held(flight.rid)
                 self.stages.pop(flight.rid, None)
                 self._refused(flight, 503)
                 return
-            stage.decode_engine = choice.engine_id
-            stage.step_s = choice.predicted_tpot_s
-        entry = RunningEntry(len(stage.prompt), spec.output_tokens, flight.target.tpot_s, self.clock.now)
-        entry.prefilled = True
-        stage.decode_entry = entry
-        self.decode_fleet.reserve(stage.decode_engine, flight.rid, entry)
+            stage.decode_engine = engine_id
+            self._reserve_decode(flight, stage)
         deadline = flight.arrival + flight.target.ttft_s - stage.step_s
         engine = stage.decode_engine
-        transfer = TransferRequest(flight.rid, len(stage.prompt), deadline)
+        transfer = TransferRequest(flight.rid, flight.entry.prompt_tokens, deadline)
         self.queues[engine] = self.order.push(self.queues[engine], transfer, self.clock.now)
         self._pump(engine)
 
@@ -232,18 +342,20 @@ class PdGateway(SimGateway):
         rid = entry.request.request_id
         flight = self.flights.get(rid)
         stage = self.stages.get(rid)
-        if flight is None or stage is None:
+        if flight is None or stage is None or stage.decode_entry is None:
             self._pump(engine_id)
             return
         now = self.clock.now
+        stage.decode_entry.dispatched_at = now
         node = self.engines[engine_id]
-        ready = node.model.reserve_link(entry.request.tokens, now)
+        ready = node.model.reserve_link(len(stage.prompt), now)
         spec = flight.spec
         request = SimRequest(
             rid,
             list(stage.prompt),
             spec.output_tokens,
             now,
+            priority=self._engine_priority(flight, self.fleet.records[engine_id]),
             ignore_eos=True,
             output_len=spec.output_tokens,
             remote_kv=True,
@@ -258,46 +370,3 @@ class PdGateway(SimGateway):
         self.engines[prefill_engine].model.release_held(rid)
         self.link_busy[engine_id] = False
         self._pump(engine_id)
-
-
-def pd_engines(
-    settings: Settings, profile: EngineProfile, decode: int, engine_profile: str, priority: bool
-) -> list[EngineConfig]:
-    """``decode`` decode-engine configurations beside the settings' prefill engines."""
-    return [
-        EngineConfig(
-            url=f"http://decode-{i}.invalid:8000",  # type: ignore[arg-type]
-            kind="sim",
-            model=settings.engines[0].model if settings.engines else profile.model,
-            name=f"decode-{i}",
-            latency_profile=engine_profile,
-            priority_scheduling=priority,
-            role=Role.DECODE,
-        )
-        for i in range(decode)
-    ]
-
-
-def build_nodes(
-    gateway: PdGateway,
-    settings: Settings,
-    decode_configs: list[EngineConfig],
-    profile: EngineProfile,
-    clock: EventQueue,
-    slow_factor: float,
-    seed: int,
-) -> list[EngineNode]:
-    nodes = [
-        EngineNode(
-            c.engine_id,
-            profile,
-            clock,
-            gateway,
-            priority_scheduling=c.priority_scheduling,
-            slow_factor=slow_factor,
-            seed=seed * 1_000 + i,
-        )
-        for i, c in enumerate([*settings.engines, *decode_configs])
-    ]
-    gateway.attach(nodes)
-    return nodes

@@ -87,6 +87,7 @@ def _scenario(args: argparse.Namespace, series: str, qps: float, link_gbps: floa
         pd_mode=mode,
         transfer_order=order,
         link_gbps=link_gbps,
+        disaggregation=args.disaggregation,
     )
 
 
@@ -261,6 +262,12 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--transfer-qps", type=float, default=40.0)
     parser.add_argument("--no-transfers", action="store_true", help="skip the FIFO vs RMLQ comparison")
+    parser.add_argument(
+        "--disaggregation",
+        default="always",
+        help="always | never | conditional[:min_prompt_tokens] (default always: every request through "
+        "the prefill pool, so the comparison is the placement alone)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("results/pd"))

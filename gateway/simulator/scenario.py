@@ -17,6 +17,7 @@ from gateway.simulator.clock import EventQueue
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
 from gateway.simulator.gateway_node import SimGateway
+from policies.api import Role
 
 MODEL = "sim-model"
 #: HyperFlexis §7.5: one cost unit is one instance active for 50 ms
@@ -53,12 +54,20 @@ class Scenario:
     #: prefill/decode disaggregation: (prefill engines, decode engines) instead of ``engines``
     #: collocated ones (gateway.simulator.pd)
     pd: tuple[int, int] | None = None
-    #: P/D: ``two-stage`` (decode placed when the prefill ends) or ``one-shot`` (pair at dispatch)
+    #: P/D: ``two-stage`` (decode placed when the prefill ends), ``one-shot`` (pair fixed when the
+    #: prefill is dispatched, decode round robin) or ``one-shot-least-load`` (the same, decode by
+    #: least load)
     pd_mode: str = "two-stage"
     #: P/D: the order of KV transfers waiting for a decode engine's link: ``fifo`` or ``rmlq``
     transfer_order: str = "fifo"
     #: the engines' KV link bandwidth, GB/s (None: the engine profile's)
     link_gbps: float | None = None
+    #: P/D: each decode engine's speed relative to its profile (missing ones: 1), configured as
+    #: its ``time_scale`` so the gateway's prior knows it (a slower accelerator in the pool)
+    decode_speeds: tuple[float, ...] = ()
+    #: P/D: ``always``, ``never`` or ``conditional[:min_prompt_tokens]`` in place of the routing
+    #: profile's ``disaggregation`` section (None: the profile's, as live)
+    disaggregation: str | None = None
 
     def label(self) -> str:
         if self.pd is not None:
@@ -83,21 +92,38 @@ class RunResult:
     served_by_engine: dict[str, int] = field(default_factory=dict)
 
 
+def _engine(
+    scenario: Scenario, name: str, role: Role = Role.COLLOCATED, time_scale: float = 1.0
+) -> EngineConfig:
+    return EngineConfig(
+        url=f"http://{name}.invalid:8000",  # type: ignore[arg-type]
+        kind="sim",
+        model=MODEL,
+        name=name,
+        latency_profile=scenario.engine_profile,
+        priority_scheduling=scenario.engine_priority,
+        role=role,
+        time_scale=time_scale,
+    )
+
+
 def settings_for(scenario: Scenario) -> Settings:
-    """The gateway's settings; in P/D mode its engines (the dispatch core's) are the prefill ones."""
-    name = "sim" if scenario.pd is None else "prefill"
-    count = scenario.engines if scenario.pd is None else scenario.pd[0]
-    engines = [
-        EngineConfig(
-            url=f"http://{name}-{i}.invalid:8000",  # type: ignore[arg-type]
-            kind="sim",
-            model=MODEL,
-            name=f"{name}-{i}",
-            latency_profile=scenario.engine_profile,
-            priority_scheduling=scenario.engine_priority,
-        )
-        for i in range(count)
-    ]
+    """The gateway's settings: ``engines`` collocated engines, or in P/D mode prefill engines
+    (``prefill-i``, the front pool the dispatch core serves) and decode engines (``decode-i``)."""
+    if scenario.pd is None:
+        engines = [_engine(scenario, f"sim-{i}") for i in range(scenario.engines)]
+    else:
+        prefill, decode = scenario.pd
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"P/D needs at least one prefill and one decode engine, got {prefill}:{decode}")
+        speeds = scenario.decode_speeds
+        if len(speeds) > decode or any(not v > 0 for v in speeds):
+            raise ValueError(f"decode_speeds: at most {decode} speeds > 0, got {speeds}")
+        engines = [_engine(scenario, f"prefill-{i}", Role.PREFILL) for i in range(prefill)]
+        engines += [
+            _engine(scenario, f"decode-{i}", Role.DECODE, speeds[i] if i < len(speeds) else 1.0)
+            for i in range(decode)
+        ]
     extra: dict[str, Any] = dict(scenario.settings)
     settings = Settings(
         engines=engines,
@@ -133,10 +159,7 @@ class Simulation:
             link = profile.transfer.model_copy(update={"link_bandwidth_gbps": scenario.link_gbps})
             profile = profile.model_copy(update={"transfer": link})
         self.clock = EventQueue()
-        if scenario.pd is not None:
-            self._pd(scenario, settings, profile)
-            return
-        self.gateway = SimGateway(settings, self.clock, MODEL, scenario.explicit_slo)
+        self.gateway = self._gateway(scenario, settings, profile)
         self.nodes = [
             EngineNode(
                 engine.engine_id,
@@ -144,7 +167,8 @@ class Simulation:
                 self.clock,
                 self.gateway,
                 priority_scheduling=engine.priority_scheduling,
-                slow_factor=1.0 / scenario.engine_speed,
+                # an engine configured with a time_scale runs that much faster than its profile
+                slow_factor=1.0 / (scenario.engine_speed * engine.time_scale),
                 seed=scenario.seed * 1_000 + i,
             )
             for i, engine in enumerate(settings.engines)
@@ -153,36 +177,30 @@ class Simulation:
         for disturbance in scenario.disturbances:
             self._inject(disturbance)
 
-    def _pd(self, scenario: Scenario, settings: Settings, profile: EngineProfile) -> None:
-        from gateway.simulator.pd import PdGateway, build_nodes, pd_engines
+    def _gateway(self, scenario: Scenario, settings: Settings, profile: EngineProfile) -> SimGateway:
+        if scenario.pd is None:
+            return SimGateway(settings, self.clock, MODEL, scenario.explicit_slo)
+        from gateway.simulator.pd import PdGateway, disaggregation_params
 
-        assert scenario.pd is not None
-        prefill, decode = scenario.pd
-        if prefill < 1 or decode < 1:
-            raise ValueError(f"P/D needs at least one prefill and one decode engine, got {prefill}:{decode}")
-        decode_configs = pd_engines(
-            settings, profile, decode, scenario.engine_profile, scenario.engine_priority
-        )
-        gateway = PdGateway(
+        return PdGateway(
             settings,
-            decode_configs,
             profile,
             self.clock,
             MODEL,
             scenario.explicit_slo,
             mode=scenario.pd_mode,
             transfer_order=scenario.transfer_order,
+            disaggregation=disaggregation_params(scenario.disaggregation),
         )
-        self.gateway = gateway
-        self.nodes = build_nodes(
-            gateway, settings, decode_configs, profile, self.clock, 1.0 / scenario.engine_speed, scenario.seed
-        )
-        for disturbance in scenario.disturbances:
-            self._inject(disturbance)
 
     def _inject(self, disturbance: Disturbance) -> None:
         if disturbance.kind == "slow-engine":
-            model = self.nodes[0].model
+            nodes = {node.engine_id: node for node in self.nodes}
+            if disturbance.engine is not None and disturbance.engine not in nodes:
+                raise ValueError(
+                    f"slow-engine: no engine {disturbance.engine!r} (engines: {', '.join(nodes)})"
+                )
+            model = (nodes[disturbance.engine] if disturbance.engine else self.nodes[0]).model
             normal = model.slow_factor
 
             def slow_down(factor: float) -> None:

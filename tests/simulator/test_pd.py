@@ -23,6 +23,7 @@ def _scenario(**kw: object) -> Scenario:
         "pd": (2, 2),
         "duration_s": 4.0,
         "requests": 80,
+        "disaggregation": "always",
     }
     base.update(kw)
     return Scenario(**base)  # type: ignore[arg-type]
@@ -46,8 +47,7 @@ def test_every_request_prefills_on_a_prefill_engine_and_decodes_on_a_decode_engi
     assert nodes["decode-0"].link_transfers + nodes["decode-1"].link_transfers == 80
     # every held KV was freed when its transfer ended; no shadow reservation is left
     assert not nodes["prefill-0"].held and not nodes["prefill-1"].held
-    assert all(r.in_flight == 0 for r in gateway.fleet.records.values())
-    assert all(r.in_flight == 0 for r in gateway.decode_fleet.records.values())
+    assert all(r.in_flight == 0 and not r.unprefilled for r in gateway.fleet.records.values())
     assert result.served_by_engine["prefill-0"] + result.served_by_engine["prefill-1"] == 80
     assert result.cost_units > 0 and set(result.busy_by_engine) == set(nodes)
 
