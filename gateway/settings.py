@@ -266,6 +266,31 @@ class Settings(BaseSettings):
         default=900.0, gt=0, description="non-stream: the whole request from arrival, every attempt included"
     )
     dispatch_attempts: int = Field(default=3, ge=1, description="engines tried before the first byte")
+    migration_limit: int = Field(
+        default=0,
+        ge=0,
+        description="decode migration: times one stream may be resumed on another engine after its "
+        "engine failed mid-stream or (migration_slack) fell behind its TPOT; 0 = off. When on, "
+        "eligible streams ask vLLM and simulated engines for token ids (return_token_ids)",
+    )
+    migration_slack: bool = Field(
+        default=True, description="decode migration may also move a stream whose TPOT slack stays negative"
+    )
+    migration_slack_bound_s: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a stream's TPOT slack must stay negative before it may move",
+    )
+    migration_min_remaining_tokens: int = Field(
+        default=16, ge=1, description="a slow stream with fewer output tokens left stays where it is"
+    )
+    migration_target_margin: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="a slack move's target must be predicted to decode within this share of the TPOT target",
+    )
 
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     offload_parse_bytes: int = Field(

@@ -126,7 +126,7 @@ class StreamLedger:
             at = find(_TOKEN_IDS, end)
         if not self.finished and _FINISHED in chunk:
             self.finished = True
-        return self.tick(content, now) if content else False
+        return self.tick(content, now) if content and not self.finished else False
 
     def extend(self, ids: list[int]) -> None:
         """Token ids of a resumed stream's chunk (already decoded by the migration relay)."""
