@@ -390,7 +390,10 @@ class DisaggregatedFlow:
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)
             try:
-                outcome = await self.collocated.attempt(call, record, entry, deadline)
+                # the body given: the migration ledger stays off, since a cut stream would be
+                # resumed from the front pool (prefill engines), not on another decode engine
+                payload = self.collocated.body_for(call, record)
+                outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
             finally:
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
