@@ -38,6 +38,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from typing import NamedTuple
 
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
 from policies.queue_order import OrderContext, QueuedRequest, last_feasible_start
@@ -53,9 +54,45 @@ class RunningRequest:
     prefilled: bool
 
 
+class RunningLoad(NamedTuple):
+    """What Algorithm 1 reads of a worker's running requests, summed: the same decisions as the
+    requests themselves (eq.(1) and eq.(2) depend on these sums only), without one object per
+    running request on every turn."""
+
+    #: running requests
+    requests: int = 0
+    #: sum of prompt + generated tokens (the decode batch's current length)
+    context_tokens: int = 0
+    #: running requests whose first token has not come yet, their prompt tokens, and the sum of
+    #: their squares (eq.(1)'s terms)
+    waiting: int = 0
+    waiting_tokens: int = 0
+    waiting_squares: int = 0
+    #: the tightest TPOT among them (``inf`` when none runs)
+    min_tpot: float = math.inf
+
+    @classmethod
+    def of(cls, running: Iterable[RunningRequest]) -> RunningLoad:
+        count = context = waiting = waiting_tokens = waiting_squares = 0
+        min_tpot = math.inf
+        for r in running:
+            count += 1
+            context += r.prompt_tokens + r.generated
+            if not r.prefilled:
+                waiting += 1
+                waiting_tokens += r.prompt_tokens
+                waiting_squares += r.prompt_tokens * r.prompt_tokens
+            if r.tpot_slo < min_tpot:
+                min_tpot = r.tpot_slo
+        return cls(count, context, waiting, waiting_tokens, waiting_squares, min_tpot)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerView:
-    """One engine as the dispatcher sees it. ``maturity`` is the dispatcher's own state."""
+    """One engine as the dispatcher sees it. ``maturity`` is the dispatcher's own state.
+
+    Its running requests are given either one by one (``running``) or summed (``load``, which
+    then wins): the gateway keeps the sums as requests come and go."""
 
     engine_id: str
     prefill_coeffs: Coeffs
@@ -64,6 +101,45 @@ class WorkerView:
     free_kv_tokens: int = 1 << 30
     max_num_seqs: int = 256
     maturity: float = 0.0
+    load: RunningLoad | None = None
+
+
+class _Shadow:
+    """A worker's running requests during one dispatch call (its load, plus what it took)."""
+
+    __slots__ = ("context_tokens", "count", "min_tpot", "waiting", "waiting_squares", "waiting_tokens")
+
+    def __init__(self, worker: WorkerView) -> None:
+        load = worker.load if worker.load is not None else RunningLoad.of(worker.running)
+        self.count = load.requests
+        self.context_tokens = load.context_tokens
+        self.waiting = load.waiting
+        self.waiting_tokens = load.waiting_tokens
+        self.waiting_squares = load.waiting_squares
+        self.min_tpot = load.min_tpot
+
+    def add(self, prompt_tokens: int, tpot_slo: float) -> None:
+        """A request just taken: nothing generated, waiting for its prefill."""
+        self.count += 1
+        self.context_tokens += prompt_tokens
+        self.waiting += 1
+        self.waiting_tokens += prompt_tokens
+        self.waiting_squares += prompt_tokens * prompt_tokens
+        if tpot_slo < self.min_tpot:
+            self.min_tpot = tpot_slo
+
+    def decode_step(self, coeffs: Coeffs) -> float:
+        """Eq.(2) over what runs (0 when nothing does)."""
+        if not self.count:
+            return 0.0
+        return predict_decode(coeffs, self.context_tokens, self.count)
+
+    def prefill(self, coeffs: Coeffs) -> float:
+        """Eq.(1) over what waits for its prefill (0 when nothing does)."""
+        if not self.waiting:
+            return 0.0
+        a, b, c = coeffs
+        return a + b * self.waiting_tokens + c * self.waiting_squares
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +218,6 @@ def admission_probability(
     if z <= -40:
         return 0.0
     return 1.0 / (1.0 + math.exp(-z))
-
-
-def _decode_step(coeffs: Coeffs, running: Sequence[RunningRequest]) -> float:
-    if not running:
-        return 0.0
-    return predict_decode(coeffs, sum(r.prompt_tokens + r.generated for r in running), len(running))
 
 
 class _QueuePrefix:
@@ -266,7 +336,7 @@ def dispatch(
     prefix = _QueuePrefix(queue)
     order = [(w.maturity, i) for i, w in enumerate(workers)]
     heapq.heapify(order)
-    running: dict[str, list[RunningRequest]] = {}  # each examined worker's running + taken
+    running: dict[str, _Shadow] = {}  # each examined worker's running + taken
     taken: set[str] = set()
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
@@ -278,7 +348,7 @@ def dispatch(
         worker = workers[index]
         shadow = running.get(worker.engine_id)
         if shadow is None:
-            shadow = running[worker.engine_id] = list(worker.running)
+            shadow = running[worker.engine_id] = _Shadow(worker)
         admitted, late_at, exhausted, slack_bound = _fill_worker(
             prefix, worker, shadow, taken, now, params, tightest_ttft_s, late_last, queue_min_need
         )
@@ -289,7 +359,7 @@ def dispatch(
         for item, feasible in admitted:
             taken.add(item.view.request_id)
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
-            shadow.append(RunningRequest(item.view.prompt_tokens, 0, item.tpot_slo, False))
+            shadow.add(item.view.prompt_tokens, item.tpot_slo)
         next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
         maturity[worker.engine_id] = next_time
         if admitted:
@@ -304,7 +374,7 @@ def dispatch(
 def _fill_worker(
     queue: _QueuePrefix,
     worker: WorkerView,
-    shadow: list[RunningRequest],
+    shadow: _Shadow,
     taken: set[str],
     now: float,
     params: HyperFlexisParams,
@@ -316,14 +386,13 @@ def _fill_worker(
     (``inf`` if none), whether the queue had nothing left for it to look at, and whether any
     candidate was turned down for slack (rather than for seqs, KV or budget)."""
     coeffs = worker.prefill_coeffs
-    decode_s = _decode_step(worker.decode_coeffs, shadow)
-    waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
+    decode_s = shadow.decode_step(worker.decode_coeffs)
     # eq.(1) over (waiting + candidate) kept as running sums: O(1) per candidate examined
     a, b, c = coeffs
-    waiting_sum = sum(waiting)
-    waiting_squares = sum(n * n for n in waiting)
-    utilization = len(shadow) / max(1, worker.max_num_seqs)
-    free_seqs = worker.max_num_seqs - len(shadow)
+    waiting_sum = shadow.waiting_tokens
+    waiting_squares = shadow.waiting_squares
+    utilization = shadow.count / max(1, worker.max_num_seqs)
+    free_seqs = worker.max_num_seqs - shadow.count
     kv_left = worker.free_kv_tokens
     budget_left: int | None = None
     admitted: list[tuple[QueuedRequest, bool]] = []
@@ -342,7 +411,7 @@ def _fill_worker(
         and b * late_last.prefill_tokens_per_s >= 1.0 - 1e-9
         else None
     )
-    if shadow and kv_left < queue_min_need:
+    if shadow.count and kv_left < queue_min_need:
         # a busy engine woken by a completion, with most of its cache still held: not one queued
         # request fits the KV left, so say so without scanning
         return [], late_at, not queue.untaken(taken, 1), False
@@ -358,7 +427,7 @@ def _fill_worker(
             break
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
-            tpot = min([r.tpot_slo for r in shadow] + [item.tpot_slo])
+            tpot = min(shadow.min_tpot, item.tpot_slo)
             ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
             # a turn's prefill must also amortise within the longest hold (its maturity time is
             # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
@@ -430,7 +499,7 @@ def _fill_worker(
             budget_left -= prompt
             kv_left -= need_kv
             free_seqs -= 1
-    if not admitted and not shadow and params.idle_backfill and candidates:
+    if not admitted and not shadow.count and params.idle_backfill and candidates:
         # An idle worker takes the head if its prompt fits: a max_tokens as large as the context
         # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
         head = candidates.items[0]
@@ -461,7 +530,7 @@ def shortened_maturity(
 
 def _next_maturity(
     worker: WorkerView,
-    shadow: Sequence[RunningRequest],
+    shadow: _Shadow,
     now: float,
     took_work: bool,
     late_at: float,
@@ -471,10 +540,9 @@ def _next_maturity(
     if not took_work:
         # nothing fitted: only an event (or a candidate turning late) can change that
         return late_at, 0.0
-    waiting = [r.prompt_tokens for r in shadow if not r.prefilled]
-    e_p = predict_prefill(worker.prefill_coeffs, waiting) if waiting else 0.0
-    e_d = _decode_step(worker.decode_coeffs, shadow)
-    min_tpot = min(r.tpot_slo for r in shadow)
+    e_p = shadow.prefill(worker.prefill_coeffs)
+    e_d = shadow.decode_step(worker.decode_coeffs)
+    min_tpot = shadow.min_tpot
     # A chunked-prefill engine runs the new prompts inside decode steps: each step that carries a
     # chunk also pays E_d, so a turn costs at least E_p + E_d even when relax is large.
     held = max(maturity_time(now, e_p, e_d, min_tpot), now + e_p + e_d)

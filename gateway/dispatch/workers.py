@@ -16,10 +16,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterator
+from operator import attrgetter, mul
 
 from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
-from policies.hyperflexis import HyperFlexisParams, RunningRequest, WorkerView, shortened_maturity
+from policies.hyperflexis import HyperFlexisParams, RunningLoad, WorkerView, shortened_maturity
 from policies.latency_fit import Coeffs
+
+_tpot_slo = attrgetter("tpot_slo")
 
 
 class HyperFlexisWorkers:
@@ -149,9 +152,16 @@ class HyperFlexisWorkers:
             self.unpark(model, engine_id, -math.inf)
 
     def _view(self, record: EngineRecord, maturity: float) -> WorkerView:
-        running = tuple(
-            RunningRequest(r.prompt_tokens, r.generated, r.tpot_slo, r.prefilled)
-            for r in record.running.values()
+        # the running requests summed from what the fleet keeps as they come and go (their
+        # token total, the prompts still waiting for prefill): no object per running request
+        waiting = record.unprefilled.values()
+        load = RunningLoad(
+            len(record.running),
+            record.running_tokens,
+            len(waiting),
+            sum(waiting),
+            sum(map(mul, waiting, waiting)),
+            min(map(_tpot_slo, record.running.values()), default=math.inf),
         )
         prefill, decode = self.coefficients(record.engine_id)
         free_kv = record.free_kv_tokens()
@@ -159,8 +169,8 @@ class HyperFlexisWorkers:
             engine_id=record.engine_id,
             prefill_coeffs=prefill,
             decode_coeffs=decode,
-            running=running,
             free_kv_tokens=1 << 30 if free_kv is None else free_kv,
             max_num_seqs=self.max_engine_load or 256,
             maturity=maturity,
+            load=load,
         )
