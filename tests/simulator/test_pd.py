@@ -52,6 +52,94 @@ def test_every_request_prefills_on_a_prefill_engine_and_decodes_on_a_decode_engi
     assert result.cost_units > 0 and set(result.busy_by_engine) == set(nodes)
 
 
+def test_one_fleet_with_roles_front_pool_prefill_decode_pool_decode() -> None:
+    """The gateway's registry holds both roles: the dispatch core's front pool is the prefill
+    engines, the decode stage reads decode_pool (as live)."""
+    sim = Simulation(_scenario(requests=10, qps=5.0))
+    gateway = sim.gateway
+    assert isinstance(gateway, PdGateway)
+    fleet = gateway.fleet
+    assert fleet.has_prefill_pool("sim-model")
+    assert [s.engine_id for s in fleet.candidates("sim-model", 0.0)] == ["prefill-0", "prefill-1"]
+    assert [s.engine_id for s in fleet.decode_pool("sim-model", 0.0)] == ["decode-0", "decode-1"]
+    sim.run()
+
+
+def test_decode_placement_uses_learnt_coefficients_and_known_speeds() -> None:
+    """A decode engine configured 2x slower (time_scale 0.5) carries that prior into place_decode,
+    which then sends it fewer decodes; the engine itself runs 2x slower."""
+    sim = Simulation(_scenario(decode_speeds=(1.0, 0.5), requests=120, qps=30.0))
+    gateway = sim.gateway
+    assert isinstance(gateway, PdGateway)
+    fast, slow = gateway.slo.coefficients("decode-0")[1], gateway.slo.coefficients("decode-1")[1]
+    assert slow[0] == pytest.approx(2 * fast[0])
+    nodes = {n.engine_id: n for n in sim.nodes}
+    assert nodes["decode-1"].model.slow_factor == pytest.approx(2.0)
+    result = sim.run()
+    assert result.served_by_engine["decode-0"] > result.served_by_engine["decode-1"]
+
+
+def test_least_load_pairs_at_dispatch_and_counts_its_pairs() -> None:
+    result = Simulation(_scenario(pd_mode="one-shot-least-load")).run()
+    served = [result.served_by_engine["decode-0"], result.served_by_engine["decode-1"]]
+    assert sum(served) == 80 and min(served) >= 30, served
+
+
+def test_conditional_disaggregation_runs_short_prompts_whole_on_a_decode_engine() -> None:
+    """The 4-task set's short prompts (< 256 tokens) skip the prefill pool; wikisql's go through it."""
+    sim = Simulation(_scenario(disaggregation="conditional:256"))
+    result = sim.run()
+    gateway = sim.gateway
+    assert isinstance(gateway, PdGateway)
+    assert len(result.outcomes) == 80
+    assert all(o.status == 200 and o.tokens == o.spec.output_tokens for o in result.outcomes)
+    prefills = result.served_by_engine["prefill-0"] + result.served_by_engine["prefill-1"]
+    long_prompts = sum(1 for o in result.outcomes if gateway_prompt(o.spec) >= 256)
+    assert prefills == long_prompts == 80 - gateway.whole
+    assert 0 < gateway.whole < 80
+    assert all(r.in_flight == 0 and not r.unprefilled for r in gateway.fleet.records.values())
+    nodes = {n.engine_id: n.model for n in sim.nodes}
+    # a whole request prefills on the decode engine, so only long prompts' KV crossed a link
+    assert nodes["decode-0"].link_transfers + nodes["decode-1"].link_transfers == long_prompts
+
+
+def gateway_prompt(spec: object) -> int:
+    from gateway.api.request_parse import chat_prompt_estimate
+
+    return chat_prompt_estimate(1, spec.prompt_tokens)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("mode", "whole"), [("never", 80), ("always", 0)])
+def test_never_and_always(mode: str, whole: int) -> None:
+    sim = Simulation(_scenario(disaggregation=mode))
+    result = sim.run()
+    gateway = sim.gateway
+    assert isinstance(gateway, PdGateway)
+    assert gateway.whole == whole and len(result.outcomes) == 80
+    assert result.served_by_engine["prefill-0"] + result.served_by_engine["prefill-1"] == 80 - whole
+
+
+def test_the_profile_decides_when_the_scenario_does_not() -> None:
+    """No override: the routing profile's disaggregation section (default: conditional, 256)."""
+    sim = Simulation(_scenario(disaggregation=None, requests=40))
+    sim.run()
+    assert isinstance(sim.gateway, PdGateway) and 0 < sim.gateway.whole < 40
+
+
+def test_a_slowdown_targets_the_named_decode_engine() -> None:
+    from gateway.simulator.disturbance import Disturbance
+
+    slow = Disturbance.parse("slow-engine:0:100:4:decode-1")
+    assert slow.engine == "decode-1" and slow.magnitude == 4
+    sim = Simulation(_scenario(disturbances=(slow,), requests=40, qps=10.0, pd_mode="one-shot"))
+    sim.run()
+    nodes = {n.engine_id: n for n in sim.nodes}
+    step = {e: nodes[e].busy_s / nodes[e].steps for e in ("decode-0", "decode-1")}
+    assert step["decode-1"] > 3 * step["decode-0"], step  # 4x slower steps (over larger batches)
+    with pytest.raises(ValueError, match="no engine 'decode-9'"):
+        Simulation(_scenario(disturbances=(Disturbance("slow-engine", 0, 1, 2, "decode-9"),)))
+
+
 def test_one_shot_pairs_round_robin() -> None:
     result = Simulation(_scenario(pd_mode="one-shot")).run()
     assert result.served_by_engine["decode-0"] == result.served_by_engine["decode-1"] == 40
@@ -123,18 +211,23 @@ def test_simulate_rejects_a_bad_pd(capsys: pytest.CaptureFixture[str]) -> None:
 def test_experiment_pd_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "pd"
     argv = ["experiment", "pd", "--qps", "10,150", "--duration", "2", "--link-gbps", "0.3"]
-    argv += ["--transfer-qps", "10", "--jobs", "1", "--out", str(out)]
+    argv += ["--transfer-qps", "10", "--decode-duration", "1", "--jobs", "1", "--out", str(out)]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert "(8/8)" in captured.err  # progress per finished run
+    assert "(26/26)" in captured.err  # progress per finished run
     table = (out / "pd.md").read_text()
     assert "| 150 | one-shot RR |" in table and "RMLQ transfers" in table and "Verdict" in table
+    assert "### Decode placement where the decode stage matters" in table
+    assert "| decode-1 2x slower (known), 3P:2D | 24 | one-shot least-load |" in table
     points = json.loads((out / "pd.json").read_text())
     assert {p["series"] for p in points} == {
         "one-shot RR",
+        "one-shot least-load",
         "two-stage",
         "RR + two-stage decode",
         "FIFO transfers",
         "RMLQ transfers",
     }
+    decode = [p for p in points if p["part"] == "decode"]
+    assert len(decode) == 18 and all(p["requests"] > 0 for p in decode)
     assert (out / "pd.png").stat().st_size > 10_000
