@@ -322,16 +322,17 @@ def build_api(gateway: Gateway) -> FastAPI:
                 body = orjson.loads(await request.body())
             except orjson.JSONDecodeError:
                 body = None
-            if not isinstance(body, dict) or body.get("role") not in {r.value for r in Role}:
+            role = body.get("role") if isinstance(body, dict) else None
+            if not isinstance(role, str) or role not in {r.value for r in Role}:
                 raise GatewayError(
                     400, 'body must be {"role": "collocated"|"prefill"|"decode"}', param="role"
                 )
-            drain = body.get("drain_timeout_s", 60.0)
+            drain = body.get("drain_timeout_s", 60.0) if isinstance(body, dict) else 60.0
             if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 3600:
                 raise GatewayError(
                     400, "drain_timeout_s must be a number of seconds in 0..3600", param="drain_timeout_s"
                 )
-            flip = await flip_role(f, engine_id, Role(body["role"]), float(drain))
+            flip = await flip_role(f, engine_id, Role(role), float(drain))
         except GatewayError as error:
             return _error_response(error)
         return _json(

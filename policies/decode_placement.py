@@ -75,8 +75,9 @@ class DecodeDemand:
 
 @dataclass(frozen=True, slots=True)
 class DecodePlacementParams:
-    #: link speed in KV tokens per second (predicts the transfer time)
-    transfer_tokens_per_s: float = 2.0e6
+    #: link speed in KV tokens per second (predicts the transfer time); the default is a 7B-class
+    #: model's 0.5 MB of KV per token over a 25 GB/s (200 Gb/s RDMA) link
+    transfer_tokens_per_s: float = 5.0e4
     #: fixed cost of one transfer, s
     transfer_latency_s: float = 0.001
     #: the decode token budget: context tokens of one decode step, if the profile sets one

@@ -7,7 +7,7 @@ queue_order: {name: sedf, params: {}}                    # any name in policies.
 engine_scheduling: deadline                              # or default (the default)
 shedding: {max_queue_s: 2.0, min_band: null}             # absent: no saturation shedding
 disaggregation: {mode: conditional, min_prompt_tokens: 256, max_cached_fraction: 0.5}
-decode_placement: {transfer_tokens_per_s: 2.0e6, transfer_latency_s: 0.001}
+decode_placement: {transfer_tokens_per_s: 5.0e4, transfer_latency_s: 0.001}
 kv_transfer: {order: rmlq, max_per_engine: 2, levels: 4}        # absent: transfers not gated
 ```
 

@@ -179,7 +179,8 @@ class SloService:
             )
             self._judge_objectives(call.target, ttft, tpot)
             if call.engine_id is not None:
-                queue_s = call.dispatched_at - call.arrival if call.dispatched_at else 0.0
+                dispatched = call.prefill_dispatched_at or call.dispatched_at
+                queue_s = dispatched - call.arrival if dispatched else 0.0
                 self.learn(call.priority, queue_s, ttft, tpot)
         return outcome
 

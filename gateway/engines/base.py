@@ -109,6 +109,10 @@ class EngineAdapter:
 
     # -- lifecycle hooks ---------------------------------------------------------------------------
 
+    #: the engine can change P/D role while it runs (vLLM with a kv_both connector, the simulated
+    #: engine); others are refused by the role flip
+    switches_role: ClassVar[bool] = False
+
     async def switch_role(self, role: Role) -> None:
         """Tell the engine it now serves as ``role`` (called drained, by the admin role flip).
 

@@ -88,6 +88,7 @@ def parse_vllm_metrics(text: str) -> EngineState:
 
 
 class VllmAdapter(EngineAdapter):
+    switches_role: ClassVar[bool] = True
     kind: ClassVar[str] = "vllm"
     supports_priority_field: ClassVar[bool] = True
 

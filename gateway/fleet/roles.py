@@ -59,10 +59,17 @@ async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: f
     """Drain ``engine_id``, switch it to ``role``, put it back (see the module docstring)."""
     record = fleet.records[engine_id]
     before = record.adapter.role
-    if before is role:
-        return RoleFlip(engine_id, before, role, 0.0)
     if record.draining:
         raise GatewayError(409, f"engine {engine_id} is already being drained", code="draining")
+    if before is role:
+        return RoleFlip(engine_id, before, role, 0.0)
+    if not record.adapter.switches_role:
+        raise GatewayError(
+            409,
+            f"engine {engine_id} ({record.adapter.kind}) cannot change role while it runs (its role is "
+            "a launch setting, e.g. SGLang's --disaggregation-mode): restart it in the new role",
+            code="role_fixed",
+        )
     check_flip(fleet, engine_id, role)
     started = time.monotonic()
     fleet.set_draining(engine_id, True)
@@ -76,6 +83,7 @@ async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: f
                     code="drain_timeout",
                 )
             await asyncio.sleep(_DRAIN_POLL_S)
+        check_flip(fleet, engine_id, role)  # again: other engines may have left during the drain
         try:
             await record.adapter.switch_role(role)
         except Exception as exc:  # the engine did not take it: it keeps serving as before

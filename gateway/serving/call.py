@@ -55,6 +55,8 @@ class Call:
     entry: RunningEntry | None = None
     engine_id: str | None = None
     dispatched_at: float = 0.0
+    #: when a P/D request's prefill was sent (its time in the queue ends there, not at the decode)
+    prefill_dispatched_at: float = 0.0
     first_at: float = 0.0
     last_at: float = 0.0
     content_events: int = 0

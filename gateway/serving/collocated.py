@@ -61,6 +61,9 @@ PATHS = {
 #: one placement's work: (call, engine placed, its reservation, the request's deadline or None)
 #: -> the status sent to the client, or a retryable error
 Stage = Callable[[Call, EngineRecord, RunningEntry, float | None], Awaitable[int | GatewayError]]
+#: fields only the P/D flow may set: a client's own would make an engine pull KV from a host the
+#: client chose, or hold its KV blocks for a lease as a prefill engine does
+HANDOVER_FIELDS = frozenset(("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"))
 #: engine ``priority`` values stay integers that every JSON parser reads exactly
 _MAX_PRIORITY = (1 << 53) - 1
 
@@ -243,6 +246,9 @@ class CollocatedFlow:
             extra["return_token_ids"] = True  # decode migration resumes from the relayed token ids
         if overrides:
             extra.update(overrides)
+        smuggled = HANDOVER_FIELDS.intersection(keys)
+        if smuggled:
+            remove = (*remove, *smuggled)
         if not extra and not remove:
             return orjson.dumps(request.body) if request.body_edited else request.raw
         if overrides or remove or request.body_edited or any(key in keys for key in extra):

@@ -36,7 +36,9 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -50,6 +52,7 @@ from gateway.dispatch.transfer_gate import TransferGate
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call
 from gateway.serving.collocated import PATHS, CollocatedFlow, end_upstream
+from gateway.serving.relay import end_with_error
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
@@ -71,6 +74,8 @@ NIXL_PREFILL_PARAMS = {
 }
 #: fields a prefill engine does not take (vLLM's P/D proxy removes them, the decode keeps them)
 PREFILL_REMOVES = ("stream_options", "min_tokens", "min_completion_tokens")
+#: a KV transfer's turn lasts at least this long without a first token (see _transfer_turn)
+_MIN_TRANSFER_TURN_S = 0.05
 
 
 @dataclass(slots=True)
@@ -97,6 +102,8 @@ class DisaggregatedFlow:
         self.settings = collocated.settings
         self.params = config.disaggregation
         self.placement = config.decode_placement
+        #: per decode engine, decode stages whose KV is (predicted to be) still arriving
+        self._arriving: dict[str, int] = {}
         #: orders KV transfers into each decode engine (None: decode requests go at once)
         self.gate: TransferGate | None = None
         gating = config.kv_transfer
@@ -112,10 +119,23 @@ class DisaggregatedFlow:
             return await self.collocated.serve(call)
         always = self.params.mode is DisaggregationMode.ALWAYS
         body_n = request.body.get("n") if request.parsed is not None or "n" in request.keys else None
-        whole = request.kind == "embeddings" or (isinstance(body_n, int) and body_n > 1 and not always)
-        if whole or not decide_disaggregation(request.prompt_tokens, None, self.params).disaggregate:
+        several = isinstance(body_n, int) and not isinstance(body_n, bool) and body_n > 1
+        if several and always:
+            # the handovers carry one sequence's KV; 'always' forbids running it whole on a decode engine
+            raise GatewayError(
+                400,
+                f"model {model!r} is served disaggregated only (mode always), which takes n = 1",
+                param="n",
+                code="n_not_supported",
+            )
+        if request.kind == "embeddings" or several:
             metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
             return await self._whole_on_decode(call, None)
+        if not decide_disaggregation(request.prompt_tokens, None, self.params).disaggregate:
+            metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
+            return await self._whole_on_decode(call, None)
+        if not self.fleet.decode_pool(model):
+            raise self._no_decode_engine(model)  # a prefill now would only strand its KV
         progress = _Progress(call.reply_headers)
 
         async def stage(
@@ -153,9 +173,9 @@ class DisaggregatedFlow:
     ) -> int | GatewayError:
         """One placement from the front pool: a collocated engine serves whole; a prefill
         engine prefills, then the decode stage runs."""
+        call.reply_headers = progress.reply_headers
         if record.adapter.role is not Role.PREFILL:
             return await self.collocated.attempt(call, record, entry, deadline)
-        call.reply_headers = progress.reply_headers
         if record.adapter.config.transfer_protocol == "bootstrap":
             return await self._bootstrap(progress, call, record, entry, deadline)
         shared = record.adapter.config.transfer_protocol == "shared"
@@ -165,7 +185,12 @@ class DisaggregatedFlow:
             return kv
         progress.prefilled = True
         overrides: dict[str, object] = {} if shared else {"kv_transfer_params": kv}
-        return await self._decode_stage(progress, call, record, deadline, overrides)
+        outcome = await self._decode_stage(progress, call, record, deadline, overrides)
+        if isinstance(outcome, GatewayError):
+            # the prefill is done: another one would only be the same work again (and strand
+            # this one's KV): the decode stage's failure is the answer
+            raise outcome
+        return outcome
 
     async def _prefill_first(
         self, call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None, shared: bool
@@ -220,6 +245,8 @@ class DisaggregatedFlow:
         if deadline is not None:
             finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
         entry.dispatched_at = time.monotonic()
+        if not call.prefill_dispatched_at:
+            call.prefill_dispatched_at = entry.dispatched_at
         metrics.child(metrics.DISPATCHES, engine_id).inc()
         up = collocated.upstream_span(call, record, url, headers) if call.span is not None else None
         outcome: bytes | GatewayError | BaseException = GatewayError(502, "prefill did not run")
@@ -292,8 +319,7 @@ class DisaggregatedFlow:
                 DecodeCandidate(
                     snap,
                     LatencyCoefficients(*prefill, *decode),
-                    # a decode engine's requests without a first token are the KV still arriving
-                    transfers_in_flight=len(record.unprefilled),
+                    transfers_in_flight=self._arriving.get(snap.engine_id, 0),
                     free_kv_tokens=record.free_kv_tokens(),
                 )
             )
@@ -343,32 +369,61 @@ class DisaggregatedFlow:
             progress.decode_tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)
+            end_transfer: Callable[[], None] | None = None
             try:
-                await self._transfer_turn(call, record, entry)
+                end_transfer = await self._transfer_turn(call, record, entry, choice)
                 payload = self.collocated.body_for(call, record, overrides)
                 outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
             finally:
-                if self.gate is not None:
-                    self.gate.done(record.engine_id, call.rid)
+                if end_transfer is not None:
+                    end_transfer()
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
         return outcome
 
-    async def _transfer_turn(self, call: Call, record: EngineRecord, entry: RunningEntry) -> None:
-        """Wait until the request's KV may move into ``record`` (see gateway.dispatch.transfer_gate);
-        its turn ends with the decode engine's first token."""
+    async def _transfer_turn(
+        self, call: Call, record: EngineRecord, entry: RunningEntry, choice: DecodeChoice
+    ) -> Callable[[], None]:
+        """The request's KV transfer into ``record``: wait for its turn at the gate (if the
+        profile gates transfers), count it as arriving there, and return what ends it (idempotent).
+
+        It ends at the decode engine's first token (the KV had to arrive first), or when the
+        predicted transfer time has passed twice over, so that a non-streamed answer (which
+        shows no first token) or an engine queue does not hold the link's turn for a whole
+        generation; at the latest when the decode stage ends (the caller)."""
         gate = self.gate
-        if gate is None:
-            return
         engine_id = record.engine_id
         rid = call.rid
-        # the KV has to arrive before the TTFT deadline (monotonic, as the gate's clock)
-        request = TransferRequest(rid, call.request.prompt_tokens, call.arrival + call.target.ttft_s)
-        waited_from = time.monotonic()
-        await gate.admit(engine_id, request)
-        call.waited_s += time.monotonic() - waited_from
-        entry.on_prefilled = lambda: gate.done(engine_id, rid)
+        if gate is not None:
+            # the KV has to arrive before the TTFT deadline (monotonic, as the gate's clock)
+            request = TransferRequest(rid, call.request.prompt_tokens, call.arrival + call.target.ttft_s)
+            waited_from = time.monotonic()
+            await gate.admit(engine_id, request)
+            call.waited_s += time.monotonic() - waited_from
+        arriving = self._arriving
+        arriving[engine_id] = arriving.get(engine_id, 0) + 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            timer.cancel()
+            entry.on_prefilled = None
+            left = arriving[engine_id] - 1
+            if left:
+                arriving[engine_id] = left
+            else:
+                del arriving[engine_id]
+            if gate is not None:
+                gate.done(engine_id, rid)
+
+        bound = max(_MIN_TRANSFER_TURN_S, 2.0 * choice.predicted_transfer_s)
+        timer = asyncio.get_running_loop().call_later(bound, end)
+        entry.on_prefilled = end
+        return end
 
     def _reserve(self, call: Call, record: EngineRecord) -> RunningEntry:
         request = call.request
@@ -448,11 +503,22 @@ class DisaggregatedFlow:
                 if failed is None:
                     answer = prefill_task.result()
                     failed = answer if isinstance(answer, GatewayError) else None
-                if failed is not None and not decode_task.done() and call.overhead_s < 0:
-                    # the decode would wait for KV that is not coming: close it now
-                    decode_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await decode_task
+                if failed is not None and not decode_task.done() and not call.first_at:
+                    # the decode would wait for KV that is not coming: close it now, whether or
+                    # not its stream's headers already reached the client
+                    started = call.overhead_s >= 0
+                    await _cancel(decode_task)
+                    if started:
+                        metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
+                        await end_with_error(
+                            call.send,
+                            GatewayError(
+                                502,
+                                f"prefill engine {prefill.engine_id} failed: {failed}",
+                                code="upstream_failed",
+                            ),
+                        )
+                        return 502
                     if isinstance(failed, GatewayError) and (failed.status >= 500 or failed.status == 429):
                         return failed
                     raise failed
@@ -471,6 +537,19 @@ class DisaggregatedFlow:
                     prefill_task.exception()  # retrieved: no "never retrieved" warning
             self.collocated.dispatch.release(prefill.engine_id, call.rid)
             self.collocated.dispatch.release(decode.engine_id, call.rid)
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait for it; a cancellation of the caller itself still propagates."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:
+        pass
 
 
 def _end_prefill_span(span: Span, call: Call, outcome: bytes | GatewayError | BaseException) -> None:

@@ -229,11 +229,11 @@ async def relay_stream(
         error = GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
         if ledger is not None and call.first_at:
             return Cut(MigrationReason.STALL, engine_id, error)
-        await _end_with_error(send, error)
+        await end_with_error(send, error)
         return 504
     except _Oversized:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
-        await _end_with_error(
+        await end_with_error(
             send, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
         )
         return 502
@@ -242,7 +242,7 @@ async def relay_stream(
         error = GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
         if ledger is not None:
             return Cut(MigrationReason.FAILURE, engine_id, error)
-        await _end_with_error(send, error)
+        await end_with_error(send, error)
         return 502
     finally:
         metrics.SSE_EVENTS.inc(events)
@@ -255,7 +255,7 @@ async def relay_stream(
         )
         if ledger is not None:
             return Cut(MigrationReason.FAILURE, engine_id, error)
-        await _end_with_error(send, error)
+        await end_with_error(send, error)
         return 502
     if call.watcher is not None:
         call.watcher.cancel()
@@ -299,7 +299,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
     return b"".join(kept), done, len(kept), content
 
 
-async def _end_with_error(send: Send, error: GatewayError) -> None:
+async def end_with_error(send: Send, error: GatewayError) -> None:
     """End a started stream with an error event; a client that does not take it is gone."""
     try:
         async with asyncio.timeout(_LAST_WORDS_S):

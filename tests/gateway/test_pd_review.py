@@ -1,0 +1,222 @@
+"""Review tests for the P/D disaggregation flow (gateway/serving/disaggregated.py and friends).
+
+Each test pins one defect found in review; they fail against the code as reviewed. They use stub
+engines (kind ``openai``) in threads, so the engine behaviour that matters is explicit:
+
+- an SGLang-style decode engine sends its stream's headers at once and only then waits for the
+  KV (Starlette's StreamingResponse does so), which the simulated engine does not;
+- a non-streamed decode answer shows the gateway no first token;
+- a decode engine that refuses before any byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from tests.gateway.conftest import MODEL
+from tests.gateway.gateway_thread import run_gateway, wait_until
+from tests.gateway.stub_engines import StubEngine, completion_body, status_after
+
+LONG = "tell me about the weather in the hills " * 60
+#: what a vLLM NIXL prefill answers (kv_transfer_params to hand to the decode verbatim)
+KV_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [1, 2, 3],
+    "remote_engine_id": "p-engine",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+
+
+def profile(tmp_path: Path, mode: str = "always", extra: str = "") -> str:
+    path = tmp_path / f"pd-review-{mode}.yaml"
+    path.write_text(
+        "name: pd-review\nfilters: []\nscorers:\n  - name: least_load\n    weight: 1.0\n"
+        "picker:\n  name: max_score\n"
+        f"disaggregation: {{mode: {mode}, min_prompt_tokens: 256}}\n{extra}"
+    )
+    return str(path)
+
+
+def entry(engine: StubEngine, name: str, role: str, **extra: object) -> dict[str, object]:
+    return {**engine.entry(name), "role": role, **extra}
+
+
+def chat_body(stream: bool, content: str = LONG, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        **extra,
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def nixl_prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
+    """A vLLM prefill engine: answers at once with the KV handover params."""
+    answer = orjson.loads(completion_body("x"))
+    answer["kv_transfer_params"] = KV_PARAMS
+    return web.json_response(answer)
+
+
+@contextmanager
+def engines(*behaviours: Any) -> Iterator[list[StubEngine]]:
+    with ExitStack() as stack:
+        yield [stack.enter_context(StubEngine(b)) for b in behaviours]
+
+
+# -- 1. bootstrap: a failed prefill leaves a streamed decode waiting for KV (aibrix#2289) -----------
+
+
+async def headers_then_wait_for_kv(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+    """An SGLang decode engine: the stream's headers go out at once, then it waits for KV that
+    the (failed) prefill will never send."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await engine.wait_forever()
+    return response
+
+
+def test_bootstrap_failed_prefill_closes_a_streamed_decode_whose_headers_came(tmp_path: Path) -> None:
+    """disaggregated.py:448 only closes the decode when ``call.overhead_s < 0``, i.e. before the
+    client's headers went out; a streamed decode's headers go out as soon as the decode engine
+    answers its headers (before any token, before any KV). The decode then waits for KV that
+    is not coming until first_token_timeout_s (default 600 s) and holds its reservation."""
+    with engines(status_after(500, 0.3), headers_then_wait_for_kv) as (prefill, decode):
+        config = [
+            entry(prefill, "p0", "prefill", kv_transfer="bootstrap", bootstrap_port=8998),
+            entry(decode, "d0", "decode"),
+        ]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path), first_token_timeout_s=30.0) as gw:
+            started = time.monotonic()
+            ended_in_time = True
+            try:
+                with httpx.stream(
+                    "POST", gw.url + "/v1/chat/completions", json=chat_body(True), timeout=6.0
+                ) as response:
+                    response.read()
+            except httpx.ReadTimeout:
+                ended_in_time = False
+            elapsed = time.monotonic() - started
+            assert len(prefill.received) == 1 and len(decode.received) == 1  # both sent together
+            assert ended_in_time, (
+                f"the client's stream was still open {elapsed:.1f} s after its prefill failed "
+                "(at 0.3 s): the decode was left waiting for KV"
+            )
+            assert wait_until(lambda: decode.aborted == 1, timeout=2.0), "the decode request was not closed"
+            fleet = gw.gateway.fleet
+            assert fleet is not None
+            assert wait_until(lambda: not fleet.records["d0"].running, timeout=2.0)
+
+
+# -- 2. the KV-transfer gate holds a non-streamed decode's turn for its whole answer ---------------
+
+
+def test_non_streamed_decode_does_not_hold_its_kv_turn_for_the_whole_answer(tmp_path: Path) -> None:
+    """transfer_gate's turn ends at the decode's first token (RunningEntry.on_prefilled) or at the
+    end of the decode stage; a non-streamed answer never reports a first token (read_plain does
+    not call mark_prefilled), so the turn lasts the whole generation: with max_per_engine N, at
+    most N non-streamed requests decode on a decode engine at once."""
+    arrivals: list[float] = []
+
+    async def slow_plain_decode(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        arrivals.append(time.monotonic())
+        await asyncio.sleep(2.0)  # a long generation; its KV arrived long ago
+        return web.Response(body=completion_body("ok"), content_type="application/json")
+
+    gating = "kv_transfer: {order: fifo, max_per_engine: 1}\n"
+    with engines(nixl_prefill, slow_plain_decode) as (prefill, decode):
+        config = [entry(prefill, "p0", "prefill"), entry(decode, "d0", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, extra=gating)) as gw:
+            with ThreadPoolExecutor(2) as pool:
+                futures = [
+                    pool.submit(
+                        httpx.post, gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20
+                    )
+                    for _ in range(2)
+                ]
+                statuses = [f.result().status_code for f in futures]
+            assert statuses == [200, 200]
+            assert len(arrivals) == 2
+            gap = arrivals[1] - arrivals[0]
+            assert gap < 1.0, (
+                f"the second decode reached the decode engine {gap:.1f} s after the first: it waited "
+                "at the transfer gate for the first one's whole answer"
+            )
+
+
+# -- 3. a decode engine that refuses: re-prefill, then a misleading 'no decode engine' ------------
+
+
+def test_decode_refusal_is_reported_not_replaced_by_no_decode_engine(tmp_path: Path) -> None:
+    """The decode stage returns the decode engine's retryable error to CollocatedFlow.serve, which
+    places a *new prefill* on another prefill engine; that attempt's decode stage excludes every
+    decode engine already tried (progress.decode_tried) and answers 'no decode engine ... in
+    rotation', which becomes the client's error. The prefill is wasted (its KV stays held on the
+    prefill engine for its lease) and the real cause is lost."""
+    with engines(nixl_prefill, nixl_prefill, status_after(503, 0.0)) as (p0, p1, decode):
+        config = [entry(p0, "p0", "prefill"), entry(p1, "p1", "prefill"), entry(decode, "d0", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path)) as gw:
+            response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
+            assert response.status_code >= 500
+            message = response.json()["error"]["message"]
+            prefills = len(p0.received) + len(p1.received)
+            problems = []
+            if "no decode engine" in message:
+                problems.append(f"the client was told {message!r}, not the decode engine's 503")
+            if prefills != 1:
+                problems.append(f"{prefills} prefills for one request (the later ones wasted)")
+            assert not problems, "; ".join(problems)
+
+
+# -- 4. the admin role flip answers 500 to a body whose role is not hashable -----------------------
+
+
+def test_admin_role_flip_with_unhashable_role_is_a_400(tmp_path: Path) -> None:
+    """app.py: ``body.get("role") not in {r.value for r in Role}`` raises TypeError for a list or
+    an object, which is not a GatewayError: an internal error instead of a 400."""
+    with engines(nixl_prefill, nixl_prefill) as (prefill, decode):
+        config = [entry(prefill, "p0", "prefill"), entry(decode, "d0", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path)) as gw:
+            for role in (["decode"], {"decode": 1}):
+                r = httpx.post(gw.url + "/admin/engines/p0/role", json={"role": role}, timeout=10)
+                assert r.status_code == 400, (role, r.status_code, r.text)
+
+
+# -- 5. a client's own KV handover fields reach decode engines -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "smuggled",
+    [
+        {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 5600}},
+        {"kv_transfer_params": {"do_remote_decode": True}},
+        {"bootstrap_host": "10.9.9.9", "bootstrap_port": 8998, "bootstrap_room": 7},
+    ],
+)
+def test_client_kv_handover_fields_never_reach_an_engine(tmp_path: Path, smuggled: dict[str, Any]) -> None:
+    """A short prompt runs whole on a decode engine with the client's body as sent: client-made
+    ``kv_transfer_params`` / ``bootstrap_*`` make the engine pull KV from a host the client
+    chose, or (do_remote_decode) hold its KV blocks for the lease as a prefill would."""
+    with engines(nixl_prefill, status_after(200, 0.0)) as (prefill, decode):
+        config = [entry(prefill, "p0", "prefill"), entry(decode, "d0", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, "conditional")) as gw:
+            httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False, "hi", **smuggled), timeout=20)
+            assert decode.received, "the short prompt did not reach the decode engine"
+            leaked = sorted(set(smuggled) & set(decode.received[-1]))
+            assert not leaked, f"client-supplied {leaked} forwarded to the decode engine"
