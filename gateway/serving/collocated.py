@@ -242,7 +242,7 @@ class CollocatedFlow:
         stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
         if stream and not request.client_wants_usage:
             extra["stream_options"] = {"include_usage": True}
-        if overrides is None and call.ledger is not None and call.ledger.tracking:
+        if stream and call.ledger is not None and call.ledger.tracking:
             extra["return_token_ids"] = True  # decode migration resumes from the relayed token ids
         if overrides:
             extra.update(overrides)
@@ -276,17 +276,16 @@ class CollocatedFlow:
         record: EngineRecord,
         entry: RunningEntry,
         deadline: float | None,
-        payload: bytes | None = None,
+        overrides: dict[str, Any] | None = None,
     ) -> int | GatewayError:
-        """The whole request (or, given ``payload``, a decode stage's body) on one engine.
+        """The whole request (with a decode stage's ``overrides`` of the body) on one engine.
         Returns the status sent to the client, or a retryable error. A stream that may migrate
         and leaves this engine mid-answer is resumed elsewhere (see :mod:`gateway.serving.migration`)."""
         request = call.request
         engine_id = record.engine_id
         migration = self.migration
-        call.ledger = migration.ledger(call, record) if migration is not None and payload is None else None
-        if payload is None:
-            payload = self.body_for(call, record)
+        call.ledger = migration.ledger(call, record) if migration is not None else None
+        payload = self.body_for(call, record, overrides)
         headers = self.headers_for(call, record)
         url = record.adapter.url(PATHS[request.kind])
         call.dispatched_at = entry.dispatched_at = time.monotonic()

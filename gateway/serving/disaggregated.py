@@ -111,6 +111,8 @@ class DisaggregatedFlow:
             link = LinkParams(config.decode_placement.transfer_tokens_per_s)
             order = make_transfer_order(gating.order, link, gating.levels)
             self.gate = TransferGate(order, gating.max_per_engine, time.monotonic)
+        if collocated.migration is not None:
+            collocated.migration.decode_placer = self._place_continuation
 
     async def serve(self, call: Call) -> int:
         request = call.request
@@ -306,8 +308,16 @@ class DisaggregatedFlow:
 
     # -- the decode stage ---------------------------------------------------------------------------
 
-    def place_decode(self, call: Call, source: str | None, exclude: list[str]) -> DecodeChoice | None:
-        """The decode engine for ``call`` now (None: no decode engine in rotation)."""
+    def place_decode(
+        self,
+        call: Call,
+        source: str | None,
+        exclude: list[str],
+        context_tokens: int | None = None,
+        remaining_tokens: int | None = None,
+    ) -> DecodeChoice | None:
+        """The decode engine for ``call`` now (None: no decode engine in rotation); a migrated
+        stream's continuation gives its context (prompt and tokens so far) and tokens left."""
         fleet = self.fleet
         candidates = []
         for snap in fleet.decode_pool(call.request.model):
@@ -324,7 +334,13 @@ class DisaggregatedFlow:
                 )
             )
         request = call.request
-        demand = DecodeDemand(call.rid, request.prompt_tokens, request.max_tokens, call.target.tpot_s, source)
+        demand = DecodeDemand(
+            call.rid,
+            request.prompt_tokens if context_tokens is None else context_tokens,
+            request.max_tokens if remaining_tokens is None else remaining_tokens,
+            call.target.tpot_s,
+            source,
+        )
         choice = place_decode(demand, candidates, self.placement)
         metrics.child(
             metrics.PD_DECODE_PLACEMENTS,
@@ -372,8 +388,7 @@ class DisaggregatedFlow:
             end_transfer: Callable[[], None] | None = None
             try:
                 end_transfer = await self._transfer_turn(call, record, entry, choice)
-                payload = self.collocated.body_for(call, record, overrides)
-                outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
+                outcome = await self.collocated.attempt(call, record, entry, deadline, overrides)
             finally:
                 if end_transfer is not None:
                     end_transfer()
@@ -425,6 +440,18 @@ class DisaggregatedFlow:
         entry.on_prefilled = end
         return end
 
+    def _place_continuation(
+        self, call: Call, context: int, remaining: int, exclude: list[str], entry: RunningEntry
+    ) -> EngineRecord | None:
+        """A decode engine for a migrating stream's continuation, ``entry`` reserved on it (the
+        migration module's placer for P/D models: the stream stays on the decode pool)."""
+        choice = self.place_decode(call, None, exclude, context, remaining)
+        if choice is None:
+            return None
+        record = self.fleet.records[choice.engine_id]
+        self.fleet.reserve(record.engine_id, call.rid, entry)
+        return record
+
     def _reserve(self, call: Call, record: EngineRecord) -> RunningEntry:
         request = call.request
         entry = RunningEntry(request.prompt_tokens, request.max_tokens, call.target.tpot_s, 0.0)
@@ -445,10 +472,7 @@ class DisaggregatedFlow:
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)
             try:
-                # the body given: the migration ledger stays off, since a cut stream would be
-                # resumed from the front pool (prefill engines), not on another decode engine
-                payload = self.collocated.body_for(call, record)
-                outcome = await self.collocated.attempt(call, record, entry, deadline, payload)
+                outcome = await self.collocated.attempt(call, record, entry, deadline)
             finally:
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
@@ -491,9 +515,7 @@ class DisaggregatedFlow:
             self._prefill_exchange(call, prefill, entry, prefill_payload, deadline, count_wait=False)
         )
         decode_task = asyncio.create_task(
-            self.collocated.attempt(
-                call, decode, decode_entry, deadline, self.collocated.body_for(call, decode, fields)
-            )
+            self.collocated.attempt(call, decode, decode_entry, deadline, fields)
         )
         try:
             await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -147,6 +148,10 @@ class _Shape:
         return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
 
 
+#: see :attr:`Migrator.decode_placer`
+DecodePlacer = Callable[[Call, int, int, list[str], RunningEntry], EngineRecord | None]
+
+
 class _Resume:
     """What every continuation of one stream shares: its prompt ids, limits and client shape."""
 
@@ -178,6 +183,10 @@ class Migrator:
 
     def __init__(self, flow: CollocatedFlow) -> None:
         self.flow = flow
+        #: where a continuation goes for a model served disaggregated (set by the P/D flow):
+        #: (call, context tokens, tokens left, engines excluded, the entry to reserve) -> a decode
+        #: engine reserved, or None when no decode engine may take it
+        self.decode_placer: DecodePlacer | None = None
         s = flow.settings
         self.policy = MigrationSettings(
             limit=s.migration_limit,
@@ -371,6 +380,20 @@ class Migrator:
         asked = time.monotonic()
         asked_ns = now_ns() if call.span is not None else 0
         attempt = len(ledger.visited) + 1
+        placer = self.decode_placer
+        if placer is not None and self.flow.fleet.has_prefill_pool(request.model):
+            # a P/D model's streams decode on its decode engines: the continuation goes there
+            placed = placer(call, prompt, remaining, exclude, entry)
+            if placed is None:
+                error = GatewayError(
+                    503,
+                    f"no decode engine of model {request.model!r} can take the stream",
+                    code="no_healthy_engine",
+                )
+                self.flow._decided(call, attempt, asked, asked_ns, False, None, error, exclude)
+                return error
+            self.flow._decided(call, attempt, asked, asked_ns, False, placed, None, exclude)
+            return placed
         try:
             record = await self.flow.dispatch.place(
                 view, target.ttft_s, target.tpot_s, target.slo_class, entry, exclude
@@ -429,8 +452,12 @@ class Migrator:
         max_load = getattr(self.flow.dispatch.core, "max_engine_load", None)
         need = context + remaining
         out: list[Candidate] = []
-        for snap in fleet.candidates(call.request.model, now):
-            if snap.role is not Role.COLLOCATED or snap.engine_id in exclude:
+        model = call.request.model
+        pool = (
+            fleet.decode_pool(model, now) if fleet.has_prefill_pool(model) else fleet.candidates(model, now)
+        )
+        for snap in pool:
+            if snap.role is Role.PREFILL or snap.engine_id in exclude:
                 continue
             record = fleet.records[snap.engine_id]
             free = record.free_kv_tokens()

@@ -294,3 +294,51 @@ def test_half_a_pd_pair_is_refused_at_start_up(roles: list[str], message: str) -
     ]
     with pytest.raises(ValueError, match=message):
         load_settings(None, engines=engines)
+
+
+@pytest.mark.parametrize("kv_transfer", ["nixl", "bootstrap"])
+def test_decode_engine_crash_mid_stream_resumes_on_another_decode_engine(
+    fleet: dict[str, ChildProcess], tmp_path: Path, kv_transfer: str
+) -> None:
+    """A P/D stream whose decode engine dies mid-answer continues on the other decode engine
+    (never on a prefill engine): the client gets exactly the collocated text and usage."""
+    body_extra = {"ignore_eos": True}
+    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+        reference = answer_of(chat(gw, LONG, True, max_tokens=40, **body_extra), True)
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="dx") as dx,
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="dy") as dy,
+    ):
+        engines = [
+            engine_entry(fleet["p0"], role="prefill", kv_transfer=kv_transfer),
+            engine_entry(dx, role="decode"),
+            engine_entry(dy, role="decode"),
+        ]
+        prefills_before = requests_served(fleet["p0"])
+        with run_gateway(
+            engines=engines,
+            routing_profile=str(profile(tmp_path, "always")),
+            migration_limit=1,
+            forward_sim_headers=True,
+        ) as gw:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": LONG}],
+                "max_tokens": 40,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **body_extra,
+            }
+            response = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json=body,
+                headers={"X-Sim-Fault": "crash-after=12"},
+                timeout=60,
+            )
+            text, usage = answer_of(response, True)
+            assert (text, usage) == reference
+            first = response.headers["x-slogate-engine"]
+            other = dy if first == "dx" else dx
+            assert requests_served(other) == 1  # the continuation ran on the other decode engine
+            assert requests_served(fleet["p0"]) == prefills_before + 1  # and not on the prefill engine
+            assert wait_until(lambda: all(not r.running for r in gw.gateway.fleet.records.values()))
