@@ -18,8 +18,10 @@ does around them is done here at the same moments with the same calls:
 
   * ``two-stage`` (HyperFlexis §5.1): when the prefill ends,
     :func:`policies.decode_placement.place_decode` over the decode pool's snapshots, each with its
-    learnt coefficients (:meth:`SloService.coefficients`), the decode engine's requests without a
-    first token as its transfers in flight, and the record's free KV room, as live;
+    learnt coefficients (:meth:`SloService.coefficients`) and the record's free KV room, as live;
+    its transfers in flight are the decode engine's requests without a first token (queued for
+    the link, moving, or arrived and not yet stepped; the live flow now counts only those past
+    its transfer gate whose KV is still arriving, ``DisaggregatedFlow._arriving``);
   * ``one-shot`` (peer gateways): the pair is fixed when the prefill is dispatched, the decode
     engine round robin;
   * ``one-shot-least-load`` (a stronger peer baseline): fixed at the same moment, the decode
