@@ -303,6 +303,16 @@ class _Candidates:
         return bool(self.items) or self._grow()
 
 
+def kv_bound(worker: WorkerView, queue_min_need: int) -> bool:
+    """Whether ``worker`` runs something and has less KV free than the least any queued request
+    needs (``queue_min_need``, as :func:`dispatch` takes it): its turn takes nothing and it waits
+    for an event on itself. :func:`dispatch` gives it maturity ``inf`` and lists it in ``full``
+    (when its turn comes with a request left untaken), so a caller may park such a worker without
+    the call when no worker comes before it in the turn."""
+    load = worker.load if worker.load is not None else RunningLoad.of(worker.running)
+    return load.requests > 0 and worker.free_kv_tokens < queue_min_need
+
+
 def dispatch(
     queue: Iterable[QueuedRequest],
     workers: Sequence[WorkerView],
@@ -413,7 +423,7 @@ def _fill_worker(
     )
     if shadow.count and kv_left < queue_min_need:
         # a busy engine woken by a completion, with most of its cache still held: not one queued
-        # request fits the KV left, so say so without scanning
+        # request fits the KV left, so say so without scanning (see kv_bound)
         return [], late_at, not queue.untaken(taken, 1), False
     for item in candidates:
         if (

@@ -39,7 +39,7 @@ from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
 from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
-from policies.hyperflexis import HyperFlexisParams, WorkerView
+from policies.hyperflexis import HyperFlexisParams, WorkerView, kv_bound
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
 from policies.queue_order import (
@@ -441,25 +441,38 @@ class DispatchCore:
         self, model: str, queue: AdmissionQueue, workers: list[WorkerView], now: float
     ) -> None:
         assert self.hyperflexis is not None
+        ctx = self.context(model, now)
+        min_need = queue.min_need()
+        # Busy workers first in the turn with less KV free than any queued request needs take
+        # nothing and wait for their own events, as the policy would say (kv_bound): under
+        # saturation that is every worker whose hold ends before a completion frees its cache,
+        # a turn per placement that read the queue's head for nothing.
+        lead = 0
+        while lead < len(workers) and kv_bound(workers[lead], min_need):
+            self.workers.park(model, workers[lead].engine_id, full=True)
+            lead += 1
+        if lead == len(workers):
+            queue.peek(now, ctx)  # the queue's read at ``now`` (its re-keys) all the same
+            return
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
-        head = queue.head(now, self.context(model, now), 2 * self.hyperflexis.max_scan)
+        head = queue.head(now, ctx, 2 * self.hyperflexis.max_scan)
         decision = hyperflexis_dispatch(
             head,
-            workers,
+            workers[lead:] if lead else workers,
             now,
             self.hyperflexis,
             self._tightest(model, now),
             # the context the queue keyed its late part with (it lags ours within a tolerance)
             queue.context if isinstance(self.order, LateLast) else None,
-            queue.min_need(),
+            min_need,
         )
         for assignment in decision.assignments:
             assigned = self.tickets.get(assignment.request_id)
             queue.remove(assignment.request_id)
             if assigned is not None:  # (always, while queues hold only live tickets)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
-        for worker in workers:
+        for worker in workers[lead:] if lead else workers:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
             if at == math.inf:
                 # a full worker waits for its own completions and scrapes; one held back by

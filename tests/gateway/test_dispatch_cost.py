@@ -7,21 +7,34 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from typing import Any
 
+import pytest
 import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.dispatch import core as core_module
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import TIMER_TICK_S, DispatchLoop
-from gateway.dispatch.offline import offline_fleet
+from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.dispatch.workers import HyperFlexisWorkers
 from gateway.fleet.registry import RunningEntry
 from gateway.router import Router
-from policies.hyperflexis import RunningLoad, RunningRequest, WorkerView, _Shadow
+from policies import hyperflexis as hyperflexis_module
+from policies.api import EngineState, RequestView
+from policies.hyperflexis import (
+    HyperFlexisParams,
+    RunningLoad,
+    RunningRequest,
+    WorkerView,
+    _Shadow,
+    dispatch,
+    kv_bound,
+)
 from policies.latency_fit import predict_decode, predict_prefill
 from policies.pipeline import compile_profile
-from policies.queue_order import make_order
+from policies.queue_order import QueuedRequest, make_order
 
 PREFILL = (0.02, 1e-4, 1e-8)
 DECODE = (0.01, 1e-6, 1e-4)
@@ -158,3 +171,82 @@ def test_summed_running_requests_predict_what_the_requests_one_by_one_do(
     assert shadow.decode_step(coeffs) == decode
     assert shadow.min_tpot == min([r.tpot_slo for r in requests], default=math.inf)
     assert (shadow.count, shadow.waiting_tokens) == (len(requests), sum(waiting))
+
+
+_running = st.lists(
+    st.tuples(st.integers(1, 2000), st.integers(0, 100), st.sampled_from([0.03, 0.1, 0.5]), st.booleans()),
+    max_size=5,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(_running, st.integers(0, 3000), st.sampled_from([-math.inf, 0.0, 0.5])),
+        min_size=1,
+        max_size=5,
+    ),
+    st.lists(
+        st.tuples(st.integers(1, 2000), st.floats(-3.0, 0.9), st.sampled_from([0.3, 1.0, 5.0])), max_size=20
+    ),
+)
+def test_parking_the_leading_kv_bound_workers_is_what_the_policy_does_with_them(
+    spec: list[tuple[list[tuple[int, int, float, bool]], int, float]],
+    queue: list[tuple[int, float, float]],
+) -> None:
+    """The core parks the workers first in a turn that kv_bound says fit nothing, without the
+    policy call: the policy gives them maturity inf and lists them full, and decides the same for
+    the others with or without them."""
+    items = [
+        QueuedRequest(RequestView(f"q{i}", "m", prompt, 100, arrival=arrival), ttft, 0.1, seq=i)
+        for i, (prompt, arrival, ttft) in enumerate(queue)
+    ]
+    items.sort(key=lambda q: (q.ttft_deadline, q.seq))
+    min_need = min((q.view.prompt_tokens + q.view.max_output_tokens for q in items), default=0)
+    workers = [
+        WorkerView(f"w{i}", PREFILL, DECODE, tuple(RunningRequest(*r) for r in running), kv, 8, maturity)
+        for i, (running, kv, maturity) in enumerate(spec)
+    ]
+    workers.sort(key=lambda w: w.maturity)  # the order the core pops them in
+    lead = 0
+    while lead < len(workers) and kv_bound(workers[lead], min_need):
+        lead += 1
+    whole = dispatch(items, workers, 1.0, HyperFlexisParams(), 1.0, None, min_need)
+    if items:
+        for w in workers[:lead]:
+            assert whole.maturity[w.engine_id] == math.inf and w.engine_id in whole.full
+    if items and lead < len(workers):
+        rest = dispatch(items, workers[lead:], 1.0, HyperFlexisParams(), 1.0, None, min_need)
+        lead_ids = {w.engine_id for w in workers[:lead]}
+        assert rest.assignments == whole.assignments and rest.prefill_s == whole.prefill_s
+        assert rest.maturity == {e: t for e, t in whole.maturity.items() if e not in lead_ids}
+        assert rest.full == whole.full - lead_ids
+
+
+def test_a_kv_bound_worker_is_parked_full_without_reading_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy engines, each with less KV free than any queued request needs: steps park the
+    mature ones as full without a policy call, and a completion brings one back."""
+    fleet = offline_fleet({"a": 4})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", tightest_ttft_s=5.0)
+    for engine_id in fleet.records:
+        fleet.record_state(engine_id, EngineState(kv_usage=0.0, block_size=16, num_gpu_blocks=25), 0.0)
+        fleet.reserve(engine_id, f"{engine_id}-busy", RunningEntry(300, 50, 0.1, 0.0))
+    calls = 0
+    policy = hyperflexis_module.dispatch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return policy(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "hyperflexis_dispatch", counted)
+    view = RequestView("r-1", "a", 200, 50, arrival=0.0)
+    assert core.submit(core.ticket(view, 5.0, 0.1, "c", RunningEntry(200, 50, 0.1, 0.0), 0.0), 0.0) is None
+    for _ in fleet.records:  # one mature worker per step and queued request
+        core.step(0.0)
+    assert calls == 0 and core.queued() == 1
+    assert all(core.workers.maturity[e] == math.inf for e in fleet.records)
+    fleet.release("a-2", "a-2-busy")  # its cache frees: it takes the request
+    core.step(0.01)
+    assert calls == 1 and core.queued() == 0
+    assert [(rid, getattr(r, "engine_id", None)) for rid, r in core.outbox] == [("r-1", "a-2")]
