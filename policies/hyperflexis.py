@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
-from policies.latency_fit import Coeffs, maturity_time, predict_decode, predict_prefill, token_budget
-from policies.queue_order import OrderContext, QueuedRequest, last_feasible_start
+from policies.latency_fit import Coeffs, maturity_time, predict_decode, token_budget
+from policies.queue_order import OrderContext, QueuedRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +270,8 @@ class _Candidates:
         self._left = limit
         self.items: list[QueuedRequest] = []
 
-    def _grow(self) -> bool:
+    def grow(self) -> bool:
+        """Read the next chunk of untaken candidates into ``items``; False when none is left."""
         skip = self._skip
         while self._left > 0:
             want = min(self._chunk, self._left)
@@ -295,12 +296,12 @@ class _Candidates:
     def __iter__(self) -> Iterator[QueuedRequest]:
         items = self.items
         i = 0
-        while i < len(items) or self._grow():
+        while i < len(items) or self.grow():
             yield items[i]
             i += 1
 
     def __bool__(self) -> bool:
-        return bool(self.items) or self._grow()
+        return bool(self.items) or self.grow()
 
 
 def kv_bound(worker: WorkerView, queue_min_need: int) -> bool:
@@ -425,7 +426,18 @@ def _fill_worker(
         # a busy engine woken by a completion, with most of its cache still held: not one queued
         # request fits the KV left, so say so without scanning (see kv_bound)
         return [], late_at, not queue.untaken(taken, 1), False
-    for item in candidates:
+    # The scans below index the candidates (grown on demand) rather than iterate them, and
+    # inline eq.(1) for one prompt and the lane's last feasible start (the same floating-point
+    # operations as predict_prefill and last_feasible_start): most candidates a turn examines are
+    # skipped after a comparison or two, and under saturation every turn re-reads the head.
+    items = candidates.items
+    grow = candidates.grow
+    if lane is not None:
+        lane_base, lane_rate = lane.prefill_base_s, lane.prefill_tokens_per_s
+    i = 0
+    while i < len(items) or grow():
+        item = items[i]
+        i += 1
         if (
             free_seqs <= 0
             or kv_left <= 0
@@ -444,11 +456,13 @@ def _fill_worker(
             # that max_hold_s then cut short, and running streams' TPOT paid for it
             horizon = min(ttft, params.max_hold_s)
             budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1])
-        prompt = item.view.prompt_tokens
-        need_kv = prompt + item.view.max_output_tokens
+        view = item.view
+        prompt = view.prompt_tokens
+        need_kv = prompt + view.max_output_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
-        if lane is not None and now > last_feasible_start(item, lane):
+        deadline = view.arrival + item.ttft_slo
+        if lane is not None and now > deadline - (lane_base + (prompt if prompt > 0 else 0) / lane_rate):
             # from here on the queue holds only requests late on the lane's estimate, which this
             # worker cannot beat: skipping them one by one would change nothing
             # (slack, not capacity, holds these back: a later one might fit, so an arrival may
@@ -458,22 +472,20 @@ def _fill_worker(
         if (prompt > budget_left and admitted) or need_kv > kv_left:
             misses += 1
             continue
-        if late_rejected and item.ttft_deadline < now + a + b * prompt + c * prompt * prompt:
+        if late_rejected and deadline < now + a + b * prompt + c * prompt * prompt:
             # late even on an idle worker: p < 0.5 <= theta whatever this worker runs, so skip the
             # probability (under overload most of a scan is such requests)
             slack_bound = True
             continue
         expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
-        p = admission_probability(
-            item.view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
-        )
+        p = admission_probability(view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale)
         if p < params.theta:
             slack_bound = True
             # Slack only shrinks with time, so this worker will not take it before an event,
             # except once it is late everywhere (late backfill): that moment is worth a timer.
             # the first instant it is late (deadline < now + prefill), not the boundary itself:
             # a timer set for the boundary would find it not yet late and park for good
-            turns_late = math.nextafter(item.ttft_deadline - predict_prefill(coeffs, (prompt,)), math.inf)
+            turns_late = math.nextafter(deadline - (a + b * prompt + c * (prompt * prompt)), math.inf)
             if turns_late > now:
                 late_at = min(late_at, turns_late)
             continue
@@ -486,7 +498,10 @@ def _fill_worker(
     if params.late_backfill and budget_left is not None:
         chosen = {item.view.request_id for item, _ in admitted}
         misses = 0
-        for item in candidates:
+        i = 0
+        while i < len(items) or grow():
+            item = items[i]
+            i += 1
             if (
                 free_seqs <= 0
                 or budget_left <= 0
@@ -494,16 +509,17 @@ def _fill_worker(
                 or misses >= params.scan_after_admit
             ):
                 break
-            if item.view.request_id in chosen:
+            view = item.view
+            if view.request_id in chosen:
                 continue
-            prompt = item.view.prompt_tokens
-            need_kv = prompt + item.view.max_output_tokens
+            prompt = view.prompt_tokens
+            need_kv = prompt + view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
             # the next urgent arrival waits behind (it still goes to an idle worker)
             if prompt > budget_left or need_kv > kv_left:
                 misses += 1
                 continue
-            if item.ttft_deadline >= now + predict_prefill(coeffs, (prompt,)):
+            if view.arrival + item.ttft_slo >= now + (a + b * prompt + c * (prompt * prompt)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
             admitted.append((item, False))
             budget_left -= prompt
