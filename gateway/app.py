@@ -31,12 +31,14 @@ from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dashboard.decisions import DecisionLog
 from gateway.dashboard.state import PAGE, PAGE_HEADERS, Attainment, dashboard_state, parse_state_query
-from gateway.dispatch.build import RoutingProfile, build_core
+from gateway.dispatch.build import RoutingProfile, build_core, build_prefix_routing, kv_event_feed
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
 from gateway.fleet.calibration import Calibrator
+from gateway.fleet.kv_events import KVEventFeed
 from gateway.fleet.monitor import FleetMonitor
+from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet
 from gateway.fleet.roles import flip_role
 from gateway.serving.call import Receive, Scope, Send
@@ -73,6 +75,8 @@ class Gateway:
         self.monitor: FleetMonitor | None = None
         self.calibrator: Calibrator | None = None
         self.dispatch: DispatchLoop | None = None
+        self.prefix: PrefixRouting | None = None
+        self.kv_events: KVEventFeed | None = None
         self.proxy: Proxy | None = None
         self.started_at = time.time()
         #: set when stopping begins: /ready turns 503 at once
@@ -115,13 +119,19 @@ class Gateway:
         # Serve with real health information rather than guessing: wait for one round of checks.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
-        self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing))
+        # the prefix index and the affinity store, when the routing profile reads them; the
+        # engines' KV events keep the index exact from now on
+        self.prefix = build_prefix_routing(s, self.fleet, self.routing)
+        self.kv_events = kv_event_feed(s, self.prefix)
+        if self.kv_events is not None:
+            self.kv_events.start()
+        self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing, self.prefix))
         self.dispatch.start()
         collocated = CollocatedFlow(
             s, self.fleet, self.dispatch, self.slo, self.session, self.tracing, self.decisions
         )
         flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
-        self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth)
+        self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth, self.prefix, self.dispatch.core.router)
         if s.calibration:
             self.calibrator = Calibrator(
                 self.fleet, self.slo.latency, self.session, interval_s=s.calibration_interval_s
@@ -138,6 +148,8 @@ class Gateway:
             await self.dispatch.stop()
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.session is not None:
             await self.session.close()
         self.tracing.shutdown()
@@ -268,6 +280,8 @@ def build_api(gateway: Gateway) -> FastAPI:
 
     @api.get("/metrics")
     async def prometheus() -> Response:
+        if gateway.prefix is not None:
+            gateway.prefix.observe()
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/dashboard")

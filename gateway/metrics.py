@@ -93,6 +93,42 @@ CLIENT_DISCONNECTS = Counter(
 DISPATCHES = Counter(
     "slogate_dispatches", "Requests sent to an engine (retries count again)", ["engine"], registry=REGISTRY
 )
+PREFIX_ROUTED_TOKENS = Counter(
+    "slogate_prefix_routed_tokens",
+    "Prompt tokens of requests routed with a prefix index, by engine and whether the index held "
+    "them on the engine chosen (hit) or not (miss): the prefill the routing expects to be skipped",
+    ["engine", "result"],
+    registry=REGISTRY,
+)
+PREFIX_ROUTED = Counter(
+    "slogate_prefix_routed_requests",
+    "Requests routed with a prefix index, by engine and by the most the index held of their prompt "
+    "on the engine chosen: none, partial, full (every whole block)",
+    ["engine", "match"],
+    registry=REGISTRY,
+)
+AFFINITY_ROUTED = Counter(
+    "slogate_affinity_routed_requests",
+    "Requests with a session key, by whether they went to the session's last engine (kept), "
+    "elsewhere (moved: load or the guard won) or had no known engine (new)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PREFIX_INDEX_BYTES = Gauge(
+    "slogate_prefix_index_bytes", "Bytes the prefix index holds, by its own count", registry=REGISTRY
+)
+PREFIX_INDEX_BLOCKS = Gauge(
+    "slogate_prefix_index_blocks",
+    "Block keys the prefix index holds, by engine",
+    ["engine"],
+    registry=REGISTRY,
+)
+PREFIX_HASH = Histogram(
+    "slogate_prefix_hash_seconds",
+    "Front-door time to key a request's prompt for the prefix index (tokens and block hashes)",
+    buckets=(*_FAST_BUCKETS, 0.05, 0.1),
+    registry=REGISTRY,
+)
 PD_REQUESTS = Counter(
     "slogate_pd_requests",
     "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "

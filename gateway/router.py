@@ -7,7 +7,8 @@ and the metric for each plugin call, so policies never see a clock or a metric.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,41 @@ def timed(pipeline: RoutingPipeline) -> RoutingPipeline:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Why a request went where it did: the engine, the policy and each scorer's value there,
+    and what the prefix index and the affinity store knew (``x-slogate-decision``)."""
+
+    engine_id: str
+    policy: str
+    scores: tuple[tuple[str, float], ...] = ()
+    #: leading prompt tokens the index held on the engine, of the prompt's (None: not keyed)
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    #: the session's engine before this choice (None: no session key or no engine known)
+    session_engine: str | None = None
+
+    def header(self) -> bytes:
+        parts = [f"engine={self.engine_id}", f"policy={self.policy}"]
+        parts.extend(f"{name}={value:.3f}" for name, value in self.scores)
+        if self.cached_tokens is not None:
+            parts.append(f"cached_tokens={self.cached_tokens}/{self.prompt_tokens}")
+        if self.session_engine is not None:
+            parts.append(f"session_engine={self.session_engine}")
+        return "; ".join(parts).encode("ascii", "replace")
+
+    def attributes(self) -> dict[str, str | float | int]:
+        """The same as span attributes (``slogate.decision.*``)."""
+        out: dict[str, str | float | int] = {"slogate.decision.policy": self.policy}
+        out.update({f"slogate.decision.score.{name}": round(value, 6) for name, value in self.scores})
+        if self.cached_tokens is not None and self.prompt_tokens is not None:
+            out["slogate.decision.cached_tokens"] = self.cached_tokens
+            out["slogate.decision.prompt_tokens"] = self.prompt_tokens
+        if self.session_engine is not None:
+            out["slogate.decision.session_engine"] = self.session_engine
+        return out
+
+
 class Router:
     """Chooses an engine for a request from the current fleet snapshot.
 
@@ -101,10 +137,20 @@ class Router:
     recorded back into both.
     """
 
-    def __init__(self, fleet: Fleet, pipeline: RoutingPipeline, prefix: PrefixRouting | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        pipeline: RoutingPipeline,
+        prefix: PrefixRouting | None = None,
+        policy: str = "pipeline",
+    ) -> None:
         self.fleet = fleet
         self.pipeline = timed(pipeline)
         self.prefix = prefix
+        #: the routing profile's name, as decisions report it
+        self.policy = policy
+        #: requests whose decisions are wanted (``x-slogate-debug``): request id -> receiver
+        self._explain: dict[str, Callable[[Decision], None]] = {}
         self._picker_state = self.pipeline.picker.initial_state()
         # a profile that picks by one key over unit-weight engines (least load, max_score): the
         # fleet keeps engines grouped by that key and a placement takes the best group's next
@@ -139,6 +185,8 @@ class Router:
             index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
             record = self.fleet.records[routable[slots[index]].engine_id]
             self._ranked_hist.observe(time.perf_counter() - t0)
+            if self._explain:
+                self._decided(request, self.fleet.candidates(request.model, now), record.engine_id, now)
             if self.prefix is not None:
                 self.prefix.dispatched(request.request_id, record.engine_id, now)
             return record
@@ -161,6 +209,53 @@ class Router:
         self._picker_state = state
         if chosen is None:
             return None
+        if self._explain:
+            self._decided(request, candidates, chosen.engine_id, now)
         if self.prefix is not None:
             self.prefix.dispatched(request.request_id, chosen.engine_id, now)
         return self.fleet.records[chosen.engine_id]
+
+    def assigned(self, request: RequestView, engine_id: str, now: float) -> None:
+        """Another dispatcher (HyperFlexis) placed ``request`` on ``engine_id``: the prefix index
+        and the affinity store learn it as they do from :meth:`choose`."""
+        if self._explain and request.request_id in self._explain:
+            view = request if self.prefix is None else self.prefix.annotate(
+                request, self.fleet.candidates(request.model, now), now
+            )
+            self._explain[request.request_id](self._decision(view, engine_id, self.policy, ()))
+        if self.prefix is not None:
+            self.prefix.dispatched(request.request_id, engine_id, now)
+
+    # -- decisions, for requests that ask (x-slogate-debug) -----------------------------------------
+
+    def explain(self, request_id: str, receiver: Callable[[Decision], None]) -> None:
+        """Hand ``request_id``'s next decision to ``receiver`` (each retry's decision again)."""
+        self._explain[request_id] = receiver
+
+    def forget(self, request_id: str) -> None:
+        self._explain.pop(request_id, None)
+
+    def _decided(
+        self, request: RequestView, candidates: Sequence[EngineSnapshot], engine_id: str, now: float
+    ) -> None:
+        receiver = self._explain.get(request.request_id)
+        if receiver is None:
+            return
+        if self.prefix is not None and request.prefix is None and request.affinity is None:
+            request = self.prefix.annotate(request, candidates, now)
+        scores = tuple(self.pipeline.explain(request, candidates, engine_id, now))
+        receiver(self._decision(request, engine_id, self.policy, scores))
+
+    @staticmethod
+    def _decision(
+        request: RequestView, engine_id: str, policy: str, scores: tuple[tuple[str, float], ...]
+    ) -> Decision:
+        prefix = request.prefix
+        return Decision(
+            engine_id,
+            policy,
+            scores,
+            cached_tokens=None if prefix is None else prefix.cached_tokens.get(engine_id, 0),
+            prompt_tokens=None if prefix is None else prefix.prompt_tokens,
+            session_engine=None if request.affinity is None else request.affinity.engine_id,
+        )

@@ -125,6 +125,21 @@ class EngineConfig(BaseModel):
         "--disaggregation-bootstrap-port, default 8998; the simulated engine: its HTTP port)",
     )
 
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the engine's KV-cache event publisher as the gateway reaches it (vLLM "
+        "--kv-events-config endpoint, e.g. tcp://engine:5557): feeds the prefix index exactly",
+    )
+    kv_events_topic: str = Field(default="", description="subscription prefix of the KV events ('' = all)")
+    kv_events_replay_endpoint: str | None = Field(
+        default=None, min_length=1, description="the engine's KV-event replay socket (vLLM replay_endpoint)"
+    )
+    kv_events_bind: bool = Field(
+        default=False,
+        description="the engine connects to the gateway (its endpoint names a host): the gateway binds",
+    )
+
     @property
     def transfer_protocol(self) -> KvTransfer:
         if self.kv_transfer is not None:
@@ -299,6 +314,27 @@ class Settings(BaseSettings):
         description="bodies larger than this are parsed in a worker process, off the event loop",
     )
     default_max_tokens: int = Field(default=1024, ge=1)
+    prefix_index_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="memory budget of the prefix index (per-engine cached prompt blocks), used when "
+        "the routing profile reads prefix matches; 0 = no index",
+    )
+    prefix_dispatch_ttl_s: float = Field(
+        default=120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a dispatched prompt counts as cached on its engine without a KV event",
+    )
+    affinity_ttl_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a session keeps its engine after its last request (session affinity)",
+    )
+    affinity_max_sessions: int = Field(
+        default=100_000, ge=1, description="sessions the affinity store remembers (least recent forgotten)"
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_requests: bool = False

@@ -97,6 +97,28 @@ class RoutingPipeline:
             ]
         return self.picker.pick(request, engines, totals, state)
 
+    def explain(
+        self, request: RequestView, engines: Sequence[EngineSnapshot], engine_id: str, now: float
+    ) -> list[tuple[str, float]]:
+        """Each scorer's score (clamped to [0, 1], unweighted) of ``engine_id`` among ``engines``
+        after the filters, and their weighted total (``total``); empty when the engine is not
+        among them. The same scorer calls :meth:`choose` makes, for a decision's explanation."""
+        for _, plugin in self.filters:
+            engines = plugin.filter(request, engines, now)
+        at = next((i for i, e in enumerate(engines) if e.engine_id == engine_id), None)
+        if at is None:
+            return []
+        out: list[tuple[str, float]] = []
+        total = 0.0
+        for ws in self.scorers:
+            raw = ws.scorer.score(request, engines, now)[at]
+            value = 0.0 if raw < 0.0 else 1.0 if raw > 1.0 else float(raw)
+            out.append((ws.name, value))
+            total += ws.weight * value
+        if self.scorers:
+            out.append(("total", total))
+        return out
+
 
 def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
     """Build a pipeline from a routing profile mapping (already parsed YAML).

@@ -34,9 +34,11 @@ class BodyParser:
     dying, bodies are parsed in place: slower for other streams, never an error for the client.
     """
 
-    def __init__(self, threshold: int, default_max_tokens: int) -> None:
+    def __init__(self, threshold: int, default_max_tokens: int, prompt_ids: bool = False) -> None:
         self.threshold = threshold
         self.default_max_tokens = default_max_tokens
+        #: the worker also computes the prompt's token ids (for the prefix index)
+        self.prompt_ids = prompt_ids
         self._pool: ProcessPoolExecutor | None = None
         self._disabled = False
 
@@ -51,7 +53,7 @@ class BodyParser:
                     1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint
                 )
             future = asyncio.get_running_loop().run_in_executor(
-                pool, parse_summary, kind, raw, self.default_max_tokens
+                pool, parse_summary, kind, raw, self.default_max_tokens, self.prompt_ids
             )
         except (OSError, NotImplementedError, RuntimeError) as exc:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway import metrics
@@ -24,11 +25,15 @@ from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
 from gateway.dispatch.slo_service import SloService, header_text
+from gateway.fleet.prefix_routing import PrefixRouting
+from gateway.fleet.prompt_key import prompt_blocks, prompt_token_ids
 from gateway.fleet.registry import Fleet
+from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
+from policies.plugins.affinity import affinity_key
 
 log = logging.getLogger("slogate.proxy")
 
@@ -72,14 +77,26 @@ class Proxy:
     """Shared by the three OpenAI routes; one instance per app."""
 
     def __init__(
-        self, settings: Settings, fleet: Fleet, slo: SloService, flow: DisaggregatedFlow, auth: Authenticator
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        slo: SloService,
+        flow: DisaggregatedFlow,
+        auth: Authenticator,
+        prefix: PrefixRouting | None = None,
+        router: Router | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.slo = slo
         self.flow = flow
         self.auth = auth
-        self.parser = BodyParser(settings.offload_parse_bytes, settings.default_max_tokens)
+        #: the prefix index and affinity store the router reads (None: the profile reads neither)
+        self.prefix = prefix
+        #: the router, for ``x-slogate-debug`` decisions (None: no decisions reported)
+        self.router = router
+        keyed = prefix is not None and prefix.index is not None
+        self.parser = BodyParser(settings.offload_parse_bytes, settings.default_max_tokens, prompt_ids=keyed)
         self._boot = os.urandom(4).hex()
         self._ids = itertools.count(1)
 
@@ -155,6 +172,10 @@ class Proxy:
                 waited_s=body_s,
                 span=span,
             )
+            if self.prefix is not None:
+                self._attach(call, headers, identity.key_id)
+            if self.router is not None and headers.get(b"x-slogate-debug") in _DEBUG_ON:
+                self.router.explain(rid, _decision_receiver(call))
             status = await self._serve(call, receive)
         except GatewayError as error:
             status = error.status
@@ -184,6 +205,10 @@ class Proxy:
                 extra = ((b"x-request-id", client_rid), header)
                 await send_error(send, internal, extra)
         finally:
+            if self.prefix is not None:
+                self.prefix.detach(rid)
+            if self.router is not None:
+                self.router.forget(rid)
             metrics.child(metrics.REQUESTS, kind, model, slo_class, _status_class(status)).inc()
             if status < 400:
                 metrics.child(metrics.REQUEST_LATENCY, model, slo_class).observe(time.monotonic() - arrival)
@@ -197,6 +222,24 @@ class Proxy:
                 _end_request_span(span, call, model, status, outcome, error_code)
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
+
+    def _attach(self, call: Call, headers: dict[bytes, bytes], key_id: str | None) -> None:
+        """Hand the router the request's prompt blocks (the prefix index's key) and session key:
+        ``x-session-id``, else the body's ``user``, else the API key's fingerprint."""
+        assert self.prefix is not None
+        request = call.request
+        blocks = None
+        if self.prefix.index is not None and request.kind != "embeddings":
+            t0 = time.perf_counter()
+            tokens = (
+                request.prompt_ids if request.parsed is None else prompt_token_ids(request.kind, request.body)
+            )
+            blocks = prompt_blocks(request.model, tokens, request.cache_salt)
+            metrics.PREFIX_HASH.observe(time.perf_counter() - t0)
+        key = None
+        if self.prefix.affinity is not None:
+            key = affinity_key(call.tenant, header_text(headers, b"x-session-id"), request.user, key_id)
+        self.prefix.attach(call.rid, blocks, key)
 
     @staticmethod
     def _overhead(call: Call | None, arrival: float, body_s: float) -> tuple[tuple[bytes, bytes], float]:
@@ -227,6 +270,21 @@ class Proxy:
         finally:
             watcher.cancel()
             self.slo.left(call.priority)
+
+
+#: ``x-slogate-debug`` values that ask for the routing decision in ``x-slogate-decision``
+_DEBUG_ON = (b"1", b"true", b"yes")
+DECISION_HEADER = b"x-slogate-decision"
+
+
+def _decision_receiver(call: Call) -> Callable[[Decision], None]:
+    def receive(decision: Decision) -> None:
+        # a retry decides again: its decision replaces the one before
+        kept = tuple(h for h in call.reply_headers if h[0] != DECISION_HEADER)
+        call.reply_headers = (*kept, (DECISION_HEADER, decision.header()))
+        call.decision = decision
+
+    return receive
 
 
 async def _watch_disconnect(receive: Receive, relay: asyncio.Task[Any]) -> bool:

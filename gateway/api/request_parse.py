@@ -53,6 +53,12 @@ class ParsedRequest:
     body_edited: bool = False
     #: the body's top-level member names (known without decoding a body parsed elsewhere)
     keys: frozenset[str] = frozenset()
+    #: the body's ``user`` and ``cache_salt`` when they are strings (session key, prefix root)
+    user: str | None = None
+    cache_salt: str | None = None
+    #: the prompt's token ids as the engine tokenizes it, when a parsing worker computed them
+    #: (``gateway/fleet/prompt_key.py``; a uint64 array), else None
+    prompt_ids: Any = None
 
     @property
     def body(self) -> dict[str, Any]:
@@ -74,12 +80,29 @@ class ParsedRequest:
             self.prompt_tokens,
             self.priority,
             keys=frozenset(self.body),
+            user=self.user,
+            cache_salt=self.cache_salt,
         )
 
 
-def parse_summary(kind: RouteKind, raw: bytes, default_max_tokens: int) -> ParsedRequest:
-    """:func:`parse_request` for a worker process: the routing fields only (cheap to send back)."""
-    return parse_request(kind, raw, default_max_tokens).summary()
+def parse_summary(
+    kind: RouteKind, raw: bytes, default_max_tokens: int, prompt_ids: bool = False
+) -> ParsedRequest:
+    """:func:`parse_request` for a worker process: the routing fields only (cheap to send back),
+    and with ``prompt_ids`` the prompt's token ids for the prefix index (computed here, off the
+    event loop)."""
+    request = parse_request(kind, raw, default_max_tokens)
+    summary = request.summary()
+    if prompt_ids:
+        from gateway.fleet.prompt_key import prompt_token_ids
+
+        summary.prompt_ids = prompt_token_ids(kind, request.body)
+    return summary
+
+
+def _text_field(body: dict[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    return value if isinstance(value, str) and value else None
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:
@@ -195,4 +218,6 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         max_tokens or default_max_tokens,
         prompt_tokens,
         priority,
+        user=_text_field(body, "user"),
+        cache_salt=_text_field(body, "cache_salt"),
     )

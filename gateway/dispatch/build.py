@@ -16,10 +16,19 @@ import yaml
 from gateway.dispatch.core import DispatchCore
 from gateway.dispatch.profile import DispatcherConfig, dispatcher_config
 from gateway.dispatch.slo_service import SloService
+from gateway.fleet.kv_events import KVEventFeed, KVEventSource
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet
 from gateway.router import Router, load_pipeline
 from gateway.settings import Settings
 from policies.pipeline import RoutingPipeline
+from policies.plugins.affinity import MemoryAffinityStore
+
+#: routing plugins that read ``RequestView.prefix`` (the prefix index's matches)
+PREFIX_PLUGINS = frozenset({"prefix_match", "dynamo_cost", "sglang_cache_aware"})
+#: routing plugins that read ``RequestView.affinity`` (the affinity store's engine)
+AFFINITY_PLUGINS = frozenset({"session_affinity", "gimbal"})
 
 log = logging.getLogger("slogate.dispatch")
 
@@ -41,8 +50,65 @@ class RoutingProfile:
             raise type(exc)(f"{path}: {exc}") from None
         return cls(pipeline, dispatcher)
 
+    def plugin_names(self) -> frozenset[str]:
+        names = {name for name, _ in self.pipeline.filters}
+        names.update(s.name for s in self.pipeline.scorers)
+        names.add(self.pipeline.picker_name)
+        return frozenset(names)
 
-def build_core(settings: Settings, fleet: Fleet, slo: SloService, routing: RoutingProfile) -> DispatchCore:
+    @property
+    def reads_prefix(self) -> bool:
+        """The profile scores prefix matches (its pipeline, or HyperFlexis preferring the worker
+        holding most of a request's prompt)."""
+        hyperflexis = self.dispatcher.hyperflexis
+        prefers = hyperflexis is not None and getattr(hyperflexis, "prefix_weight", 0.0) > 0
+        return prefers or bool(self.plugin_names() & PREFIX_PLUGINS)
+
+    @property
+    def reads_affinity(self) -> bool:
+        return bool(self.plugin_names() & AFFINITY_PLUGINS)
+
+
+def build_prefix_routing(settings: Settings, fleet: Fleet, routing: RoutingProfile) -> PrefixRouting | None:
+    """The prefix index and the affinity store the routing profile reads, from the settings
+    (None when it reads neither, or ``prefix_index_bytes`` is 0 and it reads no affinity)."""
+    index = None
+    if routing.reads_prefix and settings.prefix_index_bytes > 0:
+        index = PrefixIndex(settings.prefix_index_bytes, settings.prefix_dispatch_ttl_s)
+    affinity = None
+    if routing.reads_affinity:
+        affinity = MemoryAffinityStore(settings.affinity_ttl_s, settings.affinity_max_sessions)
+    if index is None and affinity is None:
+        return None
+    return PrefixRouting(fleet, index, affinity)
+
+
+def kv_event_feed(settings: Settings, prefix: PrefixRouting | None) -> KVEventFeed | None:
+    """Subscribers for the engines that publish KV events, feeding the prefix index (None
+    without an index or without such engines)."""
+    if prefix is None or prefix.index is None:
+        return None
+    sources = [
+        KVEventSource(
+            e.engine_id,
+            e.kv_events_endpoint,
+            e.kv_events_topic,
+            e.kv_events_replay_endpoint,
+            e.kv_events_bind,
+        )
+        for e in settings.engines
+        if e.kv_events_endpoint is not None
+    ]
+    return KVEventFeed(prefix.index, sources) if sources else None
+
+
+def build_core(
+    settings: Settings,
+    fleet: Fleet,
+    slo: SloService,
+    routing: RoutingProfile,
+    prefix: PrefixRouting | None = None,
+) -> DispatchCore:
     dispatcher = routing.dispatcher
     # the operator's setting wins; a profile that only makes sense with a gateway queue brings its own
     max_engine_load = (
@@ -52,7 +118,7 @@ def build_core(settings: Settings, fleet: Fleet, slo: SloService, routing: Routi
         log.warning(warning)
     return DispatchCore(
         fleet,
-        Router(fleet, routing.pipeline),
+        Router(fleet, routing.pipeline, prefix, policy=Path(settings.routing_profile).stem),
         dispatcher.order,
         slo.coefficients,
         slo.class_limits,

@@ -471,6 +471,7 @@ class DispatchCore:
             assigned = self.tickets.get(assignment.request_id)
             queue.remove(assignment.request_id)
             if assigned is not None:  # (always, while queues hold only live tickets)
+                self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in workers[lead:] if lead else workers:
             at = decision.maturity.get(worker.engine_id, worker.maturity)

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from gateway import metrics
 from gateway.fleet.block_hash import PromptBlocks
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.registry import Fleet
@@ -98,7 +99,28 @@ class PrefixRouting:
         attached = self._attached.get(request_id)
         if attached is None:
             return
-        if attached.prompt is not None and self.index is not None:
-            self.index.record_dispatch(engine_id, attached.prompt, now)
+        prompt = attached.prompt
+        if prompt is not None and self.index is not None:
+            # what the engine chosen holds of the prompt, as the index knows it before this
+            # dispatch writes the whole prompt there: the routing's expected prefix hit
+            cached = self.index.cached_tokens(prompt, (engine_id,))[engine_id]
+            total = len(prompt)
+            full = total - cached < self.index.block_size(engine_id)
+            match = "none" if cached == 0 else "full" if full else "partial"
+            metrics.child(metrics.PREFIX_ROUTED, engine_id, match).inc()
+            metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "hit").inc(cached)
+            metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "miss").inc(total - cached)
+            self.index.record_dispatch(engine_id, prompt, now)
         if attached.affinity_key is not None and self.affinity is not None:
+            before = self.affinity.get(attached.affinity_key, now)
+            outcome = "new" if before is None else "kept" if before == engine_id else "moved"
+            metrics.child(metrics.AFFINITY_ROUTED, outcome).inc()
             self.affinity.put(attached.affinity_key, engine_id, now)
+
+    def observe(self) -> None:
+        """Set the index's gauges (at scrape time: they are not kept up to date per write)."""
+        if self.index is None:
+            return
+        metrics.PREFIX_INDEX_BYTES.set(self.index.bytes_used)
+        for engine_id in self.index.engines():
+            metrics.child(metrics.PREFIX_INDEX_BLOCKS, engine_id).set(self.index.entries(engine_id))

@@ -14,6 +14,7 @@ from policies.slo import SloTarget
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from gateway.router import Decision
     from gateway.serving.stream_state import StreamLedger
 
 Scope = MutableMapping[str, Any]
@@ -73,6 +74,8 @@ class Call:
     upstream_span: Span | None = None
     #: what the current stream relayed, when it may migrate to another engine (None: it may not)
     ledger: StreamLedger | None = None
+    #: the router's latest decision for it, when the client asked (``x-slogate-debug: 1``)
+    decision: Decision | None = None
 
 
 OVERHEAD_HEADER = b"x-slogate-overhead-ms"

@@ -199,6 +199,8 @@ class CollocatedFlow:
             free_kv = record.free_kv_tokens()
             if free_kv is not None:
                 attributes["slogate.engine.free_kv_tokens"] = free_kv
+            if call.decision is not None and call.decision.engine_id == record.engine_id:
+                attributes.update(call.decision.attributes())
         if queued:
             attributes["slogate.queue_wait_ms"] = round(waited * 1000.0, 3)
         dispatch = tracing.child(span, SPAN_DISPATCH, attributes, start_ns=asked_ns)

@@ -1,0 +1,170 @@
+"""The front door keys every request for the prefix index and the affinity store: the whole
+prompt as the engine tokenizes it (vectorised encoder, per-message cache), the session key; a
+live gateway with the engines' KV events routes a session's next turn to the engine holding its
+history, and says so in ``x-slogate-decision`` when asked."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from gateway.bench.texts import english_text, non_ascii_text
+from gateway.fleet.block_hash import PromptBlocks, root_key
+from gateway.fleet.prompt_key import (
+    MessageTokens,
+    chat_token_ids,
+    encode_array,
+    prompt_blocks,
+    prompt_token_ids,
+    reference_token_ids,
+)
+from gateway.procs import ChildProcess, spawn_sim_engine
+from gateway.tokenizer import encode
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
+from tests.gateway.gateway_thread import run_gateway, wait_until
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz    ABZ09,.\n<|>éü中🙂"
+_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im", "|>")
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    parts = []
+    while sum(map(len, parts)) < n:
+        parts.append("".join(rng.choice(_ALPHABET) for _ in range(rng.randint(0, 40))))
+        if rng.random() < 0.1:
+            parts.append(rng.choice(_SPECIALS))
+    return "".join(parts)
+
+
+def test_the_vectorised_encoder_gives_the_tokenizer_s_ids() -> None:
+    rng = random.Random(7)
+    for n in [0, 1, 2, 3, 5, 50, 500]:
+        for _ in range(300 if n < 100 else 30):
+            text = _random_text(rng, n)
+            assert encode_array(text).tolist() == encode(text), text
+    # long texts go in pieces cut after a byte no token spans
+    for text in (english_text(120_000, seed=3), non_ascii_text(90_000, seed=4), _random_text(rng, 80_000)):
+        assert encode_array(text).tolist() == encode(text)
+    assert encode_array("abcd" * 20_000).tolist() == encode("abcd" * 20_000)  # no safe cut at all
+
+
+def test_a_chat_is_keyed_as_the_engine_renders_it_and_history_is_cached() -> None:
+    cache = MessageTokens()
+    system = english_text(3_000, seed=1)
+    history = [{"role": "system", "content": system}, {"role": "user", "content": english_text(2_000, seed=2)}]
+    first = chat_token_ids(history, cache)
+    assert first.tolist() == reference_token_ids(history)
+    assert cache.misses == 2 and cache.hits == 0
+    turn = [*history, {"role": "assistant", "content": "sure"}, {"role": "user", "content": english_text(900)}]
+    second = chat_token_ids(turn, cache)
+    assert second.tolist() == reference_token_ids(turn)
+    assert cache.hits == 2  # the history was not encoded again
+    # multimodal-style content lists: the text parts, as the template joins them
+    parts = [{"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "here"}]}]
+    assert chat_token_ids(parts, cache).tolist() == reference_token_ids(parts)
+
+
+def test_the_cache_stays_within_its_budget() -> None:
+    cache = MessageTokens(budget_bytes=64_000)
+    for i in range(50):
+        chat_token_ids([{"role": "user", "content": english_text(2_000, seed=i)}], cache)
+    assert 0 < cache.bytes <= 64_000
+
+
+def test_prompt_ids_of_each_request_kind() -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = prompt_token_ids("chat", {"messages": messages})
+    assert chat is not None and chat.tolist() == reference_token_ids(messages)
+    text = prompt_token_ids("completions", {"prompt": "once upon a time"})
+    assert text is not None and text.tolist() == encode("once upon a time")
+    ids = prompt_token_ids("completions", {"prompt": [5, 6, 7]})
+    assert ids is not None and ids.tolist() == [5, 6, 7]
+    assert prompt_token_ids("completions", {"prompt": [-1, 2]}) is None
+    assert prompt_token_ids("embeddings", {"input": "x"}) is None
+    # the same prompt keys the same blocks as the index's own tokens; cache_salt roots apart
+    blocks = prompt_blocks(MODEL, chat)
+    assert blocks is not None
+    assert blocks.hashes(4) == PromptBlocks(np.array(reference_token_ids(messages)), root_key(MODEL)).hashes(4)
+    salted = prompt_blocks(MODEL, chat, "tenant-a")
+    assert salted is not None and salted.hashes(4)[0] != blocks.hashes(4)[0]
+
+
+# -- live: a gateway, two simulated engines publishing KV events ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv_engines() -> Iterator[list[tuple[ChildProcess, int]]]:
+    ports = [free_port(), free_port()]
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--kv-events-endpoint", f"tcp://*:{ports[0]}", name="e0") as e0,
+        spawn_sim_engine(*SIM_ARGS, "--kv-events-endpoint", f"tcp://*:{ports[1]}", name="e1") as e1,
+    ):
+        yield [(e0, ports[0]), (e1, ports[1])]
+
+
+def _decision(response: httpx.Response) -> dict[str, str]:
+    header = response.headers["x-slogate-decision"]
+    return dict(part.split("=", 1) for part in header.split("; "))
+
+
+def test_a_session_s_next_turn_goes_where_its_history_is_cached(kv_engines: list[tuple[ChildProcess, int]]) -> None:
+    engines = [
+        engine_entry(proc, kv_events_endpoint=f"tcp://127.0.0.1:{port}", kv_events_topic="kv")
+        for proc, port in kv_engines
+    ]
+    with run_gateway(engines=engines, routing_profile="prefix-aware") as gw:
+        prefix = gw.gateway.prefix
+        assert prefix is not None and prefix.index is not None and prefix.affinity is not None
+        feed = gw.gateway.kv_events
+        assert feed is not None and set(feed.subscribers) == {"e0", "e1"}
+        url = gw.url + "/v1/chat/completions"
+        system = english_text(4_000, seed=11)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "what now"}]
+        debug = {"x-slogate-debug": "1", "x-session-id": "s-1"}
+        r = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 4}, headers=debug)
+        assert r.status_code == 200
+        first = _decision(r)
+        assert first["policy"] == "prefix-aware" and first["engine"] in ("e0", "e1")
+        assert first["cached_tokens"].startswith("0/")
+        assert {"prefix_match", "session_affinity", "least_load", "kv_utilisation", "total"} <= set(first)
+        engine = first["engine"]
+        tokens = np.array(reference_token_ids(messages), dtype=np.uint64)
+        blocks = PromptBlocks(tokens, root_key(MODEL))
+        # the engine's own events say it holds the prompt: the index has them as precise entries
+        assert wait_until(lambda: feed.subscribers[engine].stats.batches > 0, timeout=10)
+        assert wait_until(lambda: prefix.index is not None and prefix.index.stats.stored > 0, timeout=10)
+        held = prefix.index.match(blocks, [engine])[engine]
+        assert held == len(tokens) // prefix.index.block_size(engine)
+        # the next turn of the session: same engine, its history counted as cached
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then"}]
+        r = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 4}, headers=debug)
+        second = _decision(r)
+        assert second["engine"] == engine and second["session_engine"] == engine
+        cached, total = map(int, second["cached_tokens"].split("/"))
+        assert cached >= len(tokens) - prefix.index.block_size(engine) and total > cached
+        assert float(second["prefix_match"]) > 0.5 and float(second["session_affinity"]) == 1.0
+        # no header without the debug flag
+        r = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 4})
+        assert "x-slogate-decision" not in r.headers
+        text = httpx.get(gw.url + "/metrics").text
+        assert f'slogate_prefix_routed_requests_total{{engine="{engine}",match="partial"}}' in text
+        assert 'slogate_affinity_routed_requests_total{outcome="kept"}' in text
+        assert "slogate_prefix_index_bytes" in text
+    assert all(s._task is None for s in feed.subscribers.values())  # stopped with the app
+
+
+def test_a_body_parsed_in_the_worker_brings_its_prompt_ids() -> None:
+    import orjson
+
+    from gateway.api.request_parse import parse_summary
+
+    messages = [{"role": "user", "content": english_text(5_000)}]
+    raw = orjson.dumps({"model": MODEL, "messages": messages, "user": "alice", "cache_salt": "t"})
+    summary = parse_summary("chat", raw, 16, prompt_ids=True)
+    assert summary.parsed is None and summary.user == "alice" and summary.cache_salt == "t"
+    assert summary.prompt_ids is not None and summary.prompt_ids.tolist() == reference_token_ids(messages)
+    assert parse_summary("chat", raw, 16).prompt_ids is None
