@@ -53,6 +53,7 @@ from gateway.bench.harness import (
     wait_until_served,
 )
 from gateway.bench.texts import GENERATORS
+from gateway.fleet.prompt_key import MessageTokens, chat_token_ids, prompt_blocks
 from gateway.procs import ChildProcess
 
 MODEL = "bench-model"
@@ -76,6 +77,11 @@ class PromptCase:
     #: parse_request on the same body in this process (orjson parse and token estimate): the part
     #: of the gateway's CPU that is parsing and estimating rather than moving bytes
     parse_ms: float
+    #: keying the prompt for the prefix index in this process (tokens as the engine's template
+    #: renders them, block hashes), a fresh prompt and a conversation's next turn (its history,
+    #: this prompt, cached; a 1 KB new message)
+    prefix_key_ms: float = 0.0
+    prefix_turn_ms: float = 0.0
 
     @property
     def added_p50_ms(self) -> float:
@@ -150,6 +156,18 @@ class LargeBodyResult:
                     f"{case.parse_ms:.3f} ms",
                     "<= 1 ms",
                     case.parse_ms <= 1.0,
+                ),
+                (
+                    f"{size}: prefix-index key, fresh prompt (tokens + block hashes)",
+                    f"{case.prefix_key_ms:.3f} ms",
+                    "<= 2 ms",
+                    case.prefix_key_ms <= 2.0,
+                ),
+                (
+                    "  prefix-index key, next turn (history cached, 1 KB new message)",
+                    f"{case.prefix_turn_ms:.3f} ms",
+                    "<= 2 ms",
+                    case.prefix_turn_ms <= 2.0,
                 ),
                 (
                     "  gateway CPU over a small request (parse, estimate, I/O)",
@@ -329,7 +347,10 @@ async def _measure(
             progress(f"(a) {n} requests with a {config.prompt_bytes / 1000:.0f} KB {kind} prompt")
             cpu, direct_p50, via_p50 = await _interleaved(session, zero, gateway, body, n, idle)
             parse = _best_ms(lambda: parse_request("chat", body, 1))  # noqa: B023 (called at once)
-            cases.append(PromptCase(kind, len(body), cpu, cpu - small_cpu, direct_p50, via_p50, parse))
+            fresh, turn = _prefix_key_ms(body)
+            cases.append(
+                PromptCase(kind, len(body), cpu, cpu - small_cpu, direct_p50, via_p50, parse, fresh, turn)
+            )
 
         stream_body = _chat_body(
             PACED_MODEL,
@@ -411,6 +432,26 @@ async def _big_body_case(
 def _best_ms(work: Callable[[], object], repeat: int = 3) -> float:
     """Least process CPU time of ``repeat`` calls, in ms."""
     return min(_timed_ms(work) for _ in range(repeat))
+
+
+def _prefix_key_ms(raw: bytes) -> tuple[float, float]:
+    """CPU to key ``raw``'s prompt for the prefix index (what the front door does per request
+    when the routing profile reads prefix matches): with an empty per-message cache (a prompt
+    never seen), and for the conversation's next turn (least of five each)."""
+    body = orjson.loads(raw)
+    messages = body["messages"]
+    turn = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more " * 200}]
+
+    def key(msgs: list[dict[str, object]], cache: MessageTokens) -> None:
+        blocks = prompt_blocks(body["model"], chat_token_ids(msgs, cache))
+        assert blocks is not None
+        blocks.hashes(16)
+
+    fresh = min(_timed_ms(lambda: key(messages, MessageTokens())) for _ in range(5))
+    cache = MessageTokens()
+    key(messages, cache)
+    next_turn = min(_timed_ms(lambda: key(turn, cache)) for _ in range(5))
+    return fresh, next_turn
 
 
 def _dumps_ms(raw: bytes) -> float:
