@@ -20,20 +20,24 @@ from typing import Any
 
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import chat_prompt_estimate
-from gateway.dispatch.build import RoutingProfile, build_core
+from gateway.dispatch.build import RoutingProfile, build_core, build_prefix_routing
 from gateway.dispatch.offline import fleet_of
 from gateway.dispatch.slo_service import SloService
 from gateway.experiments.prompts import prompt_token_ids
 from gateway.experiments.replay import Outcome
 from gateway.experiments.workload import RequestSpec
+from gateway.fleet.block_hash import PromptBlocks, root_key
+from gateway.fleet.kv_events import Cleared, Event, Removed, Stored, apply_events
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.settings import Settings
 from gateway.sim.engine import SimRequest
+from gateway.sim.kv_cache import BlockRemoved, BlockStored, KVEvent
 from gateway.simulator.clock import EventQueue
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
 from gateway.tokenizer import encode
 from policies.api import RequestView
+from policies.plugins.affinity import affinity_key
 from policies.slo import SloTarget
 
 #: what the chat template wraps one user message in (the simulated engine applies ChatML)
@@ -46,6 +50,22 @@ _MAX_PRIORITY = (1 << 53) - 1
 def engine_prompt(spec: RequestSpec) -> list[int]:
     """The token ids the simulated engine computes for the spec's chat request."""
     return [*_TEMPLATE_HEAD, *prompt_token_ids(spec), *_TEMPLATE_TAIL]
+
+
+def index_event(event: KVEvent) -> Event:
+    """A simulated engine's KV event as the live subscriber decodes it from the wire."""
+    if isinstance(event, BlockStored):
+        return Stored(
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids),
+            event.block_size,
+            None,
+            None,
+        )
+    if isinstance(event, BlockRemoved):
+        return Removed(list(event.block_hashes))
+    return Cleared()
 
 
 @dataclass(slots=True)
@@ -78,7 +98,10 @@ class SimGateway:
         # one instant, so any gap separates two steps
         self.slo.attach(self.fleet, lambda: clock.now, 0.0)
         self.routing = RoutingProfile.load(settings.routing_profile_path())
-        self.core = build_core(settings, self.fleet, self.slo, self.routing)
+        # the live gateway's prefix index and affinity store (when the profile reads them), fed by
+        # the dispatches and by the engines' KV events, as live
+        self.prefix = build_prefix_routing(settings, self.fleet, self.routing)
+        self.core = build_core(settings, self.fleet, self.slo, self.routing, self.prefix)
         self.core.wake = self._wake
         self.engines: dict[str, EngineNode] = {}
         self.flights: dict[str, _Flight] = {}
@@ -163,6 +186,12 @@ class SimGateway:
         entry = RunningEntry(estimate, output, target.tpot_s, 0.0)
         flight = _Flight(spec, rid, now, target, priority, entry)
         self.flights[rid] = flight
+        if self.prefix is not None:
+            # what the front door attaches: the prompt as the engine tokenizes it, the session
+            blocks = None
+            if self.prefix.index is not None:
+                blocks = PromptBlocks(engine_prompt(spec), root_key(self.model))
+            self.prefix.attach(rid, blocks, affinity_key("default", spec.session))
         if self._outside_queue(flight):
             return
         ticket = self.core.ticket(view, target.ttft_s, target.tpot_s, target.slo_class, entry, now)
@@ -264,6 +293,7 @@ class SimGateway:
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
+        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
             return
         flights = self.flights
@@ -288,12 +318,15 @@ class SimGateway:
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
+        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._finished_late, engine_id, requests):
             return
         for request in requests:
             flight = self.flights.pop(request.request_id, None)
             if flight is None:
                 continue
+            if self.prefix is not None:
+                self.prefix.detach(flight.rid)
             self._release(engine_id, flight.rid)
             # the client's view: from when it sent the request (the workload's arrival time)
             sent = flight.spec.at
@@ -313,8 +346,20 @@ class SimGateway:
         """The request left the engine: its reservation goes back (the serving flow's release)."""
         self.fleet.release(engine_id, request_id)
 
+    def _kv_events(self, engine_id: str, now: float) -> None:
+        """The engine's KV events since the last step, into the prefix index (drained either way:
+        the engine model keeps them until someone does)."""
+        node = self.engines.get(engine_id)
+        if node is None:
+            return
+        events = node.model.cache.drain_events()
+        if events and self.prefix is not None and self.prefix.index is not None:
+            apply_events(self.prefix.index, engine_id, [index_event(e) for e in events], now)
+
     def _refused(self, flight: _Flight, status: int) -> None:
         self.flights.pop(flight.rid, None)
+        if self.prefix is not None:
+            self.prefix.detach(flight.rid)
         self.slo.left(flight.priority)
         self._outcome(flight, status, math.inf, 0.0, self.clock.now - flight.spec.at, "")
 
