@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from gateway import metrics
@@ -161,6 +161,8 @@ class DispatchCore:
         #: per model: when its queue context was computed, and the context
         self._contexts: dict[str, tuple[float, OrderContext]] = {}
         self._seq = 0
+        #: the queue order stamps fair rounds at admission: every arrival goes through the queue
+        self._flow_order: bool = getattr(self.order, "uses_flows", False)
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -294,6 +296,67 @@ class DispatchCore:
             )
         if queue is None:
             queue = self.queues[model] = AdmissionQueue(self.order)
+        if self.hyperflexis is None:
+            behind, first_expiry, ctx = self._enqueue(ticket, queue, now)
+            self._dirty.add(model)
+            # Behind a head that waits for capacity a newcomer can go only once capacity frees,
+            # and that wakes the loop itself: under saturation every arrival woke a turn that
+            # placed nothing. It still wakes when it is the new head (a request-dependent pipeline
+            # may place it where the old head did not fit) or expires before anything queued.
+            if (
+                not behind
+                or ticket.item.queue_deadline < first_expiry
+                or _rid_of(queue.peek(now, ctx)) == rid
+            ):
+                self.wake()
+            return None
+        # An arrival to an empty queue is the only request a worker's turn can look at: the turn
+        # reads it from the ticket rather than through the queue (push, head, remove: the common
+        # case at low load), and queues it only if the turn leaves it. Orders that stamp fair
+        # rounds at admission (flow_control) and client batches always go through the queue.
+        at_once = not len(queue) and ticket.batch is None and not self._flow_order
+        if at_once:
+            self.queued_per_class.setdefault(bucket, 0)
+        else:
+            self._enqueue(ticket, queue, now)
+        if self.hyperflexis.tightest_window_s > 0:
+            # only admitted arrivals count (a refused one asks nothing of the engines)
+            window = self._recent_ttft.get(model)
+            if window is None:
+                window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
+            window.add(ticket.item.ttft_slo, now)
+        self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
+        self.workers.shorten_holds(now, self.hyperflexis)
+        if self.workers.next_mature(model) <= now:
+            # a worker can take work right now: decide in this call, not on the next loop turn
+            self._submitting, self._own = rid, None
+            try:
+                self._dispatch_hyperflexis(model, now, ticket if at_once else None)
+            except BaseException:
+                if self._own is not None:  # never leave a reservation behind a failure
+                    self.fleet.release(self._own.engine_id, rid)
+                    self._own = None
+                raise
+            finally:
+                self._submitting = None
+            own, self._own = self._own, None
+            if own is not None:
+                if self.outbox:
+                    self.wake()
+                return own
+        if at_once:
+            self._enqueue(ticket, queue, now)  # no worker took it at once: it waits
+        # the ticket waits: the loop must run (other workers, the expiry timer) even if this
+        # call's own look found nothing
+        self.wake()
+        return None
+
+    def _enqueue(self, ticket: Ticket, queue: AdmissionQueue, now: float) -> tuple[bool, float, OrderContext]:
+        """Queue ``ticket`` (admitted already); returns whether a request was queued before it,
+        the queue's earliest expiry before it, and the context it was keyed with."""
+        view = ticket.item.view
+        model, rid = view.model, view.request_id
+        bucket = (model, ticket.slo_class)
         if ticket.batch is not None:
             self._join_batch(ticket, queue, now)
         behind = len(queue) > 0  # a head is already waiting (or about to be tried)
@@ -318,48 +381,7 @@ class DispatchCore:
             if len(newest) > 64 + 2 * len(queue):
                 newest[:] = [e for e in newest if e[1] in self.tickets]
                 heapq.heapify(newest)
-        if self.hyperflexis is None:
-            self._dirty.add(model)
-            # Behind a head that waits for capacity a newcomer can go only once capacity frees,
-            # and that wakes the loop itself: under saturation every arrival woke a turn that
-            # placed nothing. It still wakes when it is the new head (a request-dependent pipeline
-            # may place it where the old head did not fit) or expires before anything queued.
-            if (
-                not behind
-                or ticket.item.queue_deadline < first_expiry
-                or _rid_of(queue.peek(now, ctx)) == rid
-            ):
-                self.wake()
-            return None
-        if self.hyperflexis.tightest_window_s > 0:
-            # only admitted arrivals count (a refused one asks nothing of the engines)
-            window = self._recent_ttft.get(model)
-            if window is None:
-                window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
-            window.add(ticket.item.ttft_slo, now)
-        self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
-        self.workers.shorten_holds(now, self.hyperflexis)
-        if self.workers.next_mature(model) <= now:
-            # a worker can take work right now: decide in this call, not on the next loop turn
-            self._submitting, self._own = rid, None
-            try:
-                self._dispatch_hyperflexis(model, now)
-            except BaseException:
-                if self._own is not None:  # never leave a reservation behind a failure
-                    self.fleet.release(self._own.engine_id, rid)
-                    self._own = None
-                raise
-            finally:
-                self._submitting = None
-            own, self._own = self._own, None
-            if own is not None:
-                if self.outbox:
-                    self.wake()
-                return own
-        # the ticket waits: the loop must run (other workers, the expiry timer) even if this
-        # call's own look found nothing
-        self.wake()
-        return None
+        return behind, first_expiry, ctx
 
     def retry(self, ticket: Ticket, exclude: Collection[str], now: float) -> EngineRecord:
         """Another engine for a request whose engine failed before its first byte: placed at once
@@ -421,16 +443,18 @@ class DispatchCore:
             queue.pop(now, ctx)
             self._assign(ticket, record, now)
 
-    def _dispatch_hyperflexis(self, model: str, now: float) -> None:
+    def _dispatch_hyperflexis(self, model: str, now: float, arrival: Ticket | None = None) -> None:
+        """One HyperFlexis turn of the model's mature workers over its queue, or, with
+        ``arrival`` (a ticket for the model's empty queue, not queued), over that ticket alone."""
         assert self.hyperflexis is not None
         queue = self.queues[model]
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
-        workers = self.workers.pop_mature(model, now, len(queue))
+        workers = self.workers.pop_mature(model, now, len(queue) + (arrival is not None))
         if not workers:
             return
         try:
-            self._run_hyperflexis(model, queue, workers, now)
+            self._run_hyperflexis(model, queue, workers, now, arrival)
         except BaseException:
             # a bug must not strand the workers it had popped: they stay mature for the next try
             for worker in workers:
@@ -438,11 +462,19 @@ class DispatchCore:
             raise
 
     def _run_hyperflexis(
-        self, model: str, queue: AdmissionQueue, workers: list[WorkerView], now: float
+        self,
+        model: str,
+        queue: AdmissionQueue,
+        workers: list[WorkerView],
+        now: float,
+        arrival: Ticket | None = None,
     ) -> None:
         assert self.hyperflexis is not None
         ctx = self.context(model, now)
-        min_need = queue.min_need()
+        if arrival is None:
+            min_need = queue.min_need()
+        else:  # what the queue would say holding the arrival alone
+            min_need = arrival.item.view.prompt_tokens + arrival.item.view.max_output_tokens
         # Busy workers first in the turn with less KV free than any queued request needs take
         # nothing and wait for their own events, as the policy would say (kv_bound): under
         # saturation that is every worker whose hold ends before a completion frees its cache,
@@ -456,7 +488,12 @@ class DispatchCore:
             return
         # Each worker reads at most max_scan past what earlier ones took; a pass that runs out
         # leaves the rest mature, and the next step (due at once) reads a fresh head.
-        head = queue.head(now, ctx, 2 * self.hyperflexis.max_scan)
+        head: Iterable[QueuedRequest]
+        if arrival is None:
+            head = queue.head(now, ctx, 2 * self.hyperflexis.max_scan)
+        else:
+            queue.peek(now, ctx)  # adopts ctx as a push would: the late lane's context below
+            head = (arrival.item,)
         decision = hyperflexis_dispatch(
             head,
             workers[lead:] if lead else workers,
@@ -468,6 +505,12 @@ class DispatchCore:
             min_need,
         )
         for assignment in decision.assignments:
+            if arrival is not None:  # (the only request this turn could take)
+                self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
+                wait = max(0.0, now - arrival.enqueued_at)
+                metrics.child(metrics.QUEUE_WAIT, arrival.slo_class).observe(wait)
+                self._own = self.fleet.records[assignment.engine_id]
+                continue
             assigned = self.tickets.get(assignment.request_id)
             queue.remove(assignment.request_id)
             if assigned is not None:  # (always, while queues hold only live tickets)

@@ -14,6 +14,8 @@ import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway import metrics
+from gateway.api.errors import GatewayError
 from gateway.dispatch import core as core_module
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import TIMER_TICK_S, DispatchLoop
@@ -250,3 +252,88 @@ def test_a_kv_bound_worker_is_parked_full_without_reading_the_queue(monkeypatch:
     core.step(0.01)
     assert calls == 1 and core.queued() == 0
     assert [(rid, getattr(r, "engine_id", None)) for rid, r in core.outbox] == [("r-1", "a-2")]
+
+
+def _hyperflexis_core(order: str, through_queue: bool) -> DispatchCore:
+    fleet = offline_fleet({"a": 3})
+    for engine_id in fleet.records:
+        fleet.record_state(engine_id, EngineState(kv_usage=0.0, block_size=16, num_gpu_blocks=60), 0.0)
+    core = offline_core(
+        fleet,
+        dispatcher="hyperflexis",
+        order=order,
+        tightest_ttft_s=0.5,
+        limits=ClassLimits(max_queued=50, queue_timeout_s=2.0),
+    )
+    core._flow_order = through_queue  # forces every arrival through the queue, as before
+    return core
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(["slo_tpot", "fcfs", "sedf", "kairos"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["arrive", "arrive", "arrive", "first", "finish", "step"]),
+            st.integers(1, 900),
+            st.sampled_from([0.3, 1.0, 5.0]),
+            st.floats(0.0, 0.05),
+        ),
+        max_size=80,
+    ),
+)
+def test_an_arrival_to_an_empty_queue_is_decided_as_if_it_had_been_queued(
+    order: str, events: list[tuple[str, int, float, float]]
+) -> None:
+    """The turn that reads an arrival from its ticket (empty queue) decides what the turn over
+    the queue holding it did: same engines, refusals, workers' maturities, at every event."""
+    cores = [_hyperflexis_core(order, through_queue) for through_queue in (False, True)]
+    traces: list[list[tuple[Any, ...]]] = [[], []]
+    for core, trace in zip(cores, traces, strict=True):
+        now, n = 0.0, 0
+        placed: list[tuple[str, str]] = []
+        for kind, tokens, ttft, dt in events:
+            now += dt
+            if kind == "arrive":
+                n += 1
+                view = RequestView(f"r-{n}", "a", tokens, 100, arrival=now)
+                entry = RunningEntry(tokens, 100, 0.1, now)
+                try:
+                    record = core.submit(core.ticket(view, ttft, 0.1, "c", entry, now), now)
+                except GatewayError as exc:
+                    trace.append(("refused", view.request_id, exc.code))
+                    continue
+                if record is not None:
+                    placed.append((view.request_id, record.engine_id))
+                    trace.append(("at once", view.request_id, record.engine_id))
+            elif kind == "first" and placed:
+                rid, engine_id = placed[tokens % len(placed)]
+                core.fleet.mark_prefilled(engine_id, rid)
+            elif kind == "finish" and placed:
+                rid, engine_id = placed.pop(tokens % len(placed))
+                core.fleet.release(engine_id, rid)
+            else:
+                core.step(now)
+            for rid, result in core.outbox:
+                if isinstance(result, GatewayError):
+                    trace.append(("refused", rid, result.code))
+                else:
+                    placed.append((rid, result.engine_id))
+                    trace.append(("queued, then", rid, result.engine_id))
+            core.outbox.clear()
+            trace.append(("state", core.queued(), sorted(core.workers.maturity.items())))
+    assert traces[0] == traces[1]
+    # and the fast path was taken at all
+    assert any(t[0] == "at once" for t in traces[0]) or not any(e[0] == "arrive" for e in events)
+
+
+def test_an_arrival_placed_at_once_is_counted_as_a_zero_wait_and_never_queued() -> None:
+    core = _hyperflexis_core("slo_tpot", through_queue=False)
+    waits = metrics.child(metrics.QUEUE_WAIT, "c-at-once")
+    before = waits._sum.get(), sum(b.get() for b in waits._buckets)
+    view = RequestView("r-1", "a", 100, 50, arrival=0.0)
+    record = core.submit(core.ticket(view, 1.0, 0.1, "c-at-once", RunningEntry(100, 50, 0.1, 0.0), 0.0), 0.0)
+    assert record is not None and "r-1" in record.running
+    assert core.queued() == 0 and len(core.queues["a"]._heap) == 0  # never went through the queue
+    assert core.queued_per_class[("a", "c-at-once")] == 0
+    assert (waits._sum.get(), sum(b.get() for b in waits._buckets)) == (before[0], before[1] + 1)
