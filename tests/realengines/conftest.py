@@ -11,14 +11,21 @@ Servers are session-scoped and shared by all tests; the two vLLM servers start c
 run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
 priority and least-load tests need one; the default batch limit would run everything at once), and
 both also answer to the shared model name ``tiny-vllm`` so the gateway can balance between them.
+The P/D module adds a prefill and a decode vLLM server with the NIXL and Example KV connectors
+(``vllm_pd_pair``, module-scoped: they run only while that module's tests do; nixl is installed
+into the vLLM venv on first use, ~70 MB).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,13 +33,22 @@ import pytest
 from gateway.realengines._common import cache_dir, logs_dir
 from gateway.realengines.cli import cache_status
 from gateway.realengines.progress import progress, progress_to, terminal_sink
-from gateway.realengines.servers import RunningEngine, SchedulingPolicy, start_llamacpp, start_vllm
+from gateway.realengines.servers import (
+    RunningEngine,
+    SchedulingPolicy,
+    calm_busy_threads,
+    free_port,
+    start_llamacpp,
+    start_vllm,
+)
+from gateway.realengines.vllm_env import ensure_vllm_env
 
 VLLM_FCFS_NAME = "tiny-vllm-fcfs"
 VLLM_PRIORITY_NAME = "tiny-vllm-prio"
 VLLM_SHARED_NAME = "tiny-vllm"  # both vLLM servers answer to it
 VLLM_ARGS = ("--max-num-seqs", "2")
 LLAMACPP_NAME = "tiny-llamacpp"
+VLLM_PD_NAME = "tiny-vllm-pd"  # served by the P/D pair's prefill and decode server
 
 TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
 
@@ -121,6 +137,110 @@ def vllm_fcfs(vllm_servers: dict[str, RunningEngine]) -> RunningEngine:
 @pytest.fixture(scope="session")
 def vllm_priority(vllm_servers: dict[str, RunningEngine]) -> RunningEngine:
     return vllm_servers["priority"]
+
+
+def pd_connector_args(storage: Path) -> tuple[str, ...]:
+    """Both KV connectors that work on CPU, in one vLLM MultiConnector (the first connector that has a
+    request's KV loads it), so that one prefill/decode pair serves both gateway handovers:
+
+    * NixlConnector: a prefill sent with ``kv_transfer_params.do_remote_decode`` keeps its KV and
+      answers the params a decode needs to pull it over UCX (TCP on loopback here).
+    * ExampleConnector on a shared directory: every server saves the full 128-token blocks of the
+      prompts it computes there (one folder per prompt prefix) and loads them from there for a
+      prompt whose folder exists; a request without params finds its KV that way.
+    """
+    config = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                },
+            ]
+        },
+    }
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+def nixl_env() -> dict[str, str]:
+    """NIXL on CPU: the side channel (handshake) on loopback at a port of its own per server, UCX
+    over TCP, shared memory and self on the loopback device."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "UCX_TLS": "tcp,self,sm",
+        "UCX_NET_DEVICES": "lo",
+    }
+
+
+@contextlib.contextmanager
+def calming(engines: Iterable[RunningEngine]) -> Iterator[set[int]]:
+    """While the block runs, a thread keeps giving nice 19 to the engines' busy side threads
+    (:func:`calm_busy_threads`: NIXL's pollers, which appear during start-up), and
+    once more at the end; yields the ids of the threads calmed so far."""
+    engines = list(engines)
+    calmed: set[int] = set()
+    stop = threading.Event()
+
+    def calm() -> None:
+        calmed.update(calm_busy_threads(engines))
+
+    def loop() -> None:
+        while not stop.is_set():
+            calm()
+
+    watcher = threading.Thread(target=loop, name="calm-pollers", daemon=True)
+    watcher.start()
+    try:
+        yield calmed
+    finally:
+        stop.set()
+        watcher.join()
+    calm()
+
+
+@dataclass(frozen=True)
+class PdPair:
+    prefill: RunningEngine
+    decode: RunningEngine
+    storage: Path  # the ExampleConnector's shared directory
+
+
+@pytest.fixture(scope="module")
+def vllm_pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+    """A prefill and a decode vLLM server started concurrently, both with the NIXL and the Example
+    connector (``pd_connector_args``). Module-scoped: they run only while the P/D tests do."""
+    ensure_vllm_env(nixl=True)  # cached: a marker check when warm
+    storage = tmp_path_factory.mktemp("kv-store")
+    args = (*VLLM_ARGS, *pd_connector_args(storage))
+    started = time.monotonic()
+    servers: dict[str, RunningEngine] = {}
+    try:
+        for role in ("prefill", "decode"):
+            # a name each (log and cache root follow it); both answer to VLLM_PD_NAME
+            name = f"{VLLM_PD_NAME}-{role}"
+            servers[role] = start_vllm(
+                name, extra_args=args, env=nixl_env(), aliases=(VLLM_PD_NAME,), wait=False
+            )
+        progress("waiting for the P/D vLLM servers (prefill, decode; NIXL and Example connectors) to start")
+        with calming(servers.values()) as calmed:
+            for engine in servers.values():
+                engine.wait_ready()
+        progress(
+            f"P/D vLLM servers ready after {time.monotonic() - started:.1f} s "
+            f"({len(calmed)} busy-polling NIXL threads set to nice 19)"
+        )
+        yield PdPair(servers["prefill"], servers["decode"], storage)
+    finally:
+        for engine in servers.values():
+            if engine.is_running():
+                _record(engine)
+        with ThreadPoolExecutor(len(servers) or 1) as pool:  # both stop at once
+            list(pool.map(RunningEngine.stop, servers.values()))
 
 
 @pytest.fixture(scope="session")

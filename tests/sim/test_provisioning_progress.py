@@ -126,7 +126,10 @@ def test_lines_reach_the_terminal_while_pytest_captures(tmp_path: Path, capture:
         return proc.stdout + proc.stderr
 
     shown = run("-p", "tests.realengines.conftest")
-    assert "] [1] first run: provisioning vllm venv, llama-server, tiny HF model, tiny GGUF model" in shown
+    first = (
+        "first run: provisioning vllm venv, llama-server, tiny HF model, tiny GGUF model, nixl in vllm venv"
+    )
+    assert f"] [1] {first}" in shown
     assert "SLOGATE_REAL_ENGINES=0 skips this tier" in shown
     assert "] [2] fake step: building llama-server" in shown
     assert "] [3] fake step: tiny GGUF model" in shown
