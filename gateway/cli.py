@@ -57,6 +57,10 @@ def _experiment(args: argparse.Namespace) -> int:
         from gateway.simulator.pd_experiment import pd_main
 
         return pd_main(args)
+    if args.experiment == "autoscale":
+        from gateway.simulator.autoscale_experiment import autoscale_main
+
+        return autoscale_main(args)
     if args.experiment == "migration":
         from gateway.experiments.migration import migration_main
 
@@ -156,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_pd_arguments(
         exp_sub.add_parser("pd", help="offline P/D: one-shot RR pairing vs two-stage; FIFO vs RMLQ transfers")
+    )
+    from gateway.simulator.autoscale_experiment import add_autoscale_arguments
+
+    add_autoscale_arguments(
+        exp_sub.add_parser(
+            "autoscale",
+            help="offline bursts: fixed fleets vs threshold vs Algorithm 3 scaling, warm pool or not",
+        )
     )
     from gateway.experiments.migration import add_migration_arguments
 

@@ -61,10 +61,17 @@ class Weights(BaseModel):
     disk_gbps: float = Field(gt=0)
     cpu_gbps: float = Field(gt=0)
     peer_gbps: float = Field(gt=0)
+    #: a cold start's process and device runtime start before any weight loads (an engine of the
+    #: warm pool has done it already; HyperFlexis §6 "Fast Scaling")
+    runtime_start_s: float = Field(default=0.0, ge=0)
 
     def load_time_s(self, source: str) -> float:
         bandwidth = {"disk": self.disk_gbps, "cpu": self.cpu_gbps, "peer": self.peer_gbps}[source]
         return self.load_overhead_s + self.size_gb / bandwidth
+
+    def cold_start_s(self) -> float:
+        """A cold engine's way to serving: the runtime, then the weights from disk."""
+        return self.runtime_start_s + self.load_time_s("disk")
 
 
 class EngineProfile(BaseModel):

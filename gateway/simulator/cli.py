@@ -25,6 +25,7 @@ from gateway.experiments.priority_ramp import plot as plot_ramp
 from gateway.experiments.replay import Outcome
 from gateway.experiments.runner import PRIO_SUFFIX, split_prio
 from gateway.experiments.workloads import read_workload
+from gateway.simulator.autoscale import WARM_SOURCES, AutoscaleConfig
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.report import Row, plot_curves, row, table
 from gateway.simulator.scenario import RunResult, Scenario, run
@@ -114,7 +115,24 @@ def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -
         link_gbps=getattr(args, "link_gbps", None),
         decode_speeds=tuple(getattr(args, "decode_speeds", None) or ()),
         disaggregation=getattr(args, "disaggregation", None),
+        autoscale=autoscale_for(args),
     )
+
+
+def autoscale_for(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """The scaler of ``--autoscale [POLICY]`` with its bounds (None without the flag)."""
+    policy = getattr(args, "autoscale", None)
+    if policy is None:
+        return None
+    pd = getattr(args, "pd", None)
+    start = sum(pd) if pd is not None else args.engines
+    # P/D: each pool keeps at least one engine; collocated: --min-engines (default --engines)
+    low = 1 if pd is not None else (args.min_engines or start)
+    high = args.max_engines or 2 * start
+    try:
+        return AutoscaleConfig(policy, low, high, args.warm_pool, args.warm_source)
+    except ValueError as exc:
+        raise SystemExit(f"slogate simulate: --autoscale: {exc}") from None
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +203,31 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-gbps", type=float, default=None, help="with --pd: KV link GB/s (default: the profile's)"
     )
     parser.add_argument(
+        "--autoscale",
+        nargs="?",
+        const="hyperflexis",
+        default=None,
+        metavar="POLICY",
+        help="scale the fleet during the run: hyperflexis (Algorithm 3, the default) or threshold "
+        "(HPA-like); --engines (or --pd) is the fleet at the start",
+    )
+    parser.add_argument("--min-engines", type=int, default=None, help="with --autoscale (default --engines)")
+    parser.add_argument(
+        "--max-engines", type=int, default=None, help="with --autoscale (default 2x the start)"
+    )
+    parser.add_argument(
+        "--warm-pool",
+        type=int,
+        default=0,
+        help="with --autoscale: engines kept warm (runtime up, no weights)",
+    )
+    parser.add_argument(
+        "--warm-source",
+        choices=WARM_SOURCES,
+        default="peer",
+        help="with --autoscale: where a warm engine's weights come from (peer: device to device)",
+    )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="instead: replay the calibration scenario live (processes) and offline, per policy, and compare",
@@ -221,6 +264,8 @@ def simulate_main(args: argparse.Namespace) -> int:
     points = [scenario_for(args, p, q, s) for q in rates for p in policies for s in seeds]
     args.out.mkdir(parents=True, exist_ok=True)
     fleet = f"{args.engines}" if args.pd is None else f"P/D {args.pd[0]}:{args.pd[1]} ({args.pd_mode})"
+    if points and points[0].autoscale is not None:
+        fleet += f", {points[0].autoscale.label()}"
     print(
         f"[simulate] {len(points)} runs: {len(policies)} policies x {len(rates)} rates x "
         f"{args.repeat} seeds, {fleet} x {args.profile}, workload {args.workload}, "

@@ -114,6 +114,8 @@ class _Stage:
     step_s: float = 0.0
     #: runs whole on the decode engine (not disaggregated)
     whole: bool = False
+    #: the prefill stage has ended (the request now waits for, or runs in, the decode pool)
+    prefill_done: bool = False
 
 
 class PdGateway(SimGateway):
@@ -149,8 +151,10 @@ class PdGateway(SimGateway):
             transfer_latency_s=profile.transfer.link_latency_s,
         )
         self.order: TransferOrder = make_transfer_order(transfer_order, LinkParams(speed))
-        self.queues: dict[str, TransferQueue] = {d: TransferQueue() for d in self.decode_ids}
-        self.link_busy: dict[str, bool] = dict.fromkeys(self.decode_ids, False)
+        # every engine gets a link queue: a role flip (the autoscaler's) can make any one a decode engine
+        every = [e.engine_id for e in settings.engines]
+        self.queues: dict[str, TransferQueue] = {d: TransferQueue() for d in every}
+        self.link_busy: dict[str, bool] = dict.fromkeys(every, False)
         self.stages: dict[str, _Stage] = {}
         self._rr = 0
         #: requests whose stage each engine ran (prefills on prefill engines, decodes on decode ones)
@@ -159,6 +163,8 @@ class PdGateway(SimGateway):
         self.whole = 0
         #: decode placements place_decode judged feasible / best effort
         self.placements = {"feasible": 0, "best_effort": 0}
+        #: prefill stages ended (the decode pool's arrivals, with the whole requests)
+        self.prefills_done = 0
 
     def _placed_output_tokens(self, spec: RequestSpec) -> int:
         return 1  # the prefill engine computes the prompt and emits one token
@@ -226,13 +232,12 @@ class PdGateway(SimGateway):
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
             return
         fleet = self.fleet
-        if engine_id not in self.queues:
-            for request, _ in tokens:  # the prefill's own token: the client never sees it
-                if request.request_id in self.flights:
-                    fleet.mark_prefilled(engine_id, request.request_id)
-            return
         record = fleet.records[engine_id]
         for request, _ in tokens:
+            if request.prefill_only:  # the prefill's own token: the client never sees it
+                if request.request_id in self.flights:
+                    fleet.mark_prefilled(engine_id, request.request_id)
+                continue
             flight = self.flights.get(request.request_id)
             stage = self.stages.get(request.request_id)
             if flight is None or stage is None or stage.decode_entry is None:
@@ -250,13 +255,19 @@ class PdGateway(SimGateway):
     ) -> None:
         if not deferred and self._stalled(self._finished_late, engine_id, requests):
             return
-        if engine_id in self.queues:
-            super().on_finished(engine_id, requests, now, True)
-            return
+        decodes = [r for r in requests if not r.prefill_only]
+        if decodes:
+            super().on_finished(engine_id, decodes, now, True)
         for request in requests:  # prefills done: the prefill engine holds their KV
+            if not request.prefill_only:
+                continue
             self.fleet.release(engine_id, request.request_id)
             flight = self.flights.get(request.request_id)
             if flight is not None:
+                self.prefills_done += 1
+                stage = self.stages.get(request.request_id)
+                if stage is not None:
+                    stage.prefill_done = True
                 self._decode_stage(flight)
 
     def _release(self, engine_id: str, request_id: str) -> None:

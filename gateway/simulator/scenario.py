@@ -13,6 +13,7 @@ from gateway.experiments.workload import RequestSpec
 from gateway.experiments.workloads import load_workload
 from gateway.settings import EngineConfig, Settings
 from gateway.sim.profiles import EngineProfile, load_profile
+from gateway.simulator.autoscale import AutoscaleConfig, Autoscaler, AutoscaleReport
 from gateway.simulator.clock import EventQueue
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
@@ -68,11 +69,28 @@ class Scenario:
     #: P/D: ``always``, ``never`` or ``conditional[:min_prompt_tokens]`` in place of the routing
     #: profile's ``disaggregation`` section (None: the profile's, as live)
     disaggregation: str | None = None
+    #: scale the fleet with a scaling policy (gateway.simulator.autoscale): ``engines`` (or ``pd``)
+    #: is the fleet at the start, ``autoscale.max_engines`` the slots
+    autoscale: AutoscaleConfig | None = None
 
     def label(self) -> str:
+        scaled = f", {self.autoscale.label()}" if self.autoscale is not None else ""
         if self.pd is not None:
-            return f"{self.policy} P/D {self.pd[0]}:{self.pd[1]} {self.pd_mode} @ {self.qps:g} QPS"
-        return f"{self.policy} @ {self.qps:g} QPS"
+            return f"{self.policy} P/D {self.pd[0]}:{self.pd[1]} {self.pd_mode}{scaled} @ {self.qps:g} QPS"
+        return f"{self.policy}{scaled} @ {self.qps:g} QPS"
+
+    def serving_at_start(self) -> dict[str, Role]:
+        """The engines serving when the run starts, by role (the rest are autoscaling slots)."""
+        if self.pd is None:
+            count = self.engines
+            if self.autoscale is not None:
+                count = max(self.autoscale.min_engines, min(self.autoscale.max_engines, count))
+            return {f"sim-{i}": Role.COLLOCATED for i in range(count)}
+        prefill, decode = self.pd
+        return {
+            **{f"prefill-{i}": Role.PREFILL for i in range(prefill)},
+            **{f"decode-{i}": Role.DECODE for i in range(decode)},
+        }
 
 
 @dataclass(slots=True)
@@ -90,6 +108,10 @@ class RunResult:
     #: per engine: virtual seconds running steps, and requests (or P/D stages) it ran
     busy_by_engine: dict[str, float] = field(default_factory=dict)
     served_by_engine: dict[str, int] = field(default_factory=dict)
+    #: engine-seconds the fleet held devices (serving, draining, loading) over the makespan
+    engine_s: float = 0.0
+    #: with autoscaling: its actions, timeline, warm-pool seconds
+    autoscale: AutoscaleReport | None = None
 
 
 def _engine(
@@ -110,8 +132,10 @@ def _engine(
 def settings_for(scenario: Scenario) -> Settings:
     """The gateway's settings: ``engines`` collocated engines, or in P/D mode prefill engines
     (``prefill-i``, the front pool the dispatch core serves) and decode engines (``decode-i``)."""
+    scaled = scenario.autoscale
     if scenario.pd is None:
-        engines = [_engine(scenario, f"sim-{i}") for i in range(scenario.engines)]
+        count = scenario.engines if scaled is None else scaled.max_engines
+        engines = [_engine(scenario, f"sim-{i}") for i in range(count)]
     else:
         prefill, decode = scenario.pd
         if prefill < 1 or decode < 1:
@@ -124,6 +148,14 @@ def settings_for(scenario: Scenario) -> Settings:
             _engine(scenario, f"decode-{i}", Role.DECODE, speeds[i] if i < len(speeds) else 1.0)
             for i in range(decode)
         ]
+        if scaled is not None:
+            if prefill + decode > scaled.max_engines:
+                raise ValueError(
+                    f"--pd {prefill}:{decode} is more than {scaled.max_engines} engines (the maximum)"
+                )
+            # slots the scaler provisions into either pool (role set when they come up)
+            spares = scaled.max_engines - prefill - decode
+            engines += [_engine(scenario, f"spare-{i}", Role.PREFILL) for i in range(spares)]
     extra: dict[str, Any] = dict(scenario.settings)
     settings = Settings(
         engines=engines,
@@ -174,6 +206,18 @@ class Simulation:
             for i, engine in enumerate(settings.engines)
         ]
         self.gateway.attach(self.nodes)
+        self.autoscaler: Autoscaler | None = None
+        if scenario.autoscale is not None:
+            self.autoscaler = Autoscaler(
+                scenario.autoscale,
+                self.gateway,
+                self.nodes,
+                profile,
+                self.clock,
+                scenario.serving_at_start(),
+                Role.PREFILL if scenario.pd is not None else Role.COLLOCATED,
+            )
+            self.autoscaler.start()
         for disturbance in scenario.disturbances:
             self._inject(disturbance)
 
@@ -252,16 +296,23 @@ class Simulation:
         outcomes = sorted(gateway.outcomes, key=lambda o: o.start_s)
         start = specs[0].at if specs else 0.0
         makespan = max((o.start_s + o.e2e_s for o in outcomes), default=start) - start
+        report = None
+        engine_s = len(self.nodes) * makespan
+        if self.autoscaler is not None:
+            report = self.autoscaler.finish(start, start + makespan)
+            engine_s = report.engine_s
         return RunResult(
             scenario,
             outcomes,
             clock.events,
             wall,
             makespan,
-            len(self.nodes) * makespan / COST_UNIT_S,
+            engine_s / COST_UNIT_S,
             sum(node.busy_s for node in self.nodes),
             {node.engine_id: node.busy_s for node in self.nodes},
             self._served(),
+            engine_s,
+            report,
         )
 
     def _served(self) -> dict[str, int]:
