@@ -7,7 +7,9 @@ never request data, to keep cardinality bounded.
 
 from __future__ import annotations
 
+import bisect
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -22,6 +24,99 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 def child(metric: Any, *labels: str) -> Any:
     """``metric.labels(*labels)``, cached: the hot path pays a dict lookup, not label validation."""
     return metric.labels(*labels)
+
+
+# -- deferred updates, for the dispatch path ----------------------------------------------------
+#
+# A placement made several histogram observations and gauge moves, each taking a lock and (for a
+# histogram) walking its buckets in Python. A deferred child gathers them in plain Python numbers
+# and folds them into its Prometheus child when the registry is collected (a scrape, a test's
+# read): the same series with the same counts and sums, paid once per scrape instead of once per
+# update. Deferred children are for the event-loop thread only.
+
+
+class DeferredHistogram:
+    """``observe`` like a histogram child's; the counts reach the child at the next collection."""
+
+    __slots__ = ("_bounds", "_child", "_counts", "_pending", "_sum")
+
+    def __init__(self, histogram_child: Any) -> None:
+        self._child = histogram_child
+        self._bounds: tuple[float, ...] = tuple(histogram_child._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._pending = False
+
+    def observe(self, amount: float) -> None:
+        if amount == amount:  # (NaN lands in no bucket, as in the child)
+            # the first bucket whose upper bound is >= amount, as Histogram.observe picks it
+            self._counts[bisect.bisect_left(self._bounds, amount)] += 1
+        self._sum += amount
+        self._pending = True
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        buckets = self._child._buckets
+        counts = self._counts
+        for i, count in enumerate(counts):
+            if count:
+                buckets[i].inc(count)
+                counts[i] = 0
+        self._child._sum.inc(self._sum)
+        self._sum = 0.0
+        self._pending = False
+
+
+class DeferredGauge:
+    """``inc`` / ``dec`` like a gauge child's; the net move reaches the child at the next collection."""
+
+    __slots__ = ("_child", "_delta")
+
+    def __init__(self, gauge_child: Any) -> None:
+        self._child = gauge_child
+        self._delta = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._delta += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._delta -= amount
+
+    def flush(self) -> None:
+        if self._delta:
+            self._child.inc(self._delta)
+            self._delta = 0.0
+
+
+_deferred: list[DeferredHistogram | DeferredGauge] = []
+
+
+@functools.lru_cache(maxsize=4096)
+def deferred(metric: Any, *labels: str) -> Any:
+    """The deferred child of a histogram or gauge for ``labels`` (one per label set)."""
+    target = metric.labels(*labels)
+    made = DeferredHistogram(target) if isinstance(metric, Histogram) else DeferredGauge(target)
+    _deferred.append(made)
+    return made
+
+
+def flush_deferred() -> None:
+    """Fold every deferred update into its child (done before each collection of REGISTRY)."""
+    for pending in _deferred:
+        pending.flush()
+
+
+_collect_registry = REGISTRY.collect
+
+
+def _collect_flushed() -> Iterator[Any]:
+    """REGISTRY's collection (scrapes, reads), with every deferred update folded in first."""
+    flush_deferred()
+    yield from _collect_registry()
+
+
+REGISTRY.collect = _collect_flushed  # type: ignore[method-assign]
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)

@@ -28,7 +28,7 @@ _load = attrgetter("load")
 class _TimedFilter:
     def __init__(self, name: str, inner: Filter) -> None:
         self.inner = inner
-        self.hist = metrics.POLICY_CALL.labels(f"filter:{name}")
+        self.hist = metrics.deferred(metrics.POLICY_CALL, f"filter:{name}")
 
     def filter(
         self, request: RequestView, engines: Sequence[EngineSnapshot], now: float
@@ -43,7 +43,7 @@ class _TimedFilter:
 class _TimedScorer:
     def __init__(self, name: str, inner: Scorer) -> None:
         self.inner = inner
-        self.hist = metrics.POLICY_CALL.labels(f"scorer:{name}")
+        self.hist = metrics.deferred(metrics.POLICY_CALL, f"scorer:{name}")
 
     def score(self, request: RequestView, engines: Sequence[EngineSnapshot], now: float) -> Sequence[float]:
         t0 = time.perf_counter()
@@ -56,7 +56,7 @@ class _TimedScorer:
 class _TimedPicker:
     def __init__(self, name: str, inner: Picker) -> None:
         self.inner = inner
-        self.hist = metrics.POLICY_CALL.labels(f"picker:{name}")
+        self.hist = metrics.deferred(metrics.POLICY_CALL, f"picker:{name}")
 
     def initial_state(self) -> object:
         return self.inner.initial_state()
@@ -162,7 +162,9 @@ class Router:
             fleet.rank_by(key)
         # a ranked choice calls no plugin; it is timed whole, under the scorer it stands for
         self._ranked_hist: Any = (
-            metrics.POLICY_CALL.labels(f"ranked:{pipeline.scorers[0].name}") if self._ranked else None
+            metrics.deferred(metrics.POLICY_CALL, f"ranked:{pipeline.scorers[0].name}")
+            if self._ranked
+            else None
         )
 
     def choose(

@@ -371,7 +371,7 @@ class DispatchCore:
             # entries of requests that left are dropped lazily; keep the heap O(live) all the same
             deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
             heapq.heapify(deadlines)
-        metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).inc()
+        metrics.deferred(metrics.QUEUE_DEPTH, ticket.slo_class).inc()
         if self.shedding is not None:
             bands = self._band_newest.setdefault(model, {})
             newest = bands.setdefault(view.priority, [])
@@ -508,7 +508,7 @@ class DispatchCore:
             if arrival is not None:  # (the only request this turn could take)
                 self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
                 wait = max(0.0, now - arrival.enqueued_at)
-                metrics.child(metrics.QUEUE_WAIT, arrival.slo_class).observe(wait)
+                metrics.deferred(metrics.QUEUE_WAIT, arrival.slo_class).observe(wait)
                 self._own = self.fleet.records[assignment.engine_id]
                 continue
             assigned = self.tickets.get(assignment.request_id)
@@ -654,9 +654,9 @@ class DispatchCore:
             else:
                 self._band_live.pop(live, None)
                 self._band_newest.get(live[0], {}).pop(live[1], None)
-        metrics.child(metrics.QUEUE_DEPTH, ticket.slo_class).dec()
+        metrics.deferred(metrics.QUEUE_DEPTH, ticket.slo_class).dec()
         if now is not None:
-            metrics.child(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
+            metrics.deferred(metrics.QUEUE_WAIT, ticket.slo_class).observe(max(0.0, now - ticket.enqueued_at))
         return True
 
     def _shed_for_saturation(self, ticket: Ticket, queue: AdmissionQueue | None, now: float) -> bool:

@@ -43,8 +43,8 @@ class DispatchLoop:
         """Drive ``core`` on the running event loop, on ``clock`` (the core's time base)."""
         self.core = core
         name = "hyperflexis" if core.hyperflexis is not None else "pipeline"
-        self._submit_hist = metrics.DISPATCH_CALL.labels(name, "submit")
-        self._step_hist = metrics.DISPATCH_CALL.labels(name, "step")
+        self._submit_hist = metrics.deferred(metrics.DISPATCH_CALL, name, "submit")
+        self._step_hist = metrics.deferred(metrics.DISPATCH_CALL, name, "step")
         self.fleet = core.fleet
         self.clock = clock
         self.core.wake = self.wake

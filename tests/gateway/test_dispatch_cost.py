@@ -329,11 +329,45 @@ def test_an_arrival_to_an_empty_queue_is_decided_as_if_it_had_been_queued(
 
 def test_an_arrival_placed_at_once_is_counted_as_a_zero_wait_and_never_queued() -> None:
     core = _hyperflexis_core("slo_tpot", through_queue=False)
-    waits = metrics.child(metrics.QUEUE_WAIT, "c-at-once")
-    before = waits._sum.get(), sum(b.get() for b in waits._buckets)
+
+    def waits() -> tuple[float | None, float | None]:
+        labels = {"slo_class": "c-at-once"}
+        return (
+            metrics.REGISTRY.get_sample_value("slogate_queue_wait_seconds_count", labels),
+            metrics.REGISTRY.get_sample_value("slogate_queue_wait_seconds_bucket", {**labels, "le": "0.005"}),
+        )
+
     view = RequestView("r-1", "a", 100, 50, arrival=0.0)
     record = core.submit(core.ticket(view, 1.0, 0.1, "c-at-once", RunningEntry(100, 50, 0.1, 0.0), 0.0), 0.0)
     assert record is not None and "r-1" in record.running
     assert core.queued() == 0 and len(core.queues["a"]._heap) == 0  # never went through the queue
     assert core.queued_per_class[("a", "c-at-once")] == 0
-    assert (waits._sum.get(), sum(b.get() for b in waits._buckets)) == (before[0], before[1] + 1)
+    assert waits() == (1.0, 1.0)
+
+
+def test_deferred_metrics_read_as_if_observed_directly() -> None:
+    """Histogram observations and gauge moves made through deferred children are in the registry's
+    next collection: the same buckets, count, sum and level as direct updates give."""
+    direct_h, direct_g = metrics.POLICY_CALL.labels("test:direct"), metrics.QUEUE_DEPTH.labels("test-direct")
+    late_h = metrics.deferred(metrics.POLICY_CALL, "test:deferred")
+    late_g = metrics.deferred(metrics.QUEUE_DEPTH, "test-deferred")
+    values = [0.0, 1e-6, 3e-6, 5e-6, 2e-5, 0.02, 0.025, 0.03, 7.0, -1.0, 0.5e-6]
+    for v in values:
+        direct_h.observe(v)
+        late_h.observe(v)
+    for step in (1, 1, -1, 1, -1, -1, 1):
+        (direct_g.inc if step > 0 else direct_g.dec)()
+        (late_g.inc if step > 0 else late_g.dec)()
+
+    def samples(plugin: str, cls: str) -> dict[tuple[str, str], float]:
+        got = {}
+        for family in metrics.REGISTRY.collect():
+            for s in family.samples:
+                if s.labels.get("plugin") == plugin or s.labels.get("slo_class") == cls:
+                    got[(s.name, s.labels.get("le", ""))] = s.value
+        return got
+
+    assert samples("test:deferred", "test-deferred") == samples("test:direct", "test-direct")
+    assert samples("test:deferred", "test-deferred")[("slogate_policy_call_seconds_count", "")] == len(values)
+    late_h.observe(1e-4)  # and again after a collection
+    assert samples("test:deferred", "-")[("slogate_policy_call_seconds_count", "")] == len(values) + 1
