@@ -169,11 +169,14 @@ class LatencyLearner:
         if key in steps.marked:
             return
         steps.marked.add(key)
-        if entry.generated == 0:
+        if entry.generated == 0 and not entry.remote_kv:
             steps.prompts.append(entry.prompt_tokens)
             if entry.dispatched_at < steps.sent_min:
                 steps.sent_min = entry.dispatched_at
         else:
+            if entry.generated == 0:
+                # a P/D decode whose KV arrived joins the batch with a decode of its context
+                steps.expected += 1
             steps.decodes += 1
             steps.context += entry.prompt_tokens + entry.generated
 
@@ -201,12 +204,18 @@ class LatencyLearner:
             # previous burst: the engine was idle and began with that send
             start = steps.start = steps.sent_min
             known_start = True
-        other = trigger.generated == 0 and id(trigger) not in steps.marked and trigger.dispatched_at <= start
+        other = (
+            trigger.generated == 0
+            and not trigger.remote_kv
+            and id(trigger) not in steps.marked
+            and trigger.dispatched_at <= start
+        )
         if not other:
             running = record.running
             for rid in record.unprefilled:
                 waiting = running.get(rid)
-                if waiting is not None and waiting.dispatched_at <= start:
+                # (a decode still waiting for its KV computes nothing meanwhile)
+                if waiting is not None and not waiting.remote_kv and waiting.dispatched_at <= start:
                     other = True
                     break
         view = StepView(

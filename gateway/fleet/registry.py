@@ -38,6 +38,9 @@ class RunningEntry:
     prefilled: bool = False
     #: called once when the first token arrives (a decode stage's KV transfer is over by then)
     on_prefilled: Callable[[], None] | None = None
+    #: a P/D decode stage: its prompt's KV comes from a prefill engine, so its first token is a
+    #: decode step there, not a prefill
+    remote_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -64,6 +67,8 @@ class EngineRecord:
     running_tokens: int = 0
     #: taken out of rotation for an admin action (a role flip): healthy, but given no new work
     draining: bool = False
+    #: running requests per TPOT target (a handful of SLO classes: the tightest is a min over few)
+    tpot_counts: dict[float, int] = field(default_factory=dict)
 
     @property
     def engine_id(self) -> str:
@@ -72,6 +77,11 @@ class EngineRecord:
     @property
     def model(self) -> str:
         return self.adapter.config.model
+
+    def tightest_tpot(self) -> float | None:
+        """The tightest TPOT target among the requests running here (None: none runs)."""
+        counts = self.tpot_counts
+        return min(counts) if counts else None
 
     def free_kv_tokens(self) -> int | None:
         """KV tokens the engine can still take, as well as the gateway can tell; ``None`` when the
@@ -293,6 +303,7 @@ class Fleet:
         record.in_flight_tokens += entry.prompt_tokens + entry.max_tokens
         record.running[request_id] = entry
         record.running_tokens += entry.prompt_tokens + entry.generated
+        record.tpot_counts[entry.tpot_slo] = record.tpot_counts.get(entry.tpot_slo, 0) + 1
         if not entry.prefilled:
             record.unprefilled[request_id] = entry.prompt_tokens
         self._dirty.add(record.index)
@@ -306,6 +317,11 @@ class Fleet:
             record.in_flight_tokens -= entry.prompt_tokens + entry.max_tokens
             record.running_tokens -= entry.prompt_tokens + entry.generated
             record.unprefilled.pop(request_id, None)
+            left = record.tpot_counts[entry.tpot_slo] - 1
+            if left:
+                record.tpot_counts[entry.tpot_slo] = left
+            else:
+                del record.tpot_counts[entry.tpot_slo]
             self._dirty.add(record.index)
             self._notify(engine_id, "release")
         return entry

@@ -331,6 +331,7 @@ class DisaggregatedFlow:
                     LatencyCoefficients(*prefill, *decode),
                     transfers_in_flight=self._arriving.get(snap.engine_id, 0),
                     free_kv_tokens=record.free_kv_tokens(),
+                    tightest_running_tpot_s=record.tightest_tpot(),
                 )
             )
         request = call.request
@@ -384,7 +385,7 @@ class DisaggregatedFlow:
                 return outcome
             progress.decode_tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
-            entry = self._reserve(call, record)
+            entry = self._reserve(call, record, remote_kv=True)
             end_transfer: Callable[[], None] | None = None
             try:
                 end_transfer = await self._transfer_turn(call, record, entry, choice)
@@ -452,9 +453,10 @@ class DisaggregatedFlow:
         self.fleet.reserve(record.engine_id, call.rid, entry)
         return record
 
-    def _reserve(self, call: Call, record: EngineRecord) -> RunningEntry:
+    def _reserve(self, call: Call, record: EngineRecord, remote_kv: bool = False) -> RunningEntry:
         request = call.request
         entry = RunningEntry(request.prompt_tokens, request.max_tokens, call.target.tpot_s, 0.0)
+        entry.remote_kv = remote_kv
         self.fleet.reserve(record.engine_id, call.rid, entry)
         return entry
 
@@ -510,7 +512,7 @@ class DisaggregatedFlow:
             call, prefill, {**fields, "stream": False}, PREFILL_REMOVES
         )
         call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
-        decode_entry = self._reserve(call, decode)
+        decode_entry = self._reserve(call, decode, remote_kv=True)
         prefill_task = asyncio.create_task(
             self._prefill_exchange(call, prefill, entry, prefill_payload, deadline, count_wait=False)
         )

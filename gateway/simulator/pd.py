@@ -293,6 +293,7 @@ class PdGateway(SimGateway):
                     # a decode engine's requests without a first token are the KV still arriving
                     transfers_in_flight=len(record.unprefilled),
                     free_kv_tokens=record.free_kv_tokens(),
+                    tightest_running_tpot_s=record.tightest_tpot(),
                 )
             )
         entry = flight.entry
@@ -324,6 +325,7 @@ class PdGateway(SimGateway):
 
     def _reserve_decode(self, flight: _Flight, stage: _Stage) -> RunningEntry:
         entry = RunningEntry(flight.entry.prompt_tokens, flight.spec.output_tokens, flight.target.tpot_s, 0.0)
+        entry.remote_kv = not stage.whole  # its KV comes from the prefill engine (the latency learner)
         stage.decode_entry = entry
         self.fleet.reserve(stage.decode_engine, flight.rid, entry)
         return entry

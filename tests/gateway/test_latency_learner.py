@@ -165,3 +165,21 @@ def test_a_full_engine_is_refitted_at_most_every_ten_seconds() -> None:
         learner._keep("e", [DecodeSample(1000 + i, 1 + i % 8, 0.011 + 1e-4 * (1 + i % 8))], "used")
     after_full = [t for t in fits if t >= 0.64]
     assert len(after_full) == 1  # 3.2 s of samples after the ring filled: one re-fit, not four
+
+
+def test_a_pd_decode_whose_kv_arrived_joins_as_a_decode_not_a_prefill() -> None:
+    """On a decode engine a request's first token comes after its KV moved from a prefill engine:
+    that step decoded it (one more sequence of its context), it prefilled nothing."""
+    fleet, learner, clock = setup()
+    send(fleet, clock, "a", 50)
+    step(fleet, clock, 0.02, ["a"])
+    remote = RunningEntry(400, 100, 0.1, 0.0, remote_kv=True)
+    fleet.reserve("e", "kv", remote)
+    remote.dispatched_at = clock.now
+    step(fleet, clock, 0.012, ["a"])  # its KV is still moving: a's step stays a clean decode
+    step(fleet, clock, 0.013, ["a", "kv"])  # the KV arrived: both decode
+    step(fleet, clock, 0.013, ["a", "kv"])
+    step(fleet, clock, 0.013, ["kv", "a"])  # (closes the one before)
+    prefill, decode = pending(learner)
+    assert [s.input_lengths for s in prefill] == [(50,)]  # a's own prefill only
+    assert [s.batch_size for s in decode] == [1, 2, 2]

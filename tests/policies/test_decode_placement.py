@@ -159,3 +159,37 @@ def test_deterministic() -> None:
     cands = [cand("d0", 2, 500), cand("d1", 2, 500), cand("d2", 1, 900)]
     choices = {place_decode(demand(), cands, PARAMS) for _ in range(5)}
     assert len(choices) == 1
+
+
+def _with_tight(candidate: DecodeCandidate, tightest: float | None) -> DecodeCandidate:
+    return DecodeCandidate(
+        candidate.engine,
+        candidate.coefficients,
+        candidate.transfers_in_flight,
+        candidate.free_kv_tokens,
+        tightest_running_tpot_s=tightest,
+    )
+
+
+def test_a_loose_request_does_not_push_a_tight_stream_past_its_target() -> None:
+    """SLOW steps 10 ms per sequence: 'tight' runs 3 streams with a 45 ms target (40 ms now, 50 ms
+    with one more), 'loose' runs 4 streams of 200 ms targets (50 ms now). A 250 ms request fits
+    both by its own target; only 'loose' keeps every running stream's target."""
+    tight = _with_tight(cand("tight", in_flight=3, coeffs=SLOW), 0.045)
+    loose = _with_tight(cand("loose", in_flight=4, coeffs=SLOW), 0.200)
+    choice = place_decode(demand(prompt=100, tpot=0.25), [tight, loose], PARAMS)
+    assert choice is not None and choice.engine_id == "loose" and choice.feasible
+    # without the running streams' targets the emptier 'tight' engine would have won
+    plain = place_decode(
+        demand(prompt=100, tpot=0.25), [cand("tight", 3, coeffs=SLOW), cand("loose", 4, coeffs=SLOW)], PARAMS
+    )
+    assert plain is not None and plain.engine_id == "tight"
+
+
+def test_with_nothing_feasible_overload_stays_where_targets_are_missed_already() -> None:
+    """A 30 ms request fits nowhere. 'healthy' meets its streams' 45 ms now and would not with it;
+    'missing' already runs past its streams' 45 ms: the request goes there, though it has less slack."""
+    healthy = _with_tight(cand("healthy", in_flight=3, coeffs=SLOW), 0.045)
+    missing = _with_tight(cand("missing", in_flight=5, coeffs=SLOW), 0.045)
+    choice = place_decode(demand(prompt=100, tpot=0.03), [healthy, missing], PARAMS)
+    assert choice is not None and choice.engine_id == "missing" and not choice.feasible
