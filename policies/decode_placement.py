@@ -29,10 +29,12 @@ past its target: without this check a fast engine was filled until its tight str
 stays within the decode token budget (``max_decode_batch_tokens``: context tokens of one decode
 step, the ``sum(l_cur)`` of eq.(2), when the profile sets one) and its KV room holds the prompt and
 the whole output (``prompt + max_output``; unknown room counts as enough). Among feasible engines
-the one with the most slack wins (``prefer: most_slack``): the least loaded decode batch net of its
-link's queue, so load spreads over the pool instead of piling on one engine (the one-worker bug of
-peer P/D routers); ``prefer: best_fit`` takes the least slack instead, so loose requests fill slow
-or busy engines and leave the fast ones' headroom to tight requests (bin packing by TPOT).
+the one with the fewest requests and transfers wins, then the most slack (``prefer: least_load``,
+the default), so load spreads over the pool instead of piling on one engine (the one-worker bug of
+peer P/D routers) and no engine is starved because its latency model is still a pessimistic prior
+(dynamo#7836); ``prefer: most_slack`` ranks by slack alone (better with decode engines of unequal
+speed), ``prefer: best_fit`` takes the least slack, so loose requests fill slow or busy engines and
+leave the fast ones' headroom to tight requests (bin packing by TPOT).
 When no engine is feasible the least bad one is chosen: first any engine whose KV holds the
 request, then the most slack; without any KV fit, the smallest KV shortfall. ``None`` only when
 there is no candidate at all. Ties go to the earlier candidate (fleet order), so the choice is
@@ -79,6 +81,10 @@ class DecodeDemand:
     source_engine: str | None = None
 
 
+#: how feasible decode engines are ranked (see DecodePlacementParams.prefer)
+PREFER = ("most_slack", "least_load", "best_fit")
+
+
 @dataclass(frozen=True, slots=True)
 class DecodePlacementParams:
     #: link speed in KV tokens per second (predicts the transfer time); the default is a 7B-class
@@ -88,14 +94,16 @@ class DecodePlacementParams:
     transfer_latency_s: float = 0.001
     #: the decode token budget: context tokens of one decode step, if the profile sets one
     max_decode_batch_tokens: int | None = None
-    #: among feasible engines: ``most_slack`` (spread: the least loaded batch) or ``best_fit``
-    #: (the engine whose step would come closest to the binding TPOT: loose requests fill slow or
-    #: busy engines and leave the fast headroom to tight ones)
-    prefer: str = "most_slack"
+    #: among feasible engines: ``least_load`` (fewest requests and transfers there, then the most
+    #: slack: spreads load whatever each engine's latency model says, so an engine whose model is
+    #: still the pessimistic prior is not starved of the traffic it would learn from),
+    #: ``most_slack`` (the most slack against the binding TPOT: better when decode engines differ
+    #: in speed, see docs/pd.md) or ``best_fit`` (the least slack: bin packing by TPOT)
+    prefer: str = "least_load"
 
     def __post_init__(self) -> None:
-        if self.prefer not in ("most_slack", "best_fit"):
-            raise ValueError(f"prefer must be most_slack or best_fit, got {self.prefer!r}")
+        if self.prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {', '.join(PREFER)}, got {self.prefer!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +146,7 @@ def place_decode(
     demand: DecodeDemand, candidates: Sequence[DecodeCandidate], params: DecodePlacementParams
 ) -> DecodeChoice | None:
     """The decode engine for ``demand`` (see the module docstring); None only without candidates."""
-    best: tuple[tuple[int, int, int, int, float], DecodeChoice] | None = None
+    best: tuple[tuple[int, int, int, int, tuple[float, ...]], DecodeChoice] | None = None
     need = demand.prompt_tokens + demand.max_output_tokens
     for candidate in candidates:
         step = predicted_step_s(candidate, demand)
@@ -160,7 +168,12 @@ def place_decode(
         # class keeps its headroom (measured: +5 points of attainment with one decode engine 2x
         # slower, at some E2E cost when every target is met anyway; docs/pd.md)
         slack = binding - transfer - step
-        fit = slack if feasible and params.prefer == "best_fit" else -slack
+        if feasible and params.prefer == "best_fit":
+            fit: tuple[float, ...] = (slack,)
+        elif feasible and params.prefer == "least_load":
+            fit = (candidate.engine.in_flight + candidate.transfers_in_flight, -slack)
+        else:
+            fit = (-slack,)
         # when nothing is feasible, an engine whose streams meet their TPOT now and would not with
         # this request is the last resort: overload stays confined where targets are missed
         # already (or only this request's own is), instead of spreading to every healthy engine

@@ -29,6 +29,7 @@ import random
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,15 +98,50 @@ def _pct(values: Sequence[float], q: float) -> float:
 class Stack:
     """Simulated engines and one gateway as child processes."""
 
-    def __init__(self, engines: int, engine_args: Sequence[str], settings: dict[str, Any]) -> None:
+    def __init__(
+        self, engines: int, engine_args: Sequence[str], settings: dict[str, Any], prefill: int = 0
+    ) -> None:
+        """``engines`` collocated ones, or with ``prefill`` > 0 that many prefill engines and
+        ``engines`` decode engines behind a P/D gateway (every request disaggregated)."""
         self.engines: list[ChildProcess] = []
+        self.prefill: list[ChildProcess] = []
         self.gateway: ChildProcess | None = None
+        self._profile: Path | None = None
         try:
+            role = ("--role", "decode") if prefill else ()
             for i in range(engines):
                 self.engines.append(
-                    spawn_sim_engine(*engine_args, "--engine-id", f"sim-{i}", name=f"sim-{i}")
+                    spawn_sim_engine(*engine_args, *role, "--engine-id", f"sim-{i}", name=f"sim-{i}")
                 )
-            entries = [{"url": e.url, "kind": "sim", "model": MODEL, "name": e.name} for e in self.engines]
+            for i in range(prefill):
+                self.prefill.append(
+                    spawn_sim_engine(
+                        *engine_args, "--role", "prefill", "--engine-id", f"p-{i}", name=f"p-{i}"
+                    )
+                )
+            entries = [
+                {
+                    "url": e.url,
+                    "kind": "sim",
+                    "model": MODEL,
+                    "name": e.name,
+                    **({"role": "decode"} if prefill else {}),
+                }
+                for e in self.engines
+            ]
+            entries += [
+                {"url": e.url, "kind": "sim", "model": MODEL, "name": e.name, "role": "prefill"}
+                for e in self.prefill
+            ]
+            if prefill:
+                handle, name = tempfile.mkstemp(prefix="slogate-pd-", suffix=".yaml")
+                os.close(handle)
+                self._profile = Path(name)
+                self._profile.write_text(
+                    "name: pd-migration\nfilters: []\nscorers:\n  - name: least_load\n    weight: 1.0\n"
+                    "picker:\n  name: max_score\ndisaggregation: {mode: always}\n"
+                )
+                settings = {**settings, "routing_profile": str(self._profile)}
             env = {
                 "SLOGATE_ENGINES": json.dumps(entries),
                 "SLOGATE_PORT": "0",
@@ -126,8 +162,10 @@ class Stack:
     def close(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-        for engine in self.engines:
+        for engine in (*self.engines, *self.prefill):
             engine.stop()
+        if self._profile is not None:
+            self._profile.unlink(missing_ok=True)
 
 
 async def _stream(
@@ -292,14 +330,14 @@ def _prompt_tokens(url: str, jobs: Sequence[Job]) -> list[int]:
 
 def _killed(args: argparse.Namespace, jobs: Sequence[Job], engine_args: Sequence[str]) -> dict[str, Any]:
     settings = {"migration_limit": args.limit}
-    stack = Stack(args.engines, engine_args, settings)
+    stack = Stack(args.engines, engine_args, settings, prefill=args.pd_prefill)
     try:
         victim = stack.engines[-1]
         refs = asyncio.run(_references(stack.engines[0].url, jobs))
         prompts = _prompt_tokens(stack.engines[0].url, jobs)
+        fleet = f"{args.pd_prefill} prefill + {args.engines} decode" if args.pd_prefill else f"{args.engines}"
         _progress(
-            f"engine killed: {args.engines} engines, {args.concurrency} streams at a time, "
-            f"{args.duration:.0f} s"
+            f"engine killed: {fleet} engines, {args.concurrency} streams at a time, {args.duration:.0f} s"
         )
 
         def kill() -> None:
@@ -347,7 +385,7 @@ def _slow(
         "migration_limit": 1 if migrate else 0,
         "migration_slack_bound_s": args.slack_bound,
     }
-    stack = Stack(args.engines, engine_args, settings)
+    stack = Stack(args.engines, engine_args, settings, prefill=args.pd_prefill)
     label = f"slow engine, migration {'on' if migrate else 'off'}"
     try:
         slow = stack.engines[-1]
@@ -420,7 +458,17 @@ def render(killed: dict[str, Any] | None, slow: Sequence[dict[str, Any]]) -> str
 
 def add_migration_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=("all", "killed", "slow"), default="all")
-    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument(
+        "--engines", type=int, default=4, help="collocated engines (decode engines with --pd)"
+    )
+    parser.add_argument(
+        "--pd",
+        dest="pd_prefill",
+        type=int,
+        default=0,
+        metavar="P",
+        help="P prefill engines in front of the --engines decode engines (P/D, every request disaggregated)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequence slots per engine")
     parser.add_argument("--load", type=float, default=0.5, help="share of all slots kept busy")
     parser.add_argument("--concurrency", type=int, default=0, help="streams at a time (default: from --load)")

@@ -193,3 +193,18 @@ def test_with_nothing_feasible_overload_stays_where_targets_are_missed_already()
     missing = _with_tight(cand("missing", in_flight=5, coeffs=SLOW), 0.045)
     choice = place_decode(demand(prompt=100, tpot=0.03), [healthy, missing], PARAMS)
     assert choice is not None and choice.engine_id == "missing" and not choice.feasible
+
+
+def test_least_load_does_not_starve_an_engine_whose_model_is_still_the_prior() -> None:
+    """'learnt' decodes 2 streams with a learnt (fast) model; 'prior' is idle, its model the
+    pessimistic prior. Both meet the target: least_load (the default) feeds the idle one, so it
+    gets the traffic it learns from; most_slack would keep it idle (dynamo#7836)."""
+    pessimistic = LatencyCoefficients(0.025, 1e-4, 2e-9, 0.030, 4e-8, 1e-3)
+    learnt = cand("learnt", in_flight=2)
+    prior = cand("prior", coeffs=pessimistic)
+    default = place_decode(demand(), [learnt, prior], PARAMS)
+    assert default is not None and default.engine_id == "prior" and default.feasible
+    slack = place_decode(
+        demand(), [learnt, prior], DecodePlacementParams(10_000.0, 0.001, prefer="most_slack")
+    )
+    assert slack is not None and slack.engine_id == "learnt"
