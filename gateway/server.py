@@ -13,6 +13,7 @@ import uvicorn
 
 from gateway.app import FrontDoor, create_app
 from gateway.logs import setup_logging
+from gateway.runtime import tune_gc
 from gateway.settings import Settings
 from policies.api import PolicyConfigError
 
@@ -73,4 +74,5 @@ def serve(settings: Settings) -> None:
     except PolicyConfigError as exc:
         print(f"slogate: invalid profile: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)
     _AnnouncingServer(uvicorn_config(settings, app)).run()

@@ -36,6 +36,7 @@ from gateway.dispatch.offline import offline_fleet
 from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router
+from gateway.runtime import tune_gc
 from policies.api import EngineState, RequestView
 from policies.hyperflexis import HyperFlexisParams
 from policies.pipeline import compile_profile
@@ -153,6 +154,7 @@ async def _run_point(
     core.next_wake = meter.wrap(core.next_wake)  # type: ignore[method-assign]
     loop_obj._deliver = meter.wrap(loop_obj._deliver)  # type: ignore[method-assign]
     fleet.listeners[:] = [meter.wrap(listener) for listener in fleet.listeners]
+    tune_gc()  # as `slogate serve` runs (gateway.runtime)
     loop_obj.start()
     loop = asyncio.get_running_loop()
     placements = 0
