@@ -3,7 +3,7 @@
 A gateway with thousands of queued requests holds a few hundred thousand tracked objects; with
 CPython's default thresholds (700 allocations) full collections then land inside dispatch calls
 and relays, and scanning the objects that live as long as the process (modules, settings,
-profiles, the fleet) is wasted work. After start-up those are frozen out of the collector, and
+profiles) is wasted work. Before serving, those are frozen out of the collector, and
 the young generation is collected less often (each collection costs about the same, so fewer
 collections cost less); reference cycles are still freed, only in larger batches.
 """

@@ -171,7 +171,8 @@ def place_decode(
         if feasible and params.prefer == "best_fit":
             fit: tuple[float, ...] = (slack,)
         elif feasible and params.prefer == "least_load":
-            fit = (candidate.engine.in_flight + candidate.transfers_in_flight, -slack)
+            # (a decode waiting for its KV is reserved there already: in_flight counts it)
+            fit = (candidate.engine.in_flight, -slack)
         else:
             fit = (-slack,)
         # when nothing is feasible, an engine whose streams meet their TPOT now and would not with

@@ -58,6 +58,8 @@ class Call:
     dispatched_at: float = 0.0
     #: when a P/D request's prefill was sent (its time in the queue ends there, not at the decode)
     prefill_dispatched_at: float = 0.0
+    #: the current attempt's engine sent its response headers (a non-streamed answer has begun)
+    upstream_answered: bool = False
     first_at: float = 0.0
     last_at: float = 0.0
     content_events: int = 0

@@ -428,9 +428,11 @@ class CollocatedFlow:
         request = call.request
         engine_id = record.engine_id
         settings = self.settings
+        call.upstream_answered = False
         response = await self.post(call, record, url, payload, headers, headers_at)
         if isinstance(response, GatewayError):
             return response
+        call.upstream_answered = True
         if up is not None:
             up.set_attribute("http.response.status_code", response.status)
         try:

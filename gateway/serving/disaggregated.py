@@ -527,10 +527,12 @@ class DisaggregatedFlow:
                 if failed is None:
                     answer = prefill_task.result()
                     failed = answer if isinstance(answer, GatewayError) else None
-                if failed is not None and not decode_task.done() and not call.first_at:
+                # the KV arrived if the decode streamed a token, or (not streamed) began its answer
+                kv_arrived = bool(call.first_at) if call.request.stream else call.upstream_answered
+                if failed is not None and not decode_task.done() and not kv_arrived:
                     # the decode would wait for KV that is not coming: close it now, whether or
                     # not its stream's headers already reached the client
-                    started = call.overhead_s >= 0
+                    started = call.overhead_s >= 0 and call.request.stream
                     await _cancel(decode_task)
                     if started:
                         metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
@@ -549,13 +551,15 @@ class DisaggregatedFlow:
                 progress.prefilled = failed is None
             outcome = await decode_task
             progress.prefilled = progress.prefilled or isinstance(outcome, int)
+            if isinstance(outcome, GatewayError):
+                # the decode engine refused: its error is the answer (another pair would only
+                # prefill again, and this decode engine would be left out of the next choice)
+                raise outcome
             return outcome
         finally:
             for task in (prefill_task, decode_task):
                 if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+                    await _cancel(task)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 if prefill_task.done() and not prefill_task.cancelled():
                     prefill_task.exception()  # retrieved: no "never retrieved" warning

@@ -55,7 +55,7 @@ CASES: list[
     (
         "transfers in flight count",
         demand(),
-        [cand("d1", 0, 0, transfers=4), cand("d0", 2, 2000)],
+        [cand("d1", 4, 0, transfers=4), cand("d0", 2, 2000)],  # (transfers are reserved: in flight)
         PARAMS,
         "d0",
         True,
