@@ -399,7 +399,12 @@ class DisaggregatedFlow:
         return outcome
 
     async def _transfer_turn(
-        self, call: Call, record: EngineRecord, entry: RunningEntry, choice: DecodeChoice
+        self,
+        call: Call,
+        record: EngineRecord,
+        entry: RunningEntry,
+        choice: DecodeChoice,
+        gated: bool = True,
     ) -> Callable[[], None]:
         """The request's KV transfer into ``record``: wait for its turn at the gate (if the
         profile gates transfers), count it as arriving there, and return what ends it (idempotent).
@@ -408,7 +413,7 @@ class DisaggregatedFlow:
         predicted transfer time has passed twice over, so that a non-streamed answer (which
         shows no first token) or an engine queue does not hold the link's turn for a whole
         generation; at the latest when the decode stage ends (the caller)."""
-        gate = self.gate
+        gate = self.gate if gated else None
         engine_id = record.engine_id
         rid = call.rid
         if gate is not None:
@@ -513,6 +518,8 @@ class DisaggregatedFlow:
         )
         call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
         decode_entry = self._reserve(call, decode, remote_kv=True)
+        # counted as arriving at the decode engine (not gated: P and D go together here)
+        end_transfer = await self._transfer_turn(call, decode, decode_entry, choice, gated=False)
         prefill_task = asyncio.create_task(
             self._prefill_exchange(call, prefill, entry, prefill_payload, deadline, count_wait=False)
         )
@@ -563,6 +570,7 @@ class DisaggregatedFlow:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 if prefill_task.done() and not prefill_task.cancelled():
                     prefill_task.exception()  # retrieved: no "never retrieved" warning
+            end_transfer()
             self.collocated.dispatch.release(prefill.engine_id, call.rid)
             self.collocated.dispatch.release(decode.engine_id, call.rid)
 

@@ -130,6 +130,10 @@ def test_pd_answer_equals_collocated_answer(
         assert reference[1]["completion_tokens"] == 24
         # the gateway's own time: the engines' prefill and the waits are not in it (nor counted twice)
         assert 0.0 < float(response.headers["x-slogate-overhead-ms"]) < 50.0
+        # nothing is left counted as arriving at a decode engine, or running anywhere
+        flow = gw.gateway.proxy.flow
+        assert wait_until(lambda: not flow._arriving, timeout=2.0)
+        assert all(not r.running and not r.tpot_counts for r in gw.gateway.fleet.records.values())
 
 
 def test_decode_placement_spreads_over_the_decode_pool(
