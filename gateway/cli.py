@@ -57,6 +57,10 @@ def _experiment(args: argparse.Namespace) -> int:
         from gateway.simulator.pd_experiment import pd_main
 
         return pd_main(args)
+    if args.experiment == "prefix":
+        from gateway.simulator.prefix_experiment import prefix_main
+
+        return prefix_main(args)
     if args.experiment == "autoscale":
         from gateway.simulator.autoscale_experiment import autoscale_main
 
@@ -160,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_pd_arguments(
         exp_sub.add_parser("pd", help="offline P/D: one-shot RR pairing vs two-stage; FIFO vs RMLQ transfers")
+    )
+    from gateway.simulator.prefix_experiment import add_prefix_arguments
+
+    add_prefix_arguments(
+        exp_sub.add_parser(
+            "prefix", help="offline KV-cache-aware routing: hit rate, TTFT, SLO and load per routing profile"
+        )
     )
     from gateway.simulator.autoscale_experiment import add_autoscale_arguments
 

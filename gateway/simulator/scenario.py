@@ -63,6 +63,9 @@ class Scenario:
     transfer_order: str = "fifo"
     #: the engines' KV link bandwidth, GB/s (None: the engine profile's)
     link_gbps: float | None = None
+    #: each engine's KV cache in blocks (None: the engine profile's ``num_gpu_blocks``); the
+    #: gateway learns it from the scrapes, as live
+    num_gpu_blocks: int | None = None
     #: P/D: each decode engine's speed relative to its profile (missing ones: 1), configured as
     #: its ``time_scale`` so the gateway's prior knows it (a slower accelerator in the pool)
     decode_speeds: tuple[float, ...] = ()
@@ -190,6 +193,10 @@ class Simulation:
         if scenario.link_gbps is not None:
             link = profile.transfer.model_copy(update={"link_bandwidth_gbps": scenario.link_gbps})
             profile = profile.model_copy(update={"transfer": link})
+        if scenario.num_gpu_blocks is not None:
+            if scenario.num_gpu_blocks < 1:
+                raise ValueError(f"num_gpu_blocks must be >= 1, got {scenario.num_gpu_blocks}")
+            profile = profile.model_copy(update={"num_gpu_blocks": scenario.num_gpu_blocks})
         self.clock = EventQueue()
         self.gateway = self._gateway(scenario, settings, profile)
         self.nodes = [
