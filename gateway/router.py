@@ -221,8 +221,10 @@ class Router:
         """Another dispatcher (HyperFlexis) placed ``request`` on ``engine_id``: the prefix index
         and the affinity store learn it as they do from :meth:`choose`."""
         if self._explain and request.request_id in self._explain:
-            view = request if self.prefix is None else self.prefix.annotate(
-                request, self.fleet.candidates(request.model, now), now
+            view = (
+                request
+                if self.prefix is None
+                else self.prefix.annotate(request, self.fleet.candidates(request.model, now), now)
             )
             self._explain[request.request_id](self._decision(view, engine_id, self.policy, ()))
         if self.prefix is not None:

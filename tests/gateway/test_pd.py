@@ -253,7 +253,7 @@ def test_role_flip_waits_for_running_streams(fleet: dict[str, ChildProcess], tmp
             assert flip.json()["drained_s"] > 0
             assert not d1.running
             for future in streams:
-                text, usage = answer_of(future.result(), True)
+                _, usage = answer_of(future.result(), True)
                 assert usage["completion_tokens"] == 160
         after = chat(gw, LONG, True)
         assert after.headers["x-slogate-engine"] == "d0"

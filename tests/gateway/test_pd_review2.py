@@ -27,7 +27,11 @@ def test_bootstrap_decode_refusal_is_reported_not_replaced_by_no_decode_engine(t
     engine', which becomes the client's error (the decode engine is in rotation and said why)."""
     with engines(bootstrap_prefill, bootstrap_prefill, status_after(503, 0.0)) as (p0, p1, decode):
         boot = {"kv_transfer": "bootstrap", "bootstrap_port": 8998}
-        config = [entry(p0, "p0", "prefill", **boot), entry(p1, "p1", "prefill", **boot), entry(decode, "d0", "decode")]
+        config = [
+            entry(p0, "p0", "prefill", **boot),
+            entry(p1, "p1", "prefill", **boot),
+            entry(decode, "d0", "decode"),
+        ]
         with run_gateway(engines=config, routing_profile=profile(tmp_path)) as gw:
             response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
             assert response.status_code >= 500

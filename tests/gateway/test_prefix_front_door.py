@@ -55,16 +55,25 @@ def test_the_vectorised_encoder_gives_the_tokenizer_s_ids() -> None:
 def test_a_chat_is_keyed_as_the_engine_renders_it_and_history_is_cached() -> None:
     cache = MessageTokens()
     system = english_text(3_000, seed=1)
-    history = [{"role": "system", "content": system}, {"role": "user", "content": english_text(2_000, seed=2)}]
+    history = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": english_text(2_000, seed=2)},
+    ]
     first = chat_token_ids(history, cache)
     assert first.tolist() == reference_token_ids(history)
     assert cache.misses == 2 and cache.hits == 0
-    turn = [*history, {"role": "assistant", "content": "sure"}, {"role": "user", "content": english_text(900)}]
+    turn = [
+        *history,
+        {"role": "assistant", "content": "sure"},
+        {"role": "user", "content": english_text(900)},
+    ]
     second = chat_token_ids(turn, cache)
     assert second.tolist() == reference_token_ids(turn)
     assert cache.hits == 2  # the history was not encoded again
     # multimodal-style content lists: the text parts, as the template joins them
-    parts = [{"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "here"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "here"}]}
+    ]
     assert chat_token_ids(parts, cache).tolist() == reference_token_ids(parts)
 
 
@@ -88,7 +97,9 @@ def test_prompt_ids_of_each_request_kind() -> None:
     # the same prompt keys the same blocks as the index's own tokens; cache_salt roots apart
     blocks = prompt_blocks(MODEL, chat)
     assert blocks is not None
-    assert blocks.hashes(4) == PromptBlocks(np.array(reference_token_ids(messages)), root_key(MODEL)).hashes(4)
+    assert blocks.hashes(4) == PromptBlocks(np.array(reference_token_ids(messages)), root_key(MODEL)).hashes(
+        4
+    )
     salted = prompt_blocks(MODEL, chat, "tenant-a")
     assert salted is not None and salted.hashes(4)[0] != blocks.hashes(4)[0]
 
@@ -111,7 +122,9 @@ def _decision(response: httpx.Response) -> dict[str, str]:
     return dict(part.split("=", 1) for part in header.split("; "))
 
 
-def test_a_session_s_next_turn_goes_where_its_history_is_cached(kv_engines: list[tuple[ChildProcess, int]]) -> None:
+def test_a_session_s_next_turn_goes_where_its_history_is_cached(
+    kv_engines: list[tuple[ChildProcess, int]],
+) -> None:
     engines = [
         engine_entry(proc, kv_events_endpoint=f"tcp://127.0.0.1:{port}", kv_events_topic="kv")
         for proc, port in kv_engines

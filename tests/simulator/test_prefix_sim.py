@@ -29,4 +29,3 @@ def test_the_index_is_fed_by_dispatches_and_kv_events_and_routing_finds_the_hist
     assert baseline.gateway.prefix is None
     # measured 0.78 vs 0.58 (seed 1); the engines' cache here holds much of the working set
     assert _hit_rate(aware) > 1.2 * _hit_rate(baseline)
-
