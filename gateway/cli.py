@@ -26,18 +26,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def pd_split(text: str) -> tuple[int, int]:
-    """``P:D`` -> (prefill engines, decode engines), each at least 1."""
-    prefill, sep, decode = text.partition(":")
-    try:
-        counts = (int(prefill), int(decode))
-    except ValueError:
-        counts = (0, 0)
-    if not sep or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), got {text!r}")
-    return counts
-
-
 def _up(args: argparse.Namespace) -> int:
     from gateway.up import run_up
 
@@ -119,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.set_defaults(func=_serve)
 
+    from gateway.simulator.cli import pd_counts
+
     p = sub.add_parser("up", help="run the gateway with simulated engines on this machine")
     p.add_argument("--config", type=Path, help="extra gateway settings (YAML)")
     p.add_argument("--host", default="127.0.0.1")
@@ -126,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=2, help="number of simulated engines")
     p.add_argument(
         "--pd",
-        type=pd_split,
+        type=pd_counts,
         metavar="P:D",
         help="disaggregated: P prefill and D decode engines (instead of --engines collocated ones)",
     )

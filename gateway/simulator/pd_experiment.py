@@ -50,6 +50,7 @@ from typing import Any
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
+from gateway.simulator.cli import pd_counts
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.scenario import Scenario, run
 
@@ -369,17 +370,6 @@ def _plot_decode(ax: Any, points: list[Point]) -> None:
     ax.legend(fontsize=8)
 
 
-def _pd(text: str) -> tuple[int, int]:
-    prefill, sep, decode = text.partition(":")
-    try:
-        counts = (int(prefill), int(decode))
-    except ValueError:
-        counts = (0, 0)
-    if not sep or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"--pd takes P:D with P, D >= 1 (e.g. 2:2), got {text!r}")
-    return counts
-
-
 def _floats(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -391,7 +381,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pd", type=_pd, default=(2, 2), metavar="P:D", help="prefill:decode engines")
+    parser.add_argument("--pd", type=pd_counts, default=(2, 2), metavar="P:D", help="prefill:decode engines")
     parser.add_argument("--profile", default="qwen-7b", help="engine profile (profiles/engines)")
     parser.add_argument("--workload", default="hyperflexis-4task")
     parser.add_argument("--policy", default="hyperflexis", help="the two-stage prefill routing profile")
