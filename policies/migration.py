@@ -111,6 +111,24 @@ _GUIDED_FIELDS = (
 )
 
 
+#: every body field :func:`unsupported` reads (a body with none of them is resumable as it is)
+UNSUPPORTED_FIELDS = frozenset(
+    (
+        "n",
+        "best_of",
+        "use_beam_search",
+        *_GUIDED_FIELDS,
+        "response_format",
+        "tools",
+        "tool_choice",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "stop",
+    )
+)
+
+
 def unsupported(body: Mapping[str, Any]) -> str | None:
     """Why a request cannot be resumed on another engine with the same result; None when it can.
 

@@ -45,6 +45,7 @@ from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
 from policies.migration import (
+    UNSUPPORTED_FIELDS,
     Candidate,
     MigrationReason,
     MigrationSettings,
@@ -65,28 +66,7 @@ PATHS = {"chat": "/v1/chat/completions", "completions": COMPLETIONS}
 TOKEN_ID_KINDS = frozenset(("vllm", "sim"))
 #: body fields :func:`policies.migration.unsupported` reads; a body with none of them is
 #: accepted without decoding it (a large body parsed in a worker stays undecoded)
-_POLICY_FIELDS = frozenset(
-    (
-        "n",
-        "best_of",
-        "use_beam_search",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "response_format",
-        "tools",
-        "tool_choice",
-        "logprobs",
-        "top_logprobs",
-        "prompt_logprobs",
-        "stop",
-    )
-)
+_POLICY_FIELDS = UNSUPPORTED_FIELDS
 #: sampling fields carried to the continuation as the client sent them (the rest of a chat or
 #: completions body describes the prompt or the answer's shape, which the continuation replaces)
 _CARRIED = (
