@@ -24,6 +24,8 @@ SHIPPED = {
     "hyperflexis-4task",
     "long-tail",
     "multi-turn",
+    "prefix-sessions",
+    "prefix-trap",
     "priority-ramp",
     "tpot-bound",
     "trace-mmpp",
