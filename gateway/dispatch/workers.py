@@ -131,11 +131,15 @@ class HyperFlexisWorkers:
         behind an engine with nothing to do); an engine back in health is mature at once."""
         engine_id = record.engine_id
         model = record.model
-        if what == "role":  # drained, flipped or back in rotation: a fresh look either way
-            if record.adapter.role in FRONT_ROLES and not record.draining:
+        in_front = record.adapter.role in FRONT_ROLES and not record.draining
+        if what == "role":  # drained, flipped or back in rotation: a fresh look, or out
+            if in_front:
                 self.unpark(model, engine_id, -math.inf)
+            elif engine_id in self.maturity:
+                self._parked[model].pop(engine_id, None)
+                self.set(model, engine_id, math.inf)  # its own events no longer wake it
             return
-        if engine_id not in self.maturity:
+        if engine_id not in self.maturity or not in_front:
             return
         if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
             # (a non-streamed answer shows no first token: its end shows the prefill was done)

@@ -17,7 +17,7 @@ from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
-from policies.api import EngineState, RequestView
+from policies.api import EngineState, RequestView, Role
 from policies.hyperflexis import HyperFlexisParams
 from policies.pipeline import compile_profile
 from policies.queue_order import QueuedRequest, make_order
@@ -567,3 +567,19 @@ def test_a_claimed_tiny_ttft_cannot_shrink_the_budget_below_the_profiles_tightes
     view = RequestView("r-1", "a", 100, 10, 0.0)
     core.submit(core.ticket(view, 0.001, 0.1, "c", RunningEntry(100, 10, 0.1, 0.0), 0.0), 0.0)
     assert core._tightest("a", 1.0) == 0.5
+
+
+def test_an_engine_flipped_to_decode_leaves_the_hyperflexis_workers_until_it_returns() -> None:
+    """Its own events (a decode's release, a first token) no longer wake it as a worker, and the
+    queue's placements never go to it; flipped back, it is a worker at once."""
+    fleet = offline_fleet({"a": 2})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    fleet.set_role("a-1", Role.DECODE)
+    assert math.isinf(core.workers.maturity["a-1"])
+    fleet.reserve("a-1", "decode-0", RunningEntry(100, 10, 0.1, 0.0))
+    fleet.release("a-1", "decode-0")  # a decode stage's end on it
+    assert math.isinf(core.workers.maturity["a-1"])
+    placed = [core.submit(ticket(f"r-{i}"), 10.0) for i in range(3)]
+    assert all(p is None or p.engine_id == "a-0" for p in placed)
+    fleet.set_role("a-1", Role.PREFILL)
+    assert core.workers.maturity["a-1"] == -math.inf
