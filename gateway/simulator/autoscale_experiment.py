@@ -32,7 +32,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from gateway.experiments.workload import RequestSpec
 from gateway.experiments.workloads import load_workload
 from gateway.simulator.autoscale import AutoscaleConfig
 from gateway.simulator.capacity import engine_capacity
+from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import Scenario, run
 
 WINDOW_S = 5.0
@@ -353,19 +353,16 @@ def autoscale_main(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    points: list[Point] = []
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
-        futures = {pool.submit(run_job, job): job for job in jobs}
-        for done, future in enumerate(as_completed(futures), start=1):
-            job = futures[future]
-            p = future.result()
-            points.append(p)
-            print(
-                f"[autoscale] ({done}/{len(jobs)}) {job.shape} / {p.arm}: {p.attainment:.1%} attained, "
-                f"{p.engine_s:,.0f} engine-s, {p.requests} requests in {p.wall_s:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+
+    def report(done: int, job: tuple[Job], p: Point) -> None:
+        print(
+            f"[autoscale] ({done}/{len(jobs)}) {job[0].shape} / {p.arm}: {p.attainment:.1%} attained, "
+            f"{p.engine_s:,.0f} engine-s, {p.requests} requests in {p.wall_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    points = run_jobs(run_job, [(job,) for job in jobs], args.jobs, report)
     order = {(j.shape, j.arm.name): i for i, j in enumerate(jobs)}
     points.sort(key=lambda p: order[(p.shape, p.arm)])
     header = (

@@ -15,14 +15,15 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
 from gateway.experiments.runner import split_prio
 from gateway.simulator.capacity import engine_capacity
+from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import RunResult, Scenario, run
 
 #: the issue's bars: never more than this below the best baseline; this ratio where it must win
@@ -203,24 +204,21 @@ def grid_main(args: argparse.Namespace) -> int:
         f"[grid] {len(grid)} cells x {len(policies)} policies = {len(jobs)} runs", file=sys.stderr, flush=True
     )
     started = time.perf_counter()
-    results: list[Result] = []
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
-        futures = {
-            pool.submit(
-                _run, cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed)
-            ): (cell, policy)
-            for cell, policy in jobs
-        }
-        for done, future in enumerate(as_completed(futures), start=1):
-            cell, policy = futures[future]
-            result = future.result()
-            results.append(result)
-            print(
-                f"[grid] ({done}/{len(jobs)}) {cell.name}, {policy}: {result.attainment:.1%} "
-                f"({result.requests} requests, {time.perf_counter() - started:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+
+    def report(done: int, job: tuple[Any, ...], result: Result) -> None:
+        cell, policy = job[0], job[1]
+        print(
+            f"[grid] ({done}/{len(jobs)}) {cell.name}, {policy}: {result.attainment:.1%} "
+            f"({result.requests} requests, {time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    runs = [
+        (cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed))
+        for cell, policy in jobs
+    ]
+    results = run_jobs(_run, runs, args.jobs, report)
     order = {(c, p): i for i, (c, p) in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.cell, r.policy)])
     text = render(results, args.candidate)

@@ -43,7 +43,6 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
 from gateway.simulator.cli import pd_counts
 from gateway.simulator.disturbance import Disturbance
+from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import Scenario, run
 
 TARGET_RATIO = 2.5
@@ -441,24 +441,20 @@ def pd_main(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    points: list[Point] = []
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
-        futures = {
-            pool.submit(_run, part, series, sc, case): (series, sc, case) for part, series, sc, case in jobs
-        }
-        for done, future in enumerate(as_completed(futures), start=1):
-            series, sc, case = futures[future]
-            point = future.result()
-            points.append(point)
-            link = f", link {sc.link_gbps:g} GB/s" if sc.link_gbps is not None else ""
-            where = f"{case}: " if case else ""
-            print(
-                f"[pd] ({done}/{len(jobs)}) {where}{series} @ {sc.qps:g} QPS{link}: {point.attainment:.1%} "
-                f"attained, TTFT {point.ttft_attainment:.1%} ({point.requests} requests, "
-                f"{time.perf_counter() - started:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+
+    def report(done: int, job: tuple[str, str, Scenario, str], point: Point) -> None:
+        _, series, sc, case = job
+        link = f", link {sc.link_gbps:g} GB/s" if sc.link_gbps is not None else ""
+        where = f"{case}: " if case else ""
+        print(
+            f"[pd] ({done}/{len(jobs)}) {where}{series} @ {sc.qps:g} QPS{link}: {point.attainment:.1%} "
+            f"attained, TTFT {point.ttft_attainment:.1%} ({point.requests} requests, "
+            f"{time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    points = run_jobs(_run, jobs, args.jobs, report)
     text = render(points)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

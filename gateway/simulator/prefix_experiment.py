@@ -29,13 +29,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
 from gateway.experiments.workload import RequestSpec
+from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import Scenario, Simulation
 
 ROUND_ROBIN = "round-robin"
@@ -320,20 +321,18 @@ def prefix_main(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    points: list[Point] = []
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(jobs)))) as pool:
-        futures = {pool.submit(run_point, sc): sc for sc in jobs}
-        for done, future in enumerate(as_completed(futures), start=1):
-            p = future.result()
-            points.append(p)
-            print(
-                f"[prefix] ({done}/{len(jobs)}) {p.workload} {p.policy} @ {p.qps:g} QPS: "
-                f"hit {p.hit_rate:.1%}, "
-                f"TTFT p99 {p.ttft_p99_s:.2f} s, {p.attainment:.1%} attained, max/mean {p.imbalance:.2f} "
-                f"({time.perf_counter() - started:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+
+    def report(done: int, _: tuple[Any, ...], p: Point) -> None:
+        print(
+            f"[prefix] ({done}/{len(jobs)}) {p.workload} {p.policy} @ {p.qps:g} QPS: "
+            f"hit {p.hit_rate:.1%}, "
+            f"TTFT p99 {p.ttft_p99_s:.2f} s, {p.attainment:.1%} attained, max/mean {p.imbalance:.2f} "
+            f"({time.perf_counter() - started:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    points = run_jobs(run_point, [(sc,) for sc in jobs], args.jobs, report)
     from gateway.experiments.workloads import load_workload
 
     oracle = {
