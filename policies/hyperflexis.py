@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
@@ -168,6 +168,16 @@ class HyperFlexisParams:
     #: strict arrival a long batch must not block is one like those recently seen); 0: always
     #: the tightest TTFT of the SLO profile, whether or not any request asks for it
     tightest_window_s: float = 30.0
+    #: prefer, among the workers of a turn, the one whose engine holds the most of a request's
+    #: prompt in its prefix cache, and predict each prefill from the tokens not cached there
+    #: (needs the gateway's prefix index: a routing profile with this on gets one)
+    prefix_preference: bool = False
+    #: a worker leaves a request to a worker later in the same turn that holds at least this
+    #: fraction of its prompt more (smaller differences save less prefill than a wait costs)
+    prefix_margin: float = 0.1
+    #: a request may wait for a worker holding more of its prompt that is not mature yet, up to
+    #: this share of its TTFT target after its arrival (0: only workers mature in the same turn)
+    prefix_max_wait: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
@@ -176,8 +186,18 @@ class HyperFlexisParams:
             raise ValueError(f"budget_ttft_share must be in (0, 1], got {self.budget_ttft_share}")
         if self.tightest_window_s < 0:
             raise ValueError(f"tightest_window_s must be >= 0, got {self.tightest_window_s}")
+        if not 0.0 <= self.prefix_margin <= 1.0 or not 0.0 <= self.prefix_max_wait <= 1.0:
+            raise ValueError(
+                f"prefix_margin and prefix_max_wait must be in [0, 1], got {self.prefix_margin}, "
+                f"{self.prefix_max_wait}"
+            )
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
+
+
+#: a request id -> prompt tokens each engine holds cached (engines holding none may be left out),
+#: or None when nothing is known of the request's prompt
+PrefixLookup = Callable[[str], Mapping[str, int] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +206,8 @@ class Assignment:
     engine_id: str
     #: False when the request was admitted by idle backfill with p < theta
     feasible: bool = True
+    #: prompt tokens the engine was predicted to hold cached (``prefix_preference``)
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +344,8 @@ def dispatch(
     tightest_ttft_s: float = math.inf,
     late_last: OrderContext | None = None,
     queue_min_need: int = 0,
+    cached: PrefixLookup | None = None,
+    soon: Mapping[str, float] | None = None,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -343,9 +367,19 @@ def dispatch(
 
     ``queue_min_need``: the least KV (prompt + output bound) any queued request needs, when the
     caller keeps it (0 otherwise); a busy worker with less free takes nothing, without a scan.
+
+    ``cached`` (with ``params.prefix_preference``): what each engine holds of a request's prompt.
+    A worker then predicts each prefill from the tokens not cached on its engine, and leaves a
+    request to a worker whose turn is still to come in this call and holds at least
+    ``prefix_margin`` of its prompt more; once every worker of the turn has had its look, a
+    worker that left something looks again, so a request the better-placed worker turned down is
+    not stranded. ``soon``: the maturity of workers not in this call that hold a prefix of a
+    request; a request is left to one of them too while its wait for it stays within
+    ``prefix_max_wait`` of its TTFT target (the worker leaving it looks again when that ends).
     """
     prefix = _QueuePrefix(queue)
-    order = [(w.maturity, i) for i, w in enumerate(workers)]
+    # (time, tiebreak, index): a second look is ordered after every first one due by ``now``
+    order = [(w.maturity, i, i) for i, w in enumerate(workers)]
     heapq.heapify(order)
     running: dict[str, _Shadow] = {}  # each examined worker's running + taken
     taken: set[str] = set()
@@ -353,49 +387,78 @@ def dispatch(
     maturity: dict[str, float] = {}
     prefill_s: dict[str, float] = {}
     full: set[str] = set()
+    lookup = cached if params.prefix_preference else None
+    # workers due in this call whose first look is still to come: the ones a request may be left to
+    pending = {w.engine_id for w in workers if w.maturity <= now} if lookup is not None else set()
+    looked_again: set[str] = set()
+    turn = _Turn(
+        prefix, taken, now, params, tightest_ttft_s, late_last, queue_min_need, lookup, pending, soon or {}
+    )
 
     while order and order[0][0] <= now:
-        _, index = heapq.heappop(order)
+        _, _, index = heapq.heappop(order)
         worker = workers[index]
+        if pending:
+            pending.discard(worker.engine_id)
         shadow = running.get(worker.engine_id)
         if shadow is None:
             shadow = running[worker.engine_id] = _Shadow(worker)
-        admitted, late_at, exhausted, slack_bound = _fill_worker(
-            prefix, worker, shadow, taken, now, params, tightest_ttft_s, late_last, queue_min_need
-        )
+        admitted, late_at, exhausted, slack_bound, left = _fill_worker(turn, worker, shadow)
         if exhausted:
             break  # every request is taken: this and the other mature workers stay mature
         if not admitted and not slack_bound:
             full.add(worker.engine_id)
-        for item, feasible in admitted:
+        for item, feasible, prefill_tokens in admitted:
             taken.add(item.view.request_id)
-            assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible))
-            shadow.add(item.view.prompt_tokens, item.tpot_slo)
+            cached_tokens = item.view.prompt_tokens - prefill_tokens
+            assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible, cached_tokens))
+            shadow.add(prefill_tokens, item.tpot_slo)
         next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
-        maturity[worker.engine_id] = next_time
         if admitted:
             prefill_s[worker.engine_id] = e_p
-        heapq.heappush(order, (next_time, index))
+            maturity[worker.engine_id] = next_time
+        elif worker.engine_id not in prefill_s:  # (a second look that took nothing keeps the first's)
+            maturity[worker.engine_id] = next_time
+        if left and worker.engine_id not in looked_again:
+            looked_again.add(worker.engine_id)
+            heapq.heappush(order, (now, len(workers) + len(looked_again), index))
+        else:
+            heapq.heappush(order, (maturity[worker.engine_id], index, index))
 
     remaining = prefix.untaken(taken, 1)
     wake_at = order[0][0] if order and remaining else math.inf
     return HyperFlexisDecision(tuple(assignments), maturity, wake_at, frozenset(full), prefill_s)
 
 
+class _Turn(NamedTuple):
+    """What every worker's look in one :func:`dispatch` call shares."""
+
+    queue: _QueuePrefix
+    taken: set[str]
+    now: float
+    params: HyperFlexisParams
+    tightest_ttft_s: float
+    late_last: OrderContext | None
+    queue_min_need: int
+    cached: PrefixLookup | None
+    #: workers whose first look in this call is still to come
+    pending: set[str]
+    #: workers not looking in this call that hold a prefix of a request to look at: their maturity
+    soon: Mapping[str, float]
+
+
 def _fill_worker(
-    queue: _QueuePrefix,
-    worker: WorkerView,
-    shadow: _Shadow,
-    taken: set[str],
-    now: float,
-    params: HyperFlexisParams,
-    tightest_ttft_s: float,
-    late_last: OrderContext | None = None,
-    queue_min_need: int = 0,
-) -> tuple[list[tuple[QueuedRequest, bool]], float, bool, bool]:
-    """One worker's turn: what it admits, when a candidate it skipped for slack turns late
-    (``inf`` if none), whether the queue had nothing left for it to look at, and whether any
-    candidate was turned down for slack (rather than for seqs, KV or budget)."""
+    turn: _Turn, worker: WorkerView, shadow: _Shadow
+) -> tuple[list[tuple[QueuedRequest, bool, int]], float, bool, bool, bool]:
+    """One worker's look: what it admits (each with the prompt tokens it must prefill), when a
+    candidate it skipped for slack turns late (``inf`` if none), whether the queue had nothing
+    left for it to look at, whether any candidate was turned down for slack (rather than for
+    seqs, KV or budget), and whether it left any to a worker holding more of its prompt."""
+    queue, taken, now, params = turn.queue, turn.taken, turn.now, turn.params
+    tightest_ttft_s, late_last, queue_min_need = turn.tightest_ttft_s, turn.late_last, turn.queue_min_need
+    cached = turn.cached
+    engine_id = worker.engine_id
+    left = False
     coeffs = worker.prefill_coeffs
     decode_s = shadow.decode_step(worker.decode_coeffs)
     # eq.(1) over (waiting + candidate) kept as running sums: O(1) per candidate examined
@@ -406,7 +469,7 @@ def _fill_worker(
     free_seqs = worker.max_num_seqs - shadow.count
     kv_left = worker.free_kv_tokens
     budget_left: int | None = None
-    admitted: list[tuple[QueuedRequest, bool]] = []
+    admitted: list[tuple[QueuedRequest, bool, int]] = []
     late_at = math.inf
     slack_bound = False
     candidates = _Candidates(queue, taken, params.max_scan)
@@ -425,7 +488,7 @@ def _fill_worker(
     if shadow.count and kv_left < queue_min_need:
         # a busy engine woken by a completion, with most of its cache still held: not one queued
         # request fits the KV left, so say so without scanning (see kv_bound)
-        return [], late_at, not queue.untaken(taken, 1), False
+        return [], late_at, not queue.untaken(taken, 1), False, False
     # The scans below index the candidates (grown on demand) rather than iterate them, and
     # inline eq.(1) for one prompt and the lane's last feasible start (the same floating-point
     # operations as predict_prefill and last_feasible_start): most candidates a turn examines are
@@ -458,7 +521,6 @@ def _fill_worker(
             budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1])
         view = item.view
         prompt = view.prompt_tokens
-        need_kv = prompt + view.max_output_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
         deadline = view.arrival + item.ttft_slo
@@ -469,6 +531,16 @@ def _fill_worker(
             # wake this worker; "full" is only for workers nothing could fit)
             slack_bound = True
             break
+        if cached is not None:
+            prompt, leave_until = _uncached(turn, item, engine_id)
+            if leave_until >= now:
+                # a worker still to look in this turn, or soon, skips more of its prefill
+                left = True
+                if leave_until > now:
+                    late_at = min(late_at, leave_until)  # look again when the wait for it ends
+                continue
+        # (blocks of a cached prefix are shared: only the rest of the prompt and the output need room)
+        need_kv = prompt + view.max_output_tokens
         if (prompt > budget_left and admitted) or need_kv > kv_left:
             misses += 1
             continue
@@ -489,14 +561,14 @@ def _fill_worker(
             if turns_late > now:
                 late_at = min(late_at, turns_late)
             continue
-        admitted.append((item, True))
+        admitted.append((item, True, prompt))
         waiting_sum += prompt
         waiting_squares += prompt * prompt
         budget_left -= prompt
         kv_left -= need_kv
         free_seqs -= 1
     if params.late_backfill and budget_left is not None:
-        chosen = {item.view.request_id for item, _ in admitted}
+        chosen = {item.view.request_id for item, _, _ in admitted}
         misses = 0
         i = 0
         while i < len(items) or grow():
@@ -513,6 +585,13 @@ def _fill_worker(
             if view.request_id in chosen:
                 continue
             prompt = view.prompt_tokens
+            if cached is not None:
+                prompt, leave_until = _uncached(turn, item, engine_id)
+                if leave_until >= now:
+                    left = True
+                    if leave_until > now:
+                        late_at = min(late_at, leave_until)
+                    continue
             need_kv = prompt + view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
             # the next urgent arrival waits behind (it still goes to an idle worker)
@@ -521,7 +600,7 @@ def _fill_worker(
                 continue
             if view.arrival + item.ttft_slo >= now + (a + b * prompt + c * (prompt * prompt)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
-            admitted.append((item, False))
+            admitted.append((item, False, prompt))
             budget_left -= prompt
             kv_left -= need_kv
             free_seqs -= 1
@@ -529,9 +608,40 @@ def _fill_worker(
         # An idle worker takes the head if its prompt fits: a max_tokens as large as the context
         # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
         head = candidates.items[0]
-        if head.view.prompt_tokens < worker.free_kv_tokens:
-            admitted.append((head, False))
-    return admitted, late_at, not candidates, slack_bound
+        prompt, leave_until = (
+            (head.view.prompt_tokens, -math.inf) if cached is None else _uncached(turn, head, engine_id)
+        )
+        if head.view.prompt_tokens < worker.free_kv_tokens and leave_until < now:
+            admitted.append((head, False, prompt))
+    return admitted, late_at, not candidates, slack_bound, left
+
+
+def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, float]:
+    """The prompt tokens ``engine_id`` would prefill for the request (what it does not hold
+    cached), and until when the request is left to another worker: one holding at least
+    ``prefix_margin`` of the prompt more whose look comes later in this turn (``now``: it looks
+    before this worker looks again) or soon (its maturity, while that is within
+    ``prefix_max_wait`` of the request's TTFT target since it arrived; the end of that wait).
+    ``-inf``: not left."""
+    assert turn.cached is not None
+    view = item.view
+    prompt = view.prompt_tokens
+    held = turn.cached(view.request_id)
+    if not held or prompt <= 0:
+        return prompt, -math.inf
+    mine = held.get(engine_id, 0)
+    enough = mine + max(1.0, turn.params.prefix_margin * prompt)
+    pending = turn.pending
+    if pending and any(n >= enough for e, n in held.items() if e in pending):
+        return prompt, turn.now
+    soon = turn.soon
+    if soon:
+        wait_ends = view.arrival + turn.params.prefix_max_wait * item.ttft_slo
+        if wait_ends > turn.now and any(
+            n >= enough and soon.get(e, math.inf) <= wait_ends for e, n in held.items()
+        ):
+            return prompt, wait_ends
+    return prompt - min(mine, prompt), -math.inf
 
 
 def shortened_maturity(

@@ -61,7 +61,7 @@ class RoutingProfile:
         """The profile scores prefix matches (its pipeline, or HyperFlexis preferring the worker
         holding most of a request's prompt)."""
         hyperflexis = self.dispatcher.hyperflexis
-        prefers = hyperflexis is not None and getattr(hyperflexis, "prefix_weight", 0.0) > 0
+        prefers = hyperflexis is not None and hyperflexis.prefix_preference
         return prefers or bool(self.plugin_names() & PREFIX_PLUGINS)
 
     @property

@@ -39,7 +39,7 @@ from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
 from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
-from policies.hyperflexis import HyperFlexisParams, WorkerView, kv_bound
+from policies.hyperflexis import HyperFlexisParams, PrefixLookup, WorkerView, kv_bound
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
 from policies.latency_fit import Coeffs
 from policies.queue_order import (
@@ -54,6 +54,8 @@ from policies.queue_order import (
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
 UNPARK_PER_ARRIVAL = 4
+#: queued requests (from the head) whose prefix holders join a HyperFlexis turn that prefers them
+PREFIX_HOLDERS_SCAN = 8
 #: earliest-deadline requests of a full class examined for the queue-full prune
 PRUNE_SCAN = 8
 #: batch members stamped together when one joins (bounds the cost of a client's huge batch)
@@ -386,6 +388,7 @@ class DispatchCore:
     def retry(self, ticket: Ticket, exclude: Collection[str], now: float) -> EngineRecord:
         """Another engine for a request whose engine failed before its first byte: placed at once
         (it was admitted already), never on an engine in ``exclude``."""
+        ticket.entry.cached_tokens = 0  # (what the failed engine held is not on this one)
         record = self._choose(ticket, exclude, now)
         if record is None:
             raise self.no_engine(ticket.item.view.model)
@@ -450,16 +453,55 @@ class DispatchCore:
         queue = self.queues[model]
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
-        workers = self.workers.pop_mature(model, now, len(queue) + (arrival is not None))
+        limit = len(queue) + (arrival is not None)
+        workers = self.workers.pop_mature(model, now, limit)
         if not workers:
             return
+        lookup: PrefixLookup | None = None
+        soon: dict[str, float] = {}
         try:
-            self._run_hyperflexis(model, queue, workers, now, arrival)
+            if self.hyperflexis.prefix_preference and self.router.prefix is not None:
+                lookup, soon = self._prefix_holders(model, queue, workers, now, arrival, limit)
+            self._run_hyperflexis(model, queue, workers, now, arrival, lookup, soon)
         except BaseException:
             # a bug must not strand the workers it had popped: they stay mature for the next try
             for worker in workers:
                 self.workers.set(model, worker.engine_id, worker.maturity)
             raise
+
+    def _prefix_holders(
+        self,
+        model: str,
+        queue: AdmissionQueue,
+        workers: list[WorkerView],
+        now: float,
+        arrival: Ticket | None,
+        limit: int,
+    ) -> tuple[PrefixLookup | None, dict[str, float]]:
+        """The prefix index's lookup for this turn; added to ``workers``, the mature workers
+        holding a prefix of the requests the turn will look at first (``pop_mature`` takes only as
+        many workers as there are requests, which are rarely the ones holding their prompts); and
+        the maturity of the holders not mature yet."""
+        assert self.router.prefix is not None
+        maturity = self.workers.maturity
+        engines = [e for e, r in self.fleet.records.items() if r.model == model and e in maturity]
+        lookup = self.router.prefix.lookup(engines, now)
+        if lookup is None:
+            return None, {}
+        first = (
+            (arrival.item,)
+            if arrival is not None
+            else queue.head(now, self.context(model, now), min(limit, PREFIX_HOLDERS_SCAN))
+        )
+        looking = {w.engine_id for w in workers}
+        holders: dict[str, None] = {}
+        for item in first:
+            for engine_id in lookup(item.view.request_id) or ():
+                if engine_id not in looking:
+                    holders[engine_id] = None
+        workers.extend(self.workers.take_mature(model, holders, now))
+        soon = {e: at for e in holders if now < (at := maturity[e]) < math.inf}
+        return lookup, soon
 
     def _run_hyperflexis(
         self,
@@ -468,6 +510,8 @@ class DispatchCore:
         workers: list[WorkerView],
         now: float,
         arrival: Ticket | None = None,
+        lookup: PrefixLookup | None = None,
+        soon: dict[str, float] | None = None,
     ) -> None:
         assert self.hyperflexis is not None
         ctx = self.context(model, now)
@@ -494,18 +538,22 @@ class DispatchCore:
         else:
             queue.peek(now, ctx)  # adopts ctx as a push would: the late lane's context below
             head = (arrival.item,)
+        looking = workers[lead:] if lead else workers
         decision = hyperflexis_dispatch(
             head,
-            workers[lead:] if lead else workers,
+            looking,
             now,
             self.hyperflexis,
             self._tightest(model, now),
             # the context the queue keyed its late part with (it lags ours within a tolerance)
             queue.context if isinstance(self.order, LateLast) else None,
             min_need,
+            lookup,
+            soon,
         )
         for assignment in decision.assignments:
             if arrival is not None:  # (the only request this turn could take)
+                arrival.entry.cached_tokens = assignment.cached_tokens
                 self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
                 wait = max(0.0, now - arrival.enqueued_at)
                 metrics.deferred(metrics.QUEUE_WAIT, arrival.slo_class).observe(wait)
@@ -514,9 +562,10 @@ class DispatchCore:
             assigned = self.tickets.get(assignment.request_id)
             queue.remove(assignment.request_id)
             if assigned is not None:  # (always, while queues hold only live tickets)
+                assigned.entry.cached_tokens = assignment.cached_tokens
                 self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
-        for worker in workers[lead:] if lead else workers:
+        for worker in looking:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
             if at == math.inf:
                 # a full worker waits for its own completions and scrapes; one held back by

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter, mul
 
 from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
@@ -121,6 +121,27 @@ class HyperFlexisWorkers:
                 continue
             workers.append(self._view(record, at))
         return workers
+
+    def take_mature(self, model: str, engine_ids: Iterable[str], now: float) -> list[WorkerView]:
+        """The workers among ``engine_ids`` whose maturity has come and that may take work, as
+        views, out of the heap (like :meth:`pop_mature`, whatever their place in it): the caller
+        sets each one's maturity after the turn."""
+        views = []
+        for engine_id in engine_ids:
+            at = self.maturity.get(engine_id)
+            if at is None or at > now:
+                continue
+            record = self.fleet.records[engine_id]
+            if (
+                record.model != model
+                or not record.healthy
+                or record.draining
+                or record.adapter.role not in FRONT_ROLES
+            ):
+                continue
+            self._version[engine_id] += 1  # its heap entry is superseded until the caller's set()
+            views.append(self._view(record, at))
+        return views
 
     def on_engine_event(self, record: EngineRecord, what: str) -> None:
         """Wake what the event may have changed: a parked or full worker looks again at its own

@@ -23,6 +23,7 @@ from gateway.fleet.block_hash import PromptBlocks
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.registry import Fleet
 from policies.api import Affinity, EngineSnapshot, PrefixMatch, RequestView
+from policies.hyperflexis import PrefixLookup
 from policies.plugins.affinity import AffinityStore
 
 #: requests attached and not yet detached beyond which the oldest are dropped: a front-door path
@@ -92,6 +93,29 @@ class PrefixRouting:
         if prefix is view.prefix and affinity is view.affinity:
             return view
         return replace(view, prefix=prefix, affinity=affinity)
+
+    def lookup(self, engine_ids: Sequence[str], now: float) -> PrefixLookup | None:
+        """What each of ``engine_ids`` holds of a request's prompt, by request id, as the index
+        knows it at ``now`` (None without an index): HyperFlexis's turn reads it for the requests
+        it examines, each once."""
+        index = self.index
+        if index is None:
+            return None
+        index.expire(now)
+        attached = self._attached
+        seen: dict[str, dict[str, int] | None] = {}
+
+        def held(request_id: str) -> dict[str, int] | None:
+            if request_id in seen:
+                return seen[request_id]
+            entry = attached.get(request_id)
+            match = None
+            if entry is not None and entry.prompt is not None:
+                match = {e: n for e, n in index.cached_tokens(entry.prompt, engine_ids).items() if n} or None
+            seen[request_id] = match
+            return match
+
+        return held
 
     def dispatched(self, request_id: str, engine_id: str, now: float) -> None:
         """The router chose ``engine_id``: the prompt will be cached there, the session goes there

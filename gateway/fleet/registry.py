@@ -41,6 +41,9 @@ class RunningEntry:
     #: a P/D decode stage: its prompt's KV comes from a prefill engine, so its first token is a
     #: decode step there, not a prefill
     remote_kv: bool = False
+    #: prompt tokens the dispatcher expected the engine to find in its prefix cache: they wait
+    #: for no prefill there (set per reservation; 0 when nothing is known)
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -60,8 +63,12 @@ class EngineRecord:
     in_flight_tokens: int = 0
     last_error: str = ""
     running: dict[str, RunningEntry] = field(default_factory=dict)
-    #: prompt tokens of running requests whose first token has not come yet, by request id
+    #: prompt tokens of running requests whose first token has not come yet (less what the
+    #: dispatcher expected cached there), by request id
     unprefilled: dict[str, int] = field(default_factory=dict)
+    #: prompt tokens each running request was expected to find cached here (shared blocks: they
+    #: take no new KV), by request id, when any
+    cached: dict[str, int] = field(default_factory=dict)
     #: sum over running requests of prompt tokens + tokens generated so far (the decode batch's
     #: current length), kept as requests come, stream and go
     running_tokens: int = 0
@@ -299,13 +306,18 @@ class Fleet:
         record = self.records[engine_id]
         if request_id in record.running:
             raise KeyError(f"request {request_id!r} already holds a reservation on {engine_id}")
+        cached = min(entry.cached_tokens, entry.prompt_tokens)
+        if cached > 0:
+            record.cached[request_id] = cached
+        else:
+            cached = 0
         record.in_flight += 1
-        record.in_flight_tokens += entry.prompt_tokens + entry.max_tokens
+        record.in_flight_tokens += entry.prompt_tokens - cached + entry.max_tokens
         record.running[request_id] = entry
         record.running_tokens += entry.prompt_tokens + entry.generated
         record.tpot_counts[entry.tpot_slo] = record.tpot_counts.get(entry.tpot_slo, 0) + 1
         if not entry.prefilled:
-            record.unprefilled[request_id] = entry.prompt_tokens
+            record.unprefilled[request_id] = entry.prompt_tokens - cached
         self._dirty.add(record.index)
 
     def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
@@ -314,7 +326,8 @@ class Fleet:
         entry = record.running.pop(request_id, None)
         if entry is not None:
             record.in_flight -= 1
-            record.in_flight_tokens -= entry.prompt_tokens + entry.max_tokens
+            cached = record.cached.pop(request_id, 0) if record.cached else 0
+            record.in_flight_tokens -= entry.prompt_tokens - cached + entry.max_tokens
             record.running_tokens -= entry.prompt_tokens + entry.generated
             record.unprefilled.pop(request_id, None)
             left = record.tpot_counts[entry.tpot_slo] - 1

@@ -6,7 +6,9 @@ gateway's own dispatch core, prefix index and affinity store (fed by the dispatc
 engines' KV events, as live). Two workloads:
 
 * ``prefix-sessions``: 200 sessions x 5 turns whose prompts re-send the growing history;
-* ``prefix-trap``: 80 % of the requests start with one long system prompt (the hot-spot trap).
+* ``prefix-trap``: 80 % of the requests start with one long system prompt (the hot-spot trap);
+* ``prefix-history``: sessions as in the first, with no system prompt shared between them: only a
+  session's own history can be found cached, so routing alone decides the hit rate.
 
 Each policy (routing profile) runs over a QPS sweep per workload. Per point: the prefix-cache hit
 rate *as the engines report it* (prompt tokens found computed over prompt tokens queried, summed
@@ -16,8 +18,10 @@ each spent stepping). Alongside, the hit rate an oracle would get (every request
 prefix any earlier request sent, in whole blocks, cached wherever it goes): the ceiling.
 
 The verdict per workload is taken at the highest QPS where round robin still attains >= 50 %:
-ours (``--ours``, prefix-aware by default) against the issue's four targets: hit rate >= 2x round
-robin's, TTFT p99 <= least load's, max/mean load <= 1.3, attainment >= every peer-style profile's.
+each of ours (``--ours``: prefix-aware and hyperflexis-prefix by default) against the issue's four
+targets: hit rate >= 2x round robin's, TTFT p99 <= least load's, max/mean load <= 1.3, attainment
+>= every peer-style profile's. With ``--seeds N`` every point is run with N seeds and reported as
+their mean (the range of hit rate and attainment beside it; max/mean load is the worst seed's).
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from gateway.simulator.scenario import Scenario, Simulation
 ROUND_ROBIN = "round-robin"
 LEAST_LOAD = "least-load"
 PEERS = ("sglang", "llm-d", "dynamo")
-POLICIES = (ROUND_ROBIN, LEAST_LOAD, *PEERS, "gimbal", "prefix-aware")
-WORKLOADS = ("prefix-sessions", "prefix-trap")
+OURS = ("prefix-aware", "hyperflexis-prefix")
+POLICIES = (ROUND_ROBIN, LEAST_LOAD, *PEERS, "gimbal", "hyperflexis", *OURS)
+WORKLOADS = ("prefix-sessions", "prefix-trap", "prefix-history")
 HIT_RATIO = 2.0
 MAX_IMBALANCE = 1.3
 
@@ -64,15 +69,63 @@ class Point:
     #: engine -> requests it served / seconds it spent stepping
     served: dict[str, int]
     busy: dict[str, float]
+    #: seeds averaged into this point, and the range over them
+    seeds: int = 1
+    hit_range: tuple[float, float] | None = None
+    attainment_range: tuple[float, float] | None = None
+    #: the worst seed's max/mean (None: computed from ``served`` / ``busy``)
+    worst_imbalance: float | None = None
+    worst_busy_imbalance: float | None = None
 
     @property
     def imbalance(self) -> float:
         """max/mean of the requests served per engine."""
+        if self.worst_imbalance is not None:
+            return self.worst_imbalance
         return _max_over_mean(list(self.served.values()))
 
     @property
     def busy_imbalance(self) -> float:
+        if self.worst_busy_imbalance is not None:
+            return self.worst_busy_imbalance
         return _max_over_mean(list(self.busy.values()))
+
+
+def combine(points: Sequence[Point]) -> Point:
+    """One point's seeds as one: means of the rates and percentiles, sums of the counts, the
+    worst seed's imbalance."""
+    if len(points) == 1:
+        return points[0]
+    n = len(points)
+    first = points[0]
+    served: dict[str, int] = {}
+    busy: dict[str, float] = {}
+    for p in points:
+        for e, k in p.served.items():
+            served[e] = served.get(e, 0) + k
+        for e, b in p.busy.items():
+            busy[e] = busy.get(e, 0.0) + b
+    hits = [p.hit_rate for p in points]
+    attained = [p.attainment for p in points]
+    return Point(
+        first.workload,
+        first.policy,
+        first.qps,
+        sum(p.requests for p in points),
+        sum(hits) / n,
+        sum(p.ttft_p50_s for p in points) / n,
+        sum(p.ttft_p99_s for p in points) / n,
+        sum(attained) / n,
+        sum(p.errors for p in points),
+        sum(p.preemptions for p in points),
+        served,
+        busy,
+        n,
+        (min(hits), max(hits)),
+        (min(attained), max(attained)),
+        max(p.imbalance for p in points),
+        max(p.busy_imbalance for p in points),
+    )
 
 
 def _max_over_mean(values: Sequence[float]) -> float:
@@ -199,7 +252,13 @@ def verdict(points: Sequence[Point], workload: str, ours: str) -> Verdict:
     return Verdict(workload, qps, tuple(checks))
 
 
-def render(points: Sequence[Point], ours: str, oracle: dict[str, float], blocks: int) -> str:
+def _with_range(value: float, span: tuple[float, float] | None) -> str:
+    if span is None:
+        return f"{value:.1%}"
+    return f"{value:.1%} ({span[0]:.1%}-{span[1]:.1%})"
+
+
+def render(points: Sequence[Point], ours: Sequence[str], oracle: dict[str, float], blocks: int) -> str:
     lines: list[str] = []
     order = list(dict.fromkeys(p.policy for p in points))
     order.sort(key=lambda name: POLICIES.index(name) if name in POLICIES else len(POLICIES))
@@ -214,21 +273,28 @@ def render(points: Sequence[Point], ours: str, oracle: dict[str, float], blocks:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in sorted(mine, key=lambda p: (p.qps, order.index(p.policy))):
-            name = f"**{p.policy}**" if p.policy == ours else p.policy
+            name = f"**{p.policy}**" if p.policy in ours else p.policy
             lines.append(
-                f"| {p.qps:g} | {name} | {p.hit_rate:.1%} | {p.ttft_p50_s:.2f} | {p.ttft_p99_s:.2f} | "
-                f"{p.attainment:.1%} | {p.imbalance:.2f} | {p.busy_imbalance:.2f} | {p.preemptions} | "
-                f"{p.errors} |"
+                f"| {p.qps:g} | {name} | {_with_range(p.hit_rate, p.hit_range)} | {p.ttft_p50_s:.2f} | "
+                f"{p.ttft_p99_s:.2f} | {_with_range(p.attainment, p.attainment_range)} | {p.imbalance:.2f} | "
+                f"{p.busy_imbalance:.2f} | {p.preemptions} | {p.errors} |"
             )
-        v = verdict(points, workload, ours)
+        seeds = max(p.seeds for p in mine)
+        if seeds > 1:
+            lines += [
+                "",
+                f"(each point: the mean of {seeds} seeds, the range in brackets; max/mean: worst seed)",
+            ]
         lines.append("")
-        if v.qps is None:
+        for me in (m for m in ours if any(p.policy == m for p in mine)):
+            v = verdict(points, workload, me)
+            if v.qps is None:
+                lines.append(
+                    f"Verdict ({workload}): round robin never attains >= 50 % in this sweep (lower --qps)."
+                )
+                break
             lines.append(
-                f"Verdict ({workload}): round robin never attains >= 50 % in this sweep (lower --qps)."
-            )
-        else:
-            lines.append(
-                f"Verdict ({workload}, {ours}) at {v.qps:g} QPS, the highest where round robin attains "
+                f"Verdict ({workload}, {me}) at {v.qps:g} QPS, the highest where round robin attains "
                 f">= 50 %: {'all targets met' if v.met else 'NOT all targets met'}."
             )
             lines += [
@@ -279,7 +345,9 @@ def _floats(text: str) -> list[float]:
 
 def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="routing profiles, comma-separated")
-    parser.add_argument("--ours", default="prefix-aware", help="the profile the verdict is about")
+    parser.add_argument(
+        "--ours", default=",".join(OURS), help="the profiles the verdicts are about, comma-separated"
+    )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="workloads (loadtest/workloads), comma-separated"
     )
@@ -295,6 +363,10 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
         default=[8.0, 16.0, 20.0, 24.0, 28.0, 32.0],
         help="QPS sweep of prefix-trap (and of any other workload)",
     )
+    parser.add_argument(
+        "--history-qps", type=_floats, default=[4.0, 8.0, 12.0, 16.0], help="QPS sweep of prefix-history"
+    )
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per point (seed, seed+1, ...)")
     parser.add_argument("--kv-blocks", type=int, default=2048, help="KV cache blocks per engine")
     parser.add_argument("--requests", type=int, default=1000, help="requests per point")
     parser.add_argument("--seed", type=int, default=0)
@@ -304,15 +376,20 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prefix_main(args: argparse.Namespace) -> int:
     pyplot()
-    if args.kv_blocks < 1 or args.requests < 1 or args.jobs < 1:
-        raise SystemExit("slogate experiment prefix: --kv-blocks, --requests and --jobs must be >= 1")
+    if args.kv_blocks < 1 or args.requests < 1 or args.jobs < 1 or args.seeds < 1:
+        raise SystemExit(
+            "slogate experiment prefix: --kv-blocks, --requests, --jobs and --seeds must be >= 1"
+        )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    ours = [p.strip() for p in args.ours.split(",") if p.strip()]
+    sweeps = {"prefix-sessions": args.sessions_qps, "prefix-history": args.history_qps}
     jobs = [
-        scenario(w, policy, qps, args.kv_blocks, args.requests, args.seed)
+        scenario(w, policy, qps, args.kv_blocks, args.requests, args.seed + k)
         for w in workloads
-        for qps in (args.sessions_qps if w == "prefix-sessions" else args.trap_qps)
+        for qps in sweeps.get(w, args.trap_qps)
         for policy in policies
+        for k in range(args.seeds)
     ]
     print(
         f"[prefix] {len(jobs)} runs: 4 engines x {args.kv_blocks} KV blocks, {len(policies)} policies, "
@@ -332,20 +409,27 @@ def prefix_main(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    points = run_jobs(run_point, [(sc,) for sc in jobs], args.jobs, report)
+    runs = run_jobs(run_point, [(sc,) for sc in jobs], args.jobs, report)
+    by_point: dict[tuple[str, str, float], list[Point]] = {}
+    for p in runs:
+        by_point.setdefault((p.workload, p.policy, p.qps), []).append(p)
+    points = [combine(group) for group in by_point.values()]
     from gateway.experiments.workloads import load_workload
 
     oracle = {
         w: oracle_hit_rate(load_workload(w, qps=10.0, requests=args.requests, seed=args.seed))
         for w in workloads
     }
-    text = render(points, args.ours, oracle, args.kv_blocks)
+    text = render(points, ours, oracle, args.kv_blocks)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefix.md").write_text(text + "\n")
-    verdicts = [asdict(verdict(points, w, args.ours)) for w in workloads]
+    verdicts = [
+        asdict(verdict(points, w, me)) | {"ours": me} for w in workloads for me in ours if me in policies
+    ]
     payload = {
         "kv_blocks": args.kv_blocks,
+        "seeds": args.seeds,
         "oracle_hit_rate": oracle,
         "points": [
             {**asdict(p), "imbalance": p.imbalance, "busy_imbalance": p.busy_imbalance} for p in points

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
 from gateway.dispatch.offline import offline_fleet
+from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.fleet.block_hash import PromptBlocks, root_key
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prefix_routing import PrefixRouting
@@ -14,7 +16,10 @@ from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router, load_pipeline
 from gateway.tokenizer import apply_chat_template, encode
 from policies.api import EngineState, RequestView
+from policies.hyperflexis import HyperFlexisParams
+from policies.pipeline import compile_profile
 from policies.plugins.affinity import MemoryAffinityStore, affinity_key
+from policies.queue_order import QueuedRequest, make_order
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles" / "routing"
 MODEL = "m"
@@ -124,3 +129,85 @@ def test_gimbal_profile_through_the_router() -> None:
     routing.attach("g3", None, key)
     chosen = router.choose(_view("g3"), now=2.0)
     assert chosen is not None and chosen.engine_id == ENGINES[0]
+
+
+def _hyperflexis_core(prefer: bool) -> tuple[Fleet, DispatchCore, PrefixRouting]:
+    fleet = offline_fleet({MODEL: 4})
+    routing = PrefixRouting(fleet, PrefixIndex(1 << 24, 120.0), None)
+    router = Router(fleet, compile_profile({"scorers": [{"name": "least_load"}]}), routing)
+    params = HyperFlexisParams(prefix_preference=prefer, budget_ttft_share=1.0)
+    core = DispatchCore(
+        fleet,
+        router,
+        make_order("slo_tpot", {}),
+        lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
+        lambda _: ClassLimits(),
+        hyperflexis=params,
+    )
+    return fleet, core, routing
+
+
+def _ticket(rid: str, prompt: PromptBlocks, now: float) -> Ticket:
+    view = RequestView(rid, MODEL, len(prompt), 20, arrival=now)
+    item = QueuedRequest(view=view, ttft_slo=5.0, tpot_slo=0.2, seq=int(rid[1:]), queue_deadline=now + 30.0)
+    return Ticket(item, "c", RunningEntry(len(prompt), 20, 0.2, now), now)
+
+
+def test_hyperflexis_places_each_request_where_its_prefix_is_cached() -> None:
+    # four conversations, each cached on a different engine (in reverse order of the engines);
+    # every worker is held until t=1, so the four wait in the queue for one HyperFlexis turn
+    prompts = {f"r{i}": _chat(SYSTEM + f" conversation {i} " * 40, f"question {i}") for i in range(4)}
+    homes = {rid: ENGINES[3 - i] for i, rid in enumerate(prompts)}
+    for prefer in (True, False):
+        _, core, routing = _hyperflexis_core(prefer)
+        assert routing.index is not None
+        for rid, prompt in prompts.items():
+            routing.index.record_dispatch(homes[rid], prompt, 0.0)
+            routing.attach(rid, prompt, None)
+        for engine in ENGINES:
+            core.workers.set(MODEL, engine, 1.0)
+        for rid, prompt in prompts.items():
+            assert core.submit(_ticket(rid, prompt, 0.5), 0.5) is None  # queued
+        core.step(1.0)
+        placed = {rid: record.engine_id for rid, record in core.outbox}
+        assert set(placed) == set(prompts)
+        if prefer:
+            assert placed == homes
+        else:  # the same turn without the preference: queue order over the workers' order
+            assert placed != homes
+        # the index's approximate feed saw each choice: its own prompt is now cached where it went
+        for rid, engine in placed.items():
+            assert routing.index.cached_tokens(prompts[rid], [engine])[engine] >= len(prompts[rid]) - 16
+
+
+def test_hyperflexis_prefix_profile_builds_an_index() -> None:
+    from gateway.dispatch.build import RoutingProfile
+
+    assert RoutingProfile.load(PROFILES / "hyperflexis-prefix.yaml").reads_prefix
+    assert not RoutingProfile.load(PROFILES / "hyperflexis.yaml").reads_prefix
+
+
+def test_an_arrival_goes_to_the_mature_worker_holding_its_prefix() -> None:
+    # an empty queue: the arrival is decided with one popped worker, which is not the holder;
+    # the holder, mature too, joins the turn
+    prompt = _chat(SYSTEM, "a question whose history lives on the last engine")
+    for prefer, expected in ((True, ENGINES[3]), (False, None)):
+        fleet, core, routing = _hyperflexis_core(prefer)
+        assert routing.index is not None
+        routing.index.record_dispatch(ENGINES[3], prompt, 0.0)
+        routing.attach("r1", prompt, None)
+        record = core.submit(_ticket("r1", prompt, 0.5), 0.5)
+        assert record is not None
+        if expected is not None:
+            assert record.engine_id == expected
+            # its reservation counts only the uncached part as waiting for prefill and as KV
+            held = fleet.records[expected]
+            cached = held.cached["r1"]
+            assert cached >= len(prompt) - 16
+            assert held.unprefilled["r1"] == len(prompt) - cached
+            assert held.in_flight_tokens == len(prompt) - cached + 20
+            fleet.release(expected, "r1")
+            assert held.in_flight_tokens == 0 and not held.cached and not held.unprefilled
+        else:
+            assert record.engine_id != ENGINES[3]
+            assert not fleet.records[record.engine_id].cached

@@ -26,6 +26,7 @@ SHIPPED = {
     "multi-turn",
     "prefix-sessions",
     "prefix-trap",
+    "prefix-history",
     "priority-ramp",
     "tpot-bound",
     "trace-mmpp",

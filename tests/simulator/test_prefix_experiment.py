@@ -13,6 +13,7 @@ from gateway.experiments.workload import RequestSpec
 from gateway.simulator.prefix_experiment import (
     Point,
     add_prefix_arguments,
+    combine,
     oracle_hit_rate,
     prefix_main,
     run_point,
@@ -125,6 +126,8 @@ def test_the_command_writes_table_json_and_plot(tmp_path: Path) -> None:
             "8",
             "--trap-qps",
             "8",
+            "--seeds",
+            "2",
             "--requests",
             "60",
             "--kv-blocks",
@@ -138,6 +141,31 @@ def test_the_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert prefix_main(args) == 0
     text = (tmp_path / "prefix.md").read_text()
     assert "### prefix-sessions" in text and "### prefix-trap" in text and "**prefix-aware**" in text
+    assert "mean of 2 seeds" in text and "Verdict (prefix-sessions, prefix-aware)" in text
+    assert "hyperflexis-prefix" not in text  # one of ours by default, not run here: no verdict
     data = json.loads((tmp_path / "prefix.json").read_text())
-    assert len(data["points"]) == 6 and data["kv_blocks"] == 512
+    assert len(data["points"]) == 6 and data["kv_blocks"] == 512 and data["seeds"] == 2
+    assert all(p["seeds"] == 2 and p["requests"] == 120 for p in data["points"])
     assert (tmp_path / "prefix.png").stat().st_size > 0
+
+
+def test_seeds_combine_into_means_with_their_range_and_the_worst_imbalance() -> None:
+    a = _point("p", 10, 0.4, 2.0, 0.8, [30, 10])
+    b = _point("p", 10, 0.6, 4.0, 1.0, [20, 20])
+    both = combine([a, b])
+    assert both.seeds == 2 and both.requests == 200
+    assert both.hit_rate == pytest.approx(0.5) and both.hit_range == (0.4, 0.6)
+    assert both.attainment == pytest.approx(0.9) and both.attainment_range == (0.8, 1.0)
+    assert both.ttft_p99_s == pytest.approx(3.0)
+    assert both.served == {"e0": 50, "e1": 30}
+    assert both.imbalance == pytest.approx(1.5)  # the first seed's 30/20, not the sums' 50/40
+    assert combine([a]) is a
+
+
+def test_hyperflexis_prefix_finds_more_history_than_hyperflexis() -> None:
+    # history only: a turn finds its prompt cached only where its session went; HyperFlexis
+    # without the index spreads the turns like round robin does
+    plain = run_point(scenario("prefix-history", "hyperflexis", 6.0, 2048, 300, 0))
+    aware = run_point(scenario("prefix-history", "hyperflexis-prefix", 6.0, 2048, 300, 0))
+    assert aware.hit_rate >= 1.5 * plain.hit_rate
+    assert aware.attainment >= plain.attainment - 0.02

@@ -1,0 +1,169 @@
+"""HyperFlexis with the prefix index's matches (``prefix_preference``): literal queues and workers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import pytest
+
+from policies.hyperflexis import HyperFlexisParams, RunningRequest, dispatch
+from tests.policies.test_hyperflexis import DECODE, PREFILL, req, worker
+
+ON = HyperFlexisParams(prefix_preference=True, budget_ttft_share=1.0)
+
+
+def lookup(table: Mapping[str, Mapping[str, int]]):  # type: ignore[no-untyped-def]
+    calls: list[str] = []
+
+    def held(rid: str) -> Mapping[str, int] | None:
+        calls.append(rid)
+        return table.get(rid)
+
+    held.calls = calls  # type: ignore[attr-defined]
+    return held
+
+
+def placed(decision) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {a.request_id: a.engine_id for a in decision.assignments}
+
+
+def test_request_goes_to_the_worker_holding_its_prefix_though_another_looks_first() -> None:
+    # w0 is the earlier worker (it looks first); w1 holds 900 of a's 1,000 prompt tokens
+    queue = [req("a", prompt=1000), req("b", prompt=100)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0)]
+    held = lookup({"a": {"w1": 900}})
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w1", "b": "w0"}
+    # the same call without the lookup, or with the preference off: queue order, first worker
+    assert placed(dispatch(queue, workers, 0.0, ON)) == {"a": "w0", "b": "w0"}
+    off = HyperFlexisParams(budget_ttft_share=1.0)
+    assert placed(dispatch(queue, workers, 0.0, off, cached=held)) == {"a": "w0", "b": "w0"}
+
+
+def test_small_difference_is_not_worth_leaving_for() -> None:
+    queue = [req("a", prompt=1000)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0)]
+    # w1 holds 5 % more than w0: below the 10 % margin
+    held = lookup({"a": {"w0": 500, "w1": 550}})
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w0"}
+    # at a 2 % margin it is worth it
+    assert placed(
+        dispatch(
+            queue, workers, 0.0, HyperFlexisParams(prefix_preference=True, prefix_margin=0.02), cached=held
+        )
+    ) == {"a": "w1"}
+
+
+def test_only_workers_still_to_look_in_this_turn_are_waited_for() -> None:
+    # w1 is not mature: w0 must not leave the request to it (it might wait a whole turn)
+    queue = [req("a", prompt=1000)]
+    workers = [worker("w0", maturity=0.0), worker("w1", maturity=0.5)]
+    held = lookup({"a": {"w1": 1000}})
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w0"}
+
+
+def test_request_the_better_worker_turns_down_goes_back_to_the_first() -> None:
+    # w1 holds the prompt but has no KV room for its output: w0 looks again after w1 and takes it
+    queue = [req("a", prompt=1000, out=100)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0, kv=50)]
+    held = lookup({"a": {"w1": 1000}})
+    decision = dispatch(queue, workers, 0.0, ON, cached=held)
+    assert placed(decision) == {"a": "w0"}
+    assert decision.maturity["w0"] > 0.0  # a hold for the prefill it took, not a park
+    assert math.isinf(decision.wake_at)
+
+
+def test_second_look_that_takes_nothing_keeps_the_first_looks_hold() -> None:
+    # w0 takes b on its first look and leaves a to w1, which takes it: w0's second look finds
+    # nothing and its maturity stays the hold for b
+    queue = [req("a", prompt=1000), req("b", prompt=200)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0)]
+    held = lookup({"a": {"w1": 1000}})
+    decision = dispatch(queue, workers, 0.0, ON, cached=held)
+    assert placed(decision) == {"a": "w1", "b": "w0"}
+    alone = dispatch([req("b", prompt=200)], [worker("w0", maturity=-1.0)], 0.0, ON)
+    assert decision.maturity["w0"] == pytest.approx(alone.maturity["w0"])
+
+
+def test_cached_tokens_are_not_predicted_as_prefill() -> None:
+    # the budget over a 0.1 s TTFT at 0.05 s TPOT is 800 tokens (see test_token_budget_limits_the_batch):
+    # two 500-token prompts fit one turn only when 400 of each are cached on the worker
+    queue = [req("a", prompt=500, ttft=0.1, tpot=0.05), req("b", prompt=500, ttft=0.1, tpot=0.05)]
+    workers = [worker("w")]
+    assert placed(dispatch(queue, workers, 0.0, ON)) == {"a": "w"}
+    held = lookup({"a": {"w": 400}, "b": {"w": 400}})
+    decision = dispatch(queue, workers, 0.0, ON, cached=held)
+    assert placed(decision) == {"a": "w", "b": "w"}
+    # the hold amortises 200 prefill tokens, not 1,000
+    e_p = PREFILL[0] + PREFILL[1] * 200
+    assert decision.prefill_s["w"] == pytest.approx(e_p)
+
+
+def test_idle_backfill_leaves_a_late_head_to_the_worker_holding_it() -> None:
+    # a is late everywhere (arrived 10 s ago with a 1 s TTFT): the idle w0 would backfill it,
+    # but w1, still to look, holds it all
+    queue = [req("a", prompt=1000, arrival=-10.0)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0)]
+    held = lookup({"a": {"w1": 1000}})
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w1"}
+    assert placed(dispatch(queue, workers, 0.0, ON)) == {"a": "w0"}
+
+
+def test_busy_better_worker_does_not_starve_the_request() -> None:
+    # w1 holds the prompt but is loaded enough that a's chance there is below theta: a goes to w0
+    # in the same call (no request is left waiting for an event because of the preference)
+    busy = tuple(
+        RunningRequest(prompt_tokens=2000, generated=0, tpot_slo=0.1, prefilled=False) for _ in range(4)
+    )
+    queue = [req("a", prompt=1000, ttft=0.5)]
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0, running=busy)]
+    held = lookup({"a": {"w1": 1000}})
+    decision = dispatch(queue, workers, 0.0, ON, cached=held)
+    assert placed(decision) == {"a": "w0"}
+
+
+def test_each_request_is_looked_up_once_per_worker_look_at_most() -> None:
+    queue = [req(f"q{i}", prompt=100) for i in range(5)]
+    workers = [worker(f"w{i}", maturity=-float(i)) for i in range(3)]
+    held = lookup({"q0": {"w0": 100}})
+    dispatch(queue, workers, 0.0, ON, cached=held)
+    assert held.calls  # type: ignore[attr-defined]
+    assert len(held.calls) <= len(queue) * (len(workers) + 1)  # type: ignore[attr-defined]
+
+
+def test_prefix_margin_is_checked() -> None:
+    with pytest.raises(ValueError, match="prefix_margin"):
+        HyperFlexisParams(prefix_margin=1.5)
+
+
+del DECODE  # (imported for symmetry with the module it extends)
+
+
+def test_a_cached_prefix_needs_no_new_kv() -> None:
+    # 1,000 prompt + 100 output tokens; 300 KV tokens free: only the holder of 900 fits it
+    queue = [req("a", prompt=1000, out=100)]
+    held = lookup({"a": {"w": 900}})
+    assert placed(dispatch(queue, [worker("w", kv=300, running=BUSY)], 0.0, ON)) == {}
+    assert placed(dispatch(queue, [worker("w", kv=300, running=BUSY)], 0.0, ON, cached=held)) == {"a": "w"}
+
+
+BUSY = (RunningRequest(prompt_tokens=100, generated=10, tpot_slo=0.1, prefilled=True),)
+
+
+def test_a_request_waits_for_a_holder_maturing_within_its_wait() -> None:
+    # w1 holds the prompt and matures at 0.1; a arrived at 0 with a 1 s TTFT: it may wait for w1
+    # until 0.2 (prefix_max_wait 0.2 of its TTFT), and w0, which leaves it, looks again then
+    queue = [req("a", prompt=1000, ttft=1.0)]
+    held = lookup({"a": {"w1": 1000}})
+    decision = dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": 0.1})
+    assert placed(decision) == {}
+    assert decision.maturity["w0"] == pytest.approx(0.2)
+    # a holder maturing after the wait would end is not waited for
+    assert placed(dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": 0.3})) == {"a": "w0"}
+    # nor once the wait has run out (w0 looking again at 0.2)
+    assert placed(dispatch(queue, [worker("w0", maturity=0.2)], 0.2, ON, cached=held, soon={"w1": 0.21})) == {
+        "a": "w0"
+    }
+    # nor with prefix_max_wait 0
+    no_wait = HyperFlexisParams(prefix_preference=True, prefix_max_wait=0.0)
+    assert placed(dispatch(queue, [worker("w0")], 0.0, no_wait, cached=held, soon={"w1": 0.1})) == {"a": "w0"}
