@@ -144,6 +144,7 @@ class Gateway:
             await self.calibrator.stop()
         if self.proxy is not None:
             self.proxy.parser.close()
+            self.proxy.keyer.close()
         if self.dispatch is not None:
             await self.dispatch.stop()
         if self.monitor is not None:

@@ -326,6 +326,14 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="how long a dispatched prompt counts as cached on its engine without a KV event",
     )
+    engine_tokenizers: dict[str, Path] = Field(
+        default_factory=dict,
+        description="served model name -> directory of the model's Hugging Face tokenizer "
+        "(tokenizer.json, tokenizer_config.json or chat_template.jinja): the prefix index keys that "
+        "model's prompts with it, as vLLM tokenizes them, so the engines' KV events match; without "
+        "an entry a model's prompts are keyed with the gateway's own tokenizer (the simulated "
+        "engine's). Needs slogate[hf-tokenizer]",
+    )
     affinity_ttl_s: float = Field(
         default=600.0,
         gt=0,
@@ -440,6 +448,21 @@ class Settings(BaseSettings):
                 f"tracing_exporter: the OTLP {self.otlp_protocol} exporter is not installed; "
                 "pip install 'slogate[otlp]' (or set tracing_exporter: console)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_tokenizers_load(self) -> Settings:
+        if not self.engine_tokenizers:
+            return self
+        from gateway.fleet.engine_tokenizer import INSTALL_HINT, directory_problem, missing_packages
+
+        missing = missing_packages()
+        if missing:
+            raise ValueError(f"engine_tokenizers: {', '.join(missing)} not installed; {INSTALL_HINT}")
+        for model, directory in self.engine_tokenizers.items():
+            problem = directory_problem(directory)
+            if problem is not None:
+                raise ValueError(f"engine_tokenizers.{model}: {problem}")
         return self
 
     @model_validator(mode="after")

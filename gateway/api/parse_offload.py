@@ -13,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing
 import signal
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -34,11 +35,19 @@ class BodyParser:
     dying, bodies are parsed in place: slower for other streams, never an error for the client.
     """
 
-    def __init__(self, threshold: int, default_max_tokens: int, prompt_ids: bool = False) -> None:
+    def __init__(
+        self,
+        threshold: int,
+        default_max_tokens: int,
+        prompt_ids: bool = False,
+        engine_tokenizers: Mapping[str, str] | None = None,
+    ) -> None:
         self.threshold = threshold
         self.default_max_tokens = default_max_tokens
         #: the worker also computes the prompt's token ids (for the prefix index)
         self.prompt_ids = prompt_ids
+        #: model -> tokenizer directory: those models' prompts are keyed with their own tokenizer
+        self.engine_tokenizers = dict(engine_tokenizers or {})
         self._pool: ProcessPoolExecutor | None = None
         self._disabled = False
 
@@ -53,7 +62,13 @@ class BodyParser:
                     1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint
                 )
             future = asyncio.get_running_loop().run_in_executor(
-                pool, parse_summary, kind, raw, self.default_max_tokens, self.prompt_ids
+                pool,
+                parse_summary,
+                kind,
+                raw,
+                self.default_max_tokens,
+                self.prompt_ids,
+                self.engine_tokenizers,
             )
         except (OSError, NotImplementedError, RuntimeError) as exc:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)

@@ -25,8 +25,9 @@ from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
 from gateway.dispatch.slo_service import SloService, header_text
+from gateway.fleet.engine_tokenizer import PromptKeyer
 from gateway.fleet.prefix_routing import PrefixRouting
-from gateway.fleet.prompt_key import prompt_blocks, prompt_token_ids
+from gateway.fleet.prompt_key import prompt_blocks
 from gateway.fleet.registry import Fleet
 from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
@@ -96,7 +97,14 @@ class Proxy:
         #: the router, for ``x-slogate-debug`` decisions (None: no decisions reported)
         self.router = router
         keyed = prefix is not None and prefix.index is not None
-        self.parser = BodyParser(settings.offload_parse_bytes, settings.default_max_tokens, prompt_ids=keyed)
+        #: keys prompts for the prefix index (each model's engine tokenizer, else the gateway's)
+        self.keyer = PromptKeyer(settings.engine_tokenizers)
+        self.parser = BodyParser(
+            settings.offload_parse_bytes,
+            settings.default_max_tokens,
+            prompt_ids=keyed,
+            engine_tokenizers=self.keyer.directories,
+        )
         self._boot = os.urandom(4).hex()
         self._ids = itertools.count(1)
 
@@ -173,7 +181,7 @@ class Proxy:
                 span=span,
             )
             if self.prefix is not None:
-                self._attach(call, headers, identity.key_id)
+                await self._attach(call, headers, identity.key_id)
             if self.router is not None and headers.get(b"x-slogate-debug") in _DEBUG_ON:
                 self.router.explain(rid, _decision_receiver(call))
             status = await self._serve(call, receive)
@@ -223,7 +231,7 @@ class Proxy:
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
 
-    def _attach(self, call: Call, headers: dict[bytes, bytes], key_id: str | None) -> None:
+    async def _attach(self, call: Call, headers: dict[bytes, bytes], key_id: str | None) -> None:
         """Hand the router the request's prompt blocks (the prefix index's key) and session key:
         ``x-session-id``, else the body's ``user``, else the API key's fingerprint."""
         assert self.prefix is not None
@@ -231,9 +239,12 @@ class Proxy:
         blocks = None
         if self.prefix.index is not None and request.kind != "embeddings":
             t0 = time.perf_counter()
-            tokens = (
-                request.prompt_ids if request.parsed is None else prompt_token_ids(request.kind, request.body)
-            )
+            if request.parsed is None:  # keyed by the parsing worker
+                tokens = request.prompt_ids
+            else:
+                tokens = await self.keyer.token_ids_async(
+                    request.kind, request.body, request.model, len(request.raw)
+                )
             blocks = prompt_blocks(request.model, tokens, request.cache_salt)
             metrics.PREFIX_HASH.observe(time.perf_counter() - t0)
         key = None

@@ -14,6 +14,7 @@ messages or token ids (C-level where it can be).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,17 +87,21 @@ class ParsedRequest:
 
 
 def parse_summary(
-    kind: RouteKind, raw: bytes, default_max_tokens: int, prompt_ids: bool = False
+    kind: RouteKind,
+    raw: bytes,
+    default_max_tokens: int,
+    prompt_ids: bool = False,
+    engine_tokenizers: Mapping[str, str] | None = None,
 ) -> ParsedRequest:
     """:func:`parse_request` for a worker process: the routing fields only (cheap to send back),
     and with ``prompt_ids`` the prompt's token ids for the prefix index (computed here, off the
-    event loop)."""
+    event loop; with the model's tokenizer when ``engine_tokenizers`` names a directory for it)."""
     request = parse_request(kind, raw, default_max_tokens)
     summary = request.summary()
     if prompt_ids:
-        from gateway.fleet.prompt_key import prompt_token_ids
+        from gateway.fleet.engine_tokenizer import engine_prompt_token_ids
 
-        summary.prompt_ids = prompt_token_ids(kind, request.body)
+        summary.prompt_ids = engine_prompt_token_ids(kind, request.body, request.model, engine_tokenizers)
     return summary
 
 

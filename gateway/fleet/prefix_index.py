@@ -225,6 +225,16 @@ class PrefixIndex:
             )
         return out
 
+    def match_reported(self, blocks: PromptBlocks, engine_ids: Iterable[str]) -> dict[str, int]:
+        """:meth:`match` over what the engines' own KV events reported, without the dispatch
+        guesses (for checks that the precise feed keys blocks as the front door does)."""
+        out: dict[str, int] = {}
+        for engine_id in engine_ids:
+            entries = self._engines.get(engine_id)
+            precise = [] if entries is None else [g.keys for g in reversed(entries.precise)]
+            out[engine_id] = _leading(blocks.hashes(entries.block_size), precise) if entries else 0
+        return out
+
     def cached_tokens(self, blocks: PromptBlocks, engine_ids: Iterable[str]) -> dict[str, int]:
         """:meth:`match` in prompt tokens (blocks x each engine's block size)."""
         return {

@@ -88,6 +88,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{args.engine} ready in {engine.ready_seconds or 0:.1f} s", file=sys.stderr)
     print(f"URL:   {engine.url}  (OpenAI API under {engine.url}/v1)")
     print(f"model: {engine.model}")
+    if args.engine == "vllm":
+        from gateway.realengines.tiny_models import hf_model_dir
+
+        # the gateway keys this model's prompts as vLLM tokenizes them with this setting
+        tokenizer = hf_model_dir()
+        print(f"tokenizer: {tokenizer}  (gateway: engine_tokenizers: {{{engine.model}: {tokenizer}}})")
     print(f"pid:   {engine.pid}   log: {engine.log_path}")
     print("Ctrl-C to stop.", flush=True)
     try:

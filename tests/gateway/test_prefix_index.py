@@ -89,6 +89,18 @@ def test_stored_events_are_rehashed_from_their_tokens() -> None:
     assert index.stats.stored == 6
 
 
+def test_match_reported_counts_what_the_events_said_only() -> None:
+    index = _index("a")
+    tokens = _tokens(13, 6)
+    prompt = PromptBlocks(tokens, ROOT)
+    _store(index, "a", tokens[: 2 * BS], None)  # the engine reported two blocks
+    index.record_dispatch("a", prompt, now=0.0)  # the gateway guesses all six
+    assert index.match(prompt, ["a"]) == {"a": 6}
+    assert index.match_reported(prompt, ["a", "unknown"]) == {"a": 2, "unknown": 0}
+    index.drop_precise("a")
+    assert index.match_reported(prompt, ["a"]) == {"a": 0}
+
+
 def test_stored_under_a_lora_or_salt_root() -> None:
     index = _index("a")
     tokens = _tokens(6, 3)
