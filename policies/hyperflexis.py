@@ -178,6 +178,10 @@ class HyperFlexisParams:
     #: a request may wait for a worker holding more of its prompt that is not mature yet, up to
     #: this share of its TTFT target after its arrival (0: only workers mature in the same turn)
     prefix_max_wait: float = 0.2
+    #: the imbalance bound: a request is not left to a worker running more than this many requests
+    #: and ``prefix_max_ratio`` times more than the worker that would take it instead
+    prefix_max_spread: float = 2.0
+    prefix_max_ratio: float = 1.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
@@ -191,6 +195,8 @@ class HyperFlexisParams:
                 f"prefix_margin and prefix_max_wait must be in [0, 1], got {self.prefix_margin}, "
                 f"{self.prefix_max_wait}"
             )
+        if self.prefix_max_spread < 0 or self.prefix_max_ratio < 1:
+            raise ValueError("prefix_max_spread must be >= 0 and prefix_max_ratio >= 1")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
@@ -345,7 +351,7 @@ def dispatch(
     late_last: OrderContext | None = None,
     queue_min_need: int = 0,
     cached: PrefixLookup | None = None,
-    soon: Mapping[str, float] | None = None,
+    soon: Mapping[str, tuple[float, int]] | None = None,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -373,9 +379,11 @@ def dispatch(
     request to a worker whose turn is still to come in this call and holds at least
     ``prefix_margin`` of its prompt more; once every worker of the turn has had its look, a
     worker that left something looks again, so a request the better-placed worker turned down is
-    not stranded. ``soon``: the maturity of workers not in this call that hold a prefix of a
-    request; a request is left to one of them too while its wait for it stays within
-    ``prefix_max_wait`` of its TTFT target (the worker leaving it looks again when that ends).
+    not stranded. ``soon``: the maturity and running requests of workers not in this call that
+    hold a prefix of a request; a request is left to one of them too while its wait for it stays
+    within ``prefix_max_wait`` of its TTFT target (the worker leaving it looks again when that
+    ends). Never to a worker over the imbalance bound: more than ``prefix_max_spread`` requests
+    and ``prefix_max_ratio`` times above the worker that would take it instead.
     """
     prefix = _QueuePrefix(queue)
     # (time, tiebreak, index): a second look is ordered after every first one due by ``now``
@@ -390,9 +398,24 @@ def dispatch(
     lookup = cached if params.prefix_preference else None
     # workers due in this call whose first look is still to come: the ones a request may be left to
     pending = {w.engine_id for w in workers if w.maturity <= now} if lookup is not None else set()
+    # running requests per worker (taken in this call included), for the imbalance bound
+    loads: dict[str, int] = {}
+    if lookup is not None:
+        loads = {e: n for e, (_, n) in (soon or {}).items()}
+        loads.update((w.engine_id, _requests(w)) for w in workers)
     looked_again: set[str] = set()
     turn = _Turn(
-        prefix, taken, now, params, tightest_ttft_s, late_last, queue_min_need, lookup, pending, soon or {}
+        prefix,
+        taken,
+        now,
+        params,
+        tightest_ttft_s,
+        late_last,
+        queue_min_need,
+        lookup,
+        pending,
+        soon or {},
+        loads,
     )
 
     while order and order[0][0] <= now:
@@ -413,6 +436,8 @@ def dispatch(
             cached_tokens = item.view.prompt_tokens - prefill_tokens
             assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible, cached_tokens))
             shadow.add(prefill_tokens, item.tpot_slo)
+        if loads:
+            loads[worker.engine_id] = shadow.count
         next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
         if admitted:
             prefill_s[worker.engine_id] = e_p
@@ -443,8 +468,11 @@ class _Turn(NamedTuple):
     cached: PrefixLookup | None
     #: workers whose first look in this call is still to come
     pending: set[str]
-    #: workers not looking in this call that hold a prefix of a request to look at: their maturity
-    soon: Mapping[str, float]
+    #: workers not looking in this call that hold a prefix of a request to look at: their
+    #: maturity and running requests
+    soon: Mapping[str, tuple[float, int]]
+    #: running requests per worker that a request may be left to (and per worker looking)
+    loads: dict[str, int]
 
 
 def _fill_worker(
@@ -629,19 +657,29 @@ def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, fl
     held = turn.cached(view.request_id)
     if not held or prompt <= 0:
         return prompt, -math.inf
+    params = turn.params
     mine = held.get(engine_id, 0)
-    enough = mine + max(1.0, turn.params.prefix_margin * prompt)
+    enough = mine + max(1.0, params.prefix_margin * prompt)
+    loads = turn.loads
+    # the imbalance bound: the most running requests a worker may have to be left a request
+    load = loads.get(engine_id, 0)
+    bound = max(load + params.prefix_max_spread, params.prefix_max_ratio * load)
     pending = turn.pending
-    if pending and any(n >= enough for e, n in held.items() if e in pending):
+    if pending and any(n >= enough and loads.get(e, 0) <= bound for e, n in held.items() if e in pending):
         return prompt, turn.now
     soon = turn.soon
     if soon:
-        wait_ends = view.arrival + turn.params.prefix_max_wait * item.ttft_slo
+        wait_ends = view.arrival + params.prefix_max_wait * item.ttft_slo
         if wait_ends > turn.now and any(
-            n >= enough and soon.get(e, math.inf) <= wait_ends for e, n in held.items()
+            n >= enough and e in soon and soon[e][0] <= wait_ends and soon[e][1] <= bound
+            for e, n in held.items()
         ):
             return prompt, wait_ends
     return prompt - min(mine, prompt), -math.inf
+
+
+def _requests(worker: WorkerView) -> int:
+    return worker.load.requests if worker.load is not None else len(worker.running)
 
 
 def shortened_maturity(

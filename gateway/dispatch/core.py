@@ -458,7 +458,7 @@ class DispatchCore:
         if not workers:
             return
         lookup: PrefixLookup | None = None
-        soon: dict[str, float] = {}
+        soon: dict[str, tuple[float, int]] = {}
         try:
             if self.hyperflexis.prefix_preference and self.router.prefix is not None:
                 lookup, soon = self._prefix_holders(model, queue, workers, now, arrival, limit)
@@ -477,7 +477,7 @@ class DispatchCore:
         now: float,
         arrival: Ticket | None,
         limit: int,
-    ) -> tuple[PrefixLookup | None, dict[str, float]]:
+    ) -> tuple[PrefixLookup | None, dict[str, tuple[float, int]]]:
         """The prefix index's lookup for this turn; added to ``workers``, the mature workers
         holding a prefix of the requests the turn will look at first (``pop_mature`` takes only as
         many workers as there are requests, which are rarely the ones holding their prompts); and
@@ -500,7 +500,8 @@ class DispatchCore:
                 if engine_id not in looking:
                     holders[engine_id] = None
         workers.extend(self.workers.take_mature(model, holders, now))
-        soon = {e: at for e in holders if now < (at := maturity[e]) < math.inf}
+        records = self.fleet.records
+        soon = {e: (at, records[e].in_flight) for e in holders if now < (at := maturity[e]) < math.inf}
         return lookup, soon
 
     def _run_hyperflexis(
@@ -511,7 +512,7 @@ class DispatchCore:
         now: float,
         arrival: Ticket | None = None,
         lookup: PrefixLookup | None = None,
-        soon: dict[str, float] | None = None,
+        soon: dict[str, tuple[float, int]] | None = None,
     ) -> None:
         assert self.hyperflexis is not None
         ctx = self.context(model, now)

@@ -134,6 +134,8 @@ def test_each_request_is_looked_up_once_per_worker_look_at_most() -> None:
 def test_prefix_margin_is_checked() -> None:
     with pytest.raises(ValueError, match="prefix_margin"):
         HyperFlexisParams(prefix_margin=1.5)
+    with pytest.raises(ValueError, match="prefix_max_ratio"):
+        HyperFlexisParams(prefix_max_ratio=0.5)
 
 
 del DECODE  # (imported for symmetry with the module it extends)
@@ -155,15 +157,32 @@ def test_a_request_waits_for_a_holder_maturing_within_its_wait() -> None:
     # until 0.2 (prefix_max_wait 0.2 of its TTFT), and w0, which leaves it, looks again then
     queue = [req("a", prompt=1000, ttft=1.0)]
     held = lookup({"a": {"w1": 1000}})
-    decision = dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": 0.1})
+    decision = dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": (0.1, 0)})
     assert placed(decision) == {}
     assert decision.maturity["w0"] == pytest.approx(0.2)
     # a holder maturing after the wait would end is not waited for
-    assert placed(dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": 0.3})) == {"a": "w0"}
+    assert placed(dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": (0.3, 0)})) == {"a": "w0"}
     # nor once the wait has run out (w0 looking again at 0.2)
-    assert placed(dispatch(queue, [worker("w0", maturity=0.2)], 0.2, ON, cached=held, soon={"w1": 0.21})) == {
-        "a": "w0"
-    }
+    assert placed(
+        dispatch(queue, [worker("w0", maturity=0.2)], 0.2, ON, cached=held, soon={"w1": (0.21, 0)})
+    ) == {"a": "w0"}
     # nor with prefix_max_wait 0
     no_wait = HyperFlexisParams(prefix_preference=True, prefix_max_wait=0.0)
-    assert placed(dispatch(queue, [worker("w0")], 0.0, no_wait, cached=held, soon={"w1": 0.1})) == {"a": "w0"}
+    assert placed(dispatch(queue, [worker("w0")], 0.0, no_wait, cached=held, soon={"w1": (0.1, 0)})) == {
+        "a": "w0"
+    }
+
+
+def test_a_holder_over_the_imbalance_bound_is_not_preferred() -> None:
+    # w1 holds the prompt but runs 3 requests more than the idle w0 (spread 2, ratio 1.5): w0 takes it
+    three = BUSY * 3
+    queue = [req("a", prompt=1000)]
+    held = lookup({"a": {"w1": 1000}})
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0, running=three)]
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w0"}
+    # two more than w0: within the bound, left to w1
+    workers = [worker("w0", maturity=-1.0), worker("w1", maturity=0.0, running=BUSY * 2)]
+    assert placed(dispatch(queue, workers, 0.0, ON, cached=held)) == {"a": "w1"}
+    # the same bound for a holder maturing soon: its running count comes with its maturity
+    assert placed(dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": (0.1, 3)})) == {"a": "w0"}
+    assert placed(dispatch(queue, [worker("w0")], 0.0, ON, cached=held, soon={"w1": (0.1, 2)})) == {}
