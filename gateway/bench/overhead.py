@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -49,7 +50,7 @@ from gateway.bench.harness import (
     traced_stream,
     wait_until_served,
 )
-from gateway.procs import ChildProcess
+from gateway.procs import ChildProcess, spawn_listening
 
 MODEL = "bench-model"
 PACED_MODEL = "bench-paced"
@@ -327,6 +328,8 @@ class PacedResult:
     max_gap_ms: float
     #: the gateway's CPU with no request (monitor scrapes), subtracted from the figures above
     idle_cpu_ms_per_s: float
+    #: the same measurement through a bare relay on the same stack (gateway.bench.relay_floor)
+    floor: PacedResult | None = None
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         where = f"{self.streams} streams, {self.token_gap_ms:g} ms apart"
@@ -349,6 +352,24 @@ class PacedResult:
                 f"({self.events_per_stream[0]:.0f} / {self.events_per_stream[1]:.0f} events)",
                 "(reported)",
                 True,
+            ),
+            *(
+                [
+                    (
+                        "paced: a bare relay on the same stack, per event / per stream",
+                        f"{self.floor.cpu_us_per_sse_event:.1f} µs / {self.floor.cpu_ms_per_request:.3f} ms",
+                        "(the floor)",
+                        True,
+                    ),
+                    (
+                        "paced: the gateway's own code per event (above the floor)",
+                        f"{self.cpu_us_per_sse_event - self.floor.cpu_us_per_sse_event:.1f} µs",
+                        "(reported)",
+                        True,
+                    ),
+                ]
+                if self.floor is not None
+                else []
             ),
         ]
 
@@ -542,9 +563,14 @@ async def _measure_paced(
 
 
 def run_paced(
-    streams: int = 200, gap_ms: float = 20.0, tokens: tuple[int, int] = (16, 64), waves: int = 2
+    streams: int = 200,
+    gap_ms: float = 20.0,
+    tokens: tuple[int, int] = (16, 64),
+    waves: int = 2,
+    floor: bool = False,
 ) -> PacedResult:
-    """A paced engine and a fresh gateway; gateway CPU per event and per request. Blocking."""
+    """A paced engine and a fresh gateway; gateway CPU per event and per request; with ``floor``,
+    then the same through a bare relay on the same stack, in front of the same engine. Blocking."""
     if not 0 < tokens[0] < tokens[1]:
         raise ValueError(f"paced stream lengths must be two increasing token counts, got {tokens}")
     progress(f"starting an engine pacing tokens {gap_ms:g} ms apart and a single-worker gateway")
@@ -552,9 +578,18 @@ def run_paced(
         profile = paced_profile(Path(tmp), gap_ms / 1e3)
         with (
             spawn_paced_engine(PACED_MODEL, profile) as engine,
-            spawn_gateway([engine_entry(engine, PACED_MODEL)]) as gateway,
         ):
-            return asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves))
+            with spawn_gateway([engine_entry(engine, PACED_MODEL)]) as gateway:
+                result = asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves))
+            if floor:
+                progress("paced: the same through a bare relay on the same stack (gateway.bench.relay_floor)")
+                with spawn_listening(
+                    [sys.executable, "-m", "gateway.bench.relay_floor", engine.url], "relay-floor"
+                ) as relay:
+                    result.floor = asyncio.run(
+                        _measure_paced(relay, PACED_MODEL, streams, gap_ms, tokens, waves)
+                    )
+            return result
 
 
 def run_overhead(
@@ -566,6 +601,7 @@ def run_overhead(
     paced_waves: int = 2,
     dispatchers: bool = True,
     tracing: bool = False,
+    paced_floor: bool = False,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -573,7 +609,7 @@ def run_overhead(
     with spawn_zero_engine(MODEL) as engine, spawn_gateway([engine_entry(engine, MODEL)]) as gateway:
         result = asyncio.run(_measure(engine, gateway, n, stream_tokens))
     if paced_streams > 0:
-        result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves)
+        result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor)
     if dispatchers:
         result.dispatchers = run_dispatcher_latency(max(50, n // 2))
     if tracing:
@@ -621,6 +657,11 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--paced-waves", type=int, default=2, help="waves of streams per paced length")
     parser.add_argument(
+        "--paced-floor",
+        action="store_true",
+        help="also run the paced case through a bare relay on the same stack (the per-event floor)",
+    )
+    parser.add_argument(
         "--no-dispatchers",
         action="store_true",
         help="skip comparing added latency at c=1 under least-load and hyperflexis",
@@ -653,6 +694,7 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
         args.paced_waves,
         not args.no_dispatchers,
         args.tracing,
+        args.paced_floor,
     )
     print(render_table(result))
     if args.json:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.overhead import render_table, run_overhead
+from gateway.bench.overhead import render_table, run_overhead, run_paced
 from gateway.cli import main
 
 
@@ -41,6 +41,17 @@ def test_overhead_benchmark_smoke() -> None:
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
     assert "hyperflexis over least-load, added p50 (c=1)" in table
     assert "paced: CPU per relayed SSE event (20 streams, 20 ms apart)" in table
+
+
+def test_paced_floor_relays_the_same_streams() -> None:
+    # the bare relay on the same stack sees the same engine's streams, event for event
+    paced = run_paced(streams=10, tokens=(4, 16), waves=1, floor=True)
+    floor = paced.floor
+    assert floor is not None and floor.floor is None
+    assert floor.events_per_stream == paced.events_per_stream
+    assert math.isfinite(floor.cpu_us_per_sse_event) and floor.max_gap_ms >= 15
+    table = "\n".join(row[0] for row in paced.checks())
+    assert "a bare relay on the same stack" in table and "above the floor" in table
 
 
 def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
