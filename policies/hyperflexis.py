@@ -107,7 +107,17 @@ class WorkerView:
 class _Shadow:
     """A worker's running requests during one dispatch call (its load, plus what it took)."""
 
-    __slots__ = ("context_tokens", "count", "min_tpot", "waiting", "waiting_squares", "waiting_tokens")
+    __slots__ = (
+        "context_tokens",
+        "count",
+        "kv_taken",
+        "min_tpot",
+        "prefill_taken",
+        "taken",
+        "waiting",
+        "waiting_squares",
+        "waiting_tokens",
+    )
 
     def __init__(self, worker: WorkerView) -> None:
         load = worker.load if worker.load is not None else RunningLoad.of(worker.running)
@@ -117,9 +127,17 @@ class _Shadow:
         self.waiting_tokens = load.waiting_tokens
         self.waiting_squares = load.waiting_squares
         self.min_tpot = load.min_tpot
+        #: what this worker's earlier looks in the same call took: requests, KV, prefill tokens
+        self.taken = 0
+        self.kv_taken = 0
+        self.prefill_taken = 0
 
-    def add(self, prompt_tokens: int, tpot_slo: float) -> None:
-        """A request just taken: nothing generated, waiting for its prefill."""
+    def add(self, prompt_tokens: int, tpot_slo: float, kv_tokens: int = 0) -> None:
+        """A request just taken (``prompt_tokens`` to prefill, ``kv_tokens`` of room): nothing
+        generated, waiting for its prefill."""
+        self.taken += 1
+        self.kv_taken += kv_tokens
+        self.prefill_taken += prompt_tokens
         self.count += 1
         self.context_tokens += prompt_tokens
         self.waiting += 1
@@ -197,13 +215,17 @@ class HyperFlexisParams:
             )
         if self.prefix_max_spread < 0 or self.prefix_max_ratio < 1:
             raise ValueError("prefix_max_spread must be >= 0 and prefix_max_ratio >= 1")
+        if self.max_hold_s < self.recheck_s:
+            # (a hold shorter than the recheck would let a worker take a second turn at the same instant)
+            raise ValueError(f"max_hold_s must be >= recheck_s ({self.recheck_s}), got {self.max_hold_s}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
 
-#: a request id -> prompt tokens each engine holds cached (engines holding none may be left out),
-#: or None when nothing is known of the request's prompt
-PrefixLookup = Callable[[str], Mapping[str, int] | None]
+#: a request id -> the fraction of its prompt each engine holds cached (engines holding none may
+#: be left out), or None when nothing is known of the request's prompt. A fraction, not tokens:
+#: the index counts the engine's tokens, the request view the gateway's estimate of them.
+PrefixLookup = Callable[[str], Mapping[str, float] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,26 +451,33 @@ def dispatch(
         admitted, late_at, exhausted, slack_bound, left = _fill_worker(turn, worker, shadow)
         if exhausted:
             break  # every request is taken: this and the other mature workers stay mature
-        if not admitted and not slack_bound:
+        if not admitted and not slack_bound and not left:
             full.add(worker.engine_id)
         for item, feasible, prefill_tokens in admitted:
-            taken.add(item.view.request_id)
-            cached_tokens = item.view.prompt_tokens - prefill_tokens
-            assignments.append(Assignment(item.view.request_id, worker.engine_id, feasible, cached_tokens))
-            shadow.add(prefill_tokens, item.tpot_slo)
+            view = item.view
+            taken.add(view.request_id)
+            assignments.append(
+                Assignment(view.request_id, worker.engine_id, feasible, view.prompt_tokens - prefill_tokens)
+            )
+            shadow.add(prefill_tokens, item.tpot_slo, prefill_tokens + view.max_output_tokens)
         if loads:
             loads[worker.engine_id] = shadow.count
         next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
+        engine_id = worker.engine_id
+        look_again = left and engine_id not in looked_again
         if admitted:
-            prefill_s[worker.engine_id] = e_p
-            maturity[worker.engine_id] = next_time
-        elif worker.engine_id not in prefill_s:  # (a second look that took nothing keeps the first's)
-            maturity[worker.engine_id] = next_time
-        if left and worker.engine_id not in looked_again:
-            looked_again.add(worker.engine_id)
+            prefill_s[engine_id] = e_p
+            maturity[engine_id] = next_time
+        elif engine_id not in prefill_s and not look_again:
+            # (a second look that took nothing keeps the first's hold; a first look that left its
+            # requests to later workers and took nothing decides nothing yet: if its second look
+            # finds the queue emptied it stays mature, as an idle worker with nothing to take does)
+            maturity[engine_id] = next_time
+        if look_again:
+            looked_again.add(engine_id)
             heapq.heappush(order, (now, len(workers) + len(looked_again), index))
-        else:
-            heapq.heappush(order, (maturity[worker.engine_id], index, index))
+        elif maturity.get(engine_id, now) > now:  # (always, after a look that decided: no look twice at now)
+            heapq.heappush(order, (maturity[engine_id], index, index))
 
     remaining = prefix.untaken(taken, 1)
     wake_at = order[0][0] if order and remaining else math.inf
@@ -495,8 +524,10 @@ def _fill_worker(
     waiting_squares = shadow.waiting_squares
     utilization = shadow.count / max(1, worker.max_num_seqs)
     free_seqs = worker.max_num_seqs - shadow.count
-    kv_left = worker.free_kv_tokens
+    kv_left = worker.free_kv_tokens - shadow.kv_taken
     budget_left: int | None = None
+    # anything taken in this turn, by this look or an earlier one of the same call
+    took = shadow.taken > 0
     admitted: list[tuple[QueuedRequest, bool, int]] = []
     late_at = math.inf
     slack_bound = False
@@ -532,11 +563,11 @@ def _fill_worker(
         if (
             free_seqs <= 0
             or kv_left <= 0
-            or (budget_left is not None and budget_left <= 0 and admitted)
-            or (admitted and kv_left < queue_min_need)
+            or (budget_left is not None and budget_left <= 0 and took)
+            or (took and kv_left < queue_min_need)
         ):
             break  # nothing more can fit this turn: the rest of the scan would be wasted
-        if admitted and misses >= params.scan_after_admit:
+        if took and misses >= params.scan_after_admit:
             break
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
@@ -546,7 +577,7 @@ def _fill_worker(
             # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
             # that max_hold_s then cut short, and running streams' TPOT paid for it
             horizon = min(ttft, params.max_hold_s)
-            budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1])
+            budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1]) - shadow.prefill_taken
         view = item.view
         prompt = view.prompt_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
@@ -562,14 +593,16 @@ def _fill_worker(
         if cached is not None:
             prompt, leave_until = _uncached(turn, item, engine_id)
             if leave_until >= now:
-                # a worker still to look in this turn, or soon, skips more of its prefill
-                left = True
-                if leave_until > now:
+                # a worker still to look in this call, or maturing soon, skips more of its prefill
+                if leave_until == now:
+                    left = True  # (it looks before this worker looks again)
+                else:
                     late_at = min(late_at, leave_until)  # look again when the wait for it ends
+                    slack_bound = True
                 continue
         # (blocks of a cached prefix are shared: only the rest of the prompt and the output need room)
         need_kv = prompt + view.max_output_tokens
-        if (prompt > budget_left and admitted) or need_kv > kv_left:
+        if (prompt > budget_left and took) or need_kv > kv_left:
             misses += 1
             continue
         if late_rejected and deadline < now + a + b * prompt + c * prompt * prompt:
@@ -590,6 +623,7 @@ def _fill_worker(
                 late_at = min(late_at, turns_late)
             continue
         admitted.append((item, True, prompt))
+        took = True
         waiting_sum += prompt
         waiting_squares += prompt * prompt
         budget_left -= prompt
@@ -616,9 +650,11 @@ def _fill_worker(
             if cached is not None:
                 prompt, leave_until = _uncached(turn, item, engine_id)
                 if leave_until >= now:
-                    left = True
-                    if leave_until > now:
+                    if leave_until == now:
+                        left = True
+                    else:
                         late_at = min(late_at, leave_until)
+                        slack_bound = True
                     continue
             need_kv = prompt + view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
@@ -639,7 +675,13 @@ def _fill_worker(
         prompt, leave_until = (
             (head.view.prompt_tokens, -math.inf) if cached is None else _uncached(turn, head, engine_id)
         )
-        if head.view.prompt_tokens < worker.free_kv_tokens and leave_until < now:
+        if leave_until >= now:  # left to a worker holding more of it, as in the scans above
+            if leave_until == now:
+                left = True
+            else:
+                late_at = min(late_at, leave_until)
+                slack_bound = True
+        elif head.view.prompt_tokens < worker.free_kv_tokens:
             admitted.append((head, False, prompt))
     return admitted, late_at, not candidates, slack_bound, left
 
@@ -658,8 +700,8 @@ def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, fl
     if not held or prompt <= 0:
         return prompt, -math.inf
     params = turn.params
-    mine = held.get(engine_id, 0)
-    enough = mine + max(1.0, params.prefix_margin * prompt)
+    mine = held.get(engine_id, 0.0)
+    enough = mine + max(1.0 / prompt, params.prefix_margin)
     loads = turn.loads
     # the imbalance bound: the most running requests a worker may have to be left a request
     load = loads.get(engine_id, 0)
@@ -675,7 +717,7 @@ def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, fl
             for e, n in held.items()
         ):
             return prompt, wait_ends
-    return prompt - min(mine, prompt), -math.inf
+    return prompt - min(prompt, int(mine * prompt)), -math.inf
 
 
 def _requests(worker: WorkerView) -> int:

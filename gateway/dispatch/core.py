@@ -501,8 +501,15 @@ class DispatchCore:
                     holders[engine_id] = None
         workers.extend(self.workers.take_mature(model, holders, now))
         records = self.fleet.records
-        soon = {e: (at, records[e].in_flight) for e in holders if now < (at := maturity[e]) < math.inf}
-        return lookup, soon
+        soon = {
+            e: (at, records[e].in_flight)
+            for e in holders
+            if now < (at := maturity[e]) < math.inf and self.fleet.in_front(records[e])
+        }
+        # past the head, only the workers of this turn and those maturing soon can be chosen:
+        # matching every engine of the model for every request the turn reads would cost
+        # max_scan x engines probes per turn
+        return self.router.prefix.lookup([*(w.engine_id for w in workers), *soon], now), soon
 
     def _run_hyperflexis(
         self,

@@ -170,7 +170,8 @@ class LatencyLearner:
             return
         steps.marked.add(key)
         if entry.generated == 0 and not entry.remote_kv:
-            steps.prompts.append(entry.prompt_tokens)
+            # (what the dispatcher expected the engine to find cached is not prefilled there)
+            steps.prompts.append(entry.prompt_tokens - min(entry.cached_tokens, entry.prompt_tokens))
             if entry.dispatched_at < steps.sent_min:
                 steps.sent_min = entry.dispatched_at
         else:

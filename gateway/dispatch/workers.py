@@ -116,7 +116,7 @@ class HyperFlexisWorkers:
             if self._version[engine_id] != version:
                 continue  # superseded
             record = self.fleet.records[engine_id]
-            if not record.healthy or record.draining or record.adapter.role not in FRONT_ROLES:
+            if not self.fleet.in_front(record):
                 self.set(model, engine_id, math.inf)  # back with the event that returns it
                 continue
             workers.append(self._view(record, at))
@@ -132,15 +132,10 @@ class HyperFlexisWorkers:
             if at is None or at > now:
                 continue
             record = self.fleet.records[engine_id]
-            if (
-                record.model != model
-                or not record.healthy
-                or record.draining
-                or record.adapter.role not in FRONT_ROLES
-            ):
+            if record.model != model or not self.fleet.in_front(record):
                 continue
-            self._version[engine_id] += 1  # its heap entry is superseded until the caller's set()
             views.append(self._view(record, at))
+            self._version[engine_id] += 1  # its heap entry is superseded until the caller's set()
         return views
 
     def on_engine_event(self, record: EngineRecord, what: str) -> None:

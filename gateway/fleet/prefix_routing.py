@@ -95,23 +95,25 @@ class PrefixRouting:
         return replace(view, prefix=prefix, affinity=affinity)
 
     def lookup(self, engine_ids: Sequence[str], now: float) -> PrefixLookup | None:
-        """What each of ``engine_ids`` holds of a request's prompt, by request id, as the index
-        knows it at ``now`` (None without an index): HyperFlexis's turn reads it for the requests
-        it examines, each once."""
+        """The fraction of a request's prompt each of ``engine_ids`` holds, by request id, as the
+        index knows it at ``now`` (None without an index): HyperFlexis's turn reads it for the
+        requests it examines, each once."""
         index = self.index
         if index is None:
             return None
         index.expire(now)
         attached = self._attached
-        seen: dict[str, dict[str, int] | None] = {}
+        seen: dict[str, dict[str, float] | None] = {}
 
-        def held(request_id: str) -> dict[str, int] | None:
+        def held(request_id: str) -> dict[str, float] | None:
             if request_id in seen:
                 return seen[request_id]
             entry = attached.get(request_id)
             match = None
-            if entry is not None and entry.prompt is not None:
-                match = {e: n for e, n in index.cached_tokens(entry.prompt, engine_ids).items() if n} or None
+            if entry is not None and entry.prompt is not None and len(entry.prompt):
+                total = len(entry.prompt)
+                cached = index.cached_tokens(entry.prompt, engine_ids)
+                match = {e: min(1.0, n / total) for e, n in cached.items() if n} or None
             seen[request_id] = match
             return match
 

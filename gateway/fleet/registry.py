@@ -375,19 +375,19 @@ class Fleet:
         self._notify(engine_id, "state")
 
     @staticmethod
-    def _in_front(record: EngineRecord) -> bool:
+    def in_front(record: EngineRecord) -> bool:
         return record.healthy and not record.draining and record.adapter.role in FRONT_ROLES
 
     def _set_healthy(self, record: EngineRecord, healthy: bool) -> None:
         if record.healthy == healthy:
             return
-        before = self._in_front(record)
+        before = self.in_front(record)
         record.healthy = healthy
         self._membership_changed(record, before)
         self._notify(record.engine_id, "health")
 
     def _membership_changed(self, record: EngineRecord, was_in_front: bool) -> None:
-        now_in_front = self._in_front(record)
+        now_in_front = self.in_front(record)
         if now_in_front != was_in_front:
             self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
@@ -398,7 +398,7 @@ class Fleet:
         record = self.records[engine_id]
         if record.draining == draining:
             return
-        before = self._in_front(record)
+        before = self.in_front(record)
         record.draining = draining
         self._membership_changed(record, before)
         self._notify(engine_id, "role")
@@ -408,7 +408,7 @@ class Fleet:
         record = self.records[engine_id]
         if record.adapter.role is role:
             return
-        before = self._in_front(record)
+        before = self.in_front(record)
         self._prefill_engines[record.model] += (role is Role.PREFILL) - (record.adapter.role is Role.PREFILL)
         record.adapter.role = role
         self._membership_changed(record, before)
