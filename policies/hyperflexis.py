@@ -222,10 +222,20 @@ class HyperFlexisParams:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
 
-#: a request id -> the fraction of its prompt each engine holds cached (engines holding none may
-#: be left out), or None when nothing is known of the request's prompt. A fraction, not tokens:
-#: the index counts the engine's tokens, the request view the gateway's estimate of them.
-PrefixLookup = Callable[[str], Mapping[str, float] | None]
+class Held(NamedTuple):
+    """What engines hold of one request's prompt, as fractions of it (engines holding none may be
+    left out). Fractions, not tokens: the index counts the engine's tokens, the request view the
+    gateway's estimate of them."""
+
+    #: in each engine's prefix cache: its prefill is skipped
+    cached: Mapping[str, float]
+    #: in blocks that requests running on the engine use now: they take no new KV (a cached block
+    #: nobody uses is free memory the engine may reuse, and counts as KV to find, like any other)
+    shared: Mapping[str, float]
+
+
+#: a request id -> what each engine holds of its prompt, or None when nothing is known of it
+PrefixLookup = Callable[[str], Held | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +244,10 @@ class Assignment:
     engine_id: str
     #: False when the request was admitted by idle backfill with p < theta
     feasible: bool = True
-    #: prompt tokens the engine was predicted to hold cached (``prefix_preference``)
+    #: prompt tokens the engine was predicted to hold cached (``prefix_preference``), and of
+    #: those, the ones in blocks running requests share (no new KV)
     cached_tokens: int = 0
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,13 +465,15 @@ def dispatch(
             break  # every request is taken: this and the other mature workers stay mature
         if not admitted and not slack_bound and not left:
             full.add(worker.engine_id)
-        for item, feasible, prefill_tokens in admitted:
+        for item, feasible, prefill_tokens, kv_tokens in admitted:
             view = item.view
             taken.add(view.request_id)
+            cached_tokens = view.prompt_tokens - prefill_tokens
+            shared_tokens = view.prompt_tokens + view.max_output_tokens - kv_tokens
             assignments.append(
-                Assignment(view.request_id, worker.engine_id, feasible, view.prompt_tokens - prefill_tokens)
+                Assignment(view.request_id, worker.engine_id, feasible, cached_tokens, shared_tokens)
             )
-            shadow.add(prefill_tokens, item.tpot_slo, prefill_tokens + view.max_output_tokens)
+            shadow.add(prefill_tokens, item.tpot_slo, kv_tokens)
         if loads:
             loads[worker.engine_id] = shadow.count
         next_time, e_p = _next_maturity(worker, shadow, now, bool(admitted), late_at, params)
@@ -506,8 +520,9 @@ class _Turn(NamedTuple):
 
 def _fill_worker(
     turn: _Turn, worker: WorkerView, shadow: _Shadow
-) -> tuple[list[tuple[QueuedRequest, bool, int]], float, bool, bool, bool]:
-    """One worker's look: what it admits (each with the prompt tokens it must prefill), when a
+) -> tuple[list[tuple[QueuedRequest, bool, int, int]], float, bool, bool, bool]:
+    """One worker's look: what it admits (each with the prompt tokens it must prefill and the KV
+    tokens it must find), when a
     candidate it skipped for slack turns late (``inf`` if none), whether the queue had nothing
     left for it to look at, whether any candidate was turned down for slack (rather than for
     seqs, KV or budget), and whether it left any to a worker holding more of its prompt."""
@@ -528,7 +543,8 @@ def _fill_worker(
     budget_left: int | None = None
     # anything taken in this turn, by this look or an earlier one of the same call
     took = shadow.taken > 0
-    admitted: list[tuple[QueuedRequest, bool, int]] = []
+    # (request, feasible, prompt tokens to prefill, KV tokens to find)
+    admitted: list[tuple[QueuedRequest, bool, int, int]] = []
     late_at = math.inf
     slack_bound = False
     candidates = _Candidates(queue, taken, params.max_scan)
@@ -590,8 +606,9 @@ def _fill_worker(
             # wake this worker; "full" is only for workers nothing could fit)
             slack_bound = True
             break
+        need_kv = prompt + view.max_output_tokens
         if cached is not None:
-            prompt, leave_until = _uncached(turn, item, engine_id)
+            prompt, kv_prompt, leave_until = _uncached(turn, item, engine_id)
             if leave_until >= now:
                 # a worker still to look in this call, or maturing soon, skips more of its prefill
                 if leave_until == now:
@@ -600,8 +617,7 @@ def _fill_worker(
                     late_at = min(late_at, leave_until)  # look again when the wait for it ends
                     slack_bound = True
                 continue
-        # (blocks of a cached prefix are shared: only the rest of the prompt and the output need room)
-        need_kv = prompt + view.max_output_tokens
+            need_kv = kv_prompt + view.max_output_tokens
         if (prompt > budget_left and took) or need_kv > kv_left:
             misses += 1
             continue
@@ -622,7 +638,7 @@ def _fill_worker(
             if turns_late > now:
                 late_at = min(late_at, turns_late)
             continue
-        admitted.append((item, True, prompt))
+        admitted.append((item, True, prompt, need_kv))
         took = True
         waiting_sum += prompt
         waiting_squares += prompt * prompt
@@ -630,7 +646,7 @@ def _fill_worker(
         kv_left -= need_kv
         free_seqs -= 1
     if params.late_backfill and budget_left is not None:
-        chosen = {item.view.request_id for item, _, _ in admitted}
+        chosen = {item.view.request_id for item, *_ in admitted}
         misses = 0
         i = 0
         while i < len(items) or grow():
@@ -647,8 +663,9 @@ def _fill_worker(
             if view.request_id in chosen:
                 continue
             prompt = view.prompt_tokens
+            need_kv = prompt + view.max_output_tokens
             if cached is not None:
-                prompt, leave_until = _uncached(turn, item, engine_id)
+                prompt, kv_prompt, leave_until = _uncached(turn, item, engine_id)
                 if leave_until >= now:
                     if leave_until == now:
                         left = True
@@ -656,7 +673,7 @@ def _fill_worker(
                         late_at = min(late_at, leave_until)
                         slack_bound = True
                     continue
-            need_kv = prompt + view.max_output_tokens
+                need_kv = kv_prompt + view.max_output_tokens
             # strictly within what is left: a long late prompt must not stretch the turn that
             # the next urgent arrival waits behind (it still goes to an idle worker)
             if prompt > budget_left or need_kv > kv_left:
@@ -664,7 +681,7 @@ def _fill_worker(
                 continue
             if view.arrival + item.ttft_slo >= now + (a + b * prompt + c * (prompt * prompt)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
-            admitted.append((item, False, prompt))
+            admitted.append((item, False, prompt, need_kv))
             budget_left -= prompt
             kv_left -= need_kv
             free_seqs -= 1
@@ -672,9 +689,10 @@ def _fill_worker(
         # An idle worker takes the head if its prompt fits: a max_tokens as large as the context
         # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
         head = candidates.items[0]
-        prompt, leave_until = (
-            (head.view.prompt_tokens, -math.inf) if cached is None else _uncached(turn, head, engine_id)
-        )
+        prompt = kv_prompt = head.view.prompt_tokens
+        leave_until = -math.inf
+        if cached is not None:
+            prompt, kv_prompt, leave_until = _uncached(turn, head, engine_id)
         if leave_until >= now:  # left to a worker holding more of it, as in the scans above
             if leave_until == now:
                 left = True
@@ -682,42 +700,44 @@ def _fill_worker(
                 late_at = min(late_at, leave_until)
                 slack_bound = True
         elif head.view.prompt_tokens < worker.free_kv_tokens:
-            admitted.append((head, False, prompt))
+            admitted.append((head, False, prompt, kv_prompt + head.view.max_output_tokens))
     return admitted, late_at, not candidates, slack_bound, left
 
 
-def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, float]:
+def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, int, float]:
     """The prompt tokens ``engine_id`` would prefill for the request (what it does not hold
-    cached), and until when the request is left to another worker: one holding at least
-    ``prefix_margin`` of the prompt more whose look comes later in this turn (``now``: it looks
-    before this worker looks again) or soon (its maturity, while that is within
-    ``prefix_max_wait`` of the request's TTFT target since it arrived; the end of that wait).
-    ``-inf``: not left."""
+    cached) and find KV for (what running requests there do not share), and until when the
+    request is left to another worker: one holding at least ``prefix_margin`` of the prompt more
+    whose look comes later in this call (``now``: it looks before this worker looks again) or soon
+    (its maturity, while that is within ``prefix_max_wait`` of the request's TTFT target since it
+    arrived; the end of that wait). ``-inf``: not left."""
     assert turn.cached is not None
     view = item.view
     prompt = view.prompt_tokens
     held = turn.cached(view.request_id)
-    if not held or prompt <= 0:
-        return prompt, -math.inf
+    if held is None or not held.cached or prompt <= 0:
+        return prompt, prompt, -math.inf
+    cached = held.cached
     params = turn.params
-    mine = held.get(engine_id, 0.0)
+    mine = cached.get(engine_id, 0.0)
     enough = mine + max(1.0 / prompt, params.prefix_margin)
     loads = turn.loads
     # the imbalance bound: the most running requests a worker may have to be left a request
     load = loads.get(engine_id, 0)
     bound = max(load + params.prefix_max_spread, params.prefix_max_ratio * load)
     pending = turn.pending
-    if pending and any(n >= enough and loads.get(e, 0) <= bound for e, n in held.items() if e in pending):
-        return prompt, turn.now
+    if pending and any(n >= enough and loads.get(e, 0) <= bound for e, n in cached.items() if e in pending):
+        return prompt, prompt, turn.now
     soon = turn.soon
     if soon:
         wait_ends = view.arrival + params.prefix_max_wait * item.ttft_slo
         if wait_ends > turn.now and any(
             n >= enough and e in soon and soon[e][0] <= wait_ends and soon[e][1] <= bound
-            for e, n in held.items()
+            for e, n in cached.items()
         ):
-            return prompt, wait_ends
-    return prompt - min(prompt, int(mine * prompt)), -math.inf
+            return prompt, prompt, wait_ends
+    shared = held.shared.get(engine_id, 0.0)
+    return prompt - min(prompt, int(mine * prompt)), prompt - min(prompt, int(shared * prompt)), -math.inf
 
 
 def _requests(worker: WorkerView) -> int:

@@ -80,7 +80,8 @@ def build_prefix_routing(settings: Settings, fleet: Fleet, routing: RoutingProfi
         affinity = MemoryAffinityStore(settings.affinity_ttl_s, settings.affinity_max_sessions)
     if index is None and affinity is None:
         return None
-    return PrefixRouting(fleet, index, affinity)
+    hyperflexis = routing.dispatcher.hyperflexis
+    return PrefixRouting(fleet, index, affinity, hyperflexis is not None and hyperflexis.prefix_preference)
 
 
 def kv_event_feed(settings: Settings, prefix: PrefixRouting | None) -> KVEventFeed | None:

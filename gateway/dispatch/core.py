@@ -388,7 +388,8 @@ class DispatchCore:
     def retry(self, ticket: Ticket, exclude: Collection[str], now: float) -> EngineRecord:
         """Another engine for a request whose engine failed before its first byte: placed at once
         (it was admitted already), never on an engine in ``exclude``."""
-        ticket.entry.cached_tokens = 0  # (what the failed engine held is not on this one)
+        # (what the failed engine held is not on this one)
+        ticket.entry.cached_tokens = ticket.entry.shared_tokens = 0
         record = self._choose(ticket, exclude, now)
         if record is None:
             raise self.no_engine(ticket.item.view.model)
@@ -496,7 +497,8 @@ class DispatchCore:
         looking = {w.engine_id for w in workers}
         holders: dict[str, None] = {}
         for item in first:
-            for engine_id in lookup(item.view.request_id) or ():
+            held = lookup(item.view.request_id)
+            for engine_id in () if held is None else held.cached:
                 if engine_id not in looking:
                     holders[engine_id] = None
         workers.extend(self.workers.take_mature(model, holders, now))
@@ -562,6 +564,9 @@ class DispatchCore:
         for assignment in decision.assignments:
             if arrival is not None:  # (the only request this turn could take)
                 arrival.entry.cached_tokens = assignment.cached_tokens
+                arrival.entry.shared_tokens = assignment.shared_tokens
+                # (the prefix index, the affinity store and x-slogate-decision learn it as for any)
+                self.router.assigned(arrival.item.view, assignment.engine_id, now)
                 self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
                 wait = max(0.0, now - arrival.enqueued_at)
                 metrics.deferred(metrics.QUEUE_WAIT, arrival.slo_class).observe(wait)
@@ -571,6 +576,7 @@ class DispatchCore:
             queue.remove(assignment.request_id)
             if assigned is not None:  # (always, while queues hold only live tickets)
                 assigned.entry.cached_tokens = assignment.cached_tokens
+                assigned.entry.shared_tokens = assignment.shared_tokens
                 self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in looking:

@@ -14,16 +14,17 @@ Engines join the index with the fleet (model and, once scraped, block size from 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import takewhile
 
 from gateway import metrics
 from gateway.fleet.block_hash import PromptBlocks
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.registry import Fleet
 from policies.api import Affinity, EngineSnapshot, PrefixMatch, RequestView
-from policies.hyperflexis import PrefixLookup
+from policies.hyperflexis import Held, PrefixLookup
 from policies.plugins.affinity import AffinityStore
 
 #: requests attached and not yet detached beyond which the oldest are dropped: a front-door path
@@ -40,11 +41,22 @@ class Attached:
 class PrefixRouting:
     """The prefix index and the affinity store, as the router uses them (either may be off)."""
 
-    def __init__(self, fleet: Fleet, index: PrefixIndex | None, affinity: AffinityStore | None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        index: PrefixIndex | None,
+        affinity: AffinityStore | None,
+        track_in_use: bool = False,
+    ) -> None:
         self.fleet = fleet
         self.index = index
         self.affinity = affinity
         self._attached: OrderedDict[str, Attached] = OrderedDict()
+        #: with ``track_in_use`` (HyperFlexis predicting KV from it), the blocks each engine's
+        #: dispatched requests use until they end: engine -> block key -> requests using it
+        self.track_in_use = track_in_use and index is not None
+        self._in_use: dict[str, Counter[int]] = {}
+        self._using: dict[str, tuple[str, list[int]]] = {}  # request id -> (engine, its keys)
         if index is not None:
             for record in fleet.records.values():
                 block_size = record.state.block_size if record.state is not None else None
@@ -66,10 +78,24 @@ class PrefixRouting:
         self._attached[request_id] = Attached(prompt, affinity_key)
         self._attached.move_to_end(request_id)
         while len(self._attached) > MAX_ATTACHED:
-            self._attached.popitem(last=False)
+            oldest, _ = self._attached.popitem(last=False)
+            self._stop_using(oldest)
 
     def detach(self, request_id: str) -> None:
         self._attached.pop(request_id, None)
+        self._stop_using(request_id)
+
+    def _stop_using(self, request_id: str) -> None:
+        using = self._using.pop(request_id, None)
+        if using is None:
+            return
+        counts = self._in_use[using[0]]
+        for key in using[1]:
+            left = counts[key] - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                del counts[key]
 
     def attached(self, request_id: str) -> Attached | None:
         return self._attached.get(request_id)
@@ -95,25 +121,37 @@ class PrefixRouting:
         return replace(view, prefix=prefix, affinity=affinity)
 
     def lookup(self, engine_ids: Sequence[str], now: float) -> PrefixLookup | None:
-        """The fraction of a request's prompt each of ``engine_ids`` holds, by request id, as the
-        index knows it at ``now`` (None without an index): HyperFlexis's turn reads it for the
-        requests it examines, each once."""
+        """What each of ``engine_ids`` holds of a request's prompt, by request id, as the index
+        knows it at ``now`` (None without an index): HyperFlexis's turn reads it for the requests
+        it examines, each once. The shared part is known only with ``track_in_use``."""
         index = self.index
         if index is None:
             return None
         index.expire(now)
         attached = self._attached
-        seen: dict[str, dict[str, float] | None] = {}
+        in_use = self._in_use
+        seen: dict[str, Held | None] = {}
 
-        def held(request_id: str) -> dict[str, float] | None:
+        def held(request_id: str) -> Held | None:
             if request_id in seen:
                 return seen[request_id]
             entry = attached.get(request_id)
             match = None
-            if entry is not None and entry.prompt is not None and len(entry.prompt):
-                total = len(entry.prompt)
-                cached = index.cached_tokens(entry.prompt, engine_ids)
-                match = {e: min(1.0, n / total) for e, n in cached.items() if n} or None
+            prompt = None if entry is None else entry.prompt
+            if prompt is not None and len(prompt):
+                total = len(prompt)
+                cached = {
+                    e: min(1.0, n / total) for e, n in index.cached_tokens(prompt, engine_ids).items() if n
+                }
+                shared: dict[str, float] = {}
+                for e in cached:
+                    counts = in_use.get(e)
+                    if counts:
+                        size = index.block_size(e)
+                        n = sum(1 for _ in takewhile(counts.__contains__, prompt.hashes(size)))
+                        if n:
+                            shared[e] = min(1.0, n * size / total)
+                match = Held(cached, shared) if cached else None
             seen[request_id] = match
             return match
 
@@ -137,6 +175,11 @@ class PrefixRouting:
             metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "hit").inc(cached)
             metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "miss").inc(total - cached)
             self.index.record_dispatch(engine_id, prompt, now)
+            if self.track_in_use:
+                self._stop_using(request_id)  # (a request placed again uses the new engine's blocks)
+                keys = prompt.hashes(self.index.block_size(engine_id))
+                self._in_use.setdefault(engine_id, Counter()).update(keys)
+                self._using[request_id] = (engine_id, keys)
         if attached.affinity_key is not None and self.affinity is not None:
             before = self.affinity.get(attached.affinity_key, now)
             outcome = "new" if before is None else "kept" if before == engine_id else "moved"

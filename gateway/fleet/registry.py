@@ -42,8 +42,10 @@ class RunningEntry:
     #: decode step there, not a prefill
     remote_kv: bool = False
     #: prompt tokens the dispatcher expected the engine to find in its prefix cache: they wait
-    #: for no prefill there (set per reservation; 0 when nothing is known)
+    #: for no prefill there; and of those, the ones in blocks that requests running there share:
+    #: they take no new KV (set per reservation; 0 when nothing is known)
     cached_tokens: int = 0
+    shared_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -66,9 +68,9 @@ class EngineRecord:
     #: prompt tokens of running requests whose first token has not come yet (less what the
     #: dispatcher expected cached there), by request id
     unprefilled: dict[str, int] = field(default_factory=dict)
-    #: prompt tokens each running request was expected to find cached here (shared blocks: they
-    #: take no new KV), by request id, when any
-    cached: dict[str, int] = field(default_factory=dict)
+    #: prompt tokens each running request was expected to find here in blocks that other running
+    #: requests use (they take no new KV), by request id, when any
+    shared: dict[str, int] = field(default_factory=dict)
     #: sum over running requests of prompt tokens + tokens generated so far (the decode batch's
     #: current length), kept as requests come, stream and go
     running_tokens: int = 0
@@ -306,18 +308,20 @@ class Fleet:
         record = self.records[engine_id]
         if request_id in record.running:
             raise KeyError(f"request {request_id!r} already holds a reservation on {engine_id}")
-        cached = min(entry.cached_tokens, entry.prompt_tokens)
-        if cached > 0:
-            record.cached[request_id] = cached
+        shared = min(entry.shared_tokens, entry.prompt_tokens)
+        if shared > 0:
+            record.shared[request_id] = shared
         else:
-            cached = 0
+            shared = 0
         record.in_flight += 1
-        record.in_flight_tokens += entry.prompt_tokens - cached + entry.max_tokens
+        record.in_flight_tokens += entry.prompt_tokens - shared + entry.max_tokens
         record.running[request_id] = entry
         record.running_tokens += entry.prompt_tokens + entry.generated
         record.tpot_counts[entry.tpot_slo] = record.tpot_counts.get(entry.tpot_slo, 0) + 1
         if not entry.prefilled:
-            record.unprefilled[request_id] = entry.prompt_tokens - cached
+            record.unprefilled[request_id] = entry.prompt_tokens - min(
+                max(entry.cached_tokens, 0), entry.prompt_tokens
+            )
         self._dirty.add(record.index)
 
     def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
@@ -326,8 +330,8 @@ class Fleet:
         entry = record.running.pop(request_id, None)
         if entry is not None:
             record.in_flight -= 1
-            cached = record.cached.pop(request_id, 0) if record.cached else 0
-            record.in_flight_tokens -= entry.prompt_tokens - cached + entry.max_tokens
+            shared = record.shared.pop(request_id, 0) if record.shared else 0
+            record.in_flight_tokens -= entry.prompt_tokens - shared + entry.max_tokens
             record.running_tokens -= entry.prompt_tokens + entry.generated
             record.unprefilled.pop(request_id, None)
             left = record.tpot_counts[entry.tpot_slo] - 1

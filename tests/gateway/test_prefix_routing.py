@@ -133,7 +133,7 @@ def test_gimbal_profile_through_the_router() -> None:
 
 def _hyperflexis_core(prefer: bool) -> tuple[Fleet, DispatchCore, PrefixRouting]:
     fleet = offline_fleet({MODEL: 4})
-    routing = PrefixRouting(fleet, PrefixIndex(1 << 24, 120.0), None)
+    routing = PrefixRouting(fleet, PrefixIndex(1 << 24, 120.0), None, track_in_use=prefer)
     router = Router(fleet, compile_profile({"scorers": [{"name": "least_load"}]}), routing)
     params = HyperFlexisParams(prefix_preference=prefer, budget_ttft_share=1.0)
     core = DispatchCore(
@@ -187,6 +187,10 @@ def test_hyperflexis_prefix_profile_builds_an_index() -> None:
     assert not RoutingProfile.load(PROFILES / "hyperflexis.yaml").reads_prefix
 
 
+def expected_record(fleet: Fleet, engine_id: str) -> object:
+    return fleet.records[engine_id]
+
+
 def test_an_arrival_goes_to_the_mature_worker_holding_its_prefix() -> None:
     # an empty queue: the arrival is decided with one popped worker, which is not the holder;
     # the holder, mature too, joins the turn
@@ -200,14 +204,24 @@ def test_an_arrival_goes_to_the_mature_worker_holding_its_prefix() -> None:
         assert record is not None
         if expected is not None:
             assert record.engine_id == expected
-            # its reservation counts only the uncached part as waiting for prefill and as KV
-            held = fleet.records[expected]
-            cached = held.cached["r1"]
-            assert cached >= len(prompt) - 16
-            assert held.unprefilled["r1"] == len(prompt) - cached
-            assert held.in_flight_tokens == len(prompt) - cached + 20
-            fleet.release(expected, "r1")
-            assert held.in_flight_tokens == 0 and not held.cached and not held.unprefilled
+            # its reservation counts only the uncached part as waiting for prefill; KV it needs
+            # whole (the cached blocks are free memory until a running request uses them)
+            home = fleet.records[expected]
+            waiting = home.unprefilled["r1"]
+            assert waiting <= 16 < len(prompt)
+            assert home.in_flight_tokens == len(prompt) + 20 and not home.shared
+            # a second request with the same prompt while r1 runs there shares its blocks
+            routing.attach("r2", prompt, None)
+            record2 = core.submit(_ticket("r2", prompt, 0.6), 0.6)
+            assert record2 is expected_record(fleet, expected)
+            shared = home.shared["r2"]
+            assert len(prompt) - 16 <= shared <= len(prompt)
+            assert home.in_flight_tokens == 2 * (len(prompt) + 20) - shared
+            for rid in ("r1", "r2"):
+                fleet.release(expected, rid)
+                routing.detach(rid)
+            assert home.in_flight_tokens == 0 and not home.shared and not home.unprefilled
+            assert not routing._in_use[expected]  # every use ended with its request
         else:
             assert record.engine_id != ENGINES[3]
-            assert not fleet.records[record.engine_id].cached
+            assert not fleet.records[record.engine_id].shared

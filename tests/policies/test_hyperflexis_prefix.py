@@ -7,19 +7,23 @@ from collections.abc import Mapping
 
 import pytest
 
-from policies.hyperflexis import HyperFlexisParams, RunningRequest, dispatch
+from policies.hyperflexis import Held, HyperFlexisParams, RunningRequest, dispatch
 from policies.queue_order import OrderContext
 from tests.policies.test_hyperflexis import DECODE, PREFILL, req, worker
 
 ON = HyperFlexisParams(prefix_preference=True, budget_ttft_share=1.0)
 
 
-def lookup(table: Mapping[str, Mapping[str, float]]):  # type: ignore[no-untyped-def]
+def lookup(table: Mapping[str, Mapping[str, float]], shared: Mapping[str, Mapping[str, float]] | None = None):  # type: ignore[no-untyped-def]
+    """A prefix lookup over literal fractions; what is cached is shared too unless ``shared`` says."""
     calls: list[str] = []
 
-    def held(rid: str) -> Mapping[str, float] | None:
+    def held(rid: str) -> Held | None:
         calls.append(rid)
-        return table.get(rid)
+        cached = table.get(rid)
+        if cached is None:
+            return None
+        return Held(cached, cached if shared is None else shared.get(rid, {}))
 
     held.calls = calls  # type: ignore[attr-defined]
     return held
@@ -139,6 +143,9 @@ def test_a_cached_prefix_needs_no_new_kv() -> None:
     held = lookup({"a": {"w": 0.9}})
     assert placed(dispatch(queue, [worker("w", kv=300, running=BUSY)], 0.0, ON)) == {}
     assert placed(dispatch(queue, [worker("w", kv=300, running=BUSY)], 0.0, ON, cached=held)) == {"a": "w"}
+    # cached but used by no running request: free memory the engine reuses, so KV to find all the same
+    idle_cache = lookup({"a": {"w": 0.9}}, shared={"a": {}})
+    assert placed(dispatch(queue, [worker("w", kv=300, running=BUSY)], 0.0, ON, cached=idle_cache)) == {}
 
 
 BUSY = (RunningRequest(prompt_tokens=100, generated=10, tpot_slo=0.1, prefilled=True),)
