@@ -86,12 +86,17 @@ _texts = st.lists(
 
 
 def _same(text: str) -> None:
-    """``encode_array(text)`` is ``encode(text)``, also where a text is short enough that
-    ``encode_array`` would hand it to the regex tokenizer (the numpy encoder is what is tested)."""
+    """``encode_array(text)`` is ``encode(text)``: as it stands, and with the numpy encoder forced
+    on short texts (which it hands to the regex tokenizer) and forced to either way of finding
+    chunk ids (gathered at the chunk starts, or computed at every byte)."""
     expected = encode(text)
     assert encode_array(text).tolist() == expected, repr(text)
-    with mock.patch.object(prompt_key, "_SMALL_CHARS", 0, create=True):
-        assert encode_array(text).tolist() == expected, repr(text)
+    for gather_below in (0.0, 2.0):
+        with (
+            mock.patch.object(prompt_key, "_SMALL_CHARS", 0, create=True),
+            mock.patch.object(prompt_key, "_GATHER_BELOW", gather_below, create=True),
+        ):
+            assert encode_array(text).tolist() == expected, (repr(text), gather_below)
 
 
 @settings(max_examples=400, deadline=None)
