@@ -77,12 +77,14 @@ def _chunk_id_table() -> U16Array:
 
 
 _CHUNK_IDS = _chunk_id_table()
-#: texts shorter than this are encoded by the regex tokenizer: below it, the numpy encoder's fixed
-#: cost (~40 calls, ~25 µs) is more than the regex's ~0.1 µs a character
-_SMALL_CHARS = 200
-#: bytes encoded as one piece. The work arrays of a piece (about 11 bytes per byte) are kept and
-#: reused, and at this size stay in the CPU's L2 cache; larger pieces mean fewer numpy calls
+#: texts shorter than this are encoded by the regex tokenizer: the numpy encoder's fixed cost (~50
+#: numpy calls, ~30 µs) is more than the regex's 0.05-0.15 µs a character below about this
+_SMALL_CHARS = 256
+#: bytes encoded as one piece (the last piece of a text, or one with no safe cut near, is longer).
+#: Larger pieces mean fewer numpy calls; smaller, work arrays that stay in the CPU's cache
 _PIECE = 65536
+#: bytes the kept work arrays take a piece of (about 20 bytes of arrays a byte: ~2 MB a thread)
+_WORK_BYTES = _PIECE + _PIECE // 2 + 1024
 #: a piece whose chunk starts are fewer than this share of its bytes has their ids gathered one by
 #: one (:func:`_chunk_ids_at`), otherwise computed at every byte (:func:`_chunk_ids_everywhere`)
 _GATHER_BELOW = 0.125
@@ -122,14 +124,14 @@ _WORK = threading.local()  # one set per thread: the encoder writes into them
 
 
 def _work(size: int) -> _Work:
-    """Work arrays for a piece of ``size`` bytes: the thread's kept ones, or, for a piece far
-    larger than :data:`_PIECE` (a text with no safe cut), arrays used once."""
+    """Work arrays for a piece of ``size`` bytes: the thread's kept ones, or, for a piece longer
+    than :data:`_WORK_BYTES` (a text with no safe cut for that long), arrays used once."""
     work: _Work | None = getattr(_WORK, "arrays", None)
     if work is not None and work.size >= size:
         return work
-    if size > 2 * _PIECE:
+    if size > _WORK_BYTES:
         return _Work(size)
-    work = _WORK.arrays = _Work(2 * _PIECE)
+    work = _WORK.arrays = _Work(_WORK_BYTES)
     return work
 
 
@@ -189,9 +191,11 @@ def _encode_plain(data: bytes) -> U16Array:
     if n == 0:
         return _EMPTY16
     work = _work(n)
-    raw, digit, letter, space = work.raw, work.digit, work.letter, work.space
+    padded = n + 3
+    raw, digit = work.raw[:padded], work.digit[:padded]
+    letter, space = work.letter[:padded], work.space[:padded]
     raw[1 : n + 1] = np.frombuffer(data, dtype=np.uint8)
-    raw[n + 1 : n + 3] = 0  # raw[0] is never written: 0 too
+    raw[n + 1 :] = 0  # raw[0] is never written: 0 too
     np.subtract(raw, np.uint8(97), out=digit)  # uint8 wraps: a..z are 0..25, nothing else is
     np.less(digit, np.uint8(26), out=letter)
     digit += np.uint8(1)
@@ -277,7 +281,7 @@ def _encode_bytes(parts: list[U16Array], data: bytes) -> None:
     """Append the ids of ``data`` (UTF-8, no special tokens) to ``parts``: :func:`_encode_plain`
     in pieces of about :data:`_PIECE` bytes, each cut just after a byte that is neither a
     lowercase letter nor a space (no token spans such a cut, and letter runs restart after it)."""
-    if len(data) <= 2 * _PIECE:
+    if len(data) <= _PIECE + _PIECE // 2:
         parts.append(_encode_plain(data))
         return
     start = 0
