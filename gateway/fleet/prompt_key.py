@@ -82,8 +82,8 @@ _CHUNK_IDS = _chunk_id_table()
 _SMALL_CHARS = 256
 #: bytes encoded as one piece (the last piece of a text, or one with no safe cut near, is longer).
 #: Larger pieces mean fewer numpy calls; smaller, work arrays that stay in the CPU's cache
-_PIECE = 65536
-#: bytes the kept work arrays take a piece of (about 20 bytes of arrays a byte: ~2 MB a thread)
+_PIECE = 131072
+#: bytes the kept work arrays take a piece of (about 20 bytes of arrays a byte: ~4 MB a thread)
 _WORK_BYTES = _PIECE + _PIECE // 2 + 1024
 #: a piece whose chunk starts are fewer than this share of its bytes has their ids gathered one by
 #: one (:func:`_chunk_ids_at`), otherwise computed at every byte (:func:`_chunk_ids_everywhere`)
