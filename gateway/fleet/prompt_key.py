@@ -235,10 +235,12 @@ def _chunk_ids_at(starts: npt.NDArray[np.intp], work: _Work, n: int, ids: U16Arr
     gathered, looked up in :data:`_CHUNK_IDS`. About 4 ns a chunk (five gathers and a scatter):
     what a piece with few letters (non-ASCII text) needs."""
     digit, space = work.digit, work.space
+    # (d0 * 27 + d1) * 27 + d2, in place in uint16 (an operation on a uint8 array and a scalar
+    # stays uint8 under numpy 1.x's value-based casting, and would wrap)
     key = _at(digit, n, 0).take(starts).astype(np.uint16)
-    key *= np.uint16(729)
-    key += _at(digit, n, 1).take(starts) * np.uint16(27)
-    key += _at(digit, n, 2).take(starts)
+    for k in (1, 2):
+        key *= np.uint16(27)
+        key += _at(digit, n, k).take(starts)
     chunk_ids = _CHUNK_IDS.take(key)
     chunk_ids -= _at(space, n, -1).take(starts)  # led by a space: the id before
     ids[starts] = chunk_ids
