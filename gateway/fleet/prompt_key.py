@@ -7,17 +7,21 @@ with the gateway's tokenizer (``gateway/tokenizer.py``, the simulated engine's o
 token ids arrive in the engines' KV events, which the prefix index re-hashes with the same chain,
 so the dispatch feed and the event feed key a block alike.
 
-Cost, the issue's bound being <= 2 ms of gateway CPU for a 200 KB prompt:
+Cost, the issue's bound being <= 2 ms of gateway CPU for a 200 KB prompt (``slogate bench
+large-body --key-only`` measures it):
 
-- :func:`encode_array` is :func:`gateway.tokenizer.encode` vectorised with numpy (a handful of
-  passes over the UTF-8 bytes, no Python step per token): ~1 ms for 200 KB of English against
-  ~17 ms for the regex encoder, and the same ids (tests/gateway/test_prompt_key.py);
+- :func:`encode_array` is :func:`gateway.tokenizer.encode` vectorised with numpy (boolean and
+  uint16 passes over the UTF-8 bytes, in pieces of 128 KB, no Python step per token; see
+  :func:`_encode_plain`): ~0.55 ms for 200 KB of English against ~17 ms for the regex encoder,
+  ~1.5 ms for 200K characters of non-ASCII text (430 KB of UTF-8, whose ``str.encode`` alone
+  takes 0.45 ms), and the same ids (tests/gateway/test_prompt_key.py);
 - every message's rendered tokens are cached (:class:`MessageTokens`, an LRU under a byte budget,
-  keyed by role and content): a conversation's next turn repeats its history, which is then a
-  dict hit per message, and only the new turn is encoded. A ChatML message starts and ends with
-  a special token, which the encoder never merges with its neighbours, so the prompt's tokens are
-  exactly the concatenation of its messages' tokens;
-- the chain over the tokens is numpy too (~0.3 ms for 4,000 blocks).
+  keyed by role and content, ids as uint16): a conversation's next turn repeats its history,
+  which is then a dict hit per message, and only the new turn is encoded. A ChatML message starts
+  and ends with a special token, which the encoder never merges with its neighbours, so the
+  prompt's tokens are exactly the concatenation of its messages' tokens;
+- the chain over the tokens is numpy too (~0.15 ms for the 4,800 blocks of 200 KB of English,
+  ~0.7 ms for 26,000, half of that making the keys' Python ints).
 
 Bodies parsed in the worker process (``gateway/api/parse_offload.py``) have their token ids
 computed there (:func:`prompt_token_ids` runs in the worker, its cache lives there) and sent back
@@ -55,7 +59,6 @@ _SPECIAL_ID = {s.encode(): VOCAB_SIZE - len(SPECIAL_TOKENS) + i for i, s in enum
 
 U16Array = npt.NDArray[np.uint16]
 _BoolArray = npt.NDArray[np.bool_]
-_U8Array = npt.NDArray[np.uint8]
 # every id fits 16 bits: the encoder works and the cache keeps ids as uint16, a quarter of uint64
 assert VOCAB_SIZE <= 1 << 16
 _IM_START = np.array([_SPECIAL_ID[b"<|im_start|>"]], dtype=np.uint16)
@@ -66,9 +69,10 @@ _EMPTY16 = np.empty(0, dtype=np.uint16)
 
 def _chunk_id_table() -> U16Array:
     """Id of the bare (no leading space) letter chunk whose letters have the digits d0, d1, d2
-    (a..z as 1..26, 0 for no letter), at ``d0 * 729 + d1 * 27 + d2``; a space-led chunk's id is
-    one less. The tokenizer numbers chunks by length, then in base 26 (``gateway/tokenizer.py``):
-    one letter 0..25, two 26..701, three 702..18277; bare chunk i is ``256 + 2 * i + 1``."""
+    (a..z as 1..26, 0 for no letter; with no second letter the third does not count), at
+    ``d0 * 729 + d1 * 27 + d2``; a space-led chunk's id is one less. The tokenizer numbers chunks
+    by length, then in base 26 (``gateway/tokenizer.py``): one letter 0..25, two 26..701, three
+    702..18277; bare chunk i is ``256 + 2 * i + 1``."""
     key = np.arange(27**3)
     d0, d1, d2 = key // 729 - 1, key // 27 % 27 - 1, key % 27 - 1
     index = np.where(d1 < 0, d0, np.where(d2 < 0, 26 + 26 * d0 + d1, 702 + 676 * d0 + 26 * d1 + d2))
@@ -149,16 +153,17 @@ def _chunk_starts(letter: _BoolArray, before: _BoolArray, work: _Work) -> _BoolA
     place below ``span`` (a multiple of three) is marked, a letter ``span`` after a marked one,
     with only letters between, starts a chunk at that place plus ``span``; one round marks all
     below ``2 * span``. ``window`` marks the letters ending ``span`` letters in a row, and
-    doubles alike. Whole-array boolean passes, a few per round: English words end the loop after
-    two rounds, and a run of n letters takes log2(n / 3) (an ``accumulate`` over positions, the
-    obvious alternative, costs ~15 boolean passes whatever the text).
+    doubles alike. Whole-array boolean passes, four per round: English words end the loop after
+    two rounds, and a run of n letters takes log2(n / 3) (the obvious alternative, the latest run
+    start by ``np.maximum.accumulate`` over positions, costs ~100 boolean passes' worth).
     """
     n = len(letter)
     chunk = work.chunk[:n]
     np.greater(letter, before, out=chunk)  # letter and not after one: a run's first letter
     if n <= 3:
         return chunk
-    window, spare, found = work.window[:n], work.spare[:n], work.keep[:n]
+    window, spare = work.window[:n], work.spare[:n]
+    found = work.keep[:n]  # free until the caller marks the kept bytes
     window[:2] = False
     np.logical_and(letter[2:], letter[1:-1], out=window[2:])
     window[2:] &= letter[:-2]
@@ -175,17 +180,16 @@ def _chunk_starts(letter: _BoolArray, before: _BoolArray, work: _Work) -> _BoolA
 
 
 def _encode_plain(data: bytes) -> U16Array:
-    """:func:`encode` of a text without special tokens, from its UTF-8 bytes.
+    """:func:`encode` of a text without special tokens, from its UTF-8 bytes, as uint16 ids.
 
     Under the regex a token starts at every byte that is not a lowercase ASCII letter (ASCII one
     character a token, non-ASCII one byte a token), except a space with a letter after it, which
     opens the letter run's first chunk; and a run of letters is cut into chunks of three from its
-    first letter. So: boolean passes over the bytes mark the chunk starts and the bytes that are
-    tokens of their own; each byte is its own id, chunk starts get their chunk's id (gathered,
-    from the digits at p, p+1, p+2 and a table); the marked ids are the tokens. A chunk's token
-    sits at its first letter (the space that joins it is dropped), which keeps the order.
-    Elementwise passes and index gathers only: masked assignment, ``np.where`` and boolean
-    indexing branch per element and cost 5-10 times as much on text.
+    first letter. So: elementwise passes over the bytes mark the chunk starts and the bytes that
+    are tokens of their own; every byte's id is the byte, but a chunk start's is its chunk's; the
+    marked ids are the tokens. A chunk's token sits at its first letter (the space that joins it
+    is dropped), which keeps the order. No ``np.where`` or masked assignment: they branch on
+    every element, and cost 5-10 passes' worth on text, where the masks alternate.
     """
     n = len(data)
     if n == 0:
