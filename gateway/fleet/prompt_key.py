@@ -315,12 +315,22 @@ def _encode_text(parts: list[U16Array], text: str) -> None:
     if b"<" not in data or b"|" not in data or not _SPECIAL_SPLIT.search(data):
         _encode_bytes(parts, data)
         return
-    # UTF-8 never has an ASCII byte inside a character, so the bytes split where the text would
+    # UTF-8 never has an ASCII byte inside a character, so the bytes split where the text would.
+    # Special tokens and the short texts between them (a ChatML transcript pasted into a prompt)
+    # are gathered into one list, and the regex tokenizer reads the short texts
+    pending: list[int] = []
     for i, piece in enumerate(_SPECIAL_SPLIT.split(data)):
         if i % 2:
-            parts.append(np.array([_SPECIAL_ID[piece]], dtype=np.uint16))
-        elif piece:
+            pending.append(_SPECIAL_ID[piece])
+        elif len(piece) < _SMALL_CHARS:
+            pending += encode(piece.decode("utf-8"))
+        else:
+            if pending:
+                parts.append(np.array(pending, dtype=np.uint16))
+                pending = []
             _encode_bytes(parts, piece)
+    if pending:
+        parts.append(np.array(pending, dtype=np.uint16))
 
 
 def _joined(parts: list[U16Array]) -> U64Array:

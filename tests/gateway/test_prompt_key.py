@@ -169,6 +169,16 @@ def test_sizes_up_and_down_reuse_no_stale_bytes() -> None:
         _same(text[: rng.randint(0, 5)])
 
 
+def test_a_pasted_transcript_of_special_tokens_and_texts_long_and_short() -> None:
+    english, mixed = GENERATORS["english"], GENERATORS["mixed"]
+    turns = [
+        f"<|im_start|>user\n{english(n, n)}<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+        for n in (5, 255, 256, 257, 3_000, 1, 40)
+    ]
+    _same("".join(turns) * 3)
+    _same("<|endoftext|>" + mixed(200_000, 1) + "<|im_end|>" * 50 + mixed(300, 2) + "<|im_start|>")
+
+
 def test_a_lone_surrogate_is_refused_like_the_tokenizer_refuses_it() -> None:
     for text in ("abc\ud800", "\udfff", "x" * 70_000 + "\ud83d"):
         with pytest.raises(UnicodeEncodeError):
