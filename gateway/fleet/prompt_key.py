@@ -61,8 +61,9 @@ U16Array = npt.NDArray[np.uint16]
 _BoolArray = npt.NDArray[np.bool_]
 # every id fits 16 bits: the encoder works and the cache keeps ids as uint16, a quarter of uint64
 assert VOCAB_SIZE <= 1 << 16
-_IM_START = np.array([_SPECIAL_ID[b"<|im_start|>"]], dtype=np.uint16)
-_IM_END_NL = np.array([_SPECIAL_ID[b"<|im_end|>"], ord("\n")], dtype=np.uint16)
+_IM_START_ID, _IM_END_ID, _NEWLINE = _SPECIAL_ID[b"<|im_start|>"], _SPECIAL_ID[b"<|im_end|>"], ord("\n")
+_IM_START = np.array([_IM_START_ID], dtype=np.uint16)
+_IM_END_NL = np.array([_IM_END_ID, _NEWLINE], dtype=np.uint16)
 _EMPTY = np.empty(0, dtype=np.uint64)
 _EMPTY16 = np.empty(0, dtype=np.uint16)
 
@@ -408,6 +409,9 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
     capped at about :data:`MAX_PROMPT_CHARS` characters of content."""
     cache = _MESSAGES if cache is None else cache
     parts: list[U16Array] = []
+    # the ids of consecutive short messages (not cached), made one array: an agent's chat has
+    # hundreds, and an array per message costs more than its regex encoding
+    short: list[int] = []
     budget = MAX_PROMPT_CHARS
     for message in messages:
         if not isinstance(message, Mapping):
@@ -416,11 +420,20 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
         content = _content_text(message.get("content"))
         if len(content) > budget:
             # keyed by its leading part only: no closing marker, so nothing after it matches
-            parts.append(_IM_START)
+            short.append(_IM_START_ID)
+            parts.append(np.array(short, dtype=np.uint16))
             _encode_text(parts, f"{role}\n{content[:budget]}")
             return _joined(parts)
         budget -= len(content)
+        if len(content) < _CACHE_MIN_CHARS:
+            short += [_IM_START_ID, *encode(f"{role}\n{content}"), _IM_END_ID, _NEWLINE]
+            continue
+        if short:
+            parts.append(np.array(short, dtype=np.uint16))
+            short = []
         parts.append(cache.message(str(role), content))
+    if short:
+        parts.append(np.array(short, dtype=np.uint16))
     parts.append(_GENERATION_PROMPT)
     return _joined(parts)
 

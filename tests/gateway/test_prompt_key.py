@@ -202,6 +202,32 @@ def test_a_chat_gets_the_ids_of_its_rendered_template(messages: list[dict[str, s
     assert chat_token_ids(messages, cache).tolist() == first.tolist()  # cached messages alike
 
 
+def _capped_reference(messages: list[dict[str, str]], cap: int) -> list[int]:
+    """The chat keyed up to ``cap`` characters of content: the template rendered, the message that
+    crosses the cap cut there with no closing marker, nothing after it."""
+    text, budget = "", cap
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if len(content) > budget:
+            return encode(f"{text}<|im_start|>{role}\n{content[:budget]}")
+        budget -= len(content)
+        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return encode(text + "<|im_start|>assistant\n")
+
+
+_lengths = st.sampled_from([0, 1, 30, 255, 256, 257, 700])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(_roles, _lengths), min_size=1, max_size=12), st.integers(0, 2_000))
+def test_a_long_chat_is_keyed_up_to_the_cap_short_messages_and_long(
+    shape: list[tuple[str, int]], cap: int
+) -> None:
+    messages = [{"role": role, "content": GENERATORS["mixed"](n, i)} for i, (role, n) in enumerate(shape)]
+    with mock.patch.object(prompt_key, "MAX_PROMPT_CHARS", cap):
+        assert chat_token_ids(messages, MessageTokens()).tolist() == _capped_reference(messages, cap)
+
+
 def test_prompt_ids_are_uint64_for_every_kind() -> None:
     chat = prompt_token_ids("chat", {"messages": [{"role": "user", "content": "hi " * 300}]})
     text = prompt_token_ids("completions", {"prompt": "once upon a time " * 40})
