@@ -14,6 +14,11 @@ the 15 MB body goes, so that no engine tokenizes 15 MB on the same cores as the 
     for an English (ASCII) body and a non-ASCII one: orjson parses ASCII JSON strings several
     times faster, and that parse is one block the loop cannot interleave.
 
+``--key-only`` measures in this process, without engines or a gateway, what (a)'s prefix-index
+key costs for each prompt (its tokens, then its block hashes: the issue's <= 2 ms), best of
+``--key-repeat`` tries (``slogate bench large-body --key-only --prompt-texts
+english,mixed,non-ascii``; ``--prompt-chars 200000`` for prompts of that many characters).
+
 CPU is the gateway process's (``/proc/<pid>/task/*/schedstat``), less its idle rate (monitor
 scrapes) over the measurement. The gaps are wall time seen by this process, so a busy machine
 widens both columns; the rounds alternate to expose the same noise to both.
@@ -219,6 +224,12 @@ def _text_of_bytes(kind: str, n_bytes: int) -> str:
     return text[:cut]
 
 
+def _prompt_text(kind: str, config: LargeBodyConfig) -> str:
+    if config.prompt_chars is not None:
+        return GENERATORS[kind](config.prompt_chars, 12)
+    return _text_of_bytes(kind, config.prompt_bytes)
+
+
 def _cpu_ms(pid: int, c0: float, t0: float, idle: float, n: int) -> float:
     """Gateway CPU per request since (c0, t0), less the idle rate over the time taken."""
     return (cpu_seconds(pid) - c0 - idle * (time.perf_counter() - t0)) / n * 1e3
@@ -311,6 +322,8 @@ async def _gap_round(
 class LargeBodyConfig:
     requests: int = 200
     prompt_bytes: int = 200_000
+    #: prompts of this many characters instead of ``prompt_bytes`` bytes of UTF-8
+    prompt_chars: int | None = None
     prompt_texts: tuple[str, ...] = ("english", "mixed")
     streams: int = 100
     token_gap_ms: float = 20.0
@@ -331,8 +344,7 @@ async def _measure(
             await wait_until_served(session, gateway.url, model)
         small = _chat_body(MODEL, "Say hello to the benchmark.", max_tokens=1)
         prompts = {
-            kind: _chat_body(MODEL, _text_of_bytes(kind, config.prompt_bytes), max_tokens=1)
-            for kind in config.prompt_texts
+            kind: _chat_body(MODEL, _prompt_text(kind, config), max_tokens=1) for kind in config.prompt_texts
         }
         progress("warm-up")
         for body in (small, *prompts.values()):
@@ -521,11 +533,135 @@ def to_json(result: LargeBodyResult) -> dict[str, object]:
     return data
 
 
+# -- the prefix-index key alone (--key-only) ------------------------------------------------------
+
+
+@dataclass
+class PrefixKeyCase:
+    """Keying one prompt for the prefix index in this process: a one-message chat never seen (an
+    empty per-message cache), and its next turn (the history cached, a 1 KB new message). Each
+    figure is the least thread CPU of its tries, so ``encode_ms + chain_ms`` can differ from
+    ``total_ms`` by the noise."""
+
+    text: str
+    chars: int
+    utf8_bytes: int
+    tokens: int
+    blocks: int
+    encode_ms: float
+    chain_ms: float
+    total_ms: float
+    turn_ms: float
+
+
+def prefix_key_case(kind: str, text: str, repeat: int, block_size: int = 16) -> PrefixKeyCase:
+    messages = [{"role": "user", "content": text}]
+    turn = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more " * 200}]
+    encode = chain = total = turn_ms = float("inf")
+    tokens = keys = None
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        tokens = chat_token_ids(messages, MessageTokens())
+        t1 = time.thread_time()
+        blocks = prompt_blocks(MODEL, tokens)
+        assert blocks is not None
+        keys = blocks.hashes(block_size)
+        t2 = time.thread_time()
+        encode, chain, total = min(encode, t1 - t0), min(chain, t2 - t1), min(total, t2 - t0)
+    cache = MessageTokens()
+    chat_token_ids(messages, cache)
+    for _ in range(repeat):
+        t0 = time.thread_time()
+        blocks = prompt_blocks(MODEL, chat_token_ids(turn, cache))
+        assert blocks is not None
+        blocks.hashes(block_size)
+        turn_ms = min(turn_ms, time.thread_time() - t0)
+    assert tokens is not None and keys is not None
+    return PrefixKeyCase(
+        text=kind,
+        chars=len(text),
+        utf8_bytes=len(text.encode("utf-8", "surrogatepass")),
+        tokens=len(tokens),
+        blocks=len(keys),
+        encode_ms=encode * 1e3,
+        chain_ms=chain * 1e3,
+        total_ms=total * 1e3,
+        turn_ms=turn_ms * 1e3,
+    )
+
+
+def run_prefix_key(config: LargeBodyConfig, repeat: int) -> list[PrefixKeyCase]:
+    cases = []
+    for kind in config.prompt_texts:
+        progress(f"prefix-index key of a {kind} prompt, {repeat} tries")
+        cases.append(prefix_key_case(kind, _prompt_text(kind, config), repeat))
+    return cases
+
+
+def prefix_key_checks(cases: list[PrefixKeyCase]) -> list[tuple[str, str, str, bool]]:
+    rows: list[tuple[str, str, str, bool]] = []
+    for c in cases:
+        size = f"{c.utf8_bytes / 1000:.0f} KB {c.text} prompt ({c.chars:,} characters, {c.tokens:,} tokens)"
+        rows += [
+            (
+                f"{size}: prefix-index key, fresh prompt",
+                f"{c.total_ms:.3f} ms (tokens {c.encode_ms:.3f}, {c.blocks:,} block hashes {c.chain_ms:.3f})",
+                "<= 2 ms",
+                c.total_ms <= 2.0,
+            ),
+            (
+                "  prefix-index key, next turn (history cached, 1 KB new message)",
+                f"{c.turn_ms:.3f} ms",
+                "<= 2 ms",
+                c.turn_ms <= 2.0,
+            ),
+        ]
+    return rows
+
+
+def _key_only_main(args: argparse.Namespace, config: LargeBodyConfig) -> int:
+    cases = run_prefix_key(config, args.key_repeat)
+    checks = prefix_key_checks(cases)
+    print("\n".join(checks_table(checks)))
+    print(f"(least thread CPU of {args.key_repeat} tries each, in this process; block size 16)")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"large-body-key-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    data = {
+        "repeat": args.key_repeat,
+        "prompts": [asdict(c) for c in cases],
+        "checks": [{"figure": a, "measured": b, "target": c, "met": ok} for a, b, c, ok in checks],
+    }
+    path.write_text(json.dumps(data, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
 def add_large_body_arguments(parser: argparse.ArgumentParser) -> None:
     d = LargeBodyConfig()
     parser.add_argument("--requests", type=int, default=d.requests, help="requests per case in (a)")
     parser.add_argument(
         "--prompt-bytes", type=int, default=d.prompt_bytes, help="UTF-8 bytes of (a)'s prompts"
+    )
+    parser.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=None,
+        help="(a)'s prompts of this many characters instead (non-ASCII takes 2-4 bytes a character)",
+    )
+    parser.add_argument(
+        "--prompt-texts",
+        type=_kinds,
+        default=d.prompt_texts,
+        help=f"(a)'s prompt texts, comma-separated, of {', '.join(sorted(GENERATORS))} "
+        "(default english,mixed)",
+    )
+    parser.add_argument(
+        "--key-only",
+        action="store_true",
+        help="only the prefix-index key of (a)'s prompts (tokens, block hashes), in this process",
+    )
+    parser.add_argument(
+        "--key-repeat", type=int, default=50, help="tries per --key-only figure (least counts)"
     )
     parser.add_argument("--streams", type=int, default=d.streams, help="concurrent streams in (b)")
     parser.add_argument("--token-gap-ms", type=float, default=d.token_gap_ms, help="engine pacing in (b)")
@@ -562,6 +698,8 @@ def bench_large_body_main(args: argparse.Namespace) -> int:
     config = LargeBodyConfig(
         requests=args.requests,
         prompt_bytes=args.prompt_bytes,
+        prompt_chars=args.prompt_chars,
+        prompt_texts=args.prompt_texts,
         streams=args.streams,
         token_gap_ms=args.token_gap_ms,
         stream_tokens=args.stream_tokens,
@@ -569,6 +707,8 @@ def bench_large_body_main(args: argparse.Namespace) -> int:
         big_texts=args.big_texts,
         rounds=args.rounds,
     )
+    if args.key_only:
+        return _key_only_main(args, config)
     result = run_large_body(config)
     print(render_table(result))
     args.results_dir.mkdir(parents=True, exist_ok=True)

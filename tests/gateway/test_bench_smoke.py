@@ -84,3 +84,23 @@ def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert with_body["big_body_status"] == 200 and with_body["max_gap_in_flight_ms"] is not None
     assert math.isfinite(big["added_gap_ms"])
     assert {c["target"] for c in data["checks"]} >= {"<= 1 ms", "<= 20 ms"}
+
+
+def test_large_body_key_only_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--key-only``: the prefix-index key of each prompt, in process, no engines started."""
+    argv = ["bench", "large-body", "--key-only", "--key-repeat", "2", "--prompt-bytes", "20000"]
+    argv += ["--prompt-texts", "english,non-ascii", "--results-dir", str(tmp_path)]
+    assert main(argv) == 0
+
+    table = capsys.readouterr().out
+    assert "20 KB english prompt" in table and "prefix-index key, fresh prompt" in table
+    assert "next turn (history cached" in table
+    [written] = tmp_path.glob("large-body-key-*.json")
+    data = json.loads(written.read_text())
+    assert [case["text"] for case in data["prompts"]] == ["english", "non-ascii"]
+    for case in data["prompts"]:
+        assert 19_990 <= case["utf8_bytes"] <= 20_000 and case["chars"] <= case["utf8_bytes"]
+        assert case["blocks"] == case["tokens"] // 16 > 0
+        assert case["encode_ms"] > 0 and case["chain_ms"] > 0 and case["turn_ms"] > 0
+        assert case["total_ms"] >= max(case["encode_ms"], case["chain_ms"])
+    assert {c["target"] for c in data["checks"]} == {"<= 2 ms"}

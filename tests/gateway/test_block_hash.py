@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.fleet.block_hash import (
     _P,
@@ -31,6 +33,7 @@ from gateway.fleet.block_hash import (
     vllm_block_hashes,
 )
 from gateway.realengines.vllm_env import is_vllm_env_ready, vllm_python
+from gateway.tokenizer import encode
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -48,6 +51,63 @@ def test_chain_is_the_polynomial_recurrence_over_block_digests() -> None:
         h = (h * _P + digest) & MASK64
         expected.append(h)
     assert keys == expected
+
+
+def _digest(block: list[int]) -> int:
+    """A block's digest by its definition, in Python integers: the multilinear sum with the
+    SplitMix64 multipliers, then murmur3's finaliser (what ``block_digests`` vectorises)."""
+    total = 0
+    for k, token in enumerate(block):
+        x = (0x5106A7E + k + 0x9E3779B97F4A7C15) & MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+        total += token * ((x ^ (x >> 31)) | 1)
+    x = total & MASK64
+    x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & MASK64
+    x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & MASK64
+    return x ^ (x >> 33)
+
+
+def _reference_chain(tokens: list[int], block_size: int, parent: int) -> list[int]:
+    keys, h = [], parent & MASK64
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = (h * _P + _digest(tokens[start : start + block_size])) & MASK64
+        keys.append(h)
+    return keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(st.integers(0, 40_000), st.integers(0, MASK64)), max_size=300),
+    st.integers(1, 40),
+    st.integers(0, MASK64),
+)
+def test_chain_is_its_definition_in_python_integers(tokens: list[int], block_size: int, parent: int) -> None:
+    expected = _reference_chain(tokens, block_size, parent)
+    assert chain(tokens, block_size, parent) == expected
+    assert chain(np.array(tokens, dtype=np.uint64), block_size, parent) == expected
+    if all(t < 1 << 16 for t in tokens):  # the prompt encoder's narrow ids hash alike
+        assert chain(np.array(tokens, dtype=np.uint16), block_size, parent) == expected
+
+
+def test_chain_values_are_pinned() -> None:
+    """The keys the prefix index and the KV-event feed share: a change here strands every key an
+    index holds, so it must be deliberate (these values are from the chain as first shipped)."""
+    tokens = encode("The quick brown fox jumps over the lazy dog. " * 8)
+    keys = chain(tokens, 16, root_key("m"))
+    assert [hex(k) for k in keys[:3]] + [hex(keys[-1])] == [
+        "0x50182ce966fc733b",
+        "0x4251b41efbf36604",
+        "0xbae1bf741dfbd057",
+        "0x11ddf69ea0a48023",
+    ]
+    big = [MASK64 - i * 7919 for i in range(48)]
+    assert [hex(k) for k in chain(big, 16, 0)] == [
+        "0xb6239d77563f32ff",
+        "0xa80f86f4d66be11a",
+        "0x8b7aed2a5ea769a7",
+    ]
+    assert [hex(k) for k in chain(list(range(10)), 4, 12345)] == ["0x96df3f70ea359c5c", "0x3ceb7b0feadf427d"]
 
 
 def test_a_parent_key_continues_the_chain() -> None:

@@ -1,0 +1,236 @@
+"""The vectorised prompt encoder against the tokenizer it stands in for: property and fuzz tests.
+
+``gateway.fleet.prompt_key`` keys prompts with a numpy reading of ``gateway.tokenizer.encode``;
+the prefix index only matches blocks if the two agree on every id, for every text. The texts here
+aim at the places a vectorised reading can go wrong: special-token fragments (``<|im_``), letter
+runs of every length (chunks of three from the run's first letter, a space joining the first),
+lone letters, spaces and non-ASCII bytes at the edges of the pieces the encoder works in, and
+texts long enough to be cut into pieces at all.
+"""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from gateway.bench.texts import GENERATORS
+from gateway.fleet import prompt_key
+from gateway.fleet.prompt_key import (
+    MessageTokens,
+    chat_token_ids,
+    encode_array,
+    prompt_token_ids,
+    reference_token_ids,
+)
+from gateway.tokenizer import SPECIAL_TOKENS, encode
+
+#: pieces of text that tokenize differently next to each other: letters, spaces before letters,
+#: special tokens whole and in fragments, ASCII that is not a letter, and 2/3/4-byte UTF-8
+_FRAGMENTS = (
+    *SPECIAL_TOKENS,
+    "<|im_",
+    "<|im_start",
+    "<|",
+    "|>",
+    "<",
+    "|",
+    ">",
+    "im_end|>",
+    "<|endoftext",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "a",
+    "z",
+    "ab",
+    "abc",
+    "abcd",
+    " a",
+    " ab",
+    " abc",
+    " abcd",
+    "A",
+    "Z",
+    "`",
+    "{",
+    "0",
+    "9",
+    ".",
+    "\x00",
+    "\x7f",
+    "\x80",
+    "é",
+    "ü",
+    "ÿ",
+    "Ā",
+    "中",
+    "\u0800",
+    "\uffff",
+    "🙂",
+    "\U0010ffff",
+)
+_texts = st.lists(
+    st.one_of(
+        st.sampled_from(_FRAGMENTS),
+        st.text(alphabet="abcxyz ", max_size=40),
+        st.integers(0, 40).map(lambda n: "q" * n),
+        st.text(max_size=8),
+    ),
+    max_size=40,
+).map("".join)
+
+
+def _same(text: str) -> None:
+    """``encode_array(text)`` is ``encode(text)``: as it stands, and with the numpy encoder forced
+    on short texts (which it hands to the regex tokenizer) and forced to either way of finding
+    chunk ids (gathered at the chunk starts, or computed at every byte)."""
+    expected = encode(text)
+    assert encode_array(text).tolist() == expected, repr(text)
+    for gather_below in (0.0, 2.0):
+        with (
+            mock.patch.object(prompt_key, "_SMALL_CHARS", 0, create=True),
+            mock.patch.object(prompt_key, "_GATHER_BELOW", gather_below, create=True),
+        ):
+            assert encode_array(text).tolist() == expected, (repr(text), gather_below)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_texts)
+@example("")
+@example("a")
+@example(" ")
+@example(" a")
+@example("<|im_start|>")
+@example("<|im_<|im_end|>")
+@example("é a")
+def test_any_text_gets_the_tokenizer_s_ids(text: str) -> None:
+    _same(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_texts, st.integers(1, 48))
+def test_the_ids_do_not_depend_on_where_pieces_are_cut(text: str, piece: int) -> None:
+    """Pieces of a few bytes, so that every short text is cut, at every kind of boundary."""
+    with mock.patch.object(prompt_key, "_PIECE", piece):
+        _same(text)
+        _same(text * 7)
+
+
+def test_letter_runs_of_every_length_are_cut_in_threes_from_their_first_letter() -> None:
+    """Runs around each power of two times three (where a doubling reading changes step),
+    alone and after a space (which joins the first chunk), a capital, a digit, non-ASCII."""
+    lengths = set(range(0, 40))
+    for k in range(1, 14):
+        lengths |= {3 * 2**k - 1, 3 * 2**k, 3 * 2**k + 1, 3 * 2**k + 2}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for n in sorted(lengths):
+        run = (letters * (n // 26 + 1))[:n]
+        for before in ("", " ", "  ", "X", "7", "é", "\n "):
+            for after in ("", " ", "Q", "é", " z"):
+                _same(before + run + after)
+        _same(" ".join([run] * 5))
+
+
+def test_lone_letters_and_spaces_at_every_piece_boundary() -> None:
+    rng = random.Random(11)
+    alphabet = ["a", "b", " ", " ", "é", ".", "A", "中", "<|im_end|>"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 120))) for _ in range(200)]
+    for piece in range(1, 20):
+        with mock.patch.object(prompt_key, "_PIECE", piece):
+            for text in texts:
+                _same(text)
+
+
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_long_texts_of_each_kind(kind: str) -> None:
+    for seed, n in ((1, 1_000), (2, 70_000), (3, 300_000)):
+        _same(GENERATORS[kind](n, seed))
+
+
+def test_texts_without_a_safe_cut_and_longer_than_a_piece() -> None:
+    for text in ("abcd" * 70_000, " abcd" * 50_000, "a" * 200_001, "é" * 100_000, " " * 150_000):
+        _same(text)
+        _same(text + "<|im_end|>" + text[:1000])
+
+
+def test_sizes_up_and_down_reuse_no_stale_bytes() -> None:
+    """One process encodes texts of every size in turn: a short text after a long one must not
+    read what the long one left behind (the letters after its end, say)."""
+    rng = random.Random(5)
+    for _ in range(60):
+        n = rng.choice((1, 2, 3, 4, 17, 300, 5_000, 90_000))
+        text = GENERATORS[rng.choice(sorted(GENERATORS))](n, rng.randrange(1000))
+        _same(text)
+        _same(text[: rng.randint(0, 5)])
+
+
+def test_a_pasted_transcript_of_special_tokens_and_texts_long_and_short() -> None:
+    english, mixed = GENERATORS["english"], GENERATORS["mixed"]
+    turns = [
+        f"<|im_start|>user\n{english(n, n)}<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+        for n in (5, 255, 256, 257, 3_000, 1, 40)
+    ]
+    _same("".join(turns) * 3)
+    _same("<|endoftext|>" + mixed(200_000, 1) + "<|im_end|>" * 50 + mixed(300, 2) + "<|im_start|>")
+
+
+def test_a_lone_surrogate_is_refused_like_the_tokenizer_refuses_it() -> None:
+    for text in ("abc\ud800", "\udfff", "x" * 70_000 + "\ud83d"):
+        with pytest.raises(UnicodeEncodeError):
+            encode(text)
+        with pytest.raises(UnicodeEncodeError):
+            encode_array(text)
+    assert prompt_token_ids("completions", {"prompt": "abc\ud800"}) is None
+
+
+_roles = st.sampled_from(["user", "system", "assistant", "tool", "", "<|im_end|>", "a b"])
+_contents = st.one_of(_texts, st.integers(250, 600).map(lambda n: GENERATORS["mixed"](n, n)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"role": _roles, "content": _contents}), min_size=1, max_size=6))
+def test_a_chat_gets_the_ids_of_its_rendered_template(messages: list[dict[str, str]]) -> None:
+    cache = MessageTokens()
+    first = chat_token_ids(messages, cache)
+    assert first.dtype.name == "uint64"
+    assert first.tolist() == reference_token_ids(messages)
+    assert chat_token_ids(messages, cache).tolist() == first.tolist()  # cached messages alike
+
+
+def _capped_reference(messages: list[dict[str, str]], cap: int) -> list[int]:
+    """The chat keyed up to ``cap`` characters of content: the template rendered, the message that
+    crosses the cap cut there with no closing marker, nothing after it."""
+    text, budget = "", cap
+    for m in messages:
+        role, content = m["role"], m["content"]
+        if len(content) > budget:
+            return encode(f"{text}<|im_start|>{role}\n{content[:budget]}")
+        budget -= len(content)
+        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return encode(text + "<|im_start|>assistant\n")
+
+
+_lengths = st.sampled_from([0, 1, 30, 255, 256, 257, 700])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(_roles, _lengths), min_size=1, max_size=12), st.integers(0, 2_000))
+def test_a_long_chat_is_keyed_up_to_the_cap_short_messages_and_long(
+    shape: list[tuple[str, int]], cap: int
+) -> None:
+    messages = [{"role": role, "content": GENERATORS["mixed"](n, i)} for i, (role, n) in enumerate(shape)]
+    with mock.patch.object(prompt_key, "MAX_PROMPT_CHARS", cap):
+        assert chat_token_ids(messages, MessageTokens()).tolist() == _capped_reference(messages, cap)
+
+
+def test_prompt_ids_are_uint64_for_every_kind() -> None:
+    chat = prompt_token_ids("chat", {"messages": [{"role": "user", "content": "hi " * 300}]})
+    text = prompt_token_ids("completions", {"prompt": "once upon a time " * 40})
+    assert chat is not None and chat.dtype.name == "uint64"
+    assert text is not None and text.dtype.name == "uint64"
+    assert text.tolist() == encode("once upon a time " * 40)
