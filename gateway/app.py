@@ -35,6 +35,7 @@ from gateway.dispatch.build import RoutingProfile, build_core, build_prefix_rout
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
+from gateway.fleet import engine_tokenizer
 from gateway.fleet.calibration import Calibrator
 from gateway.fleet.kv_events import KVEventFeed
 from gateway.fleet.monitor import FleetMonitor
@@ -84,6 +85,9 @@ class Gateway:
 
     async def start(self) -> None:
         s = self.settings
+        # every engine tokenizer loaded and compiled (in threads) before the gateway serves: no
+        # request loads one on the loop; one that cannot be loaded stops start-up here
+        await engine_tokenizer.preload(s.engine_tokenizers)
         connector = aiohttp.TCPConnector(
             limit=s.upstream_pool_size,
             limit_per_host=s.upstream_pool_per_host,

@@ -224,6 +224,12 @@ PREFIX_HASH = Histogram(
     buckets=(*_FAST_BUCKETS, 0.05, 0.1),
     registry=REGISTRY,
 )
+PREFIX_KEYS_SKIPPED = Counter(
+    "slogate_prefix_keys_skipped",
+    "Requests routed without a prefix-index key (by load) because the engine tokenizer's keying "
+    "threads already had a full queue",
+    registry=REGISTRY,
+)
 PD_REQUESTS = Counter(
     "slogate_pd_requests",
     "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "

@@ -24,13 +24,24 @@ What it cannot reproduce it does not key (None: the request is routed without a 
 never failed): images and other non-text parts, a request's own ``chat_template``,
 ``continue_final_message``, a template that raises, anything malformed.
 
+Loading: :func:`preload` (the app's start-up, awaited before it serves) loads every configured
+tokenizer and compiles its chat templates in threads, so no request ever pays for it on the event
+loop (``Tokenizer.from_file`` of a large vocabulary takes hundreds of milliseconds); one that
+cannot be loaded then is a configuration error and the gateway does not start. Where nothing
+preloaded (the parsing worker process, a directory first seen at run time), :func:`load` loads
+on first use, never on the event loop: :class:`PromptKeyer` sends such a request to a thread.
+
 Cost: the Rust encoder is far slower than the gateway's vectorised one (the tiny test model's
 1,024-token BPE: ~100 ms for a 200 KB prompt on this machine; large vocabularies merge less and
 run faster). :meth:`EngineTokenizer.encode` goes through ``encode_batch``, which releases the GIL
 while it runs (``encode`` holds it), and the front door keys bodies above
 :data:`INLINE_BYTES` in a thread (:class:`PromptKeyer`), so the event loop and every stream on it
 carry on meanwhile; bodies parsed in the worker process (``offload_parse_bytes``) are keyed there.
-The request itself waits for its key: it is routed by it.
+The request itself waits for its key: it is routed by it. The threads' queue is bounded
+(:data:`MAX_WAITING`): past it a request is routed without a key rather than wait.
+
+A Rust panic in the tokenizer (pyo3's ``PanicException``, a ``BaseException``) is caught like any
+other error: the request is routed without a prefix match.
 """
 
 from __future__ import annotations
@@ -39,15 +50,17 @@ import asyncio
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gateway import metrics
 from gateway.fleet.block_hash import U64Array
 from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, prompt_token_ids
 
@@ -62,6 +75,26 @@ _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"
 INSTALL_HINT = "pip install 'slogate[hf-tokenizer]'"
 #: threads keying large prompts: all cores but the event loop's, at most 4
 _THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+#: keying jobs that may wait for a thread (beyond the ones running): a new large request past it
+#: is not keyed (routed by load, counted in ``slogate_prefix_keys_skipped_total``). A large
+#: prompt takes ~60-100 ms to encode and there is one thread on a 2-core machine, so 4 waiting
+#: already add up to ~0.5 s before the last one is routed; an unbounded queue under a burst of
+#: long prompts would add without limit to every one's time to first token, while skipping the
+#: key only costs that request its prefix match.
+MAX_WAITING = 4
+#: the template names :meth:`EngineTokenizer.render_chat` may use (compiled when it loads)
+_USED_TEMPLATES = ("default", "tool_use")
+
+
+class EngineTokenizerError(RuntimeError):
+    """A configured engine tokenizer that cannot be loaded at start-up (a configuration error)."""
+
+
+def is_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Rust panic crossing into Python (pyo3's
+    ``pyo3_runtime.PanicException``): a ``BaseException``, so ``except Exception`` misses it, and
+    it cannot be imported to be named."""
+    return any(t.__name__ == "PanicException" and t.__module__ == "pyo3_runtime" for t in type(exc).__mro__)
 
 
 def missing_packages() -> list[str]:
@@ -185,12 +218,30 @@ def _iterates_content(source: str) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatTemplate:
+    """A chat template ready to render, published whole (never half-built to another thread)."""
+
+    compiled: Any
+    #: the template iterates over a message's content: text parts stay ``{"type": "text"}`` dicts
+    openai_format: bool
+    #: the template names the ``developer`` role (else a developer message becomes a system one)
+    developer: bool
+
+    @classmethod
+    def build(cls, source: str) -> _ChatTemplate:
+        developer = '"developer"' in source or "'developer'" in source
+        return cls(_compile(source), _iterates_content(source), developer)
+
+
 class Unkeyable(ValueError):
     """A prompt the engine tokenizer does not reproduce: the request is not keyed."""
 
 
 class EngineTokenizer:
-    """One model's tokenizer and chat template, loaded from a Hugging Face directory."""
+    """One model's tokenizer and chat template, loaded from a Hugging Face directory. Everything
+    is loaded and compiled here (slow: a thread's work, see :func:`preload`) and never changes
+    after, so any number of threads may key with it at once."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         from tokenizers import Tokenizer
@@ -202,8 +253,13 @@ class EngineTokenizer:
             name: text for name in _SPECIAL_NAMES if (text := _token_text(config.get(name))) is not None
         }
         self.templates = _chat_templates(self.directory, config)
-        self._compiled: dict[str, Any] = {}
-        self._openai_format: dict[str, bool] = {}
+        #: the templates it renders, compiled (a syntax error fails the load, not a request)
+        self._chat = {
+            name: _ChatTemplate.build(self.templates[name])
+            for name in _USED_TEMPLATES
+            if name in self.templates
+        }
+        self._panic_logged = False
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -212,20 +268,12 @@ class EngineTokenizer:
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return np.array(encoding.ids, dtype=np.uint64)
 
-    def _template(self, tools: object) -> str:
-        if tools is not None and "tool_use" in self.templates:
-            return "tool_use"
-        if "default" in self.templates:
-            return "default"
+    def _template(self, tools: object) -> _ChatTemplate:
+        if tools is not None and "tool_use" in self._chat:
+            return self._chat["tool_use"]
+        if "default" in self._chat:
+            return self._chat["default"]
         raise Unkeyable(f"{self.directory} has no chat template")
-
-    def _compiled_template(self, name: str) -> Any:
-        compiled = self._compiled.get(name)
-        if compiled is None:
-            source = self.templates[name]
-            compiled = self._compiled[name] = _compile(source)
-            self._openai_format[name] = _iterates_content(source)
-        return compiled
 
     def render_chat(
         self,
@@ -238,13 +286,10 @@ class EngineTokenizer:
     ) -> str:
         """The chat as the model's template renders it (raises :class:`Unkeyable` or the
         template's own error for what cannot be rendered)."""
-        name = self._template(tools)
-        template = self._compiled_template(name)
-        source = self.templates[name]
-        developer = '"developer"' in source or "'developer'" in source
-        conversation = [_message(m, self._openai_format[name], developer) for m in messages]
+        template = self._template(tools)
+        conversation = [_message(m, template.openai_format, template.developer) for m in messages]
         extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED}
-        rendered: str = template.render(
+        rendered: str = template.compiled.render(
             messages=conversation,
             tools=tools,
             documents=documents,
@@ -290,7 +335,8 @@ class EngineTokenizer:
 
     def prompt_token_ids(self, kind: str, body: Mapping[str, Any]) -> U64Array | None:
         """Token ids of a chat or completions request's prompt as vLLM tokenizes it; None for
-        other requests and for anything it cannot reproduce. Never raises."""
+        other requests and for anything it cannot reproduce. Never raises (a Rust panic in the
+        tokenizer included; KeyboardInterrupt, SystemExit and the like still do)."""
         try:
             if kind == "chat":
                 tokens: U64Array | None = self.chat_token_ids(body)
@@ -299,6 +345,15 @@ class EngineTokenizer:
             else:
                 return None
         except Exception:  # a template's own error, a bad body: not keyed, never a failed request
+            return None
+        except BaseException as exc:
+            if not is_panic(exc):
+                raise
+            if not self._panic_logged:  # once: a client could send the same input again and again
+                self._panic_logged = True
+                log.warning(
+                    "engine tokenizer %s panicked (%s); the request is not keyed", self.directory, exc
+                )
             return None
         return tokens if tokens is not None and len(tokens) else None
 
@@ -354,17 +409,62 @@ def _tool_call(call: Any) -> Any:
     return call
 
 
-@lru_cache(maxsize=32)
+#: directory -> its tokenizer, or None when it could not be loaded (tried once per process)
+_loaded: dict[str, EngineTokenizer | None] = {}
+#: directory -> the lock one load of it holds (threads asking for the same directory wait for it)
+_load_locks: dict[str, threading.Lock] = {}
+
+
+def _load_strict(directory: str) -> EngineTokenizer:
+    """The tokenizer in ``directory``, loaded and cached; raises what the load raised (a Rust
+    panic included)."""
+    with _load_locks.setdefault(directory, threading.Lock()):
+        tokenizer = _loaded.get(directory)
+        if tokenizer is None:
+            tokenizer = EngineTokenizer(directory)
+            _loaded[directory] = tokenizer
+        return tokenizer
+
+
 def load(directory: str) -> EngineTokenizer | None:
     """The tokenizer in ``directory``, loaded once per process (None, logged once, when it
-    cannot be: the model's prompts are then not keyed)."""
+    cannot be: the model's prompts are then not keyed). Slow the first time: not on the loop."""
+    if directory in _loaded:
+        return _loaded[directory]
     try:
-        return EngineTokenizer(directory)
-    except Exception as exc:
+        return _load_strict(directory)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not is_panic(exc):
+            raise
+        _loaded.setdefault(directory, None)
         log.warning(
             "engine tokenizer %s cannot be loaded (%s); its model's prompts are not keyed", directory, exc
         )
         return None
+
+
+def _preload_one(model: str, directory: str) -> None:
+    try:
+        _load_strict(directory)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not is_panic(exc):
+            raise
+        raise EngineTokenizerError(
+            f"engine_tokenizers.{model}: {directory} cannot be loaded: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+async def preload(engine_tokenizers: Mapping[str, str | os.PathLike[str]]) -> None:
+    """Load every configured tokenizer and compile its chat templates, each in a thread, so that
+    no request loads one (on the event loop, a large vocabulary's load stalls every stream for
+    hundreds of milliseconds). Raises :class:`EngineTokenizerError`, naming the model, for one
+    that cannot be loaded: a configuration error, the gateway does not start with it."""
+    await asyncio.gather(
+        *(
+            asyncio.to_thread(_preload_one, model, os.fspath(directory))
+            for model, directory in engine_tokenizers.items()
+        )
+    )
 
 
 def engine_prompt_token_ids(
@@ -381,13 +481,17 @@ def engine_prompt_token_ids(
 
 class PromptKeyer:
     """The front door's keying of prompts for the prefix index: each model's engine tokenizer
-    where one is configured (in a thread for bodies above :data:`INLINE_BYTES`), the gateway's
-    tokenizer for the rest."""
+    where one is configured (in a thread for bodies above :data:`INLINE_BYTES` and for a
+    tokenizer not loaded yet, at most :data:`MAX_WAITING` waiting), the gateway's tokenizer for
+    the rest."""
 
     def __init__(self, engine_tokenizers: Mapping[str, str | os.PathLike[str]]) -> None:
         #: model -> tokenizer directory (strings: sent to the parsing worker as they are)
         self.directories = {model: os.fspath(path) for model, path in engine_tokenizers.items()}
         self._pool: ThreadPoolExecutor | None = None
+        #: keying jobs handed to the threads and not finished (running or waiting)
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
 
     def token_ids(self, kind: str, body: Mapping[str, Any], model: str) -> U64Array | None:
         return engine_prompt_token_ids(kind, body, model, self.directories)
@@ -396,13 +500,39 @@ class PromptKeyer:
         self, kind: str, body: Mapping[str, Any], model: str, body_bytes: int
     ) -> U64Array | None:
         """:meth:`token_ids`, in a thread when the model has an engine tokenizer and the body is
-        large (the encoder releases the GIL: the loop carries on while it runs)."""
-        if model not in self.directories or body_bytes <= INLINE_BYTES:
-            return self.token_ids(kind, body, model)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-tokenizer")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.token_ids, kind, body, model)
+        large or the tokenizer is not loaded yet (the encoder releases the GIL: the loop carries on
+        while it runs; a load is never the loop's). None, at once, when :data:`MAX_WAITING` jobs
+        already wait for a thread: the request is routed without a prefix match."""
+        directory = self.directories.get(model)
+        if directory is None:
+            return prompt_token_ids(kind, body)
+        if directory in _loaded:
+            tokenizer = _loaded[directory]
+            if tokenizer is None:  # it could not be loaded: the model's prompts are not keyed
+                return None
+            if body_bytes <= INLINE_BYTES:
+                return tokenizer.prompt_token_ids(kind, body)
+        with self._in_flight_lock:
+            if self._in_flight >= _THREADS + MAX_WAITING:
+                metrics.PREFIX_KEYS_SKIPPED.inc()
+                return None
+            self._in_flight += 1
+        try:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="engine-tokenizer")
+            job = self._pool.submit(self.token_ids, kind, body, model)
+        except BaseException as exc:
+            self._finished(None)
+            if isinstance(exc, RuntimeError):  # no new threads (the interpreter exiting): not keyed
+                return None
+            raise
+        # counted out when the job ends or is cancelled before it starts (its request gone)
+        job.add_done_callback(self._finished)
+        return await asyncio.wrap_future(job)
+
+    def _finished(self, _job: Future[U64Array | None] | None) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
 
     def close(self) -> None:
         if self._pool is not None:

@@ -7,7 +7,10 @@ The tokenizers here are trained in the test (a small byte-level BPE), nothing is
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,12 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from gateway import metrics
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import parse_summary
+from gateway.app import Gateway
 from gateway.bench.texts import english_text
+from gateway.fleet import engine_tokenizer as et
 from gateway.fleet.engine_tokenizer import (
     INLINE_BYTES,
     EngineTokenizer,
@@ -238,6 +244,7 @@ def test_models_without_an_engine_tokenizer_keep_the_gateway_s(chatml_dir: Path,
 
 
 async def test_the_keyer_keys_large_bodies_in_a_thread(chatml_dir: Path) -> None:
+    await et.preload({"hf-model": chatml_dir})  # as the app's start-up does
     keyer = PromptKeyer({"hf-model": chatml_dir})
     messages = [{"role": "user", "content": english_text(50_000, seed=9)}]
     expected = _encode(chatml_dir, _chatml_text(messages))
@@ -267,6 +274,205 @@ async def test_the_parsing_worker_keys_with_the_engine_tokenizer(chatml_dir: Pat
         assert _ids(offloaded.prompt_ids) == expected
     finally:
         parser.close()
+
+
+def _copy(directory: Path, tmp_path: Path) -> Path:
+    """A copy of a model directory: a path no test has loaded yet (tokenizers are cached by it)."""
+    return Path(shutil.copytree(directory, tmp_path / "copy"))
+
+
+# -- loading: at start-up, never on the event loop -----------------------------------------------
+
+
+async def test_start_up_loads_and_compiles_so_no_request_does(
+    chatml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = _copy(chatml_dir, tmp_path)
+    await et.preload({"hf-model": directory})
+
+    def nothing_more(*_: Any) -> None:
+        raise AssertionError("loaded or compiled after start-up")
+
+    monkeypatch.setattr(et.EngineTokenizer, "__init__", nothing_more)
+    monkeypatch.setattr(et, "_compile", nothing_more)
+    monkeypatch.setattr(et, "_iterates_content", nothing_more)
+    messages = [{"role": "user", "content": "hello there"}]
+    keyer = PromptKeyer({"hf-model": directory})
+    try:
+        ids = await keyer.token_ids_async("chat", {"messages": messages}, "hf-model", INLINE_BYTES)
+        assert _ids(ids) == _encode(chatml_dir, _chatml_text(messages))
+        assert keyer._pool is None  # keyed inline: the tokenizer was ready
+    finally:
+        keyer.close()
+
+
+async def test_a_tokenizer_not_loaded_yet_is_loaded_in_a_thread_never_on_the_loop(
+    chatml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = _copy(chatml_dir, tmp_path)
+    threads: list[str] = []
+    real_init = et.EngineTokenizer.__init__
+
+    def init(self: et.EngineTokenizer, path: Any) -> None:
+        threads.append(threading.current_thread().name)
+        real_init(self, path)
+
+    monkeypatch.setattr(et.EngineTokenizer, "__init__", init)
+    messages = [{"role": "user", "content": "hello there"}]
+    keyer = PromptKeyer({"hf-model": directory})
+    try:
+        ids = await keyer.token_ids_async("chat", {"messages": messages}, "hf-model", 100)
+        assert _ids(ids) == _encode(chatml_dir, _chatml_text(messages))
+        assert len(threads) == 1 and threads[0].startswith("engine-tokenizer"), threads
+        # loaded now: the next small body is keyed inline, without loading again
+        again = await keyer.token_ids_async("chat", {"messages": messages}, "hf-model", 100)
+        assert _ids(again) == _ids(ids) and len(threads) == 1
+    finally:
+        keyer.close()
+
+
+async def test_a_tokenizer_that_cannot_be_loaded_stops_start_up(chatml_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(et.EngineTokenizerError, match=r"engine_tokenizers\.bad: .*broken cannot be loaded"):
+        await et.preload({"good": chatml_dir, "bad": broken})
+    # a chat template that does not compile is the load's failure too, not each request's
+    bad_template = _copy(chatml_dir, tmp_path)
+    (bad_template / "chat_template.jinja").write_text("{% for message in %}")
+    with pytest.raises(et.EngineTokenizerError, match=r"engine_tokenizers\.m: .*TemplateSyntaxError"):
+        await et.preload({"m": bad_template})
+    # the gateway does not start with it (before it connects to anything)
+    gateway = Gateway(load_settings(engine_tokenizers={MODEL: str(broken)}))
+    try:
+        with pytest.raises(et.EngineTokenizerError, match=rf"engine_tokenizers\.{MODEL}: "):
+            await gateway.start()
+        assert gateway.session is None and gateway.proxy is None
+    finally:
+        await gateway.stop()
+
+
+def test_a_template_is_never_seen_half_compiled(chatml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keying that comes while another compiles the template (another thread, or the loop
+    while a thread does) finds it compiled whole, never compiled but without its content format."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    expected = _encode(chatml_dir, _chatml_text([{"role": "user", "content": "hello there"}]))
+    ready: list[EngineTokenizer] = []
+    meanwhile: list[list[int] | None] = []
+    real = et._iterates_content
+
+    def iterates_content(source: str) -> bool:
+        if ready:  # the tokenizer exists: a second keying comes in the middle of the compile
+            ids = ready[0].prompt_token_ids("chat", {"messages": messages})
+            meanwhile.append(None if ids is None else ids.tolist())
+        return real(source)
+
+    monkeypatch.setattr(et, "_iterates_content", iterates_content)
+    tok = EngineTokenizer(chatml_dir)
+    ready.append(tok)
+    assert _ids(tok.prompt_token_ids("chat", {"messages": messages})) == expected
+    assert all(ids == expected for ids in meanwhile), meanwhile
+
+
+# -- Rust panics ---------------------------------------------------------------------------------
+
+#: what pyo3 raises for a Rust panic: ``pyo3_runtime.PanicException``, a BaseException
+PanicException = type("PanicException", (BaseException,), {"__module__": "pyo3_runtime"})
+
+
+async def test_a_panic_in_the_tokenizer_leaves_the_request_unkeyed(
+    chatml_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def panic(*_: Any, **__: Any) -> None:
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(et.EngineTokenizer, "encode", panic)
+    tok = EngineTokenizer(chatml_dir)
+    chat = {"messages": [{"role": "user", "content": "hello there"}]}
+    assert tok.prompt_token_ids("chat", chat) is None
+    assert tok.prompt_token_ids("completions", {"prompt": "hello"}) is None
+    # through the front door's paths, inline and in the thread
+    await et.preload({"hf-model": chatml_dir})
+    keyer = PromptKeyer({"hf-model": chatml_dir})
+    try:
+        assert await keyer.token_ids_async("chat", chat, "hf-model", 100) is None
+        assert await keyer.token_ids_async("chat", chat, "hf-model", 60_000) is None
+    finally:
+        keyer.close()
+    assert engine_prompt_token_ids("chat", chat, "hf-model", {"hf-model": str(chatml_dir)}) is None
+
+    # other BaseExceptions are not swallowed
+    def interrupt(*_: Any, **__: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(et.EngineTokenizer, "encode", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tok.prompt_token_ids("chat", chat)
+
+    # a panic while loading: not keyed at run time, a configuration error at start-up
+    monkeypatch.setattr(et.EngineTokenizer, "__init__", panic)
+    directory = _copy(chatml_dir, tmp_path)
+    with pytest.raises(et.EngineTokenizerError, match="PanicException"):
+        await et.preload({"m": directory})
+    assert load(str(directory)) is None
+
+
+# -- the bound on waiting keying jobs ------------------------------------------------------------
+
+
+async def test_keying_jobs_waiting_past_the_bound_are_not_keyed(
+    chatml_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past :data:`MAX_WAITING` jobs waiting for a keying thread a large request is not keyed (None:
+    routed by load) and counted; a request gone while it waited frees its place."""
+    gate = threading.Event()
+    real = et.engine_prompt_token_ids
+
+    def held(*args: Any) -> Any:
+        gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(et, "engine_prompt_token_ids", held)
+    messages = [{"role": "user", "content": english_text(2_000, seed=4)}]
+    body = {"messages": messages}
+    expected = _encode(chatml_dir, _chatml_text(messages))
+    full = et._THREADS + et.MAX_WAITING  # running + waiting
+
+    def skipped() -> float:
+        return metrics.REGISTRY.get_sample_value("slogate_prefix_keys_skipped_total") or 0.0
+
+    async def until(predicate: Any) -> None:
+        for _ in range(10_000):
+            if predicate():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("never")
+
+    await et.preload({"hf-model": chatml_dir})
+    keyer = PromptKeyer({"hf-model": chatml_dir})
+    try:
+        jobs = [
+            asyncio.create_task(keyer.token_ids_async("chat", body, "hf-model", 60_000)) for _ in range(full)
+        ]
+        await until(lambda: keyer._in_flight == full)
+        before = skipped()
+        assert await keyer.token_ids_async("chat", body, "hf-model", 60_000) is None
+        assert skipped() == before + 1
+        # small bodies are keyed inline, not bounded
+        assert _ids(await keyer.token_ids_async("chat", body, "hf-model", 100)) == expected
+        # the last one waiting goes away (its client did): its place is free again
+        jobs[-1].cancel()
+        await until(lambda: keyer._in_flight == full - 1)
+        jobs[-1] = asyncio.create_task(keyer.token_ids_async("chat", body, "hf-model", 60_000))
+        await until(lambda: keyer._in_flight == full)
+        gate.set()
+        results = await asyncio.gather(*jobs)
+        assert all(_ids(r) == expected for r in results)
+        assert keyer._in_flight == 0 and skipped() == before + 1
+        assert _ids(await keyer.token_ids_async("chat", body, "hf-model", 60_000)) == expected
+    finally:
+        gate.set()
+        keyer.close()
 
 
 def test_settings_check_the_directories(chatml_dir: Path, tmp_path: Path) -> None:
