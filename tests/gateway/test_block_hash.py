@@ -11,7 +11,6 @@ import json
 import os
 import random
 import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,20 +178,6 @@ def test_cbor_canonical_encodings() -> None:
     assert cbor_canonical(b"\x01\x02\x03\x04") == bytes.fromhex("4401020304")
     assert cbor_canonical((1, [2, 3], (4, 5))) == bytes.fromhex("8301820203820405")
     assert cbor_canonical(None) == b"\xf6"
-
-
-def test_hashing_a_200kb_prompt_costs_under_2ms_of_cpu() -> None:
-    """The whole chain of a 200 KB prompt (~57,000 tokens at 3.5 characters a token, ~3,600
-    blocks): the issue's budget is 2 ms; best of five so a busy machine does not fail it."""
-    tokens = _tokens(5, 200_000 * 2 // 7)
-    root = root_key("m")
-    best = float("inf")
-    for _ in range(5):
-        start = time.process_time()
-        PromptBlocks(tokens, root).hashes(16)
-        best = min(best, time.process_time() - start)
-    print(f"\nhashing {len(tokens)} tokens ({len(tokens) // 16} blocks): {best * 1e3:.2f} ms CPU")
-    assert best < 0.002
 
 
 # -- vLLM's own hashing ---------------------------------------------------------------------------
