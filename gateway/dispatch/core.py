@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
-from gateway.dispatch.window_min import WindowMin
+from gateway.dispatch.window_min import WindowMax, WindowMin
 from gateway.dispatch.workers import HyperFlexisWorkers
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
@@ -54,6 +54,9 @@ from policies.queue_order import (
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
 UNPARK_PER_ARRIVAL = 4
+#: how long a late timer counts in the loop's lateness (seconds): long enough to span a stall,
+#: short enough that holds return to what the model says soon after it
+LAG_WINDOW_S = 2.0
 #: queued requests (from the head) whose prefix holders join a HyperFlexis turn that prefers them
 PREFIX_HOLDERS_SCAN = 8
 #: earliest-deadline requests of a full class examined for the queue-full prune
@@ -152,6 +155,14 @@ class DispatchCore:
         #: called when there is work for :meth:`step` (the driver wakes its task)
         self.wake: Callable[[], None] = lambda: None
         self._dirty: set[str] = set()
+        #: how late the driver ran the steps it was asked for (:meth:`next_wake`), at most over the
+        #: last LAG_WINDOW_S: an arrival may take a HyperFlexis worker maturing within that (a
+        #: loop running late by L handled the arrival L late already, and its timers fire L late:
+        #: a tight TTFT paid the lateness twice, once more waiting for the worker's timer)
+        self._lateness = WindowMax(LAG_WINDOW_S)
+        self.lag = 0.0
+        self._due = math.inf
+        self._stepped_at = -math.inf
         self._submitting: str | None = None
         self._own: EngineRecord | None = None
         self._class_deadlines: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
@@ -237,7 +248,13 @@ class DispatchCore:
                 continue
             wake = min(wake, queue.next_expiry())
             if self.hyperflexis is not None:
-                wake = min(wake, self.workers.next_mature(model))
+                mature = self.workers.next_mature(model)
+                # a loop late by L runs this timer L late: armed L early, it runs on time (unless
+                # that is already past: then at its time, never at once, which would only spin)
+                early = mature - self.lag
+                wake = min(wake, early if early > self._stepped_at else mature)
+        # (due at once, it is late by however long the driver takes to run the next step)
+        self._due = max(wake, self._stepped_at)
         return wake
 
     def no_engine(self, model: str) -> GatewayError:
@@ -329,11 +346,11 @@ class DispatchCore:
             window.add(ticket.item.ttft_slo, now)
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
         self.workers.shorten_holds(now, self.hyperflexis)
-        if self.workers.next_mature(model) <= now:
+        if self.workers.next_mature(model) <= now + self.lag:
             # a worker can take work right now: decide in this call, not on the next loop turn
             self._submitting, self._own = rid, None
             try:
-                self._dispatch_hyperflexis(model, now, ticket if at_once else None)
+                self._dispatch_hyperflexis(model, now, ticket if at_once else None, self.lag)
             except BaseException:
                 if self._own is not None:  # never leave a reservation behind a failure
                     self.fleet.release(self._own.engine_id, rid)
@@ -407,6 +424,11 @@ class DispatchCore:
 
     def step(self, now: float) -> None:
         """Expire, then dispatch every model with news or a mature worker; results to the outbox."""
+        if self._due <= now:
+            self._lateness.add(now - self._due, now)
+            self._due = math.inf
+        self._stepped_at = now
+        self.lag = self._lateness.max(now)
         for queue in self.queues.values():
             if len(queue) and queue.next_expiry() <= now:
                 for item in queue.expire(now):
@@ -447,22 +469,26 @@ class DispatchCore:
             queue.pop(now, ctx)
             self._assign(ticket, record, now)
 
-    def _dispatch_hyperflexis(self, model: str, now: float, arrival: Ticket | None = None) -> None:
+    def _dispatch_hyperflexis(
+        self, model: str, now: float, arrival: Ticket | None = None, early: float = 0.0
+    ) -> None:
         """One HyperFlexis turn of the model's mature workers over its queue, or, with
-        ``arrival`` (a ticket for the model's empty queue, not queued), over that ticket alone."""
+        ``arrival`` (a ticket for the model's empty queue, not queued), over that ticket alone.
+        ``early``: workers maturing that much later take part as mature (an arrival's turn, by
+        the loop's lateness)."""
         assert self.hyperflexis is not None
         queue = self.queues[model]
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
         limit = len(queue) + (arrival is not None)
-        workers = self.workers.pop_mature(model, now, limit)
+        workers = self.workers.pop_mature(model, now, limit, early)
         if not workers:
             return
         lookup: PrefixLookup | None = None
         soon: dict[str, tuple[float, int]] = {}
         try:
             if self.hyperflexis.prefix_preference and self.router.prefix is not None:
-                lookup, soon = self._prefix_holders(model, queue, workers, now, arrival, limit)
+                lookup, soon = self._prefix_holders(model, queue, workers, now, arrival, limit, early)
             self._run_hyperflexis(model, queue, workers, now, arrival, lookup, soon)
         except BaseException:
             # a bug must not strand the workers it had popped: they stay mature for the next try
@@ -478,6 +504,7 @@ class DispatchCore:
         now: float,
         arrival: Ticket | None,
         limit: int,
+        early: float,
     ) -> tuple[PrefixLookup | None, dict[str, tuple[float, int]]]:
         """The prefix index's lookup for this turn; added to ``workers``, the mature workers
         holding a prefix of the requests the turn will look at first (``pop_mature`` takes only as
@@ -501,12 +528,12 @@ class DispatchCore:
             for engine_id in () if held is None else held.cached:
                 if engine_id not in looking:
                     holders[engine_id] = None
-        workers.extend(self.workers.take_mature(model, holders, now))
+        workers.extend(self.workers.take_mature(model, holders, now, early))
         records = self.fleet.records
         soon = {
             e: (at, records[e].in_flight)
             for e in holders
-            if now < (at := maturity[e]) < math.inf and self.fleet.in_front(records[e])
+            if now + early < (at := maturity[e]) < math.inf and self.fleet.in_front(records[e])
         }
         # past the head, only the workers of this turn and those maturing soon can be chosen:
         # matching every engine of the model for every request the turn reads would cost

@@ -1,4 +1,4 @@
-"""The smallest value seen in a sliding time window, in O(1) amortised per update."""
+"""The smallest (or largest) value seen in a sliding time window, in O(1) amortised per update."""
 
 from __future__ import annotations
 
@@ -34,3 +34,20 @@ class WindowMin:
         while items and items[0][0] < horizon:
             items.popleft()
         return items[0][1] if items else math.inf
+
+
+class WindowMax:
+    """Maximum of the values added in the last ``window_s`` seconds (0 when none): a
+    :class:`WindowMin` of their negations."""
+
+    __slots__ = ("_min",)
+
+    def __init__(self, window_s: float) -> None:
+        self._min = WindowMin(window_s)
+
+    def add(self, value: float, now: float) -> None:
+        self._min.add(-value, now)
+
+    def max(self, now: float) -> float:
+        low = self._min.min(now)
+        return 0.0 if low == math.inf else -low

@@ -106,12 +106,14 @@ class HyperFlexisWorkers:
             heapq.heappop(heap)  # superseded entry
         return heap[0][0] if heap else math.inf
 
-    def pop_mature(self, model: str, now: float, limit: int) -> list[WorkerView]:
-        """Up to ``limit`` workers whose maturity has come, earliest first, as views; unhealthy
-        ones leave the heap until a health event brings them back."""
+    def pop_mature(self, model: str, now: float, limit: int, early: float = 0.0) -> list[WorkerView]:
+        """Up to ``limit`` workers whose maturity has come by ``now + early``, earliest first, as
+        views (mature at ``now`` at the latest); unhealthy ones leave the heap until a health
+        event brings them back."""
         heap = self._heaps[model]
         workers: list[WorkerView] = []
-        while heap and heap[0][0] <= now and len(workers) < limit:
+        until = now + early
+        while heap and heap[0][0] <= until and len(workers) < limit:
             at, version, engine_id = heapq.heappop(heap)
             if self._version[engine_id] != version:
                 continue  # superseded
@@ -119,22 +121,24 @@ class HyperFlexisWorkers:
             if not self.fleet.in_front(record):
                 self.set(model, engine_id, math.inf)  # back with the event that returns it
                 continue
-            workers.append(self._view(record, at))
+            workers.append(self._view(record, at if at <= now else now))
         return workers
 
-    def take_mature(self, model: str, engine_ids: Iterable[str], now: float) -> list[WorkerView]:
-        """The workers among ``engine_ids`` whose maturity has come and that may take work, as
-        views, out of the heap (like :meth:`pop_mature`, whatever their place in it): the caller
-        sets each one's maturity after the turn."""
+    def take_mature(
+        self, model: str, engine_ids: Iterable[str], now: float, early: float = 0.0
+    ) -> list[WorkerView]:
+        """The workers among ``engine_ids`` whose maturity has come (by ``now + early``) and that
+        may take work, as views, out of the heap (like :meth:`pop_mature`, whatever their place in
+        it): the caller sets each one's maturity after the turn."""
         views = []
         for engine_id in engine_ids:
             at = self.maturity.get(engine_id)
-            if at is None or at > now:
+            if at is None or at > now + early:
                 continue
             record = self.fleet.records[engine_id]
             if record.model != model or not self.fleet.in_front(record):
                 continue
-            views.append(self._view(record, at))
+            views.append(self._view(record, at if at <= now else now))
             self._version[engine_id] += 1  # its heap entry is superseded until the caller's set()
         return views
 

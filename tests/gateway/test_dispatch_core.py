@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api.errors import GatewayError
-from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
+from gateway.dispatch.core import LAG_WINDOW_S, ClassLimits, DispatchCore, Ticket
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
@@ -583,3 +583,36 @@ def test_an_engine_flipped_to_decode_leaves_the_hyperflexis_workers_until_it_ret
     assert all(p is None or p.engine_id == "a-0" for p in placed)
     fleet.set_role("a-1", Role.PREFILL)
     assert core.workers.maturity["a-1"] == -math.inf
+
+
+def test_a_late_loop_serves_hyperflexis_maturities_early_by_its_lateness() -> None:
+    fleet = offline_fleet({"a": 2})
+    core = offline_core(fleet, dispatcher="hyperflexis", hyperflexis=HyperFlexisParams())
+    for engine in fleet.records:
+        core.workers.set("a", engine, 1.0)
+    assert core.submit(ticket("r-1", now=0.5, timeout=60.0), 0.5) is None  # both held until 1.0
+    assert core.next_wake() == 1.0
+    core.step(1.3)  # the driver ran that step 0.3 s late
+    assert core.lag == pytest.approx(0.3)
+    # a worker held until 2.0: its timer is armed 0.3 s early, so a loop as late runs it on time
+    for engine in fleet.records:
+        core.workers.set("a", engine, 2.0)
+    assert core.submit(ticket("r-2", now=1.4, timeout=60.0), 1.4) is None
+    assert core.next_wake() == pytest.approx(1.7)
+    # an arrival handled late takes a worker maturing within the lateness at once
+    placed = core.submit(ticket("r-3", now=1.75, timeout=60.0), 1.75)
+    assert placed is not None or any(rid == "r-3" for rid, _ in core.outbox)
+    # armed early only while that is still ahead: never in the past (which would only spin)
+    core.step(1.95)
+    for engine in fleet.records:
+        core.workers.set("a", engine, 2.5)
+    assert core.submit(ticket("r-4", now=1.95, timeout=60.0), 1.95) is None  # 2.5 is beyond the lag
+    assert core.next_wake() == pytest.approx(2.2)
+    for engine in fleet.records:
+        core.workers.set("a", engine, 2.1)
+    assert core.next_wake() == pytest.approx(2.1)  # 1.8 would be before the last step: at 2.1
+    # run on time from here: once the lateness has left its window, no maturity is served early
+    core.step(2.1)
+    assert core.queued() == 0 and core.next_wake() == math.inf
+    core.step(2.1 + LAG_WINDOW_S + 0.5)
+    assert core.lag == 0.0
