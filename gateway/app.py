@@ -249,10 +249,16 @@ def build_api(gateway: Gateway) -> FastAPI:
     @api.get("/v1/models")
     async def models() -> Response:
         created = int(gateway.started_at)
-        data = [
+        f = fleet()
+        data: list[dict[str, Any]] = [
             {"id": m, "object": "model", "created": created, "owned_by": "slogate"}
-            for m in sorted(fleet().models())
+            for m in sorted(f.models())
         ]
+        # LoRA adapters the engines have loaded, as vLLM lists them: their base model as parent
+        data.extend(
+            {"id": a, "object": "model", "created": created, "owned_by": "slogate", "parent": base}
+            for a, base in sorted(f.adapter_bases.items())
+        )
         return _json({"object": "list", "data": data})
 
     @api.get("/health")
@@ -323,6 +329,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "state_age_s": round(time.monotonic() - r.state_at, 3) if r.state else None,
                     "state_stale": stale.get(r.engine_id, True),
                     "scrape_error": scrape_errors.get(r.engine_id),
+                    "adapters": sorted(r.adapters),
                 }
             )
         return _json({"engines": out})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import EngineSnapshot, Filter, Picker, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
+from policies.plugins.lora import NAME as LORA
+from policies.plugins.lora import LoraAffinity, with_adapter
 from policies.plugins.pickers import MaxScore
 
 _load = attrgetter("load")
@@ -145,6 +147,14 @@ class Router:
         policy: str = "pipeline",
     ) -> None:
         self.fleet = fleet
+        # LoRA affinity is applied to every adapter request, before exclusions and the rest of
+        # the pipeline: the profile's own lora_affinity filter (its parameters) or the default
+        listed = [f for name, f in pipeline.filters if name == LORA]
+        own = listed[0] if listed else None
+        self.lora: LoraAffinity = own if isinstance(own, LoraAffinity) else LoraAffinity()
+        if listed:
+            pipeline = replace(pipeline, filters=tuple(f for f in pipeline.filters if f[0] != LORA))
+        self._lora_hist: Any = None  # made with the first adapter request (no series before)
         self.pipeline = timed(pipeline)
         self.prefix = prefix
         #: the routing profile's name, as decisions report it
@@ -177,7 +187,7 @@ class Router:
         """The pipeline's engine for ``request`` among healthy engines of its model, without
         those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
         now = time.monotonic() if now is None else now
-        if self._ranked and not exclude:
+        if self._ranked and not exclude and request.lora is None:
             t0 = time.perf_counter()
             routable, slots = self.fleet.least_ranked(request.model, now)
             if not slots or (max_load is not None and routable[slots[0]].load >= max_load):
@@ -193,6 +203,9 @@ class Router:
                 self.prefix.dispatched(request.request_id, record.engine_id, now)
             return record
         candidates: Sequence[EngineSnapshot] = self.fleet.candidates(request.model, now)
+        if request.lora is not None:
+            # before the exclusions: a retry whose engines with the adapter all failed finds none
+            candidates = self.with_lora(request.lora, candidates)
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]
         if not candidates:
@@ -216,6 +229,20 @@ class Router:
         if self.prefix is not None:
             self.prefix.dispatched(request.request_id, chosen.engine_id, now)
         return self.fleet.records[chosen.engine_id]
+
+    def with_lora(self, lora: str, engines: Sequence[EngineSnapshot]) -> Sequence[EngineSnapshot]:
+        """``engines`` that may take a request for LoRA adapter ``lora`` under this profile (the
+        ``lora_affinity`` filter: those that have it loaded when any has, unless the profile says
+        the engines load adapters on demand)."""
+        if not self.lora.required:
+            return engines
+        if self._lora_hist is None:
+            self._lora_hist = metrics.deferred(metrics.POLICY_CALL, f"filter:{LORA}")
+        t0 = time.perf_counter()
+        try:
+            return with_adapter(engines, lora)
+        finally:
+            self._lora_hist.observe(time.perf_counter() - t0)
 
     def assigned(self, request: RequestView, engine_id: str, now: float) -> None:
         """Another dispatcher (HyperFlexis) placed ``request`` on ``engine_id``: the prefix index

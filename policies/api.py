@@ -99,6 +99,9 @@ class EngineSnapshot:
     #: prompt + generated-so-far tokens of this gateway's requests on the engine (Gimbal's running
     #: load); refreshed whenever the entry is rebuilt (reservation, release, first token, scrape)
     running_tokens: int = 0
+    #: LoRA adapters the engine has loaded on its model (from its ``/v1/models``: the cards whose
+    #: ``parent`` is the model), as of the monitor's last read; empty when it lists none
+    adapters: frozenset[str] = frozenset()
     #: :func:`estimated_load` of this snapshot, computed once when it is made (scorers read it for
     #: every engine on every placement)
     load: float = field(init=False, compare=False)
@@ -151,7 +154,9 @@ class RequestView:
     (or the gateway default). ``arrival`` is on the same clock as ``FleetSnapshot.taken_at``.
     ``prefix`` and ``affinity`` are filled by the router when a prefix index / affinity store is
     configured and the front door gave it the request's prompt blocks / session key; ``None``
-    otherwise, and every scorer must then treat the engines alike.
+    otherwise, and every scorer must then treat the engines alike. ``lora``: the LoRA adapter the
+    request names (its body's ``model``; ``model`` is then the adapter's base model), ``None``
+    for a request to the base model itself.
     """
 
     request_id: str
@@ -164,6 +169,7 @@ class RequestView:
     priority: int = 0
     prefix: PrefixMatch | None = None
     affinity: Affinity | None = None
+    lora: str | None = None
 
 
 def estimated_load(engine: EngineSnapshot) -> float:

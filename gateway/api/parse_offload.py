@@ -51,7 +51,11 @@ class BodyParser:
         self._pool: ProcessPoolExecutor | None = None
         self._disabled = False
 
-    async def parse(self, kind: RouteKind, raw: bytes) -> ParsedRequest:
+    async def parse(
+        self, kind: RouteKind, raw: bytes, engine_tokenizers: Mapping[str, str] | None = None
+    ) -> ParsedRequest:
+        """``engine_tokenizers`` (the worker's model -> tokenizer directory) replaces the parser's
+        own for this body when given."""
         if len(raw) <= self.threshold or self._disabled:
             return parse_request(kind, raw, self.default_max_tokens)
         try:
@@ -68,7 +72,7 @@ class BodyParser:
                 raw,
                 self.default_max_tokens,
                 self.prompt_ids,
-                self.engine_tokenizers,
+                self.engine_tokenizers if engine_tokenizers is None else engine_tokenizers,
             )
         except (OSError, NotImplementedError, RuntimeError) as exc:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)

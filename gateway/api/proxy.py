@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway import metrics
@@ -107,6 +107,23 @@ class Proxy:
         )
         self._boot = os.urandom(4).hex()
         self._ids = itertools.count(1)
+        #: the parsing worker's tokenizer directories with the LoRA adapters' (their base model's),
+        #: for the fleet's adapters of the time (rebuilt when those change)
+        self._tokenizers_for: dict[str, str] | None = None
+        self._tokenizers: Mapping[str, str] | None = None
+
+    def _parse_tokenizers(self) -> Mapping[str, str] | None:
+        """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's
+        prompts with its base model's engine tokenizer); None: the parser's own."""
+        directories = self.keyer.directories
+        bases = self.fleet.adapter_bases
+        if not directories or not bases:
+            return None
+        if self._tokenizers_for is not bases:
+            self._tokenizers_for = bases
+            adapters = {a: directories[b] for a, b in bases.items() if b in directories}
+            self._tokenizers = {**adapters, **directories} if adapters else None
+        return self._tokenizers
 
     def _new_id(self) -> str:
         return f"sg-{self._boot}-{next(self._ids):x}"
@@ -153,7 +170,13 @@ class Proxy:
             finally:
                 # also when the body is refused partway (a 413): the upload was the client's time
                 body_s = time.monotonic() - started
-            request = await self.parser.parse(kind, raw)
+            request = await self.parser.parse(kind, raw, self._parse_tokenizers())
+            if request.model not in self.fleet.served_models:
+                # a LoRA adapter some engine has loaded: routed, queued and counted by its base
+                # model; the body still names the adapter, which is what the engine serves
+                base = self.fleet.adapter_base(request.model)
+                if base is not None:
+                    request.lora, request.model = request.model, base
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy)
@@ -245,7 +268,7 @@ class Proxy:
                 tokens = await self.keyer.token_ids_async(
                     request.kind, request.body, request.model, len(request.raw)
                 )
-            blocks = prompt_blocks(request.model, tokens, request.cache_salt)
+            blocks = prompt_blocks(request.model, tokens, request.cache_salt, request.lora)
             metrics.PREFIX_HASH.observe(time.perf_counter() - t0)
         key = None
         if self.prefix.affinity is not None:

@@ -42,6 +42,8 @@ class ParsedRequest:
     #: the decoded body, or None until :attr:`body` is first read (a large body is parsed in a
     #: worker process, which sends back only the routing fields)
     parsed: dict[str, Any] | None
+    #: the served model the request is routed by: the body's ``model``, or the base model of the
+    #: LoRA adapter it names (see ``lora``)
     model: str
     stream: bool
     client_wants_usage: bool
@@ -60,6 +62,10 @@ class ParsedRequest:
     #: the prompt's token ids as the engine tokenizes it, when a parsing worker computed them
     #: (``gateway/fleet/prompt_key.py``; a uint64 array), else None
     prompt_ids: Any = None
+    #: the LoRA adapter the body's ``model`` names, once the front door resolved it to the
+    #: adapter's base model (then in ``model``; the body still names the adapter, as the engine
+    #: needs), else None
+    lora: str | None = None
 
     @property
     def body(self) -> dict[str, Any]:

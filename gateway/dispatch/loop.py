@@ -116,11 +116,11 @@ class DispatchLoop:
             self._submit_hist.observe(time.perf_counter() - t0)
             self._deliver()
         if record is not None:
-            return record
+            return self._with_adapter(ticket, record)
         future: asyncio.Future[EngineRecord] = asyncio.get_running_loop().create_future()
         self._futures[view.request_id] = future
         try:
-            return await future
+            record = await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
                 # assigned in the same turn the caller was cancelled: give the capacity back
@@ -130,6 +130,32 @@ class DispatchLoop:
             raise
         finally:
             self._futures.pop(view.request_id, None)
+        return self._with_adapter(ticket, record)
+
+    def _with_adapter(self, ticket: Ticket, record: EngineRecord) -> EngineRecord:
+        """``record``, unless the request names a LoRA adapter that engine has not loaded while
+        engines of its model that have it are in rotation (and the profile does not say engines
+        load adapters on demand): then its reservation moves to one of those at once, as a retry
+        would (an engine without the adapter answers 404). The router never picks such an
+        engine; HyperFlexis's workers take their model's queued requests whatever adapters they
+        have, so its placements are corrected here."""
+        view = ticket.item.view
+        lora = view.lora
+        if lora is None or lora in record.adapters or not self.core.router.lora.required:
+            return record
+        now = self.clock()
+        engines = self.fleet.candidates(view.model, now)
+        lacking = [e.engine_id for e in engines if lora not in e.adapters]
+        if len(lacking) == len(engines):
+            return record  # no engine in rotation has it: nowhere better to go
+        log.debug(
+            "request %s for LoRA adapter %r moved off %s, which does not have it",
+            view.request_id,
+            lora,
+            record.engine_id,
+        )
+        self.release(record.engine_id, view.request_id)
+        return self.core.retry(ticket, lacking, now)
 
     def release(self, engine_id: str, request_id: str) -> None:
         """The request left the engine (finished, failed or abandoned). Idempotent."""

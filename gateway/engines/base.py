@@ -30,6 +30,8 @@ class EngineAdapter:
     #: path of the Prometheus endpoint, or None when the engine publishes none
     metrics_path: ClassVar[str | None] = "/metrics"
     health_path: ClassVar[str] = "/health"
+    #: the OpenAI model list, read for the LoRA adapters loaded (None: the engine has none)
+    models_path: ClassVar[str | None] = "/v1/models"
     #: whether the engine understands the client's ``x-sim-*`` controls (the simulated engine)
     accepts_sim_headers: ClassVar[bool] = False
 
@@ -154,8 +156,57 @@ class EngineAdapter:
             data = await resp.json(content_type=None)
         return [str(m["id"]) for m in data.get("data", []) if isinstance(m, Mapping) and "id" in m]
 
+    async def loaded_adapters(self) -> frozenset[str] | None:
+        """The LoRA adapters the engine has loaded on its model, from its model list (see
+        :func:`adapters_listed`); None when it publishes no model list (404, 405, 501). Raises
+        on other failures, like :meth:`scrape`."""
+        if self.models_path is None:
+            return None
+        async with self.session.get(
+            self.url(self.models_path), timeout=self._scrape_timeout, headers=self._auth
+        ) as resp:
+            if resp.status in (404, 405, 501):
+                await resp.read()
+                return None
+            resp.raise_for_status()
+            data = await resp.json(content_type=None)
+        return adapters_listed(data, self.config.model)
+
     def parse_metrics(self, text: str) -> EngineState | None:
         return None
+
+
+def adapters_listed(data: Any, model: str) -> frozenset[str]:
+    """The LoRA adapters an engine's ``/v1/models`` lists on ``model``.
+
+    vLLM lists the base model (``parent`` null) and each adapter as its own card whose ``parent``
+    is the base model's served name (``root``: the adapter's path); recent SGLang does the same.
+    An adapter counts when its parent is ``model``, or another name the same engine lists as a
+    base model while it lists ``model`` too (vLLM's several ``--served-model-name``s, whose
+    adapters name the first). Anything else (llama.cpp, generic servers: no ``parent``; a body
+    that is not a model list) lists none. The payload's ``data`` array or a bare array both work.
+    """
+    cards = data.get("data") if isinstance(data, Mapping) else data
+    if not isinstance(cards, list):
+        return frozenset()
+    bases: set[str] = set()
+    children: list[tuple[str, str]] = []
+    for card in cards:
+        if not isinstance(card, Mapping):
+            continue
+        name, parent = card.get("id"), card.get("parent")
+        if not isinstance(name, str) or not name:
+            continue
+        if isinstance(parent, str) and parent:
+            children.append((name, parent))
+        else:
+            bases.add(name)
+    serves = model in bases
+    return frozenset(
+        name
+        for name, parent in children
+        if name != model and (parent == model or (serves and parent in bases))
+    )
 
 
 def gauge(samples: prom_text.Samples, *names: str) -> float:

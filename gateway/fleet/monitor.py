@@ -10,6 +10,10 @@ out exactly when it is most needed.
 
 Each engine gets its own two tasks, so a slow engine never delays the others, and a hanging
 scrape never delays a health check.
+
+The scrape task also reads the engine's model list (``/v1/models``) beside its metrics, for the
+LoRA adapters it has loaded (:meth:`Fleet.set_adapters`): on the scrape's cadence, never per
+request. A failed read, like a failed scrape, only leaves the adapters as they were last read.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class FleetMonitor:
         self.scrape_timeout_s = scrape_timeout_s
         #: why the latest scrape of an engine failed; absent after a successful one
         self.scrape_errors: dict[str, str] = {}
+        #: why the latest read of an engine's model list (its LoRA adapters) failed; likewise
+        self.adapter_errors: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.first_round = asyncio.Event()
         # the first round is one health check and one scrape attempt per engine
@@ -77,7 +83,7 @@ class FleetMonitor:
                 asyncio.create_task(self._loop(record, self.check_health), name=f"health:{name}")
             )
             self._tasks.append(
-                asyncio.create_task(self._loop(record, self.scrape_once), name=f"scrape:{name}")
+                asyncio.create_task(self._loop(record, self.scrape_round), name=f"scrape:{name}")
             )
 
     async def stop(self) -> None:
@@ -89,8 +95,14 @@ class FleetMonitor:
         self._tasks.clear()
 
     async def check_once(self, record: EngineRecord) -> None:
-        """One health check and one scrape, side by side. Never raises."""
-        await asyncio.gather(self.check_health(record), self.scrape_once(record))
+        """One health check and one scrape round, side by side. Never raises."""
+        await asyncio.gather(self.check_health(record), self.scrape_round(record))
+
+    async def scrape_round(self, record: EngineRecord) -> bool:
+        """One metrics scrape and one read of the LoRA adapters, side by side; returns the
+        scrape's result. Never raises, never touches health."""
+        scraped, _ = await asyncio.gather(self.scrape_once(record), self.read_adapters(record))
+        return scraped
 
     async def check_health(self, record: EngineRecord) -> bool:
         """One health check; its result alone decides ejection and re-admission. Never raises."""
@@ -143,6 +155,41 @@ class FleetMonitor:
             metrics.ENGINE_WAITING.labels(engine_id).set(state.num_waiting)
             metrics.ENGINE_RUNNING.labels(engine_id).set(state.num_running)
             metrics.ENGINE_KV_USAGE.labels(engine_id).set(state.kv_usage)
+        return True
+
+    async def read_adapters(self, record: EngineRecord) -> bool:
+        """One read of the engine's model list for the LoRA adapters it has loaded. Never raises,
+        never touches health: on failure the adapters stay as last read. An engine that publishes
+        no model list has none."""
+        engine_id = record.engine_id
+        if record.adapter.models_path is None:
+            return False
+        try:
+            async with asyncio.timeout(self.scrape_timeout_s):
+                adapters = await record.adapter.loaded_adapters()
+        except _SCRAPE_ERRORS as exc:
+            reason = describe_failure(exc)
+            level = logging.DEBUG if engine_id in self.adapter_errors else logging.WARNING
+            self.adapter_errors[engine_id] = reason
+            log.log(
+                level,
+                "reading the model list of %s failed; its LoRA adapters stay as last read: %s",
+                engine_id,
+                reason,
+                extra={"engine": engine_id},
+            )
+            return False
+        self.adapter_errors.pop(engine_id, None)
+        adapters = adapters or frozenset()
+        before = record.adapters
+        if self.fleet.set_adapters(engine_id, adapters):
+            log.info(
+                "engine %s has LoRA adapters %s (was %s)",
+                engine_id,
+                sorted(record.adapters) or "none",
+                sorted(before) or "none",
+                extra={"engine": engine_id},
+            )
         return True
 
     async def _loop(self, record: EngineRecord, check: Callable[[EngineRecord], Awaitable[bool]]) -> None:

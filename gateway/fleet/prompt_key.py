@@ -461,12 +461,16 @@ def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
     return None
 
 
-def prompt_blocks(model: str, tokens: U64Array | None, cache_salt: object = None) -> PromptBlocks | None:
-    """The request's prompt keyed for the prefix index (None without tokens)."""
+def prompt_blocks(
+    model: str, tokens: U64Array | None, cache_salt: object = None, lora: str | None = None
+) -> PromptBlocks | None:
+    """The request's prompt keyed for the prefix index (None without tokens): rooted per model,
+    LoRA adapter (``lora``: the adapter the request names; engines cache its blocks apart from
+    the base model's) and ``cache_salt``."""
     if tokens is None or not len(tokens):
         return None
     salt = cache_salt if isinstance(cache_salt, str) else None
-    return PromptBlocks(tokens, root_key(model, None, salt))
+    return PromptBlocks(tokens, root_key(model, lora, salt))
 
 
 def reference_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -78,6 +78,8 @@ class EngineRecord:
     draining: bool = False
     #: running requests per TPOT target (a handful of SLO classes: the tightest is a min over few)
     tpot_counts: dict[float, int] = field(default_factory=dict)
+    #: LoRA adapters loaded on the engine's model, as its ``/v1/models`` listed them last
+    adapters: frozenset[str] = frozenset()
 
     @property
     def engine_id(self) -> str:
@@ -114,7 +116,8 @@ class EngineRecord:
 #: prefill engine serves its prefill stage; decode engines are placed on by the decode stage
 FRONT_ROLES = frozenset((Role.COLLOCATED, Role.PREFILL))
 
-#: called with (engine id, what changed): "release", "prefilled", "state", "health", "role"
+#: called with (engine id, what changed): "release", "prefilled", "state", "health", "role",
+#: "adapters" (the LoRA adapters it has loaded)
 ChangeListener = Callable[[str, str], None]
 
 
@@ -159,6 +162,8 @@ class Fleet:
         self.listeners: list[ChangeListener] = []
         #: told of every streamed token before it is counted (None: nobody watches)
         self.token_observer: TokenObserver | None = None
+        #: LoRA adapter -> the served model it is loaded on, over every engine (see set_adapters)
+        self.adapter_bases: dict[str, str] = {}
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -167,6 +172,11 @@ class Fleet:
 
     def healthy_models(self) -> set[str]:
         return {m for m, n in self._healthy_per_model.items() if n}
+
+    def adapter_base(self, name: str) -> str | None:
+        """The served model whose engines have LoRA adapter ``name`` loaded (None: no engine lists
+        it). A configured model's name is never an adapter."""
+        return self.adapter_bases.get(name)
 
     def has_healthy(self, model: str) -> bool:
         """O(1): whether any engine that takes ``model``'s queued requests (collocated or
@@ -284,6 +294,7 @@ class Fleet:
             state=r.state,
             accepts_priority=r.adapter.accepts_priority,
             running_tokens=r.running_tokens,
+            adapters=r.adapters,
         )
 
     def touch(self, engine_id: str) -> None:
@@ -377,6 +388,32 @@ class Fleet:
         record.in_flight_tokens_at_scrape = record.in_flight_tokens
         self._dirty.add(record.index)
         self._notify(engine_id, "state")
+
+    def set_adapters(self, engine_id: str, adapters: frozenset[str]) -> bool:
+        """The LoRA adapters the engine has loaded now (the monitor's read of its ``/v1/models``);
+        returns True when they changed. Kept while the engine is ejected or the read fails: an
+        engine's adapters change only when it says so (or restarts, which its next read shows)."""
+        record = self.records[engine_id]
+        adapters = adapters - self.served_models  # a configured model's name is never an adapter
+        if adapters == record.adapters:
+            return False
+        record.adapters = adapters
+        bases: dict[str, str] = {}
+        for other in self._by_index:
+            for name in sorted(other.adapters):
+                base = bases.setdefault(name, other.model)
+                if base != other.model:
+                    log.warning(
+                        "LoRA adapter %r is loaded on engines of models %r and %r; requests for it go to %r",
+                        name,
+                        base,
+                        other.model,
+                        base,
+                    )
+        self.adapter_bases = bases
+        self._dirty.add(record.index)
+        self._notify(engine_id, "adapters")
+        return True
 
     @staticmethod
     def in_front(record: EngineRecord) -> bool:

@@ -118,6 +118,7 @@ class CollocatedFlow:
             priority=call.queue_priority,
             task=target.slo_class,
             tenant=call.tenant,
+            lora=request.lora,
         )
         settings = self.settings
         deadline = None if request.stream else call.arrival + settings.request_timeout_s

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -54,7 +54,7 @@ from gateway.serving.call import Call
 from gateway.serving.collocated import PATHS, CollocatedFlow, end_upstream
 from gateway.serving.relay import end_with_error
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
-from policies.api import Role
+from policies.api import EngineSnapshot, Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
 from policies.disaggregation import DisaggregationMode, decide_disaggregation
 from policies.latency import LatencyCoefficients
@@ -320,7 +320,10 @@ class DisaggregatedFlow:
         stream's continuation gives its context (prompt and tokens so far) and tokens left."""
         fleet = self.fleet
         candidates = []
-        for snap in fleet.decode_pool(call.request.model):
+        pool: Sequence[EngineSnapshot] = fleet.decode_pool(call.request.model)
+        if call.request.lora is not None:  # (a LoRA adapter's request: engines that have it)
+            pool = self.collocated.dispatch.core.router.with_lora(call.request.lora, pool)
+        for snap in pool:
             if snap.engine_id in exclude:
                 continue
             record = fleet.records[snap.engine_id]

@@ -355,6 +355,7 @@ class Migrator:
             priority=call.queue_priority,
             task=target.slo_class,
             tenant=call.tenant,
+            lora=request.lora,
         )
         entry = RunningEntry(prompt, remaining, target.tpot_s, 0.0)
         asked = time.monotonic()
@@ -492,7 +493,7 @@ class Migrator:
         generated = ledger.tokens()
         relayed = len(generated)
         body: dict[str, Any] = {k: source[k] for k in _CARRIED if k in source}
-        body["model"] = call.request.model
+        body["model"] = call.request.lora or call.request.model  # (a LoRA adapter: its name)
         body["prompt"] = [*state.prompt_ids, *generated]
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

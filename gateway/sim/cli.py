@@ -15,6 +15,7 @@ import sys
 
 from pydantic import ValidationError
 
+from gateway.sim.lora import parse_lora_modules
 from gateway.sim.profiles import EngineProfile, ProfileError, load_profile
 from gateway.sim.server import SimConfig, SimServer
 
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-embeddings",
         action="store_true",
         help="a generation-only model: /v1/embeddings answers 400 'does not support Embeddings API'",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters loaded at start-up, as vLLM's: /v1/models lists each with the served "
+        "model as its parent, and requests naming one are served (like the base model)",
     )
     p.add_argument("--kv-events-endpoint", help="ZMQ endpoint for KV events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-topic", default="kv")
@@ -98,6 +107,11 @@ def sim_engine_main(argv: list[str]) -> int:
             err = exc.errors()[0]
             print(f"slogate sim-engine: {err['loc'][0]}: {err['msg']}", file=sys.stderr)
             return 2
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        print(f"slogate sim-engine: {exc}", file=sys.stderr)
+        return 2
     config = SimConfig(
         profile=profile,
         model=args.model or profile.model,
@@ -111,6 +125,7 @@ def sim_engine_main(argv: list[str]) -> int:
         kv_events_topic=args.kv_events_topic,
         seed=args.seed,
         embeddings=not args.no_embeddings,
+        lora_modules=tuple(lora_modules.items()),
     )
     _raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):

@@ -31,6 +31,7 @@ from gateway.sim import embeddings as emb
 from gateway.sim.admin import AdminRoutes
 from gateway.sim.engine import EngineModel, Phase, SimRequest
 from gateway.sim.kv_events import KVEventPublisher
+from gateway.sim.lora import LoraAdapters
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
@@ -87,6 +88,8 @@ class SimConfig:
     seed: int = 0
     #: False: a generation-only model; /v1/embeddings answers that it does not support the task
     embeddings: bool = True
+    #: LoRA adapters loaded at start-up (``--lora-modules``), name -> path
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 class SimServer:
@@ -102,6 +105,7 @@ class SimServer:
         self.crashed = False
         self.hung = False
         self.admin = AdminRoutes(self)
+        self.loras = LoraAdapters(config.model, dict(config.lora_modules))
         self.url = ""
         self._wake = asyncio.Event()
         self._t0 = 0.0
@@ -214,6 +218,7 @@ class SimServer:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         self.admin.register(app)
+        self.loras.register(app)
         return app
 
     async def start(self) -> str:
@@ -354,7 +359,7 @@ class SimServer:
         if problem is not None:
             raise BadRequest(400, *problem)
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         prompt = self._prompt(kind, body)
         max_tokens = self._limits(http, body, len(prompt))
@@ -406,7 +411,9 @@ class SimServer:
             )
         for sim in sims:
             self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
-        fmt = ResponseFormat(kind, base_id, self.config.model, bool(body.get("return_token_ids")))
+        # (an answer names the adapter the request asked for, as vLLM's does)
+        served = model if isinstance(model, str) else self.config.model
+        fmt = ResponseFormat(kind, base_id, served, bool(body.get("return_token_ids")))
         event = asyncio.Event()  # one wake-up for all choices: the handler drains them together
         choices = [Choice(i, sim, Channel(event=event), OutputState(stops)) for i, sim in enumerate(sims)]
         for choice in choices:
@@ -438,7 +445,7 @@ class SimServer:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise BadRequest(400, f"model must be a string, got {model!r}", "model")
-        if model is not None and model != self.config.model:
+        if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         dim = self.profile.embedding_dim
         try:
@@ -486,7 +493,7 @@ class SimServer:
             self._observe(sim, None, end_real, 0)
         vectors = [emb.vector(sim.prompt, dim, self.config.seed, dimensions) for sim in sims]
         prompt_tokens = sum(len(tokens) for tokens in prompts)
-        data = emb.response_body(base_id, self.config.model, vectors, encoding, prompt_tokens)
+        data = emb.response_body(base_id, model or self.config.model, vectors, encoding, prompt_tokens)
         return web.Response(body=data, content_type="application/json")
 
     def _apply_fault_header(self, header: str | None, sim: SimRequest) -> None:
@@ -720,7 +727,8 @@ class SimServer:
                         "parent": None,
                         "max_model_len": self.profile.max_model_len,
                         "permission": [],
-                    }
+                    },
+                    *self.loras.cards(self.started_at),
                 ],
             }
         )

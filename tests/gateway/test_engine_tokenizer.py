@@ -513,3 +513,30 @@ def test_the_front_door_keys_a_configured_model_with_its_tokenizer(
             own = prompt_token_ids("chat", {"messages": messages})
             assert own is not None and len(own) != len(expected)
             assert decision["cached_tokens"] == f"0/{len(expected)}", (size, decision)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_lora_adapter_s_prompts_are_keyed_with_its_base_model_s_tokenizer(
+    chatml_dir: Path, offload: bool
+) -> None:
+    """A request naming a LoRA adapter (loaded on an engine of MODEL) is keyed with MODEL's engine
+    tokenizer, inline and in the parsing worker (which is told the adapter's base model)."""
+    overrides: dict[str, Any] = {"offload_parse_bytes": 1024} if offload else {}
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--lora-modules", "a1=/adapters/a1", name="e0") as engine,
+        run_gateway(
+            engines=[engine_entry(engine)],
+            routing_profile="prefix-aware",
+            engine_tokenizers={MODEL: str(chatml_dir)},
+            **overrides,
+        ) as gw,
+    ):
+        messages = [{"role": "user", "content": english_text(20_000, seed=5)}]
+        body = {"model": "a1", "messages": messages, "max_tokens": 2}
+        r = httpx.post(
+            gw.url + "/v1/chat/completions", json=body, headers={"x-slogate-debug": "1"}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        decision = dict(part.split("=", 1) for part in r.headers["x-slogate-decision"].split("; "))
+        expected = _encode(chatml_dir, _chatml_text(messages))
+        assert decision["cached_tokens"] == f"0/{len(expected)}", decision

@@ -127,7 +127,7 @@ def test_empty_fleet_has_no_candidates() -> None:
         (
             {"scorers": [{"name": "nope"}]},
             "unknown scorer plugin 'nope'; known scorer plugins: dynamo_cost, kv_free, kv_utilisation, least_load, "
-            "prefix_match, queue_depth, session_affinity, token_load",
+            "lora_affinity, prefix_match, queue_depth, session_affinity, token_load",
         ),
         (
             {"filters": [{"name": "not_saturated", "params": {"max": 3}}]},
