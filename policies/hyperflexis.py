@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
+from policies.api import RequestView
 from policies.latency_fit import Coeffs, maturity_time, predict_decode, token_budget
 from policies.queue_order import OrderContext, QueuedRequest
 
@@ -102,6 +103,8 @@ class WorkerView:
     max_num_seqs: int = 256
     maturity: float = 0.0
     load: RunningLoad | None = None
+    #: LoRA adapters the engine has loaded
+    adapters: frozenset[str] = frozenset()
 
 
 class _Shadow:
@@ -386,6 +389,7 @@ def dispatch(
     queue_min_need: int = 0,
     cached: PrefixLookup | None = None,
     soon: Mapping[str, tuple[float, int]] | None = None,
+    adapters_held: frozenset[str] = frozenset(),
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -450,6 +454,7 @@ def dispatch(
         pending,
         soon or {},
         loads,
+        adapters_held,
     )
 
     while order and order[0][0] <= now:
@@ -516,6 +521,8 @@ class _Turn(NamedTuple):
     soon: Mapping[str, tuple[float, int]]
     #: running requests per worker that a request may be left to (and per worker looking)
     loads: dict[str, int]
+    #: LoRA adapters loaded on some engine in rotation: a request for one goes only to those
+    adapters_held: frozenset[str]
 
 
 def _fill_worker(
@@ -529,6 +536,7 @@ def _fill_worker(
     queue, taken, now, params = turn.queue, turn.taken, turn.now, turn.params
     tightest_ttft_s, late_last, queue_min_need = turn.tightest_ttft_s, turn.late_last, turn.queue_min_need
     cached = turn.cached
+    adapters_held = turn.adapters_held
     engine_id = worker.engine_id
     left = False
     coeffs = worker.prefill_coeffs
@@ -595,6 +603,11 @@ def _fill_worker(
             horizon = min(ttft, params.max_hold_s)
             budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1]) - shadow.prefill_taken
         view = item.view
+        if _adapter_elsewhere(view, worker, adapters_held):
+            # its LoRA adapter is loaded elsewhere (not here: this engine would answer 404); like
+            # slack, that says nothing about what else may fit, so an arrival may wake this worker
+            slack_bound = True
+            continue
         prompt = view.prompt_tokens
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
@@ -660,7 +673,7 @@ def _fill_worker(
             ):
                 break
             view = item.view
-            if view.request_id in chosen:
+            if view.request_id in chosen or _adapter_elsewhere(view, worker, adapters_held):
                 continue
             prompt = view.prompt_tokens
             need_kv = prompt + view.max_output_tokens
@@ -693,7 +706,9 @@ def _fill_worker(
         leave_until = -math.inf
         if cached is not None:
             prompt, kv_prompt, leave_until = _uncached(turn, head, engine_id)
-        if leave_until >= now:  # left to a worker holding more of it, as in the scans above
+        if _adapter_elsewhere(head.view, worker, adapters_held):
+            slack_bound = True  # (not this engine's to take, idle or not)
+        elif leave_until >= now:  # left to a worker holding more of it, as in the scans above
             if leave_until == now:
                 left = True
             else:
@@ -702,6 +717,12 @@ def _fill_worker(
         elif head.view.prompt_tokens < worker.free_kv_tokens:
             admitted.append((head, False, prompt, kv_prompt + head.view.max_output_tokens))
     return admitted, late_at, not candidates, slack_bound, left
+
+
+def _adapter_elsewhere(view: RequestView, worker: WorkerView, adapters_held: frozenset[str]) -> bool:
+    """The request names a LoRA adapter that this worker's engine lacks and another has."""
+    lora = view.lora
+    return lora is not None and lora not in worker.adapters and lora in adapters_held
 
 
 def _uncached(turn: _Turn, item: QueuedRequest, engine_id: str) -> tuple[int, int, float]:

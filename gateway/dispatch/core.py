@@ -587,6 +587,7 @@ class DispatchCore:
             min_need,
             lookup,
             soon,
+            self._adapters_held(model),
         )
         for assignment in decision.assignments:
             if arrival is not None:  # (the only request this turn could take)
@@ -616,6 +617,20 @@ class DispatchCore:
                 self.workers.hold(model, worker.engine_id, at, now, decision.prefill_s[worker.engine_id])
             else:
                 self.workers.set(model, worker.engine_id, at)
+
+    def _adapters_held(self, model: str) -> frozenset[str]:
+        """The model's LoRA adapters loaded on an engine in rotation, when the profile sends an
+        adapter's requests only there (empty when no engine lists any: the usual case)."""
+        fleet = self.fleet
+        if not fleet.adapter_bases or not self.router.lora.required:
+            return frozenset()
+        return frozenset().union(
+            *(
+                r.adapters
+                for r in fleet.records.values()
+                if r.model == model and r.adapters and fleet.in_front(r)
+            )
+        )
 
     def _tightest(self, model: str, now: float) -> float:
         """The TTFT eq.(5) budgets against: the tightest among the model's recent arrivals, or

@@ -197,4 +197,5 @@ class HyperFlexisWorkers:
             max_num_seqs=self.max_engine_load or 256,
             maturity=maturity,
             load=load,
+            adapters=record.adapters,
         )

@@ -104,3 +104,25 @@ def test_a_soft_profile_prefers_holders_but_balances_load() -> None:
     engines = (eng("e0", ["a1"], in_flight=30), eng("e1", in_flight=0))
     engine, state = pipeline.choose(req("a1"), engines, state, 0.0)
     assert engine is not None and engine.engine_id == "e1"  # over the guard: loaded on demand
+
+
+def test_hyperflexis_gives_an_adapter_request_only_to_a_worker_with_the_adapter() -> None:
+    import dataclasses
+
+    from policies.hyperflexis import dispatch
+    from tests.policies.test_hyperflexis import req, worker
+
+    adapter = req("a")
+    adapter = dataclasses.replace(adapter, view=dataclasses.replace(adapter.view, lora="a1"))
+    queue = [adapter, req("b")]
+    # w0 looks first and lacks a1, which w1 has: w0 takes only b
+    workers = [worker("w0", maturity=-1.0), dataclasses.replace(worker("w1"), adapters=frozenset({"a1"}))]
+    decision = dispatch(queue, workers, 0.0, adapters_held=frozenset({"a1"}))
+    placed = {a.request_id: a.engine_id for a in decision.assignments}
+    assert placed == {"a": "w1", "b": "w0"}
+    # w0 alone: it leaves a queued (not "full": the next arrival may fit it) and idles on nothing
+    alone = dispatch([adapter], [worker("w0")], 0.0, adapters_held=frozenset({"a1"}))
+    assert alone.assignments == () and "w0" not in alone.full
+    # no engine in rotation has a1: nowhere better, anyone takes it
+    anyone = dispatch([adapter], [worker("w0")], 0.0)
+    assert [a.engine_id for a in anyone.assignments] == ["w0"]
