@@ -72,6 +72,7 @@ class Gateway:
         self.decisions = DecisionLog(settings.dashboard_decisions) if settings.dashboard_decisions else None
         self.attainment = Attainment()
         self.session: aiohttp.ClientSession | None = None
+        self.fresh_session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.monitor: FleetMonitor | None = None
         self.calibrator: Calibrator | None = None
@@ -98,6 +99,12 @@ class Gateway:
         )
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=["User-Agent"]
+        )
+        # a retry after a stale pooled connection goes out on a connection of its own
+        self.fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=s.upstream_pool_size, force_close=True),
+            auto_decompress=False,
+            skip_auto_headers=["User-Agent"],
         )
         adapters = [
             adapter_for(
@@ -132,7 +139,14 @@ class Gateway:
         self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing, self.prefix))
         self.dispatch.start()
         collocated = CollocatedFlow(
-            s, self.fleet, self.dispatch, self.slo, self.session, self.tracing, self.decisions
+            s,
+            self.fleet,
+            self.dispatch,
+            self.slo,
+            self.session,
+            self.tracing,
+            self.decisions,
+            fresh_session=self.fresh_session,
         )
         flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth, self.prefix, self.dispatch.core.router)
@@ -157,6 +171,8 @@ class Gateway:
             await self.kv_events.stop()
         if self.session is not None:
             await self.session.close()
+        if self.fresh_session is not None:
+            await self.fresh_session.close()
         self.tracing.shutdown()
 
 

@@ -78,12 +78,16 @@ class CollocatedFlow:
         session: aiohttp.ClientSession,
         tracing: Tracing,
         decisions: DecisionLog | None = None,
+        fresh_session: aiohttp.ClientSession | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.dispatch = dispatch
         self.slo = slo
         self.session = session
+        #: a session that never reuses a connection, for the one retry after a pooled connection
+        #: the engine had closed (the pool may hold more such, e.g. the monitor's parallel reads)
+        self.fresh_session = fresh_session or session
         self.tracing = tracing
         #: recent placements for /dashboard (None: not kept)
         self.decisions = decisions
@@ -361,7 +365,7 @@ class CollocatedFlow:
             for fresh in (False, True):
                 try:
                     async with asyncio.timeout_at(headers_at):
-                        response = await self.session.post(
+                        response = await (self.fresh_session if fresh else self.session).post(
                             url, data=payload, headers=headers, timeout=self._timeout
                         )
                     return response

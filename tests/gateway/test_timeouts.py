@@ -387,9 +387,10 @@ def test_stale_keepalive_connection_is_retried_on_a_fresh_one() -> None:
                 assert response.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in response.content
             else:
                 assert response.json()["choices"][0]["message"]["content"] == "hello"
-        # the start-up health check left one pooled connection, each request leaves the next
-        assert engine.closed_at_reuse == rounds
-        assert metric(gw, name, reason="stale_connection") - stale_before == rounds
+        # the monitor's reads leave pooled connections the engine will close at reuse; a request
+        # that meets one is retried once, on a connection of its own (never another pooled one)
+        assert engine.closed_at_reuse >= rounds // 2
+        assert metric(gw, name, reason="stale_connection") - stale_before == engine.closed_at_reuse
         assert metric(gw, name, reason="cut") == cut_before
         assert engine_health(gw) == {"closer": True}
         assert in_flight(gw, "closer") == 0
