@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -19,10 +20,15 @@ from policies.api import PolicyConfigError
 
 
 def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.Config:
+    return serving_config(app or create_app(settings), settings.host, settings.port)
+
+
+def serving_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """How every server of ours is served: uvicorn with httptools and uvloop, no access log."""
     return uvicorn.Config(
-        app or create_app(settings),
-        host=settings.host,
-        port=settings.port,
+        app,
+        host=host,
+        port=port,
         http="httptools",
         loop="uvloop",
         lifespan="on",
@@ -40,6 +46,9 @@ class _AnnouncingServer(uvicorn.Server):
     re-raise the signal instead, which kills the process before the caller's cleanup runs
     (``slogate up`` stops its engines after the gateway).
     """
+
+    #: the name the line starts with
+    name = "slogate"
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -59,7 +68,7 @@ class _AnnouncingServer(uvicorn.Server):
             for server in self.servers:
                 for sock in server.sockets:
                     host, port = sock.getsockname()[:2]
-                    print(f"slogate listening on http://{host}:{port}", flush=True)
+                    print(f"{self.name} listening on http://{host}:{port}", flush=True)
 
 
 def serve(settings: Settings) -> None:

@@ -17,9 +17,8 @@ import sys
 from typing import Any
 
 import aiohttp
-import uvicorn
 
-from gateway.server import _AnnouncingServer
+from gateway.server import _AnnouncingServer, serving_config
 
 Scope = dict[str, Any]
 #: request headers not forwarded (the client's connection, not the request)
@@ -78,32 +77,14 @@ class FloorRelay:
 
 
 class _Announcing(_AnnouncingServer):
-    async def startup(self, sockets: Any = None) -> None:
-        await uvicorn.Server.startup(self, sockets)
-        if self.started:
-            for server in self.servers:
-                for sock in server.sockets:
-                    host, port = sock.getsockname()[:2]
-                    print(f"relay-floor listening on http://{host}:{port}", flush=True)
+    name = "relay-floor"
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m gateway.bench.relay_floor ENGINE_URL", file=sys.stderr)
         return 2
-    config = uvicorn.Config(
-        FloorRelay(argv[0]),
-        host="127.0.0.1",
-        port=0,
-        http="httptools",
-        loop="uvloop",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
-        timeout_keep_alive=30,
-        backlog=4096,
-    )
-    _Announcing(config).run()
+    _Announcing(serving_config(FloorRelay(argv[0]), "127.0.0.1", 0)).run()
     return 0
 
 

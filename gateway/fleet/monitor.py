@@ -23,11 +23,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 
 from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("slogate.fleet")
 
@@ -132,21 +135,10 @@ class FleetMonitor:
         engine_id = record.engine_id
         if record.adapter.metrics_path is None:
             return False  # nothing to scrape: the state stays None, which policies treat as stale
-        try:
-            async with asyncio.timeout(self.scrape_timeout_s):
-                state = await record.adapter.scrape()
-        except _SCRAPE_ERRORS as exc:
-            reason = describe_failure(exc)
-            # warn once per run of failures; every further one is routine until a success
-            level = logging.DEBUG if engine_id in self.scrape_errors else logging.WARNING
-            self.scrape_errors[engine_id] = reason
-            log.log(
-                level,
-                "metrics scrape of %s failed; its state will go stale: %s",
-                engine_id,
-                reason,
-                extra={"engine": engine_id},
-            )
+        ok, state = await self._read(
+            engine_id, record.adapter.scrape, self.scrape_errors, "metrics scrape", "its state will go stale"
+        )
+        if not ok:
             return False
         self.fleet.record_state(engine_id, state, time.monotonic())
         if self.scrape_errors.pop(engine_id, None) is not None:
@@ -164,20 +156,14 @@ class FleetMonitor:
         engine_id = record.engine_id
         if record.adapter.models_path is None:
             return False
-        try:
-            async with asyncio.timeout(self.scrape_timeout_s):
-                adapters = await record.adapter.loaded_adapters()
-        except _SCRAPE_ERRORS as exc:
-            reason = describe_failure(exc)
-            level = logging.DEBUG if engine_id in self.adapter_errors else logging.WARNING
-            self.adapter_errors[engine_id] = reason
-            log.log(
-                level,
-                "reading the model list of %s failed; its LoRA adapters stay as last read: %s",
-                engine_id,
-                reason,
-                extra={"engine": engine_id},
-            )
+        ok, adapters = await self._read(
+            engine_id,
+            record.adapter.loaded_adapters,
+            self.adapter_errors,
+            "reading the model list",
+            "its LoRA adapters stay as last read",
+        )
+        if not ok:
             return False
         self.adapter_errors.pop(engine_id, None)
         adapters = adapters or frozenset()
@@ -191,6 +177,24 @@ class FleetMonitor:
                 extra={"engine": engine_id},
             )
         return True
+
+    async def _read(
+        self, engine_id: str, fetch: Callable[[], Awaitable[_T]], errors: dict[str, str], what: str, so: str
+    ) -> tuple[bool, _T | None]:
+        """``fetch()`` under the scrape timeout: (True, its result), or (False, None) with the
+        reason in ``errors`` and a warning once per run of failures (every further one is routine
+        until a success)."""
+        try:
+            async with asyncio.timeout(self.scrape_timeout_s):
+                return True, await fetch()
+        except _SCRAPE_ERRORS as exc:
+            reason = describe_failure(exc)
+            level = logging.DEBUG if engine_id in errors else logging.WARNING
+            errors[engine_id] = reason
+            log.log(
+                level, "%s of %s failed; %s: %s", what, engine_id, so, reason, extra={"engine": engine_id}
+            )
+            return False, None
 
     async def _loop(self, record: EngineRecord, check: Callable[[EngineRecord], Awaitable[bool]]) -> None:
         first = True
