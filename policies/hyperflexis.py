@@ -701,14 +701,18 @@ def _fill_worker(
     if not admitted and not shadow.count and params.idle_backfill and candidates:
         # An idle worker takes the head if its prompt fits: a max_tokens as large as the context
         # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
-        head = candidates.items[0]
+        # (the first request this engine may serve: one whose LoRA adapter another engine has
+        # is not this one's to take, idle or not, and must not hold back the rest)
+        head = next(
+            (c for c in candidates.items if not _adapter_elsewhere(c.view, worker, adapters_held)), None
+        )
+        if head is None:
+            return admitted, late_at, False, True, left
         prompt = kv_prompt = head.view.prompt_tokens
         leave_until = -math.inf
         if cached is not None:
             prompt, kv_prompt, leave_until = _uncached(turn, head, engine_id)
-        if _adapter_elsewhere(head.view, worker, adapters_held):
-            slack_bound = True  # (not this engine's to take, idle or not)
-        elif leave_until >= now:  # left to a worker holding more of it, as in the scans above
+        if leave_until >= now:  # left to a worker holding more of it, as in the scans above
             if leave_until == now:
                 left = True
             else:

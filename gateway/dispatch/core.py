@@ -54,6 +54,9 @@ from policies.queue_order import (
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
 UNPARK_PER_ARRIVAL = 4
+#: queued requests a pipeline dispatch looks past a head that no engine can take, for requests
+#: that other engines could (a LoRA adapter's requests go only where it is loaded)
+PIPELINE_LOOKAHEAD = 32
 #: how long a late timer counts in the loop's lateness (seconds): long enough to span a stall,
 #: short enough that holds return to what the model says soon after it
 LAG_WINDOW_S = 2.0
@@ -240,8 +243,9 @@ class DispatchCore:
         self._contexts[model] = (now if now is not None else -math.inf, context)
         return context
 
-    def next_wake(self) -> float:
-        """When :meth:`step` must run absent events: a queue expiry or a HyperFlexis maturity."""
+    def next_wake(self, now: float | None = None) -> float:
+        """When :meth:`step` must run absent events: a queue expiry or a HyperFlexis maturity.
+        ``now``: the driver's clock as it arms the timer (what a wake due at once is late from)."""
         wake = math.inf
         for model, queue in self.queues.items():
             if not len(queue):
@@ -254,7 +258,7 @@ class DispatchCore:
                 early = mature - self.lag
                 wake = min(wake, early if early > self._stepped_at else mature)
         # (due at once, it is late by however long the driver takes to run the next step)
-        self._due = max(wake, self._stepped_at)
+        self._due = max(wake, self._stepped_at if now is None else now)
         return wake
 
     def no_engine(self, model: str) -> GatewayError:
@@ -346,6 +350,7 @@ class DispatchCore:
             window.add(ticket.item.ttft_slo, now)
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
         self.workers.shorten_holds(now, self.hyperflexis)
+        self.lag = self._lateness.max(now)  # (arrivals may come for long without a step)
         if self.workers.next_mature(model) <= now + self.lag:
             # a worker can take work right now: decide in this call, not on the next loop turn
             self._submitting, self._own = rid, None
@@ -436,7 +441,7 @@ class DispatchCore:
         if self.hyperflexis is not None:
             self.workers.shorten_holds(now, self.hyperflexis)
             for model in self.workers.models:
-                if self.queued(model) and self.workers.next_mature(model) <= now:
+                if self.queued(model) and self.workers.next_mature(model) <= now + self.lag:
                     self._dirty.add(model)
         pending, self._dirty = list(self._dirty), set()
         while pending:
@@ -445,7 +450,7 @@ class DispatchCore:
                 continue
             try:
                 if self.hyperflexis is not None:
-                    self._dispatch_hyperflexis(model, now)
+                    self._dispatch_hyperflexis(model, now, None, self.lag)
                 else:
                     self._dispatch_pipeline(model, now)
             except BaseException:
@@ -464,18 +469,40 @@ class DispatchCore:
             # the head waits for capacity; everything behind it in order waits too (the queue
             # order decides who goes first, not who happens to fit)
             record = self._choose(ticket, (), now, reserve=False)
-            if record is None:
+            if record is not None:
+                queue.pop(now, ctx)
+                self._assign(ticket, record, now)
+            elif not self.fleet.adapter_bases or not self._dispatch_other_engines(queue, ctx, item, now):
                 return
-            queue.pop(now, ctx)
+
+    def _dispatch_other_engines(
+        self, queue: AdmissionQueue, ctx: OrderContext, head: QueuedRequest, now: float
+    ) -> bool:
+        """With LoRA adapters, requests of one model may go to different engines (an adapter's
+        only to those that have it loaded): when the head has no engine, the first request behind
+        it (within PIPELINE_LOOKAHEAD) that other engines could take goes, each set of engines in
+        queue order; True if one went. Without it, one adapter's backlog held its whole model."""
+        blocked = {head.view.lora}
+        for item in queue.head(now, ctx, PIPELINE_LOOKAHEAD):
+            lora = item.view.lora
+            if lora in blocked:
+                continue
+            ticket = self.tickets[item.view.request_id]
+            record = self._choose(ticket, (), now, reserve=False)
+            if record is None:
+                blocked.add(lora)
+                continue
+            queue.remove(item.view.request_id)
             self._assign(ticket, record, now)
+            return True
+        return False
 
     def _dispatch_hyperflexis(
         self, model: str, now: float, arrival: Ticket | None = None, early: float = 0.0
     ) -> None:
         """One HyperFlexis turn of the model's mature workers over its queue, or, with
         ``arrival`` (a ticket for the model's empty queue, not queued), over that ticket alone.
-        ``early``: workers maturing that much later take part as mature (an arrival's turn, by
-        the loop's lateness)."""
+        ``early``: workers maturing that much later take part as mature (by the loop's lateness)."""
         assert self.hyperflexis is not None
         queue = self.queues[model]
         # a worker that takes anything takes at least one request: more mature workers than

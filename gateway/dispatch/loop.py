@@ -174,7 +174,7 @@ class DispatchLoop:
                 self._step_hist.observe(time.perf_counter() - t0)
                 self.steps += 1
                 self._deliver()
-                self._arm(self.core.next_wake())
+                self._arm(self.core.next_wake(self.clock()))
             except Exception:  # keep dispatching; a bug must not strand every queued request
                 log.exception("dispatch failed")
                 await asyncio.sleep(0.05)

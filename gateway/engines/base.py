@@ -181,31 +181,24 @@ def adapters_listed(data: Any, model: str) -> frozenset[str]:
 
     vLLM lists the base model (``parent`` null) and each adapter as its own card whose ``parent``
     is the base model's served name (``root``: the adapter's path); recent SGLang does the same.
-    An adapter counts when its parent is ``model``, or another name the same engine lists as a
-    base model while it lists ``model`` too (vLLM's several ``--served-model-name``s, whose
-    adapters name the first). Anything else (llama.cpp, generic servers: no ``parent``; a body
-    that is not a model list) lists none. The payload's ``data`` array or a bare array both work.
+    An adapter counts only when its parent is ``model`` itself: an upstream that lists other
+    models (a router, another gateway) must not make their adapters routable under this one's
+    name, key and SLO. (vLLM names the first of several ``--served-model-name``s as the parent:
+    configure the engine's model as that one.) Anything else (llama.cpp, generic servers: no
+    ``parent``; a body that is not a model list) lists none. The payload's ``data`` array or a
+    bare array both work.
     """
     cards = data.get("data") if isinstance(data, Mapping) else data
     if not isinstance(cards, list):
         return frozenset()
-    bases: set[str] = set()
-    children: list[tuple[str, str]] = []
-    for card in cards:
-        if not isinstance(card, Mapping):
-            continue
-        name, parent = card.get("id"), card.get("parent")
-        if not isinstance(name, str) or not name:
-            continue
-        if isinstance(parent, str) and parent:
-            children.append((name, parent))
-        else:
-            bases.add(name)
-    serves = model in bases
     return frozenset(
         name
-        for name, parent in children
-        if name != model and (parent == model or (serves and parent in bases))
+        for card in cards
+        if isinstance(card, Mapping)
+        and isinstance(name := card.get("id"), str)
+        and name
+        and name != model
+        and card.get("parent") == model
     )
 
 

@@ -228,7 +228,7 @@ class SimGateway:
         self._step_due = False
         self.core.step(self.clock.now)
         self._deliver()
-        self._arm(self.core.next_wake())
+        self._arm(self.core.next_wake(self.clock.now))
 
     def _arm(self, at: float) -> None:
         if at == self._timer_at:

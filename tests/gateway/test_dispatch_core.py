@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api.errors import GatewayError
-from gateway.dispatch.core import LAG_WINDOW_S, ClassLimits, DispatchCore, Ticket
+from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
@@ -591,28 +591,63 @@ def test_a_late_loop_serves_hyperflexis_maturities_early_by_its_lateness() -> No
     for engine in fleet.records:
         core.workers.set("a", engine, 1.0)
     assert core.submit(ticket("r-1", now=0.5, timeout=60.0), 0.5) is None  # both held until 1.0
-    assert core.next_wake() == 1.0
+    assert core.next_wake(0.5) == 1.0
     core.step(1.3)  # the driver ran that step 0.3 s late
-    assert core.lag == pytest.approx(0.3)
-    # a worker held until 2.0: its timer is armed 0.3 s early, so a loop as late runs it on time
+    assert core.lag == pytest.approx(0.3) and [rid for rid, _ in core.outbox] == ["r-1"]
+    core.outbox.clear()
+    # a worker held until 2.0: its timer is armed 0.3 s early, and the step run then (on time,
+    # this once) finds it due: no empty step
     for engine in fleet.records:
         core.workers.set("a", engine, 2.0)
     assert core.submit(ticket("r-2", now=1.4, timeout=60.0), 1.4) is None
-    assert core.next_wake() == pytest.approx(1.7)
+    assert core.next_wake(1.4) == pytest.approx(1.7)
+    core.step(1.7)
+    assert [rid for rid, _ in core.outbox] == ["r-2"]
     # an arrival handled late takes a worker maturing within the lateness at once
-    placed = core.submit(ticket("r-3", now=1.75, timeout=60.0), 1.75)
-    assert placed is not None or any(rid == "r-3" for rid, _ in core.outbox)
+    for engine in fleet.records:
+        core.workers.set("a", engine, 2.0)
+    assert core.submit(ticket("r-3", now=1.75, timeout=60.0), 1.75) is not None
     # armed early only while that is still ahead: never in the past (which would only spin)
-    core.step(1.95)
     for engine in fleet.records:
-        core.workers.set("a", engine, 2.5)
-    assert core.submit(ticket("r-4", now=1.95, timeout=60.0), 1.95) is None  # 2.5 is beyond the lag
-    assert core.next_wake() == pytest.approx(2.2)
+        core.workers.set("a", engine, 3.0)
+    assert core.submit(ticket("r-4", now=1.8, timeout=60.0), 1.8) is None  # 3.0 is beyond the lag
+    assert core.next_wake(1.8) == pytest.approx(2.7)
     for engine in fleet.records:
-        core.workers.set("a", engine, 2.1)
-    assert core.next_wake() == pytest.approx(2.1)  # 1.8 would be before the last step: at 2.1
-    # run on time from here: once the lateness has left its window, no maturity is served early
-    core.step(2.1)
-    assert core.queued() == 0 and core.next_wake() == math.inf
-    core.step(2.1 + LAG_WINDOW_S + 0.5)
+        core.workers.set("a", engine, 1.9)
+    assert core.next_wake(1.8) == pytest.approx(1.9)  # 1.6 would be before the last step: at 1.9
+    # the lateness leaves its window with time, steps or not: an arrival long after the stall
+    # (nothing queued, so no step ran meanwhile) does not take a worker held 0.2 s more
+    core.step(1.9)
+    assert core.queued() == 0
+    for engine in fleet.records:
+        core.workers.set("a", engine, 10.2)
+    assert core.submit(ticket("r-5", now=10.0, timeout=60.0), 10.0) is None
     assert core.lag == 0.0
+
+
+def test_a_waiting_adapter_request_does_not_hold_back_its_model() -> None:
+    # a1 is loaded on a-0 only, which is full (max_engine_load 1): the a1 request at the head
+    # waits for it, and the base-model requests behind it go to the idle engines meanwhile
+    fleet = offline_fleet({"a": 3})
+    fleet.set_adapters("a-0", frozenset({"a1"}))
+    core = offline_core(fleet, max_engine_load=1)
+    assert core.submit(ticket("r-0"), 0.0) is not None  # takes one engine (least load: any)
+    busy = next(e for e, r in fleet.records.items() if r.in_flight)
+    if busy != "a-0":  # make a-0 the full one, whichever the first went to
+        fleet.release(busy, "r-0")
+        fleet.reserve("a-0", "r-0", RunningEntry(100, 10, 0.1, 0.0))
+    import dataclasses
+
+    adapter = ticket("r-1")
+    view = dataclasses.replace(adapter.item.view, lora="a1")
+    adapter = Ticket(dataclasses.replace(adapter.item, view=view), "c", adapter.entry, 0.0)
+    assert core.submit(adapter, 0.0) is None  # a-0 is full: it waits
+    placed = [core.submit(ticket(f"r-{i}"), 0.0) for i in (2, 3)]
+    core.step(0.0)
+    engines = {rid: record.engine_id for rid, record in core.outbox if isinstance(record, EngineRecord)}
+    engines.update({f"r-{i}": p.engine_id for i, p in zip((2, 3), placed, strict=True) if p is not None})
+    assert sorted(engines.get(r) for r in ("r-2", "r-3")) == ["a-1", "a-2"]
+    assert core.queued() == 1  # the a1 request still waits for a-0
+    fleet.release("a-0", "r-0")
+    core.step(0.1)
+    assert [(rid, record.engine_id) for rid, record in core.outbox if rid == "r-1"] == [("r-1", "a-0")]

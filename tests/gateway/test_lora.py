@@ -102,11 +102,13 @@ VLLM_MODELS = {
 def test_adapters_are_read_off_vllm_s_model_list() -> None:
     assert adapters_listed(VLLM_MODELS, "m") == {"a1", "a2"}
     assert adapters_listed(VLLM_MODELS, "other") == frozenset()  # not this engine's model
-    # several --served-model-name: adapters name the first, and count for every alias
+    # another base the upstream lists (an alias, or another model behind a router): its
+    # adapters are not this model's to route (under this model's key and SLO)
     aliases = {
         "data": [{"id": "m0", "parent": None}, {"id": "m", "parent": None}, {"id": "a1", "parent": "m0"}]
     }
-    assert adapters_listed(aliases, "m") == {"a1"}
+    assert adapters_listed(aliases, "m") == frozenset()
+    assert adapters_listed(aliases, "m0") == {"a1"}
     # SGLang (recent): the same cards; a bare array works too
     sglang = [{"id": "m", "root": "m", "max_model_len": 4096}, {"id": "a1", "root": "/a1", "parent": "m"}]
     assert adapters_listed({"object": "list", "data": sglang}, "m") == {"a1"}

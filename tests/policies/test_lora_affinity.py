@@ -126,3 +126,16 @@ def test_hyperflexis_gives_an_adapter_request_only_to_a_worker_with_the_adapter(
     # no engine in rotation has a1: nowhere better, anyone takes it
     anyone = dispatch([adapter], [worker("w0")], 0.0)
     assert [a.engine_id for a in anyone.assignments] == ["w0"]
+
+
+def test_an_idle_worker_backfills_past_an_adapter_request_held_elsewhere() -> None:
+    import dataclasses
+
+    from policies.hyperflexis import dispatch
+    from tests.policies.test_hyperflexis import req, worker
+
+    adapter = req("a", arrival=-10.0)  # late everywhere: only backfill places anything here
+    adapter = dataclasses.replace(adapter, view=dataclasses.replace(adapter.view, lora="a1"))
+    big = req("b", arrival=-10.0, out=100_000)  # max_tokens beyond the KV: only an idle worker takes it
+    decision = dispatch([adapter, big], [worker("w0", kv=50_000)], 0.0, adapters_held=frozenset({"a1"}))
+    assert [(a.request_id, a.engine_id) for a in decision.assignments] == [("b", "w0")]

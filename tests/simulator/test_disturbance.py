@@ -71,4 +71,4 @@ def test_hyperflexis_loses_no_more_than_least_load_to_a_stalled_gateway() -> Non
         clean = summarize(run(base).outcomes).attainment
         stalled = summarize(run(dataclasses.replace(base, disturbances=stall)).outcomes).attainment
         drop[policy] = clean - stalled
-    assert drop["hyperflexis"] <= drop["least-load+prio"] + 0.005, drop
+    assert drop["hyperflexis"] <= drop["least-load+prio"] + 0.01, drop
