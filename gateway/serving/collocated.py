@@ -482,6 +482,13 @@ class CollocatedFlow:
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
             return upstream_error(status, body)
+        lora = call.request.lora
+        if status == 404 and lora is not None and lora in record.adapters:
+            # the adapter was unloaded since the engine's model list was last read: it leaves that
+            # engine's list now (the next read confirms it), and another engine that has it may do
+            self.fleet.set_adapters(engine_id, record.adapters - {lora})
+            metrics.UPSTREAM_RETRIES.labels("adapter_gone").inc()
+            return upstream_error(status, body)
         if status in (404, 405) and call.request.kind == "embeddings":
             raise GatewayError(
                 400,

@@ -422,3 +422,25 @@ def test_an_adapter_loaded_at_runtime_is_used_after_the_next_scrape() -> None:
         httpx.post(e1.url + "/v1/unload_lora_adapter", json={"lora_name": "a1"}).raise_for_status()
         assert wait_until(lambda: fleet.adapter_base("a1") is None, timeout=5)
         assert chat(gw, "a1").status_code == 404
+
+
+def test_an_adapter_unloaded_between_reads_is_retried_on_an_engine_that_has_it() -> None:
+    # both engines have a1 when the gateway last read their model lists; e0 drops it before the
+    # next read (30 s away): a request sent there gets the engine's 404, and goes to e1 instead
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--lora-modules", "a1=/adapters/a1", name="e0") as e0,
+        spawn_sim_engine(*SIM_ARGS, "--lora-modules", "a1=/adapters/a1", name="e1") as e1,
+        run_gateway(
+            engines=[engine_entry(e0), engine_entry(e1)],
+            monitor_interval_s=30.0,
+            routing_profile="round-robin",
+        ) as gw,
+    ):
+        fleet = gw.gateway.fleet
+        assert fleet is not None
+        assert wait_until(lambda: all("a1" in r.adapters for r in fleet.records.values()), timeout=5)
+        httpx.post(e0.url + "/v1/unload_lora_adapter", json={"lora_name": "a1"}).raise_for_status()
+        assert served_by(gw, "a1", 4) == {"e1": 4}
+        assert "a1" not in fleet.records["e0"].adapters and "a1" in fleet.records["e1"].adapters
+        text = httpx.get(gw.url + "/metrics").text
+        assert 'slogate_upstream_retries_total{reason="adapter_gone"} 1.0' in text
