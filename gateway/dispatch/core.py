@@ -430,7 +430,8 @@ class DispatchCore:
     def step(self, now: float) -> None:
         """Expire, then dispatch every model with news or a mature worker; results to the outbox."""
         if self._due <= now:
-            self._lateness.add(now - self._due, now)
+            if now > self._due:  # (a step on time adds nothing the window's maximum could use)
+                self._lateness.add(now - self._due, now)
             self._due = math.inf
         self._stepped_at = now
         self.lag = self._lateness.max(now)
