@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from gateway.experiments.replay import percentile as percentile
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
 from gateway.sim.profiles import load_profile
 
@@ -39,11 +40,6 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def progress(message: str) -> None:

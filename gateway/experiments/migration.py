@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.experiments.replay import percentile
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
 
 MODEL = "sim-model"
@@ -86,13 +87,6 @@ class Streamed:
         if len(self.times) < 2:
             return None
         return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Stack:
@@ -369,10 +363,10 @@ def _killed(args: argparse.Namespace, jobs: Sequence[Job], engine_args: Sequence
     result.update(
         migrated_streams=len(migrated),
         migrated_exact=sum(s.ids == refs[s.job] and s.done and s.error is None for s in migrated),
-        resume_gap_ms_p50=_pct(gaps, 0.5) * 1e3,
-        resume_gap_ms_p99=_pct(gaps, 0.99) * 1e3,
-        e2e_excess_ms_p50=_pct(excess, 0.5) * 1e3,
-        e2e_excess_ms_p99=_pct(excess, 0.99) * 1e3,
+        resume_gap_ms_p50=percentile(gaps, 0.5) * 1e3,
+        resume_gap_ms_p99=percentile(gaps, 0.99) * 1e3,
+        e2e_excess_ms_p50=percentile(excess, 0.5) * 1e3,
+        e2e_excess_ms_p99=percentile(excess, 0.99) * 1e3,
         migrations=counters,
     )
     return result
@@ -413,8 +407,8 @@ def _slow(
     result.update(
         migration=migrate,
         tpot_attainment=sum(t <= target for t in tpots) / len(tpots) if tpots else float("nan"),
-        tpot_ms_p50=_pct(tpots, 0.5) * 1e3,
-        tpot_ms_p99=_pct(tpots, 0.99) * 1e3,
+        tpot_ms_p50=percentile(tpots, 0.5) * 1e3,
+        tpot_ms_p99=percentile(tpots, 0.99) * 1e3,
         on_slow_engine=sum(s.engine == slow.name for s in streams),
         migrations=counters,
     )

@@ -10,6 +10,7 @@ everything reported is in simulated (profile) seconds.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import sys
 import time
@@ -163,20 +164,28 @@ class Summary:
     e2e_p50_s: float = 0.0
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank at or below; ``nan`` when empty)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def summarize(outcomes: Sequence[Outcome]) -> Summary:
     n = len(outcomes)
     if n == 0:
         return Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
     ok = [o for o in outcomes if o.status == 200]
-    e2e = sorted(o.e2e_s for o in ok) or [0.0]
+    e2e = [o.e2e_s for o in ok] or [0.0]
     return Summary(
         requests=n,
         attainment=sum(o.met for o in outcomes) / n,
         ttft_attainment=sum(o.ttft_met for o in outcomes) / n,
         tpot_attainment=sum(o.tpot_met for o in outcomes) / n,
         e2e_mean_s=sum(e2e) / len(e2e),
-        e2e_p99_s=e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))],
+        e2e_p99_s=percentile(e2e, 0.99),
         errors=n - len(ok),
         makespan_s=max(o.start_s + o.e2e_s for o in outcomes),
-        e2e_p50_s=e2e[len(e2e) // 2],
+        e2e_p50_s=percentile(e2e, 0.5),
     )

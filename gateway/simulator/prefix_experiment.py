@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.experiments.plotting import pyplot
-from gateway.experiments.replay import summarize
+from gateway.experiments.replay import percentile, summarize
 from gateway.experiments.workload import RequestSpec
 from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import Scenario, Simulation
@@ -133,13 +133,6 @@ def _max_over_mean(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else math.nan
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def oracle_hit_rate(specs: Sequence[RequestSpec], block_size: int = 16) -> float:
     """The hit rate if every request found cached, wherever it went, the longest prefix (whole
     segments, rounded down to whole blocks) that any earlier request sent: the ceiling."""
@@ -183,8 +176,8 @@ def run_point(sc: Scenario) -> Point:
         sc.qps,
         s.requests,
         hits / queries if queries else 0.0,
-        _percentile(ttfts, 0.5),
-        _percentile(ttfts, 0.99),
+        percentile(ttfts, 0.5),
+        percentile(ttfts, 0.99),
         s.attainment,
         s.errors,
         sum(node.model.counters.preemptions for node in sim.nodes),
