@@ -105,6 +105,10 @@ class WorkerView:
     load: RunningLoad | None = None
     #: LoRA adapters the engine has loaded
     adapters: frozenset[str] = frozenset()
+    #: for a look during the worker's hold (an arrival to an empty queue, no worker mature), the
+    #: prompt tokens the hold's turn and earlier joins took: the turn's eq.(5) budget less those
+    #: is what the arrival may use (``None``: a turn of its own)
+    joining: int | None = None
 
 
 class _Shadow:
@@ -131,9 +135,10 @@ class _Shadow:
         self.waiting_squares = load.waiting_squares
         self.min_tpot = load.min_tpot
         #: what this worker's earlier looks in the same call took: requests, KV, prefill tokens
+        #: (a join counts what its hold took before it)
         self.taken = 0
         self.kv_taken = 0
-        self.prefill_taken = 0
+        self.prefill_taken = worker.joining or 0
 
     def add(self, prompt_tokens: int, tpot_slo: float, kv_tokens: int = 0) -> None:
         """A request just taken (``prompt_tokens`` to prefill, ``kv_tokens`` of room): nothing
@@ -264,6 +269,9 @@ class HyperFlexisDecision:
     #: for each worker that took work, the prefill time its maturity was computed from (eq.(1)
     #: over what waits for prefill there, the new work included), seconds
     prefill_s: Mapping[str, float] = field(default_factory=dict)
+    #: for each worker that took work, the prompt tokens its turn took from its eq.(5) budget
+    #: (a join's include what its hold took before)
+    budget_taken: Mapping[str, int] = field(default_factory=dict)
 
 
 def admission_probability(
@@ -432,6 +440,7 @@ def dispatch(
     assignments: list[Assignment] = []
     maturity: dict[str, float] = {}
     prefill_s: dict[str, float] = {}
+    budget_taken: dict[str, int] = {}
     full: set[str] = set()
     lookup = cached if params.prefix_preference else None
     # workers due in this call whose first look is still to come: the ones a request may be left to
@@ -486,6 +495,7 @@ def dispatch(
         look_again = left and engine_id not in looked_again
         if admitted:
             prefill_s[engine_id] = e_p
+            budget_taken[engine_id] = shadow.prefill_taken
             maturity[engine_id] = next_time
         elif engine_id not in prefill_s and not look_again:
             # (a second look that took nothing keeps the first's hold; a first look that left its
@@ -500,7 +510,9 @@ def dispatch(
 
     remaining = prefix.untaken(taken, 1)
     wake_at = order[0][0] if order and remaining else math.inf
-    return HyperFlexisDecision(tuple(assignments), maturity, wake_at, frozenset(full), prefill_s)
+    return HyperFlexisDecision(
+        tuple(assignments), maturity, wake_at, frozenset(full), prefill_s, budget_taken
+    )
 
 
 class _Turn(NamedTuple):
@@ -549,8 +561,9 @@ def _fill_worker(
     free_seqs = worker.max_num_seqs - shadow.count
     kv_left = worker.free_kv_tokens - shadow.kv_taken
     budget_left: int | None = None
-    # anything taken in this turn, by this look or an earlier one of the same call
-    took = shadow.taken > 0
+    # anything taken in this turn, by this look or an earlier one of the same call (or, for a
+    # join, by the turn whose hold it joins: an oversized prompt waits for a turn of its own)
+    took = shadow.taken > 0 or worker.joining is not None
     # (request, feasible, prompt tokens to prefill, KV tokens to find)
     admitted: list[tuple[QueuedRequest, bool, int, int]] = []
     late_at = math.inf

@@ -54,6 +54,8 @@ from policies.queue_order import (
 #: parked HyperFlexis workers given a fresh look at each arrival of their model (bounds the cost
 #: of an arrival when many workers are parked; the others wait for their own events)
 UNPARK_PER_ARRIVAL = 4
+#: held workers an arrival to an empty queue may join when none is mature (oldest holds first)
+JOIN_LOOK = 2
 #: queued requests a pipeline dispatch looks past a head that no engine can take, for requests
 #: that other engines could (a LoRA adapter's requests go only where it is loaded)
 PIPELINE_LOOKAHEAD = 32
@@ -341,7 +343,8 @@ class DispatchCore:
         # reads it from the ticket rather than through the queue (push, head, remove: the common
         # case at low load), and queues it only if the turn leaves it. Orders that stamp fair
         # rounds at admission (flow_control) and client batches always go through the queue.
-        at_once = not len(queue) and ticket.batch is None and not self._flow_order
+        alone = not len(queue)
+        at_once = alone and ticket.batch is None and not self._flow_order
         if at_once:
             self.queued_per_class.setdefault(bucket, 0)
         else:
@@ -355,11 +358,17 @@ class DispatchCore:
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
         self.workers.shorten_holds(now, self.hyperflexis)
         self.lag = self._lateness.max(now)  # (arrivals may come for long without a step)
-        if self.workers.next_mature(model) <= now + self.lag:
+        mature = self.workers.next_mature(model) <= now + self.lag
+        # No worker mature and nothing queued: the arrival may join a worker's hold while what
+        # that engine has still to prefill leaves room in its turn's budget. Without it an engine
+        # that took one request turned the next arrival away for the whole hold (at concurrency 8
+        # in front of a fast engine the requests went in batches, each waiting for the last).
+        joining = None if mature or not alone else self.workers.held(model, JOIN_LOOK, now)
+        if mature or joining:
             # a worker can take work right now: decide in this call, not on the next loop turn
             self._submitting, self._own = rid, None
             try:
-                self._dispatch_hyperflexis(model, now, ticket if at_once else None, self.lag)
+                self._dispatch_hyperflexis(model, now, ticket if at_once else None, self.lag, joining)
             except BaseException:
                 if self._own is not None:  # never leave a reservation behind a failure
                     self.fleet.release(self._own.engine_id, rid)
@@ -503,17 +512,24 @@ class DispatchCore:
         return False
 
     def _dispatch_hyperflexis(
-        self, model: str, now: float, arrival: Ticket | None = None, early: float = 0.0
+        self,
+        model: str,
+        now: float,
+        arrival: Ticket | None = None,
+        early: float = 0.0,
+        joining: list[WorkerView] | None = None,
     ) -> None:
         """One HyperFlexis turn of the model's mature workers over its queue, or, with
         ``arrival`` (a ticket for the model's empty queue, not queued), over that ticket alone.
-        ``early``: workers maturing that much later take part as mature (by the loop's lateness)."""
+        ``early``: workers maturing that much later take part as mature (by the loop's lateness).
+        ``joining``: held workers (:meth:`HyperFlexisWorkers.held`) that look at ``arrival``
+        instead of the mature ones."""
         assert self.hyperflexis is not None
         queue = self.queues[model]
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
         limit = len(queue) + (arrival is not None)
-        workers = self.workers.pop_mature(model, now, limit, early)
+        workers = joining if joining else self.workers.pop_mature(model, now, limit, early)
         if not workers:
             return
         lookup: PrefixLookup | None = None
@@ -524,8 +540,10 @@ class DispatchCore:
             self._run_hyperflexis(model, queue, workers, now, arrival, lookup, soon)
         except BaseException:
             # a bug must not strand the workers it had popped: they stay mature for the next try
+            # (joining ones were not popped; holders of a prefix taken beside them were)
             for worker in workers:
-                self.workers.set(model, worker.engine_id, worker.maturity)
+                if worker.joining is None:
+                    self.workers.set(model, worker.engine_id, worker.maturity)
             raise
 
     def _prefix_holders(
@@ -593,7 +611,7 @@ class DispatchCore:
         # saturation that is every worker whose hold ends before a completion frees its cache,
         # a turn per placement that read the queue's head for nothing.
         lead = 0
-        while lead < len(workers) and kv_bound(workers[lead], min_need):
+        while lead < len(workers) and workers[lead].joining is None and kv_bound(workers[lead], min_need):
             self.workers.park(model, workers[lead].engine_id, full=True)
             lead += 1
         if lead == len(workers):
@@ -641,12 +659,27 @@ class DispatchCore:
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in looking:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
+            engine_id = worker.engine_id
+            if worker.joining is not None:
+                if engine_id in decision.prefill_s:  # it took the arrival: a hold as long or longer
+                    joined = self.workers.maturity[engine_id]
+                    self.workers.hold(
+                        model,
+                        engine_id,
+                        max(at, joined),
+                        now,
+                        decision.prefill_s[engine_id],
+                        decision.budget_taken[engine_id],
+                    )
+                continue  # (one that took nothing stays as it was)
             if at == math.inf:
                 # a full worker waits for its own completions and scrapes; one held back by
                 # slack may take the next arrival
                 self.workers.park(model, worker.engine_id, full=worker.engine_id in decision.full)
-            elif worker.engine_id in decision.prefill_s:
-                self.workers.hold(model, worker.engine_id, at, now, decision.prefill_s[worker.engine_id])
+            elif engine_id in decision.prefill_s:
+                self.workers.hold(
+                    model, engine_id, at, now, decision.prefill_s[engine_id], decision.budget_taken[engine_id]
+                )
             else:
                 self.workers.set(model, worker.engine_id, at)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from operator import attrgetter, mul
 
 from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
@@ -23,6 +24,9 @@ from policies.hyperflexis import HyperFlexisParams, RunningLoad, WorkerView, sho
 from policies.latency_fit import Coeffs
 
 _tpot_slo = attrgetter("tpot_slo")
+#: an engine whose prefills take under this fraction of the time predicted for them may take
+#: arrivals during its holds (:meth:`HyperFlexisWorkers.held`): its prior is slow, not the engine
+JOIN_BELOW_RATIO = 0.5
 
 
 class HyperFlexisWorkers:
@@ -43,8 +47,16 @@ class HyperFlexisWorkers:
         self._parked: dict[str, dict[str, None]] = {m: {} for m in fleet.served_models}
         #: engines held after a turn that took work: (turn time, the prefill time predicted for it)
         self._holds: dict[str, tuple[float, float]] = {}
-        #: held engines whose every dispatched prefill has produced its first token
-        self._prefilled: set[str] = set()
+        #: held engines whose every dispatched prefill has produced its first token, with the
+        #: hold they had then (it may have ended since: the engine went idle)
+        self._prefilled: dict[str, tuple[float, float]] = {}
+        #: per model, the engines in a hold after a turn that took work, oldest hold first, with
+        #: the prompt tokens the hold took from its turn's budget: an arrival may join one
+        #: (see :meth:`held`)
+        self._held: dict[str, dict[str, int]] = {m: {} for m in fleet.served_models}
+        #: per engine, how long its last hold's prefills really took, as a fraction of the
+        #: prediction (known when they all produced their first token within the hold)
+        self.prefill_ratio: dict[str, float] = {}
         for record in fleet.records.values():
             if record.adapter.role in FRONT_ROLES:
                 self.set(record.model, record.engine_id, 0.0)
@@ -59,23 +71,50 @@ class HyperFlexisWorkers:
         self._version[engine_id] = version
         self.maturity[engine_id] = at
         self._holds.pop(engine_id, None)
+        self._held[model].pop(engine_id, None)
         if at != math.inf:
             heapq.heappush(self._heaps[model], (at, version, engine_id))
 
-    def hold(self, model: str, engine_id: str, at: float, turn_at: float, prefill_s: float) -> None:
+    def hold(
+        self, model: str, engine_id: str, at: float, turn_at: float, prefill_s: float, tokens: int = 0
+    ) -> None:
         """``engine_id`` took work at ``turn_at`` and matures at ``at``, a hold that amortises a
-        predicted prefill of ``prefill_s``; it may end sooner (see :meth:`shorten_holds`)."""
+        predicted prefill of ``prefill_s`` (``tokens`` prompt tokens to prefill, taken from the
+        turn's budget); it may end sooner (see :meth:`shorten_holds`)."""
         self.set(model, engine_id, at)
-        if at > turn_at and prefill_s > 0.0:
-            self._holds[engine_id] = (turn_at, prefill_s)
+        if at > turn_at:
+            self._held[model][engine_id] = tokens
+            if prefill_s > 0.0:
+                self._holds[engine_id] = (turn_at, prefill_s)
+
+    def held(self, model: str, count: int, now: float) -> list[WorkerView]:
+        """Up to ``count`` of the model's workers in a hold after a turn that took work, oldest
+        hold first, as views for a join look at ``now`` (:attr:`WorkerView.joining`); only engines
+        whose last hold's prefills took under ``JOIN_BELOW_RATIO`` of the predicted time: on an
+        engine as slow as predicted the hold is what keeps its running streams within their
+        TPOT, so arrivals wait for the next turn as Algorithm 1 has them. They stay where they
+        are: a join that takes nothing changes nothing, one that takes work sets a new hold
+        (:attr:`maturity` keeps the one it joined)."""
+        views: list[WorkerView] = []
+        records = self.fleet.records
+        held = self._held[model]
+        ratio = self.prefill_ratio
+        # (bounded: engines out of rotation leave only at their next set())
+        for engine_id in islice(held, 4 * count):
+            record = records[engine_id]
+            if ratio.get(engine_id, 1.0) < JOIN_BELOW_RATIO and self.fleet.in_front(record):
+                views.append(self._view(record, now, joining=held[engine_id]))
+                if len(views) == count:
+                    break
+        return views
 
     def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
         """Holds whose prefills all produced their first token end in proportion to how long
         the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
-        for engine_id in self._prefilled:
-            held = self._holds.get(engine_id)
-            if held is None:
-                continue
+        for engine_id, held in self._prefilled.items():
+            self.prefill_ratio[engine_id] = max(0.0, now - held[0]) / held[1]
+            if self._holds.get(engine_id) is not held:
+                continue  # (the hold ended meanwhile: only the ratio is news)
             at = self.maturity[engine_id]
             sooner = shortened_maturity(held[0], at, held[1], now, params)
             if sooner < at:
@@ -121,6 +160,10 @@ class HyperFlexisWorkers:
             if not self.fleet.in_front(record):
                 self.set(model, engine_id, math.inf)  # back with the event that returns it
                 continue
+            held = self._holds.get(engine_id)
+            if held is not None and record.unprefilled and now - held[0] >= JOIN_BELOW_RATIO * held[1]:
+                # its hold ran out before its prefills did: a lower bound says it is not fast
+                self.prefill_ratio[engine_id] = (now - held[0]) / held[1]
             workers.append(self._view(record, at if at <= now else now))
         return workers
 
@@ -163,7 +206,7 @@ class HyperFlexisWorkers:
             return
         if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
             # (a non-streamed answer shows no first token: its end shows the prefill was done)
-            self._prefilled.add(engine_id)
+            self._prefilled[engine_id] = self._holds[engine_id]
         if what == "health":
             if record.healthy:
                 self.unpark(model, engine_id, -math.inf)
@@ -175,7 +218,7 @@ class HyperFlexisWorkers:
         ):
             self.unpark(model, engine_id, -math.inf)
 
-    def _view(self, record: EngineRecord, maturity: float) -> WorkerView:
+    def _view(self, record: EngineRecord, maturity: float, joining: int | None = None) -> WorkerView:
         # the running requests summed from what the fleet keeps as they come and go (their
         # token total, the prompts still waiting for prefill): no object per running request
         waiting = record.unprefilled.values()
@@ -198,4 +241,5 @@ class HyperFlexisWorkers:
             maturity=maturity,
             load=load,
             adapters=record.adapters,
+            joining=joining,
         )

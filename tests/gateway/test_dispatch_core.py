@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -348,8 +349,60 @@ def test_hyperflexis_an_engine_that_goes_idle_takes_the_next_request_at_once() -
     fleet.release("a-0", "r-1")
     second = core.submit(ticket("r-2", now=0.002), 0.002)
     assert second is not None and second.engine_id == "a-0"
-    # while it still runs something, a newcomer waits for the turn to end
-    assert core.submit(ticket("r-3", now=0.003), 0.003) is None
+    # while it still runs something, a newcomer to the empty queue joins its turn (the turn's
+    # budget has room), and the hold it joined does not end sooner
+    held_until = core.workers.maturity["a-0"]
+    third = core.submit(ticket("r-3", now=0.003), 0.003)
+    assert third is not None and third.engine_id == "a-0"
+    assert core.workers.maturity["a-0"] >= held_until
+    # one the turn's budget has no room for waits for the turn to end, the hold unchanged
+    held_until = core.workers.maturity["a-0"]
+    big = ticket("r-4", now=0.004)
+    big.item = replace(big.item, view=replace(big.item.view, prompt_tokens=400_000))
+    assert core.submit(big, 0.004) is None
+    assert core.workers.maturity["a-0"] == held_until and core.queued() == 1
+
+
+def test_hyperflexis_arrivals_join_a_hold_within_its_turns_budget_on_a_fast_engine() -> None:
+    """Arrivals to an empty queue join a held worker only on an engine that answered faster than
+    predicted, and only within the eq.(5) budget of the turn whose hold they join."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+
+    def sized(rid: str, prompt: int, now: float) -> Ticket:
+        t = ticket(rid, now=now)
+        t.item = replace(t.item, view=replace(t.item.view, prompt_tokens=prompt))
+        t.entry = RunningEntry(prompt, 10, 0.1, now)
+        return t
+
+    assert core.submit(sized("r-0", 100, 0.0), 0.0) is not None
+    # an arrival during the hold of an engine that never showed it is faster than predicted waits
+    assert core.submit(sized("r-1", 100, 0.0001), 0.0001) is None
+    # both answered at once (well within the prefill predicted for them): the prior is slow
+    fleet.release("a-0", "r-0")
+    core.step(0.0002)
+    assert [r for r, _ in core.outbox] == ["r-1"]  # (the engine went idle: a turn at once)
+    core.outbox.clear()
+    fleet.release("a-0", "r-1")
+    assert core.submit(sized("r-2", 100, 0.0003), 0.0003) is not None
+    joined = 0
+    now = 0.0003
+    while (now := now + 0.0001) < 0.005:
+        if core.submit(sized(f"r-{joined + 3}", 100, now), now) is None:
+            break
+        joined += 1
+    refused = f"r-{joined + 3}"
+    assert 2 <= joined < 45, joined  # some joined, then the budget ran out (~3,900 tokens here)
+    assert core.queued() == 1
+    # first tokens give nothing back within the hold (the budget is the turn's), and nothing
+    # joins behind a queued request
+    for rid in list(fleet.records["a-0"].unprefilled)[:-1]:
+        fleet.mark_prefilled("a-0", rid)
+    assert core.submit(sized("r-98", 100, now), now) is None and core.queued() == 2
+    assert refused in core.tickets
+    # the hold's end is the next turn, with a budget of its own
+    core.step(core.workers.maturity["a-0"])
+    assert core.queued() == 0 and {r for r, _ in core.outbox} == {refused, "r-98"}
 
 
 # -- findings of the independent review, each a test that failed before its fix -------------------
