@@ -187,6 +187,9 @@ class HyperFlexisParams:
     recheck_s: float = 0.01
     #: a worker is never held longer than this (seconds), even when relax <= 0 says "never"
     max_hold_s: float = 1.0
+    #: TPOT targets are planned against as this share of themselves (eq.(5) and the hold): a
+    #: margin for prediction error, since exact predictions put the mean at the target itself
+    tpot_plan: float = 1.0
     #: share of the tightest TTFT that one dispatch's prefill may use in eq.(5); the rest is
     #: headroom for the next urgent arrival's own prefill, which the paper's bound leaves out
     budget_ttft_share: float = 0.5
@@ -212,6 +215,8 @@ class HyperFlexisParams:
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
             raise ValueError(f"theta must be in [0, 1], got {self.theta}")
+        if not 0.0 < self.tpot_plan <= 1.0:
+            raise ValueError(f"tpot_plan must be in (0, 1], got {self.tpot_plan}")
         if not 0.0 < self.budget_ttft_share <= 1.0:
             raise ValueError(f"budget_ttft_share must be in (0, 1], got {self.budget_ttft_share}")
         if self.tightest_window_s < 0:
@@ -608,7 +613,7 @@ def _fill_worker(
             break
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
-            tpot = min(shadow.min_tpot, item.tpot_slo)
+            tpot = min(shadow.min_tpot, item.tpot_slo) * params.tpot_plan
             ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
             # a turn's prefill must also amortise within the longest hold (its maturity time is
             # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
@@ -816,7 +821,7 @@ def _next_maturity(
         return late_at, 0.0
     e_p = shadow.prefill(worker.prefill_coeffs)
     e_d = shadow.decode_step(worker.decode_coeffs)
-    min_tpot = shadow.min_tpot
+    min_tpot = shadow.min_tpot * params.tpot_plan
     # A chunked-prefill engine runs the new prompts inside decode steps: each step that carries a
     # chunk also pays E_d, so a turn costs at least E_p + E_d even when relax is large.
     held = max(maturity_time(now, e_p, e_d, min_tpot), now + e_p + e_d)
