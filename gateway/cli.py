@@ -77,6 +77,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.dispatch import bench_dispatch_main
 
         return bench_dispatch_main(args)
+    if args.bench == "dispatchers":
+        from gateway.bench.overhead import bench_dispatchers_main
+
+        return bench_dispatchers_main(args)
     if args.bench == "simulator":
         from gateway.bench.simulator_scale import bench_simulator_main
 
@@ -191,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
 
     add_overhead_arguments(
         bench_sub.add_parser("overhead", help="gateway overhead vs calling the engine directly")
+    )
+    from gateway.bench.overhead import add_dispatchers_arguments
+
+    add_dispatchers_arguments(
+        bench_sub.add_parser(
+            "dispatchers",
+            help="routing profiles side by side: added latency at c=1, throughput at c=N, "
+            "in front of a zero-latency or a real engine",
+        )
     )
     from gateway.bench.large_body import add_large_body_arguments
 

@@ -52,6 +52,7 @@ from gateway.bench.harness import (
     wait_until_served,
 )
 from gateway.procs import ChildProcess, spawn_listening
+from gateway.realengines.servers import RunningEngine, start_llamacpp, start_vllm
 
 MODEL = "bench-model"
 PACED_MODEL = "bench-paced"
@@ -125,6 +126,9 @@ class DispatcherLatency:
 
     added_p50_ms: dict[str, float]
     throughput_rps: dict[str, float] = field(default_factory=dict)
+    #: the clients of the throughput case, and the engine behind both gateways
+    concurrency: int = 8
+    engine: str = "zero"
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         base = self.added_p50_ms.get("least-load")
@@ -145,7 +149,8 @@ class DispatcherLatency:
             if rps is not None and base_rps:
                 rows.append(
                     (
-                        f"{profile} throughput vs least-load (c={THROUGHPUT_CONCURRENCY}, default prior)",
+                        f"{profile} throughput vs least-load (c={self.concurrency}, {self.engine} engine, "
+                        "default prior)",
                         f"{rps:.0f} vs {base_rps:.0f} req/s ({rps / base_rps:.0%})",
                         ">= 90%",
                         rps >= 0.9 * base_rps,
@@ -163,62 +168,87 @@ THROUGHPUT_CONCURRENCY = 8
 THROUGHPUT_ROUNDS = 5
 
 
-async def _throughput(gateways: dict[str, ChildProcess], n: int) -> dict[str, float]:
-    """Requests/s of each gateway at concurrency 8: ``n`` requests each, in alternating rounds."""
+async def _throughput(
+    gateways: dict[str, ChildProcess], n: int, model: str, concurrency: int
+) -> dict[str, float]:
+    """Requests/s of each gateway at ``concurrency``: ``n`` requests each, in alternating rounds."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        load = LoadGenerator(session, 1)
+        load = LoadGenerator(session, 1, model)
         for gateway in gateways.values():
-            await load.run_plain(gateway.url, 50, THROUGHPUT_CONCURRENCY)  # warm up
+            await load.run_plain(gateway.url, 50, concurrency)  # warm up
         walls = dict.fromkeys(gateways, 0.0)
         per_round = max(1, n // THROUGHPUT_ROUNDS)
         for _ in range(THROUGHPUT_ROUNDS):
             for profile, gateway in gateways.items():
-                _, wall = await load.run_plain(gateway.url, per_round, THROUGHPUT_CONCURRENCY)
+                _, wall = await load.run_plain(gateway.url, per_round, concurrency)
                 walls[profile] += wall
     return {profile: per_round * THROUGHPUT_ROUNDS / wall for profile, wall in walls.items()}
 
 
 async def _added_p50(
-    engines: dict[str, ChildProcess], gateways: dict[str, ChildProcess], n: int
+    engines: dict[str, str], gateways: dict[str, ChildProcess], n: int, model: str
 ) -> dict[str, float]:
-    """Each gateway's added p50 at concurrency 1 over its own engine, the profiles alternating
+    """Each gateway's added p50 at concurrency 1 over its engine (URL), the profiles alternating
     request by request."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        load = LoadGenerator(session, 1)
+        load = LoadGenerator(session, 1, model)
         for gateway in gateways.values():
-            await wait_until_served(session, gateway.url, MODEL)
+            await wait_until_served(session, gateway.url, model, timeout_s=120.0)
             await load.run_plain(gateway.url, 100, 1)
         direct: dict[str, list[float]] = {profile: [] for profile in gateways}
         via: dict[str, list[float]] = {profile: [] for profile in gateways}
         for _ in range(n):
             for profile, gateway in gateways.items():
-                direct[profile].append(await load.plain(engines[profile].url))
+                direct[profile].append(await load.plain(engines[profile]))
                 via[profile].append(await load.plain(gateway.url))
     return {p: statistics.median(via[p]) - statistics.median(direct[p]) for p in gateways}
 
 
 def run_dispatcher_latency(
-    n: int, profiles: tuple[str, ...] = ("least-load", "hyperflexis")
+    n: int,
+    profiles: tuple[str, ...] = ("least-load", "hyperflexis"),
+    engine: str | RunningEngine = "zero",
+    concurrency: int = THROUGHPUT_CONCURRENCY,
 ) -> DispatcherLatency:
-    """Added p50 at concurrency 1 and throughput at concurrency 8 for each routing profile, each
-    with its own fresh engine and gateway, all running at once and measured alternately."""
+    """Added p50 at concurrency 1 and throughput at ``concurrency`` for each routing profile,
+    each with its own gateway, all running at once and measured alternately. ``engine``:
+    ``zero`` gives each gateway a fresh zero-latency simulated engine; ``vllm`` (CPU) or
+    ``llamacpp`` puts one real engine with its tiny model behind all of them (the real-engine
+    tier's: ``slogate real-engine prepare`` provisions it), or a real engine already running."""
+    kind = engine if isinstance(engine, str) else engine.kind
     progress(
-        f"dispatcher latency: {', '.join(profiles)}, {n} requests each at c=1, "
-        f"{20 * n} each at c={THROUGHPUT_CONCURRENCY}, alternating"
+        f"dispatcher latency ({kind} engine): {', '.join(profiles)}, {n} requests each at c=1, "
+        f"{20 * n} each at c={concurrency}, alternating"
     )
     with ExitStack() as stack:
-        engines = {
-            p: stack.enter_context(spawn_zero_engine(MODEL, name=f"bench-engine-{p}")) for p in profiles
-        }
+        if engine == "zero":
+            model = MODEL
+            zero = {
+                p: stack.enter_context(spawn_zero_engine(MODEL, name=f"bench-engine-{p}")) for p in profiles
+            }
+            urls = {p: e.url for p, e in zero.items()}
+            entries = {p: engine_entry(e, MODEL) for p, e in zero.items()}
+        else:
+            real = stack.enter_context(_real_engine(engine)) if isinstance(engine, str) else engine
+            model = real.model
+            urls = dict.fromkeys(profiles, real.url)
+            entry = {"url": real.url, "kind": real.kind, "model": real.model, "name": real.name}
+            entries = dict.fromkeys(profiles, entry)
         gateways = {
-            p: stack.enter_context(
-                spawn_gateway([engine_entry(engines[p], MODEL)], env={"SLOGATE_ROUTING_PROFILE": p})
-            )
+            p: stack.enter_context(spawn_gateway([entries[p]], env={"SLOGATE_ROUTING_PROFILE": p}))
             for p in profiles
         }
-        added = asyncio.run(_added_p50(engines, gateways, n))
-        rps = asyncio.run(_throughput(gateways, 20 * n))
-    return DispatcherLatency({p: ms * 1000 for p, ms in added.items()}, rps)
+        added = asyncio.run(_added_p50(urls, gateways, n, model))
+        rps = asyncio.run(_throughput(gateways, 20 * n, model, concurrency))
+    return DispatcherLatency({p: ms * 1000 for p, ms in added.items()}, rps, concurrency, kind)
+
+
+def _real_engine(kind: str) -> RunningEngine:
+    if kind == "vllm":
+        return start_vllm("bench-vllm")
+    if kind == "llamacpp":
+        return start_llamacpp("bench-llamacpp")
+    raise ValueError(f"unknown engine {kind!r}: zero, vllm or llamacpp")
 
 
 #: what tracing on may add over tracing off (ms) before the bench says NO: room for three spans
@@ -400,18 +430,18 @@ class PacedResult:
 
 
 class LoadGenerator:
-    def __init__(self, session: aiohttp.ClientSession, stream_tokens: int) -> None:
+    def __init__(self, session: aiohttp.ClientSession, stream_tokens: int, model: str = MODEL) -> None:
         self.session = session
         self.plain_body = orjson.dumps(
             {
-                "model": MODEL,
+                "model": model,
                 "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
                 "max_tokens": 1,
             }
         )
         self.stream_body = orjson.dumps(
             {
-                "model": MODEL,
+                "model": model,
                 "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
                 "max_tokens": stream_tokens,
                 "ignore_eos": True,
@@ -722,6 +752,40 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
         args.paced_floor,
     )
     print(render_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(asdict(result), indent=2))
+    return 0
+
+
+def add_dispatchers_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=["zero", "vllm", "llamacpp"],
+        default="zero",
+        help="zero: a zero-latency simulated engine per gateway; vllm (CPU) / llamacpp: one real "
+        "engine with its tiny model behind every gateway (slogate real-engine prepare)",
+    )
+    parser.add_argument(
+        "--profiles", default="least-load,hyperflexis", help="routing profiles, comma-separated"
+    )
+    parser.add_argument("--requests", type=int, default=200, help="requests at c=1 (20x as many at c=N)")
+    parser.add_argument(
+        "--concurrency", type=int, default=THROUGHPUT_CONCURRENCY, help="clients of the throughput case"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+
+
+def bench_dispatchers_main(args: argparse.Namespace) -> int:
+    profiles = tuple(p for p in args.profiles.split(",") if p)
+    if "least-load" not in profiles:
+        raise SystemExit("slogate bench dispatchers: --profiles must include least-load (the reference)")
+    result = run_dispatcher_latency(args.requests, profiles, args.engine, args.concurrency)
+    print("\n".join(checks_table(result.checks())))
+    for profile in profiles:
+        print(
+            f"{profile}: added p50 {result.added_p50_ms[profile]:.3f} ms (c=1), "
+            f"{result.throughput_rps[profile]:.0f} requests/s (c={args.concurrency})"
+        )
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=2))
     return 0

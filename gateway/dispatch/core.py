@@ -663,12 +663,15 @@ class DispatchCore:
             if worker.joining is not None:
                 if engine_id in decision.prefill_s:  # it took the arrival: a hold as long or longer
                     joined = self.workers.maturity[engine_id]
+                    # still timed from the turn it joined: the prefills predicted to end then
+                    started = self.workers.hold_started(engine_id)
+                    turn_at = now if started is None else started
                     self.workers.hold(
                         model,
                         engine_id,
                         max(at, joined),
-                        now,
-                        decision.prefill_s[engine_id],
+                        turn_at,
+                        now - turn_at + decision.prefill_s[engine_id],
                         decision.budget_taken[engine_id],
                     )
                 continue  # (one that took nothing stays as it was)
@@ -729,8 +732,8 @@ class DispatchCore:
                 self._refuse(rid, "no_engine", error, None)
             self.wake()
             return
-        if hyperflexis:
-            self.workers.on_engine_event(record, what)
+        if hyperflexis and self.workers.on_engine_event(record, what):
+            self.wake()  # a step now times the prefills that just ended (queue or not)
         if not self.queued(model) or (what == "prefilled" and not hyperflexis):
             return
         self._dirty.add(model)

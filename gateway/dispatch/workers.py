@@ -48,8 +48,9 @@ class HyperFlexisWorkers:
         #: engines held after a turn that took work: (turn time, the prefill time predicted for it)
         self._holds: dict[str, tuple[float, float]] = {}
         #: held engines whose every dispatched prefill has produced its first token, with the
-        #: hold they had then (it may have ended since: the engine went idle)
-        self._prefilled: dict[str, tuple[float, float]] = {}
+        #: hold they had then (it may have ended since: the engine went idle) and whether a first
+        #: token showed it (a release may be a cancellation: it says nothing of the engine's speed)
+        self._prefilled: dict[str, tuple[tuple[float, float], bool]] = {}
         #: per model, the engines in a hold after a turn that took work, oldest hold first, with
         #: the prompt tokens the hold took from its turn's budget: an arrival may join one
         #: (see :meth:`held`)
@@ -83,9 +84,15 @@ class HyperFlexisWorkers:
         turn's budget); it may end sooner (see :meth:`shorten_holds`)."""
         self.set(model, engine_id, at)
         if at > turn_at:
-            self._held[model][engine_id] = tokens
+            if self.prefill_ratio.get(engine_id, 1.0) < JOIN_BELOW_RATIO:
+                self._held[model][engine_id] = tokens
             if prefill_s > 0.0:
                 self._holds[engine_id] = (turn_at, prefill_s)
+
+    def hold_started(self, engine_id: str) -> float | None:
+        """When the turn whose hold ``engine_id`` is in took work (``None``: not in a timed hold)."""
+        held = self._holds.get(engine_id)
+        return None if held is None else held[0]
 
     def held(self, model: str, count: int, now: float) -> list[WorkerView]:
         """Up to ``count`` of the model's workers in a hold after a turn that took work, oldest
@@ -111,8 +118,9 @@ class HyperFlexisWorkers:
     def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
         """Holds whose prefills all produced their first token end in proportion to how long
         the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
-        for engine_id, held in self._prefilled.items():
-            self.prefill_ratio[engine_id] = max(0.0, now - held[0]) / held[1]
+        for engine_id, (held, timed) in self._prefilled.items():
+            if timed:
+                self.prefill_ratio[engine_id] = max(0.0, now - held[0]) / held[1]
             if self._holds.get(engine_id) is not held:
                 continue  # (the hold ended meanwhile: only the ratio is news)
             at = self.maturity[engine_id]
@@ -185,38 +193,49 @@ class HyperFlexisWorkers:
             self._version[engine_id] += 1  # its heap entry is superseded until the caller's set()
         return views
 
-    def on_engine_event(self, record: EngineRecord, what: str) -> None:
+    def on_engine_event(self, record: EngineRecord, what: str) -> bool:
         """Wake what the event may have changed: a parked or full worker looks again at its own
         events, queue or not (a full worker whose queue emptied meanwhile would otherwise stay
         out), except a full one at a first token, which frees no seat and no KV; an engine that
         goes idle takes the next request at once: its hold was for work it has finished (at
         concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default prior,
-        behind an engine with nothing to do); an engine back in health is mature at once."""
+        behind an engine with nothing to do); an engine back in health is mature at once.
+
+        True when the event ended a hold's prefills with a first token: the caller steps now, so
+        that the prefill is timed (:attr:`prefill_ratio`) at its end, not at the next arrival."""
         engine_id = record.engine_id
         model = record.model
         in_front = record.adapter.role in FRONT_ROLES and not record.draining
+        if what in ("role", "health"):
+            self.prefill_ratio.pop(engine_id, None)  # restarted or reassigned: measured afresh
         if what == "role":  # drained, flipped or back in rotation: a fresh look, or out
             if in_front:
                 self.unpark(model, engine_id, -math.inf)
             elif engine_id in self.maturity:
                 self._parked[model].pop(engine_id, None)
                 self.set(model, engine_id, math.inf)  # its own events no longer wake it
-            return
+            return False
         if engine_id not in self.maturity or not in_front:
-            return
+            return False
+        timed = False
         if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
-            # (a non-streamed answer shows no first token: its end shows the prefill was done)
-            self._prefilled[engine_id] = self._holds[engine_id]
+            # (a non-streamed answer's end shows its prefill was done, and so may a cancellation:
+            # both end the hold early, only a first token times the engine)
+            held = self._holds[engine_id]
+            seen = self._prefilled.get(engine_id)
+            timed = what == "prefilled"
+            self._prefilled[engine_id] = (held, timed or (seen is not None and seen == (held, True)))
         if what == "health":
             if record.healthy:
                 self.unpark(model, engine_id, -math.inf)
-            return
+            return False
         at = self.maturity[engine_id]
         full = at == math.inf and engine_id not in self._parked[model]
         if (at == math.inf and not (full and what == "prefilled")) or (
             what == "release" and not record.running and at > -math.inf
         ):
             self.unpark(model, engine_id, -math.inf)
+        return timed
 
     def _view(self, record: EngineRecord, maturity: float, joining: int | None = None) -> WorkerView:
         # the running requests summed from what the fleet keeps as they come and go (their

@@ -460,7 +460,9 @@ class CollocatedFlow:
                 call.waited_s += time.monotonic() - read_at  # the engine writing its answer
             if isinstance(body, GatewayError):
                 return body
-            # the engine's part is over: its capacity goes back before the client's part
+            # the engine's part is over: its capacity goes back before the client's part (an
+            # answer shows no first token; its end shows the prefill was done)
+            self.fleet.mark_prefilled(engine_id, call.rid)
             self.dispatch.release(engine_id, call.rid)
             return await answer_plain(call, response.status, body, settings.idle_timeout_s)
         finally:
