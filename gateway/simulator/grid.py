@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,13 +106,19 @@ def cells(
     return out
 
 
-def verdicts(results: list[Result], candidate: str) -> list[tuple[Cell, float, float, str]]:
-    """Per cell: the candidate's attainment, the best baseline's, and how the cell fares."""
+def verdicts(
+    results: list[Result], candidate: str, contenders: Collection[str] = ()
+) -> list[tuple[Cell, float, float, str]]:
+    """Per cell: the candidate's attainment, the best baseline's (every policy but the candidate
+    and its ``contenders``, other variants of it that are not baselines), and how the cell fares."""
     out = []
     for cell in dict.fromkeys(r.cell for r in results):
         mine = [r for r in results if r.cell == cell]
         own = next((r.attainment for r in mine if r.policy == candidate), float("nan"))
-        best = max((r.attainment for r in mine if r.policy != candidate), default=float("nan"))
+        best = max(
+            (r.attainment for r in mine if r.policy != candidate and r.policy not in contenders),
+            default=float("nan"),
+        )
         if own < best - MAX_DEFICIT:
             verdict = "BELOW"
         elif cell.must_win and own < MIN_WIN_RATIO * best and best < 1 / MIN_WIN_RATIO:
@@ -122,11 +129,11 @@ def verdicts(results: list[Result], candidate: str) -> list[tuple[Cell, float, f
     return out
 
 
-def render(results: list[Result], candidate: str) -> str:
+def render(results: list[Result], candidate: str, contenders: Collection[str] = ()) -> str:
     policies = list(dict.fromkeys(r.policy for r in results))
-    head = "| cell | QPS | " + " | ".join(policies) + f" | {candidate} / best other | verdict |"
+    head = "| cell | QPS | " + " | ".join(policies) + f" | {candidate} / best baseline | verdict |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for cell, own, best, verdict in verdicts(results, candidate):
+    for cell, own, best, verdict in verdicts(results, candidate, contenders):
         mine = {r.policy: r for r in results if r.cell == cell}
         ratio = own / best if best > 0 else float("inf")
         lines.append(
@@ -176,7 +183,12 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
         default="round-robin,least-load,least-load+prio,hyperflexis",
         help="routing profiles; '+prio' = the engines schedule by the gateway's TTFT deadline",
     )
-    parser.add_argument("--candidate", default="hyperflexis")
+    parser.add_argument(
+        "--candidate",
+        default="hyperflexis",
+        help="the policy the verdicts are for; more, comma-separated, are its variants: they are "
+        "not counted as baselines",
+    )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per cell")
     parser.add_argument(
@@ -190,8 +202,10 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
 def grid_main(args: argparse.Namespace) -> int:
     pyplot()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if args.candidate not in policies:
-        raise SystemExit(f"slogate experiment grid: --candidate {args.candidate!r} is not in --policies")
+    candidate, *contenders = [c.strip() for c in args.candidate.split(",") if c.strip()] or [""]
+    for name in (candidate, *contenders):
+        if name not in policies:
+            raise SystemExit(f"slogate experiment grid: --candidate {name!r} is not in --policies")
     grid = cells(
         [w for w in args.workloads.split(",") if w],
         [float(x) for x in args.speeds.split(",") if x],
@@ -221,7 +235,7 @@ def grid_main(args: argparse.Namespace) -> int:
     results = run_jobs(_run, runs, args.jobs, report)
     order = {(c, p): i for i, (c, p) in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.cell, r.policy)])
-    text = render(results, args.candidate)
+    text = render(results, candidate, contenders)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grid.md").write_text(text + "\n")

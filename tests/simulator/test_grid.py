@@ -1,0 +1,48 @@
+"""`slogate experiment grid`: a small run so it cannot rot, and the verdicts' baselines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.cli import main
+from gateway.simulator.grid import Cell, Result, verdicts
+
+
+def _result(cell: Cell, policy: str, attainment: float) -> Result:
+    return Result(cell, policy, attainment, {}, 1.0, 2.0, 0, 1.0, 100)
+
+
+def test_a_candidates_variants_are_not_its_baselines() -> None:
+    cell = Cell("tpot-bound", 1.0, 1.2, 10.0)
+    results = [
+        _result(cell, "least-load", 0.30),
+        _result(cell, "hyperflexis", 0.80),
+        _result(cell, "hyperflexis-wspt", 0.75),
+    ]
+    # against every other policy, the variant that does better makes the candidate look "BELOW"
+    assert verdicts(results, "hyperflexis-wspt")[0][2:] == (0.80, "BELOW")
+    # against the baselines only, it wins its overload cell by 2.5x
+    assert verdicts(results, "hyperflexis-wspt", ["hyperflexis"])[0][2:] == (0.30, "ok")
+    # and a candidate under 1.3x the best baseline where 1.3x is still possible is no win
+    weak = [_result(cell, "least-load", 0.60), _result(cell, "hyperflexis", 0.70)]
+    assert verdicts(weak, "hyperflexis")[0][3] == "no 1.3x win"
+
+
+def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "grid"
+    code = main(
+        [
+            "experiment", "grid", "--workloads", "tpot-bound", "--speeds", "1", "--loads", "0.6",
+            "--policies", "least-load,hyperflexis,hyperflexis-wspt",
+            "--candidate", "hyperflexis-wspt,hyperflexis",
+            "--engines", "1", "--duration", "10", "--ramp-qps", "0", "--jobs", "1", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads((out / "grid.json").read_text())
+    assert {r["policy"] for r in rows} == {"least-load", "hyperflexis", "hyperflexis-wspt"}
+    assert all(0.0 <= r["attainment"] <= 1.0 and r["requests"] > 0 for r in rows)
+    table = (out / "grid.md").read_text()
+    assert "hyperflexis-wspt / best baseline" in table and "tpot-bound speed 1x load 0.6x" in table
+    assert (out / "grid.png").stat().st_size > 10_000
