@@ -146,6 +146,8 @@ class DispatchCore:
         self.tightest_ttft_s = tightest_ttft_s
         #: per model, the tightest TTFT target among recent arrivals (HyperFlexis eq.(5))
         self._recent_ttft: dict[str, WindowMin] = {}
+        #: per model, the LoRA adapters loaded on its engines in rotation (see _adapters_held)
+        self._adapters: dict[str, frozenset[str]] = {}
         #: shed under saturation (llm-d flow control): the least urgent band's newest first
         self.shedding = shedding
         #: per model and band (priority), the queued tickets newest first: (-seq, id), lazily pruned
@@ -692,13 +694,16 @@ class DispatchCore:
         fleet = self.fleet
         if not fleet.adapter_bases or not self.router.lora.required:
             return frozenset()
-        return frozenset().union(
-            *(
-                r.adapters
-                for r in fleet.records.values()
-                if r.model == model and r.adapters and fleet.in_front(r)
+        held = self._adapters.get(model)
+        if held is None:  # (kept until an engine's adapters, health or rotation change)
+            held = self._adapters[model] = frozenset().union(
+                *(
+                    r.adapters
+                    for r in fleet.records.values()
+                    if r.model == model and r.adapters and fleet.in_front(r)
+                )
             )
-        )
+        return held
 
     def _tightest(self, model: str, now: float) -> float:
         """The TTFT eq.(5) budgets against: the tightest among the model's recent arrivals, or
@@ -716,6 +721,8 @@ class DispatchCore:
     def _on_engine_change(self, engine_id: str, what: str) -> None:
         record = self.fleet.records[engine_id]
         model = record.model
+        if what in ("adapters", "health", "role"):
+            self._adapters.pop(model, None)
         hyperflexis = self.hyperflexis is not None
         if (
             what == "health"

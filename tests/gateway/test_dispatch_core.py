@@ -714,3 +714,21 @@ def test_a_waiting_adapter_request_does_not_hold_back_its_model() -> None:
     fleet.release("a-0", "r-0")
     core.step(0.1)
     assert [(rid, record.engine_id) for rid, record in core.outbox if rid == "r-1"] == [("r-1", "a-0")]
+
+
+def test_hyperflexis_knows_which_adapters_its_engines_hold_as_they_change() -> None:
+    """The adapters held in rotation are kept between turns (a scan of the fleet per turn) and
+    follow the engines' loads, unloads, ejections and drains."""
+    fleet = offline_fleet({"a": 2})
+    fleet.set_adapters("a-0", frozenset({"a1"}))
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    assert core._adapters_held("a") == frozenset({"a1"})
+    fleet.set_adapters("a-1", frozenset({"a2"}))
+    assert core._adapters_held("a") == frozenset({"a1", "a2"})
+    fleet.set_draining("a-1", True)
+    assert core._adapters_held("a") == frozenset({"a1"})
+    fleet.set_draining("a-1", False)
+    fleet.record_health("a-0", False, eject_after=1, readmit_after=1)
+    assert core._adapters_held("a") == frozenset({"a2"})
+    fleet.set_adapters("a-1", frozenset())
+    assert core._adapters_held("a") == frozenset()
