@@ -137,12 +137,15 @@ class DispatcherLatency:
         for profile, added in self.added_p50_ms.items():
             if profile == "least-load" or base is None:
                 continue
+            # (the 0.2 ms bar is for the zero-latency engine: a real engine's own jitter between
+            # requests is larger than it, so there the difference is reported, not judged)
+            judged = self.engine == "zero"
             rows.append(
                 (
-                    f"{profile} over least-load, added p50 (c=1)",
+                    f"{profile} over least-load, added p50 (c=1{'' if judged else ', ' + self.engine})",
                     f"{added - base:+.3f} ms ({added:.3f} vs {base:.3f})",
-                    "<= 0.2 ms",
-                    added - base <= 0.2,
+                    "<= 0.2 ms" if judged else "(reported)",
+                    added - base <= 0.2 or not judged,
                 )
             )
             rps = self.throughput_rps.get(profile)
@@ -768,9 +771,11 @@ def add_dispatchers_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profiles", default="least-load,hyperflexis", help="routing profiles, comma-separated"
     )
-    parser.add_argument("--requests", type=int, default=200, help="requests at c=1 (20x as many at c=N)")
     parser.add_argument(
-        "--concurrency", type=int, default=THROUGHPUT_CONCURRENCY, help="clients of the throughput case"
+        "--requests", type=_positive, default=200, help="requests at c=1 (20x as many at c=N)"
+    )
+    parser.add_argument(
+        "--concurrency", type=_positive, default=THROUGHPUT_CONCURRENCY, help="clients of the throughput case"
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
 
@@ -789,3 +794,13 @@ def bench_dispatchers_main(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=2))
     return 0
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number

@@ -118,9 +118,14 @@ class HyperFlexisWorkers:
     def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
         """Holds whose prefills all produced their first token end in proportion to how long
         the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
+        ratio = self.prefill_ratio
         for engine_id, (held, timed) in self._prefilled.items():
+            took = max(0.0, now - held[0]) / held[1]
             if timed:
-                self.prefill_ratio[engine_id] = max(0.0, now - held[0]) / held[1]
+                ratio[engine_id] = took
+            elif took >= JOIN_BELOW_RATIO:
+                # ended without a first token (cancelled): the prefill took at least this long
+                ratio[engine_id] = max(ratio.get(engine_id, 0.0), took)
             if self._holds.get(engine_id) is not held:
                 continue  # (the hold ended meanwhile: only the ratio is news)
             at = self.maturity[engine_id]
@@ -207,7 +212,9 @@ class HyperFlexisWorkers:
         model = record.model
         in_front = record.adapter.role in FRONT_ROLES and not record.draining
         if what in ("role", "health"):
-            self.prefill_ratio.pop(engine_id, None)  # restarted or reassigned: measured afresh
+            # restarted or reassigned: measured afresh (not by a first token from before)
+            self.prefill_ratio.pop(engine_id, None)
+            self._prefilled.pop(engine_id, None)
         if what == "role":  # drained, flipped or back in rotation: a fresh look, or out
             if in_front:
                 self.unpark(model, engine_id, -math.inf)

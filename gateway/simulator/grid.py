@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -119,7 +120,9 @@ def verdicts(
             (r.attainment for r in mine if r.policy != candidate and r.policy not in contenders),
             default=float("nan"),
         )
-        if own < best - MAX_DEFICIT:
+        if math.isnan(own) or math.isnan(best):
+            verdict = "n/a"  # (no result for the candidate, or no baseline in the cell)
+        elif own < best - MAX_DEFICIT:
             verdict = "BELOW"
         elif cell.must_win and own < MIN_WIN_RATIO * best and best < 1 / MIN_WIN_RATIO:
             verdict = "no 1.3x win"
@@ -202,10 +205,15 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
 def grid_main(args: argparse.Namespace) -> int:
     pyplot()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    candidate, *contenders = [c.strip() for c in args.candidate.split(",") if c.strip()] or [""]
-    for name in (candidate, *contenders):
+    named = [c.strip() for c in args.candidate.split(",") if c.strip()]
+    if not named:
+        raise SystemExit("slogate experiment grid: --candidate names no policy")
+    candidate, *contenders = named
+    for name in named:
         if name not in policies:
             raise SystemExit(f"slogate experiment grid: --candidate {name!r} is not in --policies")
+    if not set(policies) - set(named):
+        raise SystemExit("slogate experiment grid: --policies has no baseline besides the candidates")
     grid = cells(
         [w for w in args.workloads.split(",") if w],
         [float(x) for x in args.speeds.split(",") if x],

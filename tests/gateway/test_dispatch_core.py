@@ -732,3 +732,67 @@ def test_hyperflexis_knows_which_adapters_its_engines_hold_as_they_change() -> N
     assert core._adapters_held("a") == frozenset({"a2"})
     fleet.set_adapters("a-1", frozenset())
     assert core._adapters_held("a") == frozenset()
+
+
+def _held_core(engines: int = 1) -> tuple[Fleet, DispatchCore]:
+    fleet = offline_fleet({"a": engines})
+    return fleet, offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+
+
+def test_a_first_token_ending_a_holds_prefills_asks_the_driver_for_a_step_queue_or_not() -> None:
+    """The prefill is timed by the step that event asks for: at the next arrival instead, an
+    engine that answered at once looked as slow as the gap between arrivals."""
+    fleet, core = _held_core()
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None and core.queued() == 0
+    wakes.clear()
+    fleet.mark_prefilled("a-0", "r-0")
+    assert wakes  # nothing queued, and still a step
+    core.step(0.001)
+    assert core.workers.prefill_ratio["a-0"] < 0.1
+
+
+def test_a_join_keeps_the_hold_timed_from_the_turn_it_joined() -> None:
+    fleet, core = _held_core()
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
+    fleet.mark_prefilled("a-0", "r-0")
+    fleet.release("a-0", "r-0")
+    assert core.submit(ticket("r-1", now=0.001), 0.001) is not None  # a turn at 0.001
+    assert core.workers.hold_started("a-0") == 0.001
+    assert core.submit(ticket("r-2", now=0.002), 0.002) is not None  # a join at 0.002
+    assert core.workers.hold_started("a-0") == 0.001
+
+
+def test_only_holds_of_engines_faster_than_predicted_are_joinable() -> None:
+    """Holds of engines never timed (or slow) must not fill the few places a join looks at:
+    nine of them held before the one fast engine, and an arrival still finds it."""
+    _, core = _held_core(10)
+    workers = core.workers
+    workers.prefill_ratio["a-9"] = 0.05
+    for i in range(10):
+        workers.hold("a", f"a-{i}", 1.0, 0.0, 0.1, tokens=100)
+    views = workers.held("a", 2, 0.5)
+    assert [v.engine_id for v in views] == ["a-9"] and views[0].joining == 100
+
+
+def test_a_restarted_engine_is_timed_afresh() -> None:
+    fleet, core = _held_core()
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
+    fleet.mark_prefilled("a-0", "r-0")  # a fast first token, not timed yet by a step ...
+    fleet.record_health("a-0", False, eject_after=1, readmit_after=1)  # ... then it restarts
+    fleet.record_health("a-0", True, eject_after=1, readmit_after=1)
+    core.step(0.0001)
+    assert "a-0" not in core.workers.prefill_ratio
+
+
+def test_a_hold_cancelled_late_says_the_engine_is_not_fast() -> None:
+    """A cancellation times nothing exactly, but a prefill not done after most of its predicted
+    time is a lower bound: the engine's old "fast" ratio must not stand."""
+    fleet, core = _held_core()
+    core.workers.prefill_ratio["a-0"] = 0.05  # fast, once
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
+    predicted = core.workers._holds["a-0"][1]
+    fleet.release("a-0", "r-0")  # cancelled before its first token ...
+    core.step(0.9 * predicted)  # ... after 90 % of the prefill predicted for it
+    assert core.workers.prefill_ratio["a-0"] >= 0.5

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.cli import main
 from gateway.simulator.grid import Cell, Result, verdicts
 
@@ -27,6 +29,19 @@ def test_a_candidates_variants_are_not_its_baselines() -> None:
     # and a candidate under 1.3x the best baseline where 1.3x is still possible is no win
     weak = [_result(cell, "least-load", 0.60), _result(cell, "hyperflexis", 0.70)]
     assert verdicts(weak, "hyperflexis")[0][3] == "no 1.3x win"
+    # no baseline in the cell (or no result for the candidate): nothing to judge, not "ok"
+    alone = [_result(cell, "hyperflexis", 0.05), _result(cell, "hyperflexis-wspt", 0.05)]
+    assert verdicts(alone, "hyperflexis-wspt", ["hyperflexis"])[0][3] == "n/a"
+
+
+def test_a_grid_with_no_baseline_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no baseline"):
+        main(
+            ["experiment", "grid", "--policies", "hyperflexis,hyperflexis-wspt",
+             "--candidate", "hyperflexis-wspt,hyperflexis", "--out", str(tmp_path)]
+        )  # fmt: skip
+    with pytest.raises(SystemExit, match="names no policy"):
+        main(["experiment", "grid", "--candidate", ",", "--out", str(tmp_path)])
 
 
 def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> None:
@@ -45,4 +60,8 @@ def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> Non
     assert all(0.0 <= r["attainment"] <= 1.0 and r["requests"] > 0 for r in rows)
     table = (out / "grid.md").read_text()
     assert "hyperflexis-wspt / best baseline" in table and "tpot-bound speed 1x load 0.6x" in table
+    # the ratio is to least-load, the one baseline (hyperflexis is a variant, not a baseline)
+    got = {r["policy"]: r["attainment"] for r in rows}
+    row = next(line for line in table.splitlines() if line.startswith("| tpot-bound"))
+    assert row.split("|")[-3].strip() == f"{got['hyperflexis-wspt'] / got['least-load']:.2f}"
     assert (out / "grid.png").stat().st_size > 10_000
