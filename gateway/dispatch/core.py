@@ -358,11 +358,11 @@ class DispatchCore:
                 window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
             window.add(ticket.item.ttft_slo, now)
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
-        shortened = self.workers.shorten_holds(now, self.hyperflexis)
+        self.workers.shorten_holds(now, self.hyperflexis)
         self.lag = self._lateness.max(now)  # (arrivals may come for long without a step)
         mature = self.workers.next_mature(model) <= now + self.lag
-        # No worker mature and nothing queued: the arrival may join a worker's hold, on an engine
-        # shown faster than predicted, within what its turn's budget left. Without it an engine
+        # No worker mature and nothing queued: the arrival may join a worker's hold while what
+        # that engine has still to prefill leaves room in its turn's budget. Without it an engine
         # that took one request turned the next arrival away for the whole hold (at concurrency 8
         # in front of a fast engine the requests went in batches, each waiting for the last).
         joining = None if mature or not alone else self.workers.held(model, JOIN_LOOK, now)
@@ -385,12 +385,9 @@ class DispatchCore:
                 return own
         if at_once:
             self._enqueue(ticket, queue, now)  # no worker took it at once: it waits
-        # The ticket waits. The loop must run if the timer it armed comes too late for it (its
-        # expiry, a worker made mature or held shorter by this call); otherwise that timer and
-        # engine events run it. Under saturation every arrival woke a step with nothing to do.
-        soon = min(ticket.item.queue_deadline, self.workers.next_mature(model) - self.lag)
-        if soon < self._due or shortened or self.outbox:
-            self.wake()
+        # the ticket waits: the loop must run (other workers, the expiry timer) even if this
+        # call's own look found nothing
+        self.wake()
         return None
 
     def _enqueue(self, ticket: Ticket, queue: AdmissionQueue, now: float) -> tuple[bool, float, OrderContext]:

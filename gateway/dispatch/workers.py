@@ -115,11 +115,9 @@ class HyperFlexisWorkers:
                     break
         return views
 
-    def shorten_holds(self, now: float, params: HyperFlexisParams) -> bool:
+    def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
         """Holds whose prefills all produced their first token end in proportion to how long
-        the prefills really took (:func:`policies.hyperflexis.shortened_maturity`); True when
-        one did."""
-        shortened = False
+        the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
         ratio = self.prefill_ratio
         for engine_id, (held, timed) in self._prefilled.items():
             took = max(0.0, now - held[0]) / held[1]
@@ -134,9 +132,7 @@ class HyperFlexisWorkers:
             sooner = shortened_maturity(held[0], at, held[1], now, params)
             if sooner < at:
                 self.set(self.fleet.records[engine_id].model, engine_id, sooner)
-                shortened = True
         self._prefilled.clear()
-        return shortened
 
     def park(self, model: str, engine_id: str, full: bool) -> None:
         """``engine_id`` took nothing and has no timer: wait for an event (see the module doc)."""

@@ -796,21 +796,3 @@ def test_a_hold_cancelled_late_says_the_engine_is_not_fast() -> None:
     fleet.release("a-0", "r-0")  # cancelled before its first token ...
     core.step(0.9 * predicted)  # ... after 90 % of the prefill predicted for it
     assert core.workers.prefill_ratio["a-0"] >= 0.5
-
-
-def test_a_waiting_arrival_wakes_the_loop_only_when_its_timer_comes_too_late() -> None:
-    """Under saturation an arrival behind a full fleet changes nothing the armed timer does not
-    cover (every arrival woke a step with nothing to do); one that expires sooner must wake it."""
-    _, core = _held_core()
-    wakes: list[int] = []
-    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
-    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None  # the worker holds
-    assert core.submit(ticket("r-1", now=0.001, timeout=30.0), 0.001) is None
-    core.step(0.001)
-    armed = core.next_wake(0.001)  # the driver arms its timer: the worker's maturity
-    assert 0.001 < armed < 30.0
-    wakes.clear()
-    assert core.submit(ticket("r-2", now=0.002, timeout=30.0), 0.002) is None
-    assert wakes == []  # nothing for a step to do before the armed timer
-    assert core.submit(ticket("r-3", now=0.003, timeout=armed / 2), 0.003) is None
-    assert wakes  # it expires before the armed timer: the loop re-arms
