@@ -356,15 +356,20 @@ class _Candidates:
             source = self._prefix.items_from(self._at, want + len(skip))
             if not source:
                 return False
-            fresh: list[QueuedRequest] = []
-            for i, item in enumerate(source):
-                if item.view.request_id not in skip:
-                    fresh.append(item)
-                    if len(fresh) == want:
-                        self._at += i + 1
-                        break
+            fresh: list[QueuedRequest]
+            if not skip:  # (a turn's first look: nothing taken yet)
+                fresh = source[:want]
+                self._at += len(fresh)
             else:
-                self._at += len(source)
+                fresh = []
+                for i, item in enumerate(source):
+                    if item.view.request_id not in skip:
+                        fresh.append(item)
+                        if len(fresh) == want:
+                            self._at += i + 1
+                            break
+                else:
+                    self._at += len(source)
             if fresh:
                 self._left -= len(fresh)
                 self.items.extend(fresh)
@@ -598,19 +603,18 @@ def _fill_worker(
     grow = candidates.grow
     if lane is not None:
         lane_base, lane_rate = lane.prefill_base_s, lane.prefill_tokens_per_s
+    theta, slack_scale, scan_after_admit = params.theta, params.slack_scale, params.scan_after_admit
+    spread_load = 1.0 + max(0.0, utilization)
+    # What ends the scan (no seq, KV or budget left, too many misses since an admission) changes
+    # only when a candidate is admitted or missed or the budget is first set, so it is evaluated
+    # there and tested before the next candidate: most candidates are turned down for slack.
+    done = free_seqs <= 0 or kv_left <= 0 or (took and (kv_left < queue_min_need or scan_after_admit <= 0))
     i = 0
     while i < len(items) or grow():
+        if done:
+            break  # nothing more can fit this turn: the rest of the scan would be wasted
         item = items[i]
         i += 1
-        if (
-            free_seqs <= 0
-            or kv_left <= 0
-            or (budget_left is not None and budget_left <= 0 and took)
-            or (took and kv_left < queue_min_need)
-        ):
-            break  # nothing more can fit this turn: the rest of the scan would be wasted
-        if took and misses >= params.scan_after_admit:
-            break
         if budget_left is None:
             # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
             tpot = min(shadow.min_tpot, item.tpot_slo) * params.tpot_plan
@@ -620,8 +624,9 @@ def _fill_worker(
             # that max_hold_s then cut short, and running streams' TPOT paid for it
             horizon = min(ttft, params.max_hold_s)
             budget_left = token_budget(horizon, tpot, decode_s, coeffs[0], coeffs[1]) - shadow.prefill_taken
+            done = budget_left <= 0 and took
         view = item.view
-        if _adapter_elsewhere(view, worker, adapters_held):
+        if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
             # its LoRA adapter is loaded elsewhere (not here: this engine would answer 404); like
             # slack, that says nothing about what else may fit, so an arrival may wake this worker
             slack_bound = True
@@ -651,6 +656,7 @@ def _fill_worker(
             need_kv = kv_prompt + view.max_output_tokens
         if (prompt > budget_left and took) or need_kv > kv_left:
             misses += 1
+            done = took and misses >= scan_after_admit
             continue
         if late_rejected and deadline < now + a + b * prompt + c * prompt * prompt:
             # late even on an idle worker: p < 0.5 <= theta whatever this worker runs, so skip the
@@ -658,16 +664,25 @@ def _fill_worker(
             slack_bound = True
             continue
         expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
-        p = admission_probability(view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale)
-        if p < params.theta:
+        # admission_probability(view.arrival, item.ttft_slo, now, expected, utilization,
+        # slack_scale), inlined with the same floating-point operations: a call per candidate
+        # cost more than the test itself
+        spread = slack_scale * item.ttft_slo * spread_load
+        z = (deadline - (now + expected)) / (spread if spread > 1e-4 else 1e-4)
+        p = 1.0 if z >= 40 else 0.0 if z <= -40 else 1.0 / (1.0 + math.exp(-z))
+        if p < theta:
             slack_bound = True
             # Slack only shrinks with time, so this worker will not take it before an event,
             # except once it is late everywhere (late backfill): that moment is worth a timer.
             # the first instant it is late (deadline < now + prefill), not the boundary itself:
             # a timer set for the boundary would find it not yet late and park for good
-            turns_late = math.nextafter(deadline - (a + b * prompt + c * (prompt * prompt)), math.inf)
-            if turns_late > now:
-                late_at = min(late_at, turns_late)
+            # (only one earlier than the earliest so far can matter: the next float above a
+            # boundary below late_at is at most late_at)
+            boundary = deadline - (a + b * prompt + c * (prompt * prompt))
+            if boundary < late_at:
+                turns_late = math.nextafter(boundary, math.inf)
+                if turns_late > now:
+                    late_at = turns_late
             continue
         admitted.append((item, True, prompt, need_kv))
         took = True
@@ -676,6 +691,13 @@ def _fill_worker(
         budget_left -= prompt
         kv_left -= need_kv
         free_seqs -= 1
+        done = (
+            free_seqs <= 0
+            or kv_left <= 0
+            or budget_left <= 0
+            or kv_left < queue_min_need
+            or misses >= scan_after_admit
+        )
     if params.late_backfill and budget_left is not None:
         chosen = {item.view.request_id for item, *_ in admitted}
         misses = 0
@@ -691,7 +713,9 @@ def _fill_worker(
             ):
                 break
             view = item.view
-            if view.request_id in chosen or _adapter_elsewhere(view, worker, adapters_held):
+            if view.request_id in chosen:
+                continue
+            if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
                 continue
             prompt = view.prompt_tokens
             need_kv = prompt + view.max_output_tokens
