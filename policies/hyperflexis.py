@@ -656,7 +656,7 @@ def _fill_worker(
             need_kv = kv_prompt + view.max_output_tokens
         if (prompt > budget_left and took) or need_kv > kv_left:
             misses += 1
-            done = took and misses >= scan_after_admit
+            done = done or (took and misses >= scan_after_admit)
             continue
         if late_rejected and deadline < now + a + b * prompt + c * prompt * prompt:
             # late even on an idle worker: p < 0.5 <= theta whatever this worker runs, so skip the

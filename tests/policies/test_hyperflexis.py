@@ -325,3 +325,16 @@ def test_a_worker_that_waits_for_a_request_to_turn_late_takes_it_at_that_time() 
     assert 0.87 < at <= 0.8800001
     late = dispatch([item], [dataclasses.replace(busy, maturity=at)], at, HyperFlexisParams(theta=0.99))
     assert [(a.request_id, a.feasible) for a in late.assignments] == [("x", False)]
+
+
+def test_a_look_with_its_budget_spent_stops_at_the_next_candidate_even_after_a_miss() -> None:
+    """A worker joining a turn whose budget is spent takes nothing: its first candidate misses
+    the budget and the look stops there, without reading on to a request it could not take for
+    another reason (a LoRA adapter loaded elsewhere), which would count it as held back by slack
+    instead of full. (A faster scan once dropped the budget's stop when that first candidate
+    missed.)"""
+    joining = dataclasses.replace(worker("w", running=(RunningRequest(100, 5, 0.1, True),)), joining=10**6)
+    lora = dataclasses.replace(req("b"), view=dataclasses.replace(req("b").view, lora="x"))
+    decision = dispatch([req("a"), lora], [joining], 0.0, HyperFlexisParams(), adapters_held=frozenset({"x"}))
+    assert decision.assignments == ()
+    assert decision.full == frozenset({"w"})
