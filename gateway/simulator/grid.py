@@ -3,8 +3,10 @@ engines that are slower or faster than the gateway was told, offline.
 
 Load is a fraction of the fleet's measured capacity (:mod:`gateway.simulator.capacity`) and is
 sustained for ``--duration`` seconds of arrivals, so the end of the arrivals does not decide the
-result. Every cell reports each policy's attainment (and per task), E2E p50/p99 and cost, and the
-ratio of the candidate (``--candidate``, HyperFlexis by default) to the best of the others.
+result. Every cell reports each policy's attainment (and per task), E2E p50/p99 and cost. Each
+candidate (``--candidate``, HyperFlexis by default; several, comma-separated, are variants of one
+another) is judged against the best of the policies that are not candidates: its ratio to it and
+a verdict per cell, and the verdicts counted.
 The priority ramp (HyperFlexis Fig. 6) is one more cell, at its own rates.
 """
 
@@ -16,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +114,10 @@ def verdicts(
     results: list[Result], candidate: str, contenders: Collection[str] = ()
 ) -> list[tuple[Cell, float, float, str]]:
     """Per cell: the candidate's attainment, the best baseline's (every policy but the candidate
-    and its ``contenders``, other variants of it that are not baselines), and how the cell fares."""
+    and its ``contenders``, other variants of it that are not baselines), and how the cell fares:
+    ``BELOW`` (more than MAX_DEFICIT under the best baseline); in a cell that must show a win,
+    ``1.3x win``, ``no 1.3x win`` or ``1.3x impossible`` (the best baseline is above 1/1.3);
+    elsewhere ``ok``; ``n/a`` with no result for the candidate or no baseline."""
     out = []
     for cell in dict.fromkeys(r.cell for r in results):
         mine = [r for r in results if r.cell == cell]
@@ -124,25 +130,65 @@ def verdicts(
             verdict = "n/a"  # (no result for the candidate, or no baseline in the cell)
         elif own < best - MAX_DEFICIT:
             verdict = "BELOW"
-        elif cell.must_win and own < MIN_WIN_RATIO * best and best < 1 / MIN_WIN_RATIO:
-            verdict = "no 1.3x win"
-        else:
+        elif not cell.must_win:
             verdict = "ok"
+        elif best >= 1 / MIN_WIN_RATIO:
+            verdict = "1.3x impossible"
+        elif own >= MIN_WIN_RATIO * best:
+            verdict = "1.3x win"
+        else:
+            verdict = "no 1.3x win"
         out.append((cell, own, best, verdict))
     return out
 
 
-def render(results: list[Result], candidate: str, contenders: Collection[str] = ()) -> str:
+def render(results: list[Result], candidates: list[str]) -> str:
+    """Every policy's attainment per cell, then each candidate against the best baseline (every
+    policy not in ``candidates``): ratio and verdict per cell, and the verdicts counted."""
     policies = list(dict.fromkeys(r.policy for r in results))
-    head = "| cell | QPS | " + " | ".join(policies) + f" | {candidate} / best baseline | verdict |"
+    judged = {c: verdicts(results, c, [o for o in candidates if o != c]) for c in candidates}
+    head = "| cell | QPS | " + " | ".join(policies) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for cell, own, best, verdict in verdicts(results, candidate, contenders):
+    for cell in dict.fromkeys(r.cell for r in results):
         mine = {r.policy: r for r in results if r.cell == cell}
-        ratio = own / best if best > 0 else float("inf")
         lines.append(
             f"| {cell.name} | {cell.qps:g} | "
             + " | ".join(f"{mine[p].attainment:.1%}" if p in mine else "-" for p in policies)
-            + f" | {ratio:.2f} | {verdict} |"
+            + " |"
+        )
+    baselines = [p for p in policies if p not in candidates]
+    head = (
+        "| cell | best baseline | "
+        + " | ".join(candidates)
+        + " | "
+        + " | ".join(f"{c} / best" for c in candidates)
+        + " | verdict ("
+        + " / ".join(candidates)
+        + ") |"
+    )
+    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
+    rows = zip(*(judged[c] for c in candidates), strict=True)
+    for row in rows:
+        cell, _, best, _ = row[0]
+        got = {r.policy: r.attainment for r in results if r.cell == cell}
+        top = max(baselines, key=lambda p: got.get(p, -1.0))
+        lines.append(
+            f"| {cell.name} | {top} {best:.1%} | "
+            + " | ".join(f"{own:.1%}" for _, own, _, _ in row)
+            + " | "
+            + " | ".join(f"{own / best:.2f}" if best > 0 else "inf" for _, own, best, _ in row)
+            + " | "
+            + " / ".join(verdict for *_, verdict in row)
+            + " |"
+        )
+    lines.append("")
+    for c in candidates:
+        counted = Counter(v for *_, v in judged[c])
+        must = sum(1 for cell, *_ in judged[c] if cell.must_win)
+        lines.append(
+            f"{c}: "
+            + ", ".join(f"{n} {v}" for v, n in sorted(counted.items()))
+            + f" ({len(judged[c])} cells, {must} that must show a {MIN_WIN_RATIO:g}x win)"
         )
     return "\n".join(lines)
 
@@ -189,8 +235,8 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--candidate",
         default="hyperflexis",
-        help="the policy the verdicts are for; more, comma-separated, are its variants: they are "
-        "not counted as baselines",
+        help="the policies the verdicts are for, comma-separated: each is judged against the "
+        "policies not named here (the baselines), never against another candidate",
     )
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per cell")
@@ -208,7 +254,6 @@ def grid_main(args: argparse.Namespace) -> int:
     named = [c.strip() for c in args.candidate.split(",") if c.strip()]
     if not named:
         raise SystemExit("slogate experiment grid: --candidate names no policy")
-    candidate, *contenders = named
     for name in named:
         if name not in policies:
             raise SystemExit(f"slogate experiment grid: --candidate {name!r} is not in --policies")
@@ -243,7 +288,7 @@ def grid_main(args: argparse.Namespace) -> int:
     results = run_jobs(_run, runs, args.jobs, report)
     order = {(c, p): i for i, (c, p) in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.cell, r.policy)])
-    text = render(results, candidate, contenders)
+    text = render(results, named)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grid.md").write_text(text + "\n")

@@ -25,7 +25,16 @@ def test_a_candidates_variants_are_not_its_baselines() -> None:
     # against every other policy, the variant that does better makes the candidate look "BELOW"
     assert verdicts(results, "hyperflexis-wspt")[0][2:] == (0.80, "BELOW")
     # against the baselines only, it wins its overload cell by 2.5x
-    assert verdicts(results, "hyperflexis-wspt", ["hyperflexis"])[0][2:] == (0.30, "ok")
+    assert verdicts(results, "hyperflexis-wspt", ["hyperflexis"])[0][2:] == (0.30, "1.3x win")
+    # where the best baseline is above 1/1.3, no candidate can win 1.3x: said so, not "ok"
+    strong = [_result(cell, "least-load", 0.90), _result(cell, "hyperflexis", 0.91)]
+    assert verdicts(strong, "hyperflexis")[0][3] == "1.3x impossible"
+    # a cell that does not ask for a win (below 1.2x load, not tpot-bound) is just "ok"
+    light = Cell("hyperflexis-4task", 1.0, 0.8, 10.0)
+    assert (
+        verdicts([_result(light, "least-load", 0.5), _result(light, "hyperflexis", 0.6)], "hyperflexis")[0][3]
+        == "ok"
+    )
     # and a candidate under 1.3x the best baseline where 1.3x is still possible is no win
     weak = [_result(cell, "least-load", 0.60), _result(cell, "hyperflexis", 0.70)]
     assert verdicts(weak, "hyperflexis")[0][3] == "no 1.3x win"
@@ -59,9 +68,17 @@ def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> Non
     assert {r["policy"] for r in rows} == {"least-load", "hyperflexis", "hyperflexis-wspt"}
     assert all(0.0 <= r["attainment"] <= 1.0 and r["requests"] > 0 for r in rows)
     table = (out / "grid.md").read_text()
-    assert "hyperflexis-wspt / best baseline" in table and "tpot-bound speed 1x load 0.6x" in table
-    # the ratio is to least-load, the one baseline (hyperflexis is a variant, not a baseline)
+    assert "hyperflexis-wspt / best" in table and "tpot-bound speed 1x load 0.6x" in table
+    # each candidate's ratio is to least-load, the one baseline (the other is a variant)
     got = {r["policy"]: r["attainment"] for r in rows}
-    row = next(line for line in table.splitlines() if line.startswith("| tpot-bound"))
-    assert row.split("|")[-3].strip() == f"{got['hyperflexis-wspt'] / got['least-load']:.2f}"
+    header, row = [
+        [c.strip() for c in line.split("|")]
+        for line in table.splitlines()
+        if line.startswith("| cell | best baseline")
+        or line.startswith("| tpot-bound speed 1x load 0.6x | least")
+    ]
+    for candidate in ("hyperflexis-wspt", "hyperflexis"):
+        ratio = row[header.index(f"{candidate} / best")]
+        assert ratio == f"{got[candidate] / got['least-load']:.2f}"
+    assert "hyperflexis-wspt: " in table and "(1 cells, 1 that must show a 1.3x win)" in table
     assert (out / "grid.png").stat().st_size > 10_000
