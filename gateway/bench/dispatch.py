@@ -66,6 +66,8 @@ class DispatchPoint:
     cpu_us_per_placement: float = 0.0
     #: turns of the dispatch loop's task per placement
     steps_per_placement: float = 0.0
+    #: seconds run before measuring (steady_state_after)
+    warmup_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -248,6 +250,7 @@ async def _run_point(
         wall_s=wall,
         cpu_us_per_placement=cpu_spent / max(1, placements) * 1e6,
         steps_per_placement=steps / max(1, placements),
+        warmup_s=warmup_s,
     )
 
 

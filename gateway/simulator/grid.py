@@ -134,7 +134,7 @@ def verdicts(
             verdict = "ok"
         elif best >= 1 / MIN_WIN_RATIO:
             verdict = "1.3x impossible"
-        elif own >= MIN_WIN_RATIO * best:
+        elif own >= MIN_WIN_RATIO * best and own > 0:
             verdict = "1.3x win"
         else:
             verdict = "no 1.3x win"
@@ -171,12 +171,13 @@ def render(results: list[Result], candidates: list[str]) -> str:
     for row in rows:
         cell, _, best, _ = row[0]
         got = {r.policy: r.attainment for r in results if r.cell == cell}
-        top = max(baselines, key=lambda p: got.get(p, -1.0))
+        ran = [p for p in baselines if p in got]
+        top = f"{max(ran, key=got.__getitem__)} {best:.1%}" if ran else "-"
         lines.append(
-            f"| {cell.name} | {top} {best:.1%} | "
+            f"| {cell.name} | {top} | "
             + " | ".join(f"{own:.1%}" for _, own, _, _ in row)
             + " | "
-            + " | ".join(f"{own / best:.2f}" if best > 0 else "inf" for _, own, best, _ in row)
+            + " | ".join(_ratio(own, best) for _, own, best, _ in row)
             + " | "
             + " / ".join(verdict for *_, verdict in row)
             + " |"
@@ -191,6 +192,12 @@ def render(results: list[Result], candidates: list[str]) -> str:
             + f" ({len(judged[c])} cells, {must} that must show a {MIN_WIN_RATIO:g}x win)"
         )
     return "\n".join(lines)
+
+
+def _ratio(own: float, best: float) -> str:
+    if math.isnan(own) or math.isnan(best) or (best <= 0 and own <= 0):
+        return "-"  # (nothing to compare, or both attained nothing)
+    return f"{own / best:.2f}" if best > 0 else "inf"
 
 
 def plot(results: list[Result], path: Path) -> None:

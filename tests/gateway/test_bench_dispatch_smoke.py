@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.cli import main
 
 
@@ -37,5 +39,16 @@ def test_bench_dispatch_smoke(tmp_path: Path) -> None:
     for p in points:
         assert p["placements"] > 0 and p["us_per_placement"] > 0 and 0 < p["loop_share"] < 1
         assert p["mean_queued"] >= 1  # saturated: requests were waiting throughout
+        assert p["warmup_s"] == pytest.approx(0.2)
     assert (out / "dispatch_cost.png").stat().st_size > 10_000
     assert "µs per placement" in (out / "table.md").read_text()
+
+
+def test_the_measurement_starts_once_the_standing_queue_has_turned_over() -> None:
+    from gateway.bench.dispatch import steady_state_after
+
+    # 10,000 queued at 1,000 placements/s wait 10 s: measured from 11 s, when the late ones are in
+    assert steady_state_after(10_000, 1000.0, 3.0) == pytest.approx(11.0)
+    # a short queue turns over at once: the fleet's fill sets the warm-up
+    assert steady_state_after(40, 400.0, 0.4) == pytest.approx(0.2)
+    assert steady_state_after(1000, 1000.0, 3.0) == pytest.approx(1.5)

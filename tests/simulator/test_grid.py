@@ -29,6 +29,10 @@ def test_a_candidates_variants_are_not_its_baselines() -> None:
     # where the best baseline is above 1/1.3, no candidate can win 1.3x: said so, not "ok"
     strong = [_result(cell, "least-load", 0.90), _result(cell, "hyperflexis", 0.91)]
     assert verdicts(strong, "hyperflexis")[0][3] == "1.3x impossible"
+    # nothing attained by anyone is no win (0 >= 1.3 x 0 must not count as one)
+    nothing = [_result(cell, "least-load", 0.0), _result(cell, "hyperflexis", 0.0)]
+    assert verdicts(nothing, "hyperflexis")[0][3] == "no 1.3x win"
+    assert verdicts([*nothing[:1], _result(cell, "hyperflexis", 0.1)], "hyperflexis")[0][3] == "1.3x win"
     # a cell that does not ask for a win (below 1.2x load, not tpot-bound) is just "ok"
     light = Cell("hyperflexis-4task", 1.0, 0.8, 10.0)
     assert (
