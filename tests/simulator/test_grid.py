@@ -61,7 +61,7 @@ def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> Non
     out = tmp_path / "grid"
     code = main(
         [
-            "experiment", "grid", "--workloads", "tpot-bound", "--speeds", "1", "--loads", "0.6",
+            "experiment", "grid", "--workloads", "hyperflexis-4task", "--speeds", "1", "--loads", "1.2",
             "--policies", "least-load,hyperflexis,hyperflexis-wspt",
             "--candidate", "hyperflexis-wspt,hyperflexis",
             "--engines", "1", "--duration", "10", "--ramp-qps", "0", "--jobs", "1", "--out", str(out),
@@ -72,14 +72,14 @@ def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> Non
     assert {r["policy"] for r in rows} == {"least-load", "hyperflexis", "hyperflexis-wspt"}
     assert all(0.0 <= r["attainment"] <= 1.0 and r["requests"] > 0 for r in rows)
     table = (out / "grid.md").read_text()
-    assert "hyperflexis-wspt / best" in table and "tpot-bound speed 1x load 0.6x" in table
+    assert "hyperflexis-wspt / best" in table and "hyperflexis-4task speed 1x load 1.2x" in table
     # each candidate's ratio is to least-load, the one baseline (the other is a variant)
     got = {r["policy"]: r["attainment"] for r in rows}
     header, row = [
         [c.strip() for c in line.split("|")]
         for line in table.splitlines()
         if line.startswith("| cell | best baseline")
-        or line.startswith("| tpot-bound speed 1x load 0.6x | least")
+        or line.startswith("| hyperflexis-4task speed 1x load 1.2x | least")
     ]
     for candidate in ("hyperflexis-wspt", "hyperflexis"):
         ratio = row[header.index(f"{candidate} / best")]
