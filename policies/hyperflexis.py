@@ -604,7 +604,6 @@ def _fill_worker(
     if lane is not None:
         lane_base, lane_rate = lane.prefill_base_s, lane.prefill_tokens_per_s
     theta, slack_scale, scan_after_admit = params.theta, params.slack_scale, params.scan_after_admit
-    spread_load = 1.0 + max(0.0, utilization)
     # What ends the scan (no seq, KV or budget left, too many misses since an admission) changes
     # only when a candidate is admitted or missed or the budget is first set, so it is evaluated
     # there and tested before the next candidate: most candidates are turned down for slack.
@@ -664,12 +663,7 @@ def _fill_worker(
             slack_bound = True
             continue
         expected = a + b * (waiting_sum + prompt) + c * (waiting_squares + prompt * prompt)
-        # admission_probability(view.arrival, item.ttft_slo, now, expected, utilization,
-        # slack_scale), inlined with the same floating-point operations: a call per candidate
-        # cost more than the test itself
-        spread = slack_scale * item.ttft_slo * spread_load
-        z = (deadline - (now + expected)) / (spread if spread > 1e-4 else 1e-4)
-        p = 1.0 if z >= 40 else 0.0 if z <= -40 else 1.0 / (1.0 + math.exp(-z))
+        p = admission_probability(view.arrival, item.ttft_slo, now, expected, utilization, slack_scale)
         if p < theta:
             slack_bound = True
             # Slack only shrinks with time, so this worker will not take it before an event,

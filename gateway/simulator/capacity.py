@@ -8,8 +8,8 @@ quarter of the completions, until the refills stop. Neither the start (every sea
 once, then a cohort finishing together) nor the drain counts.
 
 (An earlier version timed one fixed backlog of 600 requests between its 10th and 90th
-percentile finish times. With 256 seats that is barely two cohorts, and it read 30 % high on the
-4-task set and 45 % high on the 2-task set: the grid's "1x" was an overload.)
+percentile finish times. With 256 seats that is barely two cohorts, and it read 31 % high on the
+4-task set and 49 % high on the 2-task set: the grid's "1x" was an overload.)
 """
 
 from __future__ import annotations
