@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from policies.flow_control import FlowRounds
@@ -38,6 +38,7 @@ from policies.queue_order import (
     OrderContext,
     QueuedRequest,
     QueueOrder,
+    with_demotion,
     with_flow_round,
     with_prefill_backlog,
 )
@@ -210,6 +211,23 @@ class AdmissionQueue:
             self._dead_in_heap -= 1
         self._structure_version += 1
         return None
+
+    def set_demoted(self, request_ids: Iterable[str], demoted: bool, now: float, ctx: OrderContext) -> None:
+        """Stamp queued requests ``demoted`` (or not) and re-key those that changed, O(log n)
+        each; ids no longer queued are skipped. Not while an iterator of the queue is open."""
+        held = self._adopt(ctx, now)
+        slots = self._slots
+        changed = False
+        for request_id in request_ids:
+            slot = slots.get(request_id)
+            if slot is None or slot.item.demoted == demoted:
+                continue
+            slot.item = with_demotion(slot.item, demoted)
+            self._insert(slot, now, held)
+            self._dead_in_heap += 1
+            changed = True
+        if changed:
+            self._structure_version += 1
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         """Take the request out of the queue in O(1) (lazily); ``None`` if it is not queued.

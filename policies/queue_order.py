@@ -57,6 +57,8 @@ class QueuedRequest:
     head there, ``inf`` if it is parked behind it (:class:`FlowControl`); the queue stamps it at
     push and again when the request becomes or stops being the head
     (:class:`policies.flow_control.FlowRounds`); ``None``: not stamped (ranked in round 0).
+    ``demoted``: given up for now under overload (:mod:`policies.demotion`); :class:`LateLast`
+    ranks it after every request that can still be on time. The dispatch core stamps it.
     """
 
     view: RequestView
@@ -67,6 +69,7 @@ class QueuedRequest:
     batch_deadlines: tuple[float, ...] = ()
     prefill_tokens_ahead: int | None = None
     flow_round: float | None = None
+    demoted: bool = False
 
     @property
     def ttft_deadline(self) -> float:
@@ -114,6 +117,15 @@ class OrderContext:
     def predicted_prefill_s(self, prompt_tokens: int) -> float:
         """Predicted prefill time of ``prompt_tokens`` on one engine, seconds (base + tokens / rate)."""
         return self.prefill_base_s + max(0, prompt_tokens) / self.prefill_tokens_per_s
+
+
+def predicted_service_s(view: RequestView, ctx: OrderContext, decode_share: float = 1.0) -> float:
+    """How long the request occupies an engine, predicted from its lengths: its prefill plus
+    ``decode_share`` of its output bound at one decode step per token (seconds)."""
+    return (
+        ctx.predicted_prefill_s(view.prompt_tokens)
+        + decode_share * max(0, view.max_output_tokens) * ctx.decode_step_s
+    )
 
 
 def last_feasible_start(item: QueuedRequest, ctx: OrderContext) -> float:
@@ -373,13 +385,13 @@ class KairosUrgency:
         return (1.0, lo / weight, -weight, item.seq), _after(latest_start + hi, now)
 
 
-def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
-    """``item`` with ``prefill_tokens_ahead = tokens``; equal to ``dataclasses.replace`` but ~4x faster.
-
-    The queue stamps every Kairos push with it, and ``replace`` on a frozen slotted dataclass costs
-    several µs (field introspection + ``__init__``). Keep in step with the fields of QueuedRequest
-    (a test compares it against ``replace``).
-    """
+def _clone(
+    item: QueuedRequest, prefill_tokens_ahead: int | None, flow_round: float | None, demoted: bool
+) -> QueuedRequest:
+    """``item`` with its three stamps set; equal to ``dataclasses.replace`` but ~4x faster: the
+    queue stamps every Kairos and flow-control push, and ``replace`` on a frozen slotted dataclass
+    costs several µs (field introspection + ``__init__``). Keep in step with the fields of
+    QueuedRequest (a test compares it against ``replace``)."""
     clone = object.__new__(QueuedRequest)
     put = object.__setattr__
     put(clone, "view", item.view)
@@ -388,25 +400,25 @@ def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
     put(clone, "seq", item.seq)
     put(clone, "queue_deadline", item.queue_deadline)
     put(clone, "batch_deadlines", item.batch_deadlines)
-    put(clone, "prefill_tokens_ahead", tokens)
-    put(clone, "flow_round", item.flow_round)
+    put(clone, "prefill_tokens_ahead", prefill_tokens_ahead)
+    put(clone, "flow_round", flow_round)
+    put(clone, "demoted", demoted)
     return clone
+
+
+def with_prefill_backlog(item: QueuedRequest, tokens: int) -> QueuedRequest:
+    """``item`` with ``prefill_tokens_ahead = tokens``."""
+    return _clone(item, tokens, item.flow_round, item.demoted)
+
+
+def with_demotion(item: QueuedRequest, demoted: bool) -> QueuedRequest:
+    """``item`` demoted (or no longer): what :class:`LateLast` ranks it by."""
+    return _clone(item, item.prefill_tokens_ahead, item.flow_round, demoted)
 
 
 def with_flow_round(item: QueuedRequest, flow_round: float) -> QueuedRequest:
-    """``item`` with ``flow_round`` set; equal to ``dataclasses.replace`` (as
-    :func:`with_prefill_backlog`, and for the same reason: the queue stamps every push)."""
-    clone = object.__new__(QueuedRequest)
-    put = object.__setattr__
-    put(clone, "view", item.view)
-    put(clone, "ttft_slo", item.ttft_slo)
-    put(clone, "tpot_slo", item.tpot_slo)
-    put(clone, "seq", item.seq)
-    put(clone, "queue_deadline", item.queue_deadline)
-    put(clone, "batch_deadlines", item.batch_deadlines)
-    put(clone, "prefill_tokens_ahead", item.prefill_tokens_ahead)
-    put(clone, "flow_round", flow_round)
-    return clone
+    """``item`` with ``flow_round`` set."""
+    return _clone(item, item.prefill_tokens_ahead, flow_round, item.demoted)
 
 
 def robust_effective_deadline(deadlines: Sequence[float]) -> float:
@@ -577,10 +589,7 @@ class Wspt:
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
         view = item.view
-        service = (
-            ctx.predicted_prefill_s(view.prompt_tokens)
-            + self.decode_share * max(0, view.max_output_tokens) * ctx.decode_step_s
-        )
+        service = predicted_service_s(view, ctx, self.decode_share)
         # log(service / weight) = log(service) + priority * log(factor) [+ log(ttft_slo)]
         cost = math.log(service if service > 1e-12 else 1e-12) + view.priority * self._log_factor
         if self.urgency:
@@ -617,7 +626,9 @@ def _describe(accepted: Mapping[str, Any]) -> str:
 
 class LateLast:
     """Any order with the requests that can no longer meet their TTFT (even dispatched now, on the
-    context's estimate) moved behind all the others, each part keeping the inner order.
+    context's estimate) moved behind all the others, each part keeping the inner order; demoted
+    requests (:mod:`policies.demotion`) go between the two: after every request that can still be
+    on time, before those that cannot.
 
     For HyperFlexis's first pass, which skips late requests anyway (p < 0.5 <= theta): under
     overload its window of ``max_scan`` candidates was otherwise all late requests, re-read and
@@ -639,7 +650,8 @@ class LateLast:
         turns_late = last_feasible_start(item, ctx)
         if now > turns_late:
             return (1.0, *inner_key), valid_until
-        return (0.0, *inner_key), min(valid_until, _after(math.nextafter(turns_late, _INF), now))
+        part = 0.5 if item.demoted else 0.0
+        return (part, *inner_key), min(valid_until, _after(math.nextafter(turns_late, _INF), now))
 
 
 def make_order(name: str, params: Mapping[str, Any] | None = None) -> QueueOrder:

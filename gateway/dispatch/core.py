@@ -38,6 +38,7 @@ from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
+from policies.demotion import Band, BandRates, Row, longest_to_demote
 from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
 from policies.hyperflexis import HyperFlexisParams, PrefixLookup, WorkerView, kv_bound
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
@@ -47,6 +48,8 @@ from policies.queue_order import (
     OrderContext,
     QueuedRequest,
     QueueOrder,
+    last_feasible_start,
+    predicted_service_s,
     ttft_infeasible,
     with_batch,
 )
@@ -74,6 +77,11 @@ PRUNE_SCAN = 8
 MAX_BATCH = 64
 
 
+#: HyperFlexis's demotions (``demote_longest``) are planned again at most this often per model
+#: (seconds), and no more often than DEMOTE_PER_QUEUED_S per queued request: the plan reads the
+#: whole queue, so at 10,000 queued it runs once a second, a few percent of the loop
+DEMOTE_PERIOD_S = 0.1
+DEMOTE_PER_QUEUED_S = 0.0001
 #: a model's queue context (its fastest engine's latency model) is recomputed at most this often
 CONTEXT_REFRESH_S = 1.0
 #: how far an explicit, laxer TTFT may stretch its class's queue timeout
@@ -187,6 +195,10 @@ class DispatchCore:
         self._seq = 0
         #: the queue order stamps fair rounds at admission: every arrival goes through the queue
         self._flow_order: bool = getattr(self.order, "uses_flows", False)
+        #: per model: each SLO band's measured drain and when demotions are planned next
+        self._demote = hyperflexis is not None and hyperflexis.demote_longest
+        self._band_rates: dict[str, BandRates] = {}
+        self._demote_due: dict[str, float] = {}
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -605,6 +617,8 @@ class DispatchCore:
         assert self.hyperflexis is not None
         ctx = self.context(model, now)
         if arrival is None:
+            if self._demote and now >= self._demote_due.get(model, -math.inf):
+                self._plan_demotions(model, queue, now, ctx)
             min_need = queue.min_need()
         else:  # what the queue would say holding the arrival alone
             min_need = arrival.item.view.prompt_tokens + arrival.item.view.max_output_tokens
@@ -688,6 +702,37 @@ class DispatchCore:
             else:
                 self.workers.set(model, worker.engine_id, at)
 
+    def _plan_demotions(self, model: str, queue: AdmissionQueue, now: float, ctx: OrderContext) -> None:
+        """Demote what each SLO band's drain cannot serve in time (Moore-Hodgson), and restore
+        what it can again; closes the bands' drain-rate interval."""
+        assert self.hyperflexis is not None
+        self._demote_due[model] = now + max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
+        rates = self._band_rates.get(model)
+        if rates is None:
+            rates = self._band_rates[model] = BandRates()
+        rows: list[Row] = []
+        waiting: set[Band] = set()
+        demoted: list[str] = []
+        for item in queue.items():
+            view = item.view
+            band = (float(view.priority), item.ttft_slo, item.tpot_slo)
+            waiting.add(band)
+            rows.append(
+                (
+                    band,
+                    last_feasible_start(item, ctx),
+                    predicted_service_s(view, ctx),
+                    item.seq,
+                    view.request_id,
+                )
+            )
+            if item.demoted:
+                demoted.append(view.request_id)
+        rates.close(now, waiting)
+        demote = longest_to_demote(rows, now, rates.rates, self.hyperflexis.demote_rate_share)
+        queue.set_demoted([rid for rid in demoted if rid not in demote], False, now, ctx)
+        queue.set_demoted(demote, True, now, ctx)
+
     def _adapters_held(self, model: str) -> frozenset[str]:
         """The model's LoRA adapters loaded on an engine in rotation, when the profile sends an
         adapter's requests only there (empty when no engine lists any: the usual case)."""
@@ -761,6 +806,12 @@ class DispatchCore:
 
     def _assign(self, ticket: Ticket, record: EngineRecord, now: float) -> None:
         rid = ticket.request_id
+        if self._demote:
+            item = ticket.item
+            rates = self._band_rates.get(item.view.model)
+            if rates is not None:
+                band = (float(item.view.priority), item.ttft_slo, item.tpot_slo)
+                rates.dispatched(band, predicted_service_s(item.view, self.context(item.view.model, now)))
         self.fleet.reserve(record.engine_id, rid, ticket.entry)
         self._forget(rid, now, in_queue=False)
         if rid == self._submitting:

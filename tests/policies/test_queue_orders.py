@@ -21,6 +21,7 @@ from policies.queue_order import (
     robust_effective_deadline,
     ttft_infeasible,
     with_batch,
+    with_demotion,
     with_prefill_backlog,
 )
 
@@ -313,9 +314,11 @@ def test_with_batch_stamps_every_member_with_the_whole_batch() -> None:
     assert req(2, arrival=1.0, ttft=3.0).effective_deadline == 4.0
 
 
-def test_with_prefill_backlog_matches_replace() -> None:
-    item = replace(req(3, arrival=2.0, batch=(4.0, 6.0)), queue_deadline=9.0)
+def test_the_stamping_copies_match_replace() -> None:
+    item = replace(req(3, arrival=2.0, batch=(4.0, 6.0)), queue_deadline=9.0, flow_round=2.0, demoted=True)
     assert with_prefill_backlog(item, 77) == replace(item, prefill_tokens_ahead=77)
+    assert with_demotion(item, False) == replace(item, demoted=False)
+    assert with_demotion(with_prefill_backlog(item, 5), True) == replace(item, prefill_tokens_ahead=5)
 
 
 def edf(items: list[QueuedRequest]) -> list[int]:
