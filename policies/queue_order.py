@@ -57,8 +57,9 @@ class QueuedRequest:
     head there, ``inf`` if it is parked behind it (:class:`FlowControl`); the queue stamps it at
     push and again when the request becomes or stops being the head
     (:class:`policies.flow_control.FlowRounds`); ``None``: not stamped (ranked in round 0).
-    ``demoted``: given up for now under overload (:mod:`policies.demotion`); :class:`LateLast`
-    ranks it after every request that can still be on time. The dispatch core stamps it.
+    ``demoted``: given up for now under overload (:mod:`policies.demotion`); orders with
+    ``uses_demotion`` (:class:`SloTpot`) rank it after every other request of its priority
+    level. The dispatch core stamps it.
     """
 
     view: RequestView
@@ -197,17 +198,21 @@ class SloTpot:
     """HyperFlexis's request priority queue (Algorithm 1, Q_R): tightest TPOT first, then arrival,
     within a priority level (0 first; requests without one are all level 0).
 
-    Static: ``(priority, tpot_slo, arrival, seq)``. The level comes first because mapped targets
-    can collide: while no P0 traffic runs, Algorithm 2 relaxes lower levels' floors down to P0's,
-    and when P0 joins it would queue behind that backlog on equal TPOT (measured: 35 % of P0 on
-    time in the join window of Experiment B, against 95-100 % with the level first).
+    Static: ``(priority, demoted, tpot_slo, arrival, seq)``; a request the dispatcher demoted
+    under overload (:mod:`policies.demotion`) goes after every other of its level. The level
+    comes first because mapped targets can collide: while no P0 traffic runs, Algorithm 2 relaxes
+    lower levels' floors down to P0's, and when P0 joins it would queue behind that backlog on
+    equal TPOT (measured: 35 % of P0 on time in the join window of Experiment B, against 95-100 %
+    with the level first).
     """
 
     name: str = field(default="slo_tpot", init=False)
     context_sensitive: bool = field(default=False, init=False)
+    uses_demotion: bool = field(default=True, init=False)
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
-        return (float(item.view.priority), item.tpot_slo, item.view.arrival, item.seq), _INF
+        demoted = 1.0 if item.demoted else 0.0
+        return (float(item.view.priority), demoted, item.tpot_slo, item.view.arrival, item.seq), _INF
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,9 +631,7 @@ def _describe(accepted: Mapping[str, Any]) -> str:
 
 class LateLast:
     """Any order with the requests that can no longer meet their TTFT (even dispatched now, on the
-    context's estimate) moved behind all the others, each part keeping the inner order; demoted
-    requests (:mod:`policies.demotion`) go between the two: after every request that can still be
-    on time, before those that cannot.
+    context's estimate) moved behind all the others, each part keeping the inner order.
 
     For HyperFlexis's first pass, which skips late requests anyway (p < 0.5 <= theta): under
     overload its window of ``max_scan`` candidates was otherwise all late requests, re-read and
@@ -636,7 +639,7 @@ class LateLast:
     changes part once, at its last feasible start (the queue re-keys it then).
     """
 
-    __slots__ = ("inner", "name", "uses_backlog", "uses_flows")
+    __slots__ = ("inner", "name", "uses_backlog", "uses_demotion", "uses_flows")
     context_sensitive = True
 
     def __init__(self, inner: QueueOrder) -> None:
@@ -644,14 +647,14 @@ class LateLast:
         self.name = inner.name
         self.uses_backlog: bool = getattr(inner, "uses_backlog", False)
         self.uses_flows: bool = getattr(inner, "uses_flows", False)
+        self.uses_demotion: bool = getattr(inner, "uses_demotion", False)
 
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> tuple[tuple[float, ...], float]:
         inner_key, valid_until = self.inner.key(item, now, ctx)
         turns_late = last_feasible_start(item, ctx)
         if now > turns_late:
             return (1.0, *inner_key), valid_until
-        part = 0.5 if item.demoted else 0.0
-        return (part, *inner_key), min(valid_until, _after(math.nextafter(turns_late, _INF), now))
+        return (0.0, *inner_key), min(valid_until, _after(math.nextafter(turns_late, _INF), now))
 
 
 def make_order(name: str, params: Mapping[str, Any] | None = None) -> QueueOrder:

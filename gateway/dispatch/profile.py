@@ -184,9 +184,15 @@ def dispatcher_config(profile: Mapping[str, Any]) -> DispatcherConfig:
             "dispatcher 'pipeline' takes only max_engine_load (its plugins are the filters/scorers/picker)"
         )
     order_name, order_params = _entry(profile, "queue_order", "slo_tpot" if hyperflexis else "fcfs")
+    order = make_order(order_name, order_params)
+    if hyperflexis is not None and hyperflexis.demote_longest and not getattr(order, "uses_demotion", False):
+        raise PolicyConfigError(
+            f"dispatcher 'hyperflexis': demote_longest needs a queue order that ranks demoted "
+            f"requests last (slo_tpot), not {order_name!r}"
+        )
     return DispatcherConfig(
         hyperflexis,
-        make_order(order_name, order_params),
+        order,
         engine_scheduling=_engine_scheduling(profile),
         max_engine_load=max_engine_load,
         shedding=_shedding(profile),

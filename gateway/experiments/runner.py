@@ -65,7 +65,15 @@ def _progress(message: str) -> None:
 class Stack:
     """Simulated engines + one gateway, as child processes; stopped on exit."""
 
-    def __init__(self, policy: str, engines: int, profile: str, time_scale: float, slo_profile: str) -> None:
+    def __init__(
+        self,
+        policy: str,
+        engines: int,
+        profile: str,
+        time_scale: float,
+        slo_profile: str,
+        engine_speed: float = 1.0,
+    ) -> None:
         # "<profile>+prio", or a profile that asks for it (engine_scheduling: deadline): engines
         # order their own queues by the TTFT deadline the gateway forwards
         base, prio = split_prio(policy)
@@ -83,6 +91,8 @@ class Stack:
         )
         if self.deadline_engines:
             self.engine_args += ("--scheduling-policy", "priority")
+        if engine_speed != 1.0:  # (the gateway keeps the profile as its prior: it learns the speed)
+            self.engine_args += ("--speed", repr(engine_speed))
         self.n_engines = engines
         self.profile = profile
         self.time_scale = time_scale

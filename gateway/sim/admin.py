@@ -176,7 +176,7 @@ class AdminRoutes:
         mode = body.get("mode")
         if body.get("clear"):
             s.crashed = s.hung = False
-            s.model.slow_factor = 1.0
+            s.model.slow_factor = 1.0 / s.config.speed
             s.wake_driver()
         elif mode == "crash":
             s.crash()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import resource
 import signal
 import sys
@@ -29,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["collocated", "prefill", "decode"], default="collocated")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated time runs this many times faster")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="true speed relative to the profile (2: every step takes half the profile's time)",
+    )
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks", type=int)
@@ -81,8 +88,11 @@ def _raise_open_files_limit() -> None:
 def sim_engine_main(argv: list[str]) -> int:
     """Entry point of ``slogate sim-engine``; returns the process exit code (2 on bad arguments)."""
     args = build_parser().parse_args(argv)
-    if args.time_scale <= 0:
-        print("slogate sim-engine: --time-scale must be > 0", file=sys.stderr)
+    if not args.time_scale > 0 or not math.isfinite(args.time_scale):
+        print("slogate sim-engine: --time-scale must be a finite number > 0", file=sys.stderr)
+        return 2
+    if not args.speed > 0 or not math.isfinite(args.speed):
+        print("slogate sim-engine: --speed must be a finite number > 0", file=sys.stderr)
         return 2
     try:
         profile = load_profile(args.profile)
@@ -118,6 +128,7 @@ def sim_engine_main(argv: list[str]) -> int:
         engine_id=args.engine_id,
         role=args.role,
         time_scale=args.time_scale,
+        speed=args.speed,
         scheduling_policy=args.scheduling_policy,
         host=args.host,
         port=args.port,

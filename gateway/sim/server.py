@@ -90,6 +90,9 @@ class SimConfig:
     embeddings: bool = True
     #: LoRA adapters loaded at start-up (``--lora-modules``), name -> path
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: the engine's true speed relative to its profile (``--speed``): 2 runs every step in half
+    #: the profile's time. What a gateway that learns its engines must find out for itself.
+    speed: float = 1.0
 
 
 class SimServer:
@@ -97,7 +100,10 @@ class SimServer:
         self.config = config
         self.profile = config.profile
         self.model = EngineModel(
-            config.profile, priority_scheduling=config.scheduling_policy == "priority", seed=config.seed
+            config.profile,
+            priority_scheduling=config.scheduling_policy == "priority",
+            seed=config.seed,
+            slow_factor=1.0 / config.speed,
         )
         self.started_at = int(time.time())
         self.scale = config.time_scale

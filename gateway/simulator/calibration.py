@@ -49,17 +49,33 @@ def calibration_scenario(policy: str, qps: float = 25.0, requests: int = 300, se
     return Scenario(str(WORKLOAD), qps=qps, policy=policy, engines=2, requests=requests, seed=seed)
 
 
-def compare(scenario: Scenario) -> Comparison:
+def replay_live(scenario: Scenario) -> Summary:
+    """The scenario's requests replayed in real time through engine and gateway processes: its
+    engines (count, profile, true speed, deadline scheduling for ``+prio``), its routing and SLO
+    profiles, its SLO headers."""
     specs = workload_for(scenario)
-    offline = summarize(run(scenario, specs).outcomes)
+    policy = f"{scenario.policy}+prio" if scenario.engine_priority else scenario.policy
     with runner.Stack(
-        scenario.policy, scenario.engines, scenario.engine_profile, 1.0, scenario.slo_profile
+        policy, scenario.engines, scenario.engine_profile, 1.0, scenario.slo_profile, scenario.engine_speed
     ) as stack:
         assert stack.gateway is not None
         outcomes = asyncio.run(
-            replay(stack.gateway.url, runner.MODEL, specs, 1.0, scenario.seed, progress=False)
+            replay(
+                stack.gateway.url,
+                runner.MODEL,
+                specs,
+                1.0,
+                scenario.seed,
+                progress=False,
+                explicit_slo=scenario.explicit_slo,
+            )
         )
-    return Comparison(scenario.policy, offline, summarize(outcomes))
+    return summarize(outcomes)
+
+
+def compare(scenario: Scenario) -> Comparison:
+    offline = summarize(run(scenario, workload_for(scenario)).outcomes)
+    return Comparison(scenario.policy, offline, replay_live(scenario))
 
 
 def render(comparisons: list[Comparison]) -> str:

@@ -796,3 +796,51 @@ def test_a_hold_cancelled_late_says_the_engine_is_not_fast() -> None:
     fleet.release("a-0", "r-0")  # cancelled before its first token ...
     core.step(0.9 * predicted)  # ... after 90 % of the prefill predicted for it
     assert core.workers.prefill_ratio["a-0"] >= 0.5
+
+
+def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_rest_first() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(
+        fleet,
+        dispatcher="hyperflexis",
+        order="slo_tpot",
+        max_engine_load=1,
+        limits=ClassLimits(max_queued=10_000),
+        hyperflexis=HyperFlexisParams(demote_longest=True),
+    )
+
+    def request(i: int, now: float) -> Ticket:
+        long = i % 2 == 0  # every other one asks for 100x the output
+        view = RequestView(
+            request_id=f"r-{i}",
+            model="a",
+            prompt_tokens=50,
+            max_output_tokens=2000 if long else 20,
+            arrival=now,
+        )
+        item = QueuedRequest(view=view, ttft_slo=3.0, tpot_slo=0.5, seq=i, queue_deadline=now + 1e6)
+        return Ticket(item, "c", RunningEntry(50, view.max_output_tokens, 0.5, now), now)
+
+    served: list[str] = []
+    n = 0
+    now = 0.0
+    while now < 8.0:
+        for _ in range(4):  # 4 arrivals per 50 ms, one finish: a queue that only grows
+            placed = core.submit(request(n, now), now)
+            if placed is not None:
+                served.append(f"r-{n}")
+            n += 1
+        record = fleet.records["a-0"]
+        for rid in list(record.running):
+            fleet.release("a-0", rid)
+        core.step(now)
+        served.extend(rid for rid, _ in core.outbox)
+        core.outbox.clear()
+        now += 0.05
+    queue = core.queues["a"]
+    demoted = [item for item in queue.items() if item.demoted]
+    assert demoted and all(item.view.max_output_tokens == 2000 for item in demoted)
+    # once the drain was measured, what was still on time went short-first
+    late_half = served[len(served) // 2 :]
+    shorts = sum(int(rid.split("-")[1]) % 2 == 1 for rid in late_half)
+    assert shorts >= 0.8 * len(late_half), late_half

@@ -81,3 +81,31 @@ def test_a_scaled_engine_reports_real_seconds() -> None:
     timing = parse_vllm_metrics(text).timing
     assert timing is not None and timing.decode_s == pytest.approx(now / 10 - timing.prefill_s)  # type: ignore[operator]
     assert 'vllm:request_prefill_time_seconds_bucket{engine="e0",le="0.3",model_name="sim-test"} 1.0' in text
+
+
+def _served_in(config: SimConfig) -> float:
+    model = SimServer(config).model
+    model.add(request("r", [5] * 100, 8, ignore_eos=True))
+    now = 0.0
+    while model.has_work:
+        batch = model.plan(now)
+        assert batch is not None
+        now += batch.duration
+        model.finish(batch, now)
+    return now
+
+
+def test_an_engine_started_faster_than_its_profile_runs_every_step_in_less_time() -> None:
+    base = SimConfig(profile(), MODEL, engine_id="e0")
+    fast = SimConfig(profile(), MODEL, engine_id="e0", speed=2.0)
+    assert _served_in(fast) == pytest.approx(_served_in(base) / 2)
+
+
+def test_the_sim_engine_refuses_a_speed_that_is_not_a_positive_number(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gateway.sim.cli import sim_engine_main
+
+    for bad in ("0", "-1", "nan", "inf"):
+        assert sim_engine_main(["--speed", bad]) == 2
+        assert "--speed must be a finite number > 0" in capsys.readouterr().err
