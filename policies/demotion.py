@@ -108,9 +108,11 @@ class BandRates:
         if band in self._waiting:
             self._served[band] = self._served.get(band, 0.0) + service_s
 
-    def close(self, now: float, waiting: Iterable[Band]) -> None:
+    def close(self, now: float, waiting: Iterable[Band], max_span: float = math.inf) -> None:
+        """End the interval at ``now``; one longer than ``max_span`` counts for nothing (its
+        caller stopped planning: an empty queue, so the band did not wait all along)."""
         span = now - self._since
-        if span > 0 and math.isfinite(span):
+        if 0 < span <= max_span and math.isfinite(span):
             decay = 1.0 - math.exp(-span / self.time_constant_s)
             rates, samples = self.rates, self._samples
             for band in self._waiting:

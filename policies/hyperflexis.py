@@ -213,7 +213,7 @@ class HyperFlexisParams:
     prefix_max_ratio: float = 1.5
     #: under overload, serve last the longest requests of each SLO band that its measured drain
     #: cannot fit before their deadlines (Moore-Hodgson, :mod:`policies.demotion`); needs a queue
-    #: order that ranks by it (``uses_demotion``: slo_tpot)
+    #: order that ranks by it (``uses_demotion``: slo_tpot) and ``theta >= 0.5``
     demote_longest: bool = False
     #: plan those deadlines against this share of each band's measured drain rate
     demote_rate_share: float = 0.8
@@ -237,6 +237,9 @@ class HyperFlexisParams:
         if self.max_hold_s < self.recheck_s:
             # (a hold shorter than the recheck would let a worker take a second turn at the same instant)
             raise ValueError(f"max_hold_s must be >= recheck_s ({self.recheck_s}), got {self.max_hold_s}")
+        if self.demote_longest and self.theta < 0.5:
+            # the plan leaves late requests to the queue, which keeps them behind only then (LateLast)
+            raise ValueError(f"demote_longest needs theta >= 0.5, got theta {self.theta}")
         if not 0.0 < self.demote_rate_share <= 1.0:
             raise ValueError(f"demote_rate_share must be in (0, 1], got {self.demote_rate_share}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:

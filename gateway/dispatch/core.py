@@ -82,6 +82,8 @@ MAX_BATCH = 64
 #: whole queue, so at 10,000 queued it runs once a second, a few percent of the loop
 DEMOTE_PERIOD_S = 0.1
 DEMOTE_PER_QUEUED_S = 0.0001
+#: a plan later than this past the last one (plus two periods) found the queue empty in between
+DEMOTE_MAX_GAP_S = 1.0
 #: a model's queue context (its fastest engine's latency model) is recomputed at most this often
 CONTEXT_REFRESH_S = 1.0
 #: how far an explicit, laxer TTFT may stretch its class's queue timeout
@@ -124,8 +126,10 @@ Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
 def _band(item: QueuedRequest) -> Band:
-    # the targets, not the class name: a class may be a priority level's, whatever the task
-    return (item.view.priority, item.ttft_slo, item.tpot_slo)
+    # the targets, not the class name (a class may be a priority level's, whatever the task),
+    # to two significant digits: mapped and explicit targets vary a little from request to
+    # request, and a band of one never learns a drain rate
+    return (item.view.priority, float(f"{item.ttft_slo:.2g}"), float(f"{item.tpot_slo:.2g}"))
 
 
 def _rid_of(item: QueuedRequest | None) -> str | None:
@@ -716,7 +720,8 @@ class DispatchCore:
         """Demote what each SLO band's drain cannot serve in time (Moore-Hodgson), and restore
         what it can again; closes the bands' drain-rate interval."""
         assert self.hyperflexis is not None
-        self._demote_due[model] = now + max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
+        period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
+        self._demote_due[model] = now + period
         ctx = self.context(model, now)
         rates = self._band_rates.get(model)
         if rates is None:
@@ -729,7 +734,7 @@ class DispatchCore:
         base, per_token, step = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s, ctx.decode_step_s
         for item in queue.items():
             view = item.view
-            band = (view.priority, item.ttft_slo, item.tpot_slo)
+            band = _band(item)
             waiting.add(band)
             prefill = base + max(0, view.prompt_tokens) * per_token
             last_start = view.arrival + item.ttft_slo - prefill
@@ -742,7 +747,8 @@ class DispatchCore:
             )
             if item.demoted:
                 demoted.append(view.request_id)
-        rates.close(now, waiting)
+        # a longer gap since the last plan means the queue was empty: not a drain sample
+        rates.close(now, waiting, max_span=DEMOTE_MAX_GAP_S + 2 * period)
         demote = longest_to_demote(rows, now, rates.rates, self.hyperflexis.demote_rate_share)
         queue.set_demoted([rid for rid in demoted if rid not in demote], False, now, ctx)
         queue.set_demoted(demote, True, now, ctx)
@@ -872,8 +878,8 @@ class DispatchCore:
         ctx = self.context(ticket.item.view.model, now)
         for peer, item in zip(peers, stamped, strict=False):
             held = queue.remove(peer.request_id)
-            if held is not None and held.demoted:  # (the ticket's copy never carries the stamp)
-                item = with_demotion(item, True)
+            # the queue's copy carries the current stamp, the ticket's may be stale
+            item = with_demotion(item, held is not None and held.demoted)
             peer.item = item
             queue.push(item, now, ctx)
         ticket.item = stamped[-1]

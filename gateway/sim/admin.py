@@ -189,7 +189,7 @@ class AdminRoutes:
                 factor = 0.0
             if not factor > 0:
                 return _bad("factor must be a number > 0", "factor")
-            s.model.slow_factor = factor
+            s.model.slow_factor = factor / s.config.speed  # (slower than the engine's own speed)
         else:
             return _bad("mode must be crash, hang or slow (or clear: true)", "mode")
         return _json({"crashed": s.crashed, "hung": s.hung, "slow_factor": s.model.slow_factor})

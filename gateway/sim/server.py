@@ -512,7 +512,7 @@ class SimServer:
             elif name == "hang":
                 sim.stuck = True
             elif name == "slow":
-                self.model.slow_factor = float(value)
+                self.model.slow_factor = float(value) / self.config.speed
             else:
                 raise BadRequest(400, f"unknown X-Sim-Fault {part!r}; use crash-after=N, hang or slow=F")
 

@@ -53,6 +53,21 @@ def replay_live(scenario: Scenario) -> Summary:
     """The scenario's requests replayed in real time through engine and gateway processes: its
     engines (count, profile, true speed, deadline scheduling for ``+prio``), its routing and SLO
     profiles, its SLO headers."""
+    unsupported = [
+        name
+        for name, value, default in (
+            ("disturbances", scenario.disturbances, ()),
+            ("settings", scenario.settings, ()),
+            ("pd", scenario.pd, None),
+            ("max_engine_load", scenario.max_engine_load, None),
+            ("num_gpu_blocks", scenario.num_gpu_blocks, None),
+            ("autoscale", scenario.autoscale, None),
+            ("disaggregation", scenario.disaggregation, None),
+        )
+        if value != default
+    ]
+    if unsupported:
+        raise ValueError(f"a live replay does not set up {', '.join(unsupported)}")
     specs = workload_for(scenario)
     policy = f"{scenario.policy}+prio" if scenario.engine_priority else scenario.policy
     with runner.Stack(

@@ -229,8 +229,9 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def live_check(results: list[Result], runs: list[tuple[Cell, str, Scenario]]) -> str:
-    """Replay every run live (real time, processes) and render offline against live attainment."""
+def live_check(results: list[Result], runs: list[tuple[Cell, str, Scenario]], out: Path | None = None) -> str:
+    """Replay every run live (real time, processes) and render offline against live attainment;
+    the table is (re)written to ``out`` as each run ends, and a run that fails is a row saying so."""
     by_run = {(r.cell, r.policy): r for r in results}
     lines = [
         "| cell | policy | attainment offline | attainment live | gap (points) "
@@ -240,7 +241,18 @@ def live_check(results: list[Result], runs: list[tuple[Cell, str, Scenario]]) ->
     for i, (cell, policy, scenario) in enumerate(runs, 1):
         print(f"[grid live] ({i}/{len(runs)}) {cell.name}, {policy} ...", file=sys.stderr, flush=True)
         offline = by_run[(cell, policy)]
-        live = replay_live(scenario)
+        try:
+            live = replay_live(scenario)
+        except Exception as exc:  # (one broken run must not lose the others' rows)
+            print(
+                f"[grid live] ({i}/{len(runs)}) {cell.name}, {policy}: failed: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            lines.append(f"| {cell.name} | {policy} | {offline.attainment:.1%} | failed: {exc} | | | |")
+            if out is not None:
+                out.write_text("\n".join(lines) + "\n")
+            continue
         print(
             f"[grid live] ({i}/{len(runs)}) {cell.name}, {policy}: offline {offline.attainment:.1%}, "
             f"live {live.attainment:.1%}",
@@ -252,6 +264,8 @@ def live_check(results: list[Result], runs: list[tuple[Cell, str, Scenario]]) ->
             f"{(live.attainment - offline.attainment) * 100:+.1f} | {offline.e2e_p50_s:.3f} | "
             f"{live.e2e_p50_s:.3f} |"
         )
+        if out is not None:
+            out.write_text("\n".join(lines) + "\n")
     text = "\n".join(lines)
     print(text)
     return text
@@ -358,10 +372,9 @@ def grid_main(args: argparse.Namespace) -> int:
             indent=2,
         )
     )
-    if args.live:
-        live = live_check(results, runs)
-        (args.out / "live.md").write_text(live + "\n")
     png = args.out / "grid.png"
     plot(results, png)
+    if args.live:
+        live_check(results, runs, args.out / "live.md")
     print(f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}")
     return 0

@@ -189,7 +189,22 @@ def test_the_queue_serves_demoted_requests_after_the_rest_of_their_level_and_lat
     assert [queue.pop(0.2, ctx).view.request_id for _ in range(5)] == order  # type: ignore[union-attr]
 
 
+def test_a_gap_longer_than_the_callers_planning_is_no_drain_sample() -> None:
+    rates = BandRates(time_constant_s=5.0)
+    rates.close(0.0, [CHAT])
+    rates.dispatched(CHAT, 2.0)
+    rates.close(1.0, [CHAT], max_span=2.0)
+    assert rates.rates[CHAT] == pytest.approx(2.0)
+    # the queue emptied and planning stopped for a minute: the next plan's interval says nothing
+    # of the drain (averaged in, it would have pulled the rate to 2 / 61)
+    rates.dispatched(CHAT, 2.0)
+    rates.close(61.0, [CHAT], max_span=2.0)
+    assert rates.rates[CHAT] == pytest.approx(2.0)
+
+
 def test_demotion_needs_a_queue_order_that_ranks_by_it() -> None:
+    with pytest.raises(ValueError, match="demote_longest needs theta"):
+        HyperFlexisParams(theta=0.3, demote_longest=True)
     with pytest.raises(ValueError, match="demote_rate_share"):
         HyperFlexisParams(demote_rate_share=0.0)
     assert make_order("slo_tpot").uses_demotion  # type: ignore[attr-defined]

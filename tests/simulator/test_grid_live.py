@@ -4,6 +4,10 @@ run of the same requests."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.grid import Cell, _run, _scenario, live_check
 
 
@@ -21,3 +25,18 @@ def test_a_cell_replayed_live_agrees_with_the_simulator_at_the_engines_true_spee
     assert abs(live_att - offline_att) <= 0.1, table
     offline_p50, live_p50 = float(row[5]), float(row[6])
     assert abs(live_p50 - offline_p50) <= 0.25 * offline_p50, table
+
+
+def test_a_run_the_live_check_cannot_replay_is_a_row_that_says_so_and_the_rest_still_run(
+    tmp_path: Path,
+) -> None:
+    cell = Cell("hyperflexis-2task", 1.0, 0.6, 25.0)
+    # a disturbance the live stack does not set up: refused before any process starts
+    scenario = dataclasses.replace(
+        _scenario(cell, "hyperflexis", 1, 1.0, 0), disturbances=(Disturbance.parse("stale-scrapes:1:2"),)
+    )
+    offline = _run(cell, "hyperflexis", dataclasses.replace(scenario, disturbances=()))
+    out = tmp_path / "live.md"
+    table = live_check([offline], [(cell, "hyperflexis", scenario)], out)
+    assert "failed: a live replay does not set up disturbances" in table
+    assert out.read_text().strip() == table.strip()
