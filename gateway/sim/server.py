@@ -95,6 +95,30 @@ class SimConfig:
     speed: float = 1.0
 
 
+def _parse_fault_header(header: str | None) -> list[tuple[str, float]]:
+    """``X-Sim-Fault: crash-after=N, hang, slow=F`` as (name, value) pairs; a bad one is a 400."""
+    faults: list[tuple[str, float]] = []
+    for part in (header or "").split(","):
+        name, _, text = part.strip().partition("=")
+        if not name:
+            continue
+        if name == "hang":
+            faults.append((name, 0.0))
+            continue
+        if name not in ("crash-after", "slow"):
+            raise BadRequest(400, f"unknown X-Sim-Fault {part.strip()!r}; use crash-after=N, hang or slow=F")
+        try:
+            value = int(text) if name == "crash-after" else float(text)
+        except ValueError:
+            value = -1
+        if not (0 <= value < math.inf if name == "crash-after" else 0 < value < math.inf):
+            raise BadRequest(
+                400, f"X-Sim-Fault {part.strip()!r}: crash-after takes an integer >= 0, slow a number > 0"
+            )
+        faults.append((name, float(value)))
+    return faults
+
+
 class SimServer:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
@@ -403,6 +427,7 @@ class SimServer:
             )
             for i in range(n)
         ]
+        faults = _parse_fault_header(http.headers.get("X-Sim-Fault"))  # (refused before any KV moves)
         if params and params.get("do_remote_prefill"):
             await self._pull_kv(
                 sims[0],
@@ -416,7 +441,7 @@ class SimServer:
                 {"room": str(room), "wait_s": 30},
             )
         for sim in sims:
-            self._apply_fault_header(http.headers.get("X-Sim-Fault"), sim)
+            self._apply_faults(faults, sim)
         # (an answer names the adapter the request asked for, as vLLM's does)
         served = model if isinstance(model, str) else self.config.model
         fmt = ResponseFormat(kind, base_id, served, bool(body.get("return_token_ids")))
@@ -502,19 +527,14 @@ class SimServer:
         data = emb.response_body(base_id, model or self.config.model, vectors, encoding, prompt_tokens)
         return web.Response(body=data, content_type="application/json")
 
-    def _apply_fault_header(self, header: str | None, sim: SimRequest) -> None:
-        if not header:
-            return
-        for part in header.split(","):
-            name, _, value = part.strip().partition("=")
+    def _apply_faults(self, faults: list[tuple[str, float]], sim: SimRequest) -> None:
+        for name, value in faults:
             if name == "crash-after":
                 self._crash_after[sim.request_id] = int(value)
             elif name == "hang":
                 sim.stuck = True
-            elif name == "slow":
-                self.model.slow_factor = float(value) / self.config.speed
-            else:
-                raise BadRequest(400, f"unknown X-Sim-Fault {part!r}; use crash-after=N, hang or slow=F")
+            else:  # slow: relative to the engine's own speed
+                self.model.slow_factor = value / self.config.speed
 
     async def _pull_kv(self, sim: SimRequest, source: str, payload: dict[str, Any]) -> None:
         assert self._session is not None

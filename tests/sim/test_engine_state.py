@@ -109,3 +109,13 @@ def test_the_sim_engine_refuses_a_speed_that_is_not_a_positive_number(
     for bad in ("0", "-1", "nan", "inf"):
         assert sim_engine_main(["--speed", bad]) == 2
         assert "--speed must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_a_slow_fault_is_relative_to_the_engines_own_speed() -> None:
+    from gateway.sim.server import _parse_fault_header
+
+    server = SimServer(SimConfig(profile(), MODEL, engine_id="e0", speed=2.0))
+    assert server.model.slow_factor == 0.5
+    server._apply_faults(_parse_fault_header("slow=3"), request("r", [5] * 4, 1))
+    assert server.model.slow_factor == pytest.approx(1.5)  # 3x slower than its own 2x speed
+    assert _parse_fault_header(" hang , crash-after=4,") == [("hang", 0.0), ("crash-after", 4.0)]

@@ -91,3 +91,15 @@ async def test_vllm_rejects_and_so_does_the_sim(
 async def test_valid_requests_still_pass(engine: SimProcess, route: str, body: dict[str, Any]) -> None:
     status, answer = await post(engine.url + ROUTES[route], {"max_tokens": 2, **body})
     assert status == 200, answer
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["slow=abc", "slow=0", "slow=-2", "slow=nan", "slow=inf", "crash-after=x", "crash-after=-1", "boom"],
+)
+async def test_a_bad_fault_header_is_a_400_not_a_500(engine: SimProcess, fault: str) -> None:
+    status, answer = await post(
+        engine.url + ROUTES["chat"], {"max_tokens": 2, "messages": USER}, headers={"X-Sim-Fault": fault}
+    )
+    assert status == 400, answer
+    assert "X-Sim-Fault" in answer["error"]["message"]
