@@ -15,8 +15,9 @@ The harness's own work (tasks standing in for clients and engines) is not counte
 The same calls are also timed in CPU time of the thread (``cpu_us_per_placement``): on a machine
 shared with other work, wall time inside a call includes the time the process was descheduled,
 CPU time does not (the meter's own clock reads are measured once and taken out).
-Targets from the issue: <= 50 µs per placement and < 10 % of the loop at 256 engines / 10,000
-queued.
+HyperFlexis runs with the shipped `hyperflexis` profile's parameters and queue order (its
+demotion plan included). Targets from the issue: <= 50 µs per placement and < 10 % of the loop at
+256 engines / 10,000 queued.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.api.errors import GatewayError
+from gateway.dispatch.build import RoutingProfile
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
@@ -41,9 +43,9 @@ from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router
 from gateway.runtime import tune_gc
 from policies.api import EngineState, RequestView
-from policies.hyperflexis import HyperFlexisParams
 from policies.pipeline import compile_profile
 from policies.queue_order import make_order
+from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 TARGET_US_PER_PLACEMENT = 50.0
 TARGET_LOOP_SHARE = 0.10
@@ -129,14 +131,16 @@ class _Meter:
 def _dispatch_loop(fleet: Fleet, dispatcher: str, slots: int) -> DispatchLoop:
     pipeline = compile_profile({"scorers": [{"name": "least_load"}]})
     hyperflexis = dispatcher == "hyperflexis"
+    # HyperFlexis as the shipped profile runs it (its demotion plan included)
+    shipped = RoutingProfile.load(DEFAULT_PROFILES_DIR / "routing" / "hyperflexis.yaml").dispatcher
     return DispatchLoop(
         DispatchCore(
             fleet,
             Router(fleet, pipeline),
-            make_order("slo_tpot" if hyperflexis else "fcfs", {}),
+            shipped.order if hyperflexis else make_order("fcfs", {}),
             lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
             lambda _: ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0),
-            hyperflexis=HyperFlexisParams(max_scan=128) if hyperflexis else None,
+            hyperflexis=shipped.hyperflexis if hyperflexis else None,
             max_engine_load=None if hyperflexis else slots,
             tightest_ttft_s=5.0,
         )
