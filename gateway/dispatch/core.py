@@ -732,10 +732,14 @@ class DispatchCore:
         # last_feasible_start and predicted_service_s, unrolled: at 10,000 queued this loop is the
         # pass's cost (26 -> 12 ms)
         base, per_token, step = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s, ctx.decode_step_s
+        bands: dict[tuple[int, float, float], Band] = {}  # (the rounding is the loop's dearest step)
         for item in queue.items():
             view = item.view
-            band = _band(item)
-            waiting.add(band)
+            targets = (view.priority, item.ttft_slo, item.tpot_slo)
+            band = bands.get(targets)
+            if band is None:
+                band = bands[targets] = _band(item)
+                waiting.add(band)
             prefill = base + max(0, view.prompt_tokens) * per_token
             last_start = view.arrival + item.ttft_slo - prefill
             if last_start < now:
