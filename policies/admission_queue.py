@@ -220,12 +220,9 @@ class AdmissionQueue:
         changed = False
         for request_id in request_ids:
             slot = slots.get(request_id)
-            if slot is None or slot.item.demoted == demoted:
-                continue
-            slot.item = with_demotion(slot.item, demoted)
-            self._insert(slot, now, held)
-            self._dead_in_heap += 1
-            changed = True
+            if slot is not None and slot.item.demoted != demoted:
+                self._restamp_one(slot, with_demotion(slot.item, demoted), now, held)
+                changed = True
         if changed:
             self._structure_version += 1
 
@@ -382,11 +379,14 @@ class AdmissionQueue:
         slots = self._slots
         for request_id, flow_round in rounds:
             slot = slots.get(request_id)
-            if slot is None or slot.item.flow_round == flow_round:
-                continue
-            slot.item = with_flow_round(slot.item, flow_round)
-            self._insert(slot, now, ctx)
-            self._dead_in_heap += 1
+            if slot is not None and slot.item.flow_round != flow_round:
+                self._restamp_one(slot, with_flow_round(slot.item, flow_round), now, ctx)
+
+    def _restamp_one(self, slot: _Slot, item: QueuedRequest, now: float, ctx: OrderContext) -> None:
+        """Replace a queued slot's item by a re-stamped copy and re-key it (its old entry dies)."""
+        slot.item = item
+        self._insert(slot, now, ctx)
+        self._dead_in_heap += 1
 
     def _forget(self, slot: _Slot) -> None:
         entry = slot.entry

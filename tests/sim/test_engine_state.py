@@ -66,26 +66,10 @@ def test_the_engines_own_timing_is_what_the_adapter_reads_and_what_the_model_did
     assert timing.queue_s and timing.queue_s > 0  # two of them waited for a sequence slot
 
 
-def test_a_scaled_engine_reports_real_seconds() -> None:
-    config = SimConfig(profile(), MODEL, engine_id="e0", time_scale=10.0)
-    server = SimServer(config)
+def _serve(server: SimServer, output_tokens: int) -> float:
+    """Run one 100-token request to its end on the engine's model; the model time it took."""
     model = server.model
-    model.add(request("r", [5] * 100, 3, ignore_eos=True))
-    now = 0.0
-    while model.has_work:
-        batch = model.plan(now)
-        assert batch is not None
-        now += batch.duration
-        model.finish(batch, now)
-    text = generate_latest(server.metrics_.registry).decode()
-    timing = parse_vllm_metrics(text).timing
-    assert timing is not None and timing.decode_s == pytest.approx(now / 10 - timing.prefill_s)  # type: ignore[operator]
-    assert 'vllm:request_prefill_time_seconds_bucket{engine="e0",le="0.3",model_name="sim-test"} 1.0' in text
-
-
-def _served_in(config: SimConfig) -> float:
-    model = SimServer(config).model
-    model.add(request("r", [5] * 100, 8, ignore_eos=True))
+    model.add(request("r", [5] * 100, output_tokens, ignore_eos=True))
     now = 0.0
     while model.has_work:
         batch = model.plan(now)
@@ -93,6 +77,20 @@ def _served_in(config: SimConfig) -> float:
         now += batch.duration
         model.finish(batch, now)
     return now
+
+
+def test_a_scaled_engine_reports_real_seconds() -> None:
+    config = SimConfig(profile(), MODEL, engine_id="e0", time_scale=10.0)
+    server = SimServer(config)
+    now = _serve(server, 3)
+    text = generate_latest(server.metrics_.registry).decode()
+    timing = parse_vllm_metrics(text).timing
+    assert timing is not None and timing.decode_s == pytest.approx(now / 10 - timing.prefill_s)  # type: ignore[operator]
+    assert 'vllm:request_prefill_time_seconds_bucket{engine="e0",le="0.3",model_name="sim-test"} 1.0' in text
+
+
+def _served_in(config: SimConfig) -> float:
+    return _serve(SimServer(config), 8)
 
 
 def test_an_engine_started_faster_than_its_profile_runs_every_step_in_less_time() -> None:
