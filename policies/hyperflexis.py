@@ -216,7 +216,7 @@ class HyperFlexisParams:
     #: order that ranks by it (``uses_demotion``: slo_tpot) and ``theta >= 0.5``
     demote_longest: bool = False
     #: plan those deadlines against this share of each band's measured drain rate
-    demote_rate_share: float = 0.8
+    demote_rate_share: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
