@@ -26,12 +26,21 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Mapping
+from functools import lru_cache
 
 #: (priority, TTFT target, TPOT target): requests that share them compete for one band's drain
 Band = tuple[int, float, float]
 #: (band, rank within the band in serving order, last feasible start, predicted service seconds,
 #: request id)
 Row = tuple[Band, tuple[float, ...], float, float, str]
+
+
+@lru_cache(maxsize=4096)
+def band_of(priority: int, ttft_slo: float, tpot_slo: float) -> Band:
+    """The band of a request with these targets: the targets to two significant digits (mapped
+    and explicit targets vary a little from request to request, and a band of one never learns
+    a drain rate), at its priority level. Cached: the dispatcher asks on every placement."""
+    return (priority, float(f"{ttft_slo:.2g}"), float(f"{tpot_slo:.2g}"))
 
 
 def longest_to_demote(

@@ -847,13 +847,9 @@ def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_re
 
 
 def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:
-    from gateway.dispatch.core import _band
-
-    def item(ttft: float, tpot: float, priority: int = 0) -> QueuedRequest:
-        view = RequestView(request_id="r", model="a", prompt_tokens=1, max_output_tokens=1, priority=priority)
-        return QueuedRequest(view=view, ttft_slo=ttft, tpot_slo=tpot, seq=0)
+    from policies.demotion import band_of
 
     # mapped and explicit targets wobble a little: one band, which can learn a drain rate
-    assert _band(item(0.7, 0.2)) == _band(item(0.701, 0.2004)) == (0, 0.7, 0.2)
-    assert _band(item(0.7, 0.2)) != _band(item(2.0, 0.5)) != _band(item(2.0, 0.5, priority=1))
-    assert _band(item(86_400.0, 1e-3)) == (0, 86_000.0, 0.001)
+    assert band_of(0, 0.7, 0.2) == band_of(0, 0.701, 0.2004) == (0, 0.7, 0.2)
+    assert band_of(0, 0.7, 0.2) != band_of(0, 2.0, 0.5) != band_of(1, 2.0, 0.5)
+    assert band_of(0, 86_400.0, 1e-3) == (0, 86_000.0, 0.001)
