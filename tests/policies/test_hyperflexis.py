@@ -338,3 +338,36 @@ def test_a_look_with_its_budget_spent_stops_at_the_next_candidate_even_after_a_m
     decision = dispatch([req("a"), lora], [joining], 0.0, HyperFlexisParams(), adapters_held=frozenset({"x"}))
     assert decision.assignments == ()
     assert decision.full == frozenset({"w"})
+
+
+def test_mixed_steps_charge_a_turns_prefill_only_what_it_adds_to_a_decode_step() -> None:
+    """On an engine that runs prefill chunks inside decode steps (chunked prefill), a step's fixed
+    cost is paid once: with ``mixed_steps`` eq.(5) charges a worker with running streams
+    a - a_d for a turn's prefill instead of a. The hold still amortises the whole E_p, and on an
+    idle worker (no decode step to share) nothing changes."""
+    decoding = (RunningRequest(100, 5, 0.1, True),)
+    queue = [req(f"r{i}", prompt=100, ttft=1.0, tpot=0.1) for i in range(40)]
+    base = HyperFlexisParams(budget_ttft_share=0.25)
+    mixed = dataclasses.replace(base, mixed_steps=True)
+    a, b, _ = PREFILL
+    e_d = DECODE[0] + DECODE[1] * 105 + DECODE[2]  # the running stream's decode step
+    horizon = 0.25  # 1.0 s TTFT x 0.25
+
+    def budget(fixed: float) -> int:
+        return math.floor((horizon * (0.1 - e_d) - fixed * 0.1) / (b * 0.1) + 1e-9)
+
+    plain = dispatch(queue, [worker("w", running=decoding)], 0.0, base)
+    shared = dispatch(queue, [worker("w", running=decoding)], 0.0, mixed)
+    assert len(plain.assignments) == budget(a) // 100 == 20
+    assert len(shared.assignments) == budget(a - DECODE[0]) // 100 == 21
+    e_p = a + b * 2100
+    e_d_after = DECODE[0] + DECODE[1] * (105 + 2100) + DECODE[2] * 22
+    assert shared.prefill_s["w"] == pytest.approx(e_p)
+    assert shared.maturity["w"] == pytest.approx(
+        max(e_p + e_p / (0.1 - e_d_after) * e_d_after, e_p + e_d_after)
+    )
+    # an idle worker's first prefill runs alone and pays the fixed cost itself
+    idle_plain = dispatch(queue, [worker("w")], 0.0, base)
+    idle_mixed = dispatch(queue, [worker("w")], 0.0, mixed)
+    assert idle_mixed.assignments == idle_plain.assignments
+    assert idle_mixed.maturity == idle_plain.maturity
