@@ -664,6 +664,7 @@ class DispatchCore:
             if arrival is not None:  # (the only request this turn could take)
                 arrival.entry.cached_tokens = assignment.cached_tokens
                 arrival.entry.shared_tokens = assignment.shared_tokens
+                arrival.entry.late = not assignment.feasible
                 # (the prefix index, the affinity store and x-slogate-decision learn it as for any)
                 self.router.assigned(arrival.item.view, assignment.engine_id, now)
                 self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
@@ -678,6 +679,7 @@ class DispatchCore:
             if assigned is not None:  # (always, while queues hold only live tickets)
                 assigned.entry.cached_tokens = assignment.cached_tokens
                 assigned.entry.shared_tokens = assignment.shared_tokens
+                assigned.entry.late = not assignment.feasible
                 self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in looking:

@@ -18,6 +18,11 @@ from gateway.engines import prom_text
 from gateway.settings import EngineConfig
 from policies.api import EngineState, Role
 
+#: engine ``priority`` values stay integers that every JSON parser reads exactly
+MAX_PRIORITY = (1 << 53) - 1
+#: added to a late request's deadline (ms): later than any on-time deadline for ~11 days
+LATE_URGENCY_MS = 1_000_000_000
+
 
 class EngineAdapter:
     """Base adapter. Subclasses set ``kind`` and override :meth:`parse_metrics` and hooks."""
@@ -60,6 +65,15 @@ class EngineAdapter:
     @property
     def accepts_priority(self) -> bool:
         return self.supports_priority_field and self.config.priority_scheduling
+
+    def deadline_priority(self, deadline_s: float, late: bool = False) -> int:
+        """The body ``priority`` for a request due at ``deadline_s`` (its TTFT deadline, seconds on
+        the gateway's epoch) that makes the engine run the earliest deadline first, and a
+        ``late`` request (its TTFT lost when dispatched) after every on-time one: the order the
+        dispatcher planned, in which the late lane comes last. Kept an integer every JSON parser
+        reads exactly."""
+        urgency = int(deadline_s * 1000) + (LATE_URGENCY_MS if late else 0)
+        return self.engine_priority(max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency)))
 
     def engine_priority(self, urgency: int) -> int:
         """The body ``priority`` that makes this engine run ``urgency`` (lower = sooner) in order."""

@@ -46,6 +46,9 @@ class RunningEntry:
     #: they take no new KV (set per reservation; 0 when nothing is known)
     cached_tokens: int = 0
     shared_tokens: int = 0
+    #: dispatched with its TTFT already lost (HyperFlexis's late or idle backfill): an engine that
+    #: schedules by deadline runs it after every request that can still make its own
+    late: bool = False
 
 
 @dataclass(slots=True)

@@ -64,8 +64,6 @@ Stage = Callable[[Call, EngineRecord, RunningEntry, float | None], Awaitable[int
 #: fields only the P/D flow may set: a client's own would make an engine pull KV from a host the
 #: client chose, or hold its KV blocks for a lease as a prefill engine does
 HANDOVER_FIELDS = frozenset(("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"))
-#: engine ``priority`` values stay integers that every JSON parser reads exactly
-_MAX_PRIORITY = (1 << 53) - 1
 
 
 class CollocatedFlow:
@@ -224,6 +222,7 @@ class CollocatedFlow:
         record: EngineRecord,
         overrides: dict[str, Any] | None = None,
         remove: tuple[str, ...] = (),
+        late: bool = False,
     ) -> bytes:
         """The bytes to send upstream: the client's own, with at most a member or two spliced in.
 
@@ -242,10 +241,10 @@ class CollocatedFlow:
             request.body_edited = True  # a field was removed: only re-serialising can do that
         extra: dict[str, Any] = {}
         if adapter.accepts_priority:
-            # The engine orders its own queue by this: the request's TTFT deadline in ms since the
-            # gateway started, so the engine's order agrees with the gateway's deadline orders.
-            deadline_ms = int((call.arrival + call.target.ttft_s - self._epoch) * 1000)
-            extra["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
+            # The engine orders its own queue by this: the request's TTFT deadline since the gateway
+            # started (a late one's after every on-time one), as the dispatcher ordered them.
+            deadline = call.arrival + call.target.ttft_s - self._epoch
+            extra["priority"] = adapter.deadline_priority(deadline, late)
         stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
         if stream and not request.client_wants_usage:
             extra["stream_options"] = {"include_usage": True}
@@ -292,7 +291,7 @@ class CollocatedFlow:
         engine_id = record.engine_id
         migration = self.migration
         call.ledger = migration.ledger(call, record) if migration is not None else None
-        payload = self.body_for(call, record, overrides)
+        payload = self.body_for(call, record, overrides, late=entry.late)
         headers = self.headers_for(call, record)
         url = record.adapter.url(PATHS[request.kind])
         call.dispatched_at = entry.dispatched_at = time.monotonic()

@@ -204,7 +204,7 @@ class DisaggregatedFlow:
             overrides["kv_transfer_params"] = NIXL_PREFILL_PARAMS
         if call.request.kind == "chat":
             overrides["max_completion_tokens"] = 1
-        payload = self.collocated.body_for(call, record, overrides, PREFILL_REMOVES)
+        payload = self.collocated.body_for(call, record, overrides, PREFILL_REMOVES, late=entry.late)
         body = await self._prefill_exchange(call, record, entry, payload, deadline, count_wait=True)
         if isinstance(body, GatewayError):
             return body

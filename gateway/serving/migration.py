@@ -91,7 +91,6 @@ _CARRIED = (
 #: client headers a continuation does not repeat: a simulated fault targets the engine it first
 #: reached, and the natural output length is carried in the body, less what was already relayed
 _NOT_REPEATED = frozenset(("x-sim-fault", "x-sim-output-len"))
-_MAX_PRIORITY = (1 << 53) - 1
 
 
 class _Shape:
@@ -506,8 +505,7 @@ class Migrator:
             body["sim_output_len"] = state.natural - relayed
         adapter = record.adapter
         if adapter.accepts_priority:  # as the first engine was sent: the TTFT deadline, in ms
-            deadline_ms = int((call.arrival + call.target.ttft_s - self.flow._epoch) * 1000)
-            body["priority"] = adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
+            body["priority"] = adapter.deadline_priority(call.arrival + call.target.ttft_s - self.flow._epoch)
         return orjson.dumps(body)
 
     def _headers(self, call: Call, record: EngineRecord) -> dict[str, str]:

@@ -43,8 +43,6 @@ from policies.slo import SloTarget
 #: what the chat template wraps one user message in (the simulated engine applies ChatML)
 _TEMPLATE_HEAD = tuple(encode("<|im_start|>user\n"))
 _TEMPLATE_TAIL = tuple(encode("<|im_end|>\n<|im_start|>assistant\n"))
-#: engine ``priority`` values stay integers every JSON parser reads exactly (as the live flow)
-_MAX_PRIORITY = (1 << 53) - 1
 
 
 def engine_prompt(spec: RequestSpec) -> list[int]:
@@ -282,13 +280,12 @@ class SimGateway:
 
     @staticmethod
     def _engine_priority(flight: _Flight, record: EngineRecord) -> int:
-        """The live flow's engine priority: the TTFT deadline in ms since the gateway started
-        (0 for an engine that takes none)."""
+        """The live flow's engine priority: the TTFT deadline since the gateway started, a late
+        request's after every on-time one (0 for an engine that takes none)."""
         adapter = record.adapter
         if not adapter.accepts_priority:
             return 0
-        deadline_ms = int((flight.arrival + flight.target.ttft_s) * 1000)
-        return adapter.engine_priority(max(-_MAX_PRIORITY, min(_MAX_PRIORITY, deadline_ms)))
+        return adapter.deadline_priority(flight.arrival + flight.target.ttft_s, flight.entry.late)
 
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False

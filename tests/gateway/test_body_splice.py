@@ -88,3 +88,19 @@ def test_a_body_re_serialised_for_one_field_keeps_the_spliced_other() -> None:
     raw = b'{"model":"m","messages":[{"role":"user","content":""}],"stream":true,"stream_options":{"include_usage":false}}'
     sent = json.loads(flow().body_for(call(raw), record("vllm", True)))
     assert sent["priority"] == 11_000 and sent["stream_options"] == {"include_usage": True}
+
+
+def test_a_late_request_ranks_behind_every_on_time_one_on_a_deadline_scheduling_engine() -> None:
+    """HyperFlexis serves requests whose TTFT is already lost after the on-time ones (its late
+    lane); the engine's queue must agree, or a past deadline would put them first there. vLLM
+    runs the lowest priority first, SGLang (by default) the highest."""
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    for kind, sign in (("vllm", 1), ("sglang", -1)):
+        engine = record(kind, True)
+        on_time = json.loads(flow().body_for(call(raw), engine))["priority"]
+        late = json.loads(flow().body_for(call(raw), engine, late=True))["priority"]
+        assert on_time == sign * 11_000
+        # later than any on-time deadline within days of it (engines run the lower first)
+        assert sign * late > sign * on_time + 86_400_000
+    huge = record("vllm", True).adapter.deadline_priority(1e300, late=True)
+    assert huge == (1 << 53) - 1  # still an integer every JSON parser reads exactly

@@ -853,3 +853,19 @@ def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:
     assert band_of(0, 0.7, 0.2) == band_of(0, 0.701, 0.2004) == (0, 0.7, 0.2)
     assert band_of(0, 0.7, 0.2) != band_of(0, 2.0, 0.5) != band_of(1, 2.0, 0.5)
     assert band_of(0, 86_400.0, 1e-3) == (0, 86_000.0, 0.001)
+
+
+def test_hyperflexis_marks_what_it_dispatches_late_for_the_engines_queue() -> None:
+    """A request placed with its TTFT already lost is marked late on its reservation (a deadline-
+    scheduling engine then ranks it behind the on-time ones, as the dispatcher's late lane does);
+    an on-time one is not."""
+    fleet = offline_fleet({"a": 2})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=4)
+    on_time = ticket("r-1", now=10.0)
+    late = ticket("r-2", now=5.0)  # arrived 5 s ago with a 1 s TTFT
+    assert core.submit(on_time, 10.0) is not None
+    placed = core.submit(late, 10.0)
+    if placed is None:
+        core.step(10.0)
+        assert [rid for rid, _ in core.outbox] == ["r-2"]
+    assert (on_time.entry.late, late.entry.late) == (False, True)
