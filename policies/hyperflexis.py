@@ -277,6 +277,8 @@ class Assignment:
     #: those, the ones in blocks running requests share (no new KV)
     cached_tokens: int = 0
     shared_tokens: int = 0
+    #: its TTFT was already lost (late backfill, or idle backfill of a late head): the late lane
+    late: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,13 +507,13 @@ def dispatch(
             break  # every request is taken: this and the other mature workers stay mature
         if not admitted and not slack_bound and not left:
             full.add(worker.engine_id)
-        for item, feasible, prefill_tokens, kv_tokens in admitted:
+        for item, feasible, prefill_tokens, kv_tokens, late in admitted:
             view = item.view
             taken.add(view.request_id)
             cached_tokens = view.prompt_tokens - prefill_tokens
             shared_tokens = view.prompt_tokens + view.max_output_tokens - kv_tokens
             assignments.append(
-                Assignment(view.request_id, worker.engine_id, feasible, cached_tokens, shared_tokens)
+                Assignment(view.request_id, worker.engine_id, feasible, cached_tokens, shared_tokens, late)
             )
             shadow.add(prefill_tokens, item.tpot_slo, kv_tokens)
         if loads:
@@ -565,9 +567,9 @@ class _Turn(NamedTuple):
 
 def _fill_worker(
     turn: _Turn, worker: WorkerView, shadow: _Shadow
-) -> tuple[list[tuple[QueuedRequest, bool, int, int]], float, bool, bool, bool]:
-    """One worker's look: what it admits (each with the prompt tokens it must prefill and the KV
-    tokens it must find), when a
+) -> tuple[list[tuple[QueuedRequest, bool, int, int, bool]], float, bool, bool, bool]:
+    """One worker's look: what it admits (each with whether it is feasible, the prompt tokens it
+    must prefill, the KV tokens it must find and whether its TTFT is already lost), when a
     candidate it skipped for slack turns late (``inf`` if none), whether the queue had nothing
     left for it to look at, whether any candidate was turned down for slack (rather than for
     seqs, KV or budget), and whether it left any to a worker holding more of its prompt."""
@@ -590,8 +592,8 @@ def _fill_worker(
     # anything taken in this turn, by this look or an earlier one of the same call (or, for a
     # join, by the turn whose hold it joins: an oversized prompt waits for a turn of its own)
     took = shadow.taken > 0 or worker.joining is not None
-    # (request, feasible, prompt tokens to prefill, KV tokens to find)
-    admitted: list[tuple[QueuedRequest, bool, int, int]] = []
+    # (request, feasible, prompt tokens to prefill, KV tokens to find, late)
+    admitted: list[tuple[QueuedRequest, bool, int, int, bool]] = []
     late_at = math.inf
     slack_bound = False
     candidates = _Candidates(queue, taken, params.max_scan)
@@ -698,7 +700,7 @@ def _fill_worker(
                 if turns_late > now:
                     late_at = turns_late
             continue
-        admitted.append((item, True, prompt, need_kv))
+        admitted.append((item, True, prompt, need_kv, False))
         took = True
         waiting_sum += prompt
         waiting_squares += prompt * prompt
@@ -750,7 +752,7 @@ def _fill_worker(
                 continue
             if view.arrival + item.ttft_slo >= now + (a + b * prompt + c * (prompt * prompt)):
                 continue  # still feasible somewhere: leave it for a worker that can make it
-            admitted.append((item, False, prompt, need_kv))
+            admitted.append((item, False, prompt, need_kv, True))
             budget_left -= prompt
             kv_left -= need_kv
             free_seqs -= 1
@@ -775,7 +777,9 @@ def _fill_worker(
                 late_at = min(late_at, leave_until)
                 slack_bound = True
         elif head.view.prompt_tokens < worker.free_kv_tokens:
-            admitted.append((head, False, prompt, kv_prompt + head.view.max_output_tokens))
+            # (a head that only fitted nowhere else, its TTFT still within reach, is not late)
+            late = head.view.arrival + head.ttft_slo < now + (a + b * prompt + c * (prompt * prompt))
+            admitted.append((head, False, prompt, kv_prompt + head.view.max_output_tokens, late))
     return admitted, late_at, not candidates, slack_bound, left
 
 

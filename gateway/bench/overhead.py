@@ -37,6 +37,7 @@ import aiohttp
 import orjson
 
 from gateway.bench.harness import (
+    StreamTrace,
     checks_table,
     cpu_seconds,
     engine_entry,
@@ -388,6 +389,8 @@ class PacedResult:
     idle_cpu_ms_per_s: float
     #: the same measurement through a bare relay on the same stack (gateway.bench.relay_floor)
     floor: PacedResult | None = None
+    #: CPU per event of every repeat (this result is the median one's)
+    runs_us_per_event: tuple[float, ...] = ()
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         where = f"{self.streams} streams, {self.token_gap_ms:g} ms apart"
@@ -589,22 +592,22 @@ async def _measure_paced(
         await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(min(streams, 20))))
         idle = await idle_cpu_rate(gateway.pid, 1.0)
 
-        cpu_per_stream: list[float] = []
-        events_per_stream: list[float] = []
-        max_gap = 0.0
-        for length in tokens:
-            progress(f"paced: {waves} x {streams} concurrent streams of {length} tokens, {gap_ms:g} ms apart")
-            body, headers = request(length)
-            c0, t0 = cpu_seconds(gateway.pid), time.perf_counter()
-            traces = []
-            for _ in range(waves):
-                traces += await asyncio.gather(
+        cpu = [0.0, 0.0]
+        traces: list[list[StreamTrace]] = [[], []]
+        progress(f"paced: {waves} x 2 waves of {streams} streams, {tokens[0]} and {tokens[1]} tokens")
+        # short and long waves alternate, so a drift in the machine's speed (this VM's moves by
+        # +-20 % over minutes) weighs on both lengths alike instead of on the slope between them
+        for _ in range(waves):
+            for i, length in enumerate(tokens):
+                body, headers = request(length)
+                c0, t0 = cpu_seconds(gateway.pid), time.perf_counter()
+                traces[i] += await asyncio.gather(
                     *(traced_stream(session, url, body, headers) for _ in range(streams))
                 )
-            cpu = cpu_seconds(gateway.pid) - c0 - idle * (time.perf_counter() - t0)
-            cpu_per_stream.append(cpu / len(traces))
-            events_per_stream.append(sum(t.events for t in traces) / len(traces))
-            max_gap = max(max_gap, *(g for t in traces for _, g in t.gaps()))
+                cpu[i] += cpu_seconds(gateway.pid) - c0 - idle * (time.perf_counter() - t0)
+        cpu_per_stream = [cpu[i] / len(traces[i]) for i in (0, 1)]
+        events_per_stream = [sum(t.events for t in traces[i]) / len(traces[i]) for i in (0, 1)]
+        max_gap = max((g for wave in traces for t in wave for _, g in t.gaps()), default=0.0)
 
     per_event = (cpu_per_stream[1] - cpu_per_stream[0]) / (events_per_stream[1] - events_per_stream[0])
     return PacedResult(
@@ -626,28 +629,49 @@ def run_paced(
     tokens: tuple[int, int] = (16, 64),
     waves: int = 2,
     floor: bool = False,
+    repeats: int = 1,
 ) -> PacedResult:
     """A paced engine and a fresh gateway; gateway CPU per event and per request; with ``floor``,
-    then the same through a bare relay on the same stack, in front of the same engine. Blocking."""
+    the same through a bare relay on the same stack, in front of the same engine. ``repeats``
+    times, the gateway's and the floor's measurements alternating; the median run of each is
+    returned (one run's figures, not a mix). Blocking."""
     if not 0 < tokens[0] < tokens[1]:
         raise ValueError(f"paced stream lengths must be two increasing token counts, got {tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     progress(f"starting an engine pacing tokens {gap_ms:g} ms apart and a single-worker gateway")
     with tempfile.TemporaryDirectory(prefix="slogate-bench-") as tmp:
         profile = paced_profile(Path(tmp), gap_ms / 1e3)
-        with (
-            spawn_paced_engine(PACED_MODEL, profile) as engine,
-        ):
-            with spawn_gateway([engine_entry(engine, PACED_MODEL)]) as gateway:
-                result = asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves))
+        with ExitStack() as stack:
+            engine = stack.enter_context(spawn_paced_engine(PACED_MODEL, profile))
+            gateway = stack.enter_context(spawn_gateway([engine_entry(engine, PACED_MODEL)]))
+            relay = None
             if floor:
-                progress("paced: the same through a bare relay on the same stack (gateway.bench.relay_floor)")
-                with spawn_listening(
-                    [sys.executable, "-m", "gateway.bench.relay_floor", engine.url], "relay-floor"
-                ) as relay:
-                    result.floor = asyncio.run(
-                        _measure_paced(relay, PACED_MODEL, streams, gap_ms, tokens, waves)
+                command = [sys.executable, "-m", "gateway.bench.relay_floor", engine.url]
+                relay = stack.enter_context(spawn_listening(command, "relay-floor"))
+            runs: list[PacedResult] = []
+            floors: list[PacedResult] = []
+            for i in range(repeats):
+                progress(f"paced: the gateway (run {i + 1} of {repeats})")
+                runs.append(asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves)))
+                if relay is not None:
+                    progress(f"paced: a bare relay on the same stack (run {i + 1} of {repeats})")
+                    floors.append(
+                        asyncio.run(_measure_paced(relay, PACED_MODEL, streams, gap_ms, tokens, waves))
                     )
+            result = _median_run(runs)
+            if floors:
+                result.floor = _median_run(floors)
             return result
+
+
+def _median_run(runs: list[PacedResult]) -> PacedResult:
+    """The run with the median CPU per event (the higher middle of an even count), with every
+    run's figure in ``runs_us_per_event``."""
+    ranked = sorted(runs, key=lambda r: r.cpu_us_per_sse_event)
+    median = ranked[len(ranked) // 2]
+    median.runs_us_per_event = tuple(r.cpu_us_per_sse_event for r in runs)
+    return median
 
 
 def run_overhead(
@@ -660,6 +684,7 @@ def run_overhead(
     dispatchers: bool = True,
     tracing: bool = False,
     paced_floor: bool = False,
+    paced_repeats: int = 3,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -667,7 +692,9 @@ def run_overhead(
     with spawn_zero_engine(MODEL) as engine, spawn_gateway([engine_entry(engine, MODEL)]) as gateway:
         result = asyncio.run(_measure(engine, gateway, n, stream_tokens))
     if paced_streams > 0:
-        result.paced = run_paced(paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor)
+        result.paced = run_paced(
+            paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor, paced_repeats
+        )
     if dispatchers:
         result.dispatchers = run_dispatcher_latency(max(50, n // 2))
     if tracing:
@@ -694,6 +721,13 @@ def render_table(result: OverheadResult) -> str:
             f"chunks {paced.max_gap_ms:.1f} ms; idle gateway CPU "
             f"{paced.idle_cpu_ms_per_s:.2f} ms/s subtracted)"
         )
+        if len(paced.runs_us_per_event) > 1:
+            floor = paced.floor.runs_us_per_event if paced.floor is not None else ()
+            lines.append(
+                "(paced, CPU per event of each run, the median above: gateway "
+                + " / ".join(f"{v:.1f}" for v in paced.runs_us_per_event)
+                + (" µs; the floor " + " / ".join(f"{v:.1f}" for v in floor) + " µs)" if floor else " µs)")
+            )
     return "\n".join(lines)
 
 
@@ -715,6 +749,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--paced-waves", type=int, default=2, help="waves of streams per paced length")
     parser.add_argument(
+        "--paced-repeats",
+        type=_positive,
+        default=3,
+        help="paced measurements (each with the floor's, alternating); the median is reported",
+    )
+    parser.add_argument(
         "--paced-floor",
         action="store_true",
         help="also run the paced case through a bare relay on the same stack (the per-event floor)",
@@ -730,6 +770,16 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="also compare tracing off vs on (spans made and dropped) on fresh gateways: added p50 and "
         "CPU per plain and streamed request at c=1",
     )
+
+
+def _positive(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return count
 
 
 def _two_lengths(value: str) -> tuple[int, int]:
@@ -753,6 +803,7 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
         not args.no_dispatchers,
         args.tracing,
         args.paced_floor,
+        args.paced_repeats,
     )
     print(render_table(result))
     if args.json:

@@ -443,6 +443,8 @@ class DispatchCore:
         (it was admitted already), never on an engine in ``exclude``."""
         # (what the failed engine held is not on this one)
         ticket.entry.cached_tokens = ticket.entry.shared_tokens = 0
+        # (a fresh reservation per attempt: one whose TTFT is gone by now stays in the late lane)
+        ticket.entry.late = now >= ticket.item.ttft_deadline
         record = self._choose(ticket, exclude, now)
         if record is None:
             raise self.no_engine(ticket.item.view.model)
@@ -664,7 +666,7 @@ class DispatchCore:
             if arrival is not None:  # (the only request this turn could take)
                 arrival.entry.cached_tokens = assignment.cached_tokens
                 arrival.entry.shared_tokens = assignment.shared_tokens
-                arrival.entry.late = not assignment.feasible
+                arrival.entry.late = assignment.late
                 # (the prefix index, the affinity store and x-slogate-decision learn it as for any)
                 self.router.assigned(arrival.item.view, assignment.engine_id, now)
                 self.fleet.reserve(assignment.engine_id, arrival.request_id, arrival.entry)
@@ -679,7 +681,7 @@ class DispatchCore:
             if assigned is not None:  # (always, while queues hold only live tickets)
                 assigned.entry.cached_tokens = assignment.cached_tokens
                 assigned.entry.shared_tokens = assignment.shared_tokens
-                assigned.entry.late = not assignment.feasible
+                assigned.entry.late = assignment.late
                 self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
         for worker in looking:

@@ -187,7 +187,7 @@ class DisaggregatedFlow:
             return kv
         progress.prefilled = True
         overrides: dict[str, object] = {} if shared else {"kv_transfer_params": kv}
-        outcome = await self._decode_stage(progress, call, record, deadline, overrides)
+        outcome = await self._decode_stage(progress, call, record, deadline, overrides, entry.late)
         if isinstance(outcome, GatewayError):
             # the prefill is done: another one would only be the same work again (and strand
             # this one's KV): the decode stage's failure is the answer
@@ -377,9 +377,10 @@ class DisaggregatedFlow:
         prefill: EngineRecord,
         deadline: float | None,
         overrides: dict[str, object],
+        late: bool = False,
     ) -> int | GatewayError:
         """Place the decode now and run it; another decode engine if one refuses before any
-        byte (the prefill engine keeps the KV for its lease)."""
+        byte (the prefill engine keeps the KV for its lease). ``late``: the prefill's mark."""
         call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
         outcome: int | GatewayError = self._no_decode_engine(call.request.model)
         for _ in range(self.settings.dispatch_attempts):
@@ -388,7 +389,7 @@ class DisaggregatedFlow:
                 return outcome
             progress.decode_tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
-            entry = self._reserve(call, record, remote_kv=True)
+            entry = self._reserve(call, record, remote_kv=True, late=late)
             end_transfer: Callable[[], None] | None = None
             try:
                 end_transfer = await self._transfer_turn(call, record, entry, choice)
@@ -461,10 +462,15 @@ class DisaggregatedFlow:
         self.fleet.reserve(record.engine_id, call.rid, entry)
         return record
 
-    def _reserve(self, call: Call, record: EngineRecord, remote_kv: bool = False) -> RunningEntry:
+    def _reserve(
+        self, call: Call, record: EngineRecord, remote_kv: bool = False, late: bool = False
+    ) -> RunningEntry:
+        """A decode stage's reservation; ``late``: its prefill was dispatched with the TTFT lost,
+        and the decode engine's queue keeps it in the late lane too."""
         request = call.request
         entry = RunningEntry(request.prompt_tokens, request.max_tokens, call.target.tpot_s, 0.0)
         entry.remote_kv = remote_kv
+        entry.late = late
         self.fleet.reserve(record.engine_id, call.rid, entry)
         return entry
 
@@ -517,10 +523,10 @@ class DisaggregatedFlow:
             "bootstrap_room": random.getrandbits(63),
         }
         prefill_payload = self.collocated.body_for(
-            call, prefill, {**fields, "stream": False}, PREFILL_REMOVES
+            call, prefill, {**fields, "stream": False}, PREFILL_REMOVES, late=entry.late
         )
         call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
-        decode_entry = self._reserve(call, decode, remote_kv=True)
+        decode_entry = self._reserve(call, decode, remote_kv=True, late=entry.late)
         # counted as arriving at the decode engine (not gated: P and D go together here)
         end_transfer = await self._transfer_turn(call, decode, decode_entry, choice, gated=False)
         prefill_task = asyncio.create_task(

@@ -485,9 +485,11 @@ class Migrator:
 
     # -- one continuation -------------------------------------------------------------------------
 
-    def _body(self, call: Call, record: EngineRecord, ledger: StreamLedger, state: _Resume | None) -> bytes:
+    def _body(
+        self, call: Call, record: EngineRecord, ledger: StreamLedger, state: _Resume | None, late: bool
+    ) -> bytes:
         if state is None:  # a restart: the client's request as the first engine got it
-            return self.flow.body_for(call, record)
+            return self.flow.body_for(call, record, late=late)
         source = call.request.body
         generated = ledger.tokens()
         relayed = len(generated)
@@ -504,7 +506,9 @@ class Migrator:
         if state.natural is not None:
             body["sim_output_len"] = state.natural - relayed
         adapter = record.adapter
-        if adapter.accepts_priority:  # as the first engine was sent: the TTFT deadline, in ms
+        # as the first engine was sent: the TTFT deadline (its first token is settled, so the
+        # late lane has nothing left to protect)
+        if adapter.accepts_priority:
             body["priority"] = adapter.deadline_priority(call.arrival + call.target.ttft_s - self.flow._epoch)
         return orjson.dumps(body)
 
@@ -524,7 +528,7 @@ class Migrator:
         settings = flow.settings
         entry = record.running.get(call.rid) or RunningEntry(0, 0, call.target.tpot_s, 0.0)
         url = record.adapter.url(COMPLETIONS if state is not None else PATHS[call.request.kind])
-        payload = self._body(call, record, ledger, state)
+        payload = self._body(call, record, ledger, state, entry.late)
         headers = self._headers(call, record)
         call.engine_id = record.engine_id
         call.entry = entry

@@ -857,15 +857,29 @@ def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:
 
 def test_hyperflexis_marks_what_it_dispatches_late_for_the_engines_queue() -> None:
     """A request placed with its TTFT already lost is marked late on its reservation (a deadline-
-    scheduling engine then ranks it behind the on-time ones, as the dispatcher's late lane does);
-    an on-time one is not."""
-    fleet = offline_fleet({"a": 2})
-    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=4)
-    on_time = ticket("r-1", now=10.0)
-    late = ticket("r-2", now=5.0)  # arrived 5 s ago with a 1 s TTFT
-    assert core.submit(on_time, 10.0) is not None
-    placed = core.submit(late, 10.0)
-    if placed is None:
-        core.step(10.0)
-        assert [rid for rid, _ in core.outbox] == ["r-2"]
-    assert (on_time.entry.late, late.entry.late) == (False, True)
+    scheduling engine then ranks it behind the on-time ones, as the dispatcher's late lane does),
+    placed at its arrival or from the queue; an on-time one is not, and a retry marks anew."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=1)
+    late_arrival = ticket("r-1", now=5.0)  # arrived 5 s ago with a 1 s TTFT: idle backfill takes it
+    late_arrival.entry.late = False
+    assert core.submit(late_arrival, 10.0) is not None
+    assert late_arrival.entry.late
+    queued_late, queued_on_time = ticket("r-2", now=8.0), ticket("r-3", now=10.0)
+    queued_late.entry.late = queued_on_time.entry.late = True  # (what the turn must overwrite)
+    assert core.submit(queued_late, 10.0) is None and core.submit(queued_on_time, 10.0) is None
+    placed: list[str] = []
+    for now in (10.01, 10.5):  # the seat frees twice: the on-time one goes first, then the late
+        record = fleet.records["a-0"]
+        for rid in list(record.running):
+            fleet.release("a-0", rid)
+        core.step(now)
+        placed += [rid for rid, _ in core.outbox]
+        core.outbox.clear()
+    assert placed == ["r-3", "r-2"]
+    assert (queued_on_time.entry.late, queued_late.entry.late) == (False, True)
+    fleet.release("a-0", "r-2")
+    retried = ticket("r-4", now=10.0)
+    retried.entry.late = True
+    core.retry(retried, (), 10.2)  # still within its TTFT
+    assert not retried.entry.late

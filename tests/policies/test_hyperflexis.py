@@ -371,3 +371,22 @@ def test_mixed_steps_charge_a_turns_prefill_only_what_it_adds_to_a_decode_step()
     idle_mixed = dispatch(queue, [worker("w")], 0.0, mixed)
     assert idle_mixed.assignments == idle_plain.assignments
     assert idle_mixed.maturity == idle_plain.maturity
+    # and so does one whose every request still waits for its prefill (no decode step to share)
+    prefilling = (RunningRequest(100, 0, 0.1, False),)
+    assert (
+        dispatch(queue, [worker("w", running=prefilling)], 0.0, mixed).assignments
+        == dispatch(queue, [worker("w", running=prefilling)], 0.0, base).assignments
+    )
+
+
+def test_only_a_request_whose_ttft_is_lost_is_dispatched_late() -> None:
+    """Late backfill takes late requests; idle backfill takes the head, late or not (a prompt that
+    fits nowhere else): only a head past its TTFT is in the late lane."""
+    roomy = dispatch([req("big", prompt=100, out=10_000)], [worker("w", kv=5_000)], 0.0)
+    assert [(a.request_id, a.feasible, a.late) for a in roomy.assignments] == [("big", False, False)]
+    late = dispatch([req("old", arrival=-5.0)], [worker("w")], 0.0)
+    assert [(a.request_id, a.late) for a in late.assignments] == [("old", True)]
+    backfill = dispatch(
+        [req("a", tpot=0.5), req("old", arrival=-5.0, tpot=0.5)], [worker("w")], 0.0, HyperFlexisParams()
+    )
+    assert {a.request_id: a.late for a in backfill.assignments} == {"a": False, "old": True}
