@@ -772,16 +772,6 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(value: str) -> int:
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return count
-
-
 def _two_lengths(value: str) -> tuple[int, int]:
     try:
         short, long = (int(v) for v in value.split(","))
