@@ -31,7 +31,7 @@ from gateway.simulator.report import Row, plot_curves, row, table
 from gateway.simulator.scenario import RunResult, Scenario, run
 
 
-def _disturbance(text: str) -> Disturbance:
+def disturbance_argument(text: str) -> Disturbance:
     try:
         return Disturbance.parse(text)
     except ValueError as exc:
@@ -161,11 +161,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--disturb",
         dest="disturbances",
         action="append",
-        type=_disturbance,
+        type=disturbance_argument,
         default=[],
         metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
         help="inject slow-engine (x slower; a 5th field names the engine, e.g. "
-        "slow-engine:10:40:3:decode-1), stale-scrapes or gateway-stall (s late); repeatable",
+        "slow-engine:10:40:3:decode-1), stale-scrapes, gateway-stall (s late) or relay-delay "
+        "(tokens and ends reach the gateway s late); repeatable",
     )
     parser.add_argument(
         "--pd",

@@ -6,7 +6,10 @@
 * ``stale-scrapes``: no scrape reaches the gateway between ``start`` and ``end`` (a monitor that
   cannot keep up); the gateway routes on its shadow and stale state;
 * ``gateway-stall``: every event the gateway handles between ``start`` and ``end`` is handled
-  ``magnitude`` seconds late (a CPU-starved gateway): arrivals, dispatch turns, tokens, ends.
+  ``magnitude`` seconds late (a CPU-starved gateway): arrivals, dispatch turns, tokens, ends;
+* ``relay-delay``: the engines' tokens and ends produced between ``start`` and ``end`` reach the
+  gateway ``magnitude`` seconds after the engine made them (the network and a busy relay: live,
+  the gateway reads each token from an HTTP stream), in order; the client sees them as late.
 
 Written ``kind:start:end[:magnitude[:engine]]`` on the command line (seconds of virtual time;
 ``engine``, an engine id such as ``decode-1``, only for ``slow-engine``).
@@ -17,9 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["slow-engine", "stale-scrapes", "gateway-stall"]
-KINDS: tuple[Kind, ...] = ("slow-engine", "stale-scrapes", "gateway-stall")
-DEFAULT_MAGNITUDE: dict[Kind, float] = {"slow-engine": 3.0, "stale-scrapes": 0.0, "gateway-stall": 0.2}
+Kind = Literal["slow-engine", "stale-scrapes", "gateway-stall", "relay-delay"]
+KINDS: tuple[Kind, ...] = ("slow-engine", "stale-scrapes", "gateway-stall", "relay-delay")
+DEFAULT_MAGNITUDE: dict[Kind, float] = {
+    "slow-engine": 3.0,
+    "stale-scrapes": 0.0,
+    "gateway-stall": 0.2,
+    "relay-delay": 0.02,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,6 @@ class Disturbance:
             raise ValueError(f"disturbance {text!r}: need 0 <= start < end")
         if kind == "slow-engine" and magnitude <= 0:
             raise ValueError(f"disturbance {text!r}: a slow-down factor must be > 0")
-        if kind == "gateway-stall" and magnitude < 0:
-            raise ValueError(f"disturbance {text!r}: a stall must be >= 0 seconds")
+        if kind in ("gateway-stall", "relay-delay") and magnitude < 0:
+            raise ValueError(f"disturbance {text!r}: a stall or delay must be >= 0 seconds")
         return cls(kind, start, end, magnitude, engine)

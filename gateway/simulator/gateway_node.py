@@ -146,9 +146,14 @@ class SimGateway:
                 return d.magnitude
         return None
 
-    def _stalled(self, fn: Callable[..., None], *args: Any) -> bool:
-        """During a gateway stall, handle ``fn(*args)`` that much later (once); True if deferred."""
-        delay = self._disturbed("gateway-stall") if self.disturbances else None
+    def _stalled(self, fn: Callable[..., None], *args: Any, relayed: bool = False) -> bool:
+        """During a gateway stall, handle ``fn(*args)`` that much later (once); True if deferred.
+        ``relayed``: an engine's token or end, which a relay delay holds back as well."""
+        if not self.disturbances:
+            return False
+        delay = self._disturbed("gateway-stall") or 0.0
+        if relayed:
+            delay += self._disturbed("relay-delay") or 0.0
         if not delay:
             return False
         self.clock.at(self.clock.now + delay, fn, *args, True)
@@ -291,7 +296,7 @@ class SimGateway:
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
         self._kv_events(engine_id, now)
-        if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
+        if not deferred and self._stalled(self._tokens_late, engine_id, tokens, relayed=True):
             return
         flights = self.flights
         fleet = self.fleet
@@ -316,7 +321,7 @@ class SimGateway:
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
         self._kv_events(engine_id, now)
-        if not deferred and self._stalled(self._finished_late, engine_id, requests):
+        if not deferred and self._stalled(self._finished_late, engine_id, requests, relayed=True):
             return
         for request in requests:
             flight = self.flights.pop(request.request_id, None)

@@ -29,6 +29,8 @@ from gateway.experiments.replay import summarize
 from gateway.experiments.runner import split_prio
 from gateway.simulator.calibration import replay_live
 from gateway.simulator.capacity import engine_capacity
+from gateway.simulator.cli import disturbance_argument
+from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import RunResult, Scenario, run
 
@@ -70,7 +72,14 @@ class Result:
     requests: int
 
 
-def _scenario(cell: Cell, policy: str, engines: int, duration_s: float, seed: int) -> Scenario:
+def _scenario(
+    cell: Cell,
+    policy: str,
+    engines: int,
+    duration_s: float,
+    seed: int,
+    disturbances: tuple[Disturbance, ...] = (),
+) -> Scenario:
     profile, prio = split_prio(policy)
     ramp = cell.load == 0
     return Scenario(
@@ -85,6 +94,7 @@ def _scenario(cell: Cell, policy: str, engines: int, duration_s: float, seed: in
         seed=seed,
         engine_priority=prio,
         engine_speed=cell.speed,
+        disturbances=disturbances,
     )
 
 
@@ -297,6 +307,16 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("results/grid"))
     parser.add_argument(
+        "--disturb",
+        dest="disturbances",
+        action="append",
+        type=disturbance_argument,
+        default=[],
+        metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
+        help="inject a disturbance into every offline run, as `slogate simulate --disturb` "
+        "(e.g. relay-delay:0:1000:0.02: tokens reach the gateway 20 ms after the engine made them)",
+    )
+    parser.add_argument(
         "--live",
         action="store_true",
         help="also replay every run in real time through engine and gateway processes, one at a "
@@ -316,6 +336,9 @@ def grid_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"slogate experiment grid: --candidate {name!r} is not in --policies")
     if not set(policies) - set(named):
         raise SystemExit("slogate experiment grid: --policies has no baseline besides the candidates")
+    disturbances = tuple(args.disturbances)
+    if disturbances and args.live:
+        raise SystemExit("slogate experiment grid: --disturb is offline only (live runs have their own)")
     grid = cells(
         [w for w in args.workloads.split(",") if w],
         [float(x) for x in args.speeds.split(",") if x],
@@ -339,7 +362,7 @@ def grid_main(args: argparse.Namespace) -> int:
         )
 
     runs = [
-        (cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed))
+        (cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed, disturbances))
         for cell, policy in jobs
     ]
     results = run_jobs(_run, runs, args.jobs, report)

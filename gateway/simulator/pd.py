@@ -229,7 +229,7 @@ class PdGateway(SimGateway):
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
-        if not deferred and self._stalled(self._tokens_late, engine_id, tokens):
+        if not deferred and self._stalled(self._tokens_late, engine_id, tokens, relayed=True):
             return
         fleet = self.fleet
         record = fleet.records[engine_id]
@@ -253,7 +253,7 @@ class PdGateway(SimGateway):
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
-        if not deferred and self._stalled(self._finished_late, engine_id, requests):
+        if not deferred and self._stalled(self._finished_late, engine_id, requests, relayed=True):
             return
         decodes = [r for r in requests if not r.prefill_only]
         if decodes:

@@ -21,6 +21,9 @@ def _base(**kw: object) -> Scenario:
 def test_parse() -> None:
     assert Disturbance.parse("slow-engine:10:20") == Disturbance("slow-engine", 10.0, 20.0, 3.0)
     assert Disturbance.parse("gateway-stall:0:5:0.5").magnitude == 0.5
+    assert Disturbance.parse("relay-delay:0:5") == Disturbance("relay-delay", 0.0, 5.0, 0.02)
+    with pytest.raises(ValueError):
+        Disturbance.parse("relay-delay:0:5:-1")
     for bad in ("slow:1:2", "slow-engine:2:1", "slow-engine:a:b", "slow-engine:1", "slow-engine:0:1:0"):
         with pytest.raises(ValueError):
             Disturbance.parse(bad)
@@ -56,6 +59,22 @@ def test_a_gateway_stall_delays_what_clients_see_by_about_its_length() -> None:
     assert [o.ttft_s for o in stalled.outcomes if o.spec.at < 9] == [
         o.ttft_s for o in clean.outcomes if o.spec.at < 9
     ]
+
+
+def test_a_relay_delay_shows_every_token_and_end_that_much_later_in_order() -> None:
+    """Tokens and ends reach the gateway (and its clients) ``magnitude`` after the engine made
+    them; arrivals and dispatch are not delayed. On an idle fleet (least load, one request at a
+    time per engine) each request's whole timeline moves by exactly the delay."""
+    light = {"qps": 2, "requests": 60, "duration_s": None}
+    clean = run(_base(**light))
+    relayed = run(_base(**light, disturbances=(Disturbance("relay-delay", 0.0, 10**6, 0.05),)))
+    assert len(clean.outcomes) == len(relayed.outcomes) == 60
+    by_id = {o.spec.at: o for o in clean.outcomes}
+    for late in relayed.outcomes:
+        early = by_id[late.spec.at]
+        assert late.ttft_s == pytest.approx(early.ttft_s + 0.05, abs=0.03)
+        assert late.e2e_s == pytest.approx(early.e2e_s + 0.05, abs=0.03)
+        assert late.tokens == early.tokens
 
 
 def test_hyperflexis_loses_no_more_than_least_load_to_a_stalled_gateway() -> None:

@@ -86,3 +86,19 @@ def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> Non
         assert ratio == f"{got[candidate] / got['least-load']:.2f}"
     assert "hyperflexis-wspt: " in table and "(1 cells, 1 that must show a 1.3x win)" in table
     assert (out / "grid.png").stat().st_size > 10_000
+
+
+def test_a_disturbance_reaches_every_offline_run_and_is_refused_live(tmp_path: Path) -> None:
+    base = ["experiment", "grid", "--workloads", "hyperflexis-2task", "--speeds", "0.5", "--loads", "1.2",
+            "--policies", "wspt,hyperflexis", "--engines", "1", "--duration", "20", "--ramp-qps", "0",
+            "--jobs", "1"]  # fmt: skip
+    attainment = {}
+    for name, extra in (("clean", []), ("relayed", ["--disturb", "relay-delay:0:1000:0.5"])):
+        assert main([*base, *extra, "--out", str(tmp_path / name)]) == 0
+        rows = json.loads((tmp_path / name / "grid.json").read_text())
+        attainment[name] = {r["policy"]: r["attainment"] for r in rows}
+    # every token half a second late: the 0.7 s TTFT class misses far more, whatever the policy
+    for policy in ("wspt", "hyperflexis"):
+        assert attainment["relayed"][policy] < attainment["clean"][policy] - 0.1
+    with pytest.raises(SystemExit, match="offline only"):
+        main([*base, "--disturb", "relay-delay:0:1000:0.02", "--live", "--out", str(tmp_path / "live")])
