@@ -38,6 +38,21 @@ def disturbance_argument(text: str) -> Disturbance:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_disturb_argument(parser: argparse.ArgumentParser, where: str = "") -> None:
+    """``--disturb`` (repeatable) into ``args.disturbances``, for simulate and the grid."""
+    parser.add_argument(
+        "--disturb",
+        dest="disturbances",
+        action="append",
+        type=disturbance_argument,
+        default=[],
+        metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
+        help=f"inject{where} slow-engine (x slower; a 5th field names the engine, e.g. "
+        "slow-engine:10:40:3:decode-1), stale-scrapes, gateway-stall (s late) or relay-delay "
+        "(tokens and ends reach the gateway s late, e.g. relay-delay:0:1000:0.02); repeatable",
+    )
+
+
 def parse_rates(text: str) -> list[float]:
     """``a:b:step`` (inclusive) or a comma-separated list; every rate > 0."""
     try:
@@ -157,17 +172,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--out", type=Path, default=Path("results/simulate"))
-    parser.add_argument(
-        "--disturb",
-        dest="disturbances",
-        action="append",
-        type=disturbance_argument,
-        default=[],
-        metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
-        help="inject slow-engine (x slower; a 5th field names the engine, e.g. "
-        "slow-engine:10:40:3:decode-1), stale-scrapes, gateway-stall (s late) or relay-delay "
-        "(tokens and ends reach the gateway s late); repeatable",
-    )
+    add_disturb_argument(parser)
     parser.add_argument(
         "--pd",
         type=pd_counts,

@@ -29,7 +29,7 @@ from gateway.experiments.replay import summarize
 from gateway.experiments.runner import split_prio
 from gateway.simulator.calibration import replay_live
 from gateway.simulator.capacity import engine_capacity
-from gateway.simulator.cli import disturbance_argument
+from gateway.simulator.cli import add_disturb_argument
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import RunResult, Scenario, run
@@ -306,16 +306,7 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("results/grid"))
-    parser.add_argument(
-        "--disturb",
-        dest="disturbances",
-        action="append",
-        type=disturbance_argument,
-        default=[],
-        metavar="KIND:START:END[:MAGNITUDE[:ENGINE]]",
-        help="inject a disturbance into every offline run, as `slogate simulate --disturb` "
-        "(e.g. relay-delay:0:1000:0.02: tokens reach the gateway 20 ms after the engine made them)",
-    )
+    add_disturb_argument(parser, " into every offline run")
     parser.add_argument(
         "--live",
         action="store_true",
