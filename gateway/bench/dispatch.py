@@ -70,6 +70,9 @@ class DispatchPoint:
     steps_per_placement: float = 0.0
     #: seconds run before measuring (steady_state_after)
     warmup_s: float = 0.0
+    #: the longest single dispatcher call (ms): how long it held the event loop at once, a stall
+    #: in every stream the gateway relays
+    max_call_ms: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -83,10 +86,11 @@ class _Meter:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.calls = 0
+        self.longest = 0.0
         self.cpu_overhead_s = self._calibrate()
 
     def reset(self) -> None:
-        self.seconds = self.cpu_seconds = 0.0
+        self.seconds = self.cpu_seconds = self.longest = 0.0
         self.calls = 0
 
     @property
@@ -122,6 +126,8 @@ class _Meter:
                 t1 = wall()
                 c1 = cpu()
                 self.seconds += t1 - t0
+                if t1 - t0 > self.longest:
+                    self.longest = t1 - t0
                 self.cpu_seconds += c1 - c0
                 self.calls += 1
 
@@ -133,13 +139,14 @@ def _dispatch_loop(fleet: Fleet, dispatcher: str, slots: int) -> DispatchLoop:
     hyperflexis = dispatcher == "hyperflexis"
     # HyperFlexis as the shipped profile runs it (its demotion plan included)
     shipped = RoutingProfile.load(DEFAULT_PROFILES_DIR / "routing" / "hyperflexis.yaml").dispatcher
+    limits = ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0)
     return DispatchLoop(
         DispatchCore(
             fleet,
             Router(fleet, pipeline),
             shipped.order if hyperflexis else make_order("fcfs", {}),
             lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
-            lambda _: ClassLimits(max_queued=1_000_000, queue_timeout_s=3600.0),
+            lambda _: limits,
             hyperflexis=shipped.hyperflexis if hyperflexis else None,
             max_engine_load=None if hyperflexis else slots,
             tightest_ttft_s=5.0,
@@ -255,6 +262,7 @@ async def _run_point(
         cpu_us_per_placement=cpu_spent / max(1, placements) * 1e6,
         steps_per_placement=steps / max(1, placements),
         warmup_s=warmup_s,
+        max_call_ms=meter.longest * 1e3,
     )
 
 
@@ -305,7 +313,8 @@ def run_dispatch_bench(
                         f"[{len(points)}/{total}] {dispatcher:11s} {n:4d} engines {q:6d} queued: "
                         f"{point.us_per_placement:6.1f} µs/placement "
                         f"({point.cpu_us_per_placement:5.1f} CPU), "
-                        f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each "
+                        f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each, "
+                        f"longest call {point.max_call_ms:.1f} ms "
                         f"(after {warmup_s:.1f} s of warm-up)"
                     )
     return points
@@ -314,14 +323,14 @@ def run_dispatch_bench(
 def render_table(points: list[DispatchPoint]) -> str:
     lines = [
         "| dispatcher | engines | queued (target / mean) | placements/s | µs per placement | "
-        "CPU µs per placement | loop share | targets |",
-        "|---|---|---|---|---|---|---|---|",
+        "CPU µs per placement | loop share | longest call (ms) | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lines.append(
             f"| {p.dispatcher} | {p.engines} | {p.queued_target} / {p.mean_queued:.0f} | "
             f"{p.placements_per_s:.0f} | {p.us_per_placement:.1f} | {p.cpu_us_per_placement:.1f} | "
-            f"{p.loop_share:.1%} | "
+            f"{p.loop_share:.1%} | {p.max_call_ms:.1f} | "
             f"{'met' if p.ok else 'MISSED'} |"
         )
     us, share = TARGET_US_PER_PLACEMENT, TARGET_LOOP_SHARE

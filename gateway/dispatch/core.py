@@ -28,7 +28,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
@@ -84,6 +84,8 @@ DEMOTE_PERIOD_S = 0.1
 DEMOTE_PER_QUEUED_S = 0.0001
 #: a plan later than this past the last one (plus two periods) found the queue empty in between
 DEMOTE_MAX_GAP_S = 1.0
+#: queued requests a demotion plan reads per step (about a millisecond)
+DEMOTE_SLICE = 1000
 #: a model's queue context (its fastest engine's latency model) is recomputed at most this often
 CONTEXT_REFRESH_S = 1.0
 #: how far an explicit, laxer TTFT may stretch its class's queue timeout
@@ -123,6 +125,20 @@ class Ticket:
 
 
 Outcome = tuple[str, "EngineRecord | GatewayError"]
+
+
+@dataclass(slots=True)
+class _DemotionPlan:
+    """A demotion plan under way: the queue as it was when the plan began, read a slice a step."""
+
+    items: list[QueuedRequest]
+    ctx: OrderContext
+    period: float
+    at: int = 0
+    rows: list[Row] = field(default_factory=list)
+    waiting: set[Band] = field(default_factory=set)
+    demoted: list[str] = field(default_factory=list)
+    bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
 
 
 def _rid_of(item: QueuedRequest | None) -> str | None:
@@ -203,6 +219,8 @@ class DispatchCore:
         )
         self._band_rates: dict[str, BandRates] = {}
         self._demote_due: dict[str, float] = {}
+        #: per model, the demotion plan under way (read a slice of the queue per step)
+        self._demote_plans: dict[str, _DemotionPlan] = {}
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -481,11 +499,17 @@ class DispatchCore:
         while pending:
             model = pending.pop()
             if not self.queued(model):
+                self._demote_plans.pop(model, None)  # (what it read has left)
                 continue
             try:
-                if self._demote and now >= self._demote_due.get(model, -math.inf):
-                    # here, not in submit: the pass reads the whole queue, off the request's path
-                    self._plan_demotions(model, self.queues[model], now)
+                # here, not in submit: the pass reads the whole queue, off the request's path
+                if (
+                    self._demote
+                    and (model in self._demote_plans or now >= self._demote_due.get(model, -math.inf))
+                    and not self._plan_demotions(model, self.queues[model], now)
+                ):
+                    self._dirty.add(model)  # the rest of the plan on the next step
+                    self.wake()
                 if self.hyperflexis is not None:
                     self._dispatch_hyperflexis(model, now, None, self.lag)
                 else:
@@ -713,27 +737,29 @@ class DispatchCore:
             else:
                 self.workers.set(model, worker.engine_id, at)
 
-    def _plan_demotions(self, model: str, queue: AdmissionQueue, now: float) -> None:
+    def _plan_demotions(self, model: str, queue: AdmissionQueue, now: float) -> bool:
         """Demote what each SLO band's drain cannot serve in time (Moore-Hodgson), and restore
-        what it can again; closes the bands' drain-rate interval."""
+        what it can again; closes the bands' drain-rate interval. The queue is read
+        ``DEMOTE_SLICE`` requests per call (a plan over 10,000 queued held the event loop for
+        10-50 ms at once, a stall in every stream): False while the plan is unfinished (the
+        caller calls again on its next step)."""
         assert self.hyperflexis is not None
-        period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
-        self._demote_due[model] = now + period
-        ctx = self.context(model, now)
-        rates = self._band_rates.get(model)
-        if rates is None:
-            rates = self._band_rates[model] = BandRates()
-        rows: list[Row] = []
-        waiting: set[Band] = set()
-        demoted: list[str] = []
+        plan = self._demote_plans.get(model)
+        if plan is None:
+            period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
+            self._demote_due[model] = now + period
+            plan = self._demote_plans[model] = _DemotionPlan(queue.items(), self.context(model, now), period)
+        items = plan.items
+        end = min(len(items), plan.at + DEMOTE_SLICE)
+        ctx = plan.ctx
+        rows, waiting, demoted, bands = plan.rows, plan.waiting, plan.demoted, plan.bands
         # last_feasible_start and predicted_service_s, unrolled: at 10,000 queued this loop is the
         # pass's cost (26 -> 11 ms)
         base, per_token, step = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s, ctx.decode_step_s
-        # by targets, not class name (a class may be a priority level's, whatever the task); each
-        # distinct set looked up once per plan, the loop's dearest step otherwise
-        bands: dict[tuple[int, float, float], Band] = {}
-        for item in queue.items():
+        for item in items[plan.at : end]:
             view = item.view
+            # by targets, not class name (a class may be a priority level's, whatever the task);
+            # each distinct set looked up once per plan, the loop's dearest step otherwise
             targets = (view.priority, item.ttft_slo, item.tpot_slo)
             band = bands.get(targets)
             if band is None:
@@ -750,11 +776,21 @@ class DispatchCore:
             )
             if item.demoted:
                 demoted.append(view.request_id)
+        plan.at = end
+        if end < len(items):
+            return False
+        del self._demote_plans[model]
+        rates = self._band_rates.get(model)
+        if rates is None:
+            rates = self._band_rates[model] = BandRates()
         # a longer gap since the last plan means the queue was empty: not a drain sample
-        rates.close(now, waiting, max_span=DEMOTE_MAX_GAP_S + 2 * period)
+        rates.close(now, waiting, max_span=DEMOTE_MAX_GAP_S + 2 * plan.period)
+        # (requests that left since the plan began are skipped by the queue; ``now`` drops rows
+        # that went late meanwhile)
         demote = longest_to_demote(rows, now, rates.rates, self.hyperflexis.demote_rate_share)
         queue.set_demoted([rid for rid in demoted if rid not in demote], False, now, ctx)
         queue.set_demoted(demote, True, now, ctx)
+        return True
 
     def _drained(self, item: QueuedRequest, now: float) -> None:
         """A request leaves the queue for an engine: its band's drain rate counts its service."""

@@ -104,6 +104,8 @@ class SloService:
         self.latency = LatencyLearner(priors, chunks)
         self.levels = len(self.profile.priority.levels) if self.profile.priority else 0
         self.pending_by_priority: dict[int, int] = {}
+        #: the profile's classes' queue bounds, made once each (read on every arrival)
+        self._limits: dict[str, ClassLimits] = {}
 
     # -- classification --------------------------------------------------------------------------
 
@@ -229,11 +231,17 @@ class SloService:
 
     def class_limits(self, slo_class: str) -> ClassLimits:
         """Queue bounds of ``slo_class`` from the profile (the defaults for a class it lacks)."""
+        cached = self._limits.get(slo_class)
+        if cached is not None:
+            return cached
         try:
             limits = self.profile.queue_limits(slo_class)
         except KeyError:
-            return ClassLimits()
-        return ClassLimits(limits.max_queued, limits.timeout_s, self.profile.class_ttft_s(slo_class))
+            return ClassLimits()  # (not kept: only the profile's own classes are)
+        made = self._limits[slo_class] = ClassLimits(
+            limits.max_queued, limits.timeout_s, self.profile.class_ttft_s(slo_class)
+        )
+        return made
 
     def coefficients(self, engine_id: str) -> tuple[Coeffs, Coeffs]:
         """The engine's current eq.(1) and eq.(2) coefficients (the defaults for an unknown one)."""

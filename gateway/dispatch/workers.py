@@ -17,13 +17,12 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from operator import attrgetter, mul
+from operator import mul
 
 from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
 from policies.hyperflexis import HyperFlexisParams, RunningLoad, WorkerView, shortened_maturity
 from policies.latency_fit import Coeffs
 
-_tpot_slo = attrgetter("tpot_slo")
 #: an engine whose prefills take under this fraction of the time predicted for them may take
 #: arrivals during its holds (:meth:`HyperFlexisWorkers.held`): its prior is slow, not the engine
 JOIN_BELOW_RATIO = 0.5
@@ -254,7 +253,7 @@ class HyperFlexisWorkers:
             len(waiting),
             sum(waiting),
             sum(map(mul, waiting, waiting)),
-            min(map(_tpot_slo, record.running.values()), default=math.inf),
+            min(record.tpot_counts, default=math.inf),
         )
         prefill, decode = self.coefficients(record.engine_id)
         free_kv = record.free_kv_tokens()

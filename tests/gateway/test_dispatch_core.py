@@ -798,7 +798,11 @@ def test_a_hold_cancelled_late_says_the_engine_is_not_fast() -> None:
     assert core.workers.prefill_ratio["a-0"] >= 0.5
 
 
-def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_rest_first() -> None:
+def _overload_demotion_run(settle: bool = False) -> tuple[DispatchCore, list[str], list[str], int, int, int]:
+    """A queue that only grows in front of one engine under HyperFlexis with demotions: the core,
+    what was served, what is demoted at the end, how many steps ran, how many wakes were asked
+    for and how many ticks of 50 ms.
+    ``settle``: step again at the same time while a demotion plan is under way."""
     fleet = offline_fleet({"a": 1})
     core = offline_core(
         fleet,
@@ -808,6 +812,13 @@ def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_re
         limits=ClassLimits(max_queued=10_000),
         hyperflexis=HyperFlexisParams(demote_longest=True),
     )
+    wakes = 0
+
+    def wake() -> None:
+        nonlocal wakes
+        wakes += 1
+
+    core.wake = wake
 
     def request(i: int, now: float) -> Ticket:
         long = i % 2 == 0  # every other one asks for 100x the output
@@ -822,9 +833,10 @@ def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_re
         return Ticket(item, "c", RunningEntry(50, view.max_output_tokens, 0.5, now), now)
 
     served: list[str] = []
-    n = 0
+    n = steps = ticks = 0
     now = 0.0
     while now < 8.0:
+        ticks += 1
         for _ in range(4):  # 4 arrivals per 50 ms, one finish: a queue that only grows
             placed = core.submit(request(n, now), now)
             if placed is not None:
@@ -834,16 +846,51 @@ def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_re
         for rid in list(record.running):
             fleet.release("a-0", rid)
         core.step(now)
+        steps += 1
+        while settle and core._demote_plans:
+            core.step(now)
+            steps += 1
         served.extend(rid for rid, _ in core.outbox)
         core.outbox.clear()
         now += 0.05
-    queue = core.queues["a"]
-    demoted = [item for item in queue.items() if item.demoted]
-    assert demoted and all(item.view.max_output_tokens == 2000 for item in demoted)
+    demoted = [item.view.request_id for item in core.queues["a"].items() if item.demoted]
+    return core, served, sorted(demoted), steps, wakes, ticks
+
+
+def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_rest_first() -> None:
+    _, served, demoted, *_ = _overload_demotion_run()
+    assert demoted and all(int(rid.split("-")[1]) % 2 == 0 for rid in demoted)  # the long ones
     # once the drain was measured, what was still on time went short-first
     late_half = served[len(served) // 2 :]
     shorts = sum(int(rid.split("-")[1]) % 2 == 1 for rid in late_half)
     assert shorts >= 0.8 * len(late_half), late_half
+
+
+def test_a_demotion_plan_reads_a_deep_queue_a_slice_per_step_and_decides_as_one_pass(monkeypatch) -> None:
+    """A plan over the whole queue at once held the event loop for tens of milliseconds at
+    10,000 queued: it reads DEMOTE_SLICE requests per call, asks for the next step itself, and
+    decides what a single pass over the same queue would."""
+    import gateway.dispatch.core as core_module
+
+    whole, *_ = _overload_demotion_run()
+    sliced, *_ = _overload_demotion_run()
+    queued = len(whole.queues["a"])
+    assert queued > 100 and len(sliced.queues["a"]) == queued
+    assert whole._plan_demotions("a", whole.queues["a"], 8.0)
+    monkeypatch.setattr(core_module, "DEMOTE_SLICE", 7)
+    calls = 1
+    while not sliced._plan_demotions("a", sliced.queues["a"], 8.0):
+        calls += 1
+    assert calls == -(-queued // 7)
+
+    def demoted(core: DispatchCore) -> set[str]:
+        return {item.view.request_id for item in core.queues["a"].items() if item.demoted}
+
+    assert demoted(sliced) == demoted(whole) != set()
+    # driven by steps: each step reads one slice and asks for the next
+    _, _, demoted_ids, steps, wakes, ticks = _overload_demotion_run(settle=True)
+    assert steps > 2 * ticks and wakes >= steps - ticks
+    assert demoted_ids and all(int(rid.split("-")[1]) % 2 == 0 for rid in demoted_ids)
 
 
 def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:

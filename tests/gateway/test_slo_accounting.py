@@ -6,6 +6,7 @@ import pytest
 
 from gateway import metrics
 from gateway.api.request_parse import parse_request
+from gateway.dispatch.core import ClassLimits
 from gateway.dispatch.slo_service import SloService
 from gateway.serving.call import Call
 from gateway.settings import load_settings
@@ -109,3 +110,16 @@ def test_each_objective_is_judged_on_its_own(ttft_s: float, tpot_s: float, met: 
         assert objective(name, result) == before[(name, result)] + 1, name
         other = "missed" if result == "met" else "met"
         assert objective(name, other) == before[(name, other)], name
+
+
+def test_class_limits_come_from_the_profile_and_only_its_classes_are_kept() -> None:
+    """Read on every arrival: made once per profile class, while an unknown class (defaults)
+    adds nothing that a client naming endless classes could grow."""
+    slo = SloService(load_settings(slo_profile="hyperflexis-2task"))
+    gsm8k = slo.class_limits("gsm8k")
+    assert (gsm8k.max_queued, gsm8k.queue_timeout_s, gsm8k.class_ttft_s) == (512, 3.5, 0.7)
+    assert slo.class_limits("gsm8k") is gsm8k
+    assert slo.class_limits("sharegpt").queue_timeout_s == 10.0
+    for i in range(100):
+        assert slo.class_limits(f"unknown-{i}") == ClassLimits()
+    assert set(slo._limits) == {"gsm8k", "sharegpt"}
