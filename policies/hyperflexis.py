@@ -71,11 +71,13 @@ class RunningLoad(NamedTuple):
     waiting_squares: int = 0
     #: the tightest TPOT among them (``inf`` when none runs)
     min_tpot: float = math.inf
+    #: the laxest TPOT among them (0 when none runs)
+    max_tpot: float = 0.0
 
     @classmethod
     def of(cls, running: Iterable[RunningRequest]) -> RunningLoad:
         count = context = waiting = waiting_tokens = waiting_squares = 0
-        min_tpot = math.inf
+        min_tpot, max_tpot = math.inf, 0.0
         for r in running:
             count += 1
             context += r.prompt_tokens + r.generated
@@ -85,7 +87,9 @@ class RunningLoad(NamedTuple):
                 waiting_squares += r.prompt_tokens * r.prompt_tokens
             if r.tpot_slo < min_tpot:
                 min_tpot = r.tpot_slo
-        return cls(count, context, waiting, waiting_tokens, waiting_squares, min_tpot)
+            if r.tpot_slo > max_tpot:
+                max_tpot = r.tpot_slo
+        return cls(count, context, waiting, waiting_tokens, waiting_squares, min_tpot, max_tpot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,7 @@ class _Shadow:
         "context_tokens",
         "count",
         "kv_taken",
+        "max_tpot",
         "min_tpot",
         "prefill_taken",
         "taken",
@@ -134,6 +139,7 @@ class _Shadow:
         self.waiting_tokens = load.waiting_tokens
         self.waiting_squares = load.waiting_squares
         self.min_tpot = load.min_tpot
+        self.max_tpot = load.max_tpot
         #: what this worker's earlier looks in the same call took: requests, KV, prefill tokens
         #: (a join counts what its hold took before it)
         self.taken = 0
@@ -222,6 +228,13 @@ class HyperFlexisParams:
     #: running streams what a turn's prefill adds to their decode step, ``a - a_d``, not ``a``
     #: (the hold still amortises the whole E_p, see :func:`_next_maturity`)
     mixed_steps: bool = False
+    #: keep TPOT classes on engines of their own where TPOT binds: a laxer request whose prefill
+    #: would break a worker's tighter streams (it exceeds the turn's budget) is left to an engine
+    #: whose running requests are mostly of its class (or idle), and a tighter request is left by
+    #: a worker running mostly laxer requests, whose decode step is at least half its TPOT, to an
+    #: engine running mostly its class. Classes differ by more than ``segregate_ratio``.
+    tpot_segregation: bool = False
+    segregate_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
@@ -247,6 +260,8 @@ class HyperFlexisParams:
             raise ValueError(f"demote_longest needs theta >= 0.5, got theta {self.theta}")
         if not 0.0 < self.demote_rate_share <= 1.0:
             raise ValueError(f"demote_rate_share must be in (0, 1], got {self.demote_rate_share}")
+        if not self.segregate_ratio >= 1.0:
+            raise ValueError(f"segregate_ratio must be >= 1, got {self.segregate_ratio}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
@@ -426,6 +441,7 @@ def dispatch(
     cached: PrefixLookup | None = None,
     soon: Mapping[str, tuple[float, int]] | None = None,
     adapters_held: frozenset[str] = frozenset(),
+    engine_classes: Callable[[], Mapping[str, float]] | None = None,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -447,6 +463,10 @@ def dispatch(
 
     ``queue_min_need``: the least KV (prompt + output bound) any queued request needs, when the
     caller keeps it (0 otherwise); a busy worker with less free takes nothing, without a scan.
+
+    ``engine_classes`` (with ``params.tpot_segregation``): each engine of the pool (workers of
+    this call included) with the TPOT target most of its running requests have (``inf``: idle);
+    called at most once per call, when a candidate's TPOT class differs from its worker's.
 
     ``cached`` (with ``params.prefix_preference``): what each engine holds of a request's prompt.
     A worker then predicts each prefill from the tokens not cached on its engine, and leaves a
@@ -492,6 +512,8 @@ def dispatch(
         soon or {},
         loads,
         adapters_held,
+        engine_classes if params.tpot_segregation else None,
+        {},
     )
 
     while order and order[0][0] <= now:
@@ -563,6 +585,9 @@ class _Turn(NamedTuple):
     loads: dict[str, int]
     #: LoRA adapters loaded on some engine in rotation: a request for one goes only to those
     adapters_held: frozenset[str]
+    #: each engine's TPOT class (see :func:`dispatch`), read once when first needed into ``memo``
+    engine_classes: Callable[[], Mapping[str, float]] | None
+    memo: dict[str, Mapping[str, float]]
 
 
 def _fill_worker(
@@ -619,6 +644,11 @@ def _fill_worker(
     # skipped after a comparison or two, and under saturation every turn re-reads the head.
     items = candidates.items
     grow = candidates.grow
+    # the TPOTs this worker ran before the turn, when classes are kept apart (its class is read
+    # only for a candidate of another TPOT, or when it runs more than one class)
+    segregate = turn.engine_classes is not None and shadow.count > shadow.taken
+    ratio = turn.params.segregate_ratio
+    tpot_lo, tpot_hi = shadow.min_tpot, shadow.max_tpot
     if lane is not None:
         lane_base, lane_rate = lane.prefill_base_s, lane.prefill_tokens_per_s
     theta, slack_scale, scan_after_admit = params.theta, params.slack_scale, params.scan_after_admit
@@ -653,6 +683,14 @@ def _fill_worker(
             slack_bound = True
             continue
         prompt = view.prompt_tokens
+        its_tpot = item.tpot_slo
+        if (
+            segregate
+            and (tpot_hi > ratio * tpot_lo or its_tpot > ratio * tpot_lo or tpot_hi > ratio * its_tpot)
+            and _class_elsewhere(turn, engine_id, its_tpot, prompt > budget_left, decode_s)
+        ):
+            slack_bound = True  # (an engine of its class may take it; an arrival may wake this one)
+            continue
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
         deadline = view.arrival + item.ttft_slo
@@ -781,6 +819,36 @@ def _fill_worker(
             late = head.view.arrival + head.ttft_slo < now + (a + b * prompt + c * (prompt * prompt))
             admitted.append((head, False, prompt, kv_prompt + head.view.max_output_tokens, late))
     return admitted, late_at, not candidates, slack_bound, left
+
+
+def _classes(turn: _Turn) -> Mapping[str, float]:
+    classes = turn.memo.get("classes")
+    if classes is None:
+        assert turn.engine_classes is not None
+        classes = turn.memo["classes"] = turn.engine_classes()
+    return classes
+
+
+def _class_elsewhere(turn: _Turn, engine_id: str, tpot: float, oversized: bool, decode_s: float) -> bool:
+    """Whether a candidate with TPOT target ``tpot`` is left by the worker ``engine_id`` to an
+    engine of its own class (see ``HyperFlexisParams.tpot_segregation``): two engines each
+    serving one class keep more streams within their TPOT than two that mix them, when a laxer
+    class's prefills would stall the tighter class's decode steps."""
+    ratio = turn.params.segregate_ratio
+    mine = _classes(turn).get(engine_id, math.inf)
+    if mine == math.inf:
+        return False
+    if tpot > ratio * mine:  # laxer than most of what runs here
+        if not oversized:
+            return False  # its prefill fits this worker's streams' TPOT budget
+        bound = tpot / ratio
+        return any(e != engine_id and c >= bound for e, c in _classes(turn).items())
+    if mine > ratio * tpot:  # tighter than most of what runs here
+        if decode_s < 0.5 * tpot:
+            return False  # this engine's steps are far within its TPOT: nothing to protect
+        bound = ratio * tpot
+        return any(e != engine_id and c <= bound for e, c in _classes(turn).items())
+    return False
 
 
 def _adapter_elsewhere(view: RequestView, worker: WorkerView, adapters_held: frozenset[str]) -> bool:

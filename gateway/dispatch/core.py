@@ -134,6 +134,7 @@ class _DemotionPlan:
     items: list[QueuedRequest]
     ctx: OrderContext
     period: float
+    started: float
     at: int = 0
     rows: list[Row] = field(default_factory=list)
     waiting: set[Band] = field(default_factory=set)
@@ -685,6 +686,7 @@ class DispatchCore:
             lookup,
             soon,
             self._adapters_held(model),
+            lambda: self._tpot_classes(model),
         )
         for assignment in decision.assignments:
             if arrival is not None:  # (the only request this turn could take)
@@ -745,10 +747,13 @@ class DispatchCore:
         caller calls again on its next step)."""
         assert self.hyperflexis is not None
         plan = self._demote_plans.get(model)
-        if plan is None:
+        if plan is None or now - plan.started > DEMOTE_MAX_GAP_S:
+            # (a plan left unfinished that long read a queue that has changed since: begin anew)
             period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
             self._demote_due[model] = now + period
-            plan = self._demote_plans[model] = _DemotionPlan(queue.items(), self.context(model, now), period)
+            plan = self._demote_plans[model] = _DemotionPlan(
+                queue.items(), self.context(model, now), period, now
+            )
         items = plan.items
         end = min(len(items), plan.at + DEMOTE_SLICE)
         ctx = plan.ctx
@@ -816,6 +821,35 @@ class DispatchCore:
                 )
             )
         return held
+
+    def _tpot_classes(self, model: str) -> dict[str, float]:
+        """Each in-front engine of ``model`` with the TPOT target most of its running requests
+        have (the tighter on a tie; ``inf`` when idle): HyperFlexis's TPOT classes. When every
+        busy engine is of one class while some run laxer requests, the one with the largest
+        share of them counts as of their class: otherwise engines that all took the tight class
+        first would mix the classes for good. O(engines), asked only by a turn that meets a
+        candidate of another class than its worker's."""
+        fleet = self.fleet
+        classes: dict[str, float] = {}
+        lax_share, lax_engine, lax_class = 0.0, "", math.inf
+        for record in fleet.engines_of.get(model, ()):
+            if not fleet.in_front(record):
+                continue
+            counts = record.tpot_counts
+            if not counts:
+                classes[record.engine_id] = math.inf
+                continue
+            most = classes[record.engine_id] = max(counts, key=lambda tpot: (counts[tpot], -tpot))
+            laxer = [tpot for tpot in counts if tpot > most]
+            if laxer:
+                share = sum(counts[t] for t in laxer) / record.in_flight
+                if share > lax_share:
+                    lax_share, lax_engine = share, record.engine_id
+                    lax_class = max(laxer, key=lambda tpot: (counts[tpot], -tpot))
+        busy = {c for c in classes.values() if c != math.inf}
+        if lax_engine and len(busy) == 1 and len(classes) > 1:
+            classes[lax_engine] = lax_class
+        return classes
 
     def _tightest(self, model: str, now: float) -> float:
         """The TTFT eq.(5) budgets against: the tightest among the model's recent arrivals, or

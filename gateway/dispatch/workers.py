@@ -254,6 +254,7 @@ class HyperFlexisWorkers:
             sum(waiting),
             sum(map(mul, waiting, waiting)),
             min(record.tpot_counts, default=math.inf),
+            max(record.tpot_counts, default=0.0),
         )
         prefill, decode = self.coefficients(record.engine_id)
         free_kv = record.free_kv_tokens()

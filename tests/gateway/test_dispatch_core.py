@@ -887,6 +887,11 @@ def test_a_demotion_plan_reads_a_deep_queue_a_slice_per_step_and_decides_as_one_
         return {item.view.request_id for item in core.queues["a"].items() if item.demoted}
 
     assert demoted(sliced) == demoted(whole) != set()
+    # a plan left unfinished for longer than DEMOTE_MAX_GAP_S read a queue that changed since
+    assert not sliced._plan_demotions("a", sliced.queues["a"], 9.0)
+    assert sliced._demote_plans["a"].at == 7
+    assert not sliced._plan_demotions("a", sliced.queues["a"], 9.0 + core_module.DEMOTE_MAX_GAP_S + 0.1)
+    assert sliced._demote_plans["a"].at == 7 and sliced._demote_plans["a"].started > 10.0
     # driven by steps: each step reads one slice and asks for the next
     _, _, demoted_ids, steps, wakes, ticks = _overload_demotion_run(settle=True)
     assert steps > 2 * ticks and wakes >= steps - ticks
@@ -930,3 +935,28 @@ def test_hyperflexis_marks_what_it_dispatches_late_for_the_engines_queue() -> No
     retried.entry.late = True
     core.retry(retried, (), 10.2)  # still within its TTFT
     assert not retried.entry.late
+
+
+def test_tpot_classes_are_each_engines_most_common_target_and_one_engine_breaks_a_tie_of_classes() -> None:
+    """The classes HyperFlexis keeps apart: an engine's most common TPOT among its running
+    requests (idle: inf). When every busy engine is of the tight class while some run lax
+    requests too, the one with the largest share of them counts as lax: otherwise engines that
+    all took tight requests first would mix the classes for good."""
+    fleet, core = _held_core(3)
+
+    def run(engine: str, n: int, tpot: float) -> None:
+        for _ in range(n):
+            rid = f"{engine}-{tpot}-{len(fleet.records[engine].running)}"
+            fleet.reserve(engine, rid, RunningEntry(100, 10, tpot, 0.0))
+
+    run("a-0", 5, 0.04)
+    run("a-0", 1, 0.25)
+    run("a-1", 4, 0.04)
+    run("a-1", 2, 0.25)
+    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.25, "a-2": math.inf}
+    run("a-2", 3, 0.25)  # an engine of the lax class now exists: no tie to break
+    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.04, "a-2": 0.25}
+    run("a-2", 3, 0.04)  # a tie of counts is the tighter class, but a-2 runs the most lax ones
+    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.04, "a-2": 0.25}
+    fleet.record_health("a-1", False, eject_after=1, readmit_after=1)
+    assert "a-1" not in core._tpot_classes("a")  # out of rotation: no class

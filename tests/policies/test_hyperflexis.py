@@ -390,3 +390,43 @@ def test_only_a_request_whose_ttft_is_lost_is_dispatched_late() -> None:
         [req("a", tpot=0.5), req("old", arrival=-5.0, tpot=0.5)], [worker("w")], 0.0, HyperFlexisParams()
     )
     assert {a.request_id: a.late for a in backfill.assignments} == {"a": False, "old": True}
+
+
+def test_tpot_segregation_keeps_each_class_on_an_engine_of_its_own() -> None:
+    """Where TPOT binds, a lax request's long prefill stalls every tight stream it shares steps
+    with: with ``tpot_segregation`` the worker running tight streams leaves it to the engine
+    running lax ones (and takes the tight request that one would have taken); without a lax
+    engine to leave it to, it is taken as before, and a turn whose candidates are all of its
+    worker's class never asks for the classes."""
+    tight_streams = tuple(RunningRequest(1000, 100, 0.04, True) for _ in range(10))
+    lax_streams = tuple(RunningRequest(1000, 100, 0.25, True) for _ in range(10))
+    workers = [worker("tight", running=tight_streams), worker("lax", maturity=0.0, running=lax_streams)]
+    queue = [req("bg", prompt=5000, ttft=10.0, tpot=0.25), req("int", prompt=100, ttft=3.0, tpot=0.04)]
+    asked = 0
+
+    def classes(mapping: dict[str, float]):  # type: ignore[no-untyped-def]
+        def read() -> dict[str, float]:
+            nonlocal asked
+            asked += 1
+            return mapping
+
+        return read
+
+    base = HyperFlexisParams(budget_ttft_share=0.25)
+    segregated = dataclasses.replace(base, tpot_segregation=True)
+    mixed = dispatch(queue, workers, 0.0, base, engine_classes=classes({"tight": 0.04, "lax": 0.25}))
+    assert {(a.request_id, a.engine_id) for a in mixed.assignments} == {("bg", "tight"), ("int", "lax")}
+    assert asked == 0  # (only asked with the parameter on)
+    apart = dispatch(queue, workers, 0.0, segregated, engine_classes=classes({"tight": 0.04, "lax": 0.25}))
+    assert {(a.request_id, a.engine_id) for a in apart.assignments} == {("bg", "lax"), ("int", "tight")}
+    assert asked == 1  # once per call, however many candidates differ
+    # no engine of the lax class: the tight worker takes it (it must go somewhere)
+    alone = dispatch(queue[:1], workers[:1], 0.0, segregated, engine_classes=classes({"tight": 0.04}))
+    assert [(a.request_id, a.engine_id) for a in alone.assignments] == [("bg", "tight")]
+    asked = 0
+    same = dispatch(
+        queue[1:], workers[:1], 0.0, segregated, engine_classes=classes({"tight": 0.04, "lax": 0.25})
+    )
+    assert [a.request_id for a in same.assignments] == ["int"] and asked == 0
+    with pytest.raises(ValueError, match="segregate_ratio"):
+        HyperFlexisParams(segregate_ratio=0.5)
