@@ -232,7 +232,8 @@ class HyperFlexisParams:
     #: would break a worker's tighter streams (it exceeds the turn's budget) is left to an engine
     #: whose running requests are mostly of its class (or idle), and a tighter request is left by
     #: a worker running mostly laxer requests, whose decode step is at least half its TPOT, to an
-    #: engine running mostly its class. Classes differ by more than ``segregate_ratio``.
+    #: engine running mostly its class. Classes differ by more than ``segregate_ratio``; targets
+    #: within it of each other are one class.
     tpot_segregation: bool = False
     segregate_ratio: float = 2.0
 
@@ -441,7 +442,7 @@ def dispatch(
     cached: PrefixLookup | None = None,
     soon: Mapping[str, tuple[float, int]] | None = None,
     adapters_held: frozenset[str] = frozenset(),
-    engine_classes: Callable[[], Mapping[str, float]] | None = None,
+    engine_classes: Callable[[], Mapping[str, tuple[float, int]]] | None = None,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -465,8 +466,9 @@ def dispatch(
     caller keeps it (0 otherwise); a busy worker with less free takes nothing, without a scan.
 
     ``engine_classes`` (with ``params.tpot_segregation``): each engine of the pool (workers of
-    this call included) with the TPOT target most of its running requests have (``inf``: idle);
-    called at most once per call, when a candidate's TPOT class differs from its worker's.
+    this call included) with the TPOT target most of its running requests have (``inf``: idle)
+    and its whole KV capacity in tokens; called at most once per call, when a candidate's TPOT
+    class differs from its worker's (or its worker runs more than one class).
 
     ``cached`` (with ``params.prefix_preference``): what each engine holds of a request's prompt.
     A worker then predicts each prefill from the tokens not cached on its engine, and leaves a
@@ -586,8 +588,8 @@ class _Turn(NamedTuple):
     #: LoRA adapters loaded on some engine in rotation: a request for one goes only to those
     adapters_held: frozenset[str]
     #: each engine's TPOT class (see :func:`dispatch`), read once when first needed into ``memo``
-    engine_classes: Callable[[], Mapping[str, float]] | None
-    memo: dict[str, Mapping[str, float]]
+    engine_classes: Callable[[], Mapping[str, tuple[float, int]]] | None
+    memo: dict[str, Mapping[str, tuple[float, int]]]
 
 
 def _fill_worker(
@@ -687,7 +689,9 @@ def _fill_worker(
         if (
             segregate
             and (tpot_hi > ratio * tpot_lo or its_tpot > ratio * tpot_lo or tpot_hi > ratio * its_tpot)
-            and _class_elsewhere(turn, engine_id, its_tpot, prompt > budget_left, decode_s)
+            and _class_elsewhere(
+                turn, engine_id, its_tpot, prompt + view.max_output_tokens, prompt > budget_left, decode_s
+            )
         ):
             slack_bound = True  # (an engine of its class may take it; an arrival may wake this one)
             continue
@@ -821,7 +825,7 @@ def _fill_worker(
     return admitted, late_at, not candidates, slack_bound, left
 
 
-def _classes(turn: _Turn) -> Mapping[str, float]:
+def _classes(turn: _Turn) -> Mapping[str, tuple[float, int]]:
     classes = turn.memo.get("classes")
     if classes is None:
         assert turn.engine_classes is not None
@@ -829,26 +833,35 @@ def _classes(turn: _Turn) -> Mapping[str, float]:
     return classes
 
 
-def _class_elsewhere(turn: _Turn, engine_id: str, tpot: float, oversized: bool, decode_s: float) -> bool:
+def _class_elsewhere(
+    turn: _Turn, engine_id: str, tpot: float, need_kv: int, oversized: bool, decode_s: float
+) -> bool:
     """Whether a candidate with TPOT target ``tpot`` is left by the worker ``engine_id`` to an
     engine of its own class (see ``HyperFlexisParams.tpot_segregation``): two engines each
     serving one class keep more streams within their TPOT than two that mix them, when a laxer
-    class's prefills would stall the tighter class's decode steps."""
+    class's prefills would stall the tighter class's decode steps. Only to an engine of the
+    candidate's own class (or an idle one, for a laxer candidate) whose KV could ever hold it:
+    there no rule leaves it again, so it is never passed back and forth."""
     ratio = turn.params.segregate_ratio
-    mine = _classes(turn).get(engine_id, math.inf)
+    classes = _classes(turn)
+    mine = classes.get(engine_id, (math.inf, 0))[0]
     if mine == math.inf:
         return False
     if tpot > ratio * mine:  # laxer than most of what runs here
         if not oversized:
             return False  # its prefill fits this worker's streams' TPOT budget
-        bound = tpot / ratio
-        return any(e != engine_id and c >= bound for e, c in _classes(turn).items())
-    if mine > ratio * tpot:  # tighter than most of what runs here
+        idle_counts = True
+    elif mine > ratio * tpot:  # tighter than most of what runs here
         if decode_s < 0.5 * tpot:
             return False  # this engine's steps are far within its TPOT: nothing to protect
-        bound = ratio * tpot
-        return any(e != engine_id and c <= bound for e, c in _classes(turn).items())
-    return False
+        idle_counts = False
+    else:
+        return False
+    low, high = tpot / ratio, tpot * ratio
+    return any(
+        e != engine_id and kv >= need_kv and (low <= c <= high or (idle_counts and c == math.inf))
+        for e, (c, kv) in classes.items()
+    )
 
 
 def _adapter_elsewhere(view: RequestView, worker: WorkerView, adapters_held: frozenset[str]) -> bool:

@@ -754,6 +754,15 @@ class DispatchCore:
             plan = self._demote_plans[model] = _DemotionPlan(
                 queue.items(), self.context(model, now), period, now
             )
+        try:
+            return self._plan_slice(model, queue, plan, now)
+        except BaseException:
+            # (not retried before every dispatch: the next plan is due a period from this one's start)
+            self._demote_plans.pop(model, None)
+            raise
+
+    def _plan_slice(self, model: str, queue: AdmissionQueue, plan: _DemotionPlan, now: float) -> bool:
+        assert self.hyperflexis is not None
         items = plan.items
         end = min(len(items), plan.at + DEMOTE_SLICE)
         ctx = plan.ctx
@@ -790,8 +799,10 @@ class DispatchCore:
             rates = self._band_rates[model] = BandRates()
         # a longer gap since the last plan means the queue was empty: not a drain sample
         rates.close(now, waiting, max_span=DEMOTE_MAX_GAP_S + 2 * plan.period)
-        # (requests that left since the plan began are skipped by the queue; ``now`` drops rows
-        # that went late meanwhile)
+        if end > DEMOTE_SLICE:
+            # read over several steps: requests that left meanwhile no longer take the drain
+            rows = [row for row in rows if row[4] in queue]
+        # (``now`` drops rows that went late meanwhile; the queue skips ids no longer queued)
         demote = longest_to_demote(rows, now, rates.rates, self.hyperflexis.demote_rate_share)
         queue.set_demoted([rid for rid in demoted if rid not in demote], False, now, ctx)
         queue.set_demoted(demote, True, now, ctx)
@@ -822,33 +833,40 @@ class DispatchCore:
             )
         return held
 
-    def _tpot_classes(self, model: str) -> dict[str, float]:
+    def _tpot_classes(self, model: str) -> dict[str, tuple[float, int]]:
         """Each in-front engine of ``model`` with the TPOT target most of its running requests
-        have (the tighter on a tie; ``inf`` when idle): HyperFlexis's TPOT classes. When every
-        busy engine is of one class while some run laxer requests, the one with the largest
-        share of them counts as of their class: otherwise engines that all took the tight class
-        first would mix the classes for good. O(engines), asked only by a turn that meets a
-        candidate of another class than its worker's."""
+        have (the tighter on a tie; ``inf`` when idle) and its whole KV capacity in tokens (a
+        large number when unknown): HyperFlexis's TPOT classes. When every engine is busy and of
+        one class while some run laxer requests, the one with the largest share of them counts
+        as of their class: otherwise engines that all took the tight class first would mix the
+        classes for good. O(engines), asked only by a turn that meets a candidate of another
+        class than its worker's."""
         fleet = self.fleet
-        classes: dict[str, float] = {}
+        classes: dict[str, tuple[float, int]] = {}
         lax_share, lax_engine, lax_class = 0.0, "", math.inf
         for record in fleet.engines_of.get(model, ()):
             if not fleet.in_front(record):
                 continue
+            state = record.state
+            kv = (
+                state.num_gpu_blocks * state.block_size
+                if state is not None and state.num_gpu_blocks and state.block_size
+                else 1 << 40
+            )
             counts = record.tpot_counts
             if not counts:
-                classes[record.engine_id] = math.inf
+                classes[record.engine_id] = (math.inf, kv)
                 continue
-            most = classes[record.engine_id] = max(counts, key=lambda tpot: (counts[tpot], -tpot))
+            most = max(counts, key=lambda tpot: (counts[tpot], -tpot))
+            classes[record.engine_id] = (most, kv)
             laxer = [tpot for tpot in counts if tpot > most]
             if laxer:
                 share = sum(counts[t] for t in laxer) / record.in_flight
                 if share > lax_share:
                     lax_share, lax_engine = share, record.engine_id
                     lax_class = max(laxer, key=lambda tpot: (counts[tpot], -tpot))
-        busy = {c for c in classes.values() if c != math.inf}
-        if lax_engine and len(busy) == 1 and len(classes) > 1:
-            classes[lax_engine] = lax_class
+        if lax_engine and len(classes) > 1 and len({c for c, _ in classes.values()}) == 1:
+            classes[lax_engine] = (lax_class, classes[lax_engine][1])
         return classes
 
     def _tightest(self, model: str, now: float) -> float:
@@ -880,6 +898,7 @@ class DispatchCore:
             # the queue timeout (new arrivals for the model get the same 503 at once)
             error = self.no_engine(model)
             queue = self.queues[model]
+            self._demote_plans.pop(model, None)
             for rid in [rid for rid, t in self.tickets.items() if t.item.view.model == model]:
                 queue.remove(rid)
                 self._refuse(rid, "no_engine", error, None)

@@ -179,6 +179,11 @@ class DispatchLoop:
                 log.exception("dispatch failed")
                 await asyncio.sleep(0.05)
                 event.set()
+            if event.is_set():
+                # another step asked for at once (a demotion plan's next slice, a worker due
+                # already): Event.wait() would return without yielding, so the steps would run
+                # back to back in one turn of the event loop, holding every stream as one long call
+                await asyncio.sleep(0)
 
     def _arm(self, at: float) -> None:
         """Wake the task at ``at`` (the core's clock): one timer handle, moved only when needed."""

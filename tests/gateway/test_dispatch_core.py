@@ -5,6 +5,7 @@ in which every counter returns to zero and no limit is ever exceeded."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from dataclasses import replace
 
@@ -505,6 +506,45 @@ async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place(
         await loop.stop()
 
 
+async def test_steps_that_ask_for_another_step_at_once_let_the_event_loop_run_between_them() -> None:
+    """A demotion plan over a deep queue asks for a step per slice: chained without a yield
+    (an already-set Event's wait() does not yield), the slices held every stream as one call."""
+    fleet = offline_fleet({"a": 1})
+    loop = DispatchLoop(offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot"))
+    core = loop.core
+    ticks = 0
+    seen: list[int] = []
+    real_step = core.step
+
+    def step(now: float) -> None:
+        seen.append(ticks)
+        real_step(now)
+        if len(seen) < 5:
+            core.wake()  # (as a plan's unfinished slice does)
+
+    core.step = step  # type: ignore[method-assign]
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    loop.start()
+    try:
+        loop.wake()
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if len(seen) >= 5:
+                break
+        assert len(seen) == 5
+        assert all(b > a for a, b in itertools.pairwise(seen)), seen
+    finally:
+        other.cancel()
+        await loop.stop()
+
+
 def test_a_request_granted_a_laxer_ttft_than_its_class_may_wait_proportionally_longer() -> None:
     limits = ClassLimits(max_queued=8, queue_timeout_s=3.5, class_ttft_s=0.7)
     assert limits.timeout_for(0.7) == limits.timeout_for(0.2) == 3.5
@@ -939,24 +979,65 @@ def test_hyperflexis_marks_what_it_dispatches_late_for_the_engines_queue() -> No
 
 def test_tpot_classes_are_each_engines_most_common_target_and_one_engine_breaks_a_tie_of_classes() -> None:
     """The classes HyperFlexis keeps apart: an engine's most common TPOT among its running
-    requests (idle: inf). When every busy engine is of the tight class while some run lax
-    requests too, the one with the largest share of them counts as lax: otherwise engines that
-    all took tight requests first would mix the classes for good."""
+    requests (idle: inf), with its KV capacity. When every engine is busy and of the tight class
+    while some run lax requests too, the one with the largest share of them counts as lax:
+    otherwise engines that all took tight requests first would mix the classes for good (an idle
+    engine is a home for lax requests already)."""
     fleet, core = _held_core(3)
+    for engine in fleet.records:
+        fleet.record_state(engine, EngineState(kv_usage=0.0, block_size=16, num_gpu_blocks=100), 0.0)
 
     def run(engine: str, n: int, tpot: float) -> None:
         for _ in range(n):
             rid = f"{engine}-{tpot}-{len(fleet.records[engine].running)}"
             fleet.reserve(engine, rid, RunningEntry(100, 10, tpot, 0.0))
 
+    def classes() -> dict[str, float]:
+        read = core._tpot_classes("a")
+        assert {kv for _, kv in read.values()} == {1600}
+        return {e: c for e, (c, _) in read.items()}
+
     run("a-0", 5, 0.04)
     run("a-0", 1, 0.25)
     run("a-1", 4, 0.04)
     run("a-1", 2, 0.25)
-    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.25, "a-2": math.inf}
-    run("a-2", 3, 0.25)  # an engine of the lax class now exists: no tie to break
-    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.04, "a-2": 0.25}
-    run("a-2", 3, 0.04)  # a tie of counts is the tighter class, but a-2 runs the most lax ones
-    assert core._tpot_classes("a") == {"a-0": 0.04, "a-1": 0.04, "a-2": 0.25}
+    assert classes() == {"a-0": 0.04, "a-1": 0.04, "a-2": math.inf}
+    run("a-2", 3, 0.04)  # every engine busy and tight: a-1 runs the largest share of lax ones
+    assert classes() == {"a-0": 0.04, "a-1": 0.25, "a-2": 0.04}
+    run("a-2", 3, 0.25)  # (a tie of counts is the tighter class; a-2's lax share is the largest)
+    assert classes() == {"a-0": 0.04, "a-1": 0.04, "a-2": 0.25}
+    run("a-1", 3, 0.25)  # an engine of the lax class on its own: nothing relabelled
+    assert classes() == {"a-0": 0.04, "a-1": 0.25, "a-2": 0.04}
     fleet.record_health("a-1", False, eject_after=1, readmit_after=1)
-    assert "a-1" not in core._tpot_classes("a")  # out of rotation: no class
+    assert "a-1" not in classes()  # out of rotation: no class
+
+
+@pytest.mark.parametrize("segregate", [False, True])
+def test_hyperflexis_keeps_a_long_lax_prompt_off_the_engine_streaming_tight_answers(segregate: bool) -> None:
+    """Through the dispatch core (its classes, its workers' views): the engine streaming tight-
+    TPOT answers is the first mature worker; with ``tpot_segregation`` a lax request whose
+    prompt would stall those streams goes to the engine streaming lax answers instead."""
+    fleet = offline_fleet({"a": 2})
+    params = HyperFlexisParams(budget_ttft_share=0.25, tpot_segregation=segregate)
+    core = offline_core(
+        fleet,
+        dispatcher="hyperflexis",
+        order="slo_tpot",
+        hyperflexis=params,
+        coefficients=((0.02, 1e-4, 0.0), (0.01, 1e-6, 1e-4)),
+    )
+    for i in range(10):
+        for engine, tpot in (("a-0", 0.04), ("a-1", 0.25)):
+            entry = RunningEntry(1000, 10, tpot, 0.0)
+            entry.prefilled, entry.generated = True, 100
+            fleet.reserve(engine, f"{engine}-{i}", entry)
+    core.workers.set("a", "a-0", -1.0)  # the tight engine looks first
+    core.workers.set("a", "a-1", -0.5)
+    view = RequestView(request_id="bg-1", model="a", prompt_tokens=5000, max_output_tokens=100, arrival=0.0)
+    item = QueuedRequest(view=view, ttft_slo=10.0, tpot_slo=0.25, seq=1, queue_deadline=60.0)
+    placed = core.submit(Ticket(item, "c", RunningEntry(5000, 100, 0.25, 0.0), 0.0), 0.0)
+    if placed is None:  # the arrival's own look had the tight engine only: the next step places it
+        core.step(0.0)
+        [(rid, placed)] = core.outbox
+        assert rid == "bg-1"
+    assert isinstance(placed, EngineRecord) and placed.engine_id == ("a-1" if segregate else "a-0")

@@ -400,33 +400,66 @@ def test_tpot_segregation_keeps_each_class_on_an_engine_of_its_own() -> None:
     worker's class never asks for the classes."""
     tight_streams = tuple(RunningRequest(1000, 100, 0.04, True) for _ in range(10))
     lax_streams = tuple(RunningRequest(1000, 100, 0.25, True) for _ in range(10))
-    workers = [worker("tight", running=tight_streams), worker("lax", maturity=0.0, running=lax_streams)]
+    workers = [worker("tight", running=tight_streams), worker("lax", running=lax_streams)]
     queue = [req("bg", prompt=5000, ttft=10.0, tpot=0.25), req("int", prompt=100, ttft=3.0, tpot=0.04)]
     asked = 0
+    big = 1 << 40
 
-    def classes(mapping: dict[str, float]):  # type: ignore[no-untyped-def]
-        def read() -> dict[str, float]:
+    def classes(mapping: dict[str, float], kv: int = big):  # type: ignore[no-untyped-def]
+        def read() -> dict[str, tuple[float, int]]:
             nonlocal asked
             asked += 1
-            return mapping
+            return {e: (c, kv) for e, c in mapping.items()}
 
         return read
 
+    both = {"tight": 0.04, "lax": 0.25}
     base = HyperFlexisParams(budget_ttft_share=0.25)
     segregated = dataclasses.replace(base, tpot_segregation=True)
-    mixed = dispatch(queue, workers, 0.0, base, engine_classes=classes({"tight": 0.04, "lax": 0.25}))
+    mixed = dispatch(queue, workers, 0.0, base, engine_classes=classes(both))
     assert {(a.request_id, a.engine_id) for a in mixed.assignments} == {("bg", "tight"), ("int", "lax")}
     assert asked == 0  # (only asked with the parameter on)
-    apart = dispatch(queue, workers, 0.0, segregated, engine_classes=classes({"tight": 0.04, "lax": 0.25}))
+    apart = dispatch(queue, workers, 0.0, segregated, engine_classes=classes(both))
     assert {(a.request_id, a.engine_id) for a in apart.assignments} == {("bg", "lax"), ("int", "tight")}
     assert asked == 1  # once per call, however many candidates differ
-    # no engine of the lax class: the tight worker takes it (it must go somewhere)
+    # no engine of the lax class: the tight worker takes it (it must go somewhere) ...
     alone = dispatch(queue[:1], workers[:1], 0.0, segregated, engine_classes=classes({"tight": 0.04}))
     assert [(a.request_id, a.engine_id) for a in alone.assignments] == [("bg", "tight")]
-    asked = 0
-    same = dispatch(
-        queue[1:], workers[:1], 0.0, segregated, engine_classes=classes({"tight": 0.04, "lax": 0.25})
+    # ... nor when the lax engine's whole KV could never hold it
+    small = dispatch(queue[:1], workers[:1], 0.0, segregated, engine_classes=classes(both, kv=4000))
+    assert [(a.request_id, a.engine_id) for a in small.assignments] == [("bg", "tight")]
+    # ... nor to an engine of a third class, which would leave it again: never back and forth
+    third = dispatch(
+        [req("mid", prompt=5000, ttft=10.0, tpot=0.1)],
+        workers[:1],
+        0.0,
+        segregated,
+        engine_classes=classes({"tight": 0.04, "other": 0.5}),
     )
+    assert [(a.request_id, a.engine_id) for a in third.assignments] == [("mid", "tight")]
+    # an idle engine is a home for a lax request too
+    idle = dispatch(
+        queue[:1], workers[:1], 0.0, segregated, engine_classes=classes({"tight": 0.04, "idle": math.inf})
+    )
+    assert idle.assignments == ()
+    asked = 0
+    same = dispatch(queue[1:], workers[:1], 0.0, segregated, engine_classes=classes(both))
     assert [a.request_id for a in same.assignments] == ["int"] and asked == 0
     with pytest.raises(ValueError, match="segregate_ratio"):
         HyperFlexisParams(segregate_ratio=0.5)
+
+
+def test_tpot_segregation_leaves_a_tight_request_to_an_engine_of_its_class_only_where_tpot_binds() -> None:
+    """A worker running mostly lax streams leaves a tight request to an engine running mostly
+    tight ones when its own decode step is at least half the tight TPOT (its long prefills would
+    stall the request's stream); where its steps are far within that TPOT it takes it."""
+    lax_streams = tuple(RunningRequest(1000, 100, 0.25, True) for _ in range(10))
+    queue = [req("int", prompt=100, ttft=3.0, tpot=0.04)]
+    mapping = {"lax": (0.25, 1 << 40), "tight": (0.04, 1 << 40)}
+    params = HyperFlexisParams(budget_ttft_share=0.25, tpot_segregation=True)
+    # decode step over 10 streams of 1,100 tokens: 0.01 + 0.011 + 0.001 = 22 ms >= 20 ms
+    slow = dispatch(queue, [worker("lax", running=lax_streams)], 0.0, params, engine_classes=lambda: mapping)
+    assert slow.assignments == ()
+    fast = dataclasses.replace(worker("lax", running=lax_streams), decode_coeffs=(0.005, 1e-7, 1e-4))
+    taken = dispatch(queue, [fast], 0.0, params, engine_classes=lambda: mapping)
+    assert [(a.request_id, a.engine_id) for a in taken.assignments] == [("int", "lax")]
