@@ -370,3 +370,10 @@ def test_the_band_index_holds_only_priorities_still_queued() -> None:
         assert core.cancel(f"r-{seq}", 0.0)
     assert core.submit(ticket(500, band=3), 0.0) is None
     assert list(core._band_newest["a"]) == [3] and core._band_live == {("a", 3): 1}
+
+
+def test_the_shipped_hyperflexis_profiles_keep_tpot_classes_apart_on_mixing_engines() -> None:
+    for name in ("hyperflexis", "hyperflexis-wspt"):
+        params = profile(name).dispatcher.hyperflexis
+        assert params is not None
+        assert params.tpot_segregation and params.segregate_ratio == 2.0 and params.mixed_steps
