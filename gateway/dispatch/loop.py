@@ -31,6 +31,9 @@ log = logging.getLogger("slogate.dispatch")
 #: the event loop's timer granularity (uvloop/libuv: 1 ms): a timer that fires more than
 #: ``TIMER_EARLY_S`` before its time waits at least this much more, not one loop turn at a time
 TIMER_TICK_S = 0.001
+#: steps that each ask for the next at once yield to the event loop after holding it this long
+#: (seconds): a demotion plan's slices over a deep queue, not a short chain of turns
+CHAIN_YIELD_S = 0.001
 TIMER_EARLY_S = 10e-6
 
 __all__ = ["ClassLimits", "DispatchLoop"]
@@ -165,6 +168,7 @@ class DispatchLoop:
 
     async def _run(self) -> None:
         event = self._event
+        chained_since: float | None = None
         while True:
             await event.wait()
             event.clear()
@@ -179,11 +183,19 @@ class DispatchLoop:
                 log.exception("dispatch failed")
                 await asyncio.sleep(0.05)
                 event.set()
-            if event.is_set():
+            if not event.is_set():
+                chained_since = None
+            else:
                 # another step asked for at once (a demotion plan's next slice, a worker due
-                # already): Event.wait() would return without yielding, so the steps would run
-                # back to back in one turn of the event loop, holding every stream as one long call
-                await asyncio.sleep(0)
+                # already): Event.wait() returns without yielding, so such steps ran back to back
+                # in one turn of the event loop, holding every stream as one long call. Yield once
+                # they have held it CHAIN_YIELD_S (not after every one: short chains are the
+                # common case in front of fast engines, and a yield each cost throughput there)
+                if chained_since is None:
+                    chained_since = t0
+                if time.perf_counter() - chained_since >= CHAIN_YIELD_S:
+                    chained_since = None
+                    await asyncio.sleep(0)
 
     def _arm(self, at: float) -> None:
         """Wake the task at ``at`` (the core's clock): one timer handle, moved only when needed."""
