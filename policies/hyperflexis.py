@@ -236,6 +236,9 @@ class HyperFlexisParams:
     #: within it of each other are one class.
     tpot_segregation: bool = False
     segregate_ratio: float = 2.0
+    #: a request is left for its class only while it has waited less than this share of its
+    #: TTFT target: an engine of its class full for longer must not hold it until it times out
+    segregate_max_wait: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.theta <= 1.0:
@@ -263,6 +266,8 @@ class HyperFlexisParams:
             raise ValueError(f"demote_rate_share must be in (0, 1], got {self.demote_rate_share}")
         if not self.segregate_ratio >= 1.0:
             raise ValueError(f"segregate_ratio must be >= 1, got {self.segregate_ratio}")
+        if not self.segregate_max_wait >= 0.0:
+            raise ValueError(f"segregate_max_wait must be >= 0, got {self.segregate_max_wait}")
         if self.max_scan < 1 or self.slack_scale <= 0 or self.recheck_s <= 0:
             raise ValueError("max_scan must be >= 1; slack_scale and recheck_s must be > 0")
 
@@ -649,7 +654,7 @@ def _fill_worker(
     # the TPOTs this worker ran before the turn, when classes are kept apart (its class is read
     # only for a candidate of another TPOT, or when it runs more than one class)
     segregate = turn.engine_classes is not None and shadow.count > shadow.taken
-    ratio = turn.params.segregate_ratio
+    ratio, segregate_wait = turn.params.segregate_ratio, turn.params.segregate_max_wait
     tpot_lo, tpot_hi = shadow.min_tpot, shadow.max_tpot
     if lane is not None:
         lane_base, lane_rate = lane.prefill_base_s, lane.prefill_tokens_per_s
@@ -689,11 +694,17 @@ def _fill_worker(
         if (
             segregate
             and (tpot_hi > ratio * tpot_lo or its_tpot > ratio * tpot_lo or tpot_hi > ratio * its_tpot)
+            # (a LoRA request goes where its adapter is, whatever the classes)
+            and not (adapters_held and view.lora is not None)
+            and now < (held_until := view.arrival + segregate_wait * item.ttft_slo)
             and _class_elsewhere(
                 turn, engine_id, its_tpot, prompt + view.max_output_tokens, prompt > budget_left, decode_s
             )
         ):
-            slack_bound = True  # (an engine of its class may take it; an arrival may wake this one)
+            # an engine of its class may take it; this one looks again when the wait for that
+            # ends (or at an arrival)
+            slack_bound = True
+            late_at = min(late_at, held_until)
             continue
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.

@@ -842,6 +842,8 @@ class DispatchCore:
         classes for good. O(engines), asked only by a turn that meets a candidate of another
         class than its worker's."""
         fleet = self.fleet
+        assert self.hyperflexis is not None
+        ratio = self.hyperflexis.segregate_ratio
         classes: dict[str, tuple[float, int]] = {}
         lax_share, lax_engine, lax_class = 0.0, "", math.inf
         for record in fleet.engines_of.get(model, ()):
@@ -859,13 +861,15 @@ class DispatchCore:
                 continue
             most = max(counts, key=lambda tpot: (counts[tpot], -tpot))
             classes[record.engine_id] = (most, kv)
-            laxer = [tpot for tpot in counts if tpot > most]
+            laxer = [tpot for tpot in counts if tpot > ratio * most]
             if laxer:
                 share = sum(counts[t] for t in laxer) / record.in_flight
                 if share > lax_share:
                     lax_share, lax_engine = share, record.engine_id
                     lax_class = max(laxer, key=lambda tpot: (counts[tpot], -tpot))
-        if lax_engine and len(classes) > 1 and len({c for c, _ in classes.values()}) == 1:
+        busy = [c for c, _ in classes.values()]
+        if lax_engine and len(busy) > 1 and math.inf not in busy and max(busy) <= ratio * min(busy):
+            # (every engine busy and of one class, within the ratio)
             classes[lax_engine] = (lax_class, classes[lax_engine][1])
         return classes
 

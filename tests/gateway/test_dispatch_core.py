@@ -1020,6 +1020,13 @@ def test_tpot_classes_are_each_engines_most_common_target_and_one_engine_breaks_
     assert classes() == {"a-0": 0.04, "a-1": 0.25, "a-2": 0.04}
     fleet.record_health("a-1", False, eject_after=1, readmit_after=1)
     assert "a-1" not in classes()  # out of rotation: no class
+    # targets within segregate_ratio (2x) of each other are one class: 0.02 and 0.03 engines are
+    # all tight, and the one running a 0.2 minority counts as lax
+    fleet, core = _held_core(2)
+    run("a-0", 4, 0.02)
+    run("a-1", 4, 0.03)
+    run("a-1", 1, 0.2)
+    assert {e: c for e, (c, _) in core._tpot_classes("a").items()} == {"a-0": 0.02, "a-1": 0.2}
 
 
 @pytest.mark.parametrize("segregate", [False, True])

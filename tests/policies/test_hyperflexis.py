@@ -463,3 +463,38 @@ def test_tpot_segregation_leaves_a_tight_request_to_an_engine_of_its_class_only_
     fast = dataclasses.replace(worker("lax", running=lax_streams), decode_coeffs=(0.005, 1e-7, 1e-4))
     taken = dispatch(queue, [fast], 0.0, params, engine_classes=lambda: mapping)
     assert [(a.request_id, a.engine_id) for a in taken.assignments] == [("int", "lax")]
+
+
+def test_tpot_segregation_holds_a_request_for_its_class_only_until_its_ttft() -> None:
+    """An engine of its class full for long must not hold a request until its queue timeout:
+    past ``segregate_max_wait`` of its TTFT any worker takes it, and the worker that left it
+    looks again at that moment. A LoRA request goes where its adapter is, classes or not."""
+    tight_streams = tuple(RunningRequest(1000, 100, 0.04, True) for _ in range(10))
+    mapping = {"tight": (0.04, 1 << 40), "lax": (0.25, 1 << 40)}
+    params = HyperFlexisParams(budget_ttft_share=0.25, tpot_segregation=True, late_backfill=False)
+    bg = req("bg", prompt=5000, ttft=10.0, tpot=0.25, arrival=0.0)
+    left = dispatch(
+        [bg], [worker("tight", running=tight_streams)], 1.0, params, engine_classes=lambda: mapping
+    )
+    assert left.assignments == () and left.maturity["tight"] == 10.0  # its wait for the lax engine ends
+    half = dataclasses.replace(params, segregate_max_wait=0.5)
+    tight = worker("tight", running=tight_streams)
+    assert dispatch([bg], [tight], 4.9, half, engine_classes=lambda: mapping).assignments == ()
+    taken = dispatch([bg], [tight], 5.0, half, engine_classes=lambda: mapping)
+    assert [a.engine_id for a in taken.assignments] == ["tight"]
+    lora_view = dataclasses.replace(bg.view, lora="adapter-x")
+    lora = dataclasses.replace(bg, view=lora_view)
+    with_adapter = dataclasses.replace(
+        worker("tight", running=tight_streams), adapters=frozenset({"adapter-x"})
+    )
+    placed = dispatch(
+        [lora],
+        [with_adapter],
+        1.0,
+        params,
+        adapters_held=frozenset({"adapter-x"}),
+        engine_classes=lambda: mapping,
+    )
+    assert [a.engine_id for a in placed.assignments] == ["tight"]
+    with pytest.raises(ValueError, match="segregate_max_wait"):
+        HyperFlexisParams(segregate_max_wait=-1.0)
