@@ -419,9 +419,13 @@ def test_killed_engine_is_ejected_and_requests_keep_succeeding(tmp_path: Path) -
                 assert set(first) == {"a", "b"}
                 killed_at = time.monotonic()
                 os.kill(a.pid, signal.SIGKILL)
-                after = list(pool.map(ask, range(8, 40)))  # every one succeeds (ask asserts)
-            assert wait_until(lambda: gateway_view(gw)["a"]["healthy"] is False, timeout=5)
-            assert time.monotonic() - killed_at < 10
+                pending = [pool.submit(ask, i) for i in range(8, 40)]
+                # ejected while the requests run: timed from the kill to the ejection, not to the
+                # end of 32 CPU completions, which took 27 s in one full suite run on a busy machine
+                assert wait_until(lambda: gateway_view(gw)["a"]["healthy"] is False, timeout=10)
+                ejected_after = time.monotonic() - killed_at
+                after = [f.result() for f in pending]  # every one succeeds (ask asserts)
+            assert ejected_after < 10
             assert after[-8:] == ["b"] * 8
     finally:
         a.stop()
