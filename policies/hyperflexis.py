@@ -696,15 +696,16 @@ def _fill_worker(
             and (tpot_hi > ratio * tpot_lo or its_tpot > ratio * tpot_lo or tpot_hi > ratio * its_tpot)
             # (a LoRA request goes where its adapter is, whatever the classes)
             and not (adapters_held and view.lora is not None)
-            and now < (held_until := view.arrival + segregate_wait * item.ttft_slo)
+            and now < view.arrival + segregate_wait * item.ttft_slo
             and _class_elsewhere(
                 turn, engine_id, its_tpot, prompt + view.max_output_tokens, prompt > budget_left, decode_s
             )
         ):
-            # an engine of its class may take it; this one looks again when the wait for that
-            # ends (or at an arrival)
+            # an engine of its class may take it, an arrival may wake this one; no timer for the
+            # end of that wait: a worker asleep until then took none of the arrivals meanwhile
+            # (offline on the TPOT-binding set at half speed, a timer cost 2-4 points), and its
+            # next turn looks again
             slack_bound = True
-            late_at = min(late_at, held_until)
             continue
         # The budget bounds how much is batched per turn; a prompt longer than any budget would
         # otherwise never be dispatched, so an otherwise empty turn may take one such request.
