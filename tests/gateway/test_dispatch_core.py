@@ -948,6 +948,40 @@ def test_a_demotion_plan_reads_a_deep_queue_a_slice_per_step_and_decides_as_one_
     assert demoted_ids and all(int(rid.split("-")[1]) % 2 == 0 for rid in demoted_ids)
 
 
+def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_dropped(monkeypatch) -> None:
+    """Requests dispatched or cancelled between a plan's slices no longer take their band's drain;
+    a plan whose decision raises is dropped (not retried before every dispatch until it works)."""
+    import gateway.dispatch.core as core_module
+
+    core, *_ = _overload_demotion_run()
+    queue = core.queues["a"]
+    monkeypatch.setattr(core_module, "DEMOTE_SLICE", 7)
+    while not core._demote_plans.get("a") or not core._demote_plans["a"].rows:
+        assert not core._plan_demotions("a", queue, 8.0)  # (the oldest are late: no rows)
+    gone = core._demote_plans["a"].rows[0][4]
+    assert core.cancel(gone, 8.0)  # leaves between slices
+    planned: list[list[str]] = []
+    real = core_module.longest_to_demote
+
+    def spy(rows, *args):  # type: ignore[no-untyped-def]
+        rows = list(rows)
+        planned.append([row[4] for row in rows])
+        return real(rows, *args)
+
+    monkeypatch.setattr(core_module, "longest_to_demote", spy)
+    while not core._plan_demotions("a", queue, 8.0):
+        pass
+    assert planned and gone not in planned[0] and len(planned[0]) > 7
+
+    def broken(*_args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in the plan")
+
+    monkeypatch.setattr(core_module, "band_of", broken)  # fails while reading the queue
+    with pytest.raises(RuntimeError):
+        core._plan_demotions("a", queue, 9.5)
+    assert "a" not in core._demote_plans
+
+
 def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:
     from policies.demotion import band_of
 
