@@ -7,10 +7,11 @@ most of it vLLM start-up. Provisioning and server start-up report their progress
 although pytest captures output (see ``_progress_on_terminal``). Skip the tier with
 ``SLOGATE_REAL_ENGINES=0`` or ``-m "not real_engines"``; run only it with ``pytest tests/realengines``.
 
-Servers are session-scoped and shared by all tests; the two vLLM servers start concurrently. Both
-run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
+Servers are session-scoped and shared by all tests; the three vLLM servers start concurrently
+(start-up is mostly waiting: three took about as long as one). Two of them run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
 priority and least-load tests need one; the default batch limit would run everything at once), and
 both also answer to the shared model name ``tiny-vllm`` so the gateway can balance between them.
+The third publishes KV events for the prefix-index tests (``vllm_kv``).
 The P/D module adds a prefill and a decode vLLM server with the NIXL and Example KV connectors
 (``vllm_pd_pair``, module-scoped: they run only while that module's tests do; nixl is installed
 into the vLLM venv on first use, ~70 MB).
@@ -50,6 +51,7 @@ VLLM_PRIORITY_NAME = "tiny-vllm-prio"
 VLLM_SHARED_NAME = "tiny-vllm"  # both vLLM servers answer to it
 VLLM_ARGS = ("--max-num-seqs", "2")
 LLAMACPP_NAME = "tiny-llamacpp"
+VLLM_KV_NAME = "tiny-vllm-kv"  # the server that publishes KV events
 VLLM_PD_NAME = "tiny-vllm-pd"  # served by the P/D pair's prefill and decode server
 
 TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
@@ -107,8 +109,14 @@ def _record(engine: RunningEngine) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_servers() -> Iterator[dict[str, RunningEngine]]:
-    """Two vLLM servers started concurrently: FCFS and ``--scheduling-policy priority``."""
+def _vllm_kv_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(_vllm_kv_port: int) -> Iterator[dict[str, RunningEngine]]:
+    """Three vLLM servers started concurrently: FCFS and ``--scheduling-policy priority`` (the
+    pair the gateway balances between), and one publishing KV events (``vllm_kv``)."""
     started = time.monotonic()
 
     def start(name: str, policy: SchedulingPolicy) -> RunningEngine:
@@ -119,7 +127,15 @@ def vllm_servers() -> Iterator[dict[str, RunningEngine]]:
     servers = {"fcfs": start(VLLM_FCFS_NAME, "fcfs")}
     try:
         servers["priority"] = start(VLLM_PRIORITY_NAME, "priority")
-        progress("waiting for the two vLLM servers to start (about a minute)")
+        # (binds the port: vLLM publishes, the gateway connects; the dev endpoints give the
+        # tests /reset_prefix_cache)
+        servers["kv"] = start_vllm(
+            VLLM_KV_NAME,
+            kv_events_endpoint=f"tcp://*:{_vllm_kv_port}",
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            wait=False,
+        )
+        progress("waiting for the three vLLM servers to start (about a minute)")
         for engine in servers.values():
             engine.wait_ready()
         progress(f"vLLM servers ready after {time.monotonic() - started:.1f} s")
@@ -129,6 +145,13 @@ def vllm_servers() -> Iterator[dict[str, RunningEngine]]:
             if engine.is_running():
                 _record(engine)
             engine.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_kv(vllm_servers: dict[str, RunningEngine], _vllm_kv_port: int) -> tuple[RunningEngine, int]:
+    """vLLM publishing KV events on a port it binds (``tcp://*:P``), with the dev endpoints
+    (``/reset_prefix_cache``) on: the server and the port."""
+    return vllm_servers["kv"], _vllm_kv_port
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,11 @@ events but keying with the gateway's own tokenizer (what every model got before
 ``engine_tokenizers``) sees the same blocks and matches none of its prompts: the control that
 shows the keying is what this test checks.
 
-One vLLM server, started once for the module (~1 min).
+The vLLM server (``vllm_kv``) starts with the session's other two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,14 @@ import pytest
 from gateway.fleet.block_hash import PromptBlocks, root_key
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prompt_key import prompt_token_ids
-from gateway.realengines.servers import RunningEngine, free_port, start_vllm
+from gateway.realengines.servers import RunningEngine
 from gateway.realengines.tiny_models import ensure_hf_model
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.realengines.conftest import VLLM_KV_NAME
 
 pytestmark = pytest.mark.real_engines
 
-MODEL = "tiny-vllm-kv"
+MODEL = VLLM_KV_NAME
 ENGINE = "vllm-kv"
 BLOCK = 128  # vLLM's block size on CPU
 
@@ -54,18 +54,6 @@ prefix_dispatch_ttl_s: 0.001
   - {{name: {engine}, url: "{url}", kind: vllm, model: {model},
      kv_events_endpoint: "tcp://127.0.0.1:{port}", kv_events_topic: kv}}
 """
-
-
-@pytest.fixture(scope="module")
-def vllm_kv() -> Iterator[tuple[RunningEngine, int]]:
-    """vLLM publishing KV events on a port it binds (``tcp://*:P``), with the dev endpoints
-    (``/reset_prefix_cache``) on."""
-    port = free_port()
-    engine = start_vllm(MODEL, kv_events_endpoint=f"tcp://*:{port}", env={"VLLM_SERVER_DEV_MODE": "1"})
-    try:
-        yield engine, port
-    finally:
-        engine.stop()
 
 
 def _config(path: Path, engine: RunningEngine, port: int, tokenizer_dir: Path | None) -> Path:
