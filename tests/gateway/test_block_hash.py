@@ -7,6 +7,7 @@ not been provisioned (``slogate engines prepare --vllm``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -31,7 +32,8 @@ from gateway.fleet.block_hash import (
     root_key,
     vllm_block_hashes,
 )
-from gateway.realengines.vllm_env import is_vllm_env_ready, vllm_python
+from gateway.realengines._common import cache_dir
+from gateway.realengines.vllm_env import is_vllm_env_ready, vllm_python, vllm_venv_dir
 from gateway.tokenizer import encode
 
 
@@ -240,17 +242,31 @@ def _cases() -> list[dict[str, Any]]:
 def vllm_hashes() -> Iterator[list[list[int]]]:
     if not is_vllm_env_ready():
         pytest.skip("the vLLM CPU venv is not provisioned (slogate engines prepare --vllm)")
+    cases = json.dumps(_cases())
+    # vLLM's answer depends only on its install, the script and the cases: kept beside the venv
+    # (importing vLLM takes ~9 s of the suite), and asked again whenever any of them changes
+    install = (vllm_venv_dir() / ".slogate-ok").read_text()
+    key = hashlib.sha256("\0".join((install, _VLLM_SCRIPT, cases, SEED)).encode()).hexdigest()[:16]
+    saved = cache_dir() / "reference" / f"vllm-block-hashes-{key}.json"
+    if saved.is_file():
+        yield json.loads(saved.read_text())
+        return
     env = {**os.environ, "PYTHONHASHSEED": SEED, "VLLM_LOGGING_LEVEL": "ERROR"}
     done = subprocess.run(
         [str(vllm_python()), "-c", _VLLM_SCRIPT],
-        input=json.dumps(_cases()),
+        input=cases,
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
         check=True,
     )
-    yield json.loads(done.stdout)
+    hashes = json.loads(done.stdout)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_suffix(".tmp")
+    tmp.write_text(json.dumps(hashes))
+    tmp.replace(saved)
+    yield hashes
 
 
 def _tupled(extras: list[Any] | None) -> list[tuple[Any, ...] | None] | None:
