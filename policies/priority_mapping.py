@@ -34,6 +34,13 @@ Interpretations of the paper (it gives the pseudo-code but leaves these open):
   higher priority could be promised ("without undermining priority ordering"). The upper bound
   ``max(p)`` always holds: under contention targets relax "up to their configured maximum".
   The rule applies to TTFT and TPOT alike.
+* **Underloaded** also means that nothing waits for an engine (``backlog``, the caller's
+  queue): the relaxed floor is for a fleet with room. A priority alone on a busy fleet
+  otherwise kept taking targets as tight as priority 0's, and the dispatcher sized every turn
+  for them (eq.(5) budgets against the tightest target that arrives): on the priority ramp
+  (one engine, the lowest priority alone at 15 QPS of long prompts) the turns shrank until that
+  priority overloaded the engine by itself, 33 misses in its first 30 s (none with its own
+  floor) and 118 refusals over the run (70).
 * **Empty window.** Before any completion is observed the priority gets the midpoint of its
   ranges. With the ±25 % ranges of HyperFlexis §7.3 the midpoint is exactly the Table 1 target
   the range was built around.
@@ -244,15 +251,19 @@ def _clamp(value: float, low: float, high: float) -> float:
     return low if value < low else high if value > high else value
 
 
-def assign(state: PriorityMappingState, priority: int) -> tuple[MappedSlo, PriorityMappingState]:
+def assign(
+    state: PriorityMappingState, priority: int, backlog: bool = False
+) -> tuple[MappedSlo, PriorityMappingState]:
     """Algorithm 2: targets for a new request at ``priority`` and the state after it.
 
     Only ``last_queue_time[priority]`` changes in the returned state (when the window is not
-    empty). See the module docstring for the contention rule and the empty-window default.
+    empty). ``backlog``: requests wait for an engine (the fleet is not underloaded: the level's
+    own floor applies as under contention). See the module docstring for the contention rule and
+    the empty-window default.
     """
     _check_priority(state, priority)
     bounds = state.config.levels[priority]
-    contended = any(count > 0 for count in state.pending[:priority])
+    contended = backlog or any(count > 0 for count in state.pending[:priority])
     if contended:
         ttft_floor, tpot_floor = bounds.ttft_min_s, bounds.tpot_min_s
     else:

@@ -290,7 +290,7 @@ def _fallback(hints: SloHints, profile: SloProfile) -> _Fallback:
 
 
 def _resolve(
-    hints: SloHints, profile: SloProfile, state: PriorityMappingState | None
+    hints: SloHints, profile: SloProfile, state: PriorityMappingState | None, backlog: bool = False
 ) -> tuple[SloTarget, PriorityMappingState | None]:
     ttft = _explicit_seconds(hints.ttft_ms)
     tpot = _explicit_seconds(hints.tpot_ms)
@@ -300,7 +300,7 @@ def _resolve(
     fb_ttft, fb_tpot = fb.ttft_s, fb.tpot_s
     # the mapper only runs when its answer is used: assign() moves last_queue_time
     if fb.priority is not None and state is not None:
-        mapped, state = assign(state, fb.priority)
+        mapped, state = assign(state, fb.priority, backlog)
         fb_ttft, fb_tpot = mapped.ttft_s, mapped.tpot_s
     if ttft is not None:
         return SloTarget(ttft, fb_tpot, fb.slo_class, SloSource.EXPLICIT, fb.source), state
@@ -325,13 +325,14 @@ def classify(hints: SloHints, profile: SloProfile) -> SloTarget:
 
 
 def classify_mapped(
-    hints: SloHints, profile: SloProfile, state: PriorityMappingState
+    hints: SloHints, profile: SloProfile, state: PriorityMappingState, backlog: bool = False
 ) -> tuple[SloTarget, PriorityMappingState]:
-    """Like :func:`classify`, but priority targets come from Algorithm 2 over ``state``.
+    """Like :func:`classify`, but priority targets come from Algorithm 2 over ``state``
+    (``backlog``: requests wait for an engine, see :func:`policies.priority_mapping.assign`).
 
     ``state`` must come from :func:`initial_priority_state` for this profile (then threaded
     through ``classify_mapped`` and :func:`policies.priority_mapping.observe_completion`). The returned
     state is ``state`` itself unless the priority step supplied a target.
     """
-    target, new_state = _resolve(hints, profile, state)
+    target, new_state = _resolve(hints, profile, state, backlog)
     return target, state if new_state is None else new_state

@@ -179,7 +179,7 @@ class Proxy:
                     request.lora, request.model = request.model, base
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
-            target, priority = self.slo.classify(headers, request.priority, policy)
+            target, priority = self.slo.classify(headers, request.priority, policy, request.model)
             slo_class = target.slo_class
             reply = (
                 (b"x-request-id", client_rid),

@@ -117,7 +117,7 @@ def build_core(
     )
     for warning in engine_scheduling_warnings(routing, fleet, max_engine_load):
         log.warning(warning)
-    return DispatchCore(
+    core = DispatchCore(
         fleet,
         Router(fleet, routing.pipeline, prefix, policy=Path(settings.routing_profile).stem),
         dispatcher.order,
@@ -128,6 +128,9 @@ def build_core(
         tightest_ttft_s=slo.profile.tightest_ttft_s,
         shedding=dispatcher.shedding,
     )
+    # the priority mapper relaxes a level's floor only while nothing waits for an engine
+    slo.backlog = core.backlogged
+    return core
 
 
 def engine_scheduling_warnings(

@@ -104,13 +104,20 @@ class SloService:
         self.latency = LatencyLearner(priors, chunks)
         self.levels = len(self.profile.priority.levels) if self.profile.priority else 0
         self.pending_by_priority: dict[int, int] = {}
+        #: whether requests for a model wait for an engine (the dispatch core's queue, wired by
+        #: the driver): a backlog ends the priority mapper's relaxed floor (see assign())
+        self.backlog: Callable[[str], bool] = lambda model: False
         #: the profile's classes' queue bounds, made once each (read on every arrival)
         self._limits: dict[str, ClassLimits] = {}
 
     # -- classification --------------------------------------------------------------------------
 
     def classify(
-        self, headers: Mapping[bytes, bytes], body_priority: int, policy: ApiKeyPolicy = OPEN_POLICY
+        self,
+        headers: Mapping[bytes, bytes],
+        body_priority: int,
+        policy: ApiKeyPolicy = OPEN_POLICY,
+        model: str = "",
     ) -> tuple[SloTarget, int | None]:
         """The request's targets and its effective priority, within what its key allows.
 
@@ -137,7 +144,8 @@ class SloService:
         if self.mapping is None:
             target = classify(hints, self.profile)
         else:
-            target, self.mapping = classify_mapped(hints, self.profile, self.mapping)
+            backlog = hints.priority is not None and self.backlog(model)
+            target, self.mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
         return clamp_target(target, policy), priority
 
     # -- pending and completions -----------------------------------------------------------------

@@ -200,6 +200,18 @@ def test_fig6_underloaded_low_priority_gets_tight_targets_then_relaxes_under_con
     assert (contended.ttft_s, contended.tpot_s) == (15.0, 0.75)
 
 
+def test_a_backlog_holds_a_lone_priority_to_its_own_floor() -> None:
+    # P3 alone, answered in 0.3 s, but requests wait for an engine: the fleet is not underloaded
+    state = state_with(PAPER_LEVELS, 500, [(3, 0.3, 0.05, 0.0)] * 20)
+    relaxed, _ = assign(state, 3)
+    assert (relaxed.ttft_s, relaxed.tpot_s, relaxed.contended) == (0.525, 0.375, False)
+    held, _ = assign(state, 3, backlog=True)
+    assert (held.ttft_s, held.tpot_s, held.contended) == (15.0, 0.75, True)
+    # the upper bound and a window above the floor are untouched by it
+    slow = state_with(PAPER_LEVELS, 500, [(3, 40.0, 2.0, 0.0)] * 20)
+    assert assign(slow, 3, backlog=True)[0].ttft_s == assign(slow, 3)[0].ttft_s == 25.0
+
+
 def test_highest_priority_is_never_contended() -> None:
     state = set_pending(state_with(PAPER_LEVELS, 10, [(0, 0.1, 0.1, 0.0)]), [7, 7, 7, 7])
     mapped, _ = assign(state, 0)
