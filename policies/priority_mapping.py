@@ -144,7 +144,8 @@ class MappedSlo:
 
     ``index`` is the eq.(6) window position used (``None`` for the empty-window default);
     ``queue_correction_s`` is what was subtracted from the window TTFT; ``contended`` says
-    whether a higher priority had pending requests (strict floor) when it was assigned.
+    whether the level's own floor applied (strict): a higher priority had pending requests, or
+    requests waited for an engine (``backlog``), when it was assigned.
     """
 
     priority: int

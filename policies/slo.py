@@ -26,7 +26,7 @@ takes the hints the gateway extracted, and priority-mapping state is passed in a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -289,8 +289,15 @@ def _fallback(hints: SloHints, profile: SloProfile) -> _Fallback:
     return _Fallback(SloSource.DEFAULT, profile.default_class, cls.ttft_s, cls.tpot_s)
 
 
+def _no_backlog() -> bool:
+    return False
+
+
 def _resolve(
-    hints: SloHints, profile: SloProfile, state: PriorityMappingState | None, backlog: bool = False
+    hints: SloHints,
+    profile: SloProfile,
+    state: PriorityMappingState | None,
+    backlog: Callable[[], bool] = _no_backlog,
 ) -> tuple[SloTarget, PriorityMappingState | None]:
     ttft = _explicit_seconds(hints.ttft_ms)
     tpot = _explicit_seconds(hints.tpot_ms)
@@ -300,7 +307,7 @@ def _resolve(
     fb_ttft, fb_tpot = fb.ttft_s, fb.tpot_s
     # the mapper only runs when its answer is used: assign() moves last_queue_time
     if fb.priority is not None and state is not None:
-        mapped, state = assign(state, fb.priority, backlog)
+        mapped, state = assign(state, fb.priority, backlog())
         fb_ttft, fb_tpot = mapped.ttft_s, mapped.tpot_s
     if ttft is not None:
         return SloTarget(ttft, fb_tpot, fb.slo_class, SloSource.EXPLICIT, fb.source), state
@@ -325,10 +332,14 @@ def classify(hints: SloHints, profile: SloProfile) -> SloTarget:
 
 
 def classify_mapped(
-    hints: SloHints, profile: SloProfile, state: PriorityMappingState, backlog: bool = False
+    hints: SloHints,
+    profile: SloProfile,
+    state: PriorityMappingState,
+    backlog: Callable[[], bool] = _no_backlog,
 ) -> tuple[SloTarget, PriorityMappingState]:
     """Like :func:`classify`, but priority targets come from Algorithm 2 over ``state``
-    (``backlog``: requests wait for an engine, see :func:`policies.priority_mapping.assign`).
+    (``backlog``: whether requests wait for an engine, see
+    :func:`policies.priority_mapping.assign`; asked only when the mapper runs).
 
     ``state`` must come from :func:`initial_priority_state` for this profile (then threaded
     through ``classify_mapped`` and :func:`policies.priority_mapping.observe_completion`). The returned

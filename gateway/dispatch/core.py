@@ -91,8 +91,9 @@ CONTEXT_REFRESH_S = 1.0
 #: how far an explicit, laxer TTFT may stretch its class's queue timeout
 MAX_TIMEOUT_SCALE = 20.0
 #: a model counts as backlogged (:meth:`DispatchCore.backlogged`) this long after a request last
-#: waited for an engine: under HyperFlexis a saturated engine's queue empties every time a worker
-#: takes its head (on the priority ramp 0.25 s left most of the mapper's collapse, 1-30 s none)
+#: stopped waiting for an engine: under HyperFlexis a saturated engine's queue empties every time
+#: a worker takes its head (on the priority ramp 0.25 s left most of the mapper's collapse, 1-30 s
+#: none)
 BACKLOG_MEMORY_S = 1.0
 
 
@@ -226,9 +227,8 @@ class DispatchCore:
         self._demote_due: dict[str, float] = {}
         #: per model, the demotion plan under way (read a slice of the queue per step)
         self._demote_plans: dict[str, _DemotionPlan] = {}
-        #: per model, when a request last had to wait for an engine; and the latest ``now`` seen
+        #: per model, when a request that had waited for an engine last left the queue
         self._waited_at: dict[str, float] = {}
-        self._seen_at = -math.inf
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -261,12 +261,14 @@ class DispatchCore:
         queue = self.queues.get(model)
         return 0 if queue is None else len(queue)
 
-    def backlogged(self, model: str) -> bool:
-        """Whether requests for ``model`` wait for an engine, or did within BACKLOG_MEMORY_S of
-        the latest time the core was given: the priority mapper's sign of a fleet that is not
-        underloaded (see :func:`policies.priority_mapping.assign`)."""
-        waited_at = self._waited_at.get(model, -math.inf)
-        return self.queued(model) > 0 or self._seen_at - waited_at < BACKLOG_MEMORY_S
+    def backlogged(self, model: str, now: float) -> bool:
+        """Whether requests for ``model`` wait for an engine at ``now``, or one stopped waiting
+        within BACKLOG_MEMORY_S: the priority mapper's sign of a fleet that is not underloaded
+        (see :func:`policies.priority_mapping.assign`)."""
+        if self.queued(model):
+            return True
+        waited = self._waited_at.get(model)
+        return waited is not None and now - waited < BACKLOG_MEMORY_S
 
     def context(self, model: str, now: float | None = None) -> OrderContext:
         """The queue orders' estimates for one model's queue: its fastest engine's latency model
@@ -342,7 +344,6 @@ class DispatchCore:
         when it is refused (unknown model, no healthy engine, class queue full)."""
         view = ticket.item.view
         model = view.model
-        self._seen_at = now
         if self.closed:
             raise GatewayError(503, "gateway is shutting down", code="shutting_down", retry_after_s=1.0)
         if not self.fleet.has_healthy(model):
@@ -452,7 +453,6 @@ class DispatchCore:
         first_expiry = queue.next_expiry()
         ctx = self.context(model, now)
         queue.push(ticket.item, now, ctx)
-        self._waited_at[model] = now
         self.tickets[rid] = ticket
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
         deadlines = self._class_deadlines.setdefault(bucket, [])
@@ -501,7 +501,7 @@ class DispatchCore:
             if now - self._due > LAG_MIN_S:
                 self._lateness.add(now - self._due, now)
             self._due = math.inf
-        self._stepped_at = self._seen_at = now
+        self._stepped_at = now
         self.lag = self._lateness.max(now)
         for queue in self.queues.values():
             if len(queue) and queue.next_expiry() <= now:
@@ -1015,6 +1015,8 @@ class DispatchCore:
             if queue is not None:
                 queue.remove(rid)
         self.queued_per_class[(ticket.item.view.model, ticket.slo_class)] -= 1
+        if now is not None and now > ticket.enqueued_at:  # (queued and taken in one call: no wait)
+            self._waited_at[ticket.item.view.model] = now
         if self.shedding is not None:
             live = (ticket.item.view.model, ticket.item.view.priority)
             left = self._band_live.get(live, 0) - 1

@@ -104,9 +104,11 @@ class SloService:
         self.latency = LatencyLearner(priors, chunks)
         self.levels = len(self.profile.priority.levels) if self.profile.priority else 0
         self.pending_by_priority: dict[int, int] = {}
-        #: whether requests for a model wait for an engine (the dispatch core's queue, wired by
-        #: the driver): a backlog ends the priority mapper's relaxed floor (see assign())
-        self.backlog: Callable[[str], bool] = lambda model: False
+        #: whether requests for a model wait for an engine at a time of the driver's clock (the
+        #: dispatch core's queue, wired by build_core): a backlog ends the priority mapper's
+        #: relaxed floor (see assign()); read only with a clock (attach) and when the mapper runs
+        self.backlog: Callable[[str, float], bool] = lambda model, now: False
+        self._clock: Callable[[], float] | None = None
         #: the profile's classes' queue bounds, made once each (read on every arrival)
         self._limits: dict[str, ClassLimits] = {}
 
@@ -144,7 +146,11 @@ class SloService:
         if self.mapping is None:
             target = classify(hints, self.profile)
         else:
-            backlog = hints.priority is not None and self.backlog(model)
+            clock = self._clock
+
+            def backlog() -> bool:
+                return clock is not None and self.backlog(model, clock())
+
             target, self.mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
         return clamp_target(target, policy), priority
 
@@ -166,7 +172,9 @@ class SloService:
 
     def attach(self, fleet: Fleet, clock: Callable[[], float], step_gap_s: float) -> None:
         """Learn the engines' latency models from ``fleet``'s streamed tokens and scrapes (see
-        :meth:`LatencyLearner.attach`); both drivers call this once, with their own clock."""
+        :meth:`LatencyLearner.attach`); both drivers call this once, with their own clock (the
+        one their dispatch core is given)."""
+        self._clock = clock
         self.latency.attach(fleet, clock, step_gap_s)
 
     @property

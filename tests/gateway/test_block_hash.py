@@ -7,12 +7,15 @@ not been provisioned (``slogate engines prepare --vllm``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -248,7 +251,7 @@ def vllm_hashes() -> Iterator[list[list[int]]]:
     install = (vllm_venv_dir() / ".slogate-ok").read_text()
     key = hashlib.sha256("\0".join((install, _VLLM_SCRIPT, cases, SEED)).encode()).hexdigest()[:16]
     saved = cache_dir() / "reference" / f"vllm-block-hashes-{key}.json"
-    if saved.is_file():
+    with contextlib.suppress(OSError, ValueError):  # (missing or unreadable: ask vLLM again)
         yield json.loads(saved.read_text())
         return
     env = {**os.environ, "PYTHONHASHSEED": SEED, "VLLM_LOGGING_LEVEL": "ERROR"}
@@ -263,9 +266,9 @@ def vllm_hashes() -> Iterator[list[list[int]]]:
     )
     hashes = json.loads(done.stdout)
     saved.parent.mkdir(parents=True, exist_ok=True)
-    tmp = saved.with_suffix(".tmp")
-    tmp.write_text(json.dumps(hashes))
-    tmp.replace(saved)
+    with tempfile.NamedTemporaryFile("w", dir=saved.parent, suffix=".tmp", delete=False) as tmp:
+        tmp.write(json.dumps(hashes))
+    Path(tmp.name).replace(saved)  # (whole or not at all, whoever writes it at the same time)
     yield hashes
 
 

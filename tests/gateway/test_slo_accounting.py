@@ -125,9 +125,10 @@ def test_class_limits_come_from_the_profile_and_only_its_classes_are_kept() -> N
     assert set(slo._limits) == {"gsm8k", "sharegpt"}
 
 
-def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor() -> None:
+@pytest.mark.parametrize("routing", ["least-load", "hyperflexis"])
+def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor(routing: str) -> None:
     """The priority mapper gives a lone low priority targets as tight as priority 0's only while
-    nothing waits for an engine of its model, and for BACKLOG_MEMORY_S after something did."""
+    nothing waits for an engine of its model, and for BACKLOG_MEMORY_S after a wait ended."""
     from gateway.dispatch.build import RoutingProfile, build_core
     from gateway.dispatch.core import BACKLOG_MEMORY_S
     from gateway.dispatch.offline import offline_fleet
@@ -135,27 +136,31 @@ def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor() -> None:
     from policies.api import RequestView
     from policies.priority_mapping import observe_completion
 
-    settings = load_settings(slo_profile="hyperflexis-4task", max_engine_load=1)
+    settings = load_settings(slo_profile="hyperflexis-4task", routing_profile=routing, max_engine_load=1)
     slo = SloService(settings)
     assert slo.mapping is not None
     slo.mapping = observe_completion(slo.mapping, 3, 0.3, 0.05, 0.0)  # answered fast so far
     fleet = offline_fleet({"m": 1, "other": 1})
     core = build_core(settings, fleet, slo, RoutingProfile.load(settings.routing_profile_path()))
+    now = 0.0
+    slo.attach(fleet, lambda: now, 0.0)
     p3 = {b"x-priority": b"3"}
 
     def ttft(model: str = "m") -> float:
         return slo.classify(p3, 0, model=model)[0].ttft_s
 
-    def submit(rid: str, now: float) -> object:
+    def submit(rid: str) -> object:
         view = RequestView(rid, "m", 100, 10, arrival=now, priority=3)
         return core.submit(core.ticket(view, 20.0, 1.0, "p3", RunningEntry(100, 10, 1.0, now), now), now)
 
     assert ttft() == 0.525  # nothing waits: relaxed to p0's floor
-    assert submit("r-1", 0.0) is not None and submit("r-2", 0.0) is None  # r-2 waits
+    assert submit("r-1") is not None and submit("r-2") is None  # r-2 waits
     assert ttft() == 15.0 and ttft("other") == 0.525  # p3's own floor, for this model only
+    now = 5.0  # r-2 waits for longer than the memory, then leaves the queue for the engine
     fleet.release("m-0", "r-1")
-    core.step(0.5)
+    core.step(now)
     assert [rid for rid, _ in core.outbox] == ["r-2"] and core.queued("m") == 0
+    now += BACKLOG_MEMORY_S / 2
     assert ttft() == 15.0  # the queue emptied, but only just
-    core.step(0.5 + BACKLOG_MEMORY_S + 0.01)
+    now += BACKLOG_MEMORY_S
     assert ttft() == 0.525

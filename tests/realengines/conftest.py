@@ -110,7 +110,9 @@ def _record(engine: RunningEngine) -> None:
 
 @pytest.fixture(scope="session")
 def _vllm_kv_port() -> int:
-    return free_port()
+    # (below the ephemeral range: vLLM binds it only once started, while the three servers'
+    # own sockets take ephemeral ports)
+    return side_channel_port()
 
 
 @pytest.fixture(scope="session")

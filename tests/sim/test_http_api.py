@@ -229,10 +229,9 @@ async def test_throughput_rises_until_the_batch_limit(profiles_dir: Path) -> Non
 
         steps = "vllm:iteration_tokens_total_count"
 
-        async def burst(n: int, tokens: int = 40) -> float:
+        async def burst(n: int, before: float, tokens: int = 40) -> float:
             # Tokens per engine step, not per second: the engine's steps are what batching
             # changes, and a wall-clock rate moved with whatever else ran on the machine
-            before = await metric(proc.url, steps)
             await asyncio.gather(
                 *(
                     post(url, {"prompt": f"req {i} {n}", "max_tokens": tokens, "ignore_eos": True})
@@ -241,9 +240,9 @@ async def test_throughput_rises_until_the_batch_limit(profiles_dir: Path) -> Non
             )
             return n * tokens / (await metric(proc.url, steps) - before)
 
-        rates = [await burst(n) for n in (1, 2, 4)]
+        rates = [await burst(n, await metric(proc.url, steps)) for n in (1, 2, 4)]
         assert rates[1] > 1.6 * rates[0] and rates[2] > 1.6 * rates[1], rates
-        over = asyncio.create_task(burst(8))
+        over = asyncio.create_task(burst(8, await metric(proc.url, steps)))
         await asyncio.sleep(0.1)
         waiting = await metric(proc.url, "vllm:num_requests_waiting")
         running = await metric(proc.url, "vllm:num_requests_running")
