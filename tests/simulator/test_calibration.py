@@ -7,10 +7,11 @@ import pytest
 from gateway.simulator.calibration import TOLERANCE, calibration_scenario, compare
 
 
-@pytest.mark.parametrize("policy", ["least-load", "hyperflexis"])
+@pytest.mark.parametrize("policy", ["hyperflexis"])
 def test_live_and_offline_agree_on_attainment_and_median_latency(policy: str) -> None:
-    # 200 requests (the CLI replays 300): 8 s of arrivals each, gaps of 1-3 % against the 10 %
-    # tolerance when measured
+    # 200 requests (the CLI replays 300): 8 s of arrivals, gaps of 1-3 % against the 10 %
+    # tolerance when measured. The dispatcher whose decisions hang on time; `slogate simulate
+    # --calibrate` also compares least-load (its gaps were as small), 13 s more of the suite
     comparison = compare(calibration_scenario(policy, requests=200))
     offline, live = comparison.offline, comparison.live
     assert live.requests == offline.requests == 200
