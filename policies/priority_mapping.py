@@ -40,7 +40,7 @@ Interpretations of the paper (it gives the pseudo-code but leaves these open):
   for them (eq.(5) budgets against the tightest target that arrives): on the priority ramp
   (one engine, the lowest priority alone at 15 QPS of long prompts) the turns shrank until that
   priority overloaded the engine by itself, 33 misses in its first 30 s (none with its own
-  floor) and 118 refusals over the run (70).
+  floor) and 118 queued requests shed as infeasible over the run (70).
 * **Empty window.** Before any completion is observed the priority gets the midpoint of its
   ranges. With the ±25 % ranges of HyperFlexis §7.3 the midpoint is exactly the Table 1 target
   the range was built around.
