@@ -188,15 +188,18 @@ def status_after(status: int, delay_s: float) -> Behaviour:
 
 
 class Blackhole:
-    """A listening socket with ``listen(0)`` that answers health checks (``Connection: close``, so
-    the gateway pools nothing) until :meth:`freeze`: then it stops accepting and fills its accept
-    queue with connections that are never accepted. Linux drops SYNs to a listener whose accept
+    """A listening socket that answers health checks (``Connection: close``, so the gateway pools
+    nothing) until :meth:`freeze`: then it stops accepting, its backlog drops to 0 and it fills
+    its accept queue with connections that are never accepted. Linux drops SYNs to a listener whose accept
     queue is full, so every later connect hangs in SYN-SENT until the connecting side gives up."""
 
     def __init__(self) -> None:
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(0)
+        # room for the gateway's first round (health, scrape, models) at once: with no room a
+        # SYN is dropped and retried only after a second, past a short connect timeout, and the
+        # engine started out unhealthy whenever this thread was slow to accept (a loaded machine)
+        self._listener.listen(16)
         self._listener.settimeout(0.05)
         self.port = int(self._listener.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
@@ -222,6 +225,7 @@ class Blackhole:
         """Stop accepting, then fill the accept queue until a connect no longer completes."""
         self._frozen.set()
         self._thread.join(10)
+        self._listener.listen(0)  # (Linux takes a new backlog on a listening socket)
         for _ in range(16):
             filler = socket.socket()
             filler.setblocking(False)
