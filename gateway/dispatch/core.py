@@ -197,6 +197,9 @@ class DispatchCore:
         self.outbox: list[Outcome] = []
         #: called when there is work for :meth:`step` (the driver wakes its task)
         self.wake: Callable[[], None] = lambda: None
+        #: the driver's clock (the time base of every ``now`` it passes), for engine events, which
+        #: come without one; None: such an event wakes a step instead
+        self.clock: Callable[[], float] | None = None
         self._dirty: set[str] = set()
         #: how late the driver ran the steps it was asked for (:meth:`next_wake`), at most over the
         #: last LAG_WINDOW_S: an arrival may take a HyperFlexis worker maturing within that (a
@@ -925,7 +928,14 @@ class DispatchCore:
             self.wake()
             return
         if hyperflexis and self.workers.on_engine_event(record, what):
-            self.wake()  # a step now times the prefills that just ended (queue or not)
+            # the prefills that just ended are timed now, not at the next arrival: here when the
+            # model has nothing queued (a step only for that was a loop turn per request in front
+            # of an idle fleet), else by the step the queue needs anyway
+            if self.clock is not None and not self.queued(model):
+                assert self.hyperflexis is not None
+                self.workers.shorten_holds(self.clock(), self.hyperflexis)
+            else:
+                self.wake()
         if not self.queued(model) or (what == "prefilled" and not hyperflexis):
             return
         self._dirty.add(model)

@@ -51,6 +51,7 @@ class DispatchLoop:
         self.fleet = core.fleet
         self.clock = clock
         self.core.wake = self.wake
+        self.core.clock = clock
         self._futures: dict[str, asyncio.Future[EngineRecord]] = {}
         self._event = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None

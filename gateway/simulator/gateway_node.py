@@ -101,6 +101,7 @@ class SimGateway:
         self.prefix = build_prefix_routing(settings, self.fleet, self.routing)
         self.core = build_core(settings, self.fleet, self.slo, self.routing, self.prefix)
         self.core.wake = self._wake
+        self.core.clock = lambda: clock.now
         self.engines: dict[str, EngineNode] = {}
         self.flights: dict[str, _Flight] = {}
         self.outcomes: list[Outcome] = []

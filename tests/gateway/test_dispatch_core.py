@@ -803,6 +803,34 @@ def test_a_first_token_ending_a_holds_prefills_asks_the_driver_for_a_step_queue_
     assert core.workers.prefill_ratio["a-0"] < 0.1
 
 
+def test_with_the_drivers_clock_an_idle_models_first_token_is_timed_without_a_step() -> None:
+    """A driver that gives the core its clock gets no step for a first token when nothing is
+    queued for the model (in front of an idle fleet that was a loop turn per request): the
+    prefill is timed at the event itself. With requests queued the step is asked for still."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=1)
+    clock = [0.0]
+    core.clock = lambda: clock[0]
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None and core.queued() == 0
+    wakes.clear()
+    clock[0] = 0.001
+    fleet.mark_prefilled("a-0", "r-0")
+    assert not wakes and core.workers.prefill_ratio["a-0"] < 0.1
+    # timed at the event, not at the next arrival long after it
+    ratio = core.workers.prefill_ratio["a-0"]
+    fleet.release("a-0", "r-0")
+    assert core.submit(ticket("r-1", now=5.0), 5.0) is not None
+    assert core.workers.prefill_ratio["a-0"] == ratio
+    # a hold ending while the model has a queue: the step that serves the queue times it
+    assert core.submit(ticket("r-2", now=5.0), 5.0) is None and core.queued() == 1
+    wakes.clear()
+    clock[0] = 5.001
+    fleet.mark_prefilled("a-0", "r-1")
+    assert wakes
+
+
 def test_a_join_keeps_the_hold_timed_from_the_turn_it_joined() -> None:
     fleet, core = _held_core()
     assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
