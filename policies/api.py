@@ -73,7 +73,7 @@ class EngineState:
     timing: EngineTiming | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineSnapshot:
     """One engine as the dispatcher sees it at one instant.
 
@@ -83,6 +83,10 @@ class EngineSnapshot:
     same request twice (see :func:`estimated_load`). ``state`` is ``None`` for engines that
     publish no metrics or have not been scraped yet; ``stale`` means it is older than the
     monitor's staleness limit.
+
+    Read-only by contract, not frozen: the fleet makes a new entry on every reservation, release,
+    first token and scrape and shares it with every later placement, and a frozen dataclass cost
+    2.3x as much to make (tests/policies/test_snapshots_read_only.py holds policies to reading).
     """
 
     engine_id: str
@@ -107,7 +111,7 @@ class EngineSnapshot:
     load: float = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "load", estimated_load(self))
+        self.load = estimated_load(self)
 
 
 @dataclass(frozen=True, slots=True)
