@@ -32,7 +32,6 @@ request and released when its part ends (the prefill's when its answer arrives).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -573,15 +572,23 @@ class DisaggregatedFlow:
                 raise outcome
             return outcome
         finally:
-            for task in (prefill_task, decode_task):
-                if not task.done():
-                    await _cancel(task)
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                if prefill_task.done() and not prefill_task.cancelled():
-                    prefill_task.exception()  # retrieved: no "never retrieved" warning
-            end_transfer()
-            self.collocated.dispatch.release(prefill.engine_id, call.rid)
-            self.collocated.dispatch.release(decode.engine_id, call.rid)
+            # Both are cancelled before either is awaited, and the releases run whatever the
+            # waiting raises: when the client left, this task is itself being cancelled, and an
+            # await here re-raised that at once, leaving the decode running on without an owner
+            # and its reservation counted on the engine.
+            pending = [task for task in (prefill_task, decode_task) if not task.done()]
+            for task in pending:
+                task.cancel()
+            try:
+                if pending:
+                    await asyncio.wait(pending)
+            finally:
+                for task in (prefill_task, decode_task):
+                    if task.done() and not task.cancelled():
+                        task.exception()  # retrieved: no "never retrieved" warning
+                end_transfer()
+                self.collocated.dispatch.release(prefill.engine_id, call.rid)
+                self.collocated.dispatch.release(decode.engine_id, call.rid)
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

@@ -124,6 +124,38 @@ def test_bootstrap_failed_prefill_closes_a_streamed_decode_whose_headers_came(tm
             assert wait_until(lambda: not fleet.records["d0"].running, timeout=2.0)
 
 
+def test_bootstrap_client_leaving_while_both_engines_work_closes_both_and_releases_them(
+    tmp_path: Path,
+) -> None:
+    """The client leaves while the prefill still runs and the decode waits for its KV: the
+    handler is cancelled, and the clean-up awaited the prefill's cancellation first, which
+    re-raised the handler's own cancellation at once: the decode ran on without an owner and
+    its reservation stayed counted on the decode engine."""
+
+    async def slow_prefill(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(3.0)
+        return await nixl_prefill(engine, request)
+
+    with engines(slow_prefill, headers_then_wait_for_kv) as (prefill, decode):
+        config = [
+            entry(prefill, "p0", "prefill", kv_transfer="bootstrap", bootstrap_port=8998),
+            entry(decode, "d0", "decode"),
+        ]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path), first_token_timeout_s=60.0) as gw:
+            with (
+                pytest.raises(httpx.ReadTimeout),
+                httpx.stream(
+                    "POST", gw.url + "/v1/chat/completions", json=chat_body(True), timeout=0.8
+                ) as response,
+            ):
+                response.read()
+            fleet = gw.gateway.fleet
+            assert fleet is not None
+            assert wait_until(lambda: not fleet.records["d0"].running, timeout=3.0), "decode still reserved"
+            assert wait_until(lambda: not fleet.records["p0"].running, timeout=3.0), "prefill still reserved"
+            assert wait_until(lambda: decode.aborted == 1, timeout=3.0), "the decode request was not closed"
+
+
 # -- 2. the KV-transfer gate holds a non-streamed decode's turn for its whole answer ---------------
 
 
