@@ -143,7 +143,10 @@ async def relay_stream(
     entry = call.entry
     engine_id = call.engine_id or ""
     overhead = overhead_header(call, monotonic())
-    await send(
+    # bounded like every later send: behind a large answer on the same connection (HTTP/1.1
+    # pipelining) that the client is not reading, even the headers wait for the socket to drain
+    await send_bounded(
+        send,
         {
             "type": "http.response.start",
             "status": response.status,
@@ -153,7 +156,8 @@ async def relay_stream(
                 (b"x-slogate-engine", engine_id.encode()),
                 overhead,
             ],
-        }
+        },
+        idle_s,
     )
     clock = asyncio.get_running_loop().time
     done = False

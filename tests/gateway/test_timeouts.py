@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.vllm import parse_vllm_metrics
@@ -30,6 +31,8 @@ from tests.gateway.stub_engines import (
     Blackhole,
     StaleKeepAliveEngine,
     StubEngine,
+    chunk_event,
+    completion_body,
     events_every,
     never_answer,
     one_event_then_stall,
@@ -451,6 +454,45 @@ def test_slow_reader_is_cut_and_frees_the_engine() -> None:
     assert 0 < buffered.count(b"data: ") < max_tokens * choices
     assert len(buffered) < _max_send_buffer() + (1 << 20), len(buffered)
     print(f"slow reader freed after {freed_after:.2f} s; {len(buffered) / 1e6:.1f} MB were buffered")
+
+
+def test_a_stream_behind_an_unread_answer_on_the_same_connection_is_cut_at_its_headers() -> None:
+    """HTTP/1.1 pipelining: a large plain answer the client does not read, then a stream on the
+    same connection. The plain answer fits in the transport's buffer, so the stream is placed and
+    its engine answers, but even the stream's headers wait for the socket to drain: unbounded,
+    that wait held the engine reservation for as long as the client kept the connection open."""
+    idle_s = 0.5
+    big = completion_body("a" * (16 << 20))
+
+    async def behaviour(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        if not engine.received[-1].get("stream"):
+            return web.Response(body=big, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk_event("t0 ") + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    settings: dict[str, Any] = {**QUIET_MONITOR, "idle_timeout_s": idle_s, "first_token_timeout_s": 30.0}
+    with StubEngine(behaviour) as engine, run_gateway(engines=[engine.entry("e0")], **settings) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        slow_before = metric(gw, "slogate_slow_clients_total")
+
+        def request(stream: bool) -> bytes:
+            body = orjson.dumps(chat(stream=stream))
+            return b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" % (
+                CHAT.encode(),
+                host.encode(),
+            ) + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect((host, int(port)))
+            client.sendall(request(False) + request(True))
+            assert wait_until(lambda: len(engine.received) == 2, timeout=10), "the stream never started"
+            freed = wait_until(lambda: in_flight(gw, "e0") == 0, timeout=idle_s + SLACK_S + 2)
+            assert freed, "a client reading nothing holds the stream's engine reservation"
+            assert metric(gw, "slogate_slow_clients_total") - slow_before >= 1
 
 
 def _max_send_buffer() -> int:
