@@ -614,39 +614,47 @@ class Migrator:
                     end += len(sep)
                     complete, pending = data[:end], data[end:]
                     out: list[bytes] = []
-                    for event in complete.split(sep)[:-1]:
-                        payload = event[6:] if event.startswith(b"data: ") else event
-                        payload = payload.strip()
-                        if not payload or payload.startswith(b":"):
-                            continue
-                        if payload == b"[DONE]":
-                            done = True
-                            break
-                        message = orjson.loads(payload)
-                        if not isinstance(message, dict) or "error" in message:
-                            raise _Failed(f"an error event: {payload[:200]!r}")
-                        choices = message.get("choices")
-                        if not choices:
-                            if isinstance(message.get("usage"), dict):
-                                usage = message["usage"]
-                            continue
-                        first = state is None
-                        if state is None:  # a restart's first event: it names the stream
-                            ledger.first_chunk = b"data: " + payload + b"\n\n"
-                            state = self._resume_state(call, ledger)
-                            if state is None:
-                                raise _Failed("a first event without prompt token ids")
-                        choice = choices[0]
-                        ids = choice.get("token_ids")
-                        if isinstance(ids, list):
-                            ledger.extend(ids)
-                        finish = choice.get("finish_reason")
-                        if finish:
-                            ledger.finished = True
-                        delta = choice.get("delta")
-                        text = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
-                        ids = ids if isinstance(ids, list) else None
-                        out.append(state.shape.chunk(text, ids, finish, first))
+                    # The ledger records each event's ids as it is parsed; an event that fails
+                    # after others in the same read ends the relay only once those went out: the
+                    # next engine continues from the ledger, so what it holds the client must have.
+                    failed: Exception | None = None
+                    try:
+                        for event in complete.split(sep)[:-1]:
+                            payload = event[6:] if event.startswith(b"data: ") else event
+                            payload = payload.strip()
+                            if not payload or payload.startswith(b":"):
+                                continue
+                            if payload == b"[DONE]":
+                                done = True
+                                break
+                            message = orjson.loads(payload)
+                            if not isinstance(message, dict) or "error" in message:
+                                raise _Failed(f"an error event: {payload[:200]!r}")
+                            choices = message.get("choices")
+                            if not choices:
+                                if isinstance(message.get("usage"), dict):
+                                    usage = message["usage"]
+                                continue
+                            first = state is None
+                            if state is None:  # a restart's first event: it names the stream
+                                ledger.first_chunk = b"data: " + payload + b"\n\n"
+                                state = self._resume_state(call, ledger)
+                                if state is None:
+                                    ledger.first_chunk = None  # (the client was sent nothing of it)
+                                    raise _Failed("a first event without prompt token ids")
+                            choice = choices[0]
+                            ids = choice.get("token_ids")
+                            if isinstance(ids, list):
+                                ledger.extend(ids)
+                            finish = choice.get("finish_reason")
+                            if finish:
+                                ledger.finished = True
+                            delta = choice.get("delta")
+                            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                            ids = ids if isinstance(ids, list) else None
+                            out.append(state.shape.chunk(text or "", ids, finish, first))
+                    except (_Failed, orjson.JSONDecodeError) as exc:
+                        failed = exc
                     now = time.monotonic()
                     deadline.reschedule(clock() + idle_s)
                     if out:
@@ -661,6 +669,8 @@ class Migrator:
                         sending = True
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                         sending = False
+                    if failed is not None:
+                        raise failed
                     if done:
                         break
                     if out and not ledger.finished and ledger.tick(len(out), now):

@@ -1,0 +1,91 @@
+"""A continuation's relay (gateway.serving.migration.Migrator._relay) against a real engine socket.
+
+The ledger of a migrating stream is what the next engine continues from, so it must hold exactly
+what the client was sent: a token recorded but never relayed is lost from the answer for good.
+The continuation engine here is a stub that writes its events in one piece, so that a token
+event and a failure arrive in the same read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.api.request_parse import parse_request
+from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.registry import RunningEntry
+from gateway.serving.call import Call
+from gateway.serving.migration import Migrator, _Resume, _Shape
+from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.settings import Settings
+from policies.slo import SloSource, SloTarget
+from tests.gateway.stub_engines import StubEngine
+
+TOKEN = b'data: {"choices":[{"index":0,"text":" nine","token_ids":[9],"finish_reason":null}]}\n\n'
+FAILURE = b'data: {"error":{"message":"engine died","code":500}}\n\n'
+MALFORMED = b"data: {not json\n\n"
+
+
+class _Flow:
+    """What the migrator reads of its flow here: the settings and the fleet."""
+
+    def __init__(self) -> None:
+        self.settings = Settings()
+        self.fleet = offline_fleet({"m": 1})
+
+
+async def _relay_once(url: str) -> tuple[int | Cut, list[int], bytes]:
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message.get("body", b""))
+
+    flow = _Flow()
+    migrator = Migrator(flow)  # type: ignore[arg-type]
+    request = parse_request("completions", orjson.dumps({"model": "m", "prompt": "hi", "stream": True}), 16)
+    target = SloTarget(1.0, 0.1, "default", SloSource.DEFAULT)
+    call = Call(request, "rid-1", "rid-1", 0.0, send, target, None, (), {})
+    record = next(iter(flow.fleet.records.values()))
+    entry = RunningEntry(1, 16, 0.1, 0.0)
+    flow.fleet.reserve(record.engine_id, call.rid, entry)
+    ledger = StreamLedger()
+    ledger.extend([7, 8])  # what the first engine relayed before it failed
+    state = _Resume(
+        [1, 2, 3], _Shape("completions", {"id": "cmpl-1", "created": 0, "model": "m"}), 16, None, None
+    )
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session, session.post(url + "/v1/chat/completions", json={}) as response:
+        outcome = await migrator._relay(call, ledger, state, record, entry, response, loop.time() + 5.0)
+    return outcome, ledger.tokens(), b"".join(sent)
+
+
+def _engine(events: bytes) -> StubEngine:
+    async def behaviour(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(events)  # one write: one read at the gateway
+        await response.write_eof()
+        return response
+
+    return StubEngine(behaviour)
+
+
+def test_a_token_read_together_with_a_failure_reaches_the_client_before_the_cut() -> None:
+    for failure in (FAILURE, MALFORMED):
+        with _engine(TOKEN + failure) as engine:
+            outcome, tokens, sent = asyncio.run(_relay_once(engine.url))
+        assert isinstance(outcome, Cut) and outcome.error is not None
+        # the next engine continues after token 9, so the client must have its text
+        assert tokens == [7, 8, 9]
+        assert b" nine" in sent and b"[9]" in sent
+
+
+def test_a_failure_alone_records_nothing_and_sends_nothing() -> None:
+    with _engine(FAILURE) as engine:
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url))
+    assert isinstance(outcome, Cut)
+    assert tokens == [7, 8] and sent == b""
