@@ -661,6 +661,11 @@ class Migrator:
                         if not started:
                             started = True
                             fleet.mark_prefilled(engine_id, call.rid)
+                            if not call.first_at:  # a restart: the client's first token comes now
+                                call.first_at = now
+                                metrics.child(
+                                    metrics.TTFT, call.request.model, call.target.slo_class
+                                ).observe(now - call.arrival)
                             if call.upstream_span is not None:
                                 call.upstream_span.add_event(EVENT_FIRST_TOKEN)
                         call.last_at = now

@@ -407,3 +407,30 @@ def test_slack_moves_a_stream_off_a_slowed_engine_with_the_exact_output() -> Non
             assert sum(generated) > max_tokens / 2  # most of the answer came from the fast engine
             assert took < max_tokens * 0.036, took  # all on the slow engine: ~5.5 s
             assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+def test_a_stream_restarted_before_its_first_event_is_timed_and_counted_as_served(
+    healthy: list[ChildProcess],
+) -> None:
+    """An engine cut before its first event: the stream is restarted elsewhere and the client
+    gets a whole 200 answer. Its first token came from the continuation, which never stamped the
+    call's first token: the SLO accounting counted the answer as an error."""
+    with gateway(healthy, migration_limit=2) as gw:
+
+        def outcomes() -> dict[str, float]:
+            counts: dict[str, float] = {}
+            for line in httpx.get(gw.url + "/metrics").text.splitlines():
+                if line.startswith("slogate_slo_requests_total{"):
+                    outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                    counts[outcome] = counts.get(outcome, 0.0) + float(line.split()[-1])
+            return counts
+
+        before = outcomes()
+        got = post(
+            gw, CHAT, chat_body("restarted before its first event", 20), {"X-Sim-Fault": "crash-after=1"}
+        )
+        assert got.status == 200 and got.error is None and got.done
+        after = outcomes()
+        change = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        assert change.get("error", 0.0) == 0.0, change
+        assert change.get("met", 0.0) + change.get("missed_ttft", 0.0) + change.get("missed_tpot", 0.0) == 1.0

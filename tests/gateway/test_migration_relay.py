@@ -58,7 +58,10 @@ async def _relay_once(url: str) -> tuple[int | Cut, list[int], bytes]:
         [1, 2, 3], _Shape("completions", {"id": "cmpl-1", "created": 0, "model": "m"}), 16, None, None
     )
     loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession() as session, session.post(url + "/v1/chat/completions", json={}) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/chat/completions", json={}) as response,
+    ):
         outcome = await migrator._relay(call, ledger, state, record, entry, response, loop.time() + 5.0)
     return outcome, ledger.tokens(), b"".join(sent)
 
