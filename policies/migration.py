@@ -129,6 +129,18 @@ UNSUPPORTED_FIELDS = frozenset(
 )
 
 
+def batched_prompts(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: a list of strings or of token-id lists is
+    a batch (one choice each); a string or one list of token ids is one prompt."""
+    if isinstance(prompt, list) and len(prompt) > 1 and any(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def batch_reason(prompts: int) -> str:
+    return f"a batch of {prompts} prompts (several sequences cannot be resumed as one)"
+
+
 def unsupported(body: Mapping[str, Any]) -> str | None:
     """Why a request cannot be resumed on another engine with the same result; None when it can.
 
@@ -137,6 +149,9 @@ def unsupported(body: Mapping[str, Any]) -> str | None:
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         return f"n = {n} (several sequences cannot be resumed as one)"
+    batch = batched_prompts(body.get("prompt"))
+    if batch > 1:
+        return batch_reason(batch)
     best_of = body.get("best_of")
     if isinstance(best_of, int) and not isinstance(best_of, bool) and best_of > 1:
         return f"best_of = {best_of}"

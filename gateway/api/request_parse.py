@@ -22,6 +22,7 @@ import orjson
 
 from gateway.api.errors import GatewayError, bad_request
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
+from policies.migration import batched_prompts
 
 RouteKind = Literal["chat", "completions", "embeddings"]
 
@@ -66,6 +67,8 @@ class ParsedRequest:
     #: adapter's base model (then in ``model``; the body still names the adapter, as the engine
     #: needs), else None
     lora: str | None = None
+    #: completions: the prompts in the body's batch (each its own choice); 1 otherwise
+    prompts: int = 1
 
     @property
     def body(self) -> dict[str, Any]:
@@ -89,6 +92,7 @@ class ParsedRequest:
             keys=frozenset(self.body),
             user=self.user,
             cache_salt=self.cache_salt,
+            prompts=self.prompts,
         )
 
 
@@ -231,4 +235,5 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         priority,
         user=_text_field(body, "user"),
         cache_salt=_text_field(body, "cache_salt"),
+        prompts=batched_prompts(body.get("prompt")) if kind == "completions" else 1,
     )

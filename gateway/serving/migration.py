@@ -50,6 +50,7 @@ from policies.migration import (
     MigrationReason,
     MigrationSettings,
     StreamView,
+    batch_reason,
     decide_on_failure,
     decide_on_slack,
     unsupported,
@@ -197,6 +198,8 @@ class Migrator:
         if kind not in TOKEN_ID_KINDS:
             return f"engine kind {kind!r} returns no token ids"
         request = call.request
+        if request.prompts > 1:  # (known from the parse: a body parsed elsewhere stays undecoded)
+            return batch_reason(request.prompts)
         keys = request.keys if request.parsed is None else request.parsed.keys()
         if not any(key in _POLICY_FIELDS for key in keys):
             return None

@@ -92,3 +92,33 @@ def test_a_failure_alone_records_nothing_and_sends_nothing() -> None:
         outcome, tokens, sent = asyncio.run(_relay_once(engine.url))
     assert isinstance(outcome, Cut)
     assert tokens == [7, 8] and sent == b""
+
+
+def test_a_batch_of_completions_prompts_is_never_migrated() -> None:
+    """Each prompt of a completions batch is its own choice; a ledger collected every choice's
+    token ids into one list, and a continuation resumed only the first prompt from it."""
+    flow = _Flow()
+    migrator = Migrator(flow)  # type: ignore[arg-type]
+    record = next(iter(flow.fleet.records.values()))
+    target = SloTarget(1.0, 0.1, "default", SloSource.DEFAULT)
+
+    def ledger_for(prompt: object) -> StreamLedger | None:
+        raw = orjson.dumps({"model": "m", "prompt": prompt, "stream": True})
+        call = Call(parse_request("completions", raw, 16), "r", "r", 0.0, _ignore, target, None, (), {})
+        return migrator.ledger(call, record)
+
+    for single in ("one", ["one"], [11, 12, 13], [[11, 12]]):
+        ledger = ledger_for(single)
+        assert ledger is not None and ledger.blocked is None, single
+    for batch in (["one", "two"], [[11, 12], [13]]):
+        ledger = ledger_for(batch)
+        assert ledger is not None and ledger.blocked is not None and "batch of 2" in ledger.blocked
+    # parsed in a worker (the summary carries no body): known all the same
+    summary = parse_request(
+        "completions", orjson.dumps({"model": "m", "prompt": ["a", "b", "c"]}), 16
+    ).summary()
+    assert summary.prompts == 3 and summary.parsed is None
+
+
+async def _ignore(_: dict[str, Any]) -> None:
+    return None

@@ -31,6 +31,12 @@ ON = MigrationSettings(limit=2, slack=True, slack_bound_s=1.0, min_remaining_tok
         ({"logprobs": False}, None),
         ({"stop": []}, None),
         ({"stop_token_ids": [7]}, None),
+        ({"prompt": "one"}, None),
+        ({"prompt": ["one"]}, None),
+        ({"prompt": [11, 12, 13]}, None),  # one prompt, as token ids
+        ({"prompt": [[11, 12]]}, None),
+        ({"prompt": ["one", "two"]}, "a batch of 2 prompts"),
+        ({"prompt": [[11, 12], [13]]}, "a batch of 2 prompts"),
         ({"n": 3}, "n = 3"),
         ({"best_of": 2}, "best_of"),
         ({"use_beam_search": True}, "beam search"),
