@@ -234,7 +234,8 @@ class Proxy:
                 internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
                 header, early_overhead_s = self._overhead(call, arrival, body_s)
                 extra = ((b"x-request-id", client_rid), header)
-                await send_error(send, internal, extra)
+                async with asyncio.timeout(_ERROR_SEND_S):  # (a client taking nothing is gone)
+                    await send_error(send, internal, extra)
         finally:
             if self.prefix is not None:
                 self.prefix.detach(rid)
