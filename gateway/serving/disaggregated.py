@@ -81,8 +81,6 @@ _MIN_TRANSFER_TURN_S = 0.05
 class _Progress:
     """One disaggregated request's progress across the placement loop's attempts."""
 
-    #: the client's reply headers before a stage added its own
-    reply_headers: tuple[tuple[bytes, bytes], ...]
     #: a prefill finished: later failures are the decode's, which no fallback repeats
     prefilled: bool = False
     decode_tried: list[str] = field(default_factory=list)
@@ -137,7 +135,7 @@ class DisaggregatedFlow:
             return await self._whole_on_decode(call, None)
         if not self.fleet.decode_pool(model):
             raise self._no_decode_engine(model)  # a prefill now would only strand its KV
-        progress = _Progress(call.reply_headers)
+        progress = _Progress()
 
         async def stage(
             call: Call, record: EngineRecord, entry: RunningEntry, deadline: float | None
@@ -157,7 +155,7 @@ class DisaggregatedFlow:
                 extra={"request_id": call.client_rid},
             )
             metrics.child(metrics.PD_REQUESTS, model, "fallback").inc()
-            call.reply_headers = progress.reply_headers
+            _prefill_engine_header(call, None)
             return await self._whole_on_decode(call, error)
         metrics.child(metrics.PD_REQUESTS, model, "disaggregated").inc()
         return status
@@ -174,7 +172,7 @@ class DisaggregatedFlow:
     ) -> int | GatewayError:
         """One placement from the front pool: a collocated engine serves whole; a prefill
         engine prefills, then the decode stage runs."""
-        call.reply_headers = progress.reply_headers
+        _prefill_engine_header(call, None)  # (an earlier attempt's)
         if record.adapter.role is not Role.PREFILL:
             return await self.collocated.attempt(call, record, entry, deadline)
         if record.adapter.config.transfer_protocol == "bootstrap":
@@ -380,7 +378,7 @@ class DisaggregatedFlow:
     ) -> int | GatewayError:
         """Place the decode now and run it; another decode engine if one refuses before any
         byte (the prefill engine keeps the KV for its lease). ``late``: the prefill's mark."""
-        call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
+        _prefill_engine_header(call, prefill.engine_id)
         outcome: int | GatewayError = self._no_decode_engine(call.request.model)
         for _ in range(self.settings.dispatch_attempts):
             choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
@@ -524,7 +522,7 @@ class DisaggregatedFlow:
         prefill_payload = self.collocated.body_for(
             call, prefill, {**fields, "stream": False}, PREFILL_REMOVES, late=entry.late
         )
-        call.reply_headers = (*progress.reply_headers, (PREFILL_ENGINE_HEADER, prefill.engine_id.encode()))
+        _prefill_engine_header(call, prefill.engine_id)
         decode_entry = self._reserve(call, decode, remote_kv=True, late=entry.late)
         # counted as arriving at the decode engine (not gated: P and D go together here)
         end_transfer = await self._transfer_turn(call, decode, decode_entry, choice, gated=False)
@@ -589,6 +587,13 @@ class DisaggregatedFlow:
                 end_transfer()
                 self.collocated.dispatch.release(prefill.engine_id, call.rid)
                 self.collocated.dispatch.release(decode.engine_id, call.rid)
+
+
+def _prefill_engine_header(call: Call, engine_id: str | None) -> None:
+    """Name ``engine_id`` as the prefill engine in the reply (None: no prefill engine), replacing
+    an earlier attempt's; the reply's other headers (the routing decision's) stay."""
+    kept = tuple(h for h in call.reply_headers if h[0] != PREFILL_ENGINE_HEADER)
+    call.reply_headers = kept if engine_id is None else (*kept, (PREFILL_ENGINE_HEADER, engine_id.encode()))
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

@@ -63,14 +63,19 @@ def pd_entries(fleet: dict[str, ChildProcess], kv_transfer: str = "nixl") -> lis
 
 
 def chat(
-    gw: RunningGateway, content: str, stream: bool, max_tokens: int = 24, **extra: Any
+    gw: RunningGateway,
+    content: str,
+    stream: bool,
+    max_tokens: int = 24,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
 ) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
     body.update(extra)
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
 def answer_of(response: httpx.Response, stream: bool) -> tuple[str, dict[str, Any]]:
@@ -123,10 +128,13 @@ def test_pd_answer_equals_collocated_answer(
     with run_gateway(
         engines=pd_entries(fleet, kv_transfer), routing_profile=str(profile(tmp_path, "always"))
     ) as gw:
-        response = chat(gw, LONG, stream)
+        response = chat(gw, LONG, stream, headers={"x-slogate-debug": "1"})
         assert answer_of(response, stream) == reference
         assert response.headers["x-slogate-prefill-engine"] in ("p0", "p1")
         assert response.headers["x-slogate-engine"] in ("d0", "d1")
+        # the routing decision asked for survives the two stages (each stage reset the reply's
+        # headers to what they were before the placement that added it)
+        assert "x-slogate-decision" in response.headers
         assert reference[1]["completion_tokens"] == 24
         # the gateway's own time: the engines' prefill and the waits are not in it (nor counted twice)
         assert 0.0 < float(response.headers["x-slogate-overhead-ms"]) < 50.0
