@@ -388,10 +388,14 @@ class DispatchCore:
             # and that wakes the loop itself: under saturation every arrival woke a turn that
             # placed nothing. It still wakes when it is the new head (a request-dependent pipeline
             # may place it where the old head did not fit) or expires before anything queued.
-            if (
-                not behind
-                or ticket.item.queue_deadline < first_expiry
-                or _rid_of(queue.peek(now, ctx)) == rid
+            if not behind or ticket.item.queue_deadline < first_expiry:
+                self.wake()
+                return None
+            head = queue.peek(now, ctx)
+            if _rid_of(head) == rid or (
+                # with LoRA adapters a request of another adapter than the head's may go to
+                # other engines at once (_dispatch_other_engines): no capacity need free for it
+                self.fleet.adapter_bases and head is not None and head.view.lora != view.lora
             ):
                 self.wake()
             return None
@@ -429,6 +433,8 @@ class DispatchCore:
                 if self._own is not None:  # never leave a reservation behind a failure
                     self.fleet.release(self._own.engine_id, rid)
                     self._own = None
+                # nor a ticket: the caller is told the request failed, so nothing may place it
+                self._forget(rid, None)
                 raise
             finally:
                 self._submitting = None
@@ -516,6 +522,7 @@ class DispatchCore:
                 if self.queued(model) and self.workers.next_mature(model) <= now + self.lag:
                     self._dirty.add(model)
         pending, self._dirty = list(self._dirty), set()
+        failed: Exception | None = None
         while pending:
             model = pending.pop()
             if not self.queued(model):
@@ -534,10 +541,17 @@ class DispatchCore:
                     self._dispatch_hyperflexis(model, now, None, self.lag)
                 else:
                     self._dispatch_pipeline(model, now)
+            except Exception as exc:
+                # one model's failure (a bug) must not hold back the others: they are
+                # dispatched all the same, and it is tried again on the next step
+                self._dirty.add(model)
+                failed = failed or exc
             except BaseException:
                 self._dirty.update(pending)  # the other models still have news
                 self._dirty.add(model)
                 raise
+        if failed is not None:
+            raise failed
 
     def _dispatch_pipeline(self, model: str, now: float) -> None:
         queue = self.queues[model]

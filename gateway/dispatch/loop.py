@@ -182,6 +182,10 @@ class DispatchLoop:
                 self._arm(self.core.next_wake(self.clock()))
             except Exception:  # keep dispatching; a bug must not strand every queued request
                 log.exception("dispatch failed")
+                # what the step decided before it failed goes out (an assignment left in the
+                # outbox held its engine and its waiting client until some later delivery)
+                with contextlib.suppress(Exception):
+                    self._deliver()
                 await asyncio.sleep(0.05)
                 event.set()
             if not event.is_set():

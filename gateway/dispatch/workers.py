@@ -205,8 +205,9 @@ class HyperFlexisWorkers:
         concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default prior,
         behind an engine with nothing to do); an engine back in health is mature at once.
 
-        True when the event ended a hold's prefills with a first token: the caller steps now, so
-        that the prefill is timed (:attr:`prefill_ratio`) at its end, not at the next arrival."""
+        True when the event ended a hold's prefills with a first token: the caller times the
+        prefill (:meth:`shorten_holds`, :attr:`prefill_ratio`) now, at its end, not at the next
+        arrival (at once when the model has nothing queued, else by a step it asks for)."""
         engine_id = record.engine_id
         model = record.model
         in_front = record.adapter.role in FRONT_ROLES and not record.draining

@@ -1120,3 +1120,132 @@ def test_hyperflexis_keeps_a_long_lax_prompt_off_the_engine_streaming_tight_answ
         [(rid, placed)] = core.outbox
         assert rid == "bg-1"
     assert isinstance(placed, EngineRecord) and placed.engine_id == ("a-1" if segregate else "a-0")
+
+
+# -- a bug in one place does not strand the rest -----------------------------------------------
+
+
+def _lora_ticket(rid: str, lora: str | None, now: float = 0.0) -> Ticket:
+    t = ticket(rid, now=now)
+    view = replace(t.item.view, lora=lora)
+    return Ticket(replace(t.item, view=view), "c", t.entry, now)
+
+
+def test_an_adapter_request_behind_another_adapters_blocked_head_wakes_the_loop() -> None:
+    """Pipeline dispatch with LoRA adapters: the head waits for the only engine with its adapter;
+    an arrival for another adapter, loaded on an idle engine, was queued behind it without a
+    wake, and waited for an unrelated release or a scrape (or, with no metrics, its timeout)."""
+    fleet = offline_fleet({"a": 2})
+    fleet.set_adapters("a-0", frozenset({"X"}))
+    fleet.set_adapters("a-1", frozenset({"Y"}))
+    core = offline_core(fleet, max_engine_load=1)
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    placed = core.submit(_lora_ticket("r-0", "X"), 0.0)
+    assert placed is not None and placed.engine_id == "a-0"
+    assert core.submit(_lora_ticket("r-1", "X"), 0.0) is None  # waits for a-0
+    core.step(0.0)
+    assert core.outbox == [] and core.queued() == 1
+    wakes.clear()
+    assert core.submit(_lora_ticket("r-2", "Y", 0.1), 0.1) is None
+    assert wakes, "nothing asked for the step that places it"
+    core.step(0.1)
+    assert [(rid, r.engine_id) for rid, r in core.outbox if isinstance(r, EngineRecord)] == [("r-2", "a-1")]
+    # the same adapter as the blocked head: nothing to gain from a step
+    wakes.clear()
+    assert core.submit(_lora_ticket("r-3", "X", 0.2), 0.2) is None
+    assert not wakes
+
+
+async def test_a_failing_step_still_delivers_what_it_decided_and_dispatches_the_other_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in one model's turn: the other models' turns run all the same, and what the step
+    assigned before failing reaches its waiting client (it held the engine and the client until
+    some unrelated delivery)."""
+    fleet = offline_fleet({"a": 1, "b": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    real = core._dispatch_pipeline
+
+    def dispatch(model: str, now: float) -> None:
+        if model == "b":
+            raise RuntimeError("a bug in model b's turn")
+        real(model, now)
+
+    monkeypatch.setattr(core, "_dispatch_pipeline", dispatch)
+    loop = DispatchLoop(core)
+    loop.start()
+
+    def view(rid: str, model: str) -> RequestView:
+        return RequestView(request_id=rid, model=model, prompt_tokens=10, max_output_tokens=10)
+
+    try:
+        for rid, model in (("a-r0", "a"), ("b-r0", "b")):
+            await loop.place(view(rid, model), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        waiting = asyncio.create_task(
+            loop.place(view("a-r1", "a"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        )
+        stuck = asyncio.create_task(
+            loop.place(view("b-r1", "b"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        )
+        await asyncio.sleep(0)
+        for _ in range(20):  # whichever model the step tries first
+            fleet.release("b-0", "b-r0")
+            fleet.release("a-0", "a-r0")
+            if waiting.done():
+                break
+            await asyncio.sleep(0.02)
+        record = await asyncio.wait_for(waiting, 1.0)
+        assert record.engine_id == "a-0"
+        assert not stuck.done() and core.queued("b") == 1  # still queued, tried on every step
+        stuck.cancel()
+        await asyncio.gather(stuck, return_exceptions=True)
+        assert fleet.records["b-0"].in_flight == 0 and core.queued() == 0
+    finally:
+        await loop.stop()
+
+
+async def test_a_step_that_fails_after_assigning_delivers_the_assignment() -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    loop = DispatchLoop(core)
+    real = core.step
+
+    def step(now: float) -> None:
+        real(now)  # assigns the waiting request (to the outbox) ...
+        raise RuntimeError("... then fails")
+
+    core.step = step  # type: ignore[method-assign]
+    loop.start()
+    try:
+        await loop.place(_view("r-0"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        waiting = asyncio.create_task(loop.place(_view("r-1"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0)))
+        await asyncio.sleep(0)
+        fleet.release("a-0", "r-0")
+        record = await asyncio.wait_for(waiting, 1.0)
+        assert record.engine_id == "a-0"
+    finally:
+        core.step = real  # type: ignore[method-assign]
+        await loop.stop()
+
+
+def test_a_submit_whose_turn_fails_leaves_no_ticket_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HyperFlexis: an arrival to a non-empty queue is queued before the turn; when the turn
+    raises, the caller is told the request failed, so the ticket must not stay to be placed."""
+    fleet, core = _held_core()
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
+    fleet.release("a-0", "r-0")
+    core.queues["a"]  # (made by the first arrival)
+    # a queued request makes the next arrival go through the queue
+    monkeypatch.setattr(core.workers, "next_mature", lambda model: math.inf)
+    assert core.submit(ticket("r-1", now=0.1), 0.1) is None and core.queued() == 1
+    monkeypatch.undo()
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("a bug in the turn")
+
+    monkeypatch.setattr(core, "_run_hyperflexis", broken)
+    with pytest.raises(RuntimeError):
+        core.submit(ticket("r-2", now=0.2), 0.2)
+    assert "r-2" not in core.tickets and core.queued() == 1
+    assert sum(r.in_flight for r in fleet.records.values()) == 0
