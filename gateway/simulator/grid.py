@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,37 @@ class Result:
     errors: int
     cost_units: float
     requests: int
+    #: requests per task (what ``by_task`` is a share of), for pooling runs of several seeds
+    task_requests: dict[str, int] = field(default_factory=dict)
+    seeds: int = 1
+
+
+def pooled(runs: list[Result]) -> Result:
+    """One result for runs of the same cell and policy under different seeds: attainment over
+    every request of every run (per task likewise); E2E percentiles and cost are the runs' means."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    requests = sum(r.requests for r in runs)
+    tasks = sorted({t for r in runs for t in r.by_task})
+    task_requests = {t: sum(r.task_requests.get(t, 0) for r in runs) for t in tasks}
+    by_task = {
+        t: sum(r.by_task.get(t, 0.0) * r.task_requests.get(t, 0) for r in runs) / max(1, task_requests[t])
+        for t in tasks
+    }
+    return Result(
+        first.cell,
+        first.policy,
+        sum(r.attainment * r.requests for r in runs) / max(1, requests),
+        by_task,
+        sum(r.e2e_p50_s for r in runs) / len(runs),
+        sum(r.e2e_p99_s for r in runs) / len(runs),
+        sum(r.errors for r in runs),
+        sum(r.cost_units for r in runs) / len(runs),
+        requests,
+        task_requests,
+        sum(r.seeds for r in runs),
+    )
 
 
 def _scenario(
@@ -102,9 +133,19 @@ def _run(cell: Cell, policy: str, scenario: Scenario) -> Result:
     result: RunResult = run(scenario)
     s = summarize(result.outcomes)
     tasks = sorted({o.spec.task for o in result.outcomes})
-    by_task = {t: summarize([o for o in result.outcomes if o.spec.task == t]).attainment for t in tasks}
+    per_task = {t: [o for o in result.outcomes if o.spec.task == t] for t in tasks}
+    by_task = {t: summarize(outcomes).attainment for t, outcomes in per_task.items()}
     return Result(
-        cell, policy, s.attainment, by_task, s.e2e_p50_s, s.e2e_p99_s, s.errors, result.cost_units, s.requests
+        cell,
+        policy,
+        s.attainment,
+        by_task,
+        s.e2e_p50_s,
+        s.e2e_p99_s,
+        s.errors,
+        result.cost_units,
+        s.requests,
+        {t: len(outcomes) for t, outcomes in per_task.items()},
     )
 
 
@@ -281,6 +322,16 @@ def live_check(results: list[Result], runs: list[tuple[Cell, str, Scenario]], ou
     return text
 
 
+def _seed_list(value: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be comma-separated integers, got {value!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct integers, at least one, got {value!r}")
+    return seeds
+
+
 def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="hyperflexis-4task,hyperflexis-2task,tpot-bound")
     parser.add_argument(
@@ -304,6 +355,13 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
         "--ramp-qps", type=float, default=60.0, help="total QPS of the priority ramp (0: skip)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        help="comma-separated seeds: each cell and policy runs once per seed and the runs are "
+        "pooled (one seed's Poisson arrivals moved a cell's attainment by several points)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=Path("results/grid"))
     add_disturb_argument(parser, " into every offline run")
@@ -338,27 +396,33 @@ def grid_main(args: argparse.Namespace) -> int:
         args.ramp_qps,
     )
     jobs = [(cell, policy) for cell in grid for policy in policies]
+    seeds: list[int] = args.seeds or [args.seed]
+    total = len(jobs) * len(seeds)
     print(
-        f"[grid] {len(grid)} cells x {len(policies)} policies = {len(jobs)} runs", file=sys.stderr, flush=True
+        f"[grid] {len(grid)} cells x {len(policies)} policies x {len(seeds)} seeds = {total} runs",
+        file=sys.stderr,
+        flush=True,
     )
     started = time.perf_counter()
 
     def report(done: int, job: tuple[Any, ...], result: Result) -> None:
-        cell, policy = job[0], job[1]
+        cell, policy, scenario = job[0], job[1], job[2]
         print(
-            f"[grid] ({done}/{len(jobs)}) {cell.name}, {policy}: {result.attainment:.1%} "
+            f"[grid] ({done}/{total}) {cell.name}, {policy}, seed {scenario.seed}: {result.attainment:.1%} "
             f"({result.requests} requests, {time.perf_counter() - started:.0f} s)",
             file=sys.stderr,
             flush=True,
         )
 
     runs = [
-        (cell, policy, _scenario(cell, policy, args.engines, args.duration, args.seed, disturbances))
+        (cell, policy, _scenario(cell, policy, args.engines, args.duration, seed, disturbances))
+        for seed in seeds
         for cell, policy in jobs
     ]
-    results = run_jobs(_run, runs, args.jobs, report)
-    order = {(c, p): i for i, (c, p) in enumerate(jobs)}
-    results.sort(key=lambda r: order[(r.cell, r.policy)])
+    by_job: dict[tuple[Cell, str], list[Result]] = {}
+    for result in run_jobs(_run, runs, args.jobs, report):
+        by_job.setdefault((result.cell, result.policy), []).append(result)
+    results = [pooled(by_job[job]) for job in jobs]
     text = render(results, named)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -380,6 +444,7 @@ def grid_main(args: argparse.Namespace) -> int:
                     "errors": r.errors,
                     "cost_units": r.cost_units,
                     "requests": r.requests,
+                    "seeds": r.seeds,
                 }
                 for r in results
             ],
@@ -388,7 +453,7 @@ def grid_main(args: argparse.Namespace) -> int:
     )
     png = args.out / "grid.png"
     plot(results, png)
-    if args.live:
-        live_check(results, runs, args.out / "live.md")
+    if args.live:  # (the first seed's runs, against the pooled offline figures)
+        live_check(results, runs[: len(jobs)], args.out / "live.md")
     print(f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}")
     return 0

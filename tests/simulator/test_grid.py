@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from gateway.simulator.grid import Cell, Result, verdicts
+from gateway.simulator.grid import Cell, Result, pooled, verdicts
 
 
 def _result(cell: Cell, policy: str, attainment: float) -> Result:
@@ -102,3 +102,45 @@ def test_a_disturbance_reaches_every_offline_run_and_is_refused_live(tmp_path: P
         assert attainment["relayed"][policy] < attainment["clean"][policy] - 0.1
     with pytest.raises(SystemExit, match="offline only"):
         main([*base, "--disturb", "relay-delay:0:1000:0.02", "--live", "--out", str(tmp_path / "live")])
+
+
+def test_runs_of_several_seeds_pool_their_requests(tmp_path: Path) -> None:
+    cell = Cell("tpot-bound", 1.0, 1.2, 10.0)
+    a = Result(cell, "p", 0.5, {"x": 1.0, "y": 0.0}, 1.0, 4.0, 1, 2.0, 100, {"x": 50, "y": 50})
+    b = Result(cell, "p", 0.8, {"x": 0.5, "y": 1.0}, 3.0, 6.0, 2, 4.0, 300, {"x": 100, "y": 200})
+    got = pooled([a, b])
+    assert got.requests == 400 and got.seeds == 2 and got.errors == 3
+    assert got.attainment == pytest.approx((50 + 240) / 400)
+    assert got.by_task == pytest.approx({"x": 100 / 150, "y": 200 / 250})
+    assert got.task_requests == {"x": 150, "y": 250}
+    assert (got.e2e_p50_s, got.e2e_p99_s, got.cost_units) == (2.0, 5.0, 3.0)
+    assert pooled([a]) is a
+    # from the command line: every run of every seed, pooled per cell and policy
+    out = tmp_path / "grid"
+    code = main(
+        [
+            "experiment", "grid", "--workloads", "hyperflexis-4task", "--speeds", "1", "--loads", "1.2",
+            "--policies", "least-load,hyperflexis", "--seeds", "3,4",
+            "--engines", "1", "--duration", "5", "--ramp-qps", "0", "--jobs", "1", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads((out / "grid.json").read_text())
+    assert [r["seeds"] for r in rows] == [2, 2]
+    single = tmp_path / "single"
+    for seed in (3, 4):
+        main(
+            [
+                "experiment", "grid", "--workloads", "hyperflexis-4task", "--speeds", "1", "--loads", "1.2",
+                "--policies", "least-load,hyperflexis", "--seed", str(seed),
+                "--engines", "1", "--duration", "5", "--ramp-qps", "0", "--jobs", "1",
+                "--out", str(single / str(seed)),
+            ]
+        )  # fmt: skip
+    each = [json.loads((single / str(seed) / "grid.json").read_text()) for seed in (3, 4)]
+    for i, row in enumerate(rows):
+        assert row["requests"] == sum(e[i]["requests"] for e in each)
+        met = sum(e[i]["attainment"] * e[i]["requests"] for e in each)
+        assert row["attainment"] == pytest.approx(met / row["requests"])
+    with pytest.raises(SystemExit):
+        main(["experiment", "grid", "--seeds", "1,1", "--out", str(tmp_path / "bad")])
