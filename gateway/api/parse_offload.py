@@ -22,6 +22,9 @@ from gateway.api.request_parse import ParsedRequest, RouteKind, parse_request, p
 
 log = logging.getLogger("slogate.parse")
 
+#: worker deaths in a row (no body parsed between them) after which bodies are parsed in place
+MAX_DEATHS = 3
+
 
 def _ignore_sigint() -> None:
     # Ctrl-C goes to the whole process group: the gateway shuts its worker down, quietly
@@ -32,7 +35,9 @@ class BodyParser:
     """``parse_request`` that moves bodies over ``threshold`` bytes to a worker process.
 
     Where worker processes cannot be made (no ``/dev/shm``, no ``sem_open``), or the worker keeps
-    dying, bodies are parsed in place: slower for other streams, never an error for the client.
+    dying (``MAX_DEATHS`` times in a row without a body parsed), bodies are parsed in place:
+    slower for other streams, never an error for the client. A worker that died is replaced by
+    the next large body, whether it died during a parse or while idle.
     """
 
     def __init__(
@@ -50,6 +55,7 @@ class BodyParser:
         self.engine_tokenizers = dict(engine_tokenizers or {})
         self._pool: ProcessPoolExecutor | None = None
         self._disabled = False
+        self._deaths = 0  # in a row, without a body parsed since
 
     async def parse(
         self, kind: RouteKind, raw: bytes, engine_tokenizers: Mapping[str, str] | None = None
@@ -74,6 +80,10 @@ class BodyParser:
                 self.prompt_ids,
                 self.engine_tokenizers if engine_tokenizers is None else engine_tokenizers,
             )
+        except BrokenProcessPool:
+            # (a RuntimeError too: the worker died while idle, and only a submit says so)
+            self._died()
+            return parse_request(kind, raw, self.default_max_tokens)
         except (OSError, NotImplementedError, RuntimeError) as exc:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)
             self._disabled = True
@@ -81,13 +91,23 @@ class BodyParser:
         try:
             summary = await future
         except BrokenProcessPool:
-            metrics.PARSE_WORKER_FAILURES.inc()
-            log.warning("the body-parsing worker died; a new one starts with the next large body")
-            if self._pool is pool:
-                self._pool = None
+            self._died()
             return parse_request(kind, raw, self.default_max_tokens)
+        self._deaths = 0
         summary.raw = raw
         return summary
+
+    def _died(self) -> None:
+        metrics.PARSE_WORKER_FAILURES.inc()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._deaths += 1
+        if self._deaths >= MAX_DEATHS:
+            log.warning("the body-parsing worker died %d times in a row; parsing in place", self._deaths)
+            self._disabled = True
+        else:
+            log.warning("the body-parsing worker died; a new one starts with the next large body")
 
     def close(self) -> None:
         if self._pool is not None:

@@ -86,3 +86,52 @@ async def test_without_worker_processes_large_bodies_are_parsed_in_place(
         "chat", b'{"model":"m","messages":[{"role":"user","content":"hello there"}]}'
     )
     assert request.model == "m" and request.parsed is not None
+
+
+async def test_a_worker_that_dies_while_idle_is_replaced_not_given_up() -> None:
+    """The worker is killed between two large bodies (the OOM killer, an operator): the next
+    submit fails at once with a broken pool, which used to turn the worker off for good and
+    leave every later large body to stall the event loop."""
+    import asyncio
+    import os
+    import signal
+
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 100 + b'"}]}'
+    parser = BodyParser(threshold=10, default_max_tokens=16)
+    try:
+        assert (await parser.parse("chat", body)).parsed is None  # in the worker
+        pool = parser._pool
+        assert pool is not None
+        for pid in list(pool._processes):  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        request = await parser.parse("chat", body)  # parsed here, and the dead pool dropped
+        assert request.model == "m" and not parser._disabled and parser._pool is None
+        again = await parser.parse("chat", body)  # a new worker
+        assert again.parsed is None and parser._pool is not None and parser._pool is not pool
+    finally:
+        parser.close()
+
+
+async def test_a_worker_that_keeps_dying_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures.process import BrokenProcessPool
+
+    import gateway.api.parse_offload as offload
+
+    class Broken:
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def submit(self, *_: object, **__: object) -> None:
+            raise BrokenProcessPool("died")
+
+        def shutdown(self, *_: object, **__: object) -> None:
+            pass
+
+    monkeypatch.setattr(offload, "ProcessPoolExecutor", Broken)
+    parser = BodyParser(threshold=10, default_max_tokens=16)
+    body = b'{"model":"m","messages":[{"role":"user","content":"hello there"}]}'
+    for _ in range(offload.MAX_DEATHS):
+        assert not parser._disabled
+        assert (await parser.parse("chat", body)).model == "m"
+    assert parser._disabled
