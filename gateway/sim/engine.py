@@ -408,8 +408,11 @@ class EngineModel:
         if request.phase is Phase.FINISHED or request.phase is Phase.HELD:
             return
         request.finish_reason = reason
-        if request in self.running:
-            self.running.remove(request)
+        # (a stop string can end a request that was preempted meanwhile: then it waits to be
+        # recomputed, and left in the queue it ran again with no one to read it)
+        for queue in (self.running, self.waiting, self.transferring):
+            if request in queue:
+                queue.remove(request)
         self.requests.pop(request.request_id, None)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         if (

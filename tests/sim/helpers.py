@@ -35,9 +35,10 @@ def write_profile(path: Path, **overrides: Any) -> Path:
     return path
 
 
-def run_virtual(model: EngineModel, until: float = 1e9) -> float:
-    """Drive ``model`` in virtual time until it has no runnable work; returns the end time."""
-    now = 0.0
+def run_virtual(model: EngineModel, until: float = 1e9, start: float = 0.0) -> float:
+    """Drive ``model`` in virtual time (from ``start``) until it has no runnable work; returns
+    the end time."""
+    now = start
     while model.has_work and now < until:
         batch = model.plan(now)
         if batch is None:

@@ -91,6 +91,38 @@ def test_preemption_by_recompute_when_blocks_run_out() -> None:
     assert model.cache.usage == 0.0
 
 
+def test_a_request_ended_by_its_client_while_preempted_never_runs_again() -> None:
+    """A stop string is matched by the server after the engine's step, when the next step may
+    already have preempted the request: ended then, it stayed in the waiting queue and was
+    recomputed and run to its limit, holding KV for no one and counted as finished twice."""
+    model = EngineModel(profile(num_gpu_blocks=6, latency=UNIT))
+    requests = [
+        request(name, [300 + i] * 40, 40, arrival=0.1 * i, ignore_eos=True) for i, name in enumerate("abc")
+    ]
+    for r in requests:
+        model.add(r)
+    now = 0.0
+    while True:  # until a step leaves a preempted request waiting
+        batch = model.plan(now)
+        assert batch is not None
+        preempted = next((r for r in model.waiting if r.output), None)
+        if preempted is not None:
+            break
+        now += batch.duration
+        model.finish(batch, now)
+    # the server reads the victim's last token only now, and it completes a stop string
+    model.complete(preempted, "stop")
+    assert preempted not in model.waiting and preempted.phase is Phase.FINISHED
+    produced = len(preempted.output)
+    now += batch.duration
+    model.finish(batch, now)
+    run_virtual(model, start=now)
+    assert len(preempted.output) == produced  # never scheduled again
+    assert all(len(r.output) == 40 for r in requests if r is not preempted)
+    assert model.counters.finished == {"stop": 1, "length": 2}
+    assert model.cache.usage == 0.0 and not model.has_work
+
+
 def _alone(prompt: list[int], n: int) -> list[int]:
     model = EngineModel(profile(latency=UNIT))
     r = request("x", prompt, n, ignore_eos=True)
