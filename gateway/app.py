@@ -72,6 +72,7 @@ class Gateway:
         self.decisions = DecisionLog(settings.dashboard_decisions) if settings.dashboard_decisions else None
         self.attainment = Attainment()
         self.session: aiohttp.ClientSession | None = None
+        self.control_session: aiohttp.ClientSession | None = None
         self.fresh_session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
         self.monitor: FleetMonitor | None = None
@@ -106,10 +107,19 @@ class Gateway:
             auto_decompress=False,
             skip_auto_headers=["User-Agent"],
         )
+        # Health checks, scrapes and model lists have a pool of their own: in the data path's
+        # pool they waited for a free connection behind long streams, inside their own timeout,
+        # so the busiest engines failed their health checks and were ejected.
+        self.control_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=s.upstream_keepalive_s, enable_cleanup_closed=True
+            ),
+            skip_auto_headers=["User-Agent"],
+        )
         adapters = [
             adapter_for(
                 e,
-                self.session,
+                self.control_session,
                 s.health_timeout_s,
                 scrape_timeout_s=s.scrape_timeout_s,
                 forward_sim_headers=s.forward_sim_headers,
@@ -173,6 +183,8 @@ class Gateway:
             await self.session.close()
         if self.fresh_session is not None:
             await self.fresh_session.close()
+        if self.control_session is not None:
+            await self.control_session.close()
         self.tracing.shutdown()
 
 

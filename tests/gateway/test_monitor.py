@@ -233,3 +233,35 @@ def test_admin_engines_shows_a_slow_scrape_as_stale_and_healthy(engine: FakeEngi
         shown = view()
         assert shown["healthy"] is True and shown["state_stale"] is True
         assert ENGINE_KEY not in httpx.get(gw.url + "/admin/engines").text
+
+
+def test_a_data_pool_full_of_streams_does_not_fail_the_engines_health_checks() -> None:
+    """The upstream pool allows one connection per engine and a long stream holds it: health
+    checks shared that pool and waited for the connection inside their own timeout, so the
+    busiest engine failed them and was ejected mid-stream."""
+    from tests.gateway.conftest import MODEL
+    from tests.gateway.stub_engines import StubEngine, events_every
+
+    settings: dict[str, Any] = {
+        "upstream_pool_per_host": 1,
+        "monitor_interval_s": 0.1,
+        "health_timeout_s": 0.3,
+        "eject_after_failures": 2,
+        "first_token_timeout_s": 10.0,
+    }
+    with (
+        StubEngine(events_every(0.1, 25)) as engine,
+        run_gateway(engines=[engine.entry("e0")], **settings) as gw,
+    ):
+        fleet = gw.gateway.fleet
+        assert fleet is not None
+        record = fleet.records["e0"]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        ejected = False
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_bytes():
+                ejected = ejected or not record.healthy
+                if b"[DONE]" in chunk:
+                    break
+        assert not ejected and record.healthy, "a healthy engine busy with a stream was ejected"
