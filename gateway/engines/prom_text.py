@@ -6,6 +6,7 @@ this parser only splits lines whose metric name is wanted and skips the rest aft
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 Labels = dict[str, str]
@@ -74,7 +75,7 @@ def parse(text: str, wanted: Iterable[str]) -> Samples:
             value = float(rest[0])
         except ValueError:
             continue
-        if value != value:  # NaN
+        if not math.isfinite(value):  # NaN, +Inf, -Inf: no count or share an engine can have
             continue
         out.setdefault(name, []).append((labels, value))
     return out

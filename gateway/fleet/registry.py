@@ -14,9 +14,10 @@ dispatch at 256 engines does not pay for 256 engines on every reservation.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gateway.engines import EngineAdapter
@@ -128,6 +129,38 @@ class TokenObserver(Protocol):
     """Sees every streamed token as it arrives (the latency learner)."""
 
     def tokens(self, record: EngineRecord, entry: RunningEntry, tokens: int) -> None: ...
+
+
+#: the most requests, blocks or tokens per block an engine's report is believed: a broken or
+#: hostile engine may report any number, and one past what a float holds made every later
+#: snapshot of every model raise
+MAX_REPORTED = 1 << 31
+
+
+def bounded_state(state: EngineState) -> EngineState:
+    """``state`` with what no engine can report brought within bounds: counts in
+    [0, MAX_REPORTED], KV use in [0, 1], block figures positive and bounded or unknown, counters
+    finite and non-negative. The same object when nothing needed it (the usual case)."""
+    kv = state.kv_usage
+    bounded = replace(
+        state,
+        num_running=min(max(state.num_running, 0), MAX_REPORTED),
+        num_waiting=min(max(state.num_waiting, 0), MAX_REPORTED),
+        kv_usage=min(max(kv, 0.0), 1.0) if math.isfinite(kv) else 0.0,
+        prefix_queries=_counter(state.prefix_queries),
+        prefix_hits=_counter(state.prefix_hits),
+        block_size=_block(state.block_size),
+        num_gpu_blocks=_block(state.num_gpu_blocks),
+    )
+    return state if bounded == state else bounded
+
+
+def _counter(value: float) -> float:
+    return value if math.isfinite(value) and value >= 0.0 else 0.0
+
+
+def _block(value: int | None) -> int | None:
+    return value if value is not None and 0 < value <= MAX_REPORTED else None
 
 
 class Fleet:
@@ -385,7 +418,7 @@ class Fleet:
 
     def record_state(self, engine_id: str, state: EngineState | None, now: float) -> None:
         record = self.records[engine_id]
-        record.state = state
+        record.state = None if state is None else bounded_state(state)
         record.state_at = now
         record.in_flight_at_scrape = record.in_flight
         record.in_flight_tokens_at_scrape = record.in_flight_tokens

@@ -237,3 +237,39 @@ sglang:queue_time_seconds_count{model_name="m"} 5
     assert parse_sglang_metrics(text).timing == EngineTiming(
         prompt_tokens=500.0, generation_tokens=900.0, finished=5.0, queue_s=0.75
     )
+
+
+HOSTILE = """\
+vllm:num_requests_running{engine="0",model_name="m"} 1e308
+vllm:num_requests_waiting{engine="0",model_name="m"} 1e308
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} +Inf
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} -5
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="99999999999999999999"} 1.0
+"""
+
+
+def test_no_number_an_engine_reports_breaks_routing_for_any_model() -> None:
+    """A broken or hostile engine's metrics: infinities are no reading, and counts past what a
+    float holds used to make every snapshot of every model raise (the snapshot's load is a
+    float of the reported counts), and an infinite KV share made the free-KV check raise."""
+    from gateway.dispatch.offline import offline_fleet
+    from gateway.fleet.registry import MAX_REPORTED, bounded_state
+
+    assert prom_text.parse("x +Inf\ny -Inf\nz 2\n", ["x", "y", "z"]) == {"z": [({}, 2.0)]}
+    state = parse_vllm_metrics(HOSTILE)
+    fleet = offline_fleet({"a": 1, "b": 1})
+    fleet.record_state("a-0", state, 0.0)
+    recorded = fleet.records["a-0"].state
+    assert recorded is not None
+    assert recorded.num_running == recorded.num_waiting == MAX_REPORTED
+    assert recorded.kv_usage == 0.0 and recorded.prefix_queries == 0.0 and recorded.num_gpu_blocks is None
+    assert [e.engine_id for e in fleet.candidates("b", 0.0)] == ["b-0"]
+    assert [e.engine_id for e in fleet.candidates("a", 0.0)] == ["a-0"]
+    assert fleet.snapshot(0.0).engines[0].load > 0
+    assert fleet.records["a-0"].free_kv_tokens() is None
+    # a sane reading is kept as it is, the same object
+    sane = parse_vllm_metrics(VLLM_033)
+    assert bounded_state(sane) is sane
+    # a share past 1 (or below 0) is brought within bounds
+    over = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 7\n')
+    assert bounded_state(over).kv_usage == 1.0
