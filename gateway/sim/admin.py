@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -52,10 +53,16 @@ def _bad(message: str, param: str | None = None, status: int = 400) -> web.Respo
 
 
 async def _body(http: web.Request) -> dict[str, Any]:
+    from gateway.sim.responses import error_body
+
     raw = await http.read()
-    data = orjson.loads(raw) if raw else {}
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        data = exc
     if not isinstance(data, dict):
-        raise web.HTTPBadRequest(text="body must be a JSON object")
+        message = f"invalid JSON: {data}" if isinstance(data, Exception) else "body must be a JSON object"
+        raise web.HTTPBadRequest(body=error_body(400, message, None), content_type="application/json")
     return data
 
 
@@ -198,10 +205,13 @@ class AdminRoutes:
         s = self.server
         body = await _body(http)
         key = str(body["request_id"]) if body.get("request_id") else f"room:{body.get('room')}"
+        wait_s = body.get("wait_s", 0)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s < math.inf:
+            return _bad("wait_s must be a number of seconds >= 0", "wait_s")
         if key.startswith("room:") and key not in s.model.held:
             event = s.rooms.setdefault(key, asyncio.Event())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), float(body.get("wait_s", 0)))
+                await asyncio.wait_for(event.wait(), float(wait_s))
             s.rooms.pop(key, None)
         held = s.model.release_held(key)
         if held is None:

@@ -36,7 +36,7 @@ from gateway.sim.metrics import SimMetrics
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
 from gateway.sim.validation import validate
-from gateway.tokenizer import apply_chat_template, decode, encode
+from gateway.tokenizer import VOCAB_SIZE, apply_chat_template, decode, encode
 
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HELD_LEASE_S = 30.0
@@ -774,8 +774,11 @@ class SimServer:
             return _error(400, f"invalid JSON: {exc}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
-        if isinstance(body.get("messages"), list):
-            tokens = encode(apply_chat_template(body["messages"]))
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            if not all(isinstance(m, dict) for m in messages):
+                return _error(400, "each message must be an object", "messages")
+            tokens = encode(apply_chat_template(messages))
         elif isinstance(body.get("prompt"), str):
             tokens = encode(body["prompt"])
         else:
@@ -788,8 +791,10 @@ class SimServer:
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON: {exc}")
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            return _error(400, "'tokens' must be a list of integers", "tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB_SIZE for t in tokens
+        ):
+            return _error(400, f"'tokens' must be a list of token ids in [0, {VOCAB_SIZE})", "tokens")
         return _json({"prompt": decode(tokens)})
 
 

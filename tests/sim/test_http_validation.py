@@ -103,3 +103,25 @@ async def test_a_bad_fault_header_is_a_400_not_a_500(engine: SimProcess, fault: 
     )
     assert status == 400, answer
     assert "X-Sim-Fault" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/sim/fault", b"{not json"),
+        ("/sim/kv/pull", b"{not json"),
+        ("/sim/kv/pull", b'{"room": 1, "wait_s": "x"}'),
+        ("/sim/kv/pull", b'{"room": 1, "wait_s": -1}'),
+        ("/tokenize", b'{"messages": [1]}'),
+        ("/detokenize", b'{"tokens": [-1]}'),
+        ("/detokenize", b'{"tokens": [10000000000]}'),
+        ("/detokenize", b'{"tokens": [true]}'),
+    ],
+)
+async def test_the_side_routes_answer_bad_input_with_a_400(engine: SimProcess, path: str, raw: bytes) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(engine.url + path, data=raw) as r:
+        status, answer = r.status, await r.json(content_type=None)
+    assert status == 400, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
