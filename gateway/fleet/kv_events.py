@@ -52,6 +52,8 @@ log = logging.getLogger("slogate.fleet")
 
 #: the sequence number vLLM's replay socket ends a replay with (-1 as 8 signed bytes)
 END_SEQ = b"\xff" * 8
+#: replayed batches applied between two yields to the event loop
+REPLAY_SLICE = 32
 _GPU_MEDIA = (None, "GPU")
 
 
@@ -166,7 +168,7 @@ def decode_event(raw: Any) -> Event | None:
             lora_name,
             salt,
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise EventDecodeError(f"malformed {kind}: {exc!r}") from None
 
 
@@ -361,8 +363,7 @@ class KVEventSubscriber:
         if last is None:
             if seq > 0 and self.source.replay_endpoint is not None:
                 # first batch seen: what the engine still buffers tells what it already holds
-                for s, p in _contiguous_before(await self.replay(0) or [], seq):
-                    self._apply(s, p)
+                await self._apply_run(_contiguous_before(await self.replay(0) or [], seq))
         elif seq > last + 1:
             await self._fill_gap(last + 1, seq)
         self._apply(seq, payload)
@@ -372,8 +373,7 @@ class KVEventSubscriber:
         run = _contiguous_before(missed or [], seq, start)
         if len(run) == seq - start:
             self.stats.replayed += 1
-            for s, p in run:
-                self._apply(s, p)
+            await self._apply_run(run)
             return
         self.stats.resyncs += 1
         log.info(
@@ -385,12 +385,22 @@ class KVEventSubscriber:
         )
         self.index.drop_precise(self.engine_id)
 
+    async def _apply_run(self, run: list[tuple[int, bytes]]) -> None:
+        """Apply replayed batches in order, yielding to the event loop between slices: an engine's
+        buffer holds thousands of batches (1,000 of 21 events took 0.5 s), and every stream the
+        gateway relays would stall for as long."""
+        for i, (seq, payload) in enumerate(run):
+            if i and i % REPLAY_SLICE == 0:
+                await asyncio.sleep(0)
+            self._apply(seq, payload)
+
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
         self.stats.batches += 1
         try:
             events = decode_batch(payload)
-        except EventDecodeError as exc:
+            apply_events(self.index, self.engine_id, events, self.clock())
+        except (EventDecodeError, ValueError, TypeError, OverflowError) as exc:
             # what this batch changed is unknown, so everything the events said may be wrong
             self.stats.decode_errors += 1
             self.stats.resyncs += 1
@@ -402,8 +412,6 @@ class KVEventSubscriber:
                 extra={"engine": self.engine_id},
             )
             self.index.drop_precise(self.engine_id)
-            return
-        apply_events(self.index, self.engine_id, events, self.clock())
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Ask the engine's replay socket for every buffered batch from ``start``; None when it

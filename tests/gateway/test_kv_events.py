@@ -459,3 +459,76 @@ async def test_a_sim_engine_s_events_keep_the_index_in_step() -> None:
             assert feed.subscribers["e0"].stats.resyncs == 0
         finally:
             await feed.stop()
+
+
+# -- a broken engine's events, and a long replay ---------------------------------------------------
+
+
+async def test_a_malformed_event_drops_what_the_events_said_and_the_feed_goes_on(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A negative token id or a float block hash raised a plain ValueError from inside the index:
+    the batch was left half applied (its removal lost for good, the index claiming a block the
+    engine evicted), nothing was counted, and the subscription was torn down and rebuilt."""
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    held = _prompt(300, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(held)])
+            await until(lambda: _hits(index, held) == 2)
+            bad = {**stored_map(_prompt(7000, 1)), "token_ids": [-1] * BS}
+            engine.publish(
+                [bad, {"type": "BlockRemoved", "block_hashes": prefix_hashes(held, BS), "medium": "GPU"}]
+            )
+            await until(lambda: sub.stats.decode_errors == 1)
+            assert sub.stats.resyncs == 1 and _hits(index, held) == 0  # dropped, not half-applied
+            engine.publish([{"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"}])
+            await until(lambda: sub.stats.decode_errors == 2)
+            later = _prompt(9000, 1)
+            engine.publish([stored_map(later)])  # the same subscription carries on
+            await until(lambda: _hits(index, later) == 1)
+            assert sub.last_seq == 3
+    finally:
+        await engine.close()
+
+
+async def test_a_long_replay_does_not_hold_the_event_loop(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first batch seen replays what the engine still buffers: thousands of batches applied
+    in one go held every stream the gateway relays for as long."""
+    index = _index()
+    sub = KVEventSubscriber(
+        KVEventSource("e0", "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:2"), index, ctx
+    )
+    batches = [
+        (seq, msgpack.packb([0.0, [stored_map(_prompt(100_000 + seq * 8 * BS, 8))], None]))
+        for seq in range(1_500)
+    ]
+
+    async def replay(start: int) -> list[tuple[int, bytes]]:
+        return batches[start:]
+
+    monkeypatch.setattr(sub, "replay", replay)
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    await sub.on_batch(1_500, msgpack.packb([0.0, [], None]))
+    took = time.perf_counter() - started
+    stop.set()
+    await task
+    assert sub.last_seq == 1_500 and _hits(index, _prompt(100_000, 8)) == 8
+    print(f"replay of 1,500 batches: {took * 1e3:.0f} ms, longest loop gap {max(gaps) * 1e3:.1f} ms")
+    assert took > 0.005 and max(gaps) < max(0.005, took / 3), (max(gaps), took)
