@@ -9,6 +9,7 @@ routes by model name before the request reaches it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -18,6 +19,9 @@ import aiohttp
 from gateway.engines import prom_text
 from gateway.engines.base import EngineAdapter, gauge
 from policies.api import EngineState, EngineTiming
+
+#: what a scrape's /slots read leaves of the scrape's budget (the monitor's own timeout ends it)
+SLOTS_MARGIN_S = 0.05
 
 _TIMING = (
     "llamacpp:n_decode_total",
@@ -71,9 +75,13 @@ def with_slots(state: EngineState, slots: Sequence[Mapping[str, Any]]) -> Engine
     used = 0
     for slot in slots:
         if slot.get("is_processing"):
-            decoded = sum(int(t.get("n_decoded") or 0) for t in slot.get("next_token") or ())
+            tokens = slot.get("next_token") or ()
+            # a one-element list in current builds, the object itself in older ones
+            decoded = sum(
+                int(t.get("n_decoded") or 0) for t in ([tokens] if isinstance(tokens, Mapping) else tokens)
+            )
             used += int(slot.get("n_prompt_tokens") or 0) + decoded
-    return replace(state, kv_usage=min(1.0, used / capacity), block_size=1, num_gpu_blocks=capacity)
+    return replace(state, kv_usage=min(1.0, max(0, used) / capacity), block_size=1, num_gpu_blocks=capacity)
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -88,18 +96,26 @@ class LlamaCppAdapter(EngineAdapter):
         return parse_llamacpp_metrics(text)
 
     async def scrape(self) -> EngineState | None:
+        started = time.monotonic()
         state = await super().scrape()
         if state is None or not self._slots_enabled:
             return state
+        # /slots gets what is left of the scrape's budget (less a margin): the monitor times
+        # the whole scrape, and a slow /slots must not cost the metrics already read
+        total = self._scrape_timeout.total or 0.0
+        left = started + total - time.monotonic() - SLOTS_MARGIN_S
+        if left <= 0.0:
+            return state
         try:
             async with self.session.get(
-                self.url("/slots"), timeout=self._scrape_timeout, headers=self._auth
+                self.url("/slots"), timeout=aiohttp.ClientTimeout(total=left), headers=self._auth
             ) as resp:
                 if resp.status in (404, 501):
                     self._slots_enabled = False
                     return state
                 resp.raise_for_status()
                 slots = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+            # (the engine's answer is untrusted: any shape but the expected one is no reading)
+            return with_slots(state, slots) if isinstance(slots, list) else state
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
             return state  # the metrics alone are still a valid reading
-        return with_slots(state, slots) if isinstance(slots, list) else state

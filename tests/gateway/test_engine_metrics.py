@@ -273,3 +273,57 @@ def test_no_number_an_engine_reports_breaks_routing_for_any_model() -> None:
     # a share past 1 (or below 0) is brought within bounds
     over = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 7\n')
     assert bounded_state(over).kv_usage == 1.0
+
+
+def test_llamacpp_slots_of_older_builds_and_junk_slots() -> None:
+    """Older llama-server builds send ``next_token`` as the object itself, not a one-element
+    list: iterating it gave its keys, and the scrape failed whenever a slot was busy."""
+    busy = {
+        "id": 0,
+        "n_ctx": 1000,
+        "is_processing": True,
+        "n_prompt_tokens": 30,
+        "next_token": {"n_decoded": 10},
+    }
+    state = with_slots(parse_llamacpp_metrics("llamacpp:requests_processing 1\n"), [busy])
+    assert state.kv_usage == pytest.approx(40 / 1000)
+
+
+async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow() -> None:
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gateway.engines import adapter_for
+    from gateway.settings import EngineConfig
+
+    slots: dict[str, object] = {"body": [{"n_ctx": "x", "is_processing": True}], "delay": 0.0}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="llamacpp:requests_processing 2\n")
+
+    async def slots_route(_: web.Request) -> web.Response:
+        await asyncio.sleep(float(slots["delay"]))  # type: ignore[arg-type]
+        return web.json_response(slots["body"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slots", slots_route)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        config = EngineConfig(url=str(server.make_url("/")), kind="llamacpp", model="m", name="l0")
+        async with aiohttp.ClientSession() as session:
+            adapter = adapter_for(config, session, 1.0, scrape_timeout_s=0.5)
+            state = await adapter.scrape()  # junk slots: the metrics reading stands
+            assert state is not None and state.num_running == 2
+            slots["body"], slots["delay"] = [], 5.0
+            started = asyncio.get_running_loop().time()
+            async with asyncio.timeout(0.5):  # as the monitor times a scrape
+                state = await adapter.scrape()
+            assert state is not None and state.num_running == 2
+            assert asyncio.get_running_loop().time() - started < 0.5
+    finally:
+        await server.close()
