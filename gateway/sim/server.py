@@ -300,6 +300,8 @@ class SimServer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            if not prompt:
+                raise BadRequest(400, "the prompt cannot be empty", "prompt")
             return encode(prompt)
         if (
             isinstance(prompt, list)
@@ -393,6 +395,8 @@ class SimServer:
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         prompt = self._prompt(kind, body)
         max_tokens = self._limits(http, body, len(prompt))
+        if prompt and not 0 <= min(prompt) <= max(prompt) < VOCAB_SIZE:  # (after the length, as vLLM)
+            raise BadRequest(400, f"token ids must be in [0, {VOCAB_SIZE}): out of vocabulary", "prompt")
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         if options and not stream:

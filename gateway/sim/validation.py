@@ -25,6 +25,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 INT64 = (-(2**63), 2**63 - 1)
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 GREEDY_EPS = 1e-5  # below this temperature vLLM samples greedily
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 def _show(value: Any) -> str:
@@ -149,9 +150,9 @@ FIELDS: Mapping[str, Mapping[str, Check]] = {
         **_SAMPLING,
         "max_completion_tokens": integer(1),
         "logprobs": boolean,
-        "top_logprobs": integer(0),
+        "top_logprobs": integer(0, MAX_LOGPROBS),
     },
-    "completion": {**_SAMPLING, "logprobs": integer(-1), "echo": boolean},
+    "completion": {**_SAMPLING, "logprobs": integer(0, MAX_LOGPROBS), "echo": boolean},
 }
 REQUIRED: Mapping[str, tuple[str, ...]] = {"chat": ("messages",), "completion": ("prompt",)}
 
@@ -171,4 +172,11 @@ def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
     temperature = body.get("temperature")
     if n is not None and n > 1 and temperature is not None and temperature < GREEDY_EPS:
         return f"n must be 1 when using greedy sampling, got {n}.", "n"
+    min_tokens = body.get("min_tokens")
+    limit = body.get("max_completion_tokens") if kind == "chat" else None
+    limit = limit if limit is not None else body.get("max_tokens")
+    if min_tokens is not None and limit is not None and min_tokens > limit:
+        return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.", "min_tokens"
+    if kind == "chat" and body.get("top_logprobs") is not None and not body.get("logprobs"):
+        return "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
     return None

@@ -52,6 +52,16 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("completion", {"prompt": "x", "logprobs": True}, "logprobs"),
     ("completion", {"prompt": "x", "echo": "no"}, "echo"),
     ("completion", {"temperature": 1}, "prompt"),
+    ("completion", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("completion", {"prompt": "x", "logprobs": 100}, "logprobs"),
+    ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"prompt": [""]}, "prompt"),
+    ("completion", {"prompt": [10**15]}, "prompt"),
+    ("completion", {"prompt": [-3, 4]}, "prompt"),
+    ("completion", {"prompt": "x", "min_tokens": 10, "max_tokens": 3}, "min_tokens"),
+    ("chat", {"messages": USER, "min_tokens": 10, "max_tokens": 3}, "min_tokens"),
+    ("chat", {"messages": USER, "top_logprobs": 5}, "top_logprobs"),
+    ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
 ]
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
