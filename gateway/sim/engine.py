@@ -406,6 +406,12 @@ class EngineModel:
     def complete(self, request: SimRequest, reason: str) -> None:
         """End a request (also used by the server when a stop string matches)."""
         if request.phase is Phase.FINISHED or request.phase is Phase.HELD:
+            if reason == "stop" and request.finish_reason == "length":
+                # the server matched a stop string in the last token the limit allowed: vLLM's
+                # detokenizer reports that as a stop, and so is it counted
+                self.counters.finished["length"] -= 1
+                self.counters.finished["stop"] = self.counters.finished.get("stop", 0) + 1
+                request.finish_reason = "stop"
             return
         request.finish_reason = reason
         # (a stop string can end a request that was preempted meanwhile: then it waits to be

@@ -26,6 +26,8 @@ class OutputState:
     sent: int = 0  # characters of ``text`` already handed out
     token_ids: list[int] = field(default_factory=list)
     stopped: bool = False
+    #: the stop string that ended the output (vLLM's ``stop_reason``), None otherwise
+    stop_reason: str | None = None
 
     @property
     def holdback(self) -> int:
@@ -41,9 +43,10 @@ class OutputState:
             return False
         start = max(0, len(self.text) - self.holdback)
         self.text += token_text(token)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_reason = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:at]
             self.stopped = True
         return self.stopped
 
@@ -120,9 +123,16 @@ class ResponseFormat:
             + b"\n\n"
         )
 
-    def final_chunk_with_params(self, finish_reason: str, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    def final_chunk_with_params(
+        self, finish_reason: str, kv_transfer_params: dict[str, Any] | None, stop_reason: str | None = None
+    ) -> bytes:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": self.index,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         if self.kind == "chat":
             choice["delta"] = {}
         else:
@@ -140,20 +150,21 @@ class ResponseFormat:
 
     def full(
         self,
-        outputs: Sequence[tuple[str, Sequence[int], str]],
+        outputs: Sequence[tuple[str, Sequence[int], str, str | None]],
         usage: dict[str, Any],
         prompt_token_ids: Sequence[int],
         kv_transfer_params: dict[str, Any] | None,
     ) -> bytes:
-        """The non-streamed body; ``outputs`` holds (text, token ids, finish_reason) per choice."""
+        """The non-streamed body; ``outputs`` holds (text, token ids, finish_reason, stop_reason)
+        per choice."""
         choices: list[dict[str, Any]] = []
-        for index, (text, token_ids, finish_reason) in enumerate(outputs):
+        for index, (text, token_ids, finish_reason, stop_reason) in enumerate(outputs):
             choice: dict[str, Any]
             if self.kind == "chat":
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
             else:
                 choice = {"index": index, "text": text}
-            choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": None})
+            choice.update({"logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason})
             if self.return_token_ids:
                 choice["token_ids"] = list(token_ids)
                 if self.kind == "completion":

@@ -616,7 +616,10 @@ class SimServer:
         self._held(first, room)
         completion_tokens = sum(len(c.out.token_ids) for c in choices)
         usage = usage_of(len(first.prompt), completion_tokens, first.cached_tokens)
-        outputs = [(c.out.delta(True), c.out.token_ids, c.sim.finish_reason or "length") for c in choices]
+        outputs = [
+            (c.out.delta(True), c.out.token_ids, c.sim.finish_reason or "length", c.out.stop_reason)
+            for c in choices
+        ]
         body = fmt.full(outputs, usage, first.prompt, self._kv_params(first))
         return web.Response(body=body, content_type="application/json")
 
@@ -673,7 +676,9 @@ class SimServer:
                 http.transport.abort()  # a cut, not a clean end: the client must see the failure
             return resp
         self._held(sim, room)
-        tail = fmt.final_chunk_with_params(sim.finish_reason or "length", self._kv_params(sim))
+        tail = fmt.final_chunk_with_params(
+            sim.finish_reason or "length", self._kv_params(sim), out.stop_reason
+        )
         if include_usage:
             tail += fmt.usage_chunk(usage_of(len(sim.prompt), len(out.token_ids), sim.cached_tokens))
         await resp.write(tail + b"data: [DONE]\n\n")
@@ -722,7 +727,9 @@ class SimServer:
                             break
                     if c.channel.done:
                         reason = c.sim.finish_reason or "length"
-                        parts.append(formats[c.index].final_chunk_with_params(reason, None))
+                        parts.append(
+                            formats[c.index].final_chunk_with_params(reason, None, c.out.stop_reason)
+                        )
                         c.ended = True
                         self._observe(c.sim, c.first_real, now, len(c.out.token_ids))
                 live = [c for c in live if not c.ended]

@@ -322,3 +322,26 @@ async def test_stop_strings_non_stream_and_stream(engine: SimProcess) -> None:
     chunks = [e["choices"][0]["text"] for e in events if e.get("choices")]
     assert "".join(chunks) == expected
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_stop_string_in_the_last_allowed_token_is_a_stop_with_its_reason(engine: SimProcess) -> None:
+    """vLLM's detokenizer reports a stop string matched in the last token the limit allowed as a
+    stop (with the string in ``stop_reason``): the sim said "length" there, and never gave a
+    stop reason."""
+    from gateway.tokenizer import token_text
+
+    chat = engine.url + "/v1/chat/completions"
+    base = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True, "ignore_eos": True}
+    _, free = await post(chat, {**base, "max_tokens": 3})
+    stop = token_text(free["choices"][0]["token_ids"][1]).strip()
+    assert stop
+    for limit in (2, 3):
+        status, body = await post(chat, {**base, "max_tokens": limit, "stop": [stop]})
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop), (limit, choice)
+    events, _, _ = await stream(chat, {**base, "max_tokens": 2, "stop": [stop], "stream": True})
+    last = [e for e in events if e.get("choices")][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+    _, plain = await post(chat, {**base, "max_tokens": 2})
+    assert plain["choices"][0]["stop_reason"] is None and plain["choices"][0]["finish_reason"] == "length"
