@@ -168,16 +168,22 @@ class SimServer:
         last_lease_check = 0.0
         while True:
             if self.crashed or self.hung or not self.model.has_work:
-                await self._wake.wait()
+                # (KV held for a decode engine that never reads it is freed when its lease ends,
+                # busy or idle: an idle engine kept it, and its KV use, until other work came)
+                lease = math.inf if self.crashed or self.hung else self._lease_ends_in()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), None if math.isinf(lease) else lease)
                 self._wake.clear()
+                self._expire_leases()
                 target = loop.time()
                 continue
             batch = self.model.plan(self.now())
             if batch is None:
-                wait = (self.model.next_transfer_at() - self.now()) / self.scale
+                wait = min((self.model.next_transfer_at() - self.now()) / self.scale, self._lease_ends_in())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), None if math.isinf(wait) else max(wait, 0.0005))
                 self._wake.clear()
+                self._expire_leases()
                 target = loop.time()
                 continue
             # Steps are laid on an absolute timeline so sleep overshoot and the driver's own work
@@ -207,7 +213,18 @@ class SimServer:
             self.publish_kv_events()
             if loop.time() - last_lease_check > 1.0:
                 last_lease_check = loop.time()
-                self.model.expire_held(self.now(), HELD_LEASE_S)
+                self._expire_leases()
+
+    def _lease_ends_in(self) -> float:
+        """Real seconds until the first lease on held KV ends (inf when none is held)."""
+        started = [r.first_token_at for r in self.model.held.values() if r.first_token_at is not None]
+        if not started:
+            return math.inf
+        return max(0.0005, (min(started) + HELD_LEASE_S - self.now()) / self.scale + 0.001)
+
+    def _expire_leases(self) -> None:
+        if self.model.held and self.model.expire_held(self.now(), HELD_LEASE_S):
+            self.publish_kv_events()
 
     def publish_kv_events(self) -> None:
         events = self.model.cache.drain_events()
@@ -588,7 +605,9 @@ class SimServer:
         if room is not None and sim.prefill_only:
             key = f"room:{room}"
             self.model.held[key] = self.model.held.pop(sim.request_id, sim)
-            self.rooms.setdefault(key, asyncio.Event()).set()
+            waiting = self.rooms.get(key)  # (a pull waiting for the room made it, and removes it)
+            if waiting is not None:
+                waiting.set()
 
     async def _complete(self, choices: list[Choice], fmt: ResponseFormat, room: object) -> web.StreamResponse:
         event = choices[0].channel.event

@@ -210,3 +210,30 @@ def test_openai_client_stream_and_not(engine: SimProcess) -> None:
     )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="abc", max_tokens=4)
+
+
+async def test_kv_held_for_a_decode_that_never_reads_it_is_freed_at_its_lease_while_idle() -> None:
+    """The lease on KV a prefill holds for its decode engine ended only at the next engine step:
+    an idle engine kept the blocks (and reported the KV use) until unrelated work came. A room
+    nobody waited on left an event behind for every bootstrap prefill."""
+    from gateway.sim.metrics import engine_state
+    from gateway.sim.server import HELD_LEASE_S, SimConfig, SimServer
+    from tests.sim.helpers import profile
+
+    scale = 100.0  # the lease: 30 simulated seconds, 0.3 s here
+    server = SimServer(SimConfig(profile=profile(), model=MODEL, time_scale=scale, role="prefill"))
+    await server.start()
+    try:
+        body = {"model": MODEL, "prompt": _prompt(3, 200), "max_tokens": 1}
+        status, _ = await post(
+            server.url + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_decode": True}}
+        )
+        assert status == 200
+        status, _ = await post(server.url + "/v1/completions", {**body, "bootstrap_room": 7})
+        assert status == 200
+        assert len(server.model.held) == 2 and engine_state(server.model).kv_usage > 0
+        assert server.rooms == {}  # nobody waited on room 7
+        await asyncio.sleep(HELD_LEASE_S / scale * 3)
+        assert server.model.held == {} and engine_state(server.model).kv_usage == 0.0
+    finally:
+        await server.stop()
