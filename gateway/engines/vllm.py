@@ -64,15 +64,12 @@ def parse_vllm_metrics(text: str) -> EngineState:
     kv_samples = samples.get(_KV_NEW) or samples.get(_KV_OLD) or []
     kv_usage = max((v for _, v in kv_samples), default=0.0)
     block_size: int | None = None
-    # data-parallel ranks each report their own cache: the engine's capacity is their sum (the
-    # in-flight tokens it is held against count every rank's requests)
-    rank_blocks: dict[str, int] = {}
+    num_blocks: int | None = None
     for labels, _ in samples.get(_CACHE_INFO, []):
         if labels.get("block_size", "").isdigit():
             block_size = int(labels["block_size"])
         if labels.get("num_gpu_blocks", "").isdigit():
-            rank_blocks[labels.get("engine", "")] = int(labels["num_gpu_blocks"])
-    num_blocks = sum(rank_blocks.values()) if rank_blocks else None
+            num_blocks = int(labels["num_gpu_blocks"])
     sleeping = any(
         labels.get("sleep_state") not in (None, "awake") and value > 0
         for labels, value in samples.get(_SLEEP, [])

@@ -327,23 +327,3 @@ async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow()
             assert asyncio.get_running_loop().time() - started < 0.5
     finally:
         await server.close()
-
-
-def test_vllm_data_parallel_capacity_is_every_ranks() -> None:
-    """Two ranks of 2,048 blocks each: the engine holds 4,096 blocks' worth of tokens, and the
-    gateway's in-flight tokens (every rank's) are held against all of it, not one rank's."""
-    from gateway.dispatch.offline import offline_fleet
-    from gateway.fleet.registry import RunningEntry
-
-    text = VLLM_033 + (
-        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="2048",'
-        'prefix_caching_hash_algo="sha256"} 1.0\n'
-    )
-    state = parse_vllm_metrics(text)
-    assert (state.block_size, state.num_gpu_blocks) == (16, 4096)
-    assert parse_vllm_metrics(VLLM_033).num_gpu_blocks == 2048  # (one rank published its cache)
-    fleet = offline_fleet({"a": 1})
-    fleet.record_state("a-0", state, 0.0)
-    fleet.reserve("a-0", "r", RunningEntry(30_000, 0, 0.1, 0.0))  # more than one rank's 32,768
-    free = fleet.records["a-0"].free_kv_tokens()
-    assert free is not None and free > 0
