@@ -64,6 +64,8 @@ def parse_vllm_metrics(text: str) -> EngineState:
     kv_samples = samples.get(_KV_NEW) or samples.get(_KV_OLD) or []
     kv_usage = max((v for _, v in kv_samples), default=0.0)
     block_size: int | None = None
+    # (with data parallelism vLLM's front end sums every rank's blocks into the one cache config
+    # each rank's line reports: any line is the engine's whole capacity)
     num_blocks: int | None = None
     for labels, _ in samples.get(_CACHE_INFO, []):
         if labels.get("block_size", "").isdigit():
