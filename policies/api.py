@@ -1,6 +1,7 @@
 """The policy API: the only module plugin authors import.
 
-Policies are pure, synchronous functions over immutable snapshots. They never do I/O, never touch
+Policies are pure, synchronous functions over snapshots they only read (``EngineSnapshot`` is
+read-only by contract, not frozen; the rest are frozen). They never do I/O, never touch
 asyncio, and never import from ``gateway``. The live gateway and the offline simulator build the
 same snapshots and call the same policies, so a decision made in an experiment is the decision the
 gateway would make.

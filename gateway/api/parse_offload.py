@@ -82,7 +82,7 @@ class BodyParser:
             )
         except BrokenProcessPool:
             # (a RuntimeError too: the worker died while idle, and only a submit says so)
-            self._died()
+            self._died(pool)
             return parse_request(kind, raw, self.default_max_tokens)
         except (OSError, NotImplementedError, RuntimeError) as exc:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)
@@ -91,17 +91,20 @@ class BodyParser:
         try:
             summary = await future
         except BrokenProcessPool:
-            self._died()
+            self._died(pool)
             return parse_request(kind, raw, self.default_max_tokens)
         self._deaths = 0
         summary.raw = raw
         return summary
 
-    def _died(self) -> None:
+    def _died(self, pool: ProcessPoolExecutor | None) -> None:
+        """``pool``'s worker died: counted once per pool, however many bodies were queued on it
+        (each is told so), and never shutting down a pool started since."""
+        if pool is None or self._pool is not pool:
+            return
+        self._pool = None
+        pool.shutdown(wait=False, cancel_futures=True)
         metrics.PARSE_WORKER_FAILURES.inc()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
         self._deaths += 1
         if self._deaths >= MAX_DEATHS:
             log.warning("the body-parsing worker died %d times in a row; parsing in place", self._deaths)

@@ -117,5 +117,5 @@ class LlamaCppAdapter(EngineAdapter):
                 slots = await resp.json(content_type=None)
             # (the engine's answer is untrusted: any shape but the expected one is no reading)
             return with_slots(state, slots) if isinstance(slots, list) else state
-        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError, OverflowError):
             return state  # the metrics alone are still a valid reading

@@ -34,9 +34,9 @@ _T = TypeVar("_T")
 
 log = logging.getLogger("slogate.fleet")
 
-#: what a scrape may raise on an engine's answer (its text is untrusted: ArithmeticError for a
+#: what a scrape may raise on an engine's answer (its text is untrusted: OverflowError for a
 #: number past what a float or an int conversion takes)
-_SCRAPE_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, ValueError, ArithmeticError)
+_SCRAPE_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, ValueError, OverflowError)
 
 
 def describe_failure(exc: BaseException) -> str:

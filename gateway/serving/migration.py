@@ -642,8 +642,7 @@ class Migrator:
                             if state is None:  # a restart's first event: it names the stream
                                 ledger.first_chunk = b"data: " + payload + b"\n\n"
                                 state = self._resume_state(call, ledger)
-                                if state is None:
-                                    ledger.first_chunk = None  # (the client was sent nothing of it)
+                                if state is None:  # (not resumable: the stream ends here)
                                     raise _Failed("a first event without prompt token ids")
                             choice = choices[0]
                             ids = choice.get("token_ids")

@@ -62,7 +62,8 @@ async def _body(http: web.Request) -> dict[str, Any]:
         data = exc
     if not isinstance(data, dict):
         message = f"invalid JSON: {data}" if isinstance(data, Exception) else "body must be a JSON object"
-        raise web.HTTPBadRequest(body=error_body(400, message, None), content_type="application/json")
+        text = error_body(400, message, None).decode()
+        raise web.HTTPBadRequest(text=text, content_type="application/json")
     return data
 
 

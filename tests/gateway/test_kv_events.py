@@ -511,24 +511,23 @@ async def test_a_long_replay_does_not_hold_the_event_loop(
         return batches[start:]
 
     monkeypatch.setattr(sub, "replay", replay)
-    gaps: list[float] = []
+    replaying = False
+    turns = 0  # the other tasks' turns while the replay runs: none when it holds the loop
     stop = asyncio.Event()
 
-    async def ticker() -> None:
-        last = time.perf_counter()
+    async def other_work() -> None:
+        nonlocal turns
         while not stop.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            await asyncio.sleep(0)
+            turns += replaying
 
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0.01)
-    started = time.perf_counter()
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    replaying = True
     await sub.on_batch(1_500, msgpack.packb([0.0, [], None]))
-    took = time.perf_counter() - started
+    replaying = False
     stop.set()
     await task
     assert sub.last_seq == 1_500 and _hits(index, _prompt(100_000, 8)) == 8
-    print(f"replay of 1,500 batches: {took * 1e3:.0f} ms, longest loop gap {max(gaps) * 1e3:.1f} ms")
-    assert took > 0.005 and max(gaps) < max(0.005, took / 3), (max(gaps), took)
+    # one turn per slice of REPLAY_SLICE batches, whatever the machine's speed
+    assert turns >= 1_500 // 32 - 2, turns

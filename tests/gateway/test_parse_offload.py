@@ -135,3 +135,30 @@ async def test_a_worker_that_keeps_dying_is_given_up(monkeypatch: pytest.MonkeyP
         assert not parser._disabled
         assert (await parser.parse("chat", body)).model == "m"
     assert parser._disabled
+
+
+async def test_one_death_is_counted_once_however_many_bodies_were_queued() -> None:
+    """Every body queued on the worker when it dies is told so: each counted a death, so one
+    death with three bodies in flight turned the worker off for good."""
+    import asyncio
+    import os
+    import signal
+
+    text = "the quick brown fox jumps over the lazy dog; " * 200_000  # ~9 MB: a parse takes a while
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
+    parser = BodyParser(threshold=1024, default_max_tokens=16)
+    try:
+        await parser.parse(
+            "chat", b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 2000 + b'"}]}'
+        )
+        pool = parser._pool
+        assert pool is not None
+        queued = [asyncio.create_task(parser.parse("chat", body)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        for pid in list(pool._processes):  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGKILL)
+        answers = await asyncio.gather(*queued)
+        assert all(a.model == "m" for a in answers)
+        assert parser._deaths <= 1 and not parser._disabled
+    finally:
+        parser.close()
