@@ -245,13 +245,13 @@ def test_a_data_pool_full_of_streams_does_not_fail_the_engines_health_checks() -
     settings: dict[str, Any] = {
         "upstream_pool_per_host": 1,
         "monitor_interval_s": 0.1,
-        "health_timeout_s": 0.5,
+        "health_timeout_s": 0.4,
         "eject_after_failures": 3,
         "first_token_timeout_s": 10.0,
     }
-    # (a 4 s stream: three health checks in a row wait for the pool's only connection and fail)
+    # (a 2.5 s stream: three health checks in a row wait for the pool's only connection and fail)
     with (
-        StubEngine(events_every(0.1, 40)) as engine,
+        StubEngine(events_every(0.05, 50)) as engine,
         run_gateway(engines=[engine.entry("e0")], **settings) as gw,
     ):
         fleet = gw.gateway.fleet

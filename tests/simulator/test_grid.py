@@ -121,7 +121,7 @@ def test_runs_of_several_seeds_pool_their_requests(tmp_path: Path) -> None:
         [
             "experiment", "grid", "--workloads", "hyperflexis-4task", "--speeds", "1", "--loads", "1.2",
             "--policies", "least-load,hyperflexis", "--seeds", "3,4",
-            "--engines", "1", "--duration", "5", "--ramp-qps", "0", "--jobs", "1", "--out", str(out),
+            "--engines", "1", "--duration", "3", "--ramp-qps", "0", "--jobs", "1", "--out", str(out),
         ]
     )  # fmt: skip
     assert code == 0
@@ -133,7 +133,7 @@ def test_runs_of_several_seeds_pool_their_requests(tmp_path: Path) -> None:
             [
                 "experiment", "grid", "--workloads", "hyperflexis-4task", "--speeds", "1", "--loads", "1.2",
                 "--policies", "least-load,hyperflexis", "--seed", str(seed),
-                "--engines", "1", "--duration", "5", "--ramp-qps", "0", "--jobs", "1",
+                "--engines", "1", "--duration", "3", "--ramp-qps", "0", "--jobs", "1",
                 "--out", str(single / str(seed)),
             ]
         )  # fmt: skip
