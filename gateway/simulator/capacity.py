@@ -14,6 +14,8 @@ percentile finish times. With 256 seats that is barely two cohorts, and it read 
 
 from __future__ import annotations
 
+import functools
+
 from gateway.experiments.workloads import load_workload
 from gateway.sim.engine import SimRequest
 from gateway.sim.profiles import load_profile
@@ -54,10 +56,13 @@ class _Saturating:
         self.feed(len(requests))
 
 
+@functools.lru_cache(maxsize=64)
 def engine_capacity(
     workload: str, engine_profile: str = "qwen-7b", speed: float = 1.0, requests: int = 4000, seed: int = 0
 ) -> float:
-    """Requests per second one engine completes for ``workload`` when it is never short of work."""
+    """Requests per second one engine completes for ``workload`` when it is never short of work.
+    Deterministic in its arguments, so measured once per process (a grid asks for each workload
+    and speed again in every run of it: 1-2.5 s each time)."""
     profile = load_profile(engine_profile)
     specs = load_workload(workload, qps=1.0, requests=requests, seed=seed)
     backlog = profile.max_num_seqs * (1 + BACKLOG_SEATS)
