@@ -92,12 +92,16 @@ class RunningLoad(NamedTuple):
         return cls(count, context, waiting, waiting_tokens, waiting_squares, min_tpot, max_tpot)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerView:
     """One engine as the dispatcher sees it. ``maturity`` is the dispatcher's own state.
 
     Its running requests are given either one by one (``running``) or summed (``load``, which
-    then wins): the gateway keeps the sums as requests come and go."""
+    then wins): the gateway keeps the sums as requests come and go.
+
+    Read-only by contract, not frozen: a frozen one cost 2.6x as much to make, and the gateway
+    makes one per worker per turn (two per placement in the saturated loop, one to two per
+    request at low load). :func:`dispatch` never writes to one (tests/policies/test_hyperflexis.py)."""
 
     engine_id: str
     prefill_coeffs: Coeffs
@@ -345,14 +349,31 @@ class _QueuePrefix:
     workers actually examine (``max_scan`` each plus what they take), however long the queue is.
     """
 
-    __slots__ = ("_items", "_source")
+    __slots__ = ("_items", "_source", "complete")
 
     def __init__(self, source: Iterable[QueuedRequest]) -> None:
-        self._items: list[QueuedRequest] = []
-        self._source = iter(source)
+        self._items: list[QueuedRequest]
+        #: every request of the source is in ``_items``
+        self.complete: bool
+        if isinstance(source, (tuple, list)):  # (an arrival's turn: one request, read already)
+            self._items, self.complete = list(source), True
+            self._source: Iterator[QueuedRequest] = iter(())
+        else:
+            self._items, self.complete = [], False
+            self._source = iter(source)
 
     def _extend(self, count: int) -> None:
+        if self.complete:
+            return
+        before = len(self._items)
         self._items.extend(islice(self._source, count))
+        if len(self._items) - before < count:
+            self.complete = True
+
+    def all_taken(self, taken: set[str]) -> bool:
+        """Whether the source is read to its end and every request of it is in ``taken`` (which
+        holds only requests of this prefix): nothing is left for any worker."""
+        return self.complete and len(taken) >= len(self._items)
 
     def untaken(self, skip: set[str], limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in order whose ids are not in ``skip``."""
@@ -390,9 +411,12 @@ class _Candidates:
     def grow(self) -> bool:
         """Read the next chunk of untaken candidates into ``items``; False when none is left."""
         skip = self._skip
+        prefix = self._prefix
         while self._left > 0:
+            if prefix.complete and self._at >= len(prefix._items):
+                return False  # (a complete prefix read to its end: nothing more will come)
             want = min(self._chunk, self._left)
-            source = self._prefix.items_from(self._at, want + len(skip))
+            source = prefix.items_from(self._at, want + len(skip))
             if not source:
                 return False
             fresh: list[QueuedRequest]
@@ -525,6 +549,8 @@ def dispatch(
 
     while order and order[0][0] <= now:
         _, _, index = heapq.heappop(order)
+        if prefix.all_taken(taken):
+            break  # (as an exhausted look ends the call, before this worker's look is set up)
         worker = workers[index]
         if pending:
             pending.discard(worker.engine_id)

@@ -147,6 +147,11 @@ class _DemotionPlan:
     bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
 
 
+def _need(view: RequestView) -> int:
+    """The KV a request needs at most (its prompt and output bound), as the queue's min_need counts."""
+    return view.prompt_tokens + view.max_output_tokens
+
+
 def _rid_of(item: QueuedRequest | None) -> str | None:
     # orders may store a re-stamped copy of the item: compare ids, not objects
     return None if item is None else item.view.request_id
@@ -610,9 +615,14 @@ class DispatchCore:
         # a worker that takes anything takes at least one request: more mature workers than
         # queued requests would only be looked at to stay mature (they keep their place)
         limit = len(queue) + (arrival is not None)
-        workers = joining if joining else self.workers.pop_mature(model, now, limit, early)
-        if not workers:
-            return
+        if joining:
+            workers = joining
+        else:
+            # the least KV the turn's requests need (as _run_hyperflexis reads it)
+            min_need = queue.min_need() if arrival is None else _need(arrival.item.view)
+            workers, parked = self.workers.pop_mature(model, now, limit, early, min_need)
+            if not workers and not parked:
+                return
         lookup: PrefixLookup | None = None
         soon: dict[str, tuple[float, int]] = {}
         try:
@@ -683,10 +693,8 @@ class DispatchCore:
     ) -> None:
         assert self.hyperflexis is not None
         ctx = self.context(model, now)
-        if arrival is None:
-            min_need = queue.min_need()
-        else:  # what the queue would say holding the arrival alone
-            min_need = arrival.item.view.prompt_tokens + arrival.item.view.max_output_tokens
+        # what the queue would say holding the arrival alone
+        min_need = queue.min_need() if arrival is None else _need(arrival.item.view)
         # Busy workers first in the turn with less KV free than any queued request needs take
         # nothing and wait for their own events, as the policy would say (kv_bound): under
         # saturation that is every worker whose hold ends before a completion frees its cache,

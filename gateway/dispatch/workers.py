@@ -157,14 +157,21 @@ class HyperFlexisWorkers:
             heapq.heappop(heap)  # superseded entry
         return heap[0][0] if heap else math.inf
 
-    def pop_mature(self, model: str, now: float, limit: int, early: float = 0.0) -> list[WorkerView]:
+    def pop_mature(
+        self, model: str, now: float, limit: int, early: float = 0.0, park_below: int | None = None
+    ) -> tuple[list[WorkerView], int]:
         """Up to ``limit`` workers whose maturity has come by ``now + early``, earliest first, as
         views (mature at ``now`` at the latest); unhealthy ones leave the heap until a health
-        event brings them back."""
+        event brings them back. With ``park_below`` (the least KV any request the turn looks at
+        needs), busy workers with less KV free that would come first in the turn are parked as
+        full instead (:func:`policies.hyperflexis.kv_bound`: their look takes nothing), without a
+        view: under saturation that is half the workers a turn pops. Also returns how many were
+        parked (they count towards ``limit`` as the turn would have counted them)."""
         heap = self._heaps[model]
         workers: list[WorkerView] = []
         until = now + early
-        while heap and heap[0][0] <= until and len(workers) < limit:
+        parked = 0
+        while heap and heap[0][0] <= until and len(workers) + parked < limit:
             at, version, engine_id = heapq.heappop(heap)
             if self._version[engine_id] != version:
                 continue  # superseded
@@ -176,8 +183,14 @@ class HyperFlexisWorkers:
             if held is not None and record.unprefilled and now - held[0] >= JOIN_BELOW_RATIO * held[1]:
                 # its hold ran out before its prefills did: a lower bound says it is not fast
                 self.prefill_ratio[engine_id] = (now - held[0]) / held[1]
+            if park_below is not None and not workers and record.running:
+                free_kv = record.free_kv_tokens()
+                if free_kv is not None and free_kv < park_below:
+                    self.park(model, engine_id, full=True)
+                    parked += 1
+                    continue
             workers.append(self._view(record, at if at <= now else now))
-        return workers
+        return workers, parked
 
     def take_mature(
         self, model: str, engine_ids: Iterable[str], now: float, early: float = 0.0

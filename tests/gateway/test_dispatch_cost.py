@@ -225,7 +225,9 @@ def test_parking_the_leading_kv_bound_workers_is_what_the_policy_does_with_them(
         assert rest.full == whole.full - lead_ids
 
 
-def test_a_kv_bound_worker_is_parked_full_without_reading_the_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kv_bound_worker_is_parked_full_without_reading_the_queue_or_a_view(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Busy engines, each with less KV free than any queued request needs: steps park the
     mature ones as full without a policy call, and a completion brings one back."""
     fleet = offline_fleet({"a": 4})
@@ -242,11 +244,21 @@ def test_a_kv_bound_worker_is_parked_full_without_reading_the_queue(monkeypatch:
         return policy(*args, **kwargs)
 
     monkeypatch.setattr(core_module, "hyperflexis_dispatch", counted)
+    views = 0
+    make_view = HyperFlexisWorkers._view
+
+    def counted_view(*args: Any, **kwargs: Any) -> Any:
+        nonlocal views
+        views += 1
+        return make_view(*args, **kwargs)
+
+    # (nor a view of one: under saturation half the workers a turn pops are such)
+    monkeypatch.setattr(HyperFlexisWorkers, "_view", counted_view)
     view = RequestView("r-1", "a", 200, 50, arrival=0.0)
     assert core.submit(core.ticket(view, 5.0, 0.1, "c", RunningEntry(200, 50, 0.1, 0.0), 0.0), 0.0) is None
     for _ in fleet.records:  # one mature worker per step and queued request
         core.step(0.0)
-    assert calls == 0 and core.queued() == 1
+    assert calls == 0 and views == 0 and core.queued() == 1
     assert all(core.workers.maturity[e] == math.inf for e in fleet.records)
     fleet.release("a-2", "a-2-busy")  # its cache frees: it takes the request
     core.step(0.01)
