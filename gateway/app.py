@@ -195,8 +195,8 @@ def _guard_for(path: str) -> Guard | None:
     """Which key a non-data route needs, by path prefix so every future admin route is covered
     (and an unknown one answers 401 rather than telling an anonymous caller it does not exist)."""
     path = path.rstrip("/")
-    if path == "/admin" or path.startswith("/admin/"):
-        return Authenticator.admin
+    if path == "/admin" or path.startswith("/admin/") or path == "/openapi.json":
+        return Authenticator.admin  # (the API description lists every admin route)
     if path == "/metrics":
         return Authenticator.metrics
     if path == "/dashboard" or path.startswith("/dashboard/"):

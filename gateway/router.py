@@ -18,7 +18,7 @@ import yaml
 from gateway import metrics
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import EngineRecord, Fleet
-from policies.api import EngineSnapshot, Filter, Picker, RequestView, Scorer
+from policies.api import EngineSnapshot, Filter, Picker, PolicyConfigError, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
 from policies.plugins.lora import NAME as LORA
 from policies.plugins.lora import LoraAffinity, with_adapter
@@ -74,14 +74,17 @@ class _TimedPicker:
 
 
 def load_pipeline(path: Path) -> RoutingPipeline:
-    """Compile a routing profile file; raises PolicyConfigError/ValueError with the file named."""
-    data = yaml.safe_load(path.read_text())
+    """Compile a routing profile file; raises PolicyConfigError with the file named."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PolicyConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a routing profile must be a mapping")
+        raise PolicyConfigError(f"{path}: a routing profile must be a mapping")
     try:
         return compile_profile(data)
     except ValueError as exc:
-        raise type(exc)(f"{path}: {exc}") from None
+        raise PolicyConfigError(f"{path}: {exc}") from None
 
 
 def timed(pipeline: RoutingPipeline) -> RoutingPipeline:

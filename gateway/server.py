@@ -16,6 +16,7 @@ from gateway.app import FrontDoor, create_app
 from gateway.logs import setup_logging
 from gateway.runtime import tune_gc
 from gateway.settings import Settings
+from gateway.sim.profiles import ProfileError
 from policies.api import PolicyConfigError
 
 
@@ -80,7 +81,7 @@ def serve(settings: Settings) -> None:
     setup_logging(settings.log_level)
     try:
         app = create_app(settings)
-    except PolicyConfigError as exc:
+    except (PolicyConfigError, ProfileError) as exc:  # (routing and SLO profiles; engine latency profiles)
         print(f"slogate: invalid profile: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)

@@ -79,7 +79,7 @@ class ApiKeyPolicy(BaseModel):
 class EngineConfig(BaseModel):
     """One upstream engine as a user declares it."""
 
-    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True, allow_inf_nan=False)
 
     url: HttpUrl
     kind: EngineKind = "vllm"
@@ -196,6 +196,9 @@ class Settings(BaseSettings):
         validate_default=True,
         # str(ValidationError) would otherwise quote the offending value, which may be a key
         hide_input_in_errors=True,
+        # no setting means "no limit" by inf: an infinite timeout passed here and then overflowed
+        # in aiohttp on every request (NaN compares false against every bound)
+        allow_inf_nan=False,
     )
 
     host: str = "127.0.0.1"
@@ -308,6 +311,9 @@ class Settings(BaseSettings):
     )
 
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(
+        default=60.0, gt=0, description="a request body must arrive whole within this (else 408)"
+    )
     offload_parse_bytes: int = Field(
         default=1024 * 1024,
         ge=0,

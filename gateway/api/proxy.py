@@ -166,7 +166,19 @@ class Proxy:
                 )
             started = time.monotonic()
             try:
-                raw = await read_body(receive, self.settings.max_body_bytes)
+                # a client that declares a body and stops sending it would hold the handler and its
+                # connection for good (uvicorn bounds no body read)
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    raw = await read_body(receive, self.settings.max_body_bytes)
+            except TimeoutError:
+                error = GatewayError(
+                    408,
+                    f"the request body did not arrive within {self.settings.body_timeout_s:g} s",
+                    code="request_timeout",
+                )
+                # the rest of the body would be read as the connection's next request
+                error.extra_headers = ((b"connection", b"close"),)
+                raise error from None
             finally:
                 # also when the body is refused partway (a 413): the upload was the client's time
                 body_s = time.monotonic() - started

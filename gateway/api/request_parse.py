@@ -164,12 +164,17 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(prompt, str):
         return estimate_tokens(prompt)
     if isinstance(prompt, list) and prompt:
-        if _only(prompt, _INT):
-            return len(prompt)
-        if _only(prompt, _STR):
-            return estimate_total_tokens(prompt)
-        if _only(prompt, _LIST) and all(_only(p, _INT) for p in prompt):
-            return sum(map(len, prompt))
+        try:
+            if _only(prompt, _INT):
+                return len(prompt)
+            if _only(prompt, _STR):
+                return estimate_total_tokens(prompt)
+            if _only(prompt, _LIST) and all(_only(p, _INT) for p in prompt):
+                return sum(map(len, prompt))
+        except (TypeError, AttributeError):
+            # a long array's type check samples it: an element it did not look at is of another
+            # type (the count read it as the sampled one). As malformed as one it saw.
+            pass
     raise bad_request(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of those",
         "prompt",

@@ -22,6 +22,7 @@ from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet
 from gateway.router import Router, load_pipeline
 from gateway.settings import Settings
+from policies.api import PolicyConfigError
 from policies.pipeline import RoutingPipeline
 from policies.plugins.affinity import MemoryAffinityStore
 
@@ -42,12 +43,12 @@ class RoutingProfile:
 
     @classmethod
     def load(cls, path: Path) -> RoutingProfile:
-        """Read and validate ``path``; raises PolicyConfigError/ValueError naming the file."""
+        """Read and validate ``path``; raises PolicyConfigError naming the file."""
         pipeline = load_pipeline(path)
         try:
             dispatcher = dispatcher_config(yaml.safe_load(path.read_text()))
         except ValueError as exc:
-            raise type(exc)(f"{path}: {exc}") from None
+            raise PolicyConfigError(f"{path}: {exc}") from None
         return cls(pipeline, dispatcher)
 
     def plugin_names(self) -> frozenset[str]:

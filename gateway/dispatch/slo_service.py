@@ -21,8 +21,9 @@ from gateway.dispatch.core import ClassLimits
 from gateway.dispatch.latency_learner import LatencyLearner
 from gateway.fleet.registry import Fleet
 from gateway.serving.call import Call
-from gateway.settings import ApiKeyPolicy, Settings
+from gateway.settings import ApiKeyPolicy, Settings, key_fingerprint
 from gateway.sim.profiles import load_profile
+from policies.api import PolicyConfigError
 from policies.latency_fit import Coeffs, LatencyModel
 from policies.priority_mapping import PriorityMappingState, observe_completion, set_pending
 from policies.slo import (
@@ -86,6 +87,13 @@ class SloService:
     def __init__(self, settings: Settings) -> None:
         path = settings.slo_profile_path()
         self.profile: SloProfile = parse_slo_profile(path.read_text(), str(path))
+        for key, policy in settings.key_policies().items():
+            # a misspelt task would fall back to the default class on every request, unnoticed
+            if policy.task is not None and policy.task not in self.profile.classes:
+                raise PolicyConfigError(
+                    f"the task {policy.task!r} of API key {key_fingerprint(key)} is not a class of SLO "
+                    f"profile {self.profile.name!r} (defined: {', '.join(sorted(self.profile.classes))})"
+                )
         self.mapping: PriorityMappingState | None = initial_priority_state(self.profile)
         priors: dict[str, tuple[Coeffs, Coeffs]] = {}
         chunks: dict[str, int | None] = {}

@@ -113,7 +113,7 @@ def load_profile(name: str, profiles_dir: Path = DEFAULT_PROFILES_DIR) -> Engine
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+        raise ProfileError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None  # (one line)
     try:
         return EngineProfile.model_validate(data)
     except ValidationError as exc:

@@ -211,3 +211,25 @@ def _cpu_seconds(work: Callable[[], object]) -> float:
     start = time.process_time()
     work()
     return time.process_time() - start
+
+
+@pytest.mark.parametrize(
+    "element, bad",
+    [([1], 5), ([1], None), ("a", 5), ("a", [1]), ("a", {"x": 1}), ("a", ["a" * 20_000]), (1, "a")],
+    ids=["ids-int", "ids-null", "str-int", "str-ids", "str-object", "str-long-list", "int-str"],
+)
+@pytest.mark.parametrize("at", [1, 2_500, 4_999])
+def test_a_long_prompt_array_with_an_element_of_another_type_is_a_400_or_counted(
+    element: object, bad: object, at: int
+) -> None:
+    """Over 4,096 elements the type check samples the array; an element it did not look at, of
+    another type, must not reach the count as the sampled type (a 500 before): a 400, or a count
+    the engine then validates."""
+    prompt = [element] * 5_000
+    prompt[at] = bad
+    try:
+        parsed = parse_request("completions", orjson.dumps({"model": "m", "prompt": prompt}), 16)
+    except GatewayError as error:
+        assert error.status == 400 and error.param == "prompt"
+    else:
+        assert parsed.prompt_tokens >= 1

@@ -376,6 +376,9 @@ def test_admin_routes_need_an_admin_key() -> None:
         assert get("/admin/engines/", CLIENT).status_code == 403  # a trailing slash is no way round
         assert get("/admin/no-such-route").status_code == 401  # no hint at which routes exist
         assert get("/admin/no-such-route", ADMIN).status_code == 404
+        # the API description lists every admin route: as closed as they are
+        assert get("/openapi.json").status_code == 401 and get("/openapi.json", CLIENT).status_code == 403
+        assert "/admin/engines" in get("/openapi.json", ADMIN).json()["paths"]
 
         assert get("/metrics").status_code == 401 and get("/metrics", CLIENT).status_code == 403
         assert get("/metrics", ADMIN).status_code == 200

@@ -99,12 +99,70 @@ def test_a_bad_profile_exits_2_with_its_reason(
     assert "listening" not in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("where", "text", "fragment"),
+    [
+        ("routing", "[1, 2]\n", "must be a mapping"),
+        ("routing", "name: x: y\n", "not valid YAML"),
+        ("routing", "dispatcher: 5\n", "profile.yaml"),
+        ("engine", "latency: 5\n", "name"),
+        ("engine", "name: [\n", "not valid YAML"),
+    ],
+)
+def test_a_malformed_profile_file_exits_2_with_one_line(
+    tmp_path: Path, where: str, text: str, fragment: str
+) -> None:
+    """Routing profiles that are not a mapping or not YAML, and engine latency profiles that do not
+    validate, ended in a traceback (exit 1) instead of the one-line configuration error."""
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(text)
+    cfg = tmp_path / "gateway.yaml"
+    engine = (
+        '{url: "http://127.0.0.1:9", model: m'
+        + (f", latency_profile: {profile}" if where == "engine" else "")
+        + "}"
+    )
+    routing = f"routing_profile: {profile}\n" if where == "routing" else ""
+    cfg.write_text(f"{routing}engines:\n  - {engine}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and fragment in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_keepalive_must_be_positive() -> None:
     assert load_settings().upstream_keepalive_s == 4.0
     for bad in (0, -1, float("inf")):
         with pytest.raises(ValidationError) as info:
             load_settings(upstream_keepalive_s=bad)
         assert describe_error(info.value).startswith("upstream_keepalive_s")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["connect_timeout_s", "pool_timeout_s", "health_timeout_s", "scrape_timeout_s", "request_timeout_s"],
+)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_no_timeout_takes_inf_or_nan(key: str, bad: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An infinite connect timeout was accepted, then overflowed in aiohttp on every request (a
+    500 each); an infinite health timeout failed every check and ejected every engine."""
+    with pytest.raises(ValidationError) as info:
+        load_settings(**{key: bad})
+    assert describe_error(info.value).startswith(key)
+    monkeypatch.setenv(f"SLOGATE_{key.upper()}", "inf")
+    with pytest.raises(ValidationError):
+        load_settings()
+
+
+def test_an_engines_numbers_take_no_inf() -> None:
+    with pytest.raises(ValidationError) as info:
+        load_settings(engines=[{**ENGINE, "time_scale": float("inf")}])
+    assert "time_scale" in describe_error(info.value)
 
 
 def test_upstream_keepalive_reaches_the_connector() -> None:
@@ -182,3 +240,20 @@ def test_engine_key_env_errors(
     assert fragment in message, message
     for secret in ("sk-x", "sk-y", "sk bad"):
         assert secret not in message
+
+
+def test_a_key_whose_task_names_no_class_is_refused_at_startup() -> None:
+    """A misspelt task fell back to the default class on every request of that key, unnoticed.
+    The message names the key by its fingerprint, never the key."""
+    from gateway.dispatch.slo_service import SloService
+    from policies.api import PolicyConfigError
+
+    for keys in (
+        {"api_key_policies": {"sk-secret-42": {"task": "wikisqll"}}},
+        {"api_keys": ["sk-secret-42"], "api_key_tasks": {"sk-secret-42": "wikisqll"}},
+    ):
+        with pytest.raises(PolicyConfigError) as info:
+            SloService(load_settings(**keys))
+        assert "'wikisqll'" in str(info.value) and "wikisql" in str(info.value).split("defined:")[1]
+        assert "sk-secret-42" not in str(info.value)
+    SloService(load_settings(api_key_policies={"sk-secret-42": {"task": "wikisql"}}))

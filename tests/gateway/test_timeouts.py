@@ -501,3 +501,24 @@ def _max_send_buffer() -> int:
         return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
     except (OSError, ValueError, IndexError):
         return 4 << 20
+
+
+def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(sim_engine: ChildProcess) -> None:
+    """A client that declares a body and stops sending it held its handler and connection for
+    good: nothing bounded the body read."""
+    with run_gateway(engines=[engine_entry(sim_engine)], body_timeout_s=0.5, **QUIET_MONITOR) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.socket() as client:
+            client.settimeout(3)
+            client.connect((host, int(port)))
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"model":'
+            )
+            started = time.monotonic()
+            answer = b""
+            while chunk := client.recv(65536):  # to the end: the gateway closes the connection
+                answer += chunk
+            waited = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b'"code":"request_timeout"' in answer and 0.4 < waited < 3, (answer, waited)
