@@ -169,6 +169,10 @@ def unsupported(body: Mapping[str, Any]) -> str | None:
     choice = body.get("tool_choice")
     if tools and (choice == "required" or isinstance(choice, Mapping)):
         return "guided decoding (tool_choice forces a tool call)"
+    if tools and choice != "none":
+        # the engine parses tool calls out of the chat stream; a continuation (plain completions
+        # of the token ids) and a restart's re-shaped events carry text only
+        return "tool calls (a resumed stream carries text only)"
     logprobs = body.get("logprobs")  # chat: a boolean; completions: a count, 0 included
     if (
         (logprobs is not None and logprobs is not False)

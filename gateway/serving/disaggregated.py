@@ -119,14 +119,19 @@ class DisaggregatedFlow:
         always = self.params.mode is DisaggregationMode.ALWAYS
         body_n = request.body.get("n") if request.parsed is not None or "n" in request.keys else None
         several = isinstance(body_n, int) and not isinstance(body_n, bool) and body_n > 1
-        if several and always:
+        # a completions batch (several prompts) is several sequences too: vLLM answers its prefill
+        # with the first prompt's kv_transfer_params only, and a bootstrap room is one sequence's
+        batch = request.prompts > 1
+        if (several or batch) and always:
             # the handovers carry one sequence's KV; 'always' forbids running it whole on a decode engine
+            what, param = ("n = 1", "n") if several else ("one prompt per request", "prompt")
             raise GatewayError(
                 400,
-                f"model {model!r} is served disaggregated only (mode always), which takes n = 1",
-                param="n",
-                code="n_not_supported",
+                f"model {model!r} is served disaggregated only (mode always), which takes {what}",
+                param=param,
+                code="n_not_supported" if several else "batch_not_supported",
             )
+        several = several or batch
         if request.kind == "embeddings" or several:
             metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
             return await self._whole_on_decode(call, None)
@@ -558,6 +563,8 @@ class DisaggregatedFlow:
                             ),
                         )
                         return 502
+                    # the decode engine did nothing wrong: the next pair may use it again
+                    progress.decode_tried.remove(decode.engine_id)
                     if isinstance(failed, GatewayError) and (failed.status >= 500 or failed.status == 429):
                         return failed
                     raise failed

@@ -214,8 +214,15 @@ class Migrator:
         ledger = call.ledger
         assert ledger is not None, "only a stream with a ledger is cut"
         placed = cut.placed
+        if placed is None and ledger.finished and call.completion_tokens is not None:
+            # its finish chunk and its usage went out: only [DONE] was missing, the answer is whole
+            return await self._end_whole(call)
         try:
             while True:
+                if placed is None and ledger.finished:
+                    state = self._resume_state(call, ledger)
+                    if state is not None:  # whole but for its usage: no error, no engine needed
+                        return await self._finish(call, ledger, state, None, "")
                 if placed is None:
                     decision = decide_on_failure(
                         self._view(call, ledger, time.monotonic()),
@@ -644,17 +651,26 @@ class Migrator:
                                 state = self._resume_state(call, ledger)
                                 if state is None:  # (not resumable: the stream ends here)
                                     raise _Failed("a first event without prompt token ids")
-                            choice = choices[0]
+                            choice = choices[0] if isinstance(choices, list) else None
+                            if not isinstance(choice, dict):
+                                raise _Failed(f"a malformed event: {payload[:200]!r}")
                             ids = choice.get("token_ids")
-                            if isinstance(ids, list):
-                                ledger.extend(ids)
+                            if ids is not None and not (
+                                isinstance(ids, list) and all(type(i) is int for i in ids)
+                            ):
+                                raise _Failed(f"malformed token ids: {payload[:200]!r}")
                             finish = choice.get("finish_reason")
-                            if finish:
-                                ledger.finished = True
                             delta = choice.get("delta")
                             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-                            ids = ids if isinstance(ids, list) else None
-                            out.append(state.shape.chunk(text or "", ids, finish, first))
+                            if text is not None and not isinstance(text, str):
+                                raise _Failed(f"malformed text: {payload[:200]!r}")
+                            event_out = state.shape.chunk(text or "", ids, finish, first)
+                            # recorded only once the event is sure to go out (see above)
+                            if ids:
+                                ledger.extend(ids)
+                            if finish:
+                                ledger.finished = True
+                            out.append(event_out)
                     except (_Failed, orjson.JSONDecodeError) as exc:
                         failed = exc
                     now = time.monotonic()
@@ -748,6 +764,18 @@ class Migrator:
             call.send,
             {"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False},
             idle_s,
+        )
+        return 200
+
+    async def _end_whole(self, call: Call) -> int:
+        """End a stream whose answer was relayed whole (finish and usage) before its engine cut it."""
+        if call.watcher is not None:
+            call.watcher.cancel()
+        call.finished_at = time.monotonic()
+        await send_bounded(
+            call.send,
+            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False},
+            self.flow.settings.idle_timeout_s,
         )
         return 200
 

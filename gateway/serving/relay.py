@@ -166,6 +166,7 @@ async def relay_stream(
     pending = b""
     tracking = ledger is not None and ledger.tracking
     moved: Cut | None = None
+    errored = False  # the engine reported a failure in band (relayed as it came: no ledger)
     try:
         async with asyncio.timeout_at(first_token_at) as deadline:
             rearmed_at = 0.0
@@ -202,10 +203,27 @@ async def relay_stream(
                     # chunk; the quarter is added so a silence is cut late, never early
                     deadline.reschedule(clock() + idle_s + rearm_every)
                     rearmed_at = now
-                if b'"usage":' in complete or b"[DONE]" in complete:
-                    complete, done, n, content = _final_events(call, complete, sep)
+                failed_at = -1
+                # (a JSON string escapes its quotes: '{"error"' is an event's own key, never text)
+                if b'"usage":' in complete or b"[DONE]" in complete or b'{"error"' in complete:
+                    complete, done, n, content, failed_at = _final_events(call, complete, sep)
                 else:
                     n = content = complete.count(sep)
+                if failed_at >= 0:
+                    # vLLM reports a failure mid-stream in band: an error event, then [DONE]. Not
+                    # a finished answer: what came before it goes out, the rest is a failure
+                    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+                    engine_error = GatewayError(
+                        502, f"engine {engine_id} failed mid-stream", code="upstream_failed"
+                    )
+                    if ledger is not None:
+                        complete, done, moved = (
+                            complete[:failed_at],
+                            False,
+                            Cut(MigrationReason.FAILURE, engine_id, engine_error),
+                        )
+                    else:
+                        errored = True
                 if content:
                     call.last_at = now
                     call.content_events += content
@@ -218,6 +236,10 @@ async def relay_stream(
                     sending = False
                 if done:
                     break  # an engine that holds the connection open after [DONE] is not waited for
+                if moved is not None:  # (a failure in band: its events before it are in the ledger)
+                    if tracking:
+                        ledger.feed(complete, content, now)  # type: ignore[union-attr]
+                    break
                 if tracking and ledger.feed(complete, content, now):  # type: ignore[union-attr]
                     placed = await ledger.move(now)  # type: ignore[union-attr]
                     if placed is not None:
@@ -267,26 +289,31 @@ async def relay_stream(
     # the engine's part is over: its capacity goes back before a slow client takes the last bytes
     fleet.release(engine_id, call.rid)
     await send_bounded(send, {"type": "http.response.body", "body": b"", "more_body": False}, idle_s)
-    return response.status
+    return 502 if errored else response.status
 
 
 class _Oversized(Exception):
     pass
 
 
-def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int]:
+def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:
     """Read usage from the final chunk; drop the usage-only event if the client did not ask.
 
-    Returns the bytes to relay, whether ``[DONE]`` came, the events relayed and how many of them
-    carry content (neither ``[DONE]`` nor usage only).
+    Returns the bytes to relay, whether ``[DONE]`` came, the events relayed, how many of them
+    carry content (neither ``[DONE]`` nor usage only nor an error), and where in the bytes the
+    first error event begins (-1: none).
     """
     done = False
     kept: list[bytes] = []
     content = 0
+    failed_at = -1
     for event in complete.split(sep)[:-1]:
         payload = event[6:] if event.startswith(b"data: ") else event
         if payload.strip() == b"[DONE]":
             done = True
+        elif payload.lstrip().startswith(b'{"error"'):
+            if failed_at < 0:
+                failed_at = sum(map(len, kept))
         elif b'"usage":' in payload and b'"usage":null' not in payload:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 chunk = orjson.loads(payload)
@@ -300,7 +327,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         else:
             content += 1
         kept.append(event + sep)
-    return b"".join(kept), done, len(kept), content
+    return b"".join(kept), done, len(kept), content, failed_at
 
 
 async def end_with_error(send: Send, error: GatewayError) -> None:

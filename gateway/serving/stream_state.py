@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 _TOKEN_IDS = b'"token_ids":['
 _FINISHED = b'"finish_reason":"'
+#: deltas a chat server parses out of the output (a reasoning parser; tool calls): a resumed
+#: stream is plain completions of the token ids and would carry them as text
+_PARSED_DELTAS = (b'"reasoning_content":"', b'"reasoning":"', b'"tool_calls":[{')
 #: how long after a slack check that did not move the stream the next one may come
 SLACK_RECHECK_S = 0.25
 
@@ -112,8 +115,14 @@ class StreamLedger:
     def feed(self, chunk: bytes, content: int, now: float) -> bool:
         """Record a relayed chunk of the first engine (raw SSE bytes, ``content`` events with
         output). True when the slack trigger should be consulted now."""
+        if not self.tracking:
+            return False
         if self.first_chunk is None:
             self.first_chunk = chunk
+        if any(delta in chunk for delta in _PARSED_DELTAS):
+            self.blocked = "the engine parses this stream's output (reasoning or tool calls)"
+            self.tracking = False
+            return False
         find = chunk.find
         at = find(_TOKEN_IDS)
         while at >= 0:

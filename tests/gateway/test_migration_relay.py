@@ -13,8 +13,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
+from gateway.api.errors import GatewayError
 from gateway.api.request_parse import parse_request
 from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import RunningEntry
@@ -22,6 +24,7 @@ from gateway.serving.call import Call
 from gateway.serving.migration import Migrator, _Resume, _Shape
 from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.settings import Settings
+from policies.migration import MigrationReason
 from policies.slo import SloSource, SloTarget
 from tests.gateway.stub_engines import StubEngine
 
@@ -122,3 +125,91 @@ def test_a_batch_of_completions_prompts_is_never_migrated() -> None:
 
 async def _ignore(_: dict[str, Any]) -> None:
     return None
+
+
+def test_a_stream_whose_output_the_engine_parses_stops_being_recorded_and_cannot_migrate() -> None:
+    """A reasoning parser's or a tool call's deltas: a resumed stream (plain completions of the
+    token ids, or a restart's events re-shaped to content) would carry them as text, or drop them."""
+    head = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[4],"finish_reason":null}]}\n\n'
+    for parsed in (
+        b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"},"token_ids":[5]}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"reasoning":"hm"},"token_ids":[5]}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c"}]},"token_ids":[5]}]}\n\n',
+    ):
+        ledger = StreamLedger()
+        ledger.feed(head, 1, 0.0)
+        assert ledger.tracking and ledger.tokens() == [4]
+        assert ledger.feed(parsed, 1, 0.1) is False
+        assert not ledger.tracking and ledger.blocked is not None and "parses" in ledger.blocked
+        ledger.feed(head, 1, 0.2)  # nothing more is recorded
+        assert ledger.tokens() == [4]
+    plain = StreamLedger()
+    plain.feed(head.replace(b'"a"', b'"the \\"reasoning\\":\\"x\\" of it"'), 1, 0.0)
+    assert plain.tracking and plain.blocked is None  # (quoted in text, not a delta's key)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'data: {"choices":["x"]}\n\n',
+        b'data: {"choices":{"0":1}}\n\n',
+        b"data: [1,2]\n\n",
+        b'data: {"choices":[{"index":0,"text":" ten","token_ids":["10"]}]}\n\n',
+        b'data: {"choices":[{"index":0,"text":5,"token_ids":[10]}]}\n\n',
+    ],
+    ids=["choice-not-object", "choices-not-list", "not-object", "ids-not-ints", "text-not-string"],
+)
+def test_a_malformed_continuation_event_is_a_cut_after_what_came_before(bad: bytes) -> None:
+    """A continuation event that is JSON but not a completion chunk raised past the relay's
+    handler: the client's stream was dropped with no error event and no [DONE], and an id read
+    with it was in the ledger without having been sent."""
+    with _engine(TOKEN + bad) as engine:
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url))
+    assert isinstance(outcome, Cut) and outcome.error is not None and outcome.error.status == 502
+    assert tokens == [7, 8, 9] and sent.count(b"data: ") == 1 and b" nine" in sent
+
+
+@pytest.mark.parametrize("usage_came", [True, False])
+def test_a_stream_cut_after_its_finish_ends_whole_not_with_an_error(usage_came: bool) -> None:
+    """An engine that cut the connection after the finish chunk (and the usage) but before
+    [DONE]: the answer was whole, yet a stream past its migration limit ended with an error
+    event, and one within it had its usage counted and sent twice."""
+
+    async def run() -> tuple[int, bytes, int | None]:
+        sent: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b""))
+
+        flow = _Flow()
+        migrator = Migrator(flow)  # type: ignore[arg-type]
+        body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+        request = parse_request("completions", orjson.dumps(body), 16)
+        call = Call(
+            request,
+            "rid-1",
+            "rid-1",
+            0.0,
+            send,
+            SloTarget(1.0, 0.1, "default", SloSource.DEFAULT),
+            None,
+            (),
+            {},
+        )
+        call.ledger = ledger = StreamLedger()
+        ledger.migrations = 99  # past any limit: a failure here is never resumed
+        ledger.feed(
+            b'data: {"id":"c","created":0,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
+            b'"text":" nine","token_ids":[9],"finish_reason":"stop"}]}\n\n',
+            1,
+            0.0,
+        )
+        if usage_came:
+            call.completion_tokens = 1
+        cut = Cut(MigrationReason.FAILURE, "m-0", GatewayError(502, "cut", code="upstream_failed"))
+        status = await migrator.resume(call, cut, [])
+        return status, b"".join(sent), call.completion_tokens
+
+    status, sent, completion = asyncio.run(run())
+    assert status == 200 and b'"error"' not in sent and sent.endswith(b"data: [DONE]\n\n")
+    assert sent.count(b'"usage"') == (0 if usage_came else 1) and completion == 1

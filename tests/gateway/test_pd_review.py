@@ -252,3 +252,86 @@ def test_client_kv_handover_fields_never_reach_an_engine(tmp_path: Path, smuggle
             assert decode.received, "the short prompt did not reach the decode engine"
             leaked = sorted(set(smuggled) & set(decode.received[-1]))
             assert not leaked, f"client-supplied {leaked} forwarded to the decode engine"
+
+
+class _CompletionsStub(StubEngine):
+    """A stub that also serves /v1/completions (a batch of prompts goes there)."""
+
+    async def build(self) -> web.Application:
+        app = await super().build()
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            self.received.append(await request.json())
+            return await self.behaviour(self, request)
+
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+
+def _batch_answer(kv: bool) -> web.Response:
+    body: dict[str, Any] = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": i, "text": "x", "finish_reason": "length"} for i in range(2)],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+    if kv:
+        body["kv_transfer_params"] = KV_PARAMS  # vLLM: the first prompt's only
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+@pytest.mark.parametrize("mode", ["conditional", "always"])
+def test_a_completions_batch_is_never_handed_over_as_one_sequence(tmp_path: Path, mode: str) -> None:
+    """A batch of prompts was prefilled on the prefill engine and the decode engine was given the
+    first prompt's KV for both (vLLM answers a batch's prefill with one kv_transfer_params)."""
+
+    async def prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return _batch_answer(True)
+
+    async def decode(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return _batch_answer(False)
+
+    with _CompletionsStub(prefill) as p, _CompletionsStub(decode) as d:
+        config = [entry(p, "p0", "prefill"), entry(d, "d0", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, mode)) as gw:
+            body = {"model": MODEL, "prompt": [LONG, LONG + " and the sea"], "max_tokens": 8}
+            answer = httpx.post(gw.url + "/v1/completions", json=body, timeout=20)
+    assert not p.received
+    if mode == "always":  # it may not run whole on a decode engine either
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt", answer.text
+        assert not d.received
+    else:
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 2, answer.text
+        assert [b.get("kv_transfer_params") for b in d.received] == [None]
+
+
+def test_bootstrap_prefill_failure_is_retried_with_the_same_healthy_decode_engine(tmp_path: Path) -> None:
+    """A failed bootstrap prefill cancels its decode (the KV will not come) and is retried on the
+    next prefill engine; the cancelled decode engine was left out of that retry, so with one
+    decode engine the client got 503 "no decode engine" though nothing was wrong with it."""
+    prefills = 0
+
+    async def first_prefill_fails(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        nonlocal prefills
+        prefills += 1  # (whichever prefill engine is placed first fails)
+        if prefills == 1:
+            return web.json_response({"error": {"message": "prefill crashed", "code": 500}}, status=500)
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    async def decode(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # waits for the KV
+        return web.Response(body=completion_body("the answer"), content_type="application/json")
+
+    with engines(first_prefill_fails, first_prefill_fails, decode) as (p0, p1, d):
+        boot = {"kv_transfer": "bootstrap", "bootstrap_port": 8998}
+        config = [
+            entry(p0, "p0", "prefill", **boot),
+            entry(p1, "p1", "prefill", **boot),
+            entry(d, "d0", "decode"),
+        ]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, "always")) as gw:
+            answer = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
+    assert answer.status_code == 200, answer.text
+    assert len(p0.received) + len(p1.received) == 2 and len(d.received) == 2

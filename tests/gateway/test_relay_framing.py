@@ -15,6 +15,7 @@ from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import RunningEntry
 from gateway.serving.call import Call
 from gateway.serving.relay import relay_stream
+from gateway.serving.stream_state import Cut, StreamLedger
 from policies.slo import SloSource, SloTarget
 
 TARGET = SloTarget(ttft_s=10.0, tpot_s=1.0, slo_class="c", source=SloSource.TASK)
@@ -91,3 +92,51 @@ async def test_content_sharing_a_read_with_done_is_counted() -> None:
     )
     assert status == 200 and out.count(b"data: ") == 4  # the client asked for usage: it is kept
     assert call.content_events == 2 and call.entry is not None and call.entry.generated == 2
+
+
+ENGINE_ERROR = (
+    b'data: {"error":{"object":"error","message":"EngineCore encountered an issue","code":500}}\n\n'
+)
+TOKEN_EVENT = (
+    b'data: {"id":"c1","created":1,"model":"a","choices":[{"index":0,"text":"x","token_ids":[5],'
+    b'"prompt_token_ids":[1,2],"finish_reason":null}]}\n\n'
+)
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-read", "two-reads"])
+async def test_an_error_event_in_band_is_a_failure_not_a_finished_stream(together: bool) -> None:
+    """vLLM reports a failure mid-stream as an error event, then [DONE]: relayed as a finished
+    200 stream, it was counted as served and never migrated."""
+    chunks = (
+        [TOKEN_EVENT + ENGINE_ERROR + b"data: [DONE]\n\n"]
+        if together
+        else [
+            TOKEN_EVENT,
+            ENGINE_ERROR + b"data: [DONE]\n\n",
+        ]
+    )
+    status, sent, call = await relay(chunks)
+    assert status == 502 and ENGINE_ERROR in sent and sent.endswith(b"data: [DONE]\n\n")
+    assert call.content_events == 1  # (the error is no content)
+
+    # a stream that may migrate: what came before the error goes out, then it is cut
+    sent_parts: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            sent_parts.append(message["body"])
+
+    fleet = offline_fleet({"a": 1})
+    record = fleet.records["a-0"]
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-2", entry)
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-2", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.engine_id, call.entry = "a-0", entry
+    ledger = StreamLedger()
+    response = cast(aiohttp.ClientResponse, _Response(chunks))
+    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
+    assert isinstance(outcome, Cut) and outcome.error is not None and outcome.error.status == 502
+    assert ledger.tokens() == [5] and b"".join(sent_parts) == TOKEN_EVENT

@@ -27,7 +27,11 @@ ON = MigrationSettings(limit=2, slack=True, slack_bound_s=1.0, min_remaining_tok
         ({}, None),
         ({"n": 1, "temperature": 0}, None),
         ({"response_format": {"type": "text"}}, None),
-        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, None),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, None),
+        ({"tools": []}, None),
+        # the engine parses a tool call out of the chat stream; a resumed stream is text only
+        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tool calls"),
+        ({"tools": [{"type": "function"}]}, "tool calls"),
         ({"logprobs": False}, None),
         ({"stop": []}, None),
         ({"stop_token_ids": [7]}, None),
