@@ -111,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.set_defaults(func=_serve)
 
-    from gateway.simulator.cli import pd_counts
+    from gateway.simulator.cli import pd_counts, positive_int
 
     p = sub.add_parser("up", help="run the gateway with simulated engines on this machine")
     p.add_argument("--config", type=Path, help="extra gateway settings (YAML)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engines", type=int, default=2, help="number of simulated engines")
+    p.add_argument("--engines", type=positive_int, default=2, help="number of simulated engines")
     p.add_argument(
         "--pd",
         type=pd_counts,

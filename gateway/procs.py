@@ -6,6 +6,7 @@ cleaning up (even on SIGKILL), and :meth:`ChildProcess.stop` terminates, waits, 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -13,7 +14,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +33,37 @@ def _die_with_parent() -> None:
         pass
 
 
+#: the child's last lines of standard output kept (for error messages)
+OUTPUT_LINES = 200
+
+
 @dataclass
 class ChildProcess:
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
     url: str
     name: str
     log_path: Path | None = None
-    output: list[str] = field(default_factory=list)
+    output: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_LINES))
+    _drain: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def drain(self) -> None:
+        """Keep reading the child's standard output (its last lines into ``output``): a pipe
+        nobody reads fills up, and the child then blocks on its next write (a console span
+        exporter blocked this way dropped spans and held shutdown)."""
+        stdout = self.proc.stdout
+        assert stdout is not None
+
+        def read() -> None:
+            with contextlib.suppress(OSError, ValueError):  # (closed by stop())
+                for line in stdout:
+                    self.output.append(line.decode(errors="replace").rstrip())
+
+        self._drain = threading.Thread(target=read, name=f"{self.name}-stdout", daemon=True)
+        self._drain.start()
 
     def stop(self, timeout_s: float = 5.0) -> int:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code."""
@@ -51,6 +74,8 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._drain is not None:
+            self._drain.join(1.0)  # (the pipe's writer is gone: it reads to the end)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return self.proc.returncode
@@ -80,30 +105,42 @@ def spawn_listening(
         list(argv),
         stdout=subprocess.PIPE,
         stderr=stderr,
-        text=True,
+        bufsize=0,  # read from the descriptor select() watches, not from a buffer it cannot see
         env={**os.environ, **(env or {})},
         preexec_fn=_die_with_parent,
+        # a process group of its own: a terminal's Ctrl-C goes to this process alone, which stops
+        # its children in order (`slogate up`: the gateway drains, then the engines stop). In the
+        # terminal's group the engines got the same SIGINT at once and cut the streams draining.
+        process_group=0,
     )
     if stderr is not None:
         stderr.close()
     assert proc.stdout is not None
-    seen: list[str] = []
+    fd = proc.stdout.fileno()
+    seen: deque[str] = deque(maxlen=OUTPUT_LINES)
+    partial = b""
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        ready, _, _ = select.select([fd], [], [], 0.1)
         if ready:
-            line = proc.stdout.readline()
-            if line:
-                seen.append(line.rstrip())
-                match = _LISTENING.search(line)
-                if match:
-                    return ChildProcess(proc, match.group(1), name, log_path, seen)
+            data = os.read(fd, 65536)
+            if data:
+                *lines, partial = (partial + data).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace").rstrip()
+                    seen.append(line)
+                    match = _LISTENING.search(line)
+                    if match:
+                        child = ChildProcess(proc, match.group(1), name, log_path, seen)
+                        child.drain()  # (what followed the line in the same read is only output)
+                        return child
                 continue
         if proc.poll() is not None:
             break
     child = ChildProcess(proc, "", name, log_path, seen)
     child.stop(1.0)
-    raise RuntimeError(f"{name} did not start (exit {proc.returncode}); output: {' | '.join(seen[-10:])}")
+    last = " | ".join(list(seen)[-10:])
+    raise RuntimeError(f"{name} did not start (exit {proc.returncode}); output: {last}")
 
 
 def spawn_sim_engine(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.server import serve
@@ -18,6 +19,7 @@ from gateway.settings import load_settings_or_exit
 def run_up(args: argparse.Namespace) -> int:
     engines: list[ChildProcess] = []
     roles: list[str] = []
+    stopping = threading.Event()
     try:
         if args.pd is not None:
             prefill, decode = args.pd
@@ -33,6 +35,7 @@ def run_up(args: argparse.Namespace) -> int:
                 extra += ["--model", args.model]
             engines.append(spawn_sim_engine(*extra, name=name))
             roles.append(role)
+            _watch(engines[-1], stopping)
         model = args.model or _served_model(engines[0].url)
         settings = load_settings_or_exit(
             args.config,
@@ -68,8 +71,25 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"slogate up: {exc}", file=sys.stderr)
         return 1
     finally:
+        stopping.set()
         for e in engines:
             e.stop()
+
+
+def _watch(engine: ChildProcess, stopping: threading.Event) -> None:
+    """Say when an engine exits on its own (and reap it): the gateway ejects it and serves on
+    with the others, which is easy to miss in its log."""
+
+    def wait() -> None:
+        code = engine.proc.wait()
+        if not stopping.is_set():
+            print(
+                f"slogate up: engine {engine.name} exited (code {code}); the gateway serves without it",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    threading.Thread(target=wait, name=f"watch-{engine.name}", daemon=True).start()
 
 
 def _served_model(url: str) -> str:

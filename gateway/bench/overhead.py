@@ -54,6 +54,7 @@ from gateway.bench.harness import (
 )
 from gateway.procs import ChildProcess, spawn_listening
 from gateway.realengines.servers import RunningEngine, start_llamacpp, start_vllm
+from gateway.simulator.cli import positive_int
 
 MODEL = "bench-model"
 PACED_MODEL = "bench-paced"
@@ -750,7 +751,7 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paced-waves", type=int, default=2, help="waves of streams per paced length")
     parser.add_argument(
         "--paced-repeats",
-        type=_positive,
+        type=positive_int,
         default=3,
         help="paced measurements (each with the floor's, alternating); the median is reported",
     )
@@ -813,10 +814,13 @@ def add_dispatchers_arguments(parser: argparse.ArgumentParser) -> None:
         "--profiles", default="least-load,hyperflexis", help="routing profiles, comma-separated"
     )
     parser.add_argument(
-        "--requests", type=_positive, default=200, help="requests at c=1 (20x as many at c=N)"
+        "--requests", type=positive_int, default=200, help="requests at c=1 (20x as many at c=N)"
     )
     parser.add_argument(
-        "--concurrency", type=_positive, default=THROUGHPUT_CONCURRENCY, help="clients of the throughput case"
+        "--concurrency",
+        type=positive_int,
+        default=THROUGHPUT_CONCURRENCY,
+        help="clients of the throughput case",
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
 
@@ -835,13 +839,3 @@ def bench_dispatchers_main(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=2))
     return 0
-
-
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number

@@ -195,8 +195,8 @@ class AdminRoutes:
                 factor = float(body.get("factor", 2.0))
             except (TypeError, ValueError):
                 factor = 0.0
-            if not factor > 0:
-                return _bad("factor must be a number > 0", "factor")
+            if not 0 < factor < math.inf:  # (an infinite one slept the driver for good)
+                return _bad("factor must be a finite number > 0", "factor")
             s.model.slow_factor = factor / s.config.speed  # (slower than the engine's own speed)
         else:
             return _bad("mode must be crash, hang or slow (or clear: true)", "mode")

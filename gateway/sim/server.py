@@ -35,11 +35,14 @@ from gateway.sim.lora import LoraAdapters
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
+from gateway.sim.validation import messages as check_messages
 from gateway.sim.validation import validate
 from gateway.tokenizer import VOCAB_SIZE, apply_chat_template, decode, encode
 
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HELD_LEASE_S = 30.0
+#: on stop, requests in progress may finish for this long before their connections are cut
+DRAIN_S = 10.0
 
 
 class BadRequest(Exception):
@@ -272,7 +275,9 @@ class SimServer:
         self._t0 = time.monotonic()
         self._session = aiohttp.ClientSession()
         self._driver = asyncio.create_task(self._drive())
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_S
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
         await site.start()
@@ -281,12 +286,15 @@ class SimServer:
         return self.url
 
     async def stop(self) -> None:
+        # the listener closes first and what is running finishes (within DRAIN_S) while the
+        # driver still steps: cancelled first, it froze every open stream until aiohttp's own
+        # shutdown timeout (a minute) cut them
+        if self._runner is not None:
+            await self._runner.cleanup()
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
-        if self._runner is not None:
-            await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
         if self._publisher is not None:
@@ -563,14 +571,22 @@ class SimServer:
             async with self._session.post(
                 source + "/sim/kv/pull", json=payload, timeout=aiohttp.ClientTimeout(total=60)
             ) as resp:
-                data = await resp.json(content_type=None)
-                if resp.status != 200:
-                    raise BadRequest(400, f"KV transfer failed: {data}")
+                raw = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise BadRequest(503, f"KV transfer from {source} failed: {exc!r}") from None
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            data = None
+        if resp.status != 200:
+            raise BadRequest(400, f"KV transfer failed: {data if data is not None else raw[:200]!r}")
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            # (the source is whatever the request named: not necessarily a prefill engine of ours)
+            raise BadRequest(502, f"KV transfer from {source}: not a KV answer: {raw[:200]!r}")
         sim.remote_kv = True
         # the KV shares this engine's ingress link with other transfers (serial FIFO)
-        sim.kv_ready_at = self.model.reserve_link(int(data["tokens"]), self.now())
+        sim.kv_ready_at = self.model.reserve_link(tokens, self.now())
 
     async def _tokens(self, channel: Channel) -> list[int]:
         await channel.event.wait()
@@ -604,7 +620,12 @@ class SimServer:
     def _held(self, sim: SimRequest, room: object) -> None:
         if room is not None and sim.prefill_only:
             key = f"room:{room}"
-            self.model.held[key] = self.model.held.pop(sim.request_id, sim)
+            request = self.model.held.pop(sim.request_id, sim)
+            if key in self.model.held and self.model.held[key] is not request:
+                # a room used again: the earlier prefill's KV is never pulled now (overwritten,
+                # its blocks stayed allocated for good)
+                self.model.release_held(key)
+            self.model.held[key] = request
             waiting = self.rooms.get(key)  # (a pull waiting for the room made it, and removes it)
             if waiting is not None:
                 waiting.set()
@@ -806,8 +827,9 @@ class SimServer:
             return _error(400, "request body must be a JSON object")
         messages = body.get("messages")
         if isinstance(messages, list):
-            if not all(isinstance(m, dict) for m in messages):
-                return _error(400, "each message must be an object", "messages")
+            problem = check_messages("messages", messages)  # (as the chat route checks them)
+            if problem is not None:
+                return _error(400, problem, "messages")
             tokens = encode(apply_chat_template(messages))
         elif isinstance(body.get("prompt"), str):
             tokens = encode(body["prompt"])

@@ -95,6 +95,17 @@ def _speeds(text: str) -> tuple[float, ...]:
     return speeds
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return number
+
+
 def pd_counts(text: str) -> tuple[int, int]:
     """``P:D`` -> (prefill engines, decode engines), each at least 1."""
     prefill, sep, decode = text.partition(":")

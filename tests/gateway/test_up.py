@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -83,3 +84,110 @@ def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
     while any(_alive(p) for p in engines) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
+
+
+def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> None:
+    """A terminal's Ctrl-C signals its whole foreground process group. The engines were in it:
+    they got SIGINT with the gateway and froze the stream it was draining (cut two minutes later)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "up",
+            "--port",
+            str(port),
+            "--engines",
+            "1",
+            "--time-scale",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a group of its own, as a shell gives the job it runs
+    )
+    assert proc.stdout is not None
+    engines: list[int] = []
+    try:
+        output = ""
+        while "slogate listening on" not in output and proc.poll() is None:
+            output += proc.stdout.readline()
+        model = re.search(r"model '([^']+)'", output)
+        assert model, output
+        engines = _children(proc.pid)
+        assert engines and all(os.getpgid(e) != os.getpgid(proc.pid) for e in engines)
+        body = {"model": model.group(1), "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        events, done = 0, False
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=10) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events == 2:
+                        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+                    done = done or line == "data: [DONE]"
+        assert done and events == 41 + 1
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in engines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
+
+
+def test_an_engine_that_dies_is_reported_and_reaped(tmp_path: Path) -> None:
+    """An engine killed under `slogate up` stayed a zombie until up exited, with nothing said."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "up",
+                "--port",
+                str(port),
+                "--engines",
+                "2",
+                "--time-scale",
+                "10",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def logged(text: str, within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while text not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        return text in log.read_text()
+
+    try:
+        assert logged("slogate listening on", 60), log.read_text()
+        engines = _children(proc.pid)
+        assert len(engines) == 2, log.read_text()
+        os.kill(engines[0], signal.SIGKILL)
+        assert logged("exited (code -9); the gateway serves without it", 10), log.read_text()
+        deadline = time.monotonic() + 5
+        while engines[0] in _children(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines[0] not in _children(proc.pid), "the dead engine was not reaped"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+
+
+def test_up_with_no_engines_is_a_usage_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "up", "--engines", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "positive integer" in proc.stderr and "Traceback" not in proc.stderr

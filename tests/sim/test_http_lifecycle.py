@@ -131,3 +131,26 @@ async def test_client_disconnect_aborts_and_frees_blocks(fresh: SimProcess) -> N
     while time.monotonic() < deadline and await metric(url, "vllm:num_requests_running") != 0:
         await asyncio.sleep(0.05)
     assert await metric(url, "vllm:num_requests_running") == 0
+
+
+def test_sigterm_lets_an_open_stream_finish_and_exits_at_once() -> None:
+    """On SIGTERM the engine stepped no more (its driver was cancelled first): an open stream
+    froze until aiohttp's shutdown timeout cut it, about two minutes later."""
+    import signal
+
+    import httpx
+
+    with start_sim_engine("--profile", "qwen-7b", "--model", MODEL, "--time-scale", "1") as engine:
+        started = time.monotonic()
+        events, done = 0, False
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=8) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if events == 2:
+                    engine.process.send_signal(signal.SIGTERM)
+                done = done or line == "data: [DONE]"
+        assert done and events == 41 + 1  # every token, then [DONE]
+        assert engine.process.wait(8) == 0 and time.monotonic() - started < 8

@@ -237,3 +237,82 @@ async def test_kv_held_for_a_decode_that_never_reads_it_is_freed_at_its_lease_wh
         assert server.model.held == {} and engine_state(server.model).kv_usage == 0.0
     finally:
         await server.stop()
+
+
+async def test_a_bootstrap_room_used_again_frees_the_kv_the_first_prefill_held() -> None:
+    """A second prefill in the same room replaced the first's held entry without freeing its
+    blocks: nothing could pull or expire them any more, and the engine's KV stayed in use."""
+    from gateway.sim.metrics import engine_state
+    from gateway.sim.server import HELD_LEASE_S, SimConfig, SimServer
+    from tests.sim.helpers import profile
+
+    scale = 100.0
+    server = SimServer(SimConfig(profile=profile(), model=MODEL, time_scale=scale, role="prefill"))
+    await server.start()
+    try:
+        for seed in (3, 4):
+            body = {"model": MODEL, "prompt": _prompt(seed, 200), "max_tokens": 1, "bootstrap_room": 7}
+            status, _ = await post(server.url + "/v1/completions", body)
+            assert status == 200
+        assert list(server.model.held) == ["room:7"]
+        one = server.model.held["room:7"]
+        cache = server.model.cache
+        held_blocks = cache.num_blocks - cache.available
+        assert held_blocks == len(one.seq.blocks), "only the last prefill's KV is held"
+        await asyncio.sleep(HELD_LEASE_S / scale * 3)
+        assert server.model.held == {} and engine_state(server.model).kv_usage == 0.0
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (200, b"<html>not an engine</html>"),
+        (200, b'{"ok": true}'),
+        (200, b'{"tokens": "many"}'),
+        (500, b"oops"),
+    ],
+    ids=["html", "no-tokens", "tokens-not-int", "error"],
+)
+async def test_a_kv_source_that_is_no_engine_is_a_clean_error_not_a_500(answer: tuple[int, bytes]) -> None:
+    """The KV source is whatever the request names: an answer that was not JSON, or JSON without
+    a token count, raised past the handler (a plain-text 500)."""
+    from aiohttp import web
+
+    from gateway.sim.server import SimConfig, SimServer
+    from tests.sim.helpers import profile
+
+    status_code, raw = answer
+
+    async def pull(_: web.Request) -> web.Response:
+        return web.Response(status=status_code, body=raw)
+
+    app = web.Application()
+    app.router.add_post("/sim/kv/pull", pull)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    server = SimServer(SimConfig(profile=profile(), model=MODEL, time_scale=100.0, role="decode"))
+    await server.start()
+    try:
+        remote = {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "remote_request_id": "r",
+        }
+        for fields in (
+            {"kv_transfer_params": remote},
+            {"bootstrap_room": 1, "bootstrap_host": "127.0.0.1", "bootstrap_port": port},
+        ):
+            status, body = await post(
+                server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **fields}
+            )
+            assert status in (400, 502), body
+            assert isinstance(body, dict) and set(body["error"]) >= {"message", "code"}, body
+    finally:
+        await server.stop()
+        await runner.cleanup()

@@ -119,6 +119,10 @@ async def test_a_bad_fault_header_is_a_400_not_a_500(engine: SimProcess, fault: 
     ("path", "raw"),
     [
         ("/sim/fault", b"{not json"),
+        ("/sim/fault", b'{"mode": "slow", "factor": "inf"}'),  # (it slept the engine's driver for good)
+        ("/sim/fault", b'{"mode": "slow", "factor": 1e999}'),
+        ("/tokenize", b'{"messages": [{"role": "user", "content": 5}]}'),  # (the chat route's 400s)
+        ("/tokenize", b'{"messages": [{}]}'),
         ("/sim/kv/pull", b"{not json"),
         ("/sim/kv/pull", b'{"room": 1, "wait_s": "x"}'),
         ("/sim/kv/pull", b'{"room": 1, "wait_s": -1}'),

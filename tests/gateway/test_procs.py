@@ -1,0 +1,41 @@
+"""Child processes the CLI starts: started from their "listening" line, read while they run."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from gateway.procs import spawn_listening
+
+_LISTEN = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+_ANNOUNCE = "print('x listening on http://127.0.0.1:%d' % s.getsockname()[1], flush=True); "
+
+
+def test_a_listening_line_that_came_in_one_read_with_an_earlier_line_is_seen() -> None:
+    """select() watched the pipe while readline() read a buffer: a line that arrived with an
+    earlier one sat in the buffer unseen, and the healthy child was killed at the timeout."""
+    child = _LISTEN + "print('loading weights...'); " + _ANNOUNCE + "import time; time.sleep(30)"
+    started = time.monotonic()
+    with spawn_listening([sys.executable, "-c", child], "two-lines", startup_timeout_s=5) as process:
+        assert process.url.startswith("http://127.0.0.1:")
+        assert "loading weights..." in process.output
+    assert time.monotonic() - started < 4
+
+
+def test_a_child_that_writes_a_lot_after_starting_is_not_blocked(tmp_path: Path) -> None:
+    """The pipe was not read after start-up: a child writing more than it holds (a console span
+    exporter) blocked in its write for good."""
+    done = tmp_path / "done"
+    child = (
+        _LISTEN
+        + _ANNOUNCE
+        + "import sys, time; [print('span ' + 'x' * 200) for _ in range(5000)]; sys.stdout.flush(); "
+        + f"open({str(done)!r}, 'w').close(); time.sleep(30)"
+    )
+    with spawn_listening([sys.executable, "-c", child], "chatty", startup_timeout_s=5) as process:
+        deadline = time.monotonic() + 10
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done.exists(), "the child blocked writing to its standard output"
+        assert len(process.output) == 200 and process.output[-1].startswith("span ")
