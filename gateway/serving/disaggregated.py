@@ -555,7 +555,7 @@ class DisaggregatedFlow:
                     if started:
                         metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
                         await end_with_error(
-                            call.send,
+                            call,
                             GatewayError(
                                 502,
                                 f"prefill engine {prefill.engine_id} failed: {failed}",

@@ -787,6 +787,8 @@ class Migrator:
         log.warning(message, extra={"request_id": call.client_rid})
         final = GatewayError(error.status, message, code=error.code or "upstream_failed")
         event = final.sse_event() + b"data: [DONE]\n\n"
+        if call.watcher is not None:  # (the response ends here: see end_with_error)
+            call.watcher.cancel()
         await send_bounded(call.send, {"type": "http.response.body", "body": event, "more_body": False}, 1.0)
         return final.status
 

@@ -255,12 +255,12 @@ async def relay_stream(
         error = GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
         if ledger is not None and call.first_at:
             return Cut(MigrationReason.STALL, engine_id, error)
-        await end_with_error(send, error)
+        await end_with_error(call, error)
         return 504
     except _Oversized:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         await end_with_error(
-            send, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
+            call, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
         )
         return 502
     except aiohttp.ClientError as exc:
@@ -268,7 +268,7 @@ async def relay_stream(
         error = GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
         if ledger is not None:
             return Cut(MigrationReason.FAILURE, engine_id, error)
-        await end_with_error(send, error)
+        await end_with_error(call, error)
         return 502
     finally:
         metrics.SSE_EVENTS.inc(events)
@@ -281,7 +281,7 @@ async def relay_stream(
         )
         if ledger is not None:
             return Cut(MigrationReason.FAILURE, engine_id, error)
-        await end_with_error(send, error)
+        await end_with_error(call, error)
         return 502
     if call.watcher is not None:
         call.watcher.cancel()
@@ -330,11 +330,15 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
     return b"".join(kept), done, len(kept), content, failed_at
 
 
-async def end_with_error(send: Send, error: GatewayError) -> None:
+async def end_with_error(call: Call, error: GatewayError) -> None:
     """End a started stream with an error event; a client that does not take it is gone."""
+    if call.watcher is not None:
+        # the server reports a disconnect once the response is complete: watched still, the
+        # handler's clean-up after this was cancelled and the error counted as the client's
+        call.watcher.cancel()
     try:
         async with asyncio.timeout(_LAST_WORDS_S):
-            await send(
+            await call.send(
                 {
                     "type": "http.response.body",
                     "body": error.sse_event() + b"data: [DONE]\n\n",

@@ -381,15 +381,17 @@ class SimServer:
         """The workload-set natural length: body ``sim_output_len`` or header ``X-Sim-Output-Len``
         (the smaller if both); None when neither is given."""
         lengths: list[int] = []
-        for extra in (body.get("sim_output_len"), http.headers.get("X-Sim-Output-Len")):
+        header = http.headers.get("X-Sim-Output-Len")
+        for extra in (body.get("sim_output_len"), header):
             if extra is None:
                 continue
-            try:
-                value = int(extra)
-            except (TypeError, ValueError):
-                raise BadRequest(
-                    400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len"
-                ) from None
+            # a body's integer, or the header's digits (int() also took true and 1.7)
+            if isinstance(extra, int) and not isinstance(extra, bool):
+                value = extra
+            elif extra is header and header is not None and header.strip().isdigit():
+                value = int(header)
+            else:
+                raise BadRequest(400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len")
             if value < 1:
                 raise BadRequest(400, f"sim_output_len must be >= 1, got {value}", "sim_output_len")
             lengths.append(value)

@@ -140,3 +140,28 @@ async def test_an_error_event_in_band_is_a_failure_not_a_finished_stream(togethe
     outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
     assert isinstance(outcome, Cut) and outcome.error is not None and outcome.error.status == 502
     assert ledger.tokens() == [5] and b"".join(sent_parts) == TOKEN_EVENT
+
+
+async def test_ending_a_stream_with_an_error_stops_watching_for_the_clients_disconnect() -> None:
+    """The server reports a disconnect once a response is complete: still watched after the
+    error event went out, the handler's clean-up was cancelled and the request counted as the
+    client's disconnect (499) instead of the engine's 502/504."""
+    import asyncio
+
+    from gateway.api.errors import GatewayError
+    from gateway.serving.relay import end_with_error
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-3", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.watcher = asyncio.create_task(asyncio.sleep(30, result=True))
+    await end_with_error(call, GatewayError(504, "stalled", code="upstream_timeout"))
+    await asyncio.sleep(0)
+    assert call.watcher.cancelled()
+    assert sent[-1]["more_body"] is False and sent[-1]["body"].endswith(b"data: [DONE]\n\n")

@@ -307,6 +307,12 @@ async def test_sim_output_len_body_and_header(engine: SimProcess) -> None:
     assert body["usage"]["completion_tokens"] == 7 and body["choices"][0]["finish_reason"] == "stop"
     _, body = await post(url, {"prompt": "x", "max_tokens": 5}, headers={"X-Sim-Output-Len": "50"})
     assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    # as strict as the header: int() took true as 1 and 1.7 as 1
+    for bad in (True, 1.7, "3", [3]):
+        status, body = await post(url, {"prompt": "x", "max_tokens": 5, "sim_output_len": bad})
+        assert status == 400 and body["error"]["param"] == "sim_output_len", (bad, body)
+    status, body = await post(url, {"prompt": "x", "max_tokens": 5}, headers={"X-Sim-Output-Len": "1.7"})
+    assert status == 400, body
 
 
 async def test_stop_strings_non_stream_and_stream(engine: SimProcess) -> None:
