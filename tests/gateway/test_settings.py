@@ -110,29 +110,32 @@ def test_a_bad_profile_exits_2_with_its_reason(
     ],
 )
 def test_a_malformed_profile_file_exits_2_with_one_line(
-    tmp_path: Path, where: str, text: str, fragment: str
+    tmp_path: Path,
+    where: str,
+    text: str,
+    fragment: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Routing profiles that are not a mapping or not YAML, and engine latency profiles that do not
-    validate, ended in a traceback (exit 1) instead of the one-line configuration error."""
+    validate, ended in a traceback (exit 1) instead of the one-line configuration error.
+    (In process: ``serve`` is what ``slogate serve`` runs once its settings load.)"""
+    from gateway import server
+
+    monkeypatch.setattr(server, "setup_logging", lambda level: None)
+    monkeypatch.setattr(server, "_AnnouncingServer", None)  # (never reached: nothing may listen)
     profile = tmp_path / "profile.yaml"
     profile.write_text(text)
-    cfg = tmp_path / "gateway.yaml"
-    engine = (
-        '{url: "http://127.0.0.1:9", model: m'
-        + (f", latency_profile: {profile}" if where == "engine" else "")
-        + "}"
-    )
-    routing = f"routing_profile: {profile}\n" if where == "routing" else ""
-    cfg.write_text(f"{routing}engines:\n  - {engine}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and fragment in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    engine: dict[str, object] = {"url": "http://127.0.0.1:9", "model": "m"}
+    if where == "engine":
+        engine["latency_profile"] = str(profile)
+    routing = {"routing_profile": str(profile)} if where == "routing" else {}
+    settings = load_settings(engines=[engine], **routing)
+    with pytest.raises(SystemExit) as info:
+        server.serve(settings)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and fragment in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_keepalive_must_be_positive() -> None:
