@@ -436,7 +436,7 @@ class CollocatedFlow:
         response = await self.post(call, record, url, payload, headers, headers_at)
         if isinstance(response, GatewayError):
             return response
-        call.upstream_answered = True
+        call.upstream_answered = response.status < 400
         if up is not None:
             up.set_attribute("http.response.status_code", response.status)
         try:

@@ -402,6 +402,10 @@ class DisaggregatedFlow:
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
+            if call.upstream_answered:
+                # it began its answer, so it has read the KV, which the prefill engine may have
+                # freed since: another decode engine given the same handover would read nothing
+                return outcome
         return outcome
 
     async def _transfer_turn(

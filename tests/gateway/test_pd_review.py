@@ -335,3 +335,37 @@ def test_bootstrap_prefill_failure_is_retried_with_the_same_healthy_decode_engin
             answer = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
     assert answer.status_code == 200, answer.text
     assert len(p0.received) + len(p1.received) == 2 and len(d.received) == 2
+
+
+@pytest.mark.parametrize(
+    ("cut", "expected", "decodes"), [(True, 502, 1), (False, 200, 2)], ids=["cut", "refused"]
+)
+def test_a_decode_cut_after_it_began_its_answer_is_not_retried_with_the_same_kv(
+    tmp_path: Path, cut: bool, expected: int, decodes: int
+) -> None:
+    """A non-streamed decode that began its answer had read the KV (the prefill engine may have
+    freed it since); retried on another decode engine with the same kv_transfer_params, that one
+    would decode from KV that is gone. A decode engine that refuses before answering is retried."""
+    calls = 0
+
+    async def first_fails(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1  # (both decode engines share it: whichever is placed first fails)
+        if calls > 1:
+            return web.Response(body=completion_body("fine"), content_type="application/json")
+        if not cut:
+            return web.json_response({"error": {"message": "busy", "code": 503}}, status=503)
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "500"})
+        await response.prepare(request)
+        await response.write(b'{"id": "cmpl-1", "choi')
+        assert request.transport is not None
+        request.transport.close()  # the engine died mid-answer
+        return response
+
+    with engines(nixl_prefill, first_fails, first_fails) as (p, d0, d1):
+        config = [entry(p, "p0", "prefill"), entry(d0, "d0", "decode"), entry(d1, "d1", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path)) as gw:
+            response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
+    assert response.status_code == expected, response.text
+    assert calls == decodes and len(d0.received) + len(d1.received) == decodes
+    assert len(p.received) == 1
