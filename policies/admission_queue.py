@@ -47,6 +47,14 @@ _INF = math.inf
 _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
 
 
+def _live(heap: list[tuple[Any, int, _Slot]]) -> list[tuple[Any, int, _Slot]]:
+    """``heap`` without the entries of items that left: those surface only when they are the
+    least, so a side heap (deadlines, KV needs) would otherwise hold every item ever queued."""
+    kept = [entry for entry in heap if entry[2].entry is not None]
+    heapq.heapify(kept)
+    return kept
+
+
 def _item_of(entry: tuple[Any, ...]) -> QueuedRequest:
     item: QueuedRequest = entry[-1].item
     return item
@@ -113,6 +121,8 @@ class AdmissionQueue:
         self._head: list[tuple[Any, ...]] = []
         self._head_valid = False
         self._head_complete = False
+        #: how deep the cached head was read (a complete one is cut back to it past twice that)
+        self._head_depth = 64
 
     # -- size and membership ---------------------------------------------------------------------
 
@@ -175,9 +185,7 @@ class AdmissionQueue:
         self._queued_prompt_tokens += item.view.prompt_tokens
         heapq.heappush(self._heap, entry)
         if self._head_valid:
-            head = self._head
-            if self._head_complete or (head and entry < head[-1]):
-                bisect.insort(head, entry)
+            self._head_insert(entry)
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
@@ -185,12 +193,12 @@ class AdmissionQueue:
         deadline = item.queue_deadline
         if deadline != _INF:
             heapq.heappush(self._deadlines, (deadline, generation, slot))
+            if len(self._deadlines) > 64 + 2 * len(slots):
+                self._deadlines = _live(self._deadlines)
         needs = self._needs
         heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
         if len(needs) > 64 + 2 * len(slots):
-            # popped items' entries surface only when they are the least: drop them now and then
-            self._needs = [n for n in needs if n[2].entry is not None]
-            heapq.heapify(self._needs)
+            self._needs = _live(needs)
         if moved:
             self._restamp(moved, now, held)  # the flow's head it displaced is parked
         self._structure_version += 1
@@ -307,11 +315,23 @@ class AdmissionQueue:
         want = max(0, limit)
         head = self._head
         if not self._head_valid or (len(head) < want and not self._head_complete):
-            depth = max(64, 2 * want)
+            depth = self._head_depth = max(64, 2 * want)
             head = self._head = list(self._walk_entries(depth))
             self._head_complete = len(head) < depth
             self._head_valid = True
         return map(_item_of, head[:want])
+
+    def _head_insert(self, entry: tuple[Any, ...]) -> None:
+        """Keep the cached head a sorted prefix of the order as ``entry`` joins the queue."""
+        head = self._head
+        if self._head_complete or (head and entry < head[-1]):
+            bisect.insort(head, entry)
+            if len(head) > 2 * self._head_depth:
+                # a head read whole while the queue was short, or one that arrivals keep sorting
+                # into, would otherwise grow with the queue, and every arrival and departure
+                # cost O(n): cut back to a prefix (no longer the whole queue)
+                del head[self._head_depth :]
+                self._head_complete = False
 
     def _walk_entries(self, limit: int) -> Iterator[tuple[Any, ...]]:
         for item in self._walk(limit):
@@ -366,8 +386,7 @@ class AdmissionQueue:
                 i = bisect.bisect_left(head, old)
                 if i < len(head) and head[i] is old:
                     del head[i]
-            if self._head_complete or (head and entry < head[-1]):
-                bisect.insort(head, entry)
+            self._head_insert(entry)
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
@@ -465,9 +484,7 @@ class AdmissionQueue:
         heapq.heapify(self._heap)
         self._rekeys = [r for r in self._rekeys if r[2].entry is not None and r[2].entry[-2] == r[1]]
         heapq.heapify(self._rekeys)
-        self._deadlines = [d for d in self._deadlines if d[2].entry is not None]
-        heapq.heapify(self._deadlines)
-        self._needs = [n for n in self._needs if n[2].entry is not None]
-        heapq.heapify(self._needs)
+        self._deadlines = _live(self._deadlines)
+        self._needs = _live(self._needs)
         self._dead_in_heap = 0
         self._structure_version += 1

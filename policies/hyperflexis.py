@@ -662,6 +662,9 @@ def _fill_worker(
         late_last
         if late_last is not None
         and late_rejected
+        # the lane ranks by the whole prompt: with a prefix cache, a request late on it may be
+        # on time on its uncached part (skipped, it waited for an idle worker or timed out)
+        and cached is None
         and c >= 0.0
         and a >= late_last.prefill_base_s * (1.0 - 1e-9)
         and b * late_last.prefill_tokens_per_s >= 1.0 - 1e-9

@@ -141,19 +141,24 @@ def batch_reason(prompts: int) -> str:
     return f"a batch of {prompts} prompts (several sequences cannot be resumed as one)"
 
 
+def more_than_one(value: Any) -> bool:
+    """A count field (``n``, ``best_of``) asking for several: an engine's JSON model takes 2.0 as 2."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 1
+
+
 def unsupported(body: Mapping[str, Any]) -> str | None:
     """Why a request cannot be resumed on another engine with the same result; None when it can.
 
     ``body`` is the client's request body (chat or completions).
     """
     n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    if more_than_one(n):
         return f"n = {n} (several sequences cannot be resumed as one)"
     batch = batched_prompts(body.get("prompt"))
     if batch > 1:
         return batch_reason(batch)
     best_of = body.get("best_of")
-    if isinstance(best_of, int) and not isinstance(best_of, bool) and best_of > 1:
+    if more_than_one(best_of):
         return f"best_of = {best_of}"
     if body.get("use_beam_search"):
         return "beam search"

@@ -7,6 +7,7 @@ from a routing profile, then call :meth:`RoutingPipeline.choose` per request wit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -160,8 +161,11 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
     scorers = []
     for s in entries("scorers"):
         weight = s.get("weight", 1.0)
-        if not isinstance(weight, int | float) or weight < 0:
-            raise PolicyConfigError(f"scorer {s['name']!r}: weight must be a number >= 0, got {weight!r}")
+        # (inf x a score of 0 is NaN, and a NaN total broke every pick: .nan and .inf are YAML)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < math.inf:
+            raise PolicyConfigError(
+                f"scorer {s['name']!r}: weight must be a finite number >= 0, got {weight!r}"
+            )
         scorer = cast(Scorer, build("scorer", str(s["name"]), s.get("params")))
         scorers.append(WeightedScorer(str(s["name"]), scorer, float(weight)))
     picker_entry = profile.get("picker") or {"name": "max_score"}

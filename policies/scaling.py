@@ -49,7 +49,7 @@ Paper: HyperFlexis (arXiv 2508.15919), §6 "Scaling Mechanism and Policy", Algor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
@@ -332,6 +332,7 @@ class Algorithm3:
                 low_since.pop(role, None)
         actions: list[ScaleAction] = []
         taken: set[str] = set()
+        donors: set[Role] = set()  # pools that give an engine away by a flip in this decision
         active = _active_count(view)
         # the pool in most need first
         for role in sorted(grow, key=lambda r: -metrics[r].value):
@@ -339,9 +340,10 @@ class Algorithm3:
             if view.pending(role) >= p.max_pending:
                 continue
             why = f"{role.value} LoadMetric {m.value:.2f} > {p.eps_out:g} ({m.driver()}; {m.describe()})"
-            donor = self._donor(view, role, metrics, bounds, taken, last_out) if p.flips else None
+            donor = self._donor(view, role, metrics, bounds, taken, last_out, grow) if p.flips else None
             if donor is not None:
                 taken.add(donor.engine_id)
+                donors.add(donor.role)
                 other = metrics[donor.role]
                 actions.append(
                     ScaleAction(
@@ -362,7 +364,9 @@ class Algorithm3:
                 active += 1
                 last_out[role] = now
         for role in shrink:
-            if view.pending(role) or len(view.serving(role)) <= bounds.minimum(role):
+            # a pool that gave an engine away by a flip has shrunk already in this decision (its
+            # serving count does not show it yet: a removal too could take it below its minimum)
+            if role in donors or view.pending(role) or len(view.serving(role)) <= bounds.minimum(role):
                 continue
             victim = _least_loaded(view, role, taken)
             if victim is None:
@@ -390,14 +394,16 @@ class Algorithm3:
         bounds: ScalingBounds,
         taken: set[str],
         last_out: Mapping[Role, float],
+        grow: Collection[Role],
     ) -> EngineView | None:
-        """A serving engine of the other P/D pool, if that pool is below eps_in now, has not grown
-        within the hold period and keeps its minimum without it."""
+        """A serving engine of the other P/D pool, if that pool is below eps_in now, is not itself
+        growing (its rate signal may say so at a low level), has not grown within the hold period
+        and keeps its minimum without it."""
         if role not in (Role.PREFILL, Role.DECODE):
             return None
         other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
         m = metrics.get(other)
-        if m is None or m.level >= self.params.eps_in or view.pending(other):
+        if m is None or m.level >= self.params.eps_in or other in grow or view.pending(other):
             return None
         # a pool that grew within the hold period does not give an engine back (no ping-pong)
         if view.now - last_out.get(other, -math.inf) < self.params.scale_in_hold_s:
@@ -454,7 +460,8 @@ class ThresholdScaler:
             elif abs(util - 1.0) <= p.tolerance:
                 desired = current
             else:
-                desired = math.ceil(len(view.serving(role)) * util) if view.serving(role) else current
+                # (demand / target exactly: n x util rounds past a whole number, 25 -> 26)
+                desired = math.ceil(len(view.serving(role)) * util - 1e-9) if view.serving(role) else current
             desired = max(bounds.minimum(role), desired)
             kept.append((now, role, desired))
             stable = max(d for t, r, d in kept if r is role)

@@ -57,6 +57,7 @@ from policies.api import EngineSnapshot, Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
 from policies.disaggregation import DisaggregationMode, decide_disaggregation
 from policies.latency import LatencyCoefficients
+from policies.migration import more_than_one
 from policies.transfer_order import LinkParams, TransferRequest, make_transfer_order
 
 log = logging.getLogger("slogate.serving.pd")
@@ -118,7 +119,7 @@ class DisaggregatedFlow:
             return await self.collocated.serve(call)
         always = self.params.mode is DisaggregationMode.ALWAYS
         body_n = request.body.get("n") if request.parsed is not None or "n" in request.keys else None
-        several = isinstance(body_n, int) and not isinstance(body_n, bool) and body_n > 1
+        several = more_than_one(body_n)
         # a completions batch (several prompts) is several sequences too: vLLM answers its prefill
         # with the first prompt's kv_transfer_params only, and a bootstrap room is one sequence's
         batch = request.prompts > 1

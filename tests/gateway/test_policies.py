@@ -134,7 +134,11 @@ def test_empty_fleet_has_no_candidates() -> None:
             "has no parameter 'max'; it accepts: max_load",
         ),
         ({"filters": [{"name": "not_saturated", "params": {"max_load": 0}}]}, "max_load must be >= 1"),
-        ({"scorers": [{"name": "least_load", "weight": -1}]}, "weight must be a number >= 0"),
+        ({"scorers": [{"name": "least_load", "weight": -1}]}, "weight must be a finite number >= 0"),
+        # inf x a score of 0 is NaN: every pick then failed
+        ({"scorers": [{"name": "least_load", "weight": float("inf")}]}, "weight must be a finite number"),
+        ({"scorers": [{"name": "least_load", "weight": float("nan")}]}, "weight must be a finite number"),
+        ({"scorers": [{"name": "least_load", "weight": True}]}, "weight must be a finite number"),
         ({"picker": {"name": "random"}}, "unknown picker plugin 'random'"),
         ({"scorer": []}, "unknown keys ['scorer']"),
         ({"scorers": "least_load"}, "must be a list"),

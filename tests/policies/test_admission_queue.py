@@ -368,3 +368,121 @@ def test_min_need_is_the_least_need_queued_and_its_heap_stays_bounded(ops: list[
         items = queue.items()
         assert queue.min_need() == min((i.view.prompt_tokens + 8 for i in items), default=0)
         assert len(queue._needs) <= 64 + 2 * max(1, len(items)) + 1
+
+
+@pytest.mark.parametrize("name", ["fcfs", "slo_tpot", "strict_priority"])
+def test_a_head_read_while_the_queue_was_short_does_not_grow_with_it(name: str) -> None:
+    """A head read whole from a short queue stayed "whole" for orders that never re-key, so every
+    later arrival was inserted into it: 20,000 arrivals made it the whole queue, O(n) per
+    arrival and per departure. It is cut back to a prefix, and reads stay right."""
+    queue = AdmissionQueue(make_order(name))
+    for i in range(5):
+        queue.push(req(i, arrival=float(i)), 10.0, CTX)
+    assert len(list(queue.head(10.0, CTX, 8))) == 5  # read whole
+    for i in range(20_000):
+        queue.push(req(100 + i, arrival=float(i % 97) / 10, prompt=1 + i % 50), 10.0, CTX)
+        assert len(queue._head) <= 2 * 64 + 1
+    expected = [item.view.request_id for item in queue.iter_in_order(10.0, CTX, 200)]
+    assert [item.view.request_id for item in queue.head(10.0, CTX, 200)] == expected
+    for _ in range(300):
+        queue.pop(10.0, CTX)
+    expected = [item.view.request_id for item in queue.iter_in_order(10.0, CTX, 50)]
+    assert [item.view.request_id for item in queue.head(10.0, CTX, 50)] == expected
+
+
+def test_the_deadline_heap_holds_about_what_is_queued() -> None:
+    """Popped items' deadline entries stayed until they surfaced, and one early live deadline
+    pinned every later one: the heap held every item queued within the timeout."""
+    queue = AdmissionQueue(make_order("fcfs"))
+    # stays queued (last in order) with the least deadline
+    queue.push(req(0, arrival=1e9, deadline=1.0), 0.0, CTX)
+    for i in range(1, 30_000):
+        queue.push(req(i, arrival=float(i), deadline=1e6 + i), float(i), CTX)
+        assert queue.pop(float(i), CTX) is not None
+    assert len(queue) == 1 and len(queue._deadlines) <= 64 + 2 * 2
+    assert queue.next_expiry() == 1.0
+
+
+_CONTEXTS = [
+    OrderContext(1000.0, 0.02),
+    OrderContext(250.0, 0.02, 0.05, 2),
+    OrderContext(4000.0, 0.01, 0.0, 3),
+]
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["push", "pop", "remove", "expire", "tick", "demote", "undemote", "ctx", "head", "scan"]
+        ),
+        st.integers(0, 400),
+        st.integers(0, 3),
+        st.integers(0, 2),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(sorted(ORDERS) + ["late:" + n for n in sorted(ORDERS)]), ops=_OPS)
+def test_every_read_of_the_queue_matches_a_brute_force_sort_under_any_operations(
+    name: str, ops: list[tuple[str, int, int, int]]
+) -> None:
+    """Several tenants, priorities, TPOT classes, deadlines, demotions and context changes (the
+    other tests here use one of each, so strict_priority and slo_tpot reduce to FCFS and
+    demotion is never set): pop, head, iter_in_order, the counts and min_need against a brute
+    force sort of what is queued, after every operation."""
+    order = make_order(name.removeprefix("late:"))
+    if name.startswith("late:"):
+        order = LateLast(order)
+    q = AdmissionQueue(order, context_tolerance=0.0)
+    now, seq, ctx = 0.0, 0, _CONTEXTS[0]
+    pushed: list[str] = []
+    left: list[str] = []
+
+    def brute() -> list[QueuedRequest]:
+        held = q.context or ctx
+        return sorted(q.items(), key=lambda i: order.key(i, now, held)[0])
+
+    for op, arg, t, p in ops:
+        if op == "push":
+            seq += 1
+            v = RequestView(f"r{seq}", "m", arg * 7, 8, arrival=now - arg / 300, tenant=f"t{t}", priority=p)
+            it = QueuedRequest(
+                v, 0.2 + arg / 80, [0.02, 0.05, 0.1][p], seq, queue_deadline=now + 0.5 + arg / 50
+            )
+            q.push(it, now, ctx)
+            pushed.append(v.request_id)
+        elif op == "pop":
+            q.peek(now, ctx)
+            exp = brute()
+            got = q.pop(now, ctx)
+            assert (got.seq if got else None) == (exp[0].seq if exp else None)
+            if got:
+                left.append(got.view.request_id)
+        elif op == "remove" and seq:
+            r = q.remove(f"r{1 + arg % seq}")
+            if r:
+                left.append(r.view.request_id)
+        elif op == "expire":
+            left += [i.view.request_id for i in q.expire(now)]
+        elif op == "tick":
+            now += arg / 400
+        elif op in ("demote", "undemote") and seq:
+            q.set_demoted([f"r{1 + (arg + k) % seq}" for k in range(3)], op == "demote", now, ctx)
+        elif op == "ctx":
+            ctx = _CONTEXTS[p]
+        elif op == "head":
+            q.peek(now, ctx)
+            exp = [i.seq for i in brute()[: 1 + arg % 70]]
+            assert [i.seq for i in q.head(now, ctx, 1 + arg % 70)] == exp
+        elif op == "scan":
+            q.peek(now, ctx)
+            assert [i.seq for i in q.iter_in_order(now, ctx, 1 + arg % 70)] == [
+                i.seq for i in brute()[: 1 + arg % 70]
+            ]
+        assert len(q) == len(pushed) - len(left)
+        assert q.queued_prompt_tokens == sum(i.view.prompt_tokens for i in q.items())
+        assert q.min_need() == min((i.view.prompt_tokens + 8 for i in q.items()), default=0)
+        if q._flows is not None:
+            assert len(q._flows) == len(q)
+    left += [i.view.request_id for i in q.expire(math.inf)]
+    assert len(q) == 0 and sorted(left) == sorted(pushed)

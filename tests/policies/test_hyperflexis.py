@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from policies.api import RequestView
 from policies.hyperflexis import (
+    Held,
     HyperFlexisParams,
     RunningRequest,
     WorkerView,
@@ -539,7 +540,9 @@ def test_dispatch_reads_its_workers_only_and_decides_alike_on_a_read_or_lazy_que
     ]
     before = [dataclasses.replace(w) for w in workers]
     params = HyperFlexisParams(max_scan=64, tpot_segregation=segregate)
-    classes = {w.engine_id: (0.1, 1 << 20) for w in workers}
+    # engines of both TPOT classes (and one not looking in this call), so segregation decides
+    classes = {w.engine_id: (0.1 if i % 2 else 0.02, 1 << 20) for i, w in enumerate(workers)}
+    classes["elsewhere"] = (0.02, 1 << 20)
     read = dispatch(items, workers, now, params, engine_classes=lambda: classes)
     lazy = dispatch(iter(items), workers, now, params, engine_classes=lambda: classes)
     assert workers == before
@@ -547,3 +550,20 @@ def test_dispatch_reads_its_workers_only_and_decides_alike_on_a_read_or_lazy_que
     assert read.maturity == lazy.maturity
     assert read.wake_at == lazy.wake_at
     assert read.full == lazy.full
+
+
+def test_a_request_late_on_its_whole_prompt_but_on_time_on_its_uncached_part_is_taken() -> None:
+    """The late lane's break judged by the whole prompt: with 95 % of it cached on the worker,
+    a request on time on what is left to prefill was skipped by every busy worker (and late
+    backfill, which saw it as feasible, skipped it too)."""
+
+    ctx = OrderContext(prefill_tokens_per_s=1.0 / PREFILL[1], decode_step_s=0.01, prefill_base_s=PREFILL[0])
+    # 10,000 tokens: 1.02 s to prefill whole against a 0.5 s TTFT; 500 uncached: 0.07 s
+    item = req("r", prompt=10_000, ttft=0.5)
+    busy = worker("w", running=(RunningRequest(100, 5, 0.1, prefilled=True),))
+    params = HyperFlexisParams(prefix_preference=True, max_hold_s=2.0)
+    for lane in (None, ctx):
+        decision = dispatch([item], [busy], 0.0, params, 10.0, lane, cached=lambda rid: Held({"w": 0.95}, {}))
+        assert [(a.request_id, a.feasible, a.cached_tokens) for a in decision.assignments] == [
+            ("r", True, 9_500)
+        ]

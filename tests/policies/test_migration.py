@@ -42,6 +42,9 @@ ON = MigrationSettings(limit=2, slack=True, slack_bound_s=1.0, min_remaining_tok
         ({"prompt": ["one", "two"]}, "a batch of 2 prompts"),
         ({"prompt": [[11, 12], [13]]}, "a batch of 2 prompts"),
         ({"n": 3}, "n = 3"),
+        ({"n": 2.0}, "n = 2.0"),  # (an engine's JSON model takes 2.0 as 2)
+        ({"n": 1.0}, None),
+        ({"best_of": 2.0}, "best_of"),
         ({"best_of": 2}, "best_of"),
         ({"use_beam_search": True}, "beam search"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format json_schema"),

@@ -244,3 +244,54 @@ def test_make_scaler() -> None:
     assert make_scaler("HPA").name == "threshold"
     with pytest.raises(ValueError, match="unknown scaling policy"):
         make_scaler("magic")
+
+
+def test_algorithm3_a_pool_that_gives_an_engine_by_a_flip_is_not_also_shrunk() -> None:
+    """The shrink list was made before the flips: a decode pool low for long gave prefill an
+    engine by a flip, lost its low_since with it, and the removal that followed read it (a
+    KeyError: the simulator's autoscale run died). Even without it, one decision took two engines
+    from the pool, and could take it below its minimum."""
+    P, D = Role.PREFILL, Role.DECODE
+    engines = (
+        EngineView("p1", P, Phase.SERVING, load=200.0),
+        EngineView("d1", D, Phase.SERVING, load=1.0),
+        EngineView("d2", D, Phase.SERVING, load=1.0),
+        EngineView("d3", D, Phase.SERVING, load=1.0),
+    )
+    pools = {P: PoolSignals(P), D: PoolSignals(D)}
+    state = ScalingState(last_decision=0.0, low_since={D: 0.0})  # low since long ago
+    decision = Algorithm3().decide(FleetView(100.0, engines, pools), state, ScalingBounds({P: 1, D: 1}))
+    assert [(a.kind, a.role) for a in decision.actions] == [(ActionKind.FLIP, P)]
+
+
+def test_algorithm3_a_pool_growing_by_its_rate_signal_gives_no_engine_away() -> None:
+    """A pool below its level target but growing by its rate (a backlog arriving faster than it
+    drains) flipped an engine to the other pool and woke one for itself in the same decision."""
+    P, D = Role.PREFILL, Role.DECODE
+    engines = (
+        EngineView("p1", P, Phase.SERVING, load=200.0),
+        EngineView("d1", D, Phase.SERVING, load=1.0),
+        EngineView("d2", D, Phase.SERVING, load=1.0),
+        EngineView("w1", P, Phase.WARM),
+        EngineView("w2", P, Phase.WARM),
+    )
+    pools = {P: PoolSignals(P), D: PoolSignals(D, queued=1, arrival_rate=25.0, process_rate=10.0)}
+    decision = Algorithm3().decide(
+        FleetView(100.0, engines, pools), ScalingState(last_decision=0.0), ScalingBounds({P: 1, D: 1})
+    )
+    assert not any(a.kind is ActionKind.FLIP for a in decision.actions), decision.actions
+    assert {a.role for a in decision.actions} == {P, D}  # each pool grows from the warm pool
+
+
+def test_threshold_asks_for_exactly_the_engines_demand_needs() -> None:
+    """n x (demand / (n x target)) rounds past a whole number: 11 engines at a demand of 1,600
+    (25 engines' worth at 64 each) asked for 26."""
+    engines = tuple(EngineView(f"e{i}", C, S, load=1600 / 11) for i in range(11))
+    engines += tuple(EngineView(f"w{i}", C, W) for i in range(20))
+    decision = ThresholdScaler().decide(
+        FleetView(100.0, engines, {C: PoolSignals(C)}), ScalingState(), ScalingBounds()
+    )
+    assert decision.state.recommendations == ((100.0, C, 25),)
+    assert (
+        len(decision.actions) == 11 and "desired 25" in decision.actions[0].reason
+    )  # (a step of max(11, 4))
