@@ -101,6 +101,11 @@ class SeenInterval:
 
     steps: int
     tokens: int
+    #: steps and tokens the gateway saw while this scrape and the one before were in flight: the
+    #: engine counted them as of when it rendered its metrics, somewhere in that window, so its
+    #: count may lack them (this interval) or hold them already (the one before)
+    unsure_steps: int = 0
+    unsure_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +135,9 @@ def check_interval(
     none: the gateway's view is all there is). The first scrape with counters has no baseline: its
     interval is not trusted. Refuted when: a counter went backwards (the engine restarted); the
     engine preempted a request (it recomputed a prompt the gateway did not see); the engine ran
-    more than :data:`STEP_SLACK` steps more or fewer than the bursts seen; it generated more tokens
-    than the gateway relayed, beyond what two steps carry (another client). Prefill samples alone
+    more than :data:`STEP_SLACK` steps more or fewer than the bursts seen (and those seen while the
+    scrapes were in flight, ``unsure_steps``); it generated more tokens than the gateway relayed,
+    beyond what two steps carry (another client). Prefill samples alone
     are dropped when more than :data:`MAX_PREFIX_HIT_SHARE` of the prompt tokens hit the prefix
     cache (a cached prompt costs less than its length says).
     """
@@ -150,11 +156,11 @@ def check_interval(
     steps, generated, _, preempted = deltas
     if preempted:
         return IntervalVerdict(False, False, "preemption")
-    if steps is not None and abs(steps - seen.steps) > STEP_SLACK:
+    if steps is not None and abs(steps - seen.steps) > STEP_SLACK + seen.unsure_steps:
         return IntervalVerdict(False, False, "steps unseen")
     if generated is not None:
         per_step = seen.tokens / seen.steps if seen.steps else 1.0
-        if generated > seen.tokens + STEP_SLACK * per_step + 1:
+        if generated > seen.tokens + seen.unsure_tokens + STEP_SLACK * per_step + 1:
             return IntervalVerdict(False, False, "tokens unseen")
     assert before is not None and after is not None
     queried = after.prefix_queries - before.prefix_queries

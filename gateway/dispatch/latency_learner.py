@@ -43,6 +43,8 @@ PENDING_LIMIT = 512
 #: decode samples kept per scrape interval (the interval's latest): a busy engine makes one
 #: per step, far more than a fit needs, and every one kept brings the next re-fit closer
 DECODE_PER_INTERVAL = 16
+#: bursts of an interval remembered with their time (a scrape in flight for seconds at most)
+BURSTS_KEPT = 1024
 
 Clock = Callable[[], float]
 
@@ -73,6 +75,12 @@ class _Steps:
     #: the gateway's view of the interval since the last scrape
     seen_steps: int = 0
     seen_tokens: int = 0
+    #: the interval's latest bursts: when each came and its events (for the scrape window's count;
+    #: bounded, since an engine whose scrapes fail has an interval that never ends)
+    bursts: deque[list[float]] = field(default_factory=lambda: deque(maxlen=BURSTS_KEPT))
+    #: steps and tokens seen while the last scrape was in flight
+    unsure_steps: int = 0
+    unsure_tokens: int = 0
     unclean: int = 0
     last_state: EngineState | None = None
     pending_prefill: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=PENDING_LIMIT))
@@ -165,6 +173,7 @@ class LatencyLearner:
             self._begin(record, steps, entry, now)
         steps.last_at = now
         steps.seen_tokens += tokens
+        steps.bursts[-1][1] += tokens
         key = id(entry)
         if key in steps.marked:
             return
@@ -196,6 +205,7 @@ class LatencyLearner:
         steps.marked.clear()
         steps.open = True
         steps.seen_steps += 1
+        steps.bursts.append([now, 0.0])
 
     def _close(self, record: EngineRecord, steps: _Steps, trigger: RunningEntry) -> None:
         start = steps.start
@@ -251,10 +261,23 @@ class LatencyLearner:
         steps = self._steps.get(engine_id)
         if steps is None:
             return
-        state = self._fleet.records[engine_id].state
-        verdict = check_interval(steps.last_state, state, SeenInterval(steps.seen_steps, steps.seen_tokens))
+        record = self._fleet.records[engine_id]
+        state = record.state
+        # the relay counts events; an engine may send several tokens in one
+        per_event = record.tokens_per_event
+        late = [b for b in steps.bursts if b[0] >= record.scrape_sent_at]
+        late_tokens = round(sum(b[1] for b in late) * per_event)
+        seen = SeenInterval(
+            steps.seen_steps,
+            round(steps.seen_tokens * per_event),
+            steps.unsure_steps + len(late),
+            steps.unsure_tokens + late_tokens,
+        )
+        verdict = check_interval(steps.last_state, state, seen)
         steps.last_state = state
         steps.seen_steps = steps.seen_tokens = 0
+        steps.bursts.clear()
+        steps.unsure_steps, steps.unsure_tokens = len(late), late_tokens
         if steps.unclean:
             metrics.child(metrics.LATENCY_SAMPLES, engine_id, "step", "unclean").inc(steps.unclean)
             steps.unclean = 0

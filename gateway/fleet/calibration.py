@@ -27,6 +27,7 @@ import math
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,8 @@ DECODE_TOKENS = 16
 #: network's) or not one step (a token that carried no text, the final chunk)
 _GAP_OUTLIER = 1.5
 _ERRORS = (aiohttp.ClientError, TimeoutError, OSError, ValueError)
+#: the first wait after client traffic interrupted a run; doubled after each one, up to the interval
+INTERRUPTED_WAIT_S = 5.0
 
 
 class Interrupted(Exception):
@@ -97,8 +100,10 @@ class Calibrator:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         #: when each engine is next due (now: it has not been calibrated since it joined)
         self.due: dict[str, float] = dict.fromkeys(fleet.records, -math.inf)
-        #: engines calibrated, in order (tests and logs)
-        self.done: list[str] = []
+        #: the engines calibrated, latest last (a log for tests and operators: bounded)
+        self.done: deque[str] = deque(maxlen=1024)
+        #: per engine, how long to wait after a run that client traffic interrupted
+        self._backoff: dict[str, float] = {}
         self._watches: list[_Watch] = []
         self._task: asyncio.Task[None] | None = None
         self._count = 0
@@ -134,15 +139,27 @@ class Calibrator:
                     try:
                         await self.calibrate(record)
                     except Interrupted:
-                        continue  # still due: tried again once the engine is idle
+                        # still due, but not at the next idle moment: under load each brief one
+                        # began a run that was abandoned, probes sent for nothing every second
+                        wait = min(self.interval_s, 2 * self._backoff.get(engine_id, INTERRUPTED_WAIT_S / 2))
+                        self._backoff[engine_id] = wait
+                        self.due[engine_id] = self.clock() + wait
+                        continue
                     except Exception:  # a probe bug must not stop calibration of the others
                         log.exception("calibration of %s failed", engine_id)
+                    self._backoff.pop(engine_id, None)
                     self.due[engine_id] = self.clock() + self.interval_s
             await asyncio.sleep(self.check_every_s)
 
     @staticmethod
     def _idle(record: EngineRecord) -> bool:
-        return record.healthy and not record.running and record.adapter.role is Role.COLLOCATED
+        # (a draining engine is about to change role: its probes would meet the flip)
+        return (
+            record.healthy
+            and not record.running
+            and not record.draining
+            and record.adapter.role is Role.COLLOCATED
+        )
 
     # -- one engine --------------------------------------------------------------------------------
 
@@ -213,7 +230,7 @@ class Calibrator:
             metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "failed").inc()
             return None
         metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "ok").inc()
-        counted = _prompt_tokens(data)
+        counted = _prompt_tokens(data, tokens)
         return PrefillSample((counted if counted else tokens,), elapsed)
 
     async def _decode(
@@ -273,7 +290,7 @@ class Calibrator:
                         if not event.startswith(b"data: ") or event == b"data: [DONE]":
                             continue
                         if b'"choices":[]' in event:  # the usage-only chunk
-                            counted = _prompt_tokens(event[6:])
+                            counted = _prompt_tokens(event[6:], stream.prompt_tokens)
                             if counted:
                                 stream.prompt_tokens = counted
                             continue
@@ -283,9 +300,16 @@ class Calibrator:
         return True
 
 
-def _prompt_tokens(body: bytes) -> int | None:
+#: how far an engine's count of a probe's prompt may be from the gateway's before it is not
+#: believed (tokenizers differ, by far less than this)
+COUNT_FACTOR = 4
+
+
+def _prompt_tokens(body: bytes, sent: int) -> int | None:
     """The prompt tokens the engine computed for a completion (or usage chunk), if it says:
-    ``usage.prompt_tokens`` less any ``prompt_tokens_details.cached_tokens``."""
+    ``usage.prompt_tokens`` less any ``prompt_tokens_details.cached_tokens``; None also when
+    that is not within :data:`COUNT_FACTOR` of ``sent``, the gateway's count (one sample of a
+    broken engine's 2^64 crushed the fitted per-token cost 28x)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -294,8 +318,14 @@ def _prompt_tokens(body: bytes) -> int | None:
     if not isinstance(usage, dict):
         return None
     value = usage.get("prompt_tokens")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not sent / COUNT_FACTOR <= value <= sent * COUNT_FACTOR
+    ):
+        return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(value, int) and isinstance(cached, int) and 0 < cached < value:
+    if isinstance(cached, int) and not isinstance(cached, bool) and 0 < cached < value:
         value -= cached
-    return value if isinstance(value, int) and value > 0 else None
+    return value

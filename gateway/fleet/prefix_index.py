@@ -110,6 +110,8 @@ class _EngineEntries:
 
     model: str
     block_size: int
+    #: the engine reported ``block_size`` (else it is the default, until a scrape or an event says)
+    reported: bool = False
     approx: list[_ApproxGen] = field(default_factory=list)
     precise: list[_PreciseGen] = field(default_factory=list)
     bytes: int = 0
@@ -182,13 +184,16 @@ class PrefixIndex:
         size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         if size < 1:
             raise ValueError(f"block_size must be >= 1, got {size}")
-        self._engines[engine_id] = _EngineEntries(model, size)
+        self._engines[engine_id] = _EngineEntries(model, size, reported=block_size is not None)
         self._generation_entries = self._size_generations(len(self._engines))
 
     def set_block_size(self, engine_id: str, block_size: int) -> None:
         """The engine reported its block size; a change makes every key of it wrong: drop them."""
         entries = self._engines[engine_id]
-        if block_size < 1 or block_size == entries.block_size:
+        if block_size < 1:
+            return
+        entries.reported = True
+        if block_size == entries.block_size:
             return
         entries.block_size = block_size
         self._reset(entries, precise_only=False)
@@ -318,8 +323,12 @@ class PrefixIndex:
         if entries is None:
             return 0
         if block_size != entries.block_size:
-            self.stats.block_size_mismatch += 1
-            return 0
+            if entries.reported or block_size < 1:
+                self.stats.block_size_mismatch += 1
+                return 0
+            # events can come before the first scrape says the engine's block size (the replay of
+            # its cache at subscription does): the event's own size is the engine's
+            self.set_block_size(engine_id, block_size)
         if parent_engine_hash is None:
             parent: int | None = root_key(entries.model, lora, cache_salt)
         else:

@@ -52,6 +52,10 @@ class RunningEntry:
     late: bool = False
 
 
+#: the most output tokens one streamed event is taken to carry (a bound on a broken usage)
+MAX_TOKENS_PER_EVENT = 16.0
+
+
 @dataclass(slots=True)
 class EngineRecord:
     """Mutable, gateway-private view of one engine. Only the event loop thread touches it."""
@@ -84,6 +88,17 @@ class EngineRecord:
     tpot_counts: dict[float, int] = field(default_factory=dict)
     #: LoRA adapters loaded on the engine's model, as its ``/v1/models`` listed them last
     adapters: frozenset[str] = frozenset()
+    #: output tokens per streamed content event, from finished streams' usage (more than one on
+    #: engines that send several tokens an event: speculative decoding, vLLM --stream-interval)
+    tokens_per_event: float = 1.0
+    #: when the scrape whose state this is was sent
+    scrape_sent_at: float = 0.0
+
+    def note_tokens_per_event(self, completion_tokens: int, events: int) -> None:
+        """A stream ended with its usage: fold its tokens per content event into the estimate."""
+        if events > 0 and completion_tokens > 0:
+            ratio = min(MAX_TOKENS_PER_EVENT, max(1.0, completion_tokens / events))
+            self.tokens_per_event += 0.2 * (ratio - self.tokens_per_event)
 
     @property
     def engine_id(self) -> str:
@@ -416,12 +431,27 @@ class Fleet:
 
     # -- health and state, written by the monitor and by data-path failures -----------------------
 
-    def record_state(self, engine_id: str, state: EngineState | None, now: float) -> None:
+    def record_state(
+        self,
+        engine_id: str,
+        state: EngineState | None,
+        now: float,
+        sent_at: float | None = None,
+        in_flight_at_send: tuple[int, int] | None = None,
+    ) -> None:
+        """The engine's state as a scrape read it at ``now``; ``sent_at``: when the scrape was
+        sent, with what was in flight then. The engine rendered its metrics somewhere between:
+        what was placed meanwhile is not in its report (subtracted, it hid as much of the
+        engine's other load), so the in-flight counts are the lesser of the two."""
         record = self.records[engine_id]
         record.state = None if state is None else bounded_state(state)
         record.state_at = now
-        record.in_flight_at_scrape = record.in_flight
-        record.in_flight_tokens_at_scrape = record.in_flight_tokens
+        record.scrape_sent_at = now if sent_at is None else sent_at
+        in_flight, tokens = record.in_flight, record.in_flight_tokens
+        if in_flight_at_send is not None:
+            in_flight, tokens = min(in_flight, in_flight_at_send[0]), min(tokens, in_flight_at_send[1])
+        record.in_flight_at_scrape = in_flight
+        record.in_flight_tokens_at_scrape = tokens
         self._dirty.add(record.index)
         self._notify(engine_id, "state")
 

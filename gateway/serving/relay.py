@@ -286,6 +286,8 @@ async def relay_stream(
     if call.watcher is not None:
         call.watcher.cancel()
     call.finished_at = monotonic()
+    if call.completion_tokens is not None and not errored:
+        record.note_tokens_per_event(call.completion_tokens, call.content_events)
     # the engine's part is over: its capacity goes back before a slow client takes the last bytes
     fleet.release(engine_id, call.rid)
     await send_bounded(send, {"type": "http.response.body", "body": b"", "more_body": False}, idle_s)

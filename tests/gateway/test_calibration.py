@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway import metrics
@@ -112,17 +113,43 @@ async def test_the_calibration_task_probes_a_joining_engine_once_and_stops(engin
     async with aiohttp.ClientSession() as session:
         _, slo, calibrator = await setup(engine, session)
         calibrator.start()
+        task = calibrator._task
         try:
             deadline = time.monotonic() + 30
             while not calibrator.done and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert calibrator.done == ["e0"]
+            assert list(calibrator.done) == ["e0"]
             await asyncio.sleep(0.3)
-            assert calibrator.done == ["e0"]  # not again before calibration_interval_s
+            assert list(calibrator.done) == ["e0"]  # not again before calibration_interval_s
         finally:
             await calibrator.stop()
-        assert calibrator._task is None
+        assert task is not None and task.cancelled()  # (stop() clears _task whatever happened)
         assert slo.coefficients("e0") != (TRUTH.prefill, TRUTH.decode)
+
+
+async def test_a_run_interrupted_by_client_traffic_is_not_begun_again_at_every_idle_moment(
+    engine: SimProcess,
+) -> None:
+    """Under load, each brief idle moment began a run that the next request interrupted: probes
+    sent for nothing up to once a second, for as long as the load lasted."""
+    async with aiohttp.ClientSession() as session:
+        _, _, calibrator = await setup(engine, session)
+        calibrator.check_every_s = 0.01
+        runs = 0
+
+        async def interrupted(record: object) -> int:
+            nonlocal runs
+            runs += 1
+            raise Interrupted()
+
+        calibrator.calibrate = interrupted  # type: ignore[method-assign,assignment]
+        calibrator.start()
+        try:
+            await asyncio.sleep(0.5)
+        finally:
+            await calibrator.stop()
+        assert runs == 1
+        assert calibrator.due["e0"] > time.monotonic() + 3  # tried again after a wait
 
 
 def test_a_gateway_with_calibration_probes_its_engine_and_stops_it_with_itself(engine: SimProcess) -> None:
@@ -130,7 +157,7 @@ def test_a_gateway_with_calibration_probes_its_engine_and_stops_it_with_itself(e
     with run_gateway(engines=[entry], calibration=True) as gw:
         calibrator = gw.gateway.calibrator
         assert calibrator is not None
-        assert wait_until(lambda: calibrator.done == ["e0"], timeout=30)
+        assert wait_until(lambda: list(calibrator.done) == ["e0"], timeout=30)
         prefill, _ = gw.gateway.slo.coefficients("e0")
         assert prefill[1] == pytest.approx(TRUTH.prefill_b / SPEED, rel=0.2)
     assert calibrator._task is None  # stopped with the gateway
@@ -150,4 +177,23 @@ def test_a_gateway_with_calibration_probes_its_engine_and_stops_it_with_itself(e
     ],
 )
 def test_probe_lengths_are_what_the_engine_computed(body: bytes, expected: int | None) -> None:
-    assert _prompt_tokens(body) == expected
+    assert _prompt_tokens(body, 120) == expected
+
+
+@pytest.mark.parametrize(
+    ("usage", "counted"),
+    [
+        ({"prompt_tokens": 100}, 100),
+        ({"prompt_tokens": 120, "prompt_tokens_details": {"cached_tokens": 20}}, 100),
+        ({"prompt_tokens": True}, None),  # (a bool is an int in Python)
+        ({"prompt_tokens": 2**64 - 1}, None),  # one such sample crushed the fitted slope 28x
+        ({"prompt_tokens": 3}, None),
+        ({"prompt_tokens": "100"}, None),
+    ],
+)
+def test_an_engines_count_of_a_probe_is_believed_only_near_the_gateways(
+    usage: dict[str, object], counted: int | None
+) -> None:
+    from gateway.fleet.calibration import _prompt_tokens
+
+    assert _prompt_tokens(orjson.dumps({"usage": usage}), 100) == counted

@@ -330,3 +330,26 @@ async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow()
             assert asyncio.get_running_loop().time() - started < 1.5  # not the 5 s /slots takes
     finally:
         await server.close()
+
+
+def test_requests_placed_while_a_scrape_was_in_flight_count_on_top_of_its_report() -> None:
+    """The in-flight count subtracted from a report was taken when its answer arrived: requests
+    placed while the scrape was in flight, which the report never held, hid as much of the
+    engine's other load until the next scrape."""
+    from gateway.dispatch.offline import offline_fleet
+    from gateway.fleet.registry import RunningEntry
+    from policies.api import EngineState, estimated_load
+
+    fleet = offline_fleet({"m": 1})
+    engine_id = "m-0"
+    for i in range(20):
+        fleet.reserve(engine_id, f"a{i}", RunningEntry(100, 100, 0.1, 0.0))
+    record = fleet.records[engine_id]
+    at_send = (record.in_flight, record.in_flight_tokens)
+    for i in range(10):  # placed while /metrics was being answered
+        fleet.reserve(engine_id, f"b{i}", RunningEntry(100, 100, 0.1, 0.0))
+    report = EngineState(num_running=20, kv_usage=4000 / 16000, block_size=16, num_gpu_blocks=1000)
+    fleet.record_state(engine_id, report, 1.0, 0.5, at_send)
+    snapshot = next(e for e in fleet.candidates("m", 1.0) if e.engine_id == engine_id)
+    assert estimated_load(snapshot) == 30
+    assert record.free_kv_tokens() == 16000 - 6000

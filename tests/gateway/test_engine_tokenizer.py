@@ -352,28 +352,6 @@ async def test_a_tokenizer_that_cannot_be_loaded_stops_start_up(chatml_dir: Path
         await gateway.stop()
 
 
-def test_a_template_is_never_seen_half_compiled(chatml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A keying that comes while another compiles the template (another thread, or the loop
-    while a thread does) finds it compiled whole, never compiled but without its content format."""
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
-    expected = _encode(chatml_dir, _chatml_text([{"role": "user", "content": "hello there"}]))
-    ready: list[EngineTokenizer] = []
-    meanwhile: list[list[int] | None] = []
-    real = et._iterates_content
-
-    def iterates_content(source: str) -> bool:
-        if ready:  # the tokenizer exists: a second keying comes in the middle of the compile
-            ids = ready[0].prompt_token_ids("chat", {"messages": messages})
-            meanwhile.append(None if ids is None else ids.tolist())
-        return real(source)
-
-    monkeypatch.setattr(et, "_iterates_content", iterates_content)
-    tok = EngineTokenizer(chatml_dir)
-    ready.append(tok)
-    assert _ids(tok.prompt_token_ids("chat", {"messages": messages})) == expected
-    assert all(ids == expected for ids in meanwhile), meanwhile
-
-
 # -- Rust panics ---------------------------------------------------------------------------------
 
 #: what pyo3 raises for a Rust panic: ``pyo3_runtime.PanicException``, a BaseException

@@ -412,8 +412,13 @@ async def test_feed_stops_cleanly(ctx: zmq.asyncio.Context) -> None:
     feed = KVEventFeed(index, [engine.source()])
     feed.start()
     await asyncio.sleep(0.05)
+    tasks = [s._task for s in feed.subscribers.values()]
+    sockets = [s._sub for s in feed.subscribers.values()]
+    assert tasks and all(t is not None and not t.done() for t in tasks)
     await asyncio.wait_for(feed.stop(), 2.0)
-    assert all(s._task is None and s._sub is None for s in feed.subscribers.values())
+    # (stop() sets the attributes to None whatever happened: the task and socket themselves)
+    assert all(t is not None and t.cancelled() for t in tasks)
+    assert all(sock is None or sock.closed for sock in sockets)
     await engine.close()
 
 

@@ -183,3 +183,83 @@ def test_a_pd_decode_whose_kv_arrived_joins_as_a_decode_not_a_prefill() -> None:
     prefill, decode = pending(learner)
     assert [s.input_lengths for s in prefill] == [(50,)]  # a's own prefill only
     assert [s.batch_size for s in decode] == [1, 2, 2]
+
+
+def test_an_engine_sending_several_tokens_an_event_is_learned_once_its_streams_report_usage() -> None:
+    """The relay counts events, the engine tokens: with three tokens an event (speculative
+    decoding, vLLM --stream-interval) every interval was refuted as "tokens unseen" and the
+    engine was never learned. Finished streams' usage tells how many tokens an event carries."""
+    fleet, learner, clock = setup()
+    record = fleet.records["e"]
+    steps = generated = 0
+
+    def stream(rid: str) -> None:
+        nonlocal steps, generated
+        send(fleet, clock, rid, 64)
+        for _ in range(20):
+            step(fleet, clock, 0.01, [rid])
+            steps, generated = steps + 1, generated + 3
+        record.note_tokens_per_event(60, 20)  # its usage, as the relay reads it at [DONE]
+        fleet.release("e", rid)
+        fleet.record_state("e", timing(steps, generated), clock.now)
+
+    fleet.record_state("e", timing(0, 0), clock.now)
+    for i in range(12):
+        stream(f"r{i}")
+    assert record.tokens_per_event == pytest.approx(3.0, rel=0.1)
+    assert learner.sample_counts("e")[1] > 0  # intervals kept once the ratio is known
+
+    # the check still refutes what the gateway did not see: another client's tokens on top
+    kept = learner.sample_counts("e")
+    send(fleet, clock, "x", 64)
+    for _ in range(20):
+        step(fleet, clock, 0.01, ["x"])
+        steps, generated = steps + 1, generated + 3 + 2
+    fleet.record_state("e", timing(steps, generated), clock.now)
+    assert learner.sample_counts("e") == kept
+
+
+def test_a_stream_with_usage_teaches_its_engine_the_tokens_per_event() -> None:
+    fleet, _, _ = setup()
+    record = fleet.records["e"]
+    record.note_tokens_per_event(40, 41)  # a chat stream: a role event, then one token an event
+    assert record.tokens_per_event == 1.0
+    record.note_tokens_per_event(10**18, 1)  # a broken usage is bounded
+    assert 1.0 < record.tokens_per_event <= 16.0
+
+
+@pytest.mark.parametrize("render", ["at-send", "mid-way", "at-arrival"])
+def test_a_slow_scrape_does_not_refute_what_the_engine_did_while_it_was_in_flight(render: str) -> None:
+    """The engine counts as of when it renders /metrics, the gateway as of when the answer
+    arrives: a scrape in flight for 0.05-0.5 s (a busy vLLM takes seconds) differed by more than
+    the two steps allowed, and most intervals were refuted: no learning under load. The steps
+    seen while a scrape was in flight are counted as unsure."""
+    import random
+
+    fleet, learner, clock = setup()
+    rng = random.Random(0)
+    done: list[tuple[float, int]] = []  # (time, steps) after each engine step
+
+    def counted_at(t: float) -> EngineState:
+        steps = max((n for at, n in done if at <= t), default=0)
+        return timing(steps, steps * 4)
+
+    fleet.record_state("e", counted_at(0.0), clock.now, clock.now)
+    rids = [f"r{i}" for i in range(4)]
+    for rid in rids:
+        send(fleet, clock, rid, 64).max_tokens = 10**6
+    scrape: tuple[float, float, float] | None = None  # sent, rendered, answered
+    next_scrape = clock.now + 1.0
+    while clock.now < 160.0:
+        step(fleet, clock, 0.02, rids)
+        done.append((clock.now, len(done) + 1))
+        if scrape is not None and clock.now >= scrape[2]:
+            fleet.record_state("e", counted_at(scrape[1]), clock.now, scrape[0])
+            scrape = None
+        if scrape is None and clock.now >= next_scrape:
+            lag = rng.uniform(0.05, 0.5)
+            share = {"at-send": 0.0, "mid-way": rng.random(), "at-arrival": 1.0}[render]
+            scrape = (clock.now, clock.now + share * lag, clock.now + lag)
+            next_scrape += 1.0
+    kept = learner._rings["e"].total_decode  # (the ring itself holds the latest 512)
+    assert kept >= 50 * DECODE_PER_INTERVAL, kept  # nearly all of the ~159 intervals kept

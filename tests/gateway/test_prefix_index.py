@@ -282,3 +282,23 @@ def test_chain_helper_is_the_index_s_key() -> None:
     index.record_dispatch("a", PromptBlocks(tokens, ROOT), now=0.0)
     keys = chain(tokens, BS, ROOT)
     assert all(k in index._engines["a"].approx[-1].keys for k in keys)
+
+
+def test_events_before_the_first_scrape_take_the_block_size_they_carry() -> None:
+    """Events can come before the first scrape reports the engine's block size (the replay of
+    its cache at subscription): they were dropped as a mismatch against the default, and every
+    block chained on them later was an orphan."""
+    from gateway.fleet.kv_events import Stored, apply_events
+
+    size = 32
+    index = PrefixIndex(1 << 24, 60.0)
+    index.add_engine("e", "m", None)  # no scrape yet: the default size
+    tokens = list(range(1000, 1000 + 4 * size))
+    apply_events(index, "e", [Stored([11, 12], None, tokens[: 2 * size], size, None, None)], 0.0)
+    index.set_block_size("e", size)  # the scrape agrees
+    apply_events(index, "e", [Stored([13, 14], 12, tokens[2 * size :], size, None, None)], 1.0)
+    assert index.match(PromptBlocks(tokens, root_key("m", None, None)), ["e"])["e"] == 4
+    assert index.stats.orphans == 0 and index.stats.block_size_mismatch == 0
+    # once the engine has said its size, an event of another size is a mismatch
+    apply_events(index, "e", [Stored([15], None, tokens[:16], 16, None, None)], 2.0)
+    assert index.stats.block_size_mismatch == 1

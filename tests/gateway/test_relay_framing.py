@@ -165,3 +165,24 @@ async def test_ending_a_stream_with_an_error_stops_watching_for_the_clients_disc
     await asyncio.sleep(0)
     assert call.watcher.cancelled()
     assert sent[-1]["more_body"] is False and sent[-1]["body"].endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_finished_streams_usage_teaches_its_engine_how_many_tokens_an_event_carries() -> None:
+    fleet = offline_fleet({"a": 1})
+    record = fleet.records["a-0"]
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-4", entry)
+
+    async def send(message: Any) -> None:
+        pass
+
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-4", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.engine_id, call.entry = "a-0", entry
+    six = event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}})
+    stream = content("abc") + content("def") + six + b"data: [DONE]\n\n"
+    response = cast(aiohttp.ClientResponse, _Response([stream]))
+    assert await relay_stream(call, response, fleet, record, 1e12, 30.0) == 200
+    assert record.tokens_per_event == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
