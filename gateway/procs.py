@@ -56,11 +56,15 @@ class ChildProcess:
         exporter blocked this way dropped spans and held shutdown)."""
         stdout = self.proc.stdout
         assert stdout is not None
+        fd = stdout.fileno()
 
         def read() -> None:
+            partial = b""
+            # whole reads, not lines: the pipe is unbuffered (one read per byte otherwise)
             with contextlib.suppress(OSError, ValueError):  # (closed by stop())
-                for line in stdout:
-                    self.output.append(line.decode(errors="replace").rstrip())
+                while data := os.read(fd, 65536):
+                    *lines, partial = (partial + data).split(b"\n")
+                    self.output.extend(line.decode(errors="replace").rstrip() for line in lines)
 
         self._drain = threading.Thread(target=read, name=f"{self.name}-stdout", daemon=True)
         self._drain.start()

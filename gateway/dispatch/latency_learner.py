@@ -173,7 +173,8 @@ class LatencyLearner:
             self._begin(record, steps, entry, now)
         steps.last_at = now
         steps.seen_tokens += tokens
-        steps.bursts[-1][1] += tokens
+        if steps.bursts:  # (always, with the open burst kept over a scrape: never raise here)
+            steps.bursts[-1][1] += tokens
         key = id(entry)
         if key in steps.marked:
             return
@@ -276,7 +277,11 @@ class LatencyLearner:
         verdict = check_interval(steps.last_state, state, seen)
         steps.last_state = state
         steps.seen_steps = steps.seen_tokens = 0
+        # the burst still open goes on taking this step's tokens (a scrape can land mid-step)
+        still_open = steps.bursts[-1] if steps.open and steps.bursts else None
         steps.bursts.clear()
+        if still_open is not None:
+            steps.bursts.append(still_open)
         steps.unsure_steps, steps.unsure_tokens = len(late), late_tokens
         if steps.unclean:
             metrics.child(metrics.LATENCY_SAMPLES, engine_id, "step", "unclean").inc(steps.unclean)

@@ -440,9 +440,11 @@ class Fleet:
         in_flight_at_send: tuple[int, int] | None = None,
     ) -> None:
         """The engine's state as a scrape read it at ``now``; ``sent_at``: when the scrape was
-        sent, with what was in flight then. The engine rendered its metrics somewhere between:
-        what was placed meanwhile is not in its report (subtracted, it hid as much of the
-        engine's other load), so the in-flight counts are the lesser of the two."""
+        sent, with what was in flight then. The engine rendered its metrics somewhere between,
+        so what was placed meanwhile may or may not be in its report. Subtracted as if it were,
+        it hid as much of the engine's other load until the next scrape; so the in-flight counts
+        are the lesser of the two, erring towards counting a placement twice (more load, for one
+        scrape interval) rather than other load not at all."""
         record = self.records[engine_id]
         record.state = None if state is None else bounded_state(state)
         record.state_at = now

@@ -58,8 +58,8 @@ class Call:
     dispatched_at: float = 0.0
     #: when a P/D request's prefill was sent (its time in the queue ends there, not at the decode)
     prefill_dispatched_at: float = 0.0
-    #: the current attempt's engine began a successful answer (2xx headers): it has taken up the
-    #: request (a decode engine has read its KV); an error answer is a refusal
+    #: the current attempt's engine began an answer that is no error (status below 400): it has
+    #: taken up the request (a decode engine has read its KV); an error answer is a refusal
     upstream_answered: bool = False
     first_at: float = 0.0
     last_at: float = 0.0

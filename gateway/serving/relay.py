@@ -190,7 +190,14 @@ async def relay_stream(
                 else:
                     complete, pending = data[:end], data[end:]
                 now = monotonic()
-                if not call.first_at:
+                failed_at = -1
+                # (a JSON string escapes its quotes: '"error"' is an event's own key or the
+                # "object" of an error response, never text)
+                if b'"usage":' in complete or b"[DONE]" in complete or b'"error"' in complete:
+                    complete, done, n, content, failed_at = _final_events(call, complete, sep)
+                else:
+                    n = content = complete.count(sep)
+                if not call.first_at and failed_at != 0:  # (an error is no first token)
                     call.first_at = now
                     fleet.mark_prefilled(engine_id, call.rid)
                     metrics.child(metrics.TTFT, request.model, call.target.slo_class).observe(
@@ -203,18 +210,13 @@ async def relay_stream(
                     # chunk; the quarter is added so a silence is cut late, never early
                     deadline.reschedule(clock() + idle_s + rearm_every)
                     rearmed_at = now
-                failed_at = -1
-                # (a JSON string escapes its quotes: '{"error"' is an event's own key, never text)
-                if b'"usage":' in complete or b"[DONE]" in complete or b'{"error"' in complete:
-                    complete, done, n, content, failed_at = _final_events(call, complete, sep)
-                else:
-                    n = content = complete.count(sep)
                 if failed_at >= 0:
                     # vLLM reports a failure mid-stream in band: an error event, then [DONE]. Not
                     # a finished answer: what came before it goes out, the rest is a failure
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
+                    reported = _error_message(complete[failed_at:].split(sep, 1)[0])
                     engine_error = GatewayError(
-                        502, f"engine {engine_id} failed mid-stream", code="upstream_failed"
+                        502, f"engine {engine_id} failed mid-stream: {reported}", code="upstream_failed"
                     )
                     if ledger is not None:
                         complete, done, moved = (
@@ -237,7 +239,7 @@ async def relay_stream(
                 if done:
                     break  # an engine that holds the connection open after [DONE] is not waited for
                 if moved is not None:  # (a failure in band: its events before it are in the ledger)
-                    if tracking:
+                    if tracking and complete:  # (none before it: the stream may still restart)
                         ledger.feed(complete, content, now)  # type: ignore[union-attr]
                     break
                 if tracking and ledger.feed(complete, content, now):  # type: ignore[union-attr]
@@ -274,7 +276,7 @@ async def relay_stream(
         metrics.SSE_EVENTS.inc(events)
     if moved is not None:
         return moved
-    if not done:
+    if not done and not errored:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         error = GatewayError(
             502, f"engine {engine_id} ended the stream before it was complete", code="upstream_failed"
@@ -290,7 +292,9 @@ async def relay_stream(
         record.note_tokens_per_event(call.completion_tokens, call.content_events)
     # the engine's part is over: its capacity goes back before a slow client takes the last bytes
     fleet.release(engine_id, call.rid)
-    await send_bounded(send, {"type": "http.response.body", "body": b"", "more_body": False}, idle_s)
+    # (an engine's error event went out already: [DONE] after it if the engine closed without)
+    last = b"" if done else b"data: [DONE]\n\n"
+    await send_bounded(send, {"type": "http.response.body", "body": last, "more_body": False}, idle_s)
     return 502 if errored else response.status
 
 
@@ -313,7 +317,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         payload = event[6:] if event.startswith(b"data: ") else event
         if payload.strip() == b"[DONE]":
             done = True
-        elif payload.lstrip().startswith(b'{"error"'):
+        elif b'"error"' in payload and _is_error(payload):
             if failed_at < 0:
                 failed_at = sum(map(len, kept))
         elif b'"usage":' in payload and b'"usage":null' not in payload:
@@ -330,6 +334,34 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
             content += 1
         kept.append(event + sep)
     return b"".join(kept), done, len(kept), content, failed_at
+
+
+def _is_error(payload: bytes) -> bool:
+    """An engine's error event: ``{"error": {...}}`` (vLLM's streams), or an error response
+    itself (``{"object": "error", ...}``, as older vLLM wrote one)."""
+    head = payload.lstrip()
+    if head.startswith(b'{"error"'):
+        return True
+    if not head.startswith(b'{"object"'):
+        return False
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and data.get("object") == "error"
+
+
+def _error_message(event: bytes) -> str:
+    """What an engine's error event says, for the client's error (bounded; the raw bytes when
+    it is not the JSON it should be)."""
+    payload = event[6:] if event.startswith(b"data: ") else event
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return repr(payload[:200])
+    inner = data.get("error", data) if isinstance(data, dict) else data
+    message = inner.get("message") if isinstance(inner, dict) else None
+    return str(message)[:500] if message is not None else repr(payload[:200])
 
 
 async def end_with_error(call: Call, error: GatewayError) -> None:

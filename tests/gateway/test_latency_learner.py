@@ -263,3 +263,21 @@ def test_a_slow_scrape_does_not_refute_what_the_engine_did_while_it_was_in_fligh
             next_scrape += 1.0
     kept = learner._rings["e"].total_decode  # (the ring itself holds the latest 512)
     assert kept >= 50 * DECODE_PER_INTERVAL, kept  # nearly all of the ~159 intervals kept
+
+
+def test_a_scrape_that_lands_in_the_middle_of_a_step_breaks_nothing() -> None:
+    """A scrape emptied the interval's bursts while one was still open: the step's next token
+    raised IndexError in the relay (the client's stream was cut with no error event)."""
+    fleet, learner, clock = setup()
+    fleet.record_state("e", timing(0, 0), clock.now, clock.now)
+    send(fleet, clock, "a", 64)
+    send(fleet, clock, "b", 64)
+    clock.now += 0.01
+    token(fleet, "a")
+    fleet.record_state("e", timing(1, 1), clock.now, clock.now)  # between a's and b's token
+    clock.now += 0.0002
+    token(fleet, "b")  # same step: it raised here
+    for _ in range(5):
+        step(fleet, clock, 0.01, ["a", "b"])
+    fleet.record_state("e", timing(6, 12), clock.now, clock.now)
+    assert learner._steps["e"].bursts  # (the open burst is kept over the scrape)

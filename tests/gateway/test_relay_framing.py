@@ -186,3 +186,47 @@ async def test_a_finished_streams_usage_teaches_its_engine_how_many_tokens_an_ev
     response = cast(aiohttp.ClientResponse, _Response([stream]))
     assert await relay_stream(call, response, fleet, record, 1e12, 30.0) == 200
     assert record.tokens_per_event == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
+
+
+async def _relay_with_ledger(chunks: list[bytes]) -> tuple[int | Cut, StreamLedger, Call, bytes]:
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    fleet = offline_fleet({"a": 1})
+    record = fleet.records["a-0"]
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-5", entry)
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-5", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.engine_id, call.entry = "a-0", entry
+    ledger = StreamLedger()
+    response = cast(aiohttp.ClientResponse, _Response(chunks))
+    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
+    return outcome, ledger, call, b"".join(sent)
+
+
+async def test_an_error_before_the_first_token_leaves_the_stream_free_to_restart() -> None:
+    """An error event as a stream's first event was taken as its first token, and the empty
+    chunk before it as the ledger's first event: the stream could not restart elsewhere."""
+    outcome, ledger, call, sent = await _relay_with_ledger([ENGINE_ERROR + b"data: [DONE]\n\n"])
+    assert isinstance(outcome, Cut) and outcome.error is not None
+    assert "EngineCore encountered an issue" in outcome.error.message  # the engine's own words
+    assert ledger.first_chunk is None and not call.first_at and sent == b""
+
+
+async def test_an_error_response_of_the_older_shape_is_a_failure_too() -> None:
+    older = b'data: {"object": "error", "message": "out of memory", "type": "InternalServerError", "code": 500}\n\n'
+    outcome, _, _, sent = await _relay_with_ledger([TOKEN_EVENT, older + b"data: [DONE]\n\n"])
+    assert isinstance(outcome, Cut) and outcome.error is not None and "out of memory" in outcome.error.message
+    assert sent == TOKEN_EVENT
+
+
+async def test_an_error_event_then_a_close_without_done_ends_with_one_error() -> None:
+    """Without [DONE] after its error event, the stream got a second error event of the gateway's."""
+    status, sent, _ = await relay([TOKEN_EVENT, ENGINE_ERROR])
+    assert status == 502 and sent.count(b'data: {"error"') == 1 and sent.endswith(b"data: [DONE]\n\n")
