@@ -12,6 +12,7 @@ engines (kind ``openai``) in threads, so the engine behaviour that matters is ex
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -312,16 +313,22 @@ def test_bootstrap_prefill_failure_is_retried_with_the_same_healthy_decode_engin
     next prefill engine; the cancelled decode engine was left out of that retry, so with one
     decode engine the client got 503 "no decode engine" though nothing was wrong with it."""
     prefills = 0
+    prefilled = threading.Event()
 
     async def first_prefill_fails(_: StubEngine, request: web.Request) -> web.StreamResponse:
         nonlocal prefills
         prefills += 1  # (whichever prefill engine is placed first fails)
         if prefills == 1:
             return web.json_response({"error": {"message": "prefill crashed", "code": 500}}, status=500)
+        prefilled.set()
         return web.Response(body=completion_body("x"), content_type="application/json")
 
     async def decode(_: StubEngine, request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(0.3)  # waits for the KV
+        # waits for the KV: until a prefill has succeeded (the failed one's decode is cancelled)
+        for _ in range(400):
+            if prefilled.is_set():
+                break
+            await asyncio.sleep(0.025)
         return web.Response(body=completion_body("the answer"), content_type="application/json")
 
     with engines(first_prefill_fails, first_prefill_fails, decode) as (p0, p1, d):
