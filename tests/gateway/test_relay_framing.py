@@ -12,7 +12,7 @@ import pytest
 
 from gateway.api.request_parse import parse_request
 from gateway.dispatch.offline import offline_fleet
-from gateway.fleet.registry import RunningEntry
+from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call
 from gateway.serving.relay import relay_stream
 from gateway.serving.stream_state import Cut, StreamLedger
@@ -49,8 +49,11 @@ class _Response:
         self.content = _Content(chunks)
 
 
-async def relay(chunks: list[bytes], wants_usage: bool = False) -> tuple[int, bytes, Call]:
-    body = {"model": "a", "prompt": "hi", "stream": True}
+async def relay_on(
+    chunks: list[bytes], ledger: StreamLedger | None = None, wants_usage: bool = False
+) -> tuple[int | Cut, bytes, Call, EngineRecord]:
+    """Relay ``chunks`` (an engine's reads) for one stream; what the client got, and the engine."""
+    body: dict[str, Any] = {"model": "a", "prompt": "hi", "stream": True}
     if wants_usage:
         body["stream_options"] = {"include_usage": True}
     sent: list[bytes] = []
@@ -68,9 +71,15 @@ async def relay(chunks: list[bytes], wants_usage: bool = False) -> tuple[int, by
     )
     call.engine_id, call.entry = "a-0", entry
     response = cast(aiohttp.ClientResponse, _Response(chunks))
-    status = await relay_stream(call, response, fleet, record, first_token_at=1e12, idle_s=30.0)
+    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
+    return outcome, b"".join(sent), call, record
+
+
+async def relay(chunks: list[bytes], wants_usage: bool = False) -> tuple[int, bytes, Call]:
+    status, sent, call, record = await relay_on(chunks, wants_usage=wants_usage)
+    assert isinstance(status, int)
     assert record.in_flight == 0  # released once the engine's part was over
-    return status, b"".join(sent), call
+    return status, sent, call
 
 
 @pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
@@ -120,26 +129,10 @@ async def test_an_error_event_in_band_is_a_failure_not_a_finished_stream(togethe
     assert call.content_events == 1  # (the error is no content)
 
     # a stream that may migrate: what came before the error goes out, then it is cut
-    sent_parts: list[bytes] = []
-
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.body":
-            sent_parts.append(message["body"])
-
-    fleet = offline_fleet({"a": 1})
-    record = fleet.records["a-0"]
-    entry = RunningEntry(3, 16, 1.0, 0.0)
-    fleet.reserve("a-0", "sg-2", entry)
-    body = {"model": "a", "prompt": "hi", "stream": True}
-    call = Call(
-        parse_request("completions", orjson.dumps(body), 16), "sg-2", "c", 0.0, send, TARGET, None, (), {}
-    )
-    call.engine_id, call.entry = "a-0", entry
     ledger = StreamLedger()
-    response = cast(aiohttp.ClientResponse, _Response(chunks))
-    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
+    outcome, sent, _, _ = await relay_on(chunks, ledger)
     assert isinstance(outcome, Cut) and outcome.error is not None and outcome.error.status == 502
-    assert ledger.tokens() == [5] and b"".join(sent_parts) == TOKEN_EVENT
+    assert ledger.tokens() == [5] and sent == TOKEN_EVENT
 
 
 async def test_ending_a_stream_with_an_error_stops_watching_for_the_clients_disconnect() -> None:
@@ -168,52 +161,17 @@ async def test_ending_a_stream_with_an_error_stops_watching_for_the_clients_disc
 
 
 async def test_a_finished_streams_usage_teaches_its_engine_how_many_tokens_an_event_carries() -> None:
-    fleet = offline_fleet({"a": 1})
-    record = fleet.records["a-0"]
-    entry = RunningEntry(3, 16, 1.0, 0.0)
-    fleet.reserve("a-0", "sg-4", entry)
-
-    async def send(message: Any) -> None:
-        pass
-
-    body = {"model": "a", "prompt": "hi", "stream": True}
-    call = Call(
-        parse_request("completions", orjson.dumps(body), 16), "sg-4", "c", 0.0, send, TARGET, None, (), {}
-    )
-    call.engine_id, call.entry = "a-0", entry
     six = event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}})
-    stream = content("abc") + content("def") + six + b"data: [DONE]\n\n"
-    response = cast(aiohttp.ClientResponse, _Response([stream]))
-    assert await relay_stream(call, response, fleet, record, 1e12, 30.0) == 200
+    status, _, _, record = await relay_on([content("abc") + content("def") + six + b"data: [DONE]\n\n"])
+    assert status == 200
     assert record.tokens_per_event == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
-
-
-async def _relay_with_ledger(chunks: list[bytes]) -> tuple[int | Cut, StreamLedger, Call, bytes]:
-    sent: list[bytes] = []
-
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.body":
-            sent.append(message["body"])
-
-    fleet = offline_fleet({"a": 1})
-    record = fleet.records["a-0"]
-    entry = RunningEntry(3, 16, 1.0, 0.0)
-    fleet.reserve("a-0", "sg-5", entry)
-    body = {"model": "a", "prompt": "hi", "stream": True}
-    call = Call(
-        parse_request("completions", orjson.dumps(body), 16), "sg-5", "c", 0.0, send, TARGET, None, (), {}
-    )
-    call.engine_id, call.entry = "a-0", entry
-    ledger = StreamLedger()
-    response = cast(aiohttp.ClientResponse, _Response(chunks))
-    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
-    return outcome, ledger, call, b"".join(sent)
 
 
 async def test_an_error_before_the_first_token_leaves_the_stream_free_to_restart() -> None:
     """An error event as a stream's first event was taken as its first token, and the empty
     chunk before it as the ledger's first event: the stream could not restart elsewhere."""
-    outcome, ledger, call, sent = await _relay_with_ledger([ENGINE_ERROR + b"data: [DONE]\n\n"])
+    ledger = StreamLedger()
+    outcome, sent, call, _ = await relay_on([ENGINE_ERROR + b"data: [DONE]\n\n"], ledger)
     assert isinstance(outcome, Cut) and outcome.error is not None
     assert "EngineCore encountered an issue" in outcome.error.message  # the engine's own words
     assert ledger.first_chunk is None and not call.first_at and sent == b""
@@ -221,7 +179,7 @@ async def test_an_error_before_the_first_token_leaves_the_stream_free_to_restart
 
 async def test_an_error_response_of_the_older_shape_is_a_failure_too() -> None:
     older = b'data: {"object": "error", "message": "out of memory", "type": "InternalServerError", "code": 500}\n\n'
-    outcome, _, _, sent = await _relay_with_ledger([TOKEN_EVENT, older + b"data: [DONE]\n\n"])
+    outcome, sent, _, _ = await relay_on([TOKEN_EVENT, older + b"data: [DONE]\n\n"], StreamLedger())
     assert isinstance(outcome, Cut) and outcome.error is not None and "out of memory" in outcome.error.message
     assert sent == TOKEN_EVENT
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,27 +31,25 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def _up(port: int, engines: int, time_scale: str, **popen: Any) -> subprocess.Popen[Any]:
+    """``slogate up`` on ``port`` as a user starts it; its output merged into ``popen``'s stdout."""
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--engines", str(engines)]
+    return subprocess.Popen([*argv, "--time-scale", time_scale], stderr=subprocess.STDOUT, **popen)
+
+
+def _assert_gone(engines: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in engines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
+
+
+# (SIGINT: test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
-    """Ctrl-C and SIGTERM stop everything cleanly; even SIGKILL (no cleanup runs) orphans nothing."""
+    """SIGTERM stops everything cleanly; even SIGKILL (no cleanup runs) orphans nothing."""
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "up",
-            "--port",
-            str(port),
-            "--engines",
-            "2",
-            "--time-scale",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _up(port, 2, "10", stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     lines: list[str] = []
     try:
@@ -80,34 +79,15 @@ def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
         proc.send_signal(sig)
         code = proc.wait(20)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in engines) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
+    _assert_gone(engines)
 
 
 def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> None:
     """A terminal's Ctrl-C signals its whole foreground process group. The engines were in it:
     they got SIGINT with the gateway and froze the stream it was draining (cut two minutes later)."""
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "up",
-            "--port",
-            str(port),
-            "--engines",
-            "1",
-            "--time-scale",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # a group of its own, as a shell gives the job it runs
-    )
+    # a group of its own, as a shell gives the job it runs
+    proc = _up(port, 1, "1", stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     engines: list[int] = []
     try:
@@ -134,10 +114,7 @@ def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in engines) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
+    _assert_gone(engines)
 
 
 def test_an_engine_that_dies_is_reported_and_reaped(tmp_path: Path) -> None:
@@ -145,22 +122,7 @@ def test_an_engine_that_dies_is_reported_and_reaped(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "up.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway.cli",
-                "up",
-                "--port",
-                str(port),
-                "--engines",
-                "2",
-                "--time-scale",
-                "10",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        proc = _up(port, 2, "10", stdout=out)
 
     def logged(text: str, within_s: float) -> bool:
         deadline = time.monotonic() + within_s
