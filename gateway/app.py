@@ -351,6 +351,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "model": r.model,
                     "role": r.adapter.role.value,
                     "healthy": r.healthy,
+                    "draining": r.draining,  # (a role flip under way)
                     "in_flight": r.in_flight,
                     "last_error": r.last_error or None,
                     "state": asdict(r.state) if r.state else None,
@@ -365,7 +366,8 @@ def build_api(gateway: Gateway) -> FastAPI:
     @api.post("/admin/engines/{engine_id}/role")
     async def engine_role(engine_id: str, request: Request) -> Response:
         """Drain the engine, switch it to ``{"role": ...}`` and put it back (gateway.fleet.roles).
-        ``drain_timeout_s`` (default 60) bounds the drain; past it the role stays."""
+        ``drain_timeout_s`` (default 60) bounds the drain; past it the role stays. ``allow_gap``
+        (default false) lets a model's only front engine flip, its requests refused meanwhile."""
         f = fleet()
         try:
             if engine_id not in f.records:
@@ -386,7 +388,10 @@ def build_api(gateway: Gateway) -> FastAPI:
                 raise GatewayError(
                     400, "drain_timeout_s must be a number of seconds in 0..3600", param="drain_timeout_s"
                 )
-            flip = await flip_role(f, engine_id, Role(role), float(drain))
+            allow_gap = body.get("allow_gap", False) if isinstance(body, dict) else False
+            if not isinstance(allow_gap, bool):
+                raise GatewayError(400, "allow_gap must be true or false", param="allow_gap")
+            flip = await flip_role(f, engine_id, Role(role), float(drain), allow_gap)
         except GatewayError as error:
             return _error_response(error)
         return _json(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -246,11 +247,37 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/experiment-a"))
 
 
+def _checked_inputs(policies: list[str], qps: str, repeat: int) -> list[float]:
+    """Every input checked before the first run (a bad one found at its point lost the points
+    already run: nothing is written until the end); the rates. Exits 2 with the reason."""
+    try:
+        rates = [float(q) for q in qps.split(",")]
+    except ValueError:
+        rates = []
+    problem = None
+    if not rates or not all(0 < q < math.inf for q in rates):
+        problem = f"--qps takes rates > 0, comma-separated: got {qps!r}"
+    elif repeat < 1:
+        problem = f"--repeat takes 1 or more, got {repeat}"
+    elif not policies:
+        problem = "--policies names no routing profile"
+    else:
+        for policy in policies:
+            path = routing_profile_path(split_prio(policy)[0])
+            if not path.is_file():
+                problem = f"no routing profile {policy!r} ({path})"
+                break
+    if problem is not None:
+        print(f"slogate experiment: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return rates
+
+
 def experiment_main(args: argparse.Namespace) -> int:
     pyplot()  # fail now, not after the runs, if matplotlib is missing
     tasks = TASK_SETS[args.tasks]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    rates = [float(q) for q in args.qps.split(",")]
+    rates = _checked_inputs(policies, args.qps, args.repeat)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[PointResult] = []
     total = len(policies) * len(rates) * args.repeat

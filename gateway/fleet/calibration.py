@@ -192,7 +192,8 @@ class Calibrator:
         return len(samples)
 
     def _check(self, record: EngineRecord, watch: _Watch) -> None:
-        if watch.touched or record.running:
+        # (a drain began: a role flip is coming, and the probes would meet it)
+        if watch.touched or record.running or record.draining:
             metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "interrupted").inc()
             raise Interrupted(record.engine_id)
 

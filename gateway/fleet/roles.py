@@ -33,17 +33,32 @@ class RoleFlip:
     drained_s: float
 
 
-def check_flip(fleet: Fleet, engine_id: str, role: Role) -> None:
-    """Raise a 409 GatewayError when flipping ``engine_id`` to ``role`` would strand its model."""
+def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False) -> None:
+    """Raise a 409 GatewayError when flipping ``engine_id`` to ``role`` would strand its model:
+    after the flip, or, unless ``allow_gap``, while it drains (out of rotation meanwhile, the
+    model's only front engine left every new request a 503 for the whole drain)."""
     record = fleet.records[engine_id]
     model = record.model
     others = [r for r in fleet.engines_of[model] if r.engine_id != engine_id]
-    after = [(r.adapter.role, r.healthy and not r.draining) for r in others] + [(role, record.healthy)]
+    during = [(r.adapter.role, r.healthy and not r.draining) for r in others]
+    after = [*during, (role, record.healthy)]
     if not any(r in FRONT_ROLES and up for r, up in after):
         raise GatewayError(
             409,
             f"engine {engine_id} is the last engine taking model {model!r}'s requests (collocated or "
             "prefill) in rotation: add or heal another one first",
+            code="last_engine",
+        )
+    if (
+        not allow_gap
+        and record.adapter.role in FRONT_ROLES
+        and not any(r in FRONT_ROLES and up for r, up in during)
+    ):
+        raise GatewayError(
+            409,
+            f"engine {engine_id} is model {model!r}'s only engine taking its requests in rotation: "
+            "while it drains, every new request would be refused. Add one first, or accept the "
+            'gap with "allow_gap": true',
             code="last_engine",
         )
     if any(r is Role.PREFILL for r, _ in after) and not any(r is Role.DECODE and up for r, up in after):
@@ -55,7 +70,9 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role) -> None:
         )
 
 
-async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: float) -> RoleFlip:
+async def flip_role(
+    fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: float, allow_gap: bool = False
+) -> RoleFlip:
     """Drain ``engine_id``, switch it to ``role``, put it back (see the module docstring)."""
     record = fleet.records[engine_id]
     before = record.adapter.role
@@ -70,7 +87,7 @@ async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: f
             "a launch setting, e.g. SGLang's --disaggregation-mode): restart it in the new role",
             code="role_fixed",
         )
-    check_flip(fleet, engine_id, role)
+    check_flip(fleet, engine_id, role, allow_gap)
     started = time.monotonic()
     fleet.set_draining(engine_id, True)
     try:
@@ -83,10 +100,24 @@ async def flip_role(fleet: Fleet, engine_id: str, role: Role, drain_timeout_s: f
                     code="drain_timeout",
                 )
             await asyncio.sleep(_DRAIN_POLL_S)
-        check_flip(fleet, engine_id, role)  # again: other engines may have left during the drain
+        # again: other engines may have left during the drain (the gap is over by now)
+        check_flip(fleet, engine_id, role, allow_gap=True)
         try:
             await record.adapter.switch_role(role)
         except Exception as exc:  # the engine did not take it: it keeps serving as before
+            # it may have taken it and failed to say so (an answer past the timeout): told its
+            # old role again, so that the engine and the gateway agree on it (best effort)
+            try:
+                await record.adapter.switch_role(before)
+            except Exception as again:
+                log.error(
+                    "engine %s: role change to %s failed and its role %s could not be restored: %r",
+                    engine_id,
+                    role.value,
+                    before.value,
+                    again,
+                    extra={"engine": engine_id},
+                )
             raise GatewayError(502, f"engine {engine_id} refused the role change: {exc!r}") from None
         fleet.set_role(engine_id, role)
     finally:

@@ -197,3 +197,17 @@ def test_an_engines_count_of_a_probe_is_believed_only_near_the_gateways(
     from gateway.fleet.calibration import _prompt_tokens
 
     assert _prompt_tokens(orjson.dumps({"usage": usage}), 100) == counted
+
+
+async def test_a_drain_interrupts_a_calibration_run(engine: SimProcess) -> None:
+    """A role flip's drain ended at once (probes hold no reservation) and the run went on
+    probing an engine that had changed role meanwhile."""
+    async with aiohttp.ClientSession() as session:
+        fleet, _, calibrator = await setup(engine, session)
+        record = fleet.records["e0"]
+        fleet.set_draining("e0", True)
+        try:
+            with pytest.raises(Interrupted):
+                await calibrator.calibrate(record)
+        finally:
+            fleet.set_draining("e0", False)

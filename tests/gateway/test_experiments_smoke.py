@@ -6,6 +6,8 @@ import itertools
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.cli import main as cli_main
 from gateway.experiments.replay import Outcome, summarize
 from gateway.experiments.runner import run_point
@@ -67,3 +69,26 @@ def test_priority_ramp_smoke(tmp_path: Path) -> None:
     assert cli_main(argv) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["hyperflexis"] and (tmp_path / "ttft_over_time.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("policies", "qps", "repeat"),
+    [
+        (["least-load", "leastload"], "2,4", 1),  # a misspelt profile
+        (["least-load"], "2,4,0", 1),
+        (["least-load"], "nan", 1),
+        (["least-load"], "2", 0),
+        ([], "2", 1),
+    ],
+)
+def test_bad_experiment_inputs_stop_it_before_the_first_run(
+    policies: list[str], qps: str, repeat: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked only when their point came up, they ended the command after the points before
+    them had run, and nothing was written (the results are written at the end)."""
+    from gateway.experiments.runner import _checked_inputs
+
+    with pytest.raises(SystemExit) as info:
+        _checked_inputs(policies, qps, repeat)
+    assert info.value.code == 2 and "slogate experiment:" in capsys.readouterr().err
+    assert _checked_inputs(["least-load", "hyperflexis+prio"], "2,4", 2) == [2.0, 4.0]

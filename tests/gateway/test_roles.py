@@ -1,0 +1,62 @@
+"""Role flips: what may flip when (gateway.fleet.roles.check_flip)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.api.errors import GatewayError
+from gateway.dispatch.offline import fleet_of
+from gateway.fleet.roles import check_flip
+from gateway.settings import EngineConfig
+from policies.api import Role
+
+
+def _fleet(*roles: str):  # type: ignore[no-untyped-def]
+    configs = [
+        EngineConfig(url=f"http://127.0.0.1:{10_000 + i}", kind="sim", model="m", name=f"e{i}", role=role)  # type: ignore[arg-type]
+        for i, role in enumerate(roles)
+    ]
+    return fleet_of(configs, 3.0)
+
+
+def test_the_only_front_engine_flips_only_when_the_gap_is_accepted() -> None:
+    """Flipping a model's only collocated/prefill engine took it out of rotation for the whole
+    drain: every new request of the model was a 503, up to the drain timeout."""
+    fleet = _fleet("collocated", "decode")
+    with pytest.raises(GatewayError) as info:
+        check_flip(fleet, "e0", Role.PREFILL)
+    assert info.value.status == 409 and "allow_gap" in info.value.message
+    check_flip(fleet, "e0", Role.PREFILL, allow_gap=True)
+    # another front engine in rotation takes the requests meanwhile
+    check_flip(_fleet("collocated", "collocated"), "e0", Role.DECODE)
+    # a decode engine's drain leaves the front alone
+    check_flip(_fleet("prefill", "decode", "decode"), "e1", Role.PREFILL)
+
+
+def test_a_flip_that_strands_the_model_is_refused_even_with_the_gap_accepted() -> None:
+    with pytest.raises(GatewayError):
+        check_flip(_fleet("collocated"), "e0", Role.DECODE, allow_gap=True)
+    with pytest.raises(GatewayError):  # prefill engines and no decode engine after it
+        check_flip(_fleet("prefill", "prefill", "decode"), "e2", Role.PREFILL, allow_gap=True)
+
+
+async def test_a_failed_role_change_tells_the_engine_its_old_role_again() -> None:
+    """The engine may take a role and fail to say so in time: the gateway kept the old role
+    while the engine ran the new one (prefill requests sent to a decode engine)."""
+    from gateway.fleet.roles import flip_role
+
+    fleet = _fleet("collocated", "collocated")
+    record = fleet.records["e1"]
+    told: list[Role] = []
+
+    async def switch_role(role: Role) -> None:
+        told.append(role)
+        if len(told) == 1:
+            raise TimeoutError()
+
+    record.adapter.switch_role = switch_role  # type: ignore[method-assign]
+    with pytest.raises(GatewayError) as info:
+        await flip_role(fleet, "e1", Role.DECODE, 1.0)
+    assert info.value.status == 502
+    assert told == [Role.DECODE, Role.COLLOCATED] and record.adapter.role is Role.COLLOCATED
+    assert not record.draining
