@@ -934,13 +934,13 @@ class DispatchCore:
             self._adapters.pop(model, None)
         hyperflexis = self.hyperflexis is not None
         if (
-            what == "health"
-            and not record.healthy
+            ((what == "health" and not record.healthy) or what == "role")
             and not self.fleet.has_healthy(model)
             and self.queued(model)
         ):
-            # every engine of the model is gone: say so now rather than let requests sit out
-            # the queue timeout (new arrivals for the model get the same 503 at once)
+            # every engine of the model is gone (ejected, or drained or flipped away): say so
+            # now rather than let requests sit out the queue timeout (new arrivals for the
+            # model get the same 503 at once)
             error = self.no_engine(model)
             queue = self.queues[model]
             self._demote_plans.pop(model, None)
@@ -949,6 +949,11 @@ class DispatchCore:
                 self._refuse(rid, "no_engine", error, None)
             self.wake()
             return
+        if hyperflexis and what in ("adapters", "health", "role") and self.fleet.adapter_bases:
+            # a worker parked for slack left a LoRA request to an engine holding its adapter:
+            # that engine may just have left rotation or unloaded it (only arrivals woke them)
+            self.workers.unpark_all(model, -math.inf)
+            self._dirty.add(model)
         if hyperflexis and self.workers.on_engine_event(record, what):
             # the prefills that just ended are timed now, not at the next arrival: here when the
             # model has nothing queued (a step only for that was a loop turn per request in front

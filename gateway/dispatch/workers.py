@@ -143,6 +143,13 @@ class HyperFlexisWorkers:
         self._parked[model].pop(engine_id, None)
         self.set(model, engine_id, now)
 
+    def unpark_all(self, model: str, now: float) -> None:
+        """Every engine of ``model`` parked for slack looks again: what held it back (a request's
+        adapter on another engine, that engine in rotation) may have changed."""
+        parked = self._parked.get(model)
+        for engine_id in list(parked or ()):
+            self.unpark(model, engine_id, now)
+
     def unpark_for_arrival(self, model: str, count: int, now: float) -> None:
         """Give ``count`` engines parked for slack a look at a new arrival (oldest parked first)."""
         parked = self._parked.get(model)

@@ -148,6 +148,15 @@ class CollocatedFlow:
             self._decided(call, attempt, asked, asked_ns, suspended.value, record, None, tried)
             tried.append(record.engine_id)
             try:
+                if deadline is not None and time.monotonic() >= deadline:
+                    # it waited its whole time in the queue: sent now, the engine would do the
+                    # work and be blamed for a timeout that was the queue's
+                    raise GatewayError(
+                        504,
+                        f"the request waited {settings.request_timeout_s:g} s (request_timeout_s) "
+                        "without reaching an engine",
+                        code="request_timeout",
+                    )
                 outcome = await serve_on(call, record, entry, deadline)
             finally:
                 self.dispatch.release(record.engine_id, call.rid)

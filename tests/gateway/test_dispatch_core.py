@@ -124,6 +124,23 @@ def test_ejecting_the_last_engine_refuses_its_models_queue_at_once() -> None:
     assert refused.value.status == 503
 
 
+@pytest.mark.parametrize("dispatcher", ["pipeline", "hyperflexis"])
+def test_draining_the_last_engine_refuses_its_models_queue_at_once(dispatcher: str) -> None:
+    """Drained (or flipped away), the model's last front engine left its queue waiting for the
+    queue timeout while new arrivals of the model got a 503 at once."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(
+        fleet, max_engine_load=1, dispatcher=dispatcher, order="slo_tpot", tightest_ttft_s=5.0
+    )
+    for i in range(3):
+        core.submit(ticket(f"a-{i}", "a"), 0.0)
+    core.outbox.clear()  # (the one placed at once)
+    assert core.queued("a") >= 1
+    fleet.set_draining("a-0", True)
+    assert core.queued("a") == 0 and core.outbox
+    assert all(isinstance(e, GatewayError) and e.status == 503 for _, e in core.outbox)
+
+
 def test_queue_full_prunes_an_infeasible_request_with_a_bounded_look() -> None:
     fleet = offline_fleet({"a": 1})
     core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(max_queued=3))
@@ -1249,3 +1266,43 @@ def test_a_submit_whose_turn_fails_leaves_no_ticket_behind(monkeypatch: pytest.M
         core.submit(ticket("r-2", now=0.2), 0.2)
     assert "r-2" not in core.tickets and core.queued() == 1
     assert sum(r.in_flight for r in fleet.records.values()) == 0
+
+
+@pytest.mark.parametrize("how", ["eject", "drain", "unload"])
+def test_a_lora_request_left_to_an_engine_that_goes_away_is_taken_by_another(how: str) -> None:
+    """HyperFlexis left a LoRA request to the engine holding its adapter and parked the other
+    worker for slack; when that engine left rotation or unloaded the adapter, only a new
+    arrival woke the parked worker: the request waited out its queue timeout beside it."""
+    import dataclasses
+
+    fleet = offline_fleet({"a": 2})
+    fleet.set_adapters("a-0", frozenset({"ad1"}))
+    core = offline_core(
+        fleet,
+        dispatcher="hyperflexis",
+        order="slo_tpot",
+        max_engine_load=1,
+        limits=ClassLimits(queue_timeout_s=30.0),
+    )
+    fleet.reserve("a-0", "busy", RunningEntry(100, 10, 0.1, 0.0))  # the adapter's engine: full
+    core.workers.park("a", "a-0", full=True)
+    plain = ticket("x-1")
+    lora = Ticket(
+        dataclasses.replace(plain.item, view=dataclasses.replace(plain.item.view, lora="ad1")),
+        "c",
+        plain.entry,
+        0.0,
+    )
+    assert core.submit(lora, 0.0) is None
+    core.step(0.0)
+    core.step(0.01)
+    assert core.queued() == 1  # left to a-0
+    if how == "eject":
+        fleet.eject("a-0", "down")
+    elif how == "drain":
+        fleet.set_draining("a-0", True)
+    else:
+        fleet.set_adapters("a-0", frozenset())
+    fleet.release("a-0", "busy")
+    core.step(0.02)
+    assert [rid for rid, _ in core.outbox] == ["x-1"] and core.queued() == 0

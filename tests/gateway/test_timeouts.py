@@ -522,3 +522,39 @@ def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(sim_engine: C
             waited = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b'"code":"request_timeout"' in answer and 0.4 < waited < 8, (answer, waited)
+
+
+def test_a_plain_request_that_waited_its_whole_time_in_the_queue_never_reaches_an_engine() -> None:
+    """Queued behind a stream past request_timeout_s, it was still sent: the engine did the work
+    and was blamed for a 504 "did not answer in time" that was the queue's."""
+    import asyncio
+    import threading
+
+    from tests.gateway.stub_engines import StubEngine, chunk_event, completion_body
+
+    async def behaviour(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        if engine.received[-1].get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(12):
+                await response.write(chunk_event("t", i))
+                await asyncio.sleep(0.1)
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        return web.Response(body=completion_body("ok"), content_type="application/json")
+
+    settings = {**QUIET_MONITOR, "max_engine_load": 1, "request_timeout_s": 0.6}
+    with StubEngine(behaviour) as engine, run_gateway(engines=[engine.entry("e")], **settings) as gw:
+        holder = threading.Thread(
+            target=httpx.post, args=(gw.url + CHAT,), kwargs={"json": chat(stream=True), "timeout": 20}
+        )
+        holder.start()
+        assert wait_until(lambda: gw.gateway.fleet.records["e"].in_flight == 1, timeout=10)
+        started = time.monotonic()
+        response = httpx.post(gw.url + CHAT, json=chat(), timeout=20)
+        waited = time.monotonic() - started
+        holder.join()
+        assert response.status_code == 504, (waited, len(engine.received))
+        assert response.json()["error"]["code"] == "request_timeout"
+        assert len(engine.received) == 1  # the stream only
+        assert metric(gw, "slogate_upstream_errors_total", engine="e", kind="timeout") == 0.0
