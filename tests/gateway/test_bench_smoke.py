@@ -12,13 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.overhead import PacedResult, _median_run, render_table, run_overhead, run_paced
+from gateway.bench.overhead import PacedResult, _median_run, render_table, run_overhead
 from gateway.cli import main
 
 
 def test_overhead_benchmark_smoke() -> None:
+    # (the paced case with its floor, as --paced-floor runs it: one smoke for both)
     result = run_overhead(
-        n=60, stream_tokens=8, paced_streams=20, paced_tokens=(4, 32), paced_waves=1, paced_repeats=1
+        n=60,
+        stream_tokens=8,
+        paced_streams=10,
+        paced_tokens=(4, 16),
+        paced_waves=1,
+        paced_repeats=2,
+        paced_floor=True,
     )
     assert 0 < result.cpu_ms_per_request < 50
     assert 0 <= result.cpu_us_per_sse_event < 5000
@@ -27,13 +34,24 @@ def test_overhead_benchmark_smoke() -> None:
 
     paced = result.paced
     assert paced is not None
-    # every token is its own event, plus the role chunk and [DONE]; 28 more tokens, 28 more events
+    # every token is its own event, plus the role chunk and [DONE]; 12 more tokens, 12 more events
     assert paced.events_per_stream[0] >= 4
-    assert paced.events_per_stream[1] - paced.events_per_stream[0] == pytest.approx(28, abs=1)
+    assert paced.events_per_stream[1] - paced.events_per_stream[0] == pytest.approx(12, abs=1)
     assert all(0 < cpu < 100 for cpu in paced.cpu_ms_per_stream)
     assert math.isfinite(paced.cpu_us_per_sse_event) and math.isfinite(paced.cpu_ms_per_request)
-    # tokens 20 ms apart: were the engine not pacing, streams of 32 tokens would end in a few ms
+    # tokens 20 ms apart: were the engine not pacing, streams of 16 tokens would end in a few ms
     assert paced.max_gap_ms >= 15
+
+    # the bare relay on the same stack sees the same engine's streams, event for event
+    floor = paced.floor
+    assert floor is not None and floor.floor is None
+    for run in (paced, floor):  # two alternating runs of each, the median one reported
+        assert len(run.runs_us_per_event) == 2
+        assert run.cpu_us_per_sse_event in run.runs_us_per_event
+    assert floor.events_per_stream == paced.events_per_stream
+    assert math.isfinite(floor.cpu_us_per_sse_event) and floor.max_gap_ms >= 15
+    checks = "\n".join(row[0] for row in paced.checks())
+    assert "a bare relay on the same stack" in checks and "above the floor" in checks
 
     assert result.dispatchers is not None
     assert set(result.dispatchers.added_p50_ms) == {"least-load", "hyperflexis"}
@@ -42,21 +60,7 @@ def test_overhead_benchmark_smoke() -> None:
     table = render_table(result)
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
     assert "hyperflexis over least-load, added p50 (c=1)" in table
-    assert "paced: CPU per relayed SSE event (20 streams, 20 ms apart)" in table
-
-
-def test_paced_floor_relays_the_same_streams() -> None:
-    # the bare relay on the same stack sees the same engine's streams, event for event
-    paced = run_paced(streams=10, tokens=(4, 16), waves=1, floor=True, repeats=2)
-    floor = paced.floor
-    assert floor is not None and floor.floor is None
-    for result in (paced, floor):  # two alternating runs of each, the median one reported
-        assert len(result.runs_us_per_event) == 2
-        assert result.cpu_us_per_sse_event in result.runs_us_per_event
-    assert floor.events_per_stream == paced.events_per_stream
-    assert math.isfinite(floor.cpu_us_per_sse_event) and floor.max_gap_ms >= 15
-    table = "\n".join(row[0] for row in paced.checks())
-    assert "a bare relay on the same stack" in table and "above the floor" in table
+    assert "paced: CPU per relayed SSE event (10 streams, 20 ms apart)" in table
 
 
 def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
