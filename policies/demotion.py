@@ -10,8 +10,13 @@ up the longest request walked so far (if that saves it; else the newcomer). Noth
 while the band keeps up.
 
 Here, per band (requests with the same targets at one priority level), the "machine" is the
-fleet's measured drain rate of that band, in predicted service seconds per second
+fleet's measured drain rate of that band, in predicted engine seconds per second
 (:class:`BandRates`): a request's share of it is its predicted engine time divided by that rate.
+A request's engine time is what it adds to a batching engine
+(:func:`policies.queue_order.marginal_service_s`): its prefill, and per output token what one
+more sequence adds to a decode step. Charged a whole step per output token instead (a step's
+fixed cost, which the batch shares), the rule gave up short prompts with long answers and kept
+the long prompts that were the engine's real load.
 What is given up is *demoted*, not refused: the queue order serves it after every request of its
 level that can still be on time (:class:`policies.queue_order.SloTpot`), so spare capacity still
 reaches it.
@@ -30,7 +35,7 @@ from functools import lru_cache
 
 #: (priority, TTFT target, TPOT target): requests that share them compete for one band's drain
 Band = tuple[int, float, float]
-#: (band, rank within the band in serving order, last feasible start, predicted service seconds,
+#: (band, rank within the band in serving order, last feasible start, predicted engine seconds,
 #: request id)
 Row = tuple[Band, tuple[float, ...], float, float, str]
 
@@ -89,12 +94,12 @@ def longest_to_demote(
 
 
 class BandRates:
-    """Each band's measured drain rate: predicted service seconds dispatched per second,
+    """Each band's measured drain rate: predicted engine seconds dispatched per second,
     averaged over the intervals in which the band had requests waiting (an idle band's low
     dispatch says nothing of what the fleet could drain): a running mean over the first
     intervals, then an exponential average over ``time_constant_s``.
 
-    :meth:`dispatched` adds a request's predicted service as it leaves the queue;
+    :meth:`dispatched` adds a request's predicted engine time as it leaves the queue;
     :meth:`close` ends an interval at ``now`` with the bands that are waiting from then on. A
     band that has not waited for ``FORGET_AFTER`` time constants is forgotten (bands come and go
     with the SLO classes and priority levels that clients ask for).

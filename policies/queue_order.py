@@ -102,6 +102,10 @@ class OrderContext:
     decode_step_s: float
     prefill_base_s: float = 0.0
     prefill_engines: int = 1
+    #: what one more running sequence adds to a decode step (c' of eq.(2)), and what each token of
+    #: its context adds (b'), seconds: a request's own share of the steps it decodes in
+    decode_seq_s: float = 0.0
+    decode_context_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
@@ -112,6 +116,10 @@ class OrderContext:
             raise ValueError(f"decode_step_s must be a finite number >= 0, got {self.decode_step_s}")
         if not (self.prefill_base_s >= 0 and math.isfinite(self.prefill_base_s)):
             raise ValueError(f"prefill_base_s must be a finite number >= 0, got {self.prefill_base_s}")
+        for name in ("decode_seq_s", "decode_context_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.prefill_engines < 1:
             raise ValueError(f"prefill_engines must be >= 1, got {self.prefill_engines}")
 
@@ -127,6 +135,17 @@ def predicted_service_s(view: RequestView, ctx: OrderContext, decode_share: floa
         ctx.predicted_prefill_s(view.prompt_tokens)
         + decode_share * max(0, view.max_output_tokens) * ctx.decode_step_s
     )
+
+
+def marginal_service_s(view: RequestView, ctx: OrderContext) -> float:
+    """The engine time the request adds, predicted from its lengths: its prefill, and per output
+    token what one more sequence at its context adds to a decode step. Not a whole step per token
+    (:func:`predicted_service_s`): a step's fixed cost is paid once for the whole batch, so on a
+    batching engine it says little about what serving this request rather than another costs."""
+    prompt = max(0, view.prompt_tokens)
+    output = max(0, view.max_output_tokens)
+    per_token = ctx.decode_seq_s + ctx.decode_context_s * (prompt + output / 2)
+    return ctx.predicted_prefill_s(prompt) + output * per_token
 
 
 def last_feasible_start(item: QueuedRequest, ctx: OrderContext) -> float:

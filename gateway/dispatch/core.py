@@ -48,7 +48,7 @@ from policies.queue_order import (
     OrderContext,
     QueuedRequest,
     QueueOrder,
-    predicted_service_s,
+    marginal_service_s,
     ttft_infeasible,
     with_batch,
     with_demotion,
@@ -289,18 +289,20 @@ class DispatchCore:
         engines = self.fleet.engines_of.get(model, ())
         if not engines:
             return self._default_context
-        a = b = a_d = math.inf
+        a = b = a_d = b_d = c_d = math.inf
         for record in engines:
-            (pa, pb, _), (da, _, _) = self.coefficients(record.engine_id)
-            a, b, a_d = min(a, pa), min(b, pb), min(a_d, da)
+            (pa, pb, _), (da, db, dc) = self.coefficients(record.engine_id)
+            a, b, a_d, b_d, c_d = min(a, pa), min(b, pb), min(a_d, da), min(b_d, db), min(c_d, dc)
         # a bad profile or a degenerate fit must not stop every submit and step
-        finite = all(math.isfinite(x) and x >= 0 for x in (a, b, a_d))
+        finite = all(math.isfinite(x) and x >= 0 for x in (a, b, a_d, b_d, c_d))
         context = (
             OrderContext(
                 prefill_tokens_per_s=1.0 / b if b > 1e-12 else 1e9,
                 decode_step_s=max(a_d, 1e-6),
                 prefill_base_s=a,
                 prefill_engines=max(1, len(engines)),
+                decode_seq_s=c_d,
+                decode_context_s=b_d,
             )
             if finite
             else self._default_context
@@ -808,9 +810,10 @@ class DispatchCore:
         end = min(len(items), plan.at + DEMOTE_SLICE)
         ctx = plan.ctx
         rows, waiting, demoted, bands = plan.rows, plan.waiting, plan.demoted, plan.bands
-        # last_feasible_start and predicted_service_s, unrolled: at 10,000 queued this loop is the
+        # last_feasible_start and marginal_service_s, unrolled: at 10,000 queued this loop is the
         # pass's cost (26 -> 11 ms)
-        base, per_token, step = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s, ctx.decode_step_s
+        base, per_token = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s
+        per_seq, per_context = ctx.decode_seq_s, ctx.decode_context_s
         for item in items[plan.at : end]:
             view = item.view
             # by targets, not class name (a class may be a priority level's, whatever the task);
@@ -820,11 +823,13 @@ class DispatchCore:
             if band is None:
                 band = bands[targets] = band_of(*targets)
                 waiting.add(band)
-            prefill = base + max(0, view.prompt_tokens) * per_token
+            prompt = max(0, view.prompt_tokens)
+            prefill = base + prompt * per_token
             last_start = view.arrival + item.ttft_slo - prefill
             if last_start < now:
                 continue  # late: the queue ranks it late whatever its stamp
-            service = prefill + max(0, view.max_output_tokens) * step
+            output = max(0, view.max_output_tokens)
+            service = prefill + output * (per_seq + per_context * (prompt + output / 2))
             # the order the queue serves a band in (SloTpot, past its level)
             rows.append(
                 (band, (item.tpot_slo, view.arrival, float(item.seq)), last_start, service, view.request_id)
@@ -855,7 +860,7 @@ class DispatchCore:
         if rates is not None:
             view = item.view
             band = band_of(view.priority, item.ttft_slo, item.tpot_slo)
-            rates.dispatched(band, predicted_service_s(view, self.context(view.model, now)))
+            rates.dispatched(band, marginal_service_s(view, self.context(view.model, now)))
 
     def _adapters_held(self, model: str) -> frozenset[str]:
         """The model's LoRA adapters loaded on an engine in rotation, when the profile sends an

@@ -893,17 +893,22 @@ def test_a_hold_cancelled_late_says_the_engine_is_not_fast() -> None:
     assert core.workers.prefill_ratio["a-0"] >= 0.5
 
 
-def _overload_demotion_run(settle: bool = False) -> tuple[DispatchCore, list[str], list[str], int, int, int]:
+def _overload_demotion_run(
+    settle: bool = False,
+    shapes: tuple[tuple[int, int], tuple[int, int]] = ((50, 2000), (50, 20)),
+    slots: int = 1,
+) -> tuple[DispatchCore, list[str], list[str], int, int, int]:
     """A queue that only grows in front of one engine under HyperFlexis with demotions: the core,
     what was served, what is demoted at the end, how many steps ran, how many wakes were asked
-    for and how many ticks of 50 ms.
+    for and how many ticks of 50 ms. Even-numbered requests have the first (prompt, output)
+    shape, odd ones the second; the engine runs ``slots`` at once, all finishing each tick.
     ``settle``: step again at the same time while a demotion plan is under way."""
     fleet = offline_fleet({"a": 1})
     core = offline_core(
         fleet,
         dispatcher="hyperflexis",
         order="slo_tpot",
-        max_engine_load=1,
+        max_engine_load=slots,
         limits=ClassLimits(max_queued=10_000),
         hyperflexis=HyperFlexisParams(demote_longest=True),
     )
@@ -916,23 +921,23 @@ def _overload_demotion_run(settle: bool = False) -> tuple[DispatchCore, list[str
     core.wake = wake
 
     def request(i: int, now: float) -> Ticket:
-        long = i % 2 == 0  # every other one asks for 100x the output
+        prompt, output = shapes[i % 2]
         view = RequestView(
             request_id=f"r-{i}",
             model="a",
-            prompt_tokens=50,
-            max_output_tokens=2000 if long else 20,
+            prompt_tokens=prompt,
+            max_output_tokens=output,
             arrival=now,
         )
         item = QueuedRequest(view=view, ttft_slo=3.0, tpot_slo=0.5, seq=i, queue_deadline=now + 1e6)
-        return Ticket(item, "c", RunningEntry(50, view.max_output_tokens, 0.5, now), now)
+        return Ticket(item, "c", RunningEntry(prompt, output, 0.5, now), now)
 
     served: list[str] = []
     n = steps = ticks = 0
     now = 0.0
     while now < 8.0:
         ticks += 1
-        for _ in range(4):  # 4 arrivals per 50 ms, one finish: a queue that only grows
+        for _ in range(4 * slots):  # 4 arrivals per slot per 50 ms, one finish: a queue that only grows
             placed = core.submit(request(n, now), now)
             if placed is not None:
                 served.append(f"r-{n}")
@@ -954,11 +959,26 @@ def _overload_demotion_run(settle: bool = False) -> tuple[DispatchCore, list[str
 
 def test_under_overload_hyperflexis_demotes_the_longest_queued_and_serves_the_rest_first() -> None:
     _, served, demoted, *_ = _overload_demotion_run()
-    assert demoted and all(int(rid.split("-")[1]) % 2 == 0 for rid in demoted)  # the long ones
+    # (more short ones arrive than the engine serves: a few of those are given up too)
+    longs = sum(int(rid.split("-")[1]) % 2 == 0 for rid in demoted)
+    assert demoted and longs >= 0.95 * len(demoted)
     # once the drain was measured, what was still on time went short-first
     late_half = served[len(served) // 2 :]
     shorts = sum(int(rid.split("-")[1]) % 2 == 1 for rid in late_half)
     assert shorts >= 0.8 * len(late_half), late_half
+
+
+def test_a_request_takes_from_the_drain_its_prefill_and_its_own_share_of_the_decode_steps() -> None:
+    """A decode step's fixed cost is paid once for the whole batch: what serving one request
+    rather than another costs a batching engine is its prefill and what its sequence adds to each
+    step. Charged a whole step per output token, the plan gave up the short prompts with long
+    answers and kept the long prompts (offline, that cost 5 points of SLO attainment on the
+    TPOT-binding set at 1.2x capacity and 1.3 in the priority ramp)."""
+    _, served, demoted, *_ = _overload_demotion_run(shapes=((2000, 20), (50, 200)), slots=8)
+    long_prompts = sum(int(rid.split("-")[1]) % 2 == 0 for rid in demoted)
+    assert demoted and long_prompts >= 0.8 * len(demoted)
+    late_half = served[len(served) // 2 :]
+    assert sum(int(rid.split("-")[1]) % 2 == 1 for rid in late_half) >= 0.8 * len(late_half)
 
 
 def test_a_demotion_plan_reads_a_deep_queue_a_slice_per_step_and_decides_as_one_pass(monkeypatch) -> None:

@@ -18,6 +18,8 @@ from policies.queue_order import (
     QueueOrder,
     RobustEffectiveDeadline,
     make_order,
+    marginal_service_s,
+    predicted_service_s,
     robust_effective_deadline,
     ttft_infeasible,
     with_batch,
@@ -413,6 +415,8 @@ def test_make_order_accepts_params() -> None:
         {"prefill_tokens_per_s": 1.0, "decode_step_s": -0.01},
         {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "prefill_base_s": -1.0},
         {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "prefill_engines": 0},
+        {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "decode_seq_s": -1e-4},
+        {"prefill_tokens_per_s": 1.0, "decode_step_s": 0.01, "decode_context_s": math.nan},
     ],
 )
 def test_order_context_validation(kwargs: dict[str, Any]) -> None:
@@ -438,3 +442,22 @@ def test_ttft_deadline_and_prediction() -> None:
 )
 def test_ttft_infeasible_counts_the_predicted_prefill(now: float, prompt: int, infeasible: bool) -> None:
     assert ttft_infeasible(req(1, prompt=prompt, ttft=10.0), now, CTX) is infeasible
+
+
+def test_a_requests_engine_time_is_its_prefill_and_its_share_of_the_steps_it_decodes_in() -> None:
+    """eq.(2)'s fixed step cost is the batch's, not the request's: a long answer adds c' + b' *
+    context per token, a long prompt its whole prefill."""
+    ctx = OrderContext(
+        prefill_tokens_per_s=10_000.0,
+        decode_step_s=0.012,
+        prefill_base_s=0.025,
+        decode_seq_s=1e-4,
+        decode_context_s=4e-8,
+    )
+    long_prompt = RequestView("p", "m", prompt_tokens=2000, max_output_tokens=20)
+    long_answer = RequestView("a", "m", prompt_tokens=50, max_output_tokens=200)
+    assert marginal_service_s(long_prompt, ctx) == pytest.approx(0.225 + 20 * (1e-4 + 4e-8 * 2010))
+    assert marginal_service_s(long_answer, ctx) == pytest.approx(0.03 + 200 * (1e-4 + 4e-8 * 150))
+    assert marginal_service_s(long_prompt, ctx) > marginal_service_s(long_answer, ctx)
+    # a whole step per output token says the opposite
+    assert predicted_service_s(long_prompt, ctx) < predicted_service_s(long_answer, ctx)
