@@ -255,10 +255,21 @@ def _ratio(own: float, best: float) -> str:
 def plot(results: list[Result], path: Path) -> None:
     plt = pyplot()
     panels = sorted({(r.cell.workload, r.cell.speed) for r in results if r.cell.load > 0})
-    cols = max(1, min(3, len(panels)))
-    rows = max(1, -(-len(panels) // cols))
+    ramps = list(dict.fromkeys(r.cell for r in results if r.cell.load == 0))
+    cols = max(1, min(3, len(panels) + len(ramps)))
+    rows = max(1, -(-(len(panels) + len(ramps)) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, (workload, speed) in zip([a for row in axes for a in row], panels, strict=False):
+    flat = [a for row in axes for a in row]
+    for ax, cell in zip(flat[len(panels) :], ramps, strict=False):
+        # the ramp has its own rates, not a load axis: a bar per policy
+        mine = [r for r in results if r.cell == cell]
+        ax.bar([r.policy for r in mine], [100 * r.attainment for r in mine])
+        ax.set_title(f"{cell.name} ({cell.qps:g} QPS)", fontsize=9)
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.tick_params(axis="x", labelsize=7, rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    for ax, (workload, speed) in zip(flat, panels, strict=False):
         for policy in dict.fromkeys(r.policy for r in results):
             mine = sorted(
                 (
@@ -274,7 +285,8 @@ def plot(results: list[Result], path: Path) -> None:
         ax.set_ylabel("SLO attainment (%)")
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if panels:
+        axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main
-from gateway.simulator.grid import Cell, Result, _run, _scenario, pooled, verdicts
+from gateway.simulator.grid import Cell, Result, _run, _scenario, plot, pooled, verdicts
 
 
 def _result(cell: Cell, policy: str, attainment: float) -> Result:
@@ -136,3 +137,16 @@ def test_runs_of_several_seeds_pool_their_requests(tmp_path: Path) -> None:
         assert row["attainment"] == pytest.approx(met / row["requests"])
     with pytest.raises(SystemExit):
         main(["experiment", "grid", "--seeds", "1,1", "--out", str(tmp_path / "bad")])
+
+
+def test_a_grid_of_the_ramp_alone_plots_a_bar_per_policy(tmp_path: Path) -> None:
+    """The ramp has no load axis: alone it left an empty figure and a legend warning."""
+    cell = Cell("priority-ramp", 1.0, 0.0, 60.0)
+    results = [
+        Result(cell, policy, attained, {}, 1.0, 2.0, 0, 1.0, 100, {})
+        for policy, attained in (("wspt", 0.68), ("hyperflexis", 0.89))
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot(results, tmp_path / "ramp.png")
+    assert (tmp_path / "ramp.png").stat().st_size > 10_000
