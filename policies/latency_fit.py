@@ -43,6 +43,10 @@ import numpy.typing as npt
 #: (a, b, c) of eq.(1) or (a', b', c') of eq.(2); seconds, seconds/token, seconds/token² (or /request)
 Coeffs = tuple[float, float, float]
 
+#: the prior of an engine without a latency profile (a 7B-class engine, seconds)
+DEFAULT_PREFILL: Coeffs = (0.025, 1e-4, 0.0)
+DEFAULT_DECODE: Coeffs = (0.012, 4e-8, 1e-4)
+
 #: fewest samples a fit is attempted with; below it the prior is returned
 MIN_SAMPLES = 8
 #: how far (relatively) a prior may be from the truth: the ridge toward it weighs the samples'

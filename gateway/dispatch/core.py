@@ -42,7 +42,7 @@ from policies.demotion import Band, BandRates, Row, band_of, longest_to_demote
 from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
 from policies.hyperflexis import HyperFlexisParams, PrefixLookup, WorkerView, kv_bound
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
-from policies.latency_fit import Coeffs
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, Coeffs
 from policies.queue_order import (
     LateLast,
     OrderContext,
@@ -147,6 +147,23 @@ class _DemotionPlan:
     bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
 
 
+def _order_context(prefill: Coeffs, decode: Coeffs, engines: int) -> OrderContext | None:
+    """The queue orders' estimates from (the fastest) prefill and decode coefficients; None when
+    any is negative or not finite."""
+    a, b, _ = prefill
+    a_d, b_d, c_d = decode
+    if not all(math.isfinite(x) and x >= 0 for x in (a, b, a_d, b_d, c_d)):
+        return None
+    return OrderContext(
+        prefill_tokens_per_s=1.0 / b if b > 1e-12 else 1e9,
+        decode_step_s=max(a_d, 1e-6),
+        prefill_base_s=a,
+        prefill_engines=max(1, engines),
+        decode_seq_s=c_d,
+        decode_context_s=b_d,
+    )
+
+
 def _need(view: RequestView) -> int:
     """The KV a request needs at most (its prompt and output bound), as the queue's min_need counts."""
     return view.prompt_tokens + view.max_output_tokens
@@ -221,7 +238,11 @@ class DispatchCore:
         self._batches: dict[tuple[str, str, str], set[str]] = {}
         #: HyperFlexis engines between turns (maturity times, parked engines)
         self.workers = HyperFlexisWorkers(fleet, coefficients, max_engine_load)
-        self._default_context = OrderContext(prefill_tokens_per_s=10_000.0, decode_step_s=0.02)
+        #: a model without engines, or whose fits are unusable: the default prior's estimates
+        #: (its decode terms too: the demotion plan charges requests by them)
+        default = _order_context(DEFAULT_PREFILL, DEFAULT_DECODE, 1)
+        assert default is not None
+        self._default_context = default
         #: per model: when its queue context was computed, and the context
         self._contexts: dict[str, tuple[float, OrderContext]] = {}
         self._seq = 0
@@ -294,19 +315,7 @@ class DispatchCore:
             (pa, pb, _), (da, db, dc) = self.coefficients(record.engine_id)
             a, b, a_d, b_d, c_d = min(a, pa), min(b, pb), min(a_d, da), min(b_d, db), min(c_d, dc)
         # a bad profile or a degenerate fit must not stop every submit and step
-        finite = all(math.isfinite(x) and x >= 0 for x in (a, b, a_d, b_d, c_d))
-        context = (
-            OrderContext(
-                prefill_tokens_per_s=1.0 / b if b > 1e-12 else 1e9,
-                decode_step_s=max(a_d, 1e-6),
-                prefill_base_s=a,
-                prefill_engines=max(1, len(engines)),
-                decode_seq_s=c_d,
-                decode_context_s=b_d,
-            )
-            if finite
-            else self._default_context
-        )
+        context = _order_context((a, b, 0.0), (a_d, b_d, c_d), len(engines)) or self._default_context
         if cached is not None and cached[1] == context:
             context = cached[1]  # the same object: the queue skips comparing what did not change
         self._contexts[model] = (now if now is not None else -math.inf, context)

@@ -24,7 +24,7 @@ from gateway.serving.call import Call
 from gateway.settings import ApiKeyPolicy, Settings, key_fingerprint
 from gateway.sim.profiles import load_profile
 from policies.api import PolicyConfigError
-from policies.latency_fit import Coeffs, LatencyModel
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, Coeffs, LatencyModel
 from policies.priority_mapping import PriorityMappingState, observe_completion, set_pending
 from policies.slo import (
     SloHints,
@@ -35,11 +35,6 @@ from policies.slo import (
     initial_priority_state,
     parse_slo_profile,
 )
-
-#: prior used for engines without a latency profile (a 7B-class engine, seconds)
-DEFAULT_PREFILL: Coeffs = (0.025, 1e-4, 0.0)
-DEFAULT_DECODE: Coeffs = (0.012, 4e-8, 1e-4)
-
 
 #: explicit targets beyond a day are clamped: no engine or timer needs more, and the gateway
 #: turns them into integer deadlines an engine must accept

