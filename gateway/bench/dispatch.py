@@ -38,11 +38,11 @@ from gateway.dispatch.build import RoutingProfile
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
-from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router
 from gateway.runtime import tune_gc
 from policies.api import EngineState, RequestView
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL
 from policies.pipeline import compile_profile
 from policies.queue_order import make_order
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR

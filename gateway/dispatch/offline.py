@@ -13,14 +13,13 @@ from typing import cast
 import aiohttp
 
 from gateway.dispatch.core import ClassLimits, DispatchCore
-from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.engines import adapter_for
 from gateway.fleet.registry import Fleet
 from gateway.router import Router
 from gateway.settings import EngineConfig
 from policies.flow_control import SheddingParams
 from policies.hyperflexis import HyperFlexisParams
-from policies.latency_fit import Coeffs
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, Coeffs
 from policies.pipeline import compile_profile
 from policies.queue_order import make_order
 

@@ -25,7 +25,6 @@ from aiohttp import web
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
-from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.engines import adapter_for
 from gateway.engines.base import adapters_listed
 from gateway.fleet.block_hash import root_key
@@ -37,6 +36,7 @@ from gateway.router import Router, load_pipeline
 from gateway.settings import EngineConfig
 from policies.api import RequestView
 from policies.hyperflexis import HyperFlexisParams
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL
 from policies.pipeline import compile_profile
 from policies.queue_order import make_order
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
 from gateway.dispatch.offline import offline_fleet
-from gateway.dispatch.slo_service import DEFAULT_DECODE, DEFAULT_PREFILL
 from gateway.fleet.block_hash import PromptBlocks, root_key
 from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prefix_routing import PrefixRouting
@@ -17,6 +16,7 @@ from gateway.router import Router, load_pipeline
 from gateway.tokenizer import apply_chat_template, encode
 from policies.api import EngineState, RequestView
 from policies.hyperflexis import HyperFlexisParams
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL
 from policies.pipeline import compile_profile
 from policies.plugins.affinity import MemoryAffinityStore, affinity_key
 from policies.queue_order import QueuedRequest, make_order
