@@ -131,6 +131,8 @@ class DispatcherLatency:
     #: the clients of the throughput case, and the engine behind both gateways
     concurrency: int = 8
     engine: str = "zero"
+    #: each gateway's own CPU per request in the throughput case (ms)
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         base = self.added_p50_ms.get("least-load")
@@ -161,6 +163,16 @@ class DispatcherLatency:
                         rps >= 0.9 * base_rps,
                     )
                 )
+            cpu, base_cpu = self.cpu_ms_per_request.get(profile), self.cpu_ms_per_request.get("least-load")
+            if cpu is not None and base_cpu is not None:
+                rows.append(
+                    (
+                        f"{profile} gateway CPU per request vs least-load (c={self.concurrency})",
+                        f"{cpu:.3f} vs {base_cpu:.3f} ms ({cpu - base_cpu:+.3f})",
+                        "(reported)",
+                        True,
+                    )
+                )
         return rows
 
 
@@ -175,19 +187,29 @@ THROUGHPUT_ROUNDS = 5
 
 async def _throughput(
     gateways: dict[str, ChildProcess], n: int, model: str, concurrency: int
-) -> dict[str, float]:
-    """Requests/s of each gateway at ``concurrency``: ``n`` requests each, in alternating rounds."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Requests/s of each gateway at ``concurrency`` (``n`` requests each, in alternating rounds),
+    and each gateway's own CPU per request (ms) over its rounds: on a machine whose cores the load
+    generator, the gateways and the engines share, throughput moves with what else runs, while
+    what the gateway spends per request does not."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         load = LoadGenerator(session, 1, model)
         for gateway in gateways.values():
             await load.run_plain(gateway.url, 50, concurrency)  # warm up
         walls = dict.fromkeys(gateways, 0.0)
+        cpu = dict.fromkeys(gateways, 0.0)
         per_round = max(1, n // THROUGHPUT_ROUNDS)
         for _ in range(THROUGHPUT_ROUNDS):
             for profile, gateway in gateways.items():
+                c0 = cpu_seconds(gateway.pid)
                 _, wall = await load.run_plain(gateway.url, per_round, concurrency)
+                cpu[profile] += cpu_seconds(gateway.pid) - c0
                 walls[profile] += wall
-    return {profile: per_round * THROUGHPUT_ROUNDS / wall for profile, wall in walls.items()}
+    total = per_round * THROUGHPUT_ROUNDS
+    return (
+        {profile: total / wall for profile, wall in walls.items()},
+        {profile: 1e3 * spent / total for profile, spent in cpu.items()},
+    )
 
 
 async def _added_p50(
@@ -244,8 +266,8 @@ def run_dispatcher_latency(
             for p in profiles
         }
         added = asyncio.run(_added_p50(urls, gateways, n, model))
-        rps = asyncio.run(_throughput(gateways, 20 * n, model, concurrency))
-    return DispatcherLatency({p: ms * 1000 for p, ms in added.items()}, rps, concurrency, kind)
+        rps, cpu_ms = asyncio.run(_throughput(gateways, 20 * n, model, concurrency))
+    return DispatcherLatency({p: ms * 1000 for p, ms in added.items()}, rps, concurrency, kind, cpu_ms)
 
 
 def _real_engine(kind: str) -> RunningEngine:
@@ -834,7 +856,8 @@ def bench_dispatchers_main(args: argparse.Namespace) -> int:
     for profile in profiles:
         print(
             f"{profile}: added p50 {result.added_p50_ms[profile]:.3f} ms (c=1), "
-            f"{result.throughput_rps[profile]:.0f} requests/s (c={args.concurrency})"
+            f"{result.throughput_rps[profile]:.0f} requests/s (c={args.concurrency}), "
+            f"gateway CPU {result.cpu_ms_per_request[profile]:.3f} ms per request there"
         )
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=2))

@@ -56,10 +56,15 @@ def test_overhead_benchmark_smoke() -> None:
     assert result.dispatchers is not None
     assert set(result.dispatchers.added_p50_ms) == {"least-load", "hyperflexis"}
     assert all(math.isfinite(v) for v in result.dispatchers.added_p50_ms.values())
+    # each gateway's own CPU per request in the throughput case: a fraction of a millisecond
+    # to a few, never nothing (a gateway that served every request spent something on each)
+    assert set(result.dispatchers.cpu_ms_per_request) == {"least-load", "hyperflexis"}
+    assert all(0.01 < v < 50 for v in result.dispatchers.cpu_ms_per_request.values())
 
     table = render_table(result)
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
     assert "hyperflexis over least-load, added p50 (c=1)" in table
+    assert "hyperflexis gateway CPU per request vs least-load" in table
     assert "paced: CPU per relayed SSE event (10 streams, 20 ms apart)" in table
 
 
