@@ -73,6 +73,9 @@ class DispatchPoint:
     #: the longest single dispatcher call (ms): how long it held the event loop at once, a stall
     #: in every stream the gateway relays
     max_call_ms: float = 0.0
+    #: the wall µs per placement by where it was spent: arrivals (submit), the loop's turns
+    #: (step, its timer, deliveries) and engine events (completions, first tokens, scrapes)
+    split_us: tuple[tuple[str, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -84,6 +87,7 @@ class _Meter:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.parts: dict[str, float] = {}
         self.cpu_seconds = 0.0
         self.calls = 0
         self.longest = 0.0
@@ -92,6 +96,8 @@ class _Meter:
     def reset(self) -> None:
         self.seconds = self.cpu_seconds = self.longest = 0.0
         self.calls = 0
+        for part in self.parts:  # (in place: the wrappers hold this dict)
+            self.parts[part] = 0.0
 
     @property
     def cpu_net_seconds(self) -> float:
@@ -114,8 +120,10 @@ class _Meter:
             best = min(best, total / (rounds // 5))
         return best
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
         wall, cpu = time.perf_counter, time.thread_time
+        self.parts.setdefault(part, 0.0)
+        parts = self.parts
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             c0 = cpu()
@@ -126,6 +134,7 @@ class _Meter:
                 t1 = wall()
                 c1 = cpu()
                 self.seconds += t1 - t0
+                parts[part] += t1 - t0
                 if t1 - t0 > self.longest:
                     self.longest = t1 - t0
                 self.cpu_seconds += c1 - c0
@@ -172,11 +181,11 @@ async def _run_point(
     loop_obj = _dispatch_loop(fleet, dispatcher, slots)
     meter = _Meter()
     core = loop_obj.core
-    core.submit = meter.wrap(core.submit)  # type: ignore[method-assign]
-    core.step = meter.wrap(core.step)  # type: ignore[method-assign]
-    core.next_wake = meter.wrap(core.next_wake)  # type: ignore[method-assign]
-    loop_obj._deliver = meter.wrap(loop_obj._deliver)  # type: ignore[method-assign]
-    fleet.listeners[:] = [meter.wrap(listener) for listener in fleet.listeners]
+    core.submit = meter.wrap(core.submit, "arrivals")  # type: ignore[method-assign]
+    core.step = meter.wrap(core.step, "turns")  # type: ignore[method-assign]
+    core.next_wake = meter.wrap(core.next_wake, "turns")  # type: ignore[method-assign]
+    loop_obj._deliver = meter.wrap(loop_obj._deliver, "turns")  # type: ignore[method-assign]
+    fleet.listeners[:] = [meter.wrap(listener, "engine events") for listener in fleet.listeners]
     tune_gc()  # as `slogate serve` runs (gateway.runtime)
     loop_obj.start()
     loop = asyncio.get_running_loop()
@@ -242,6 +251,7 @@ async def _run_point(
     wall = time.perf_counter() - t0
     counting = False
     spent = meter.seconds
+    split = tuple((part, s / max(1, placements) * 1e6) for part, s in meter.parts.items())
     cpu_spent = meter.cpu_net_seconds
     steps = loop_obj.steps - steps0
     stop.set()
@@ -263,6 +273,7 @@ async def _run_point(
         steps_per_placement=steps / max(1, placements),
         warmup_s=warmup_s,
         max_call_ms=meter.longest * 1e3,
+        split_us=split,
     )
 
 
@@ -314,7 +325,9 @@ def run_dispatch_bench(
                         f"{point.us_per_placement:6.1f} µs/placement "
                         f"({point.cpu_us_per_placement:5.1f} CPU), "
                         f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each, "
-                        f"longest call {point.max_call_ms:.1f} ms "
+                        f"longest call {point.max_call_ms:.1f} ms; "
+                        + ", ".join(f"{part} {us:.1f}" for part, us in point.split_us)
+                        + " µs "
                         f"(after {warmup_s:.1f} s of warm-up)"
                     )
     return points
@@ -323,14 +336,16 @@ def run_dispatch_bench(
 def render_table(points: list[DispatchPoint]) -> str:
     lines = [
         "| dispatcher | engines | queued (target / mean) | placements/s | µs per placement | "
-        "CPU µs per placement | loop share | longest call (ms) | targets |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "CPU µs per placement | loop share | longest call (ms) | µs in arrivals / turns / engine events "
+        "| targets |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lines.append(
             f"| {p.dispatcher} | {p.engines} | {p.queued_target} / {p.mean_queued:.0f} | "
             f"{p.placements_per_s:.0f} | {p.us_per_placement:.1f} | {p.cpu_us_per_placement:.1f} | "
             f"{p.loop_share:.1%} | {p.max_call_ms:.1f} | "
+            f"{' / '.join(f'{us:.1f}' for _, us in p.split_us)} | "
             f"{'met' if p.ok else 'MISSED'} |"
         )
     us, share = TARGET_US_PER_PLACEMENT, TARGET_LOOP_SHARE

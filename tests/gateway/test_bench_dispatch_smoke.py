@@ -40,6 +40,10 @@ def test_bench_dispatch_smoke(tmp_path: Path) -> None:
         assert p["placements"] > 0 and p["us_per_placement"] > 0 and 0 < p["loop_share"] < 1
         assert p["mean_queued"] >= 1  # saturated: requests were waiting throughout
         assert p["warmup_s"] == pytest.approx(0.2)
+        # where the time went adds up to the whole, and every part was reached
+        split = dict(p["split_us"])
+        assert set(split) == {"arrivals", "turns", "engine events"} and all(v > 0 for v in split.values())
+        assert sum(split.values()) == pytest.approx(p["us_per_placement"])
     assert (out / "dispatch_cost.png").stat().st_size > 10_000
     assert "µs per placement" in (out / "table.md").read_text()
 
