@@ -526,12 +526,17 @@ async def test_the_live_loop_runs_after_an_arrival_its_own_look_could_not_place(
 
 @pytest.mark.parametrize("work_s", [0.0015, 0.0])
 async def test_steps_that_ask_for_another_step_at_once_let_the_event_loop_run_between_them(
-    work_s: float,
+    work_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A demotion plan over a deep queue asks for a step per slice: chained without a yield
     (an already-set Event's wait() does not yield), the slices held every stream as one call.
     A chain that has held the loop for CHAIN_YIELD_S yields; a short one runs on (a yield after
     every step cost throughput in front of fast engines)."""
+    import gateway.dispatch.loop as loop_module
+
+    # a short chain is one that holds the loop under CHAIN_YIELD_S, whatever the machine: five
+    # near-empty steps on a loaded one took over the 1 ms the gateway allows
+    monkeypatch.setattr(loop_module, "CHAIN_YIELD_S", 0.001 if work_s else 1.0)
     fleet = offline_fleet({"a": 1})
     loop = DispatchLoop(offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot"))
     core = loop.core

@@ -256,12 +256,16 @@ async def test_throughput_rises_until_the_batch_limit(profiles_dir: Path) -> Non
 
 async def test_shared_prefix_is_cached(engine: SimProcess) -> None:
     rng = random.Random(7)
-    prefix = [rng.randrange(300, 36000) for _ in range(1000)]
+    # long enough that the prefill it saves (~40 ms at this time scale) dwarfs a late step
+    prefix = [rng.randrange(300, 36000) for _ in range(4000)]
     url = engine.url + "/v1/completions"
     hits_before = await metric(engine.url, "vllm:prefix_cache_hits_total")
     queries_before = await metric(engine.url, "vllm:prefix_cache_queries_total")
-    _, t1, s1 = await stream(url, {"prompt": [*prefix, 11, 12], "max_tokens": 2, "ignore_eos": True})
-    events, t2, s2 = await stream(
+    prefill = "vllm:request_prefill_time_seconds_sum"
+    p0 = await metric(engine.url, prefill)
+    await stream(url, {"prompt": [*prefix, 11, 12], "max_tokens": 2, "ignore_eos": True})
+    p1 = await metric(engine.url, prefill)
+    events, _, _ = await stream(
         url,
         {
             "prompt": [*prefix, 13, 14, 15],
@@ -271,10 +275,12 @@ async def test_shared_prefix_is_cached(engine: SimProcess) -> None:
         },
     )
     usage = events[-2]["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= 960
-    assert t2[0] - s2 < 0.6 * (t1[0] - s1)
-    assert await metric(engine.url, "vllm:prefix_cache_hits_total") - hits_before >= 960
-    assert await metric(engine.url, "vllm:prefix_cache_queries_total") - queries_before >= 2000
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 3984
+    # the engine's own prefill time, not the client's TTFT (on a loaded machine the HTTP round
+    # trip around a few-ms cached prefill moved the wall-clock ratio past any bound)
+    assert await metric(engine.url, prefill) - p1 < 0.6 * (p1 - p0)
+    assert await metric(engine.url, "vllm:prefix_cache_hits_total") - hits_before >= 3984
+    assert await metric(engine.url, "vllm:prefix_cache_queries_total") - queries_before >= 8000
 
 
 # -- (d) continuation -------------------------------------------------------------------------
