@@ -45,6 +45,11 @@ PENDING_LIMIT = 512
 DECODE_PER_INTERVAL = 16
 #: bursts of an interval remembered with their time (a scrape in flight for seconds at most)
 BURSTS_KEPT = 1024
+#: scrape round trips an engine's path delay is the least of
+ROUND_TRIPS_KEPT = 8
+#: the most the path delay is taken to be (seconds): a round trip also holds the engine's time
+#: to render its metrics, which a busy vLLM has taken seconds over; past this it is not the path
+MAX_PATH_DELAY_S = 0.05
 
 Clock = Callable[[], float]
 
@@ -85,6 +90,9 @@ class _Steps:
     last_state: EngineState | None = None
     pending_prefill: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=PENDING_LIMIT))
     pending_decode: deque[DecodeSample] = field(default_factory=lambda: deque(maxlen=DECODE_PER_INTERVAL))
+    #: the latest scrapes' round trips, and the path delay they give (see _on_change)
+    round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=ROUND_TRIPS_KEPT))
+    path_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -182,8 +190,11 @@ class LatencyLearner:
         if entry.generated == 0 and not entry.remote_kv:
             # (what the dispatcher expected the engine to find cached is not prefilled there)
             steps.prompts.append(entry.prompt_tokens - min(entry.cached_tokens, entry.prompt_tokens))
-            if entry.dispatched_at < steps.sent_min:
-                steps.sent_min = entry.dispatched_at
+            # when the prompt reached the engine, on the clock its tokens are seen by: a request
+            # goes there and its tokens come back over the same path (see _on_change)
+            sent = entry.dispatched_at + steps.path_s
+            if sent < steps.sent_min:
+                steps.sent_min = sent
         else:
             if entry.generated == 0:
                 # a P/D decode whose KV arrived joins the batch with a decode of its context
@@ -220,14 +231,18 @@ class LatencyLearner:
             trigger.generated == 0
             and not trigger.remote_kv
             and id(trigger) not in steps.marked
-            and trigger.dispatched_at <= start
+            and trigger.dispatched_at + steps.path_s <= start
         )
         if not other:
             running = record.running
             for rid in record.unprefilled:
                 waiting = running.get(rid)
                 # (a decode still waiting for its KV computes nothing meanwhile)
-                if waiting is not None and not waiting.remote_kv and waiting.dispatched_at <= start:
+                if (
+                    waiting is not None
+                    and not waiting.remote_kv
+                    and waiting.dispatched_at + steps.path_s <= start
+                ):
                     other = True
                     break
         view = StepView(
@@ -264,6 +279,17 @@ class LatencyLearner:
             return
         record = self._fleet.records[engine_id]
         state = record.state
+        # The engine's tokens reach the gateway some time after it made them (the network, a busy
+        # relay) while prompts reach it some time after they were sent: a burst seen at t began
+        # before t, and a prompt sent at s was there only after s. Compared on one clock, prompts
+        # sent just before a step looked sent during the one before it: at 20 ms each way no
+        # prefill sample was ever clean, and the prior stayed. A scrape's round trip covers the
+        # same path: the least of the latest ones, less the time to render the metrics it holds.
+        # (a state recorded with no send time, as the simulator's first scrape is, says nothing)
+        round_trip = record.state_at - record.scrape_sent_at
+        if round_trip > 0.0:
+            steps.round_trips.append(round_trip)
+            steps.path_s = min(MAX_PATH_DELAY_S, min(steps.round_trips))
         # the relay counts events; an engine may send several tokens in one
         per_event = record.tokens_per_event
         late = [b for b in steps.bursts if b[0] >= record.scrape_sent_at]

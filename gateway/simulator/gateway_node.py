@@ -36,7 +36,7 @@ from gateway.simulator.clock import EventQueue
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.engine_node import EngineNode
 from gateway.tokenizer import encode
-from policies.api import RequestView
+from policies.api import EngineState, RequestView
 from policies.plugins.affinity import affinity_key
 from policies.slo import SloTarget
 
@@ -130,7 +130,22 @@ class SimGateway:
         self._scraping = False
 
     def _scrape(self, engine_id: str) -> None:
-        self.fleet.record_state(engine_id, self.engines[engine_id].state(), self.clock.now)
+        """The engine's state as it is now; under a relay delay its answer reaches the gateway that
+        much later, as the engine's tokens do (one path back, one busy relay: live, a loaded
+        gateway reads the scrape's answer late too), sent now with what was in flight now."""
+        state = self.engines[engine_id].state()
+        delay = (self._disturbed("relay-delay") or 0.0) if self.disturbances else 0.0
+        if not delay:
+            self.fleet.record_state(engine_id, state, self.clock.now)
+            return
+        record = self.fleet.records[engine_id]
+        sent = (self.clock.now, (record.in_flight, record.in_flight_tokens))
+        self.clock.at(self.clock.now + delay, self._scraped, engine_id, state, sent)
+
+    def _scraped(
+        self, engine_id: str, state: EngineState | None, sent: tuple[float, tuple[int, int]]
+    ) -> None:
+        self.fleet.record_state(engine_id, state, self.clock.now, *sent)
 
     def _scrape_every(self, engine_id: str) -> None:
         if not self._scraping:

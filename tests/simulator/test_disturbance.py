@@ -77,6 +77,30 @@ def test_a_relay_delay_shows_every_token_and_end_that_much_later_in_order() -> N
         assert late.tokens == early.tokens
 
 
+def test_a_relay_delay_brings_the_scrapes_answers_that_much_later_too() -> None:
+    """The engine's metrics come back over the same path as its tokens: a scrape sent at t reads
+    the engine as it was at t and reaches the gateway at t + delay (recorded with its send time,
+    as the live monitor records it). Answered at once, a delayed token stream and a punctual
+    scrape disagreed on every interval's step count, which no live gateway sees."""
+    sim = Simulation(
+        _base(qps=10, requests=100, disturbances=(Disturbance("relay-delay", 0.0, 10**6, 0.05),))
+    )
+    seen: list[tuple[float, float, float]] = []
+    fleet = sim.gateway.fleet
+    fleet.listeners.append(
+        lambda engine_id, what: (
+            what == "state"
+            and seen.append(
+                (fleet.records[engine_id].state_at, fleet.records[engine_id].scrape_sent_at, sim.clock.now)
+            )
+        )
+    )
+    sim.run()
+    assert len(seen) >= 10
+    for received, sent, now in seen:
+        assert received == now and received - sent == pytest.approx(0.05)
+
+
 def test_hyperflexis_loses_no_more_than_least_load_to_a_stalled_gateway() -> None:
     # a 0.3 s stall for 20 s at 50 QPS: every event the gateway handles is late, so a tight-TTFT
     # arrival (medical_qa, 0.7 s) has little left; HyperFlexis must not add its workers' timers
