@@ -45,10 +45,8 @@ PENDING_LIMIT = 512
 DECODE_PER_INTERVAL = 16
 #: bursts of an interval remembered with their time (a scrape in flight for seconds at most)
 BURSTS_KEPT = 1024
-#: scrape round trips an engine's path delay is the least of
-ROUND_TRIPS_KEPT = 8
-#: the most the path delay is taken to be (seconds): a round trip also holds the engine's time
-#: to render its metrics, which a busy vLLM has taken seconds over; past this it is not the path
+#: the most the path delay is taken to be (seconds): a prompt is never taken to have reached its
+#: engine later than this after its send, whatever the health checks' round trips say
 MAX_PATH_DELAY_S = 0.05
 
 Clock = Callable[[], float]
@@ -90,8 +88,7 @@ class _Steps:
     last_state: EngineState | None = None
     pending_prefill: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=PENDING_LIMIT))
     pending_decode: deque[DecodeSample] = field(default_factory=lambda: deque(maxlen=DECODE_PER_INTERVAL))
-    #: the latest scrapes' round trips, and the path delay they give (see _on_change)
-    round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=ROUND_TRIPS_KEPT))
+    #: the engine's path delay as of its last scrape (see _on_change)
     path_s: float = 0.0
 
 
@@ -283,13 +280,11 @@ class LatencyLearner:
         # relay) while prompts reach it some time after they were sent: a burst seen at t began
         # before t, and a prompt sent at s was there only after s. Compared on one clock, prompts
         # sent just before a step looked sent during the one before it: at 20 ms each way no
-        # prefill sample was ever clean, and the prior stayed. A scrape's round trip covers the
-        # same path: the least of the latest ones, less the time to render the metrics it holds.
-        # (a state recorded with no send time, as the simulator's first scrape is, says nothing)
-        round_trip = record.state_at - record.scrape_sent_at
-        if round_trip > 0.0:
-            steps.round_trips.append(round_trip)
-            steps.path_s = min(MAX_PATH_DELAY_S, min(steps.round_trips))
+        # prefill sample was ever clean, and the prior stayed. A health check's round trip covers
+        # the same path there and back with next to no work at the engine (a scrape's holds the
+        # time to render and parse the metrics, tens of milliseconds on a busy engine, which read
+        # as path would make every prefill sample that much short).
+        steps.path_s = min(MAX_PATH_DELAY_S, self._fleet.path_delay(engine_id))
         # the relay counts events; an engine may send several tokens in one
         per_event = record.tokens_per_event
         late = [b for b in steps.bursts if b[0] >= record.scrape_sent_at]

@@ -112,7 +112,10 @@ class FleetMonitor:
     async def check_health(self, record: EngineRecord) -> bool:
         """One health check; its result alone decides ejection and re-admission. Never raises."""
         engine_id = record.engine_id
+        sent = time.monotonic()
         ok = await record.adapter.health()
+        if ok:  # (a refused or timed-out check is no measure of the path)
+            self.fleet.record_round_trip(engine_id, time.monotonic() - sent)
         error = "" if ok else "health check failed"
         flipped = self.fleet.record_health(engine_id, ok, self.eject_after, self.readmit_after, error)
         if flipped:

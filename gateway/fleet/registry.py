@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -54,6 +55,8 @@ class RunningEntry:
 
 #: the most output tokens one streamed event is taken to carry (a bound on a broken usage)
 MAX_TOKENS_PER_EVENT = 16.0
+#: health-check round trips an engine's path delay is the least of
+ROUND_TRIPS_KEPT = 8
 
 
 @dataclass(slots=True)
@@ -93,6 +96,9 @@ class EngineRecord:
     tokens_per_event: float = 1.0
     #: when the scrape whose state this is was sent
     scrape_sent_at: float = 0.0
+    #: the latest health checks' round trips (seconds): the path to the engine and back, the
+    #: gateway's own lateness in reading the answer included (see :meth:`Fleet.path_delay`)
+    round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=ROUND_TRIPS_KEPT))
 
     def note_tokens_per_event(self, completion_tokens: int, events: int) -> None:
         """A stream ended with its usage: fold its tokens per content event into the estimate."""
@@ -522,6 +528,19 @@ class Fleet:
         record.adapter.role = role
         self._membership_changed(record, before)
         self._notify(engine_id, "role")
+
+    def record_round_trip(self, engine_id: str, seconds: float) -> None:
+        """A request to the engine that does next to no work there (its health route) came back
+        after ``seconds``."""
+        if seconds >= 0.0 and math.isfinite(seconds):
+            self.records[engine_id].round_trips.append(seconds)
+
+    def path_delay(self, engine_id: str) -> float:
+        """How long a request takes to reach the engine and its answer to come back, as far as
+        the gateway can tell: the least of the latest health checks' round trips (a check held
+        up by something else says nothing of the path), 0 before the first."""
+        trips = self.records[engine_id].round_trips
+        return min(trips) if trips else 0.0
 
     def record_health(
         self, engine_id: str, ok: bool, eject_after: int, readmit_after: int, error: str = ""

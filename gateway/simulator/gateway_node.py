@@ -130,11 +130,15 @@ class SimGateway:
         self._scraping = False
 
     def _scrape(self, engine_id: str) -> None:
-        """The engine's state as it is now; under a relay delay its answer reaches the gateway that
-        much later, as the engine's tokens do (one path back, one busy relay: live, a loaded
-        gateway reads the scrape's answer late too), sent now with what was in flight now."""
+        """The engine's state as it is now, and its health check's round trip: under a relay
+        delay both answers reach the gateway that much later, as the engine's tokens do (one path
+        back, one busy relay: live, a loaded gateway reads them late too); the scrape is recorded
+        with its send time and what was in flight then, as the live monitor records it."""
         state = self.engines[engine_id].state()
         delay = (self._disturbed("relay-delay") or 0.0) if self.disturbances else 0.0
+        # (the monitor's health check of the same tick: nothing to do at the engine, the path's
+        # delay back)
+        self.fleet.record_round_trip(engine_id, delay)
         if not delay:
             self.fleet.record_state(engine_id, state, self.clock.now)
             return

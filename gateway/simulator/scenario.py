@@ -212,6 +212,9 @@ class Simulation:
             )
             for i, engine in enumerate(settings.engines)
         ]
+        # (before the engines are attached: a disturbance from t = 0 covers their first scrape)
+        for disturbance in scenario.disturbances:
+            self._inject(disturbance)
         self.gateway.attach(self.nodes)
         self.autoscaler: Autoscaler | None = None
         if scenario.autoscale is not None:
@@ -225,8 +228,6 @@ class Simulation:
                 Role.PREFILL if scenario.pd is not None else Role.COLLOCATED,
             )
             self.autoscaler.start()
-        for disturbance in scenario.disturbances:
-            self._inject(disturbance)
 
     def _gateway(self, scenario: Scenario, settings: Settings, profile: EngineProfile) -> SimGateway:
         if scenario.pd is None:

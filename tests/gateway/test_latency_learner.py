@@ -283,19 +283,14 @@ def test_a_scrape_that_lands_in_the_middle_of_a_step_breaks_nothing() -> None:
     assert learner._steps["e"].bursts  # (the open burst is kept over the scrape)
 
 
-def _scrape(fleet: Fleet, clock: Clock, round_trip: float | None) -> None:
-    sent = None if round_trip is None else clock.now - round_trip
-    fleet.record_state("e", EngineState(), clock.now, sent)
-
-
 def test_a_prompt_counts_from_when_it_reached_the_engine_on_the_clock_its_tokens_come_back_by() -> None:
     """Tokens come back 20 ms after the engine made them: an idle engine's prefill began when
     the prompt reached it, which on that clock is its send plus the path's delay each way (the
-    scrapes' round trip). Counted from the send, a 50 ms prefill read 70 ms."""
+    least of the health checks' round trips). Counted from the send, a 50 ms prefill read 70 ms."""
     fleet, learner, clock = setup()
-    for round_trip in (0.02, 2.0, None, 0.03):  # (the least; a slow render, an unknown send: not the path)
-        _scrape(fleet, clock, round_trip)
-        clock.now += 1.0
+    for round_trip in (0.02, 2.0, -1.0, 0.03):  # (the least; a check held up; no measure)
+        fleet.record_round_trip("e", round_trip)
+    fleet.record_state("e", EngineState(), clock.now, clock.now - 0.5)  # (a scrape's own: not the path)
     assert learner._steps["e"].path_s == pytest.approx(0.02)
     send(fleet, clock, "a", 400)
     step(fleet, clock, 0.07, ["a"])  # the first token, seen 50 ms of prefill + 20 ms after the send
@@ -304,13 +299,17 @@ def test_a_prompt_counts_from_when_it_reached_the_engine_on_the_clock_its_tokens
     assert [s.seconds for s in prefill] == [pytest.approx(0.05)]
 
 
-def test_a_path_delay_is_never_taken_past_its_bound() -> None:
-    """Every round trip slow (metrics a busy engine takes long to render): what is taken for the
-    path stays within MAX_PATH_DELAY_S, so a prefill is never read shorter by more than that."""
+def test_a_path_delay_is_never_taken_past_its_bound_and_follows_the_latest_checks() -> None:
+    """Every round trip slow: what is taken for the path stays within MAX_PATH_DELAY_S, so a
+    prefill is never read shorter by more than that; once the checks come back fast again, so
+    does the path (the least of the latest)."""
     from gateway.dispatch.latency_learner import MAX_PATH_DELAY_S
 
     fleet, learner, clock = setup()
     for _ in range(3):
-        _scrape(fleet, clock, 1.5)
-        clock.now += 1.0
+        fleet.record_round_trip("e", 1.5)
+    fleet.record_state("e", EngineState(), clock.now)
     assert learner._steps["e"].path_s == MAX_PATH_DELAY_S
+    fleet.record_round_trip("e", 0.0005)
+    fleet.record_state("e", EngineState(), clock.now)
+    assert learner._steps["e"].path_s == pytest.approx(0.0005)

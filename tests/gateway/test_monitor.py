@@ -183,6 +183,8 @@ async def test_failed_health_checks_eject_after_the_threshold_and_successes_read
     monitor, _, record = make_monitor(engine, session, eject_after=3, readmit_after=2)
     assert await monitor.check_health(record) and not record.healthy  # one success of two
     assert await monitor.check_health(record) and record.healthy
+    # each answered check is a round trip of the path to the engine (the learner's path delay)
+    assert len(record.round_trips) == 2 and all(0 < t < 5 for t in record.round_trips)
 
     engine.health_status = 503
     for expected_healthy in (True, True, False):
@@ -192,6 +194,7 @@ async def test_failed_health_checks_eject_after_the_threshold_and_successes_read
         assert record.healthy is expected_healthy
     assert record.consecutive_failures == 3 and record.last_error == "health check failed"
 
+    assert len(record.round_trips) == 2  # (a refused check measures nothing)
     engine.health_status = 200
     assert await monitor.check_health(record) and not record.healthy
     assert await monitor.check_health(record) and record.healthy

@@ -111,6 +111,23 @@ def test_engines_are_learnt_when_their_tokens_and_scrapes_reach_the_gateway_late
         assert sim.gateway.slo.latency.sample_counts(engine)[0] >= 50
 
 
+def test_a_relay_delay_that_ends_leaves_no_shift_behind() -> None:
+    """Tokens 20 ms late for the first 14 s only: once the health checks come back at once the
+    path is 0 again, or every idle engine's prefill after the window would read 20 ms short."""
+    speed = 2.0
+    window = dataclasses.replace(
+        scenario(speed, load=0.1, requests=300), disturbances=(Disturbance("relay-delay", 0.0, 14.0, 0.02),)
+    )
+    sim = Simulation(window)
+    sim.run()
+    assert sim.clock.now > 20.0  # (the run goes well past the window)
+    for engine, coefficients in learnt(sim).items():
+        assert sim.gateway.slo.latency._steps[engine].path_s == 0.0
+        got = ratios(coefficients, speed)
+        off = {key: round(got[key], 3) for key in CHECKED if not abs(got[key] - 1.0) <= TOLERANCE}
+        assert not off, f"{engine}: fitted/true {off}"
+
+
 def test_without_learning_the_prior_would_be_off_by_the_speed() -> None:
     """The check above can fail: the same run with nothing learnt leaves the prior, 10x off."""
     sim = Simulation(scenario(0.1))
