@@ -149,6 +149,8 @@ class SimGateway:
     def _scraped(
         self, engine_id: str, state: EngineState | None, sent: tuple[float, tuple[int, int]]
     ) -> None:
+        if self.fleet.records[engine_id].scrape_sent_at > sent[0]:
+            return  # a later scrape came back first (the delay ended meanwhile): this one is old news
         self.fleet.record_state(engine_id, state, self.clock.now, *sent)
 
     def _scrape_every(self, engine_id: str) -> None:
