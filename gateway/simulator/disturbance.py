@@ -9,7 +9,8 @@
   ``magnitude`` seconds late (a CPU-starved gateway): arrivals, dispatch turns, tokens, ends;
 * ``relay-delay``: the engines' tokens and ends produced between ``start`` and ``end`` reach the
   gateway ``magnitude`` seconds after the engine made them (the network and a busy relay: live,
-  the gateway reads each token from an HTTP stream), in order; the client sees them as late.
+  the gateway reads each token from an HTTP stream), in order; the client sees them as late. The
+  scrapes and health checks of the window come back as late (one path, one busy event loop).
 
 Written ``kind:start:end[:magnitude[:engine]]`` on the command line (seconds of virtual time;
 ``engine``, an engine id such as ``decode-1``, only for ``slow-engine``).
