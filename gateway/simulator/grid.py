@@ -260,17 +260,25 @@ def plot(results: list[Result], path: Path) -> None:
     rows = max(1, -(-(len(panels) + len(ramps)) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     flat = [a for row in axes for a in row]
+    # one colour per policy in every panel, the ramp's bars included
+    policies = list(dict.fromkeys(r.policy for r in results))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {p: cycle[i % len(cycle)] for i, p in enumerate(policies)}
     for ax, cell in zip(flat[len(panels) :], ramps, strict=False):
         # the ramp has its own rates, not a load axis: a bar per policy
         mine = [r for r in results if r.cell == cell]
-        ax.bar([r.policy for r in mine], [100 * r.attainment for r in mine])
+        ax.bar(
+            [r.policy for r in mine],
+            [100 * r.attainment for r in mine],
+            color=[colour[r.policy] for r in mine],
+        )
         ax.set_title(f"{cell.name} ({cell.qps:g} QPS)", fontsize=9)
         ax.set_ylabel("SLO attainment (%)")
         ax.set_ylim(0, 102)
         ax.tick_params(axis="x", labelsize=7, rotation=30)
         ax.grid(alpha=0.3, axis="y")
     for ax, (workload, speed) in zip(flat, panels, strict=False):
-        for policy in dict.fromkeys(r.policy for r in results):
+        for policy in policies:
             mine = sorted(
                 (
                     r
@@ -279,7 +287,8 @@ def plot(results: list[Result], path: Path) -> None:
                 ),
                 key=lambda r: r.cell.load,
             )
-            ax.plot([r.cell.load for r in mine], [100 * r.attainment for r in mine], marker="o", label=policy)
+            loads = [r.cell.load for r in mine]
+            ax.plot(loads, [100 * r.attainment for r in mine], marker="o", label=policy, color=colour[policy])
         ax.set_title(f"{workload}, engines {speed:g}x the prior", fontsize=9)
         ax.set_xlabel("load (x capacity)")
         ax.set_ylabel("SLO attainment (%)")
@@ -287,6 +296,8 @@ def plot(results: list[Result], path: Path) -> None:
         ax.grid(alpha=0.3)
     if panels:
         axes[0][0].legend(fontsize=7)
+    for ax in flat[len(panels) + len(ramps) :]:
+        ax.set_visible(False)  # (the grid's last row may have panels to spare)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
