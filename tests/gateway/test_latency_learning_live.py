@@ -66,4 +66,6 @@ def test_the_live_gateway_learns_the_engine(engine: ChildProcess) -> None:
         for prompt in (50, 400):
             true = TRUTH.prefill_a + TRUTH.prefill_b * prompt + TRUTH.prefill_c * prompt**2
             got = prefill[0] + prefill[1] * prompt + prefill[2] * prompt**2
-            assert got == pytest.approx(true, rel=0.3), (prefill, prior_prefill)
+            # (12 ms at least: late wake-ups of a loaded 2-core machine add to every short step;
+            # in the full suite a 30 ms prefill read 40.5. The prior, half the truth, stays out.)
+            assert got == pytest.approx(true, rel=0.3, abs=0.012), (prefill, prior_prefill)
