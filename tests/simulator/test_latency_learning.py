@@ -100,7 +100,7 @@ def test_engines_are_learnt_when_their_tokens_and_scrapes_reach_the_gateway_late
     path's delay, and prompts are placed on the clock their tokens are seen by."""
     speed = 2.0
     delayed = dataclasses.replace(
-        scenario(speed, policy, requests=600), disturbances=(Disturbance("relay-delay", 0.0, 1e6, 0.02),)
+        scenario(speed, policy, requests=400), disturbances=(Disturbance("relay-delay", 0.0, 1e6, 0.02),)
     )
     sim = Simulation(delayed)
     sim.run()
