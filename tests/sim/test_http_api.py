@@ -197,11 +197,12 @@ async def test_ttft_and_itl_match_the_model(timing_profile: Path, scale: float) 
                 assert len(times) == 16
                 ttfts.append(times[0] - sent)
                 itls.append((times[-1] - times[0]) / (len(times) - 1))
-    # best TTFT and best stream's mean gap: a scheduling hiccup of the 2-core machine delays a step,
-    # not the model, and tokens the client reads in bursts make single gaps alternate short/long
-    # (a median of 4 ms gaps once read 3.5 ms) while a stream's span stays right; TTFT also carries
-    # the HTTP round trip, which does not shrink with the time scale (hence abs=)
-    ttft, itl = min(ttfts), min(itls)
+    # best TTFT and the middle stream's mean gap: a scheduling hiccup of the 2-core machine delays a
+    # step, not the model, and tokens the client reads in bursts make single gaps alternate
+    # short/long (a median of 4 ms gaps once read 3.5 ms) while a stream's span stays right, unless
+    # its first token was read late (the shortest span then read 34 ms for 40: not the least of
+    # them); TTFT also carries the HTTP round trip, which does not shrink with the time scale
+    ttft, itl = min(ttfts), sorted(itls)[1]
     assert ttft == pytest.approx(0.3 / scale, rel=0.10, abs=0.005), ttfts
     assert itl == pytest.approx(0.04 / scale, rel=0.10), itls
 
