@@ -42,6 +42,7 @@ from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet
 from gateway.fleet.roles import flip_role
+from gateway.runtime import LoopLagProbe, export_gc_pauses
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.serving.disaggregated import DisaggregatedFlow
@@ -84,9 +85,13 @@ class Gateway:
         self.started_at = time.time()
         #: set when stopping begins: /ready turns 503 at once
         self.stopping = False
+        self.lag_probe = LoopLagProbe()
 
     async def start(self) -> None:
         s = self.settings
+        # what holds the loop stalls every stream: timed from the start (gateway.runtime)
+        export_gc_pauses()
+        self.lag_probe.start()
         # every engine tokenizer loaded and compiled (in threads) before the gateway serves: no
         # request loads one on the loop; one that cannot be loaded stops start-up here
         await engine_tokenizer.preload(s.engine_tokenizers)
@@ -168,6 +173,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.stopping = True
+        self.lag_probe.stop()
         if self.calibrator is not None:
             await self.calibrator.stop()
         if self.proxy is not None:

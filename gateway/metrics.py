@@ -123,6 +123,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 0.025)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _OVERHEAD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_PAUSE_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 REQUESTS = Counter(
     "slogate_requests",
@@ -265,6 +266,22 @@ NO_ENGINE = Counter(
     "slogate_no_engine",
     "Requests refused because no healthy engine serves the model",
     ["model"],
+    registry=REGISTRY,
+)
+EVENT_LOOP_LAG = Histogram(
+    "slogate_event_loop_lag_seconds",
+    "How late a timer the gateway sets every quarter second runs: the longest the event loop was "
+    "held by one piece of work (a dispatch call, a garbage collection, a parse) in that time; every "
+    "stream the gateway relays stalls for as long",
+    buckets=_PAUSE_BUCKETS,
+    registry=REGISTRY,
+)
+GC_PAUSE = Histogram(
+    "slogate_gc_pause_seconds",
+    "Duration of each garbage collection of the gateway process, by generation (0, 1 young; 2 "
+    "full): the loop and every stream are held while it runs",
+    ["generation"],
+    buckets=_PAUSE_BUCKETS,
     registry=REGISTRY,
 )
 DISPATCH_CALL = Histogram(

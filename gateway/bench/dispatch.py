@@ -40,7 +40,7 @@ from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router
-from gateway.runtime import tune_gc
+from gateway.runtime import GcPauses, tune_gc
 from policies.api import EngineState, RequestView
 from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL
 from policies.pipeline import compile_profile
@@ -76,6 +76,10 @@ class DispatchPoint:
     #: the wall µs per placement by where it was spent: arrivals (submit), the loop's turns
     #: (step, its timer, deliveries) and engine events (completions, first tokens, scrapes)
     split_us: tuple[tuple[str, float], ...] = ()
+    #: the process's garbage collections in the measured time (the harness's objects and the
+    #: dispatcher's, wherever they ran): per placement, and the longest (a stall like a long call)
+    gc_us_per_placement: float = 0.0
+    max_gc_pause_ms: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -187,6 +191,7 @@ async def _run_point(
     loop_obj._deliver = meter.wrap(loop_obj._deliver, "turns")  # type: ignore[method-assign]
     fleet.listeners[:] = [meter.wrap(listener, "engine events") for listener in fleet.listeners]
     tune_gc()  # as `slogate serve` runs (gateway.runtime)
+    pauses = GcPauses().install()
     loop_obj.start()
     loop = asyncio.get_running_loop()
     placements = 0
@@ -242,6 +247,7 @@ async def _run_point(
     await asyncio.sleep(warmup_s)  # fill the fleet, reach a steady state
     counting = True
     meter.reset()
+    pauses.reset()
     steps0 = loop_obj.steps
     depth_samples: list[int] = []
     t0 = time.perf_counter()
@@ -254,6 +260,7 @@ async def _run_point(
     split = tuple((part, s / max(1, placements) * 1e6) for part, s in meter.parts.items())
     cpu_spent = meter.cpu_net_seconds
     steps = loop_obj.steps - steps0
+    pauses.uninstall()
     stop.set()
     for task in [*tasks, *scrapers]:
         task.cancel()
@@ -274,6 +281,8 @@ async def _run_point(
         warmup_s=warmup_s,
         max_call_ms=meter.longest * 1e3,
         split_us=split,
+        gc_us_per_placement=pauses.total_s / max(1, placements) * 1e6,
+        max_gc_pause_ms=pauses.longest_s * 1e3,
     )
 
 
@@ -325,7 +334,9 @@ def run_dispatch_bench(
                         f"{point.us_per_placement:6.1f} µs/placement "
                         f"({point.cpu_us_per_placement:5.1f} CPU), "
                         f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each, "
-                        f"longest call {point.max_call_ms:.1f} ms; "
+                        f"longest call {point.max_call_ms:.1f} ms "
+                        f"(longest collection {point.max_gc_pause_ms:.1f} ms, "
+                        f"collections {point.gc_us_per_placement:.1f} µs/placement); "
                         + ", ".join(f"{part} {us:.1f}" for part, us in point.split_us)
                         + " µs "
                         f"(after {warmup_s:.1f} s of warm-up)"
@@ -337,8 +348,8 @@ def render_table(points: list[DispatchPoint]) -> str:
     lines = [
         "| dispatcher | engines | queued (target / mean) | placements/s | µs per placement | "
         "CPU µs per placement | loop share | longest call (ms) | µs in arrivals / turns / engine events "
-        "| targets |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| GC µs per placement / longest (ms) | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         lines.append(
@@ -346,6 +357,7 @@ def render_table(points: list[DispatchPoint]) -> str:
             f"{p.placements_per_s:.0f} | {p.us_per_placement:.1f} | {p.cpu_us_per_placement:.1f} | "
             f"{p.loop_share:.1%} | {p.max_call_ms:.1f} | "
             f"{' / '.join(f'{us:.1f}' for _, us in p.split_us)} | "
+            f"{p.gc_us_per_placement:.1f} / {p.max_gc_pause_ms:.1f} | "
             f"{'met' if p.ok else 'MISSED'} |"
         )
     us, share = TARGET_US_PER_PLACEMENT, TARGET_LOOP_SHARE
