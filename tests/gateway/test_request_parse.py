@@ -197,20 +197,22 @@ def test_many_messages_are_estimated_as_a_whole() -> None:
 @pytest.mark.parametrize("make", [english_text, non_ascii_text])
 def test_a_15_mb_body_costs_about_its_json_parse(make: Callable[[int, int], str]) -> None:
     """Everything parse_request does besides orjson's parse must be small next to it: counting
-    the prompt exactly added 0.7 s (English) to 1 s (non-ASCII) on a 15 MB body. Process time,
-    best of three; the bound (parse + 5 ms) is loose for a shared machine, the measured extra is
-    ~0.2 ms."""
+    the prompt exactly added 0.7 s (English) to 1 s (non-ASCII) on a 15 MB body. This thread's CPU
+    time (the suite's other threads, engines' log readers among them, are not its cost), best of
+    three; the measured extra is ~0.2 ms, and the bound (twice the parse + 10 ms) is loose for a
+    loaded machine (parse + 5 ms failed once in a full run: 18.0 ms against 12.8 ms) yet 30 times
+    below the regression it guards."""
     text = make(15_000_000 if make is english_text else 5_000_000, 1)
     raw = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": text}]})
     json_s = min(_cpu_seconds(lambda: orjson.loads(raw)) for _ in range(3))
     parse_s = min(_cpu_seconds(lambda: parse_request("chat", raw, 1)) for _ in range(3))
-    assert parse_s < json_s + 5e-3, f"parse {parse_s * 1e3:.1f} ms vs orjson.loads {json_s * 1e3:.1f} ms"
+    assert parse_s < 2 * json_s + 10e-3, f"parse {parse_s * 1e3:.1f} ms vs orjson.loads {json_s * 1e3:.1f} ms"
 
 
 def _cpu_seconds(work: Callable[[], object]) -> float:
-    start = time.process_time()
+    start = time.thread_time()
     work()
-    return time.process_time() - start
+    return time.thread_time() - start
 
 
 @pytest.mark.parametrize(
