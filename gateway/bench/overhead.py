@@ -591,7 +591,13 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
 
 
 async def _measure_paced(
-    gateway: ChildProcess, model: str, streams: int, gap_ms: float, tokens: tuple[int, int], waves: int
+    gateway: ChildProcess,
+    model: str,
+    streams: int,
+    gap_ms: float,
+    tokens: tuple[int, int],
+    waves: int,
+    idle_s: float = 1.0,
 ) -> PacedResult:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -613,7 +619,7 @@ async def _measure_paced(
         progress(f"paced: warm-up, {min(streams, 20)} streams")
         body, headers = request(tokens[0])
         await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(min(streams, 20))))
-        idle = await idle_cpu_rate(gateway.pid, 1.0)
+        idle = await idle_cpu_rate(gateway.pid, idle_s)
 
         cpu = [0.0, 0.0]
         traces: list[list[StreamTrace]] = [[], []]
@@ -653,11 +659,13 @@ def run_paced(
     waves: int = 2,
     floor: bool = False,
     repeats: int = 1,
+    idle_s: float = 1.0,
 ) -> PacedResult:
     """A paced engine and a fresh gateway; gateway CPU per event and per request; with ``floor``,
     the same through a bare relay on the same stack, in front of the same engine. ``repeats``
     times, the gateway's and the floor's measurements alternating; the median run of each is
-    returned (one run's figures, not a mix). Blocking."""
+    returned (one run's figures, not a mix). ``idle_s``: how long each run first reads the idle
+    process's CPU (subtracted from its waves). Blocking."""
     if not 0 < tokens[0] < tokens[1]:
         raise ValueError(f"paced stream lengths must be two increasing token counts, got {tokens}")
     if repeats < 1:
@@ -676,11 +684,15 @@ def run_paced(
             floors: list[PacedResult] = []
             for i in range(repeats):
                 progress(f"paced: the gateway (run {i + 1} of {repeats})")
-                runs.append(asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves)))
+                runs.append(
+                    asyncio.run(_measure_paced(gateway, PACED_MODEL, streams, gap_ms, tokens, waves, idle_s))
+                )
                 if relay is not None:
                     progress(f"paced: a bare relay on the same stack (run {i + 1} of {repeats})")
                     floors.append(
-                        asyncio.run(_measure_paced(relay, PACED_MODEL, streams, gap_ms, tokens, waves))
+                        asyncio.run(
+                            _measure_paced(relay, PACED_MODEL, streams, gap_ms, tokens, waves, idle_s)
+                        )
                     )
             result = _median_run(runs)
             if floors:
@@ -708,6 +720,7 @@ def run_overhead(
     tracing: bool = False,
     paced_floor: bool = False,
     paced_repeats: int = 3,
+    paced_idle_s: float = 1.0,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -716,7 +729,7 @@ def run_overhead(
         result = asyncio.run(_measure(engine, gateway, n, stream_tokens))
     if paced_streams > 0:
         result.paced = run_paced(
-            paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor, paced_repeats
+            paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor, paced_repeats, paced_idle_s
         )
     if dispatchers:
         result.dispatchers = run_dispatcher_latency(max(50, n // 2))

@@ -26,6 +26,7 @@ def test_overhead_benchmark_smoke() -> None:
         paced_waves=1,
         paced_repeats=2,
         paced_floor=True,
+        paced_idle_s=0.25,
     )
     assert 0 < result.cpu_ms_per_request < 50
     assert 0 <= result.cpu_us_per_sse_event < 5000
