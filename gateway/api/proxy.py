@@ -32,6 +32,7 @@ from gateway.fleet.registry import Fleet
 from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
+from gateway.serving.relay import count_usage
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
 from policies.plugins.affinity import affinity_key
@@ -258,6 +259,7 @@ class Proxy:
                 metrics.child(metrics.REQUEST_LATENCY, model, slo_class).observe(time.monotonic() - arrival)
             outcome = None
             if call is not None:
+                count_usage(call)
                 outcome = self.slo.account(call, status)
                 _observe(call, kind, model, status)
             elif early_overhead_s >= 0.0:  # every answer's header figure reaches the metric

@@ -65,6 +65,8 @@ class Call:
     last_at: float = 0.0
     content_events: int = 0
     completion_tokens: int | None = None
+    #: the engine's latest usage report, counted once when the request ends (relay.count_usage)
+    usage: dict[str, Any] | None = None
     finished_at: float = 0.0
     #: time inside the request that was not the gateway's own work: receiving the client's body,
     #: waiting in the admission queue, waiting on engines (see :func:`overhead_header`)

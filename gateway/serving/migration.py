@@ -40,7 +40,7 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
-from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
+from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded, sse_data
 from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
@@ -630,7 +630,7 @@ class Migrator:
                     failed: Exception | None = None
                     try:
                         for event in complete.split(sep)[:-1]:
-                            payload = event[6:] if event.startswith(b"data: ") else event
+                            payload = sse_data(event)
                             payload = payload.strip()
                             if not payload or payload.startswith(b":"):
                                 continue

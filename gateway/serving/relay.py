@@ -59,17 +59,36 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
 
 
 def record_usage(call: Call, usage: Any) -> None:
+    """The engine's latest usage report for the call (a stream with ``continuous_usage_stats``
+    repeats its running totals in every chunk; a migrated stream ends with its legs' totals):
+    kept, not counted. :func:`count_usage` counts it once, when the request ends."""
     if not isinstance(usage, dict):
         return
-    model = call.request.model
+    call.usage = usage
     completion = usage.get("completion_tokens")
     if isinstance(completion, int) and not isinstance(completion, bool):
         call.completion_tokens = completion
+
+
+def count_usage(call: Call) -> None:
+    """Add the call's usage to the token counters: once per request, whatever its engines sent."""
+    usage, call.usage = call.usage, None
+    if usage is None:
+        return
+    model = call.request.model
     metrics.child(metrics.TOKENS, model, "prompt").inc(_count(usage.get("prompt_tokens")))
-    metrics.child(metrics.TOKENS, model, "completion").inc(_count(completion))
+    metrics.child(metrics.TOKENS, model, "completion").inc(_count(usage.get("completion_tokens")))
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
         metrics.child(metrics.TOKENS, model, "cached").inc(_count(details.get("cached_tokens")))
+
+
+def sse_data(event: bytes) -> bytes:
+    """An SSE event's data: after ``data:`` and the one space the spec lets a server put there or
+    not (``data:{...}`` is as valid as ``data: {...}``); the event itself when it has no data."""
+    if event.startswith(b"data:"):
+        return event[6:] if event[5:6] == b" " else event[5:]
+    return event
 
 
 def _count(value: Any) -> int:
@@ -314,7 +333,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
     content = 0
     failed_at = -1
     for event in complete.split(sep)[:-1]:
-        payload = event[6:] if event.startswith(b"data: ") else event
+        payload = sse_data(event)
         if payload.strip() == b"[DONE]":
             done = True
         elif b'"error"' in payload and _is_error(payload):
@@ -354,7 +373,7 @@ def _is_error(payload: bytes) -> bool:
 def _error_message(event: bytes) -> str:
     """What an engine's error event says, for the client's error (bounded; the raw bytes when
     it is not the JSON it should be)."""
-    payload = event[6:] if event.startswith(b"data: ") else event
+    payload = sse_data(event)
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:

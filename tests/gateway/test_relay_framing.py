@@ -188,3 +188,60 @@ async def test_an_error_event_then_a_close_without_done_ends_with_one_error() ->
     """Without [DONE] after its error event, the stream got a second error event of the gateway's."""
     status, sent, _ = await relay([TOKEN_EVENT, ENGINE_ERROR])
     assert status == 502 and sent.count(b'data: {"error"') == 1 and sent.endswith(b"data: [DONE]\n\n")
+
+
+# -- what servers other than vLLM write ------------------------------------------------------------
+
+
+def tight(data: dict[str, Any] | str) -> bytes:
+    """An event as ``data:{...}``: no space after the colon, as the SSE spec allows."""
+    return b"data:" + (data.encode() if isinstance(data, str) else orjson.dumps(data)) + b"\n\n"
+
+
+async def test_events_without_the_optional_space_are_read_as_events() -> None:
+    """``data:{...}`` is as valid SSE as ``data: {...}``: read as plain bytes, its [DONE] was
+    missed (the stream ended with a gateway error event after the answer), its usage-only chunk
+    relayed though the client had not asked, its usage never read."""
+    text = tight({"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": None})
+    tail = tight({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    status, out, call = await relay([text + tail + tight("[DONE]")])
+    assert status == 200
+    assert out == text + tight("[DONE]")  # untouched, less the usage chunk nobody asked for
+    assert b'"error"' not in out
+    assert call.content_events == 1 and call.completion_tokens == 2
+
+
+async def test_an_error_event_without_the_space_is_a_failure() -> None:
+    error = tight({"error": {"message": "engine fell over", "type": "InternalServerError", "code": 500}})
+    outcome, sent, _, _ = await relay_on([TOKEN_EVENT, error + tight("[DONE]")], StreamLedger())
+    assert isinstance(outcome, Cut) and outcome.error is not None
+    assert "engine fell over" in outcome.error.message
+    assert sent == TOKEN_EVENT
+
+
+async def test_running_usage_in_every_chunk_is_counted_once_with_its_final_totals() -> None:
+    """``stream_options.continuous_usage_stats``: vLLM repeats the running totals in every chunk.
+    Each was added to the token counters, so a stream of n tokens counted its prompt n + 1 times."""
+    from gateway import metrics
+    from gateway.serving.relay import count_usage
+
+    def running(text: str, done: int) -> bytes:
+        return event(
+            {
+                "choices": [{"index": 0, "delta": {"content": text}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": done, "total_tokens": 3 + done},
+            }
+        )
+
+    def counted(kind: str) -> float:
+        return float(metrics.child(metrics.TOKENS, "a", kind)._value.get())
+
+    before = counted("prompt"), counted("completion")
+    final = event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
+    stream = running("a", 1) + running("b", 2) + running("c", 3) + running("d", 4) + final
+    status, _, call = await relay([stream + b"data: [DONE]\n\n"])
+    assert status == 200 and call.completion_tokens == 4 and call.content_events == 4
+    assert (counted("prompt"), counted("completion")) == before  # nothing counted mid-stream
+    count_usage(call)
+    count_usage(call)  # (once per request, however often it is asked)
+    assert (counted("prompt") - before[0], counted("completion") - before[1]) == (3, 4)
