@@ -103,14 +103,19 @@ class Gateway:
             keepalive_timeout=s.upstream_keepalive_s,
             enable_cleanup_closed=True,
         )
+        # Engines' answers are relayed as they come and read on the way (usage, [DONE], errors):
+        # ask for them uncompressed. aiohttp offers gzip, deflate and br by default, and an
+        # engine behind a compressing proxy then sent bytes the client took for JSON.
+        plain = {"Accept-Encoding": "identity"}
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=["User-Agent"]
+            connector=connector, auto_decompress=False, skip_auto_headers=["User-Agent"], headers=plain
         )
         # a retry after a stale pooled connection goes out on a connection of its own
         self.fresh_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=s.upstream_pool_size, force_close=True),
             auto_decompress=False,
             skip_auto_headers=["User-Agent"],
+            headers=plain,
         )
         # Health checks, scrapes and model lists have a pool of their own: in the data path's
         # pool they waited for a free connection behind long streams, inside their own timeout,
