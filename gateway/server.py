@@ -14,6 +14,7 @@ import uvicorn
 
 from gateway.app import FrontDoor, create_app
 from gateway.logs import setup_logging
+from gateway.open_files import raise_open_files_limit
 from gateway.runtime import tune_gc
 from gateway.settings import Settings
 from gateway.sim.profiles import ProfileError
@@ -85,4 +86,5 @@ def serve(settings: Settings) -> None:
         print(f"slogate: invalid profile: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)
+    raise_open_files_limit()  # two sockets a stream
     _AnnouncingServer(uvicorn_config(settings, app)).run()

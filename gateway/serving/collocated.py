@@ -18,6 +18,7 @@ events (``idle_timeout_s``, also a client that stops reading), the whole of a no
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +51,10 @@ from gateway.tracing import (
     now_ns,
 )
 from policies.api import RequestView
+
+#: errors of a connection attempt that are this process's, not the engine's: out of file
+#: descriptors (process, system), socket buffers or memory, or local ports
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
 
 log = logging.getLogger("slogate.serving")
 
@@ -384,6 +389,22 @@ class CollocatedFlow:
                         504, f"could not connect to engine {engine_id} in time", code="upstream_timeout"
                     )
                 except aiohttp.ClientConnectorError as exc:
+                    if exc.os_error.errno in _LOCAL_ERRNOS:
+                        # the gateway's own shortage (no descriptor, buffer or local port for a
+                        # socket), not the engine's: ejecting every engine for it turned a burst
+                        # into an outage. Every engine would fail the same way now: no retry.
+                        log.warning(
+                            "no socket for engine %s: %r",
+                            engine_id,
+                            exc,
+                            extra={"request_id": call.client_rid},
+                        )
+                        raise GatewayError(
+                            503,
+                            "the gateway is out of connections; retry later",
+                            code="gateway_overloaded",
+                            retry_after_s=1.0,
+                        ) from None
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
                     metrics.UPSTREAM_RETRIES.labels("connect").inc()
                     self.fleet.eject(engine_id, repr(exc))

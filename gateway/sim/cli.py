@@ -10,12 +10,12 @@ import argparse
 import asyncio
 import contextlib
 import math
-import resource
 import signal
 import sys
 
 from pydantic import ValidationError
 
+from gateway.open_files import raise_open_files_limit
 from gateway.sim.lora import parse_lora_modules
 from gateway.sim.profiles import EngineProfile, ProfileError, load_profile
 from gateway.sim.server import SimConfig, SimServer
@@ -78,13 +78,6 @@ async def _serve(config: SimConfig) -> None:
     await server.stop()
 
 
-def _raise_open_files_limit() -> None:
-    # every stream is a socket: the soft default (often 1024) would cap concurrency, as vLLM notes
-    with contextlib.suppress(ValueError, OSError):
-        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def sim_engine_main(argv: list[str]) -> int:
     """Entry point of ``slogate sim-engine``; returns the process exit code (2 on bad arguments)."""
     args = build_parser().parse_args(argv)
@@ -138,7 +131,7 @@ def sim_engine_main(argv: list[str]) -> int:
         embeddings=not args.no_embeddings,
         lora_modules=tuple(lora_modules.items()),
     )
-    _raise_open_files_limit()
+    raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):
         try:
             import uvloop

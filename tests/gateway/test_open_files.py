@@ -1,0 +1,88 @@
+"""A gateway out of file descriptors is the gateway's shortage, not its engines'. Each stream holds
+two sockets; past the process's limit every new upstream connection failed with EMFILE, which the
+data path took for an unreachable engine: it ejected every engine, and a burst became an outage
+(503 for everything until the health checks readmitted them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+
+from gateway.open_files import raise_open_files_limit
+from gateway.procs import spawn_listening, spawn_sim_engine
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+
+#: descriptors the gateway may hold: its own start-up takes a few dozen, the rest are streams
+LIMIT = 110
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _burst(url: str, streams: int) -> list[int | str]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
+
+    async def one(session: aiohttp.ClientSession) -> int | str:
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body) as response:
+                await response.read()
+                return response.status
+        except aiohttp.ClientError as exc:  # (the gateway may not even accept the connection)
+            return type(exc).__name__
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        return list(await asyncio.gather(*(one(session) for _ in range(streams))))
+
+
+def test_running_out_of_descriptors_ejects_no_engine() -> None:
+    with spawn_sim_engine(*SIM_ARGS, name="e0") as e0, spawn_sim_engine(*SIM_ARGS, name="e1") as e1:
+        env = {
+            "SLOGATE_ENGINES": json.dumps([engine_entry(e0), engine_entry(e1)]),
+            "SLOGATE_PORT": "0",
+            "SLOGATE_LOG_LEVEL": "warning",
+        }
+        # soft and hard limit alike: the gateway cannot raise it past this
+        command = ["prlimit", f"--nofile={LIMIT}:{LIMIT}", sys.executable, "-m", "gateway.cli", "serve"]
+        with spawn_listening(command, "gateway", env=env) as gateway:
+            outcomes = asyncio.run(_burst(gateway.url, 160))
+
+            async def metrics() -> str:
+                async with aiohttp.ClientSession() as session, session.get(gateway.url + "/metrics") as r:
+                    return await r.text()
+
+            text = asyncio.run(metrics())
+            # the burst did run out: streams were refused for want of a socket (accepted client
+            # connections take the descriptors first, so few of the burst get an engine at all)
+            refused = [o for o in outcomes if o != 200]
+            assert refused, "the limit was never reached: nothing was tested"
+            # ... and no engine paid for it: none ejected, no connection failure charged to one
+            assert _metric(text, "slogate_engine_healthy") == 2.0
+            assert _metric(text, "slogate_upstream_errors_total", kind="connect") == 0.0
+            # refused as the gateway's own overload (503), or not even accepted: never a 502
+            assert all(o == 503 or isinstance(o, str) for o in refused), sorted(map(str, refused))
+            # the next request is served at once: both engines are still in rotation
+            assert asyncio.run(_burst(gateway.url, 2)) == [200, 200]
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        assert raise_open_files_limit() == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
