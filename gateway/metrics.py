@@ -149,8 +149,9 @@ TTFT = Histogram(
 )
 TPOT = Histogram(
     "slogate_time_per_output_token_seconds",
-    "Inter-token latency of a completed stream: (last content event - first) / (content events - 1), "
-    "observed once per stream with at least two content events (the TPOT its SLO is judged by)",
+    "Inter-token latency of a completed stream: (last content event - first) / (engine steps - 1), "
+    "a step being one event per choice (n, prompts of a batch); observed once per stream of at "
+    "least two steps (the TPOT its SLO is judged by)",
     ["model", "slo_class"],
     buckets=_TPOT_BUCKETS,
     registry=REGISTRY,

@@ -354,8 +354,8 @@ def _observe(call: Call, route: str, model: str, status: int) -> None:
     """Per-request histograms that need the whole request: once per request, never per token."""
     if call.overhead_s >= 0.0:
         metrics.child(metrics.OVERHEAD, route).observe(call.overhead_s)
-    if status == 200 and call.content_events > 1 and call.first_at:
-        tpot = (call.last_at - call.first_at) / (call.content_events - 1)
+    tpot = call.tpot_s if status == 200 else None
+    if tpot is not None:
         metrics.child(metrics.TPOT, model, call.target.slo_class).observe(tpot)
 
 

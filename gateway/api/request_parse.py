@@ -77,6 +77,14 @@ class ParsedRequest:
             self.parsed = orjson.loads(self.raw)
         return self.parsed
 
+    @property
+    def choices(self) -> int:
+        """Choices the answer carries: ``n`` for each prompt (a completions batch has several).
+        A stream sends an event per choice at each engine step."""
+        n = self.body.get("n") if self.parsed is not None or "n" in self.keys else None
+        per_prompt = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        return per_prompt * max(1, self.prompts)
+
     def summary(self) -> ParsedRequest:
         """This request without its bytes and decoded body: what a parsing worker sends back."""
         return ParsedRequest(

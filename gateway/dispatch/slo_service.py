@@ -193,11 +193,7 @@ class SloService:
             metrics.child(metrics.SLO_REQUESTS, call.target.slo_class, outcome).inc()
         if status == 200 and call.request.stream and call.first_at:
             ttft = call.first_at - call.arrival
-            tpot = (
-                (call.last_at - call.first_at) / (call.content_events - 1)
-                if call.content_events > 1
-                else None
-            )
+            tpot = call.tpot_s
             self._judge_objectives(call.target, ttft, tpot)
             if call.engine_id is not None:
                 dispatched = call.prefill_dispatched_at or call.dispatched_at
@@ -220,10 +216,9 @@ class SloService:
                 return "error"
             if call.first_at - call.arrival > target.ttft_s:
                 return "missed_ttft"
-            if call.content_events > 1:
-                tpot = (call.last_at - call.first_at) / (call.content_events - 1)
-                if tpot > target.tpot_s:
-                    return "missed_tpot"
+            tpot = call.tpot_s
+            if tpot is not None and tpot > target.tpot_s:
+                return "missed_tpot"
             return "met"
         # Non-streamed: no token timing, so the whole answer is held to the time a stream meeting
         # both targets would have taken to deliver the same number of tokens.

@@ -82,6 +82,18 @@ class Call:
     #: the router's latest decision for it, when the client asked (``x-slogate-debug: 1``)
     decision: Decision | None = None
 
+    @property
+    def tpot_s(self) -> float | None:
+        """The stream's time per output token as its SLO is judged: from its first content event
+        to its last, over the engine steps between them. Each step sends an event per choice
+        (``n``, every prompt of a batch), so steps are events over choices: counted as events, a
+        stream of four choices was judged at a quarter of its real TPOT. None with fewer than
+        two steps."""
+        steps = self.content_events / self.request.choices
+        if steps <= 1.0 or not self.first_at:
+            return None
+        return (self.last_at - self.first_at) / (steps - 1.0)
+
 
 OVERHEAD_HEADER = b"x-slogate-overhead-ms"
 

@@ -164,3 +164,22 @@ def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor(routing: str) -> N
     assert ttft() == 15.0  # the queue emptied, but only just
     now += BACKLOG_MEMORY_S
     assert ttft() == 0.525
+
+
+@pytest.mark.parametrize(
+    ("extra", "choices"),
+    [(b',"n":4', 4), (b',"prompt":["a","b"]', 2), (b',"n":2,"prompt":["a","b","c"]', 6), (b',"n":1', 1)],
+)
+def test_a_stream_of_several_choices_is_judged_per_engine_step(extra: bytes, choices: int) -> None:
+    """Each engine step sends an event per choice: counted as events, a stream of four choices
+    at 0.12 s a token read 0.03 s and met a 0.1 s TPOT it missed."""
+    body = b'{"model":"m","prompt":"hi","max_tokens":50,"stream":true%s}' % extra
+    body = body.replace(b'"prompt":"hi",', b"") if b'"prompt":[' in extra else body
+    call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
+    call.engine_id = "e0"
+    steps = 10
+    call.first_at, call.content_events = 100.5, steps * choices
+    call.last_at = call.first_at + 0.12 * (steps - 1)
+    assert call.request.choices == choices
+    assert call.tpot_s == pytest.approx(0.12)
+    assert SloService(load_settings(None)).account(call, 200) == "missed_tpot"
