@@ -22,7 +22,7 @@ import orjson
 
 from gateway.api.errors import GatewayError, bad_request
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
-from policies.migration import batched_prompts
+from policies.migration import batched_prompts, more_than_one
 
 RouteKind = Literal["chat", "completions", "embeddings"]
 
@@ -69,6 +69,8 @@ class ParsedRequest:
     lora: str | None = None
     #: completions: the prompts in the body's batch (each its own choice); 1 otherwise
     prompts: int = 1
+    #: the body's ``n`` (sequences per prompt), 1 when absent or not a count above 1
+    n: int = 1
 
     @property
     def body(self) -> dict[str, Any]:
@@ -80,10 +82,8 @@ class ParsedRequest:
     @property
     def choices(self) -> int:
         """Choices the answer carries: ``n`` for each prompt (a completions batch has several).
-        A stream sends an event per choice at each engine step."""
-        n = self.body.get("n") if self.parsed is not None or "n" in self.keys else None
-        per_prompt = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-        return per_prompt * max(1, self.prompts)
+        A stream sends an event per choice at each engine step, until that choice ends."""
+        return self.n * max(1, self.prompts)
 
     def summary(self) -> ParsedRequest:
         """This request without its bytes and decoded body: what a parsing worker sends back."""
@@ -101,6 +101,7 @@ class ParsedRequest:
             user=self.user,
             cache_salt=self.cache_salt,
             prompts=self.prompts,
+            n=self.n,
         )
 
 
@@ -207,6 +208,17 @@ def _embedding_input_tokens(body: dict[str, Any]) -> int:
     raise bad_request("'input' must be a string or a non-empty array", "input")
 
 
+def _count(value: Any) -> int:
+    """A count field as an engine reads it (2.0 is 2, see :func:`policies.migration.more_than_one`);
+    1 when it asks for no more than one (the engine refuses what is not a count at all)."""
+    if not more_than_one(value):
+        return 1
+    try:
+        return int(value)
+    except (OverflowError, ValueError):  # (inf, nan: the engine refuses them)
+        return 1
+
+
 def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> ParsedRequest:
     """Validate the routing-relevant fields of an OpenAI request body; raise a 400 on bad input."""
     try:
@@ -249,4 +261,5 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         user=_text_field(body, "user"),
         cache_salt=_text_field(body, "cache_salt"),
         prompts=batched_prompts(body.get("prompt")) if kind == "completions" else 1,
+        n=_count(body.get("n")),
     )

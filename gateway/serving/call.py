@@ -65,6 +65,8 @@ class Call:
     last_at: float = 0.0
     content_events: int = 0
     completion_tokens: int | None = None
+    #: a stream of several choices: content events per choice index (None: one choice)
+    choice_events: dict[int, int] | None = None
     #: the engine's latest usage report, counted once when the request ends (relay.count_usage)
     usage: dict[str, Any] | None = None
     finished_at: float = 0.0
@@ -85,12 +87,17 @@ class Call:
     @property
     def tpot_s(self) -> float | None:
         """The stream's time per output token as its SLO is judged: from its first content event
-        to its last, over the engine steps between them. Each step sends an event per choice
-        (``n``, every prompt of a batch), so steps are events over choices: counted as events, a
-        stream of four choices was judged at a quarter of its real TPOT. None with fewer than
-        two steps."""
-        steps = self.content_events / self.request.choices
-        if steps <= 1.0 or not self.first_at:
+        to its last, over the engine steps between them. A step sends an event per choice still
+        running (``n``, every prompt of a batch): with several, the steps are the longest
+        choice's events (counted as events, a stream of four choices was judged at a quarter of
+        its real TPOT). None with fewer than two steps."""
+        if self.content_events < 2 or not self.first_at:
+            return None
+        if self.choice_events:
+            steps = float(max(self.choice_events.values()))
+        else:
+            steps = self.content_events / self.request.choices
+        if steps <= 1.0:
             return None
         return (self.last_at - self.first_at) / (steps - 1.0)
 

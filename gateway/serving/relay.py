@@ -248,6 +248,8 @@ async def relay_stream(
                 if content:
                     call.last_at = now
                     call.content_events += content
+                    if call.request.choices > 1:
+                        _count_choices(call, complete, sep)
                     if entry is not None:
                         fleet.add_generated(record, entry, content)
                 events += n
@@ -353,6 +355,26 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
             content += 1
         kept.append(event + sep)
     return b"".join(kept), done, len(kept), content, failed_at
+
+
+def _count_choices(call: Call, complete: bytes, sep: bytes) -> None:
+    """A stream of several choices: its content events per choice index, the longest of which is
+    the number of engine steps (a choice that ends sends no more). Decoded only here, for the
+    few streams that ask for several choices."""
+    counts = call.choice_events
+    if counts is None:
+        counts = call.choice_events = {}
+    for event in complete.split(sep)[:-1]:
+        payload = sse_data(event)
+        if not payload.startswith(b"{"):
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError):
+            data = orjson.loads(payload)
+            choices = data.get("choices") if isinstance(data, dict) else None
+            for choice in choices if isinstance(choices, list) else ():
+                index = choice.get("index") if isinstance(choice, dict) else None
+                if isinstance(index, int):
+                    counts[index] = counts.get(index, 0) + 1
 
 
 def _is_error(payload: bytes) -> bool:

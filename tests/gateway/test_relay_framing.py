@@ -245,3 +245,29 @@ async def test_running_usage_in_every_chunk_is_counted_once_with_its_final_total
     count_usage(call)
     count_usage(call)  # (once per request, however often it is asked)
     assert (counted("prompt") - before[0], counted("completion") - before[1]) == (3, 4)
+
+
+async def test_a_stream_of_several_choices_counts_each_choices_events() -> None:
+    """``n`` choices: an event per running choice at each step; the longest choice's events are
+    the steps its TPOT is judged over (a choice that ended sends no more)."""
+
+    def choice(index: int, text: str) -> bytes:
+        return event({"choices": [{"index": index, "text": text}], "usage": None})
+
+    body = orjson.dumps({"model": "a", "prompt": "hi", "stream": True, "n": 2})
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    fleet = offline_fleet({"a": 1})
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-1", entry)
+    call = Call(parse_request("completions", body, 16), "sg-1", "c", 0.0, send, TARGET, None, (), {})
+    call.engine_id, call.entry = "a-0", entry
+    steps = [choice(0, "a") + choice(1, "b")] * 2 + [choice(1, "c")] * 3  # choice 0 ends after 2
+    response = cast(aiohttp.ClientResponse, _Response([*steps, b"data: [DONE]\n\n"]))
+    status = await relay_stream(call, response, fleet, fleet.records["a-0"], 1e12, 30.0, None)
+    assert status == 200 and call.content_events == 7
+    assert call.choice_events == {0: 2, 1: 5}

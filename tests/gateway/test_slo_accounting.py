@@ -168,11 +168,12 @@ def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor(routing: str) -> N
 
 @pytest.mark.parametrize(
     ("extra", "choices"),
-    [(b',"n":4', 4), (b',"prompt":["a","b"]', 2), (b',"n":2,"prompt":["a","b","c"]', 6), (b',"n":1', 1)],
+    [(b',"n":4', 4), (b',"n":4.0', 4), (b',"prompt":["a","b"]', 2), (b',"n":2,"prompt":["a","b","c"]', 6)],
 )
 def test_a_stream_of_several_choices_is_judged_per_engine_step(extra: bytes, choices: int) -> None:
     """Each engine step sends an event per choice: counted as events, a stream of four choices
-    at 0.12 s a token read 0.03 s and met a 0.1 s TPOT it missed."""
+    at 0.12 s a token read 0.03 s and met a 0.1 s TPOT it missed. (Without per-choice counts,
+    as when the relay could not read them, the steps are the events over the choices.)"""
     body = b'{"model":"m","prompt":"hi","max_tokens":50,"stream":true%s}' % extra
     body = body.replace(b'"prompt":"hi",', b"") if b'"prompt":[' in extra else body
     call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
@@ -183,3 +184,16 @@ def test_a_stream_of_several_choices_is_judged_per_engine_step(extra: bytes, cho
     assert call.request.choices == choices
     assert call.tpot_s == pytest.approx(0.12)
     assert SloService(load_settings(None)).account(call, 200) == "missed_tpot"
+
+
+def test_choices_of_unequal_length_are_judged_by_the_longest() -> None:
+    """Two choices, one of 10 tokens and one of 100, at 0.06 s a step: 110 events over 99 steps.
+    Events over choices read 55 steps, a TPOT of 0.11 s (missed) for a stream at 0.06 s."""
+    body = b'{"model":"m","prompt":"hi","max_tokens":100,"stream":true,"n":2}'
+    call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
+    call.engine_id = "e0"
+    call.first_at, call.content_events = 100.5, 110
+    call.last_at = call.first_at + 0.06 * 99
+    call.choice_events = {0: 10, 1: 100}
+    assert call.tpot_s == pytest.approx(0.06)
+    assert SloService(load_settings(None)).account(call, 200) == "met"
