@@ -335,7 +335,8 @@ QUEUE_WAIT = Histogram(
 SHEDS = Counter(
     "slogate_sheds",
     "Requests refused by the gateway, by class and reason (queue_full, infeasible, timeout, no_engine, "
-    "shutdown, saturated: the pool was saturated and the routing profile sheds)",
+    "shutdown, saturated: the pool was saturated and the routing profile sheds; gateway_resources: "
+    "the gateway had no socket to open for the engine)",
     ["slo_class", "reason"],
     registry=REGISTRY,
 )

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from gateway.engines import prom_text
+from gateway.open_files import out_of_sockets
 from gateway.settings import EngineConfig
 from policies.api import EngineState, Role
 
@@ -140,16 +141,18 @@ class EngineAdapter:
 
     # -- monitoring ------------------------------------------------------------------------------
 
-    async def health(self) -> bool:
-        """True when the engine answers its health route with 2xx within the health timeout."""
+    async def health(self) -> bool | None:
+        """True when the engine answers its health route with 2xx within the health timeout;
+        None when the check could not be made for want of a socket in the gateway (no verdict
+        on the engine: every engine would fail it alike)."""
         try:
             async with self.session.get(
                 self.url(self.health_path), timeout=self._health_timeout, headers=self._auth
             ) as resp:
                 await resp.read()
                 return 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return None if out_of_sockets(exc) else False
 
     async def scrape(self) -> EngineState | None:
         """Read and parse the engine's metrics; None when it publishes none."""

@@ -41,6 +41,7 @@ import orjson
 
 from gateway.experiments.replay import percentile
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+from gateway.sse import sse_data
 
 MODEL = "sim-model"
 PATH = "/v1/chat/completions"
@@ -173,9 +174,9 @@ async def _stream(
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
             async for line in resp.content:
-                if not line.startswith(b"data: "):
+                if not line.startswith(b"data:"):
                     continue
-                payload = line[6:].strip()
+                payload = sse_data(line).strip()
                 if payload == b"[DONE]":
                     out.done = True
                     break
@@ -209,8 +210,8 @@ async def _stream_direct(session: aiohttp.ClientSession, url: str, job: Job) -> 
     async with session.post(url + PATH, json=job.body()) as resp:
         ids: list[int] = []
         async for line in resp.content:
-            if line.startswith(b"data: {"):
-                for choice in orjson.loads(line[6:]).get("choices") or ():
+            if sse_data(line).startswith(b"{"):
+                for choice in orjson.loads(sse_data(line)).get("choices") or ():
                     ids += choice.get("token_ids") or []
         return ids
 

@@ -22,6 +22,7 @@ import orjson
 
 from gateway.experiments.prompts import spec_prompt_text
 from gateway.experiments.workload import RequestSpec, prompt_text
+from gateway.sse import sse_data
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ async def _one(
             )
             if status == 200:
                 async for line in resp.content:
-                    if not line.startswith(b"data: {") or b'"content"' not in line:
+                    if not sse_data(line).startswith(b"{") or b'"content"' not in line:
                         continue
                     now = time.perf_counter()
                     if not first:

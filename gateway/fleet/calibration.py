@@ -39,6 +39,7 @@ from gateway import metrics
 from gateway.dispatch.latency_learner import LatencyLearner
 from gateway.experiments.prompts import derive_seed, segment_tokens
 from gateway.fleet.registry import EngineRecord, Fleet
+from gateway.sse import sse_data
 from gateway.tokenizer import decode
 from policies.api import Role
 from policies.latency_fit import DecodeSample, PrefillSample
@@ -288,10 +289,11 @@ class Calibrator:
                     pending += chunk
                     *events, pending = pending.split(b"\n\n")
                     for event in events:
-                        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        payload = sse_data(event)
+                        if not event.startswith(b"data:") or payload.strip() == b"[DONE]":
                             continue
-                        if b'"choices":[]' in event:  # the usage-only chunk
-                            counted = _prompt_tokens(event[6:], stream.prompt_tokens)
+                        if b'"choices":[]' in payload:  # the usage-only chunk
+                            counted = _prompt_tokens(payload, stream.prompt_tokens)
                             if counted:
                                 stream.prompt_tokens = counted
                             continue

@@ -114,6 +114,9 @@ class FleetMonitor:
         engine_id = record.engine_id
         sent = time.monotonic()
         ok = await record.adapter.health()
+        if ok is None:  # the gateway had no socket for the check: no verdict on the engine
+            log.debug("health check of %s not made: no socket", engine_id, extra={"engine": engine_id})
+            return False
         if ok:  # (a refused or timed-out check is no measure of the path)
             self.fleet.record_round_trip(engine_id, time.monotonic() - sent)
         error = "" if ok else "health check failed"

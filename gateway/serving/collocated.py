@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.open_files import out_of_sockets
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.migration import Migrator
 from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
@@ -52,11 +54,30 @@ from gateway.tracing import (
 )
 from policies.api import RequestView
 
-#: errors of a connection attempt that are this process's, not the engine's: out of file
-#: descriptors (process, system), socket buffers or memory, or local ports
-_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+#: the error code of a request refused for the gateway's own shortage of sockets
+OVERLOADED = "gateway_overloaded"
+#: at most one warning this often (seconds) for those refusals: they come in bursts
+_SHORTAGE_LOG_EVERY_S = 1.0
+_shortage_logged = [-math.inf, 0]  # (when the last warning went out, refusals since)
 
 log = logging.getLogger("slogate.serving")
+
+
+def _shortage(call: Call, engine_id: str, exc: aiohttp.ClientConnectorError) -> None:
+    """Count a refusal for want of a socket, and say so at most once a second."""
+    metrics.child(metrics.SHEDS, call.target.slo_class, "gateway_resources").inc()
+    _shortage_logged[1] += 1
+    now = time.monotonic()
+    if now - _shortage_logged[0] >= _SHORTAGE_LOG_EVERY_S:
+        log.warning(
+            "no socket for engine %s (%d refused since the last warning): %s",
+            engine_id,
+            _shortage_logged[1],
+            exc.os_error,
+            extra={"request_id": call.client_rid},
+        )
+        _shortage_logged[0], _shortage_logged[1] = now, 0
+
 
 PATHS = {
     "chat": "/v1/chat/completions",
@@ -389,22 +410,27 @@ class CollocatedFlow:
                         504, f"could not connect to engine {engine_id} in time", code="upstream_timeout"
                     )
                 except aiohttp.ClientConnectorError as exc:
-                    if exc.os_error.errno in _LOCAL_ERRNOS:
-                        # the gateway's own shortage (no descriptor, buffer or local port for a
-                        # socket), not the engine's: ejecting every engine for it turned a burst
-                        # into an outage. Every engine would fail the same way now: no retry.
-                        log.warning(
-                            "no socket for engine %s: %r",
-                            engine_id,
-                            exc,
-                            extra={"request_id": call.client_rid},
-                        )
+                    if out_of_sockets(exc):
+                        # the gateway's own shortage, not the engine's: ejecting every engine for
+                        # it turned a burst into an outage. Every engine fails alike: no retry.
+                        _shortage(call, engine_id, exc)
                         raise GatewayError(
                             503,
                             "the gateway is out of connections; retry later",
-                            code="gateway_overloaded",
+                            code=OVERLOADED,
                             retry_after_s=1.0,
                         ) from None
+                    if exc.os_error.errno == errno.EADDRNOTAVAIL:
+                        # no local port or address for this engine's address: others may still
+                        # be reachable (ports run out per destination), and the monitor's health
+                        # checks judge whether this one can be reached at all
+                        _shortage(call, engine_id, exc)
+                        return GatewayError(
+                            503,
+                            f"no local address or port to reach engine {engine_id}; retry later",
+                            code=OVERLOADED,
+                            retry_after_s=1.0,
+                        )
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
                     metrics.UPSTREAM_RETRIES.labels("connect").inc()
                     self.fleet.eject(engine_id, repr(exc))

@@ -50,7 +50,7 @@ from gateway.dispatch.slo_service import SloService
 from gateway.dispatch.transfer_gate import TransferGate
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call
-from gateway.serving.collocated import PATHS, CollocatedFlow, end_upstream
+from gateway.serving.collocated import OVERLOADED, PATHS, CollocatedFlow, end_upstream
 from gateway.serving.relay import end_with_error
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import EngineSnapshot, Role
@@ -151,7 +151,8 @@ class DisaggregatedFlow:
         try:
             status = await self.collocated.serve(call, stage)
         except GatewayError as error:
-            if always or progress.prefilled or not 500 <= error.status < 600:
+            if always or progress.prefilled or not 500 <= error.status < 600 or error.code == OVERLOADED:
+                # (the gateway out of sockets: a decode engine would need one as well)
                 raise
             # every prefill attempt failed (or no prefill engine is in rotation): the request
             # runs whole on a decode engine, which can prefill too
@@ -557,6 +558,11 @@ class DisaggregatedFlow:
                     # not its stream's headers already reached the client
                     started = call.overhead_s >= 0 and call.request.stream
                     await _cancel(decode_task)
+                    overloaded = isinstance(failed, GatewayError) and failed.code == OVERLOADED
+                    if started and overloaded:
+                        assert isinstance(failed, GatewayError)
+                        await end_with_error(call, failed)  # (no engine's failure: none is blamed)
+                        return failed.status
                     if started:
                         metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
                         await end_with_error(
@@ -570,6 +576,8 @@ class DisaggregatedFlow:
                         return 502
                     # the decode engine did nothing wrong: the next pair may use it again
                     progress.decode_tried.remove(decode.engine_id)
+                    if overloaded:
+                        raise failed  # (every pair would need a socket the gateway has not got)
                     if isinstance(failed, GatewayError) and (failed.status >= 500 or failed.status == 429):
                         return failed
                     raise failed

@@ -40,8 +40,9 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
-from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded, sse_data
+from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
 from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.sse import sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
 from policies.migration import (
@@ -785,7 +786,10 @@ class Migrator:
             error = GatewayError(502, "the stream could not be resumed", code="upstream_failed")
         message = f"{error.message}; {why}" if why else error.message
         log.warning(message, extra={"request_id": call.client_rid})
-        final = GatewayError(error.status, message, code=error.code or "upstream_failed")
+        # the client has part of the answer: a cut stream is a failure, even when what stopped
+        # its resumption was a refusal (the gateway out of sockets, an engine's 429)
+        status = 502 if error.status in (429, 503) else error.status
+        final = GatewayError(status, message, code=error.code or "upstream_failed")
         event = final.sse_event() + b"data: [DONE]\n\n"
         if call.watcher is not None:  # (the response ends here: see end_with_error)
             call.watcher.cancel()

@@ -27,6 +27,7 @@ from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, Send, overhead_header
 from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.sse import sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN
 from policies.migration import MigrationReason
 
@@ -81,14 +82,6 @@ def count_usage(call: Call) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
         metrics.child(metrics.TOKENS, model, "cached").inc(_count(details.get("cached_tokens")))
-
-
-def sse_data(event: bytes) -> bytes:
-    """An SSE event's data: after ``data:`` and the one space the spec lets a server put there or
-    not (``data:{...}`` is as valid as ``data: {...}``); the event itself when it has no data."""
-    if event.startswith(b"data:"):
-        return event[6:] if event[5:6] == b" " else event[5:]
-    return event
 
 
 def _count(value: Any) -> int:

@@ -195,9 +195,12 @@ def test_crash_mid_stream_is_resumed_with_the_exact_output(
     assert len(ref.token_ids) == 80
     with gateway(healthy, migration_limit=2) as gw:
         before = metric(gw, "slogate_migrations_total", reason="failure")
+        tokens = metric(gw, "slogate_tokens_total", kind="completion", model=MODEL)
         got = post(gw, path, body, {"X-Sim-Fault": f"crash-after={crash_after}"})
         assert_exact(got, ref, 80)
         assert metric(gw, "slogate_migrations_total", reason="failure") == before + 1
+        # the answer's tokens counted once, whichever engines produced them
+        assert metric(gw, "slogate_tokens_total", kind="completion", model=MODEL) == tokens + 80
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
         if path == CHAT:
             assert got.events[0]["choices"][0]["delta"]["role"] == "assistant"

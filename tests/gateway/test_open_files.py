@@ -86,3 +86,55 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+_HEALTH_WITHOUT_SOCKETS = """
+import asyncio, json, resource, socket, sys
+import aiohttp
+from gateway.engines import adapter_for
+from gateway.settings import load_settings
+
+async def main() -> None:
+    live, dead = sys.argv[1], sys.argv[2]
+    engines = [{"url": url, "kind": "sim", "model": "m", "name": f"e{i}"} for i, url in enumerate((live, dead))]
+    settings = load_settings(None, engines=engines)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        live_adapter, dead_adapter = (adapter_for(e, session, 2.0) for e in settings.engines)
+        results = {"live": await live_adapter.health(), "dead": await dead_adapter.health()}
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        held = []
+        try:
+            while True:
+                held.append(socket.socket())
+        except OSError:
+            pass
+        results["live, no socket"] = await live_adapter.health()
+        results["dead, no socket"] = await dead_adapter.health()
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print(json.dumps(results))
+
+asyncio.run(main())
+"""
+
+
+def test_a_health_check_without_a_socket_gives_no_verdict() -> None:
+    """The monitor's checks open sockets too: out of descriptors, a check says nothing about the
+    engine (None), so consecutive ones cannot eject it; a refused connection is still a failure."""
+    import subprocess
+
+    from tests.gateway.conftest import free_port
+
+    with spawn_sim_engine(*SIM_ARGS, name="e0") as live:
+        dead = f"http://127.0.0.1:{free_port()}"
+        out = subprocess.run(
+            [sys.executable, "-c", _HEALTH_WITHOUT_SOCKETS, live.url, dead],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results == {"live": True, "dead": False, "live, no socket": None, "dead, no socket": None}
