@@ -183,7 +183,10 @@ async def _run_point(
     seconds: float,
     seed: int,
     warmup_s: float,
+    pauses: GcPauses,
 ) -> DispatchPoint:
+    """One point; ``pauses`` (installed by the caller, which removes it whatever happens here)
+    times the process's garbage collections."""
     rng = random.Random(seed)
     fleet = offline_fleet({"m": engines})
     capacity_tokens = slots * (PROMPT + OUTPUT)
@@ -198,7 +201,6 @@ async def _run_point(
     loop_obj._deliver = meter.wrap(loop_obj._deliver, "turns")  # type: ignore[method-assign]
     fleet.listeners[:] = [meter.wrap(listener, "engine events") for listener in fleet.listeners]
     tune_gc()  # as `slogate serve` runs (gateway.runtime)
-    pauses = GcPauses().install()
     loop_obj.start()
     loop = asyncio.get_running_loop()
     placements = 0
@@ -267,7 +269,7 @@ async def _run_point(
     split = tuple((part, s / max(1, placements) * 1e6) for part, s in meter.parts.items())
     cpu_spent = meter.cpu_net_seconds
     steps = loop_obj.steps - steps0
-    pauses.uninstall()
+    gc_spent, gc_longest = pauses.total_s, pauses.longest_s
     stop.set()
     for task in [*tasks, *scrapers]:
         task.cancel()
@@ -288,8 +290,8 @@ async def _run_point(
         warmup_s=warmup_s,
         max_call_ms=meter.longest * 1e3,
         split_us=split,
-        gc_us_per_placement=pauses.total_s / max(1, placements) * 1e6,
-        max_gc_pause_ms=pauses.longest_s * 1e3,
+        gc_us_per_placement=gc_spent / max(1, placements) * 1e6,
+        max_gc_pause_ms=gc_longest * 1e3,
     )
 
 
@@ -328,27 +330,37 @@ def run_dispatch_bench(
         runner = asyncio.run
     points = []
     total = len(engines) * len(queued) * len(dispatchers)
-    for dispatcher in dispatchers:
-        for n in engines:
-            for q in queued:
-                service_s = n * slots / rate
-                warmup_s = steady_state_after(q, rate, seconds)
-                point = runner(_run_point(dispatcher, n, q, slots, service_s, seconds, n + q, warmup_s))
-                points.append(point)
-                if progress is not None:
-                    progress(
-                        f"[{len(points)}/{total}] {dispatcher:11s} {n:4d} engines {q:6d} queued: "
-                        f"{point.us_per_placement:6.1f} µs/placement "
-                        f"({point.cpu_us_per_placement:5.1f} CPU), "
-                        f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each, "
-                        f"longest call {point.max_call_ms:.1f} ms "
-                        f"(longest collection {point.max_gc_pause_ms:.1f} ms, "
-                        f"collections {point.gc_us_per_placement:.1f} µs/placement); "
-                        + ", ".join(f"{part} {us:.1f}" for part, us in point.split_us)
-                        + " µs "
-                        f"(after {warmup_s:.1f} s of warm-up)"
+    pauses = GcPauses().install()
+    try:
+        for dispatcher in dispatchers:
+            for n in engines:
+                for q in queued:
+                    service_s = n * slots / rate
+                    warmup_s = steady_state_after(q, rate, seconds)
+                    point = runner(
+                        _run_point(dispatcher, n, q, slots, service_s, seconds, n + q, warmup_s, pauses)
                     )
+                    points.append(point)
+                    if progress is not None:
+                        progress(_progress_line(point, len(points), total))
+    finally:
+        pauses.uninstall()
     return points
+
+
+def _progress_line(point: DispatchPoint, done: int, total: int) -> str:
+    return (
+        f"[{done}/{total}] {point.dispatcher:11s} {point.engines:4d} engines "
+        f"{point.queued_target:6d} queued: "
+        f"{point.us_per_placement:6.1f} µs/placement "
+        f"({point.cpu_us_per_placement:5.1f} CPU), "
+        f"{point.loop_share:6.1%} of the loop, {point.steps_per_placement:.2f} turns each, "
+        f"longest call {point.max_call_ms:.1f} ms "
+        f"(longest collection {point.max_gc_pause_ms:.1f} ms, "
+        f"collections {point.gc_us_per_placement:.1f} µs/placement); "
+        + ", ".join(f"{part} {us:.1f}" for part, us in point.split_us)
+        + f" µs (after {point.warmup_s:.1f} s of warm-up)"
+    )
 
 
 def render_table(points: list[DispatchPoint]) -> str:
