@@ -82,6 +82,7 @@ class Gateway:
         self.prefix: PrefixRouting | None = None
         self.kv_events: KVEventFeed | None = None
         self.proxy: Proxy | None = None
+        self.flow: DisaggregatedFlow | None = None
         self.started_at = time.time()
         #: set when stopping begins: /ready turns 503 at once
         self.stopping = False
@@ -168,7 +169,7 @@ class Gateway:
             self.decisions,
             fresh_session=self.fresh_session,
         )
-        flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
+        flow = self.flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
         self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth, self.prefix, self.dispatch.core.router)
         if s.calibration:
             self.calibrator = Calibrator(
@@ -314,7 +315,11 @@ def build_api(gateway: Gateway) -> FastAPI:
         every = request.query_params.get("all", "") in ("1", "true")
         f = fleet()
         models = sorted(f.models())
-        unroutable = sorted(f.models() - f.healthy_models())
+        flow = gateway.flow
+        # (a model served disaggregated needs its decode engines as well; see DisaggregatedFlow)
+        unroutable = sorted(
+            m for m in models if not (flow.routable(m) if flow is not None else f.has_healthy(m))
+        )
         reason = None
         if gateway.stopping:
             reason = "shutting down"

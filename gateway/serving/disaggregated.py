@@ -141,6 +141,12 @@ class DisaggregatedFlow:
             return await self._whole_on_decode(call, None)
         if not self.fleet.decode_pool(model):
             raise self._no_decode_engine(model)  # a prefill now would only strand its KV
+        if not always and not self.fleet.has_healthy(model):
+            # no prefill engine in rotation: whole on a decode engine at once (a prefill attempt
+            # would only fail first, and count the request as refused for want of an engine)
+            metrics.child(metrics.PD_REQUESTS, model, "fallback").inc()
+            _prefill_engine_header(call, None)
+            return await self._whole_on_decode(call, None)
         progress = _Progress()
 
         async def stage(
@@ -369,10 +375,27 @@ class DisaggregatedFlow:
         span = self.tracing.child(call.span, SPAN_DISPATCH, attributes)
         span.end()
 
-    def _no_decode_engine(self, model: str) -> GatewayError:
+    def _no_decode_engine(self, model: str, refused: bool = True) -> GatewayError:
+        """The 503 for a model with no decode engine in rotation; ``refused``: the request is
+        answered with it (counted as refused for want of an engine), not one attempt's outcome."""
+        if refused:
+            metrics.NO_ENGINE.labels(model).inc()
         return GatewayError(
-            503, f"no decode engine of model {model!r} is in rotation; retry later", code="no_healthy_engine"
+            503,
+            f"no decode engine of model {model!r} is in rotation; retry later",
+            code="no_healthy_engine",
+            retry_after_s=1.0,
         )
+
+    def routable(self, model: str) -> bool:
+        """Whether requests for ``model`` can be served now: a collocated or prefill engine in
+        rotation, or for a model served disaggregated, a decode engine and (unless the mode is
+        ``always``, which never runs a request whole on a decode engine) a prefill engine."""
+        if not self.fleet.has_prefill_pool(model):
+            return self.fleet.has_healthy(model)
+        if not self.fleet.decode_pool(model):
+            return False
+        return self.fleet.has_healthy(model) or self.params.mode is not DisaggregationMode.ALWAYS
 
     async def _decode_stage(
         self,
@@ -487,7 +510,7 @@ class DisaggregatedFlow:
         model = call.request.model
         deadline = None if call.request.stream else call.arrival + self.settings.request_timeout_s
         tried: list[str] = []
-        outcome: int | GatewayError = cause or self._no_decode_engine(model)
+        outcome: int | GatewayError | None = cause
         for _ in range(self.settings.dispatch_attempts):
             choice = self.place_decode(call, None, tried)
             if choice is None:
@@ -505,7 +528,9 @@ class DisaggregatedFlow:
                 break
         if isinstance(outcome, int):
             return outcome
-        raise outcome if tried else self._no_decode_engine(model) if cause is None else cause
+        if tried and outcome is not None:
+            raise outcome
+        raise cause if cause is not None else self._no_decode_engine(model)
 
     # -- SGLang: bootstrap room, both engines at once -----------------------------------------------
 
@@ -520,7 +545,7 @@ class DisaggregatedFlow:
         choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
         if choice is None:
             self.collocated.dispatch.release(prefill.engine_id, call.rid)
-            return self._no_decode_engine(call.request.model)
+            return self._no_decode_engine(call.request.model, refused=False)  # (another pair may do)
         progress.decode_tried.append(choice.engine_id)
         decode = self.fleet.records[choice.engine_id]
         config = prefill.adapter.config

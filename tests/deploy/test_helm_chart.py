@@ -329,7 +329,7 @@ def test_pd_values_register_roles_and_keys(
     assert set(monitors) == {"rel-slogate", "rel-slogate-engines"}
     credentials = monitors["rel-slogate"]["spec"]["endpoints"][0]["authorization"]["credentials"]
     assert secret["stringData"][credentials["key"]] == PD_ADMIN_KEY
-    assert "routes requests to collocated engines only" in " ".join(_notes(helm, _values("pd")).split())
+    assert "serve the model disaggregated" in " ".join(_notes(helm, _values("pd")).split())
 
 
 def test_pd_values_ship_no_key_and_require_them(helm: HelmCall) -> None:

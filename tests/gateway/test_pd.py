@@ -21,7 +21,7 @@ import pytest
 
 from gateway.engines.vllm import parse_vllm_metrics
 from gateway.procs import ChildProcess, spawn_sim_engine
-from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 
 #: a prompt long enough to be disaggregated under the conditional default (256 tokens)
@@ -354,3 +354,51 @@ def test_decode_engine_crash_mid_stream_resumes_on_another_decode_engine(
             assert requests_served(other) == 1  # the continuation ran on the other decode engine
             assert requests_served(fleet["p0"]) == prefills_before + 1  # and not on the prefill engine
             assert wait_until(lambda: all(not r.running for r in gw.gateway.fleet.records.values()))
+
+
+def _no_engine_count(gw: RunningGateway) -> float:
+    text = httpx.get(gw.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("slogate_no_engine_total{")
+    )
+
+
+def test_readiness_and_refusals_know_the_decode_pool(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
+    """A model served disaggregated needs a decode engine: with none in rotation, /ready said
+    ready while every request got a 503 (without Retry-After, not counted as no-engine). With
+    its prefill engines gone instead, requests are served whole on a decode engine, so it is
+    ready (it said 'no healthy engine') and no request is counted as refused."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    no_decode = [
+        engine_entry(fleet["p0"], role="prefill", kv_transfer="nixl"),
+        {"url": dead, "kind": "sim", "model": MODEL, "name": "d-dead", "role": "decode"},
+    ]
+    routing = str(profile(tmp_path, "conditional"))
+    with run_gateway(engines=no_decode, routing_profile=routing) as gw:
+        ready = httpx.get(gw.url + "/ready", params={"all": "1"})
+        assert ready.status_code == 503 and MODEL in ready.json()["error"]["message"]
+        before = _no_engine_count(gw)
+        refused = chat(gw, LONG, stream=False)
+        assert refused.status_code == 503 and refused.headers.get("retry-after") == "1"
+        assert refused.json()["error"]["code"] == "no_healthy_engine"
+        assert _no_engine_count(gw) == before + 1
+    no_prefill = [
+        {
+            "url": dead,
+            "kind": "sim",
+            "model": MODEL,
+            "name": "p-dead",
+            "role": "prefill",
+            "kv_transfer": "nixl",
+        },
+        engine_entry(fleet["d0"], role="decode"),
+    ]
+    with run_gateway(engines=no_prefill, routing_profile=routing) as gw:
+        ready = httpx.get(gw.url + "/ready", params={"all": "1"})
+        assert ready.status_code == 200 and ready.json()["unroutable"] == []
+        before = _no_engine_count(gw)
+        served = chat(gw, LONG, stream=False)
+        assert served.status_code == 200 and served.headers["x-slogate-engine"] == "d0"
+        assert _no_engine_count(gw) == before
