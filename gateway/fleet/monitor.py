@@ -130,7 +130,14 @@ class FleetMonitor:
                 "healthy" if record.healthy else "ejected",
                 extra={"engine": engine_id, "reason": error},
             )
-        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if record.healthy else 0.0)
+        # in rotation: healthy and not draining (for a role flip or a scale-in)
+        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if record.healthy and not record.draining else 0.0)
+        if flipped and not record.healthy:
+            # what it last reported no longer holds: no series rather than a dead engine's last
+            # load (dashboards summed it, KV alerts kept firing); the next good scrape sets them
+            for gauge in (metrics.ENGINE_RUNNING, metrics.ENGINE_WAITING, metrics.ENGINE_KV_USAGE):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(engine_id)
         metrics.ENGINE_IN_FLIGHT.labels(engine_id).set(record.in_flight)
         return ok
 

@@ -269,3 +269,37 @@ def test_a_data_pool_full_of_streams_does_not_fail_the_engines_health_checks() -
                 if b"[DONE]" in chunk:
                     break
         assert not ejected and record.healthy, "a healthy engine busy with a stream was ejected"
+
+
+def test_an_ejected_engine_leaves_no_reported_load_behind() -> None:
+    """The engine-reported gauges (running, waiting, KV usage) kept a dead engine's last scrape
+    for good: dashboards summed it and KV alerts kept firing. Ejected, its series go; the next
+    good scrape after readmission sets them again."""
+    import httpx
+
+    from gateway.procs import spawn_sim_engine
+    from tests.gateway.conftest import SIM_ARGS, engine_entry
+    from tests.gateway.gateway_thread import run_gateway, wait_until
+
+    def series(gw_url: str, name: str) -> list[str]:
+        text = httpx.get(gw_url + "/metrics").text
+        return [line for line in text.splitlines() if line.startswith(f'{name}{{engine="ejected-0"}}')]
+
+    engine = spawn_sim_engine(*SIM_ARGS, name="ejected-0")
+    try:
+        with run_gateway(
+            engines=[engine_entry(engine)], monitor_interval_s=0.2, eject_after_failures=1
+        ) as gw:
+            assert wait_until(lambda: bool(series(gw.url, "slogate_engine_kv_usage")), timeout=10)
+            engine.stop()
+            assert wait_until(
+                lambda: (
+                    series(gw.url, "slogate_engine_healthy")
+                    == ['slogate_engine_healthy{engine="ejected-0"} 0.0']
+                ),
+                timeout=10,
+            )
+            for name in ("slogate_engine_kv_usage", "slogate_engine_running", "slogate_engine_waiting"):
+                assert series(gw.url, name) == [], name
+    finally:
+        engine.stop()
