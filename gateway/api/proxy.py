@@ -190,6 +190,20 @@ class Proxy:
                 base = self.fleet.adapter_base(request.model)
                 if base is not None:
                     request.lora, request.model = request.model, base
+                    if (
+                        self.router is not None
+                        and self.router.lora.required
+                        and not self.fleet.adapter_in_rotation(request.lora)
+                    ):
+                        # every engine that has it loaded is out of rotation: an engine without it
+                        # would answer 404 "does not exist", which clients take as final
+                        metrics.NO_ENGINE.labels(base).inc()
+                        raise GatewayError(
+                            503,
+                            f"no healthy engine has LoRA adapter {request.lora!r} loaded; retry later",
+                            code="no_healthy_engine",
+                            retry_after_s=1.0,
+                        )
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy, request.model)

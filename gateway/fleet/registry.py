@@ -230,6 +230,12 @@ class Fleet:
     def healthy_models(self) -> set[str]:
         return {m for m, n in self._healthy_per_model.items() if n}
 
+    def adapter_in_rotation(self, name: str) -> bool:
+        """Whether an engine in rotation (front pool) has LoRA adapter ``name`` loaded. O(engines
+        of its model); asked only for requests that name an adapter."""
+        base = self.adapter_bases.get(name)
+        return any(name in r.adapters and self.in_front(r) for r in self.engines_of.get(base or "", ()))
+
     def adapter_base(self, name: str) -> str | None:
         """The served model whose engines have LoRA adapter ``name`` loaded (None: no engine lists
         it). A configured model's name is never an adapter."""

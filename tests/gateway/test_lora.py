@@ -444,3 +444,27 @@ def test_an_adapter_unloaded_between_reads_is_retried_on_an_engine_that_has_it()
         assert "a1" not in fleet.records["e0"].adapters and "a1" in fleet.records["e1"].adapters
         text = httpx.get(gw.url + "/metrics").text
         assert 'slogate_upstream_retries_total{reason="adapter_gone"} 1.0' in text
+
+
+def test_an_adapter_whose_engines_are_all_out_of_rotation_is_a_503_not_a_404() -> None:
+    """Its only engine ejected, the adapter is still listed (its adapters are kept for when it
+    comes back), and its requests went to an engine without it: a 404 "does not exist", which
+    clients take as final. It is a 503 with Retry-After, as for a base model with no engine."""
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--lora-modules", "gone=/adapters/gone", name="holder") as holder,
+        spawn_sim_engine(*SIM_ARGS, name="plain") as plain,
+    ):
+        engines = [engine_entry(holder), engine_entry(plain)]
+        with run_gateway(engines=engines, monitor_interval_s=0.2, eject_after_failures=1) as gw:
+            assert served_by(gw, "gone", 2) == {"holder": 2}
+            holder.stop()
+
+            def ejected() -> bool:
+                listed = httpx.get(gw.url + "/admin/engines").json()["engines"]
+                return any(e["id"] == "holder" and not e["healthy"] for e in listed)
+
+            assert wait_until(ejected, timeout=10)
+            r = chat(gw, "gone")
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "no_healthy_engine"
+            assert served_by(gw, MODEL, 2) == {"plain": 2}  # the base model is served all the same
