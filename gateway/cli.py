@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("up", help="run the gateway with simulated engines on this machine")
     p.add_argument("--config", type=Path, help="extra gateway settings (YAML)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    # (no defaults here: the file and SLOGATE_* set them when the flags do not; else 127.0.0.1:8000)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
     p.add_argument("--engines", type=positive_int, default=2, help="number of simulated engines")
     p.add_argument(
         "--pd",

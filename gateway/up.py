@@ -8,8 +8,13 @@ engine; nothing is left running.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import threading
+from pathlib import Path
+
+import yaml
 
 from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.server import serve
@@ -37,10 +42,11 @@ def run_up(args: argparse.Namespace) -> int:
             roles.append(role)
             _watch(engines[-1], stopping)
         model = args.model or _served_model(engines[0].url)
+        _warn_if_engines_configured(args.config)
+        listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings_or_exit(
             args.config,
-            host=args.host,
-            port=args.port,
+            **listen,
             engines=[
                 {
                     "url": e.url,
@@ -90,6 +96,22 @@ def _watch(engine: ChildProcess, stopping: threading.Event) -> None:
             )
 
     threading.Thread(target=wait, name=f"watch-{engine.name}", daemon=True).start()
+
+
+def _warn_if_engines_configured(config: Path | None) -> None:
+    """``up`` serves its own simulated engines: say so when the file or the environment names
+    others (they were dropped without a word)."""
+    named = "SLOGATE_ENGINES" in os.environ
+    if config is not None:
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            data = yaml.safe_load(config.read_text())
+            named = named or (isinstance(data, dict) and "engines" in data)
+    if named:
+        print(
+            "slogate up: the engines in the configuration are not used (up runs its own simulated "
+            "engines; `slogate serve` runs a gateway in front of yours)",
+            file=sys.stderr,
+        )
 
 
 def _served_model(url: str) -> str:

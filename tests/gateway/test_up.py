@@ -153,3 +153,31 @@ def test_up_with_no_engines_is_a_usage_error() -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "positive integer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_configuration_sets_the_port_when_no_flag_does(tmp_path: Path) -> None:
+    """``up`` gave --host and --port defaults that beat the file and SLOGATE_*: a port set there
+    was ignored (the gateway came up on 8000), and engines named there were dropped unsaid."""
+    port = free_port()
+    config = tmp_path / "up.yaml"
+    config.write_text(f"port: {port}\nengines:\n  - {{url: 'http://127.0.0.1:9', model: m}}\n")
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--engines", "1", "--time-scale", "10"]
+    proc = subprocess.Popen(
+        [*argv, "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "slogate listening on" in line or not line:
+                break
+        output = "".join(lines)
+        assert f"slogate listening on http://127.0.0.1:{port}" in output, output
+        assert "the engines in the configuration are not used" in output, output
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
