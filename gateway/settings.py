@@ -164,6 +164,19 @@ class EngineConfig(BaseModel):
             return self.name
         return f"{self.url.host}:{self.url.port}"
 
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, url: HttpUrl) -> HttpUrl:
+        # the OpenAI convention gives a base URL ending in /v1, but the gateway adds the routes'
+        # own /v1/...: such an engine answered every check 404 and was never healthy, unexplained
+        path = (url.path or "").rstrip("/")
+        if path == "/v1" or path.endswith("/v1"):
+            raise ValueError(
+                f"give the engine's server address without the API path: "
+                f"{str(url).rstrip('/').removesuffix('/v1')} (the gateway adds /v1/... itself)"
+            )
+        return url
+
     @model_validator(mode="after")
     def _key_from_env(self) -> EngineConfig:
         # before _one_credential (validators run in order), which must see a key from here too

@@ -260,3 +260,13 @@ def test_a_key_whose_task_names_no_class_is_refused_at_startup() -> None:
         assert "'wikisqll'" in str(info.value) and "wikisql" in str(info.value).split("defined:")[1]
         assert "sk-secret-42" not in str(info.value)
     SloService(load_settings(api_key_policies={"sk-secret-42": {"task": "wikisql"}}))
+
+
+@pytest.mark.parametrize("url", ["http://vllm:8000/v1", "http://vllm:8000/v1/", "http://proxy/team/v1"])
+def test_an_engine_url_with_the_api_path_is_refused_with_the_address_to_give(url: str) -> None:
+    """The OpenAI convention's base URL ends in /v1; the gateway adds /v1/... itself, so such an
+    engine answered every health check 404 and was never healthy, with nothing saying why."""
+    with pytest.raises(ValidationError) as raised:
+        load_settings(None, engines=[{"url": url, "model": "m"}])
+    assert "without the API path" in str(raised.value)
+    assert url.rstrip("/").removesuffix("/v1") in str(raised.value)
