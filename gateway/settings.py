@@ -86,7 +86,13 @@ class EngineConfig(BaseModel):
     model: str = Field(min_length=1, description="served model name clients ask for")
     role: Role = Role.COLLOCATED
     weight: float = Field(default=1.0, gt=0)
-    name: str | None = Field(default=None, description="engine id; default: host:port")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        # (it is a path segment of /admin/engines/{id}/...: one with a slash could not be addressed)
+        pattern=r"^[^/]+$",
+        description="engine id (no '/'); default: host:port",
+    )
     api_key: str | None = Field(default=None, description="sent upstream as a Bearer token", repr=False)
     api_key_env: str | None = Field(
         default=None,

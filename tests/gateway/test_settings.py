@@ -270,3 +270,11 @@ def test_an_engine_url_with_the_api_path_is_refused_with_the_address_to_give(url
         load_settings(None, engines=[{"url": url, "model": "m"}])
     assert "without the API path" in str(raised.value)
     assert url.rstrip("/").removesuffix("/v1") in str(raised.value)
+
+
+def test_an_engine_name_with_a_slash_is_refused() -> None:
+    """The name is a path segment of /admin/engines/{id}/role: with a slash it could never be
+    addressed (404 with or without %2F)."""
+    with pytest.raises(ValidationError):
+        load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1/gpu0"}])
+    assert load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1-gpu0"}])
