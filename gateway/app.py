@@ -138,6 +138,7 @@ class Gateway:
             for e in s.engines
         ]
         self.fleet = Fleet(adapters, s.stale_after_s)
+        _warn_of_idle_decode_engines(s)
         # the latency models learn from the engine steps the fleet's streams and scrapes show
         self.slo.attach(self.fleet, time.monotonic, s.latency_step_gap_s)
         self.monitor = FleetMonitor(
@@ -249,6 +250,23 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 def _error_response(error: GatewayError) -> Response:
     headers = {k.decode(): v.decode() for k, v in error.headers() if k != b"content-type"}
     return _json(error.payload(), error.status, headers)
+
+
+def _warn_of_idle_decode_engines(settings: Settings) -> None:
+    """A model with decode engines and collocated ones but no prefill engine is served whole on
+    the collocated engines: its decode engines take work only once an engine is flipped to
+    prefill. Allowed (a flip may come), but not without a word."""
+    roles: dict[str, set[str]] = {}
+    for engine in settings.engines:
+        roles.setdefault(engine.model, set()).add(engine.role.value)
+    for model, present in sorted(roles.items()):
+        if "decode" in present and "prefill" not in present:
+            log.warning(
+                "model %r has decode engines but no prefill engine: its requests run whole on its "
+                "collocated engines, and the decode engines take none until an engine is flipped "
+                "to prefill (POST /admin/engines/{id}/role)",
+                model,
+            )
 
 
 def _dispatching(loop: DispatchLoop | None) -> bool:

@@ -402,3 +402,14 @@ def test_readiness_and_refusals_know_the_decode_pool(fleet: dict[str, ChildProce
         served = chat(gw, LONG, stream=False)
         assert served.status_code == 200 and served.headers["x-slogate-engine"] == "d0"
         assert _no_engine_count(gw) == before
+
+
+def test_decode_engines_without_a_prefill_engine_are_reported_at_start(
+    fleet: dict[str, ChildProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Collocated and decode engines, no prefill one: everything runs on the collocated engines
+    and the decode engines idle (allowed: a role flip may come), now with a warning."""
+    engines = [engine_entry(fleet["c0"]), engine_entry(fleet["d0"], role="decode")]
+    with caplog.at_level("WARNING", logger="slogate.app"), run_gateway(engines=engines) as gw:
+        assert chat(gw, LONG, stream=False).headers["x-slogate-engine"] == "c0"
+    assert any("decode engines but no prefill engine" in r.getMessage() for r in caplog.records)
