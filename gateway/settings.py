@@ -562,8 +562,28 @@ def _read_yaml(config_file: Path | None) -> dict[str, Any]:
     return data
 
 
+#: mappings whose keys are case-sensitive (API keys, model names)
+_CASED_MAPPINGS = ("api_key_policies", "api_key_tasks", "api_key_tenants", "engine_tokenizers")
+
+
+def _refuse_lowercased_keys() -> None:
+    """Environment variables name settings case-insensitively, so a nested one
+    (``SLOGATE_API_KEY_POLICIES__<key>__max_priority``) reached the settings with its key
+    lowercased: an API key given that way never matched. Refused, naming the setting only (the
+    variable's name holds the key itself)."""
+    for name in os.environ:
+        upper = name.upper()
+        for field in _CASED_MAPPINGS:
+            if upper.startswith(f"SLOGATE_{field.upper()}__"):
+                raise ValueError(
+                    f"{field}: a nested SLOGATE_{field.upper()}__... variable loses the case of the key "
+                    f"it names; give the whole mapping as JSON in SLOGATE_{field.upper()}"
+                )
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build settings from overrides, the environment and an optional YAML file (lowest priority)."""
+    _refuse_lowercased_keys()
     file_values = _read_yaml(config_file)
 
     class _WithFile(Settings):

@@ -278,3 +278,18 @@ def test_an_engine_name_with_a_slash_is_refused() -> None:
     with pytest.raises(ValidationError):
         load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1/gpu0"}])
     assert load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1-gpu0"}])
+
+
+def test_a_nested_variable_for_a_case_sensitive_mapping_is_refused_without_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLOGATE_API_KEY_POLICIES__Sk-TeamA__MAX_PRIORITY=1 reached the settings as 'sk-teama': the
+    key never matched (401). Refused; the error names the setting, never the key."""
+    monkeypatch.setenv("SLOGATE_API_KEY_POLICIES__Sk-TeamA-Secret__MAX_PRIORITY", "1")
+    with pytest.raises(ValueError) as raised:
+        load_settings(None)
+    assert "api_key_policies" in str(raised.value) and "JSON" in str(raised.value)
+    assert "Sk-TeamA" not in str(raised.value) and "sk-teama" not in str(raised.value)
+    monkeypatch.delenv("SLOGATE_API_KEY_POLICIES__Sk-TeamA-Secret__MAX_PRIORITY")
+    monkeypatch.setenv("SLOGATE_API_KEY_POLICIES", '{"Sk-TeamA-Secret": {"max_priority": 1}}')
+    assert list(load_settings(None).api_key_policies) == ["Sk-TeamA-Secret"]
