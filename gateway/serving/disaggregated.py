@@ -511,10 +511,13 @@ class DisaggregatedFlow:
         deadline = None if call.request.stream else call.arrival + self.settings.request_timeout_s
         tried: list[str] = []
         outcome: int | GatewayError | None = cause
-        for _ in range(self.settings.dispatch_attempts):
+        decisions = self.collocated.decisions
+        for attempt in range(1, self.settings.dispatch_attempts + 1):
             choice = self.place_decode(call, None, tried)
             if choice is None:
                 break
+            if decisions is not None:  # (on /dashboard like every placement)
+                decisions.add(call, attempt, choice.engine_id, None, 0.0, tuple(tried))
             tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)

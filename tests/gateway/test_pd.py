@@ -413,3 +413,16 @@ def test_decode_engines_without_a_prefill_engine_are_reported_at_start(
     with caplog.at_level("WARNING", logger="slogate.app"), run_gateway(engines=engines) as gw:
         assert chat(gw, LONG, stream=False).headers["x-slogate-engine"] == "c0"
     assert any("decode engines but no prefill engine" in r.getMessage() for r in caplog.records)
+
+
+def test_a_request_served_whole_on_a_decode_engine_is_a_dashboard_decision(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+        before = httpx.get(gw.url + "/dashboard/state").json()
+        served = chat(gw, SHORT, stream=False)  # short: never prefilled apart
+        assert served.status_code == 200 and served.headers["x-slogate-engine"] in ("d0", "d1")
+        after = httpx.get(gw.url + "/dashboard/state").json()
+    engines = [d.get("engine") for d in after["decisions"]]
+    assert len(after["decisions"]) == len(before["decisions"]) + 1
+    assert served.headers["x-slogate-engine"] in engines
