@@ -341,7 +341,10 @@ def test_bootstrap_prefill_failure_is_retried_with_the_same_healthy_decode_engin
         with run_gateway(engines=config, routing_profile=profile(tmp_path, "always")) as gw:
             answer = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
     assert answer.status_code == 200, answer.text
-    assert len(p0.received) + len(p1.received) == 2 and len(d.received) == 2
+    # two prefills (the failed one retried) and the answer from d0, the only decode engine (left
+    # out of the retry, the client got a 503). The cancelled first decode reaches d0 or not,
+    # as the failure races it (a loaded machine sent it after the cancellation once)
+    assert len(p0.received) + len(p1.received) == 2 and 1 <= len(d.received) <= 2
 
 
 @pytest.mark.parametrize(
