@@ -721,6 +721,7 @@ def run_overhead(
     paced_floor: bool = False,
     paced_repeats: int = 3,
     paced_idle_s: float = 1.0,
+    dispatcher_requests: int = 50,
 ) -> OverheadResult:
     """Start the engine and the gateway, measure, stop both; then the paced case on a fresh pair
     (``paced_streams=0`` skips it). Blocking."""
@@ -732,7 +733,7 @@ def run_overhead(
             paced_streams, paced_gap_ms, paced_tokens, paced_waves, paced_floor, paced_repeats, paced_idle_s
         )
     if dispatchers:
-        result.dispatchers = run_dispatcher_latency(max(50, n // 2))
+        result.dispatchers = run_dispatcher_latency(max(dispatcher_requests, n // 2))
     if tracing:
         result.tracing = run_tracing_cost(max(50, n // 2), stream_tokens)
     return result

@@ -27,6 +27,7 @@ def test_overhead_benchmark_smoke() -> None:
         paced_repeats=2,
         paced_floor=True,
         paced_idle_s=0.25,
+        dispatcher_requests=20,  # (x 20 at c=8: 400 a profile)
     )
     assert 0 < result.cpu_ms_per_request < 50
     assert 0 <= result.cpu_us_per_sse_event < 5000
