@@ -24,6 +24,7 @@ from gateway.api.auth import Authenticator, forwardable_headers
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
+from gateway.dispatch.core import no_healthy_engine
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.engine_tokenizer import PromptKeyer
 from gateway.fleet.prefix_routing import PrefixRouting
@@ -197,12 +198,8 @@ class Proxy:
                     ):
                         # every engine that has it loaded is out of rotation: an engine without it
                         # would answer 404 "does not exist", which clients take as final
-                        metrics.NO_ENGINE.labels(base).inc()
-                        raise GatewayError(
-                            503,
-                            f"no healthy engine has LoRA adapter {request.lora!r} loaded; retry later",
-                            code="no_healthy_engine",
-                            retry_after_s=1.0,
+                        raise no_healthy_engine(
+                            base, f"no healthy engine has LoRA adapter {request.lora!r} loaded"
                         )
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"

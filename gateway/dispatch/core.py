@@ -147,6 +147,15 @@ class _DemotionPlan:
     bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
 
 
+def no_healthy_engine(model: str, why: str, refused: bool = True) -> GatewayError:
+    """The 503 (with Retry-After) for a request of ``model`` that no engine in rotation can take
+    now; ``refused``: the request is answered with it (counted in ``slogate_no_engine_total``),
+    not one attempt's outcome that another may still mend."""
+    if refused:
+        metrics.NO_ENGINE.labels(model).inc()
+    return GatewayError(503, f"{why}; retry later", code="no_healthy_engine", retry_after_s=1.0)
+
+
 def _order_context(prefill: Coeffs, decode: Coeffs, engines: int) -> OrderContext | None:
     """The queue orders' estimates from (the fastest) prefill and decode coefficients; None when
     any is negative or not finite."""
@@ -348,13 +357,7 @@ class DispatchCore:
                 param="model",
                 code="model_not_found",
             )
-        metrics.NO_ENGINE.labels(model).inc()
-        return GatewayError(
-            503,
-            f"no healthy engine is serving model {model!r}; retry later",
-            code="no_healthy_engine",
-            retry_after_s=1.0,
-        )
+        return no_healthy_engine(model, f"no healthy engine is serving model {model!r}")
 
     # -- arrivals, retries, cancellation ----------------------------------------------------------
 

@@ -45,6 +45,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.dispatch.core import no_healthy_engine
 from gateway.dispatch.profile import DispatcherConfig
 from gateway.dispatch.slo_service import SloService
 from gateway.dispatch.transfer_gate import TransferGate
@@ -378,14 +379,7 @@ class DisaggregatedFlow:
     def _no_decode_engine(self, model: str, refused: bool = True) -> GatewayError:
         """The 503 for a model with no decode engine in rotation; ``refused``: the request is
         answered with it (counted as refused for want of an engine), not one attempt's outcome."""
-        if refused:
-            metrics.NO_ENGINE.labels(model).inc()
-        return GatewayError(
-            503,
-            f"no decode engine of model {model!r} is in rotation; retry later",
-            code="no_healthy_engine",
-            retry_after_s=1.0,
-        )
+        return no_healthy_engine(model, f"no decode engine of model {model!r} is in rotation", refused)
 
     def routable(self, model: str) -> bool:
         """Whether requests for ``model`` can be served now: a collocated or prefill engine in

@@ -37,6 +37,19 @@ def _up(port: int, engines: int, time_scale: str, **popen: Any) -> subprocess.Po
     return subprocess.Popen([*argv, "--time-scale", time_scale], stderr=subprocess.STDOUT, **popen)
 
 
+def _until_listening(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    """What ``proc`` printed up to the gateway's "listening" line (or its exit, or the timeout)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "slogate listening on" in line or not line:
+            break
+    return "".join(lines)
+
+
 def _assert_gone(engines: list[int]) -> None:
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in engines) and time.monotonic() < deadline:
@@ -51,15 +64,8 @@ def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
     port = free_port()
     proc = _up(port, 2, "10", stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "slogate listening on" in line:
-                break
-        output = "".join(lines)
+        output = _until_listening(proc)
         assert f"http://127.0.0.1:{port}" in output and "curl -s" in output, output
         model = re.search(r"model '([^']+)'", output)
         assert model, output
@@ -166,15 +172,8 @@ def test_the_configuration_sets_the_port_when_no_flag_does(tmp_path: Path) -> No
         [*argv, "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     assert proc.stdout is not None
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "slogate listening on" in line or not line:
-                break
-        output = "".join(lines)
+        output = _until_listening(proc)
         assert f"slogate listening on http://127.0.0.1:{port}" in output, output
         assert "the engines in the configuration are not used" in output, output
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).status_code == 200
