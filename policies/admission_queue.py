@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, KeysView
 from typing import Any
 
 from policies.flow_control import FlowRounds
@@ -131,6 +131,10 @@ class AdmissionQueue:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._slots
+
+    def ids(self) -> KeysView[str]:
+        """The queued request ids, a live view (``in`` on it is a C-level lookup)."""
+        return self._slots.keys()
 
     def get(self, request_id: str) -> QueuedRequest | None:
         """The queued item with this id (as stored, e.g. with its stamped backlog), or ``None``."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from functools import lru_cache
 
 #: (priority, TTFT target, TPOT target): requests that share them compete for one band's drain
@@ -38,6 +38,8 @@ Band = tuple[int, float, float]
 #: (band, rank within the band in serving order, last feasible start, predicted engine seconds,
 #: request id)
 Row = tuple[Band, tuple[float, ...], float, float, str]
+#: a row without its band, as :func:`demote_in_bands` takes them grouped by band
+Member = tuple[tuple[float, ...], float, float, str]
 
 
 @lru_cache(maxsize=4096)
@@ -63,15 +65,31 @@ def longest_to_demote(
     A row whose last feasible start is before ``now`` is late already and left out (the queue
     moves it behind the rest by itself). A band without a positive rate demotes nothing.
     """
-    bands: dict[Band, list[tuple[tuple[float, ...], float, float, str]]] = {}
+    bands: dict[Band, list[Member]] = {}
     for band, rank, last_start, service_s, request_id in rows:
-        if last_start >= now:
-            bands.setdefault(band, []).append((rank, last_start, service_s, request_id))
+        bands.setdefault(band, []).append((rank, last_start, service_s, request_id))
+    return demote_in_bands(bands, now, rates, rate_share)
+
+
+def demote_in_bands(
+    bands: Mapping[Band, list[Member]],
+    now: float,
+    rates: Mapping[Band, float],
+    rate_share: float = 1.0,
+    queued: Container[str] | None = None,
+) -> set[str]:
+    """:func:`longest_to_demote` over rows already grouped by band (each band's members as
+    ``(rank, last feasible start, service, request id)``, in any order). Members late at ``now``,
+    and with ``queued`` those whose id is not in it, are left out."""
     demoted: set[str] = set()
-    for band, members in bands.items():
+    for band, all_members in bands.items():
         rate = rate_share * rates.get(band, 0.0)
         if not rate > 0.0:
             continue
+        if queued is None:
+            members = [m for m in all_members if m[1] >= now]
+        else:
+            members = [m for m in all_members if m[1] >= now and m[3] in queued]
         members.sort()
         start = now  # when the next one kept would start
         # max-heap of the kept on share, the newest first among equals: (-share, -index, id)

@@ -38,7 +38,7 @@ from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
-from policies.demotion import Band, BandRates, Row, band_of, longest_to_demote
+from policies.demotion import Band, BandRates, Member, band_of, demote_in_bands
 from policies.flow_control import PoolLoad, ShedCandidate, SheddingParams, saturated, shed_victim
 from policies.hyperflexis import HyperFlexisParams, PrefixLookup, WorkerView, kv_bound
 from policies.hyperflexis import dispatch as hyperflexis_dispatch
@@ -132,6 +132,11 @@ class Ticket:
 Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
+#: what a demotion plan computed for a queued request: its view (the row is for that one), its band
+#: and its row in the band
+_PlanRow = tuple[RequestView, Band, Member]
+
+
 @dataclass(slots=True)
 class _DemotionPlan:
     """A demotion plan under way: the queue as it was when the plan began, read a slice a step."""
@@ -140,8 +145,11 @@ class _DemotionPlan:
     ctx: OrderContext
     period: float
     started: float
+    #: each queued request's view, band and member row under ``ctx`` (:meth:`DispatchCore._plan_rows_for`)
+    cache: dict[str, _PlanRow]
     at: int = 0
-    rows: list[Row] = field(default_factory=list)
+    #: what the plan read so far: each band's requests that were on time
+    members: dict[Band, list[Member]] = field(default_factory=dict)
     waiting: set[Band] = field(default_factory=set)
     demoted: list[str] = field(default_factory=list)
     bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
@@ -265,6 +273,10 @@ class DispatchCore:
         self._demote_due: dict[str, float] = {}
         #: per model, the demotion plan under way (read a slice of the queue per step)
         self._demote_plans: dict[str, _DemotionPlan] = {}
+        #: per model, what plans computed for each queued request (its band and row), and the
+        #: latency coefficients they were computed with: a request's row does not change while it
+        #: waits, and at 10,000 queued computing them was most of each plan
+        self._plan_rows: dict[str, tuple[tuple[float, float, float, float], dict[str, _PlanRow]]] = {}
         #: per model, when a request that had waited for an engine last left the queue
         self._waited_at: dict[str, float] = {}
         fleet.listeners.append(self._on_engine_change)
@@ -806,8 +818,9 @@ class DispatchCore:
             # (a plan left unfinished that long read a queue that has changed since: begin anew)
             period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
             self._demote_due[model] = now + period
+            ctx = self.context(model, now)
             plan = self._demote_plans[model] = _DemotionPlan(
-                queue.items(), self.context(model, now), period, now
+                queue.items(), ctx, period, now, self._plan_rows_for(model, queue, ctx)
             )
         try:
             return self._plan_slice(model, queue, plan, now)
@@ -816,38 +829,59 @@ class DispatchCore:
             self._demote_plans.pop(model, None)
             raise
 
+    def _plan_rows_for(self, model: str, queue: AdmissionQueue, ctx: OrderContext) -> dict[str, _PlanRow]:
+        """The model's cache of plan rows, valid under ``ctx``'s coefficients (emptied when they
+        changed) and holding no more than a few rows of requests that left the queue."""
+        costs = (ctx.prefill_base_s, ctx.prefill_tokens_per_s, ctx.decode_seq_s, ctx.decode_context_s)
+        held = self._plan_rows.get(model)
+        if held is None or held[0] != costs:
+            cache: dict[str, _PlanRow] = {}
+        elif len(held[1]) > 2 * len(queue) + 1024:
+            queued = queue.ids()
+            cache = {rid: row for rid, row in held[1].items() if rid in queued}
+        else:
+            cache = held[1]
+        self._plan_rows[model] = (costs, cache)
+        return cache
+
     def _plan_slice(self, model: str, queue: AdmissionQueue, plan: _DemotionPlan, now: float) -> bool:
         assert self.hyperflexis is not None
         items = plan.items
         end = min(len(items), plan.at + DEMOTE_SLICE)
         ctx = plan.ctx
-        rows, waiting, demoted, bands = plan.rows, plan.waiting, plan.demoted, plan.bands
-        # last_feasible_start and marginal_service_s, unrolled: at 10,000 queued this loop is the
-        # pass's cost (26 -> 11 ms)
+        cache, members, waiting, demoted = plan.cache, plan.members, plan.waiting, plan.demoted
+        bands = plan.bands
+        # last_feasible_start and marginal_service_s, unrolled (at 10,000 queued this loop was the
+        # pass's cost), and each request's computed once while it waits
         base, per_token = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s
         per_seq, per_context = ctx.decode_seq_s, ctx.decode_context_s
         for item in items[plan.at : end]:
             view = item.view
-            # by targets, not class name (a class may be a priority level's, whatever the task);
-            # each distinct set looked up once per plan, the loop's dearest step otherwise
-            targets = (view.priority, item.ttft_slo, item.tpot_slo)
-            band = bands.get(targets)
-            if band is None:
-                band = bands[targets] = band_of(*targets)
+            rid = view.request_id
+            row = cache.get(rid)
+            if row is None or row[0] is not view:  # (a new view: the request came back queued)
+                # by targets, not class name (a class may be a priority level's, whatever the
+                # task); each distinct set looked up once per plan
+                targets = (view.priority, item.ttft_slo, item.tpot_slo)
+                band = bands.get(targets)
+                if band is None:
+                    band = bands[targets] = band_of(*targets)
+                prompt = max(0, view.prompt_tokens)
+                prefill = base + prompt * per_token
+                output = max(0, view.max_output_tokens)
+                service = prefill + output * (per_seq + per_context * (prompt + output / 2))
+                # the order the queue serves a band in (SloTpot, past its level)
+                rank = (item.tpot_slo, view.arrival, float(item.seq))
+                row = cache[rid] = (view, band, (rank, view.arrival + item.ttft_slo - prefill, service, rid))
+            _, band, member = row
+            if band not in waiting:
                 waiting.add(band)
-            prompt = max(0, view.prompt_tokens)
-            prefill = base + prompt * per_token
-            last_start = view.arrival + item.ttft_slo - prefill
-            if last_start < now:
+                members[band] = []
+            if member[1] < now:
                 continue  # late: the queue ranks it late whatever its stamp
-            output = max(0, view.max_output_tokens)
-            service = prefill + output * (per_seq + per_context * (prompt + output / 2))
-            # the order the queue serves a band in (SloTpot, past its level)
-            rows.append(
-                (band, (item.tpot_slo, view.arrival, float(item.seq)), last_start, service, view.request_id)
-            )
+            members[band].append(member)
             if item.demoted:
-                demoted.append(view.request_id)
+                demoted.append(rid)
         plan.at = end
         if end < len(items):
             return False
@@ -857,11 +891,15 @@ class DispatchCore:
             rates = self._band_rates[model] = BandRates()
         # a longer gap since the last plan means the queue was empty: not a drain sample
         rates.close(now, waiting, max_span=DEMOTE_MAX_GAP_S + 2 * plan.period)
-        if end > DEMOTE_SLICE:
-            # read over several steps: requests that left meanwhile no longer take the drain
-            rows = [row for row in rows if row[4] in queue]
-        # (``now`` drops rows that went late meanwhile; the queue skips ids no longer queued)
-        demote = longest_to_demote(rows, now, rates.rates, self.hyperflexis.demote_rate_share)
+        # (``now`` drops rows that went late meanwhile; read over several steps, requests that left
+        # meanwhile no longer take the drain, and the queue skips ids no longer queued)
+        demote = demote_in_bands(
+            members,
+            now,
+            rates.rates,
+            self.hyperflexis.demote_rate_share,
+            queue.ids() if end > DEMOTE_SLICE else None,
+        )
         queue.set_demoted([rid for rid in demoted if rid not in demote], False, now, ctx)
         queue.set_demoted(demote, True, now, ctx)
         return True

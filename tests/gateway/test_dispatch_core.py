@@ -1026,19 +1026,25 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
     core, *_ = _overload_demotion_run()
     queue = core.queues["a"]
     monkeypatch.setattr(core_module, "DEMOTE_SLICE", 7)
-    while not core._demote_plans.get("a") or not core._demote_plans["a"].rows:
+
+    def read(plan: object) -> list[str]:  # the on-time requests the plan has read so far
+        return [member[3] for members in plan.members.values() for member in members]  # type: ignore[attr-defined]
+
+    while not core._demote_plans.get("a") or not read(core._demote_plans["a"]):
         assert not core._plan_demotions("a", queue, 8.0)  # (the oldest are late: no rows)
-    gone = core._demote_plans["a"].rows[0][4]
+    gone = read(core._demote_plans["a"])[0]
     assert core.cancel(gone, 8.0)  # leaves between slices
     planned: list[list[str]] = []
-    real = core_module.longest_to_demote
+    real = core_module.demote_in_bands
 
-    def spy(rows, *args):  # type: ignore[no-untyped-def]
-        rows = list(rows)
-        planned.append([row[4] for row in rows])
-        return real(rows, *args)
+    def spy(bands, now, rates, share, queued):  # type: ignore[no-untyped-def]
+        # what the decision walks: each band's on-time members still queued
+        planned.append(
+            [m[3] for members in bands.values() for m in members if m[1] >= now and m[3] in queued]
+        )
+        return real(bands, now, rates, share, queued)
 
-    monkeypatch.setattr(core_module, "longest_to_demote", spy)
+    monkeypatch.setattr(core_module, "demote_in_bands", spy)
     while not core._plan_demotions("a", queue, 8.0):
         pass
     assert planned and gone not in planned[0] and len(planned[0]) > 7
@@ -1046,10 +1052,48 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
     def broken(*_args):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug in the plan")
 
-    monkeypatch.setattr(core_module, "band_of", broken)  # fails while reading the queue
+    monkeypatch.setattr(core_module, "demote_in_bands", broken)  # fails as it decides
     with pytest.raises(RuntimeError):
-        core._plan_demotions("a", queue, 9.5)
+        while not core._plan_demotions("a", queue, 9.5):
+            pass
     assert "a" not in core._demote_plans
+
+
+def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same() -> None:
+    """Each queued request's band and row are computed once while it waits (at 10,000 queued
+    computing them was most of every plan): a plan over the cache decides what a plan computing
+    every row afresh does; new latency coefficients start a new cache, and rows of requests that
+    left are dropped once they outnumber the queue."""
+    cached, *_ = _overload_demotion_run()
+    fresh, *_ = _overload_demotion_run()
+    queue = cached.queues["a"]
+    assert cached._plan_rows["a"][1]  # the run's plans filled it
+    fresh._plan_rows.clear()
+
+    def demoted(core: DispatchCore) -> set[str]:
+        return {item.view.request_id for item in core.queues["a"].items() if item.demoted}
+
+    for core in (cached, fresh):
+        core._band_rates["a"].rates = dict(cached._band_rates["a"].rates)
+        core._band_rates["a"].close = lambda *_a, **_k: None  # type: ignore[method-assign]
+        while not core._plan_demotions("a", core.queues["a"], 8.0):
+            pass
+    assert demoted(cached) == demoted(fresh) != set()
+
+    ctx = cached.context("a", 8.0)
+    rows = cached._plan_rows_for("a", queue, ctx)
+    assert rows and set(rows) >= {item.view.request_id for item in queue.items()}
+    slower = replace(ctx, prefill_tokens_per_s=ctx.prefill_tokens_per_s / 2)
+    assert cached._plan_rows_for("a", queue, slower) == {}
+    assert cached._plan_rows_for("a", queue, ctx) == {}  # (computed under the other coefficients)
+    while not cached._plan_demotions("a", queue, 8.0):
+        pass
+    rows = cached._plan_rows_for("a", queue, ctx)
+    assert set(rows) == {item.view.request_id for item in queue.items()}
+    gone = {f"gone-{i}": next(iter(rows.values())) for i in range(2 * len(queue) + 1100)}
+    rows.update(gone)
+    trimmed = cached._plan_rows_for("a", queue, ctx)
+    assert not set(trimmed) & set(gone) and len(trimmed) <= len(queue)
 
 
 def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:
