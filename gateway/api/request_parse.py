@@ -52,7 +52,8 @@ class ParsedRequest:
     #: estimated for routing (exact up to a few KB of text, within a few % above); the engine's
     #: usage reports the true count
     prompt_tokens: int
-    priority: int
+    #: the body's ``priority`` (0 the most urgent level), None when it has none
+    priority: int | None
     #: ``body`` was changed for an engine since it was parsed: ``raw`` no longer says the same
     body_edited: bool = False
     #: the body's top-level member names (known without decoding a body parsed elsewhere)
@@ -239,8 +240,9 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    # (absent is None, not vLLM's default 0: a body's 0 is a claim like x-priority: 0)
+    priority = body.get("priority") if "priority" in body else None
+    if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise bad_request("'priority' must be an integer", "priority")
 
     if kind == "embeddings":

@@ -120,7 +120,7 @@ class SloService:
     def classify(
         self,
         headers: Mapping[bytes, bytes],
-        body_priority: int,
+        body_priority: int | None,
         policy: ApiKeyPolicy = OPEN_POLICY,
         model: str = "",
     ) -> tuple[SloTarget, int | None]:
@@ -133,7 +133,7 @@ class SloService:
         use (queue order, pending counts, the mapper's windows) sees the level the targets came from.
         """
         priority = header_priority(headers.get(b"x-priority"))
-        if priority is None and body_priority:
+        if priority is None and body_priority is not None:
             priority = max(-MAX_PRIORITY_MAGNITUDE, min(MAX_PRIORITY_MAGNITUDE, body_priority))
         claims = SloHints(
             ttft_ms=_target_ms(headers, b"x-slo-ttft-ms"),

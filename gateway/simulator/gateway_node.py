@@ -195,7 +195,7 @@ class SimGateway:
             headers[b"x-slo-task"] = spec.task.encode()
             headers[b"x-slo-ttft-ms"] = f"{spec.ttft_s * 1000:.3f}".encode()
             headers[b"x-slo-tpot-ms"] = f"{spec.tpot_s * 1000:.3f}".encode()
-        target, priority = self.slo.classify(headers, 0, model=self.model)
+        target, priority = self.slo.classify(headers, None, model=self.model)
         self.slo.started(priority)
         estimate = chat_prompt_estimate(1, spec.prompt_tokens)
         output = self._placed_output_tokens(spec)

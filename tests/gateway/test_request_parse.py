@@ -38,6 +38,7 @@ def body(**kw: object) -> bytes:
         (body(stream="yes"), "stream"),
         (body(stream_options={"include_usage": True}), "stream_options"),
         (body(priority=1.5), "priority"),
+        (body(priority=None), "priority"),
     ],
 )
 def test_bad_chat_requests_are_400_with_param(raw: bytes, param: str | None) -> None:
@@ -51,6 +52,9 @@ def test_bad_chat_requests_are_400_with_param(raw: bytes, param: str | None) -> 
 def test_chat_fields() -> None:
     parsed = parse_request("chat", body(stream=True, max_completion_tokens=7, max_tokens=99, priority=2), 100)
     assert (parsed.model, parsed.stream, parsed.max_tokens, parsed.priority) == ("m", True, 7, 2)
+    # absent is no priority; a 0 is a claim (the most urgent level), not "absent"
+    assert parse_request("chat", body(), 100).priority is None
+    assert parse_request("chat", body(priority=0), 100).priority == 0
     # 4 framing tokens for the one message, "hel" "lo" " the" "re", 1 for the assistant header
     assert parsed.client_wants_usage is False and parsed.prompt_tokens == 4 + 4 + 1
     assert parse_request("chat", body(), 100).max_tokens == 100
@@ -137,7 +141,7 @@ def test_any_json_either_parses_or_is_a_clean_400(data: dict[str, Any], kind: Ro
     except GatewayError as error:
         assert error.status == 400
         return
-    assert parsed.model == data["model"] and parsed.priority == data.get("priority", 0)
+    assert parsed.model == data["model"] and parsed.priority == data.get("priority")
     if kind == "embeddings":
         assert (parsed.stream, parsed.max_tokens) == (False, 0)
     else:

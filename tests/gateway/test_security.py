@@ -237,7 +237,7 @@ def test_the_tenant_comes_from_the_key() -> None:
 )
 def test_malformed_claims_are_a_400_naming_the_header(headers: dict[bytes, bytes]) -> None:
     with pytest.raises(GatewayError) as refused:
-        SloService(load_settings()).classify(headers, 0)
+        SloService(load_settings()).classify(headers, None)
     assert refused.value.status == 400 and next(iter(headers)).decode() in refused.value.message
 
 
@@ -258,15 +258,17 @@ def test_classify_honours_the_keys_ceilings() -> None:
     policy = settings.key_policies()[POLICY_KEY]
     _, priority = slo.classify({b"x-priority": b"0"}, 0, policy)
     assert priority == 1
-    _, body_priority = slo.classify({}, 0, policy)
-    assert body_priority is None
+    assert slo.classify({}, None, policy)[1] is None  # (no priority given)
+    # the body's 0 is the most urgent level, as x-priority: 0 is (not vLLM's "no priority"), and
+    # lowered to the key's ceiling alike
+    assert slo.classify({}, 0, policy)[1] == 1
     explicit = {b"x-slo-ttft-ms": b"300", b"x-slo-tpot-ms": b"400"}
-    target, _ = slo.classify(explicit, 0, policy)
+    target, _ = slo.classify(explicit, None, policy)
     assert (target.ttft_s, target.tpot_s) == (1.2, 0.4)
 
     tasks = load_settings(api_key_policies={POLICY_KEY: {"task": "wikisql"}})
     task_policy = tasks.key_policies()[POLICY_KEY]
-    target, _ = SloService(tasks).classify({b"x-slo-task": b"medical_qa"}, 0, task_policy)
+    target, _ = SloService(tasks).classify({b"x-slo-task": b"medical_qa"}, None, task_policy)
     assert target.slo_class == "wikisql"
 
 

@@ -147,7 +147,7 @@ def test_a_queue_for_the_model_ends_the_mappers_relaxed_floor(routing: str) -> N
     p3 = {b"x-priority": b"3"}
 
     def ttft(model: str = "m") -> float:
-        return slo.classify(p3, 0, model=model)[0].ttft_s
+        return slo.classify(p3, None, model=model)[0].ttft_s
 
     def submit(rid: str) -> object:
         view = RequestView(rid, "m", 100, 10, arrival=now, priority=3)

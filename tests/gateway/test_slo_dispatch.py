@@ -56,8 +56,11 @@ def test_priority_profile_maps_priorities_to_bounded_targets(engine: ChildProces
             assert r.headers["x-slo-class"] == f"p{p}"
             ttft[p] = int(r.headers["x-slo-ttft-ms"])
         assert 525 <= ttft[0] <= 875 and ttft[3] <= 25000
-        body_priority = httpx.post(gw.url + "/v1/chat/completions", json={**BODY, "priority": 1})
-        assert body_priority.status_code == 200 and body_priority.headers["x-slo-class"] == "p1"
+        for p in (1, 0):  # the body's priority, 0 included (the most urgent level, as the header's)
+            body_priority = httpx.post(gw.url + "/v1/chat/completions", json={**BODY, "priority": p})
+            assert body_priority.status_code == 200 and body_priority.headers["x-slo-class"] == f"p{p}"
+        none = httpx.post(gw.url + "/v1/chat/completions", json=BODY)
+        assert none.status_code == 200 and none.headers["x-slo-class"] != "p0"
 
 
 def test_priority_reaches_the_mapper_and_pending_counts_return_to_zero(engine: ChildProcess) -> None:
