@@ -132,9 +132,9 @@ class Ticket:
 Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
-#: what a demotion plan computed for a queued request: its view (the row is for that one), its band
-#: and its row in the band
-_PlanRow = tuple[RequestView, Band, Member]
+#: what a demotion plan computed for a queued request: its ticket's admission number (the row is
+#: for that ticket's view and targets), its band and its row in the band
+_PlanRow = tuple[int, Band, Member]
 
 
 @dataclass(slots=True)
@@ -145,7 +145,8 @@ class _DemotionPlan:
     ctx: OrderContext
     period: float
     started: float
-    #: each queued request's view, band and member row under ``ctx`` (:meth:`DispatchCore._plan_rows_for`)
+    #: each queued request's admission number, band and member row under ``ctx``
+    #: (:meth:`DispatchCore._plan_rows_for`)
     cache: dict[str, _PlanRow]
     at: int = 0
     #: what the plan read so far: each band's requests that were on time
@@ -859,7 +860,7 @@ class DispatchCore:
             view = item.view
             rid = view.request_id
             row = cache.get(rid)
-            if row is None or row[0] is not view:  # (a new view: the request came back queued)
+            if row is None or row[0] != item.seq:  # (another ticket: the request came back queued)
                 # by targets, not class name (a class may be a priority level's, whatever the
                 # task); each distinct set looked up once per plan
                 targets = (view.priority, item.ttft_slo, item.tpot_slo)
@@ -872,7 +873,8 @@ class DispatchCore:
                 service = prefill + output * (per_seq + per_context * (prompt + output / 2))
                 # the order the queue serves a band in (SloTpot, past its level)
                 rank = (item.tpot_slo, view.arrival, float(item.seq))
-                row = cache[rid] = (view, band, (rank, view.arrival + item.ttft_slo - prefill, service, rid))
+                last_start = view.arrival + item.ttft_slo - prefill
+                row = cache[rid] = (item.seq, band, (rank, last_start, service, rid))
             _, band, member = row
             if band not in waiting:
                 waiting.add(band)
@@ -999,6 +1001,7 @@ class DispatchCore:
             error = self.no_engine(model)
             queue = self.queues[model]
             self._demote_plans.pop(model, None)
+            self._plan_rows.pop(model, None)
             for rid in [rid for rid, t in self.tickets.items() if t.item.view.model == model]:
                 queue.remove(rid)
                 self._refuse(rid, "no_engine", error, None)
@@ -1102,10 +1105,13 @@ class DispatchCore:
                 members.discard(rid)
                 if not members:
                     del self._batches[key]
-        if in_queue:
-            queue = self.queues.get(ticket.item.view.model)
-            if queue is not None:
+        queue = self.queues.get(ticket.item.view.model)
+        if queue is not None:
+            if in_queue:
                 queue.remove(rid)
+            if not len(queue) and self._plan_rows:
+                # every request the plans kept a row for has left
+                self._plan_rows.pop(ticket.item.view.model, None)
         self.queued_per_class[(ticket.item.view.model, ticket.slo_class)] -= 1
         if now is not None and now > ticket.enqueued_at:  # (queued and taken in one call: no wait)
             self._waited_at[ticket.item.view.model] = now

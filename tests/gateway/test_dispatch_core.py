@@ -1038,16 +1038,16 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
     real = core_module.demote_in_bands
 
     def spy(bands, now, rates, share, queued):  # type: ignore[no-untyped-def]
-        # what the decision walks: each band's on-time members still queued
-        planned.append(
-            [m[3] for members in bands.values() for m in members if m[1] >= now and m[3] in queued]
-        )
+        # what the decision is given: every on-time request read, and what is still queued
+        planned.append([m[3] for members in bands.values() for m in members if m[1] >= now])
+        assert gone not in queued and all(rid in queued for rid in planned[-1] if rid != gone)
         return real(bands, now, rates, share, queued)
 
     monkeypatch.setattr(core_module, "demote_in_bands", spy)
     while not core._plan_demotions("a", queue, 8.0):
         pass
-    assert planned and gone not in planned[0] and len(planned[0]) > 7
+    # (read before it left; demote_in_bands leaves it out: tests/policies/test_demotion.py)
+    assert planned and gone in planned[0] and len(planned[0]) > 7
 
     def broken(*_args):  # type: ignore[no-untyped-def]
         raise RuntimeError("a bug in the plan")
@@ -1057,18 +1057,29 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
         while not core._plan_demotions("a", queue, 9.5):
             pass
     assert "a" not in core._demote_plans
+    monkeypatch.setattr(core_module, "demote_in_bands", real)
+    monkeypatch.setattr(core_module, "band_of", broken)  # fails while reading the queue
+    core._plan_rows.clear()  # (rows kept from earlier plans need no band_of)
+    with pytest.raises(RuntimeError):
+        core._plan_demotions("a", queue, 9.6)
+    assert "a" not in core._demote_plans
 
 
-def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same() -> None:
+def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same(monkeypatch) -> None:
     """Each queued request's band and row are computed once while it waits (at 10,000 queued
-    computing them was most of every plan): a plan over the cache decides what a plan computing
-    every row afresh does; new latency coefficients start a new cache, and rows of requests that
-    left are dropped once they outnumber the queue."""
+    computing them was most of every plan): rows kept from plans at other times equal rows
+    computed afresh, and decide the same, over several slices; new latency coefficients start a
+    new cache; a request queued again under a new ticket gets its new targets' row; rows of
+    requests that left are dropped once they outnumber the queue, and all of them once it is
+    empty."""
+    import gateway.dispatch.core as core_module
+
     cached, *_ = _overload_demotion_run()
     fresh, *_ = _overload_demotion_run()
     queue = cached.queues["a"]
     assert cached._plan_rows["a"][1]  # the run's plans filled it
     fresh._plan_rows.clear()
+    monkeypatch.setattr(core_module, "DEMOTE_SLICE", 50)
 
     def demoted(core: DispatchCore) -> set[str]:
         return {item.view.request_id for item in core.queues["a"].items() if item.demoted}
@@ -1079,21 +1090,38 @@ def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the
         while not core._plan_demotions("a", core.queues["a"], 8.0):
             pass
     assert demoted(cached) == demoted(fresh) != set()
+    queued = {item.view.request_id for item in queue.items()}
+    kept, computed = cached._plan_rows["a"][1], fresh._plan_rows["a"][1]
+    assert len(queued) > 100 and {r: kept[r] for r in queued} == {r: computed[r] for r in queued}
 
     ctx = cached.context("a", 8.0)
-    rows = cached._plan_rows_for("a", queue, ctx)
-    assert rows and set(rows) >= {item.view.request_id for item in queue.items()}
     slower = replace(ctx, prefill_tokens_per_s=ctx.prefill_tokens_per_s / 2)
     assert cached._plan_rows_for("a", queue, slower) == {}
     assert cached._plan_rows_for("a", queue, ctx) == {}  # (computed under the other coefficients)
     while not cached._plan_demotions("a", queue, 8.0):
         pass
     rows = cached._plan_rows_for("a", queue, ctx)
-    assert set(rows) == {item.view.request_id for item in queue.items()}
+    assert set(rows) == queued
+
+    # one request leaves and comes back queued, its view unchanged, under tighter targets
+    back = queue.items()[0]
+    assert cached.cancel(back.view.request_id, 8.0)
+    ticket = cached.ticket(back.view, 0.5, 0.05, "c", RunningEntry(10, 10, 0.05, 8.0), 8.0)
+    assert cached.submit(ticket, 8.0) is None
+    while not cached._plan_demotions("a", queue, 8.0):
+        pass
+    seq, band, member = cached._plan_rows["a"][1][back.view.request_id]
+    assert seq == ticket.item.seq and band == (back.view.priority, 0.5, 0.05)
+    assert member[1] < back.view.arrival + 0.5
+
+    rows = cached._plan_rows_for("a", queue, ctx)
     gone = {f"gone-{i}": next(iter(rows.values())) for i in range(2 * len(queue) + 1100)}
     rows.update(gone)
     trimmed = cached._plan_rows_for("a", queue, ctx)
-    assert not set(trimmed) & set(gone) and len(trimmed) <= len(queue)
+    assert not set(trimmed) & set(gone) and set(trimmed) == {item.view.request_id for item in queue.items()}
+    for item in queue.items():
+        cached.cancel(item.view.request_id, 8.5)
+    assert "a" not in cached._plan_rows
 
 
 def test_demotion_bands_are_targets_to_two_digits_at_one_level() -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from policies.admission_queue import AdmissionQueue
 from policies.api import RequestView
-from policies.demotion import Band, BandRates, Row, longest_to_demote
+from policies.demotion import Band, BandRates, Row, demote_in_bands, longest_to_demote
 from policies.hyperflexis import HyperFlexisParams
 from policies.queue_order import LateLast, OrderContext, QueuedRequest, make_order
 
@@ -47,6 +47,19 @@ def test_the_newcomer_is_given_up_when_giving_up_the_longest_would_not_save_it()
     # the same when the one to give up is no longer than the newcomer: the newcomer goes
     rows = [row("r1", 5.0, 0.1), row("r2", 0.05, 0.1)]
     assert longest_to_demote(rows, 0.0, {CHAT: 1.0}) == {"r2"}
+
+
+def test_rows_grouped_by_band_decide_the_same_and_requests_no_longer_queued_take_no_drain() -> None:
+    rows = [row("r1", 0.0, 2.0), row("r2", 1.6, 0.5), row("m3", 0.1, 3.0, MATH), row("m4", 0.5, 0.2, MATH)]
+    rates = {CHAT: 1.0, MATH: 1.0}
+    grouped: dict[Band, list] = {}
+    for band, *member in reversed(rows):  # (in any order: each band is sorted by rank)
+        grouped.setdefault(band, []).append(tuple(member))
+    assert demote_in_bands(grouped, 0.0, rates) == longest_to_demote(rows, 0.0, rates) == {"r1", "m3"}
+    # r1 and m3 left the queue while the plan read it: nothing ahead of r2 and m4 any more
+    assert demote_in_bands(grouped, 0.0, rates, queued={"r2", "m4"}) == set()
+    # and what is late at the plan's end (r1) is left out, as longest_to_demote leaves it
+    assert demote_in_bands(grouped, 0.05, rates, queued={"r1", "r2", "m3", "m4"}) == {"m3"}
 
 
 def test_a_band_is_walked_in_the_order_the_queue_serves_it() -> None:
