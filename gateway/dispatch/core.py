@@ -132,9 +132,10 @@ class Ticket:
 Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
-#: what a demotion plan computed for a queued request: its ticket's admission number (the row is
-#: for that ticket's view and targets), its band and its row in the band
-_PlanRow = tuple[int, Band, Member]
+#: what demotion plans keep of a queued request, whatever the latency coefficients: its ticket's
+#: admission number (the row is that ticket's), its band, its rank in the band, its TTFT deadline,
+#: and its prompt and output tokens
+_PlanRow = tuple[int, Band, tuple[float, ...], float, int, int]
 
 
 @dataclass(slots=True)
@@ -145,8 +146,7 @@ class _DemotionPlan:
     ctx: OrderContext
     period: float
     started: float
-    #: each queued request's admission number, band and member row under ``ctx``
-    #: (:meth:`DispatchCore._plan_rows_for`)
+    #: what plans keep of each queued request (:meth:`DispatchCore._plan_rows_for`)
     cache: dict[str, _PlanRow]
     at: int = 0
     #: what the plan read so far: each band's requests that were on time
@@ -274,10 +274,9 @@ class DispatchCore:
         self._demote_due: dict[str, float] = {}
         #: per model, the demotion plan under way (read a slice of the queue per step)
         self._demote_plans: dict[str, _DemotionPlan] = {}
-        #: per model, what plans computed for each queued request (its band and row), and the
-        #: latency coefficients they were computed with: a request's row does not change while it
-        #: waits, and at 10,000 queued computing them was most of each plan
-        self._plan_rows: dict[str, tuple[tuple[float, float, float, float], dict[str, _PlanRow]]] = {}
+        #: per model, what plans keep of each queued request (what does not change while it waits:
+        #: at 10,000 queued looking it up again was most of each plan)
+        self._plan_rows: dict[str, dict[str, _PlanRow]] = {}
         #: per model, when a request that had waited for an engine last left the queue
         self._waited_at: dict[str, float] = {}
         fleet.listeners.append(self._on_engine_change)
@@ -819,9 +818,8 @@ class DispatchCore:
             # (a plan left unfinished that long read a queue that has changed since: begin anew)
             period = max(DEMOTE_PERIOD_S, len(queue) * DEMOTE_PER_QUEUED_S)
             self._demote_due[model] = now + period
-            ctx = self.context(model, now)
             plan = self._demote_plans[model] = _DemotionPlan(
-                queue.items(), ctx, period, now, self._plan_rows_for(model, queue, ctx)
+                queue.items(), self.context(model, now), period, now, self._plan_rows_for(model, queue)
             )
         try:
             return self._plan_slice(model, queue, plan, now)
@@ -830,19 +828,15 @@ class DispatchCore:
             self._demote_plans.pop(model, None)
             raise
 
-    def _plan_rows_for(self, model: str, queue: AdmissionQueue, ctx: OrderContext) -> dict[str, _PlanRow]:
-        """The model's cache of plan rows, valid under ``ctx``'s coefficients (emptied when they
-        changed) and holding no more than a few rows of requests that left the queue."""
-        costs = (ctx.prefill_base_s, ctx.prefill_tokens_per_s, ctx.decode_seq_s, ctx.decode_context_s)
-        held = self._plan_rows.get(model)
-        if held is None or held[0] != costs:
-            cache: dict[str, _PlanRow] = {}
-        elif len(held[1]) > 2 * len(queue) + 1024:
+    def _plan_rows_for(self, model: str, queue: AdmissionQueue) -> dict[str, _PlanRow]:
+        """The model's cache of plan rows, holding no more than a few rows of requests that left
+        the queue."""
+        cache = self._plan_rows.get(model)
+        if cache is None:
+            cache = self._plan_rows[model] = {}
+        elif len(cache) > 2 * len(queue) + 1024:
             queued = queue.ids()
-            cache = {rid: row for rid, row in held[1].items() if rid in queued}
-        else:
-            cache = held[1]
-        self._plan_rows[model] = (costs, cache)
+            cache = self._plan_rows[model] = {rid: row for rid, row in cache.items() if rid in queued}
         return cache
 
     def _plan_slice(self, model: str, queue: AdmissionQueue, plan: _DemotionPlan, now: float) -> bool:
@@ -867,21 +861,20 @@ class DispatchCore:
                 band = bands.get(targets)
                 if band is None:
                     band = bands[targets] = band_of(*targets)
-                prompt = max(0, view.prompt_tokens)
-                prefill = base + prompt * per_token
-                output = max(0, view.max_output_tokens)
-                service = prefill + output * (per_seq + per_context * (prompt + output / 2))
                 # the order the queue serves a band in (SloTpot, past its level)
-                rank = (item.tpot_slo, view.arrival, float(item.seq))
-                last_start = view.arrival + item.ttft_slo - prefill
-                row = cache[rid] = (item.seq, band, (rank, last_start, service, rid))
-            _, band, member = row
+                rank: tuple[float, ...] = (item.tpot_slo, view.arrival, float(item.seq))
+                prompt, output = max(0, view.prompt_tokens), max(0, view.max_output_tokens)
+                row = cache[rid] = (item.seq, band, rank, view.arrival + item.ttft_slo, prompt, output)
+            _, band, rank, deadline, prompt, output = row
             if band not in waiting:
                 waiting.add(band)
                 members[band] = []
-            if member[1] < now:
+            prefill = base + prompt * per_token
+            last_start = deadline - prefill
+            if last_start < now:
                 continue  # late: the queue ranks it late whatever its stamp
-            members[band].append(member)
+            service = prefill + output * (per_seq + per_context * (prompt + output / 2))
+            members[band].append((rank, last_start, service, rid))
             if item.demoted:
                 demoted.append(rid)
         plan.at = end

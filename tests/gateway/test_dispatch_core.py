@@ -1066,42 +1066,40 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
 
 
 def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same(monkeypatch) -> None:
-    """Each queued request's band and row are computed once while it waits (at 10,000 queued
-    computing them was most of every plan): rows kept from plans at other times equal rows
-    computed afresh, and decide the same, over several slices; new latency coefficients start a
-    new cache; a request queued again under a new ticket gets its new targets' row; rows of
-    requests that left are dropped once they outnumber the queue, and all of them once it is
-    empty."""
+    """What does not change while a request waits (its band, rank, deadline, token counts) is
+    looked up once (at 10,000 queued that was most of every plan): rows kept from plans at other
+    times equal rows computed afresh and decide the same, over several slices and under new
+    latency coefficients; a request queued again under a new ticket gets its new targets' row;
+    rows of requests that left are dropped once they outnumber the queue, and all of them once
+    it is empty."""
     import gateway.dispatch.core as core_module
 
     cached, *_ = _overload_demotion_run()
     fresh, *_ = _overload_demotion_run()
     queue = cached.queues["a"]
-    assert cached._plan_rows["a"][1]  # the run's plans filled it
-    fresh._plan_rows.clear()
+    assert cached._plan_rows["a"]  # the run's plans filled it
     monkeypatch.setattr(core_module, "DEMOTE_SLICE", 50)
 
     def demoted(core: DispatchCore) -> set[str]:
         return {item.view.request_id for item in core.queues["a"].items() if item.demoted}
 
-    for core in (cached, fresh):
-        core._band_rates["a"].rates = dict(cached._band_rates["a"].rates)
-        core._band_rates["a"].close = lambda *_a, **_k: None  # type: ignore[method-assign]
-        while not core._plan_demotions("a", core.queues["a"], 8.0):
-            pass
-    assert demoted(cached) == demoted(fresh) != set()
-    queued = {item.view.request_id for item in queue.items()}
-    kept, computed = cached._plan_rows["a"][1], fresh._plan_rows["a"][1]
-    assert len(queued) > 100 and {r: kept[r] for r in queued} == {r: computed[r] for r in queued}
-
     ctx = cached.context("a", 8.0)
-    slower = replace(ctx, prefill_tokens_per_s=ctx.prefill_tokens_per_s / 2)
-    assert cached._plan_rows_for("a", queue, slower) == {}
-    assert cached._plan_rows_for("a", queue, ctx) == {}  # (computed under the other coefficients)
-    while not cached._plan_demotions("a", queue, 8.0):
-        pass
-    rows = cached._plan_rows_for("a", queue, ctx)
-    assert set(rows) == queued
+    decided = []
+    for context in (ctx, replace(ctx, prefill_tokens_per_s=ctx.prefill_tokens_per_s / 3)):
+        for core in (cached, fresh):
+            fresh._plan_rows.clear()
+            core._contexts["a"] = (8.0, context)
+            core._band_rates["a"].rates = dict(cached._band_rates["a"].rates)
+            core._band_rates["a"].close = lambda *_a, **_k: None  # type: ignore[method-assign]
+            while not core._plan_demotions("a", core.queues["a"], 8.0):
+                pass
+        decided.append(demoted(cached))
+        assert decided[-1] == demoted(fresh) != set()
+        queued = {item.view.request_id for item in queue.items()}
+        kept, computed = cached._plan_rows["a"], fresh._plan_rows["a"]
+        assert len(queued) > 100 and {r: kept[r] for r in queued} == {r: computed[r] for r in queued}
+    assert decided[0] != decided[1]  # (the coefficients matter: the comparison can tell)
+    cached._contexts["a"] = (8.0, ctx)
 
     # one request leaves and comes back queued, its view unchanged, under tighter targets
     back = queue.items()[0]
@@ -1110,14 +1108,14 @@ def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the
     assert cached.submit(ticket, 8.0) is None
     while not cached._plan_demotions("a", queue, 8.0):
         pass
-    seq, band, member = cached._plan_rows["a"][1][back.view.request_id]
+    seq, band, _rank, deadline, *_ = cached._plan_rows["a"][back.view.request_id]
     assert seq == ticket.item.seq and band == (back.view.priority, 0.5, 0.05)
-    assert member[1] < back.view.arrival + 0.5
+    assert deadline == back.view.arrival + 0.5
 
-    rows = cached._plan_rows_for("a", queue, ctx)
+    rows = cached._plan_rows_for("a", queue)
     gone = {f"gone-{i}": next(iter(rows.values())) for i in range(2 * len(queue) + 1100)}
     rows.update(gone)
-    trimmed = cached._plan_rows_for("a", queue, ctx)
+    trimmed = cached._plan_rows_for("a", queue)
     assert not set(trimmed) & set(gone) and set(trimmed) == {item.view.request_id for item in queue.items()}
     for item in queue.items():
         cached.cancel(item.view.request_id, 8.5)
