@@ -251,6 +251,9 @@ class DispatchCore:
         self._stepped_at = -math.inf
         self._submitting: str | None = None
         self._own: EngineRecord | None = None
+        #: per (model, class), the queued requests' TTFT deadlines as a heap, for the queue-full
+        #: prune: kept only from the first time the class is full until it is half empty (kept
+        #: for every class, its O(n) clean-ups stalled the loop 10-60 ms at 10,000 queued)
         self._class_deadlines: dict[tuple[str, str], list[tuple[float, int, str]]] = {}
         #: queued members of each client batch (request ids), for orders that rank whole batches
         self._batches: dict[tuple[str, str, str], set[str]] = {}
@@ -495,12 +498,13 @@ class DispatchCore:
         queue.push(ticket.item, now, ctx)
         self.tickets[rid] = ticket
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
-        deadlines = self._class_deadlines.setdefault(bucket, [])
-        heapq.heappush(deadlines, (ticket.item.ttft_deadline, ticket.item.seq, rid))
-        if len(deadlines) > 64 + 2 * self.queued_per_class[bucket]:
-            # entries of requests that left are dropped lazily; keep the heap O(live) all the same
-            deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
-            heapq.heapify(deadlines)
+        deadlines = self._class_deadlines.get(bucket)
+        if deadlines is not None:
+            heapq.heappush(deadlines, (ticket.item.ttft_deadline, ticket.item.seq, rid))
+            if len(deadlines) > 64 + 2 * self.queued_per_class[bucket]:
+                # entries of requests that left are dropped lazily; keep the heap O(live) all the same
+                deadlines[:] = [e for e in deadlines if e[2] in self.tickets]
+                heapq.heapify(deadlines)
         metrics.deferred(metrics.QUEUE_DEPTH, ticket.slo_class).inc()
         if self.shedding is not None:
             bands = self._band_newest.setdefault(model, {})
@@ -1105,7 +1109,14 @@ class DispatchCore:
             if not len(queue) and self._plan_rows:
                 # every request the plans kept a row for has left
                 self._plan_rows.pop(ticket.item.view.model, None)
-        self.queued_per_class[(ticket.item.view.model, ticket.slo_class)] -= 1
+        bucket = (ticket.item.view.model, ticket.slo_class)
+        in_class = self.queued_per_class[bucket] = self.queued_per_class[bucket] - 1
+        if (
+            self._class_deadlines
+            and bucket in self._class_deadlines
+            and 2 * in_class < self.limits(ticket.slo_class).max_queued
+        ):
+            del self._class_deadlines[bucket]  # (half empty: the prune is far off again)
         if now is not None and now > ticket.enqueued_at:  # (queued and taken in one call: no wait)
             self._waited_at[ticket.item.view.model] = now
         if self.shedding is not None:
@@ -1172,7 +1183,16 @@ class DispatchCore:
         """Shed one queued request of the class whose TTFT can no longer be met (MFS pruning):
         its deadline is nearer than even an immediate dispatch's predicted prefill. Looks at the
         class's few earliest TTFT deadlines only, so a full class costs O(log n) per arrival."""
-        heap = self._class_deadlines.get((model, slo_class))
+        bucket = (model, slo_class)
+        heap = self._class_deadlines.get(bucket)
+        if heap is None:
+            # the class is full for the first time (since it was last half empty)
+            heap = self._class_deadlines[bucket] = [
+                (t.item.ttft_deadline, t.item.seq, rid)
+                for rid, t in self.tickets.items()
+                if t.slo_class == slo_class and t.item.view.model == model
+            ]
+            heapq.heapify(heap)
         if not heap:
             return False
         ctx = self.context(model, now)
