@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import zmq
 
 from gateway.sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    import zmq
 
 
 def event_map(event: KVEvent) -> dict[str, Any]:
@@ -42,6 +44,9 @@ def binds(endpoint: str) -> bool:
 
 class KVEventPublisher:
     def __init__(self, endpoint: str, topic: str = "kv", dp_rank: int = 0) -> None:
+        import zmq  # (here: an engine that publishes no KV events starts without it)
+
+        self._noblock = zmq.NOBLOCK
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, 100_000)
@@ -58,7 +63,7 @@ class KVEventPublisher:
         payload = msgpack.packb(
             [time.time(), [event_map(e) for e in events], self._dp_rank], use_bin_type=True
         )
-        self._socket.send_multipart([self._topic, self._seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+        self._socket.send_multipart([self._topic, self._seq.to_bytes(8, "big"), payload], flags=self._noblock)
         self._seq += 1
 
     def close(self) -> None:
