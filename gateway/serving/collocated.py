@@ -498,6 +498,8 @@ class CollocatedFlow:
         try:
             if response.status >= 400:
                 return await self.engine_refused(call, record, response, headers_at)
+            if request.stream and response.content_type == "application/json":
+                return await self.engine_did_not_stream(call, record, response, headers_at)
             if request.stream:
                 return await relay_stream(
                     call, response, self.fleet, record, first_token_at, settings.idle_timeout_s, call.ledger
@@ -523,17 +525,39 @@ class CollocatedFlow:
         finally:
             response.close()  # also aborts the engine's request if it is still running
 
+    async def _error_body(self, call: Call, response: aiohttp.ClientResponse, deadline: float) -> bytes:
+        """An engine's error answer, read within a second past ``deadline`` (empty if it is not
+        sent by then, or the connection fails)."""
+        read_at = time.monotonic()
+        try:
+            async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
+                return await response.read()
+        except (TimeoutError, aiohttp.ClientError):
+            return b""
+        finally:
+            call.waited_s += time.monotonic() - read_at
+
+    async def engine_did_not_stream(
+        self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
+    ) -> GatewayError:
+        """A streamed request that the engine answered with a JSON body (an error object under a
+        200, as some servers and proxies send, or a whole answer): an error that carries the
+        engine's message, before any stream has begun (a stream would end with a bare "ended
+        before it was complete" and lose it)."""
+        body = await self._error_body(call, response, deadline)
+        metrics.child(metrics.UPSTREAM_ERRORS, record.engine_id, "status").inc()
+        reported = upstream_error(502, body)
+        return GatewayError(
+            502,
+            f"engine {record.engine_id} answered a streamed request without a stream: {reported.message}",
+            code="upstream_failed",
+        )
+
     async def engine_refused(
         self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
     ) -> GatewayError:
         engine_id = record.engine_id
-        read_at = time.monotonic()
-        try:
-            async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
-                body = await response.read()
-        except (TimeoutError, aiohttp.ClientError):
-            body = b""
-        call.waited_s += time.monotonic() - read_at
+        body = await self._error_body(call, response, deadline)
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
         status = response.status
         if status == 503:  # overloaded or asleep: another engine may do

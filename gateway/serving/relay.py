@@ -205,11 +205,19 @@ async def relay_stream(
                 failed_at = -1
                 # (a JSON string escapes its quotes: '"error"' is an event's own key or the
                 # "object" of an error response, never text)
-                if b'"usage":' in complete or b"[DONE]" in complete or b'"error"' in complete:
-                    complete, done, n, content, failed_at = _final_events(call, complete, sep)
+                if (
+                    b'"usage":' in complete
+                    or b"[DONE]" in complete
+                    or b'"error"' in complete
+                    or complete[:1] == b":"
+                    or b"\n:" in complete  # (a comment line: no data line starts with a colon)
+                ):
+                    complete, done, n, content, failed_at, comments = _final_events(call, complete, sep)
                 else:
                     n = content = complete.count(sep)
-                if not call.first_at and failed_at != 0:  # (an error is no first token)
+                    comments = 0
+                # (an error is no first token, nor is a keep-alive comment)
+                if not call.first_at and failed_at != 0 and n > comments:
                     call.first_at = now
                     fleet.mark_prefilled(engine_id, call.rid)
                     metrics.child(metrics.TTFT, request.model, call.target.slo_class).observe(
@@ -316,22 +324,29 @@ class _Oversized(Exception):
     pass
 
 
-def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:
-    """Read usage from the final chunk; drop the usage-only event if the client did not ask.
+def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int, int]:
+    """Read usage from the final chunk; drop the usage-only event if the client did not ask, and
+    whatever follows ``[DONE]``.
 
     Returns the bytes to relay, whether ``[DONE]`` came, the events relayed, how many of them
-    carry content (neither ``[DONE]`` nor usage only nor an error), and where in the bytes the
-    first error event begins (-1: none).
+    carry content (neither ``[DONE]`` nor usage only nor an error nor a comment), where in the
+    bytes the first error event begins (-1: none), and how many are comments.
     """
     done = False
     kept: list[bytes] = []
-    content = 0
+    content = comments = 0
     failed_at = -1
     for event in complete.split(sep)[:-1]:
         payload = sse_data(event)
         if payload.strip() == b"[DONE]":
             done = True
-        elif b'"error"' in payload and _is_error(payload):
+            kept.append(event + sep)
+            break  # (the end of the stream: what an engine sends after it is not relayed)
+        if event[:1] == b":" and _is_comment(event):
+            kept.append(event + sep)  # a keep-alive comment: relayed, no output
+            comments += 1
+            continue
+        if b'"error"' in payload and _is_error(payload):
             if failed_at < 0:
                 failed_at = sum(map(len, kept))
         elif b'"usage":' in payload and b'"usage":null' not in payload:
@@ -347,7 +362,13 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         else:
             content += 1
         kept.append(event + sep)
-    return b"".join(kept), done, len(kept), content, failed_at
+    return b"".join(kept), done, len(kept), content, failed_at, comments
+
+
+def _is_comment(event: bytes) -> bool:
+    """Whether an SSE event is only comment lines (``: ping``), which proxies and some servers
+    send to keep a connection alive: no output, no first token."""
+    return all(line[:1] == b":" for line in event.splitlines() if line)
 
 
 def _count_choices(call: Call, complete: bytes, sep: bytes) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.sse import sse_data
 from policies.migration import MigrationReason, tpot_slack
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 _TOKEN_IDS = b'"token_ids":['
 _FINISHED = b'"finish_reason":"'
+_NOT_FINISHED = b'"finish_reason":null'
 #: deltas a chat server parses out of the output (a reasoning parser; tool calls): a resumed
 #: stream is plain completions of the token ids and would carry them as text
 _PARSED_DELTAS = (b'"reasoning_content":"', b'"reasoning":"', b'"tool_calls":[{')
@@ -123,19 +125,47 @@ class StreamLedger:
             self.blocked = "the engine parses this stream's output (reasoning or tool calls)"
             self.tracking = False
             return False
-        find = chunk.find
-        at = find(_TOKEN_IDS)
-        while at >= 0:
-            start = at + len(_TOKEN_IDS)
-            end = find(b"]", start)
-            if end < 0:
-                break
-            if end > start:
-                self.id_slices.append(chunk[start:end])
-            at = find(_TOKEN_IDS, end)
-        if not self.finished and _FINISHED in chunk:
-            self.finished = True
+        count = chunk.count
+        if count(b'"token_ids"') != count(_TOKEN_IDS) or count(b'"finish_reason"') != count(
+            _FINISHED
+        ) + count(_NOT_FINISHED):
+            # JSON with spaces (a server or proxy that pretty-prints): the byte search would miss
+            # the ids, and a resumed stream would repeat them
+            self._feed_decoded(chunk)
+        else:
+            find = chunk.find
+            at = find(_TOKEN_IDS)
+            while at >= 0:
+                start = at + len(_TOKEN_IDS)
+                end = find(b"]", start)
+                if end < 0:
+                    break
+                if end > start:
+                    self.id_slices.append(chunk[start:end])
+                at = find(_TOKEN_IDS, end)
+            if not self.finished and _FINISHED in chunk:
+                self.finished = True
         return self.tick(content, now) if content and not self.finished else False
+
+    def _feed_decoded(self, chunk: bytes) -> None:
+        """:meth:`feed`'s reading of ids and finish reasons, decoding each event."""
+        for line in chunk.splitlines():
+            payload = sse_data(line)
+            if not payload.startswith(b"{"):
+                continue
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            choices = event.get("choices") if isinstance(event, dict) else None
+            for choice in choices if isinstance(choices, list) else ():
+                if not isinstance(choice, dict):
+                    continue
+                ids = choice.get("token_ids")
+                if isinstance(ids, list) and ids:
+                    self.id_slices.append(orjson.dumps(ids)[1:-1])
+                if choice.get("finish_reason") is not None:
+                    self.finished = True
 
     def extend(self, ids: list[int]) -> None:
         """Token ids of a resumed stream's chunk (already decoded by the migration relay)."""

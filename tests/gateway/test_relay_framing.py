@@ -271,3 +271,57 @@ async def test_a_stream_of_several_choices_counts_each_choices_events() -> None:
     status = await relay_stream(call, response, fleet, fleet.records["a-0"], 1e12, 30.0, None)
     assert status == 200 and call.content_events == 7
     assert call.choice_events == {0: 2, 1: 5}
+
+
+async def test_nothing_an_engine_sends_after_done_reaches_the_client() -> None:
+    """Content after [DONE] in the same read went out after the end-of-stream marker and was
+    counted as output."""
+    late = content("late")
+    status, out, call = await relay([content("a") + b"data: [DONE]\n\n" + late])
+    assert status == 200 and out == content("a") + b"data: [DONE]\n\n"
+    assert call.content_events == 1
+
+
+async def test_keep_alive_comments_are_relayed_but_are_no_output_and_no_first_token() -> None:
+    """A proxy's ``: ping`` between events was counted as an output event, and one before the
+    first token was taken as the first token (TTFT met by a comment)."""
+    ping = b": ping\n\n"
+    _, _, call, _ = await relay_on([ping])  # (ends without [DONE]: a failure)
+    assert not call.first_at and call.content_events == 0
+    status, out, call = await relay([ping, content("a") + ping, content("b") + b"data: [DONE]\n\n"])
+    assert status == 200 and out == ping + content("a") + ping + content("b") + b"data: [DONE]\n\n"
+    assert call.content_events == 2 and call.first_at
+
+
+def spaced(data: dict[str, Any] | str) -> bytes:
+    """An event whose JSON has a space after every colon and comma, as Python's json.dumps
+    writes it: valid JSON that a byte search for ``"key":`` misses."""
+    import json
+
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+
+
+async def test_usage_of_json_written_with_spaces_is_read() -> None:
+    text = spaced({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+    tail = spaced({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    status, out, call = await relay([text + tail + b"data: [DONE]\n\n"])
+    assert status == 200 and out == text + b"data: [DONE]\n\n"  # (the client did not ask for usage)
+    assert call.completion_tokens == 1 and call.content_events == 1
+
+
+async def test_a_ledger_reads_token_ids_and_the_end_of_json_written_with_spaces() -> None:
+    """Written with spaces, the ids of a stream that may migrate were not recorded: resumed on
+    another engine, it repeated every token the client already had."""
+    first = {"id": "c1", "created": 1, "model": "a", "prompt_token_ids": [1, 2]}
+    tokens = [
+        spaced({**first, "choices": [{"index": 0, "text": "x", "token_ids": [5, 6], "finish_reason": None}]}),
+        spaced({"choices": [{"index": 0, "text": "y", "token_ids": [7], "finish_reason": None}]}),
+    ]
+    ledger = StreamLedger()
+    outcome, sent, _, _ = await relay_on([*tokens, ENGINE_ERROR], ledger)
+    assert isinstance(outcome, Cut) and sent == b"".join(tokens)
+    assert ledger.tokens() == [5, 6, 7] and not ledger.finished
+    end = spaced({"choices": [{"index": 0, "text": "", "token_ids": [8], "finish_reason": "stop"}]})
+    ledger = StreamLedger()
+    outcome, _, _, _ = await relay_on([*tokens, end, ENGINE_ERROR], ledger)
+    assert ledger.tokens() == [5, 6, 7, 8] and ledger.finished

@@ -47,3 +47,32 @@ def test_the_gateway_asks_engines_for_plain_answers_and_relays_them_readable() -
         assert b"plain " in streamed.content and b'"error"' not in streamed.content
         assert streamed.content.endswith(b"data: [DONE]\n\n")
     assert offered and all(value == "identity" for value in offered)
+
+
+def test_a_stream_answered_with_a_json_body_is_an_error_that_carries_the_engines_words() -> None:
+    """Some servers and proxies answer a failed streamed request with a JSON error under a 200:
+    the gateway had begun a stream and ended it with "ended before it was complete", losing the
+    engine's message. It is now an OpenAI-shaped 502 naming it, before any stream begins, and the
+    engine's capacity is released."""
+    error = {
+        "object": "error",
+        "message": "the model is warming up",
+        "type": "ServiceUnavailable",
+        "code": 503,
+    }
+
+    async def json_under_200(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=orjson.dumps(error), content_type="application/json")
+
+    with StubEngine(json_under_200) as engine, run_gateway(engines=[engine.entry("e0")]) as gw:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+        assert response.status_code == 502 and response.headers["content-type"].startswith("application/json")
+        assert "the model is warming up" in response.json()["error"]["message"]
+        assert response.json()["error"]["code"] == "upstream_failed"
+        assert gw.gateway.fleet.records["e0"].in_flight == 0
+        # a streamed request the engine answered whole: the same, not a stream cut short
+        error.clear()
+        error.update(orjson.loads(completion_body("whole")))
+        response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+        assert response.status_code == 502 and "without a stream" in response.json()["error"]["message"]
