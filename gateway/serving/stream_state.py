@@ -119,7 +119,7 @@ class StreamLedger:
         output). True when the slack trigger should be consulted now."""
         if not self.tracking:
             return False
-        if self.first_chunk is None:
+        if self.first_chunk is None and b"data:" in chunk:  # (not a keep-alive comment)
             self.first_chunk = chunk
         if any(delta in chunk for delta in _PARSED_DELTAS):
             self.blocked = "the engine parses this stream's output (reasoning or tool calls)"

@@ -325,3 +325,11 @@ async def test_a_ledger_reads_token_ids_and_the_end_of_json_written_with_spaces(
     ledger = StreamLedger()
     outcome, _, _, _ = await relay_on([*tokens, end, ENGINE_ERROR], ledger)
     assert ledger.tokens() == [5, 6, 7, 8] and ledger.finished
+
+
+async def test_a_comment_before_the_first_event_leaves_the_stream_resumable() -> None:
+    ledger = StreamLedger()
+    outcome, _, _, _ = await relay_on([b": ping\n\n", TOKEN_EVENT, ENGINE_ERROR], ledger)
+    assert isinstance(outcome, Cut) and ledger.tokens() == [5]
+    first = ledger.first_event()
+    assert first is not None and first["id"] == "c1"
