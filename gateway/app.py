@@ -46,7 +46,7 @@ from gateway.runtime import LoopLagProbe, export_gc_pauses
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.serving.disaggregated import DisaggregatedFlow
-from gateway.settings import Settings
+from gateway.settings import Settings, without_credentials
 from gateway.tracing import Tracing
 from policies.api import Role
 
@@ -273,15 +273,6 @@ def _dispatching(loop: DispatchLoop | None) -> bool:
     return loop is not None and loop.running
 
 
-def _display_url(url: str) -> str:
-    """``url`` without any user:password part (engine URLs may carry credentials)."""
-    scheme, sep, rest = url.partition("://")
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    return f"{scheme}{sep}{netloc}{slash}{path}"
-
-
 def build_api(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -380,7 +371,7 @@ def build_api(gateway: Gateway) -> FastAPI:
             out.append(
                 {
                     "id": r.engine_id,
-                    "url": _display_url(r.adapter.base_url),
+                    "url": without_credentials(r.adapter.base_url),
                     "kind": r.adapter.kind,
                     "model": r.model,
                     "role": r.adapter.role.value,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,27 @@ KvTransfer = Literal["nixl", "bootstrap", "shared"]
 SECRET_FIELDS = frozenset(
     {"api_keys", "admin_api_keys", "api_key_policies", "api_key_tasks", "api_key_tenants", "otlp_headers"}
 )
+
+
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s'\"]*@")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the ``user:password@`` part of every URL in it replaced by ``***@`` (engine
+    and OTLP URLs may carry credentials; the admin API and error messages show them so)."""
+    return _URL_CREDENTIALS.sub("***@", text)
+
+
+def _without_userinfo(value: str) -> str:
+    """A rejected URL-like value without what precedes an ``@`` in its authority (a URL without
+    its scheme still carries ``user:password@``)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        scheme, rest = "", value
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{authority}{slash}{path}"
 
 
 def key_fingerprint(key: str) -> str:
@@ -615,16 +637,20 @@ def _safe_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
 
 
 def describe_error(exc: ValidationError | ValueError | OSError | yaml.YAMLError) -> str:
-    """One line saying which key is wrong and why (first error only); API keys are never shown."""
+    """One line saying which key is wrong and why (first error only); API keys and the passwords
+    of URLs are never shown."""
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in _safe_loc(loc)) or "settings"
         shown = "input" in err and isinstance(err["input"], str | int | float | bool | None)
-        value = f" (got {err['input']!r})" if shown and not _is_secret(loc) else ""
+        given = (
+            _without_userinfo(err["input"]) if shown and isinstance(err["input"], str) else err.get("input")
+        )
+        value = f" (got {given!r})" if shown and not _is_secret(loc) else ""
         more = f" [+{exc.error_count() - 1} more]" if exc.error_count() > 1 else ""
-        return f"{key}: {err['msg']}{value}{more}"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return without_credentials(f"{key}: {err['msg']}{value}{more}")
+    return without_credentials(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
 
 
 def load_settings_or_exit(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -243,6 +244,26 @@ def test_engine_key_env_errors(
     assert fragment in message, message
     for secret in ("sk-x", "sk-y", "sk bad"):
         assert secret not in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://vllm:s3cr3t-PASSWORD@10.0.0.5:800000",  # a bad port
+        "http://vllm:s3cr3t-PASSWORD@10.0.0.5:8000/v1",  # the API path given
+        "vllm:s3cr3t-PASSWORD@10.0.0.5:8000",  # no scheme
+    ],
+)
+def test_a_bad_engine_url_is_reported_without_its_password(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error printed the whole URL, password included (the admin API hides it)."""
+    with pytest.raises(ValidationError) as info:
+        load_settings(engines=[{"url": url, "model": "m"}])
+    message = describe_error(info.value)
+    assert "s3cr3t-PASSWORD" not in message and "engines.0.url" in message, message
+    monkeypatch.setenv("SLOGATE_ENGINES", orjson.dumps([{"url": url, "model": "m"}]).decode())
+    with pytest.raises(ValidationError) as info:
+        load_settings()
+    assert "s3cr3t-PASSWORD" not in describe_error(info.value)
 
 
 def test_a_key_whose_task_names_no_class_is_refused_at_startup() -> None:
