@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway import metrics
 from gateway.api.auth import Authenticator, AuthError
@@ -247,6 +248,35 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
+#: the largest body an admin route reads (they take a few fields)
+ADMIN_BODY_BYTES = 64 * 1024
+
+
+async def _small_body(request: Request, timeout_s: float) -> bytes:
+    """An admin request's body, within ``timeout_s`` and ADMIN_BODY_BYTES (a client that stops
+    sending it held the handler and its connection for good)."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > ADMIN_BODY_BYTES:
+                    raise GatewayError(
+                        413, f"request body exceeds {ADMIN_BODY_BYTES} bytes", code="request_too_large"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        error = GatewayError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout"
+        )
+        error.extra_headers = ((b"connection", b"close"),)  # (the rest would be read as a request)
+        raise error from None
+    except ClientDisconnect:
+        raise GatewayError(400, "the client left before its request body arrived") from None
+    return b"".join(chunks)
+
+
 def _error_response(error: GatewayError) -> Response:
     headers = {k.decode(): v.decode() for k, v in error.headers() if k != b"content-type"}
     return _json(error.payload(), error.status, headers)
@@ -288,14 +318,28 @@ def build_api(gateway: Gateway) -> FastAPI:
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error_response(GatewayError(exc.status_code, str(exc.detail)))
+        error = GatewayError(exc.status_code, str(exc.detail))
+        # (a 405's Allow header, naming the methods the route takes)
+        error.extra_headers = tuple((k.encode(), v.encode()) for k, v in (exc.headers or {}).items())
+        return _error_response(error)
+
+    def get(path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A GET route that answers HEAD as well (a load balancer's or monitor's probe); the
+        schema lists the GET only (one operation per route)."""
+
+        def register(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+            routed = api.get(path)(endpoint)  # (first: a 405 names the methods of the first match)
+            api.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+            return routed
+
+        return register
 
     def fleet() -> Fleet:
         if gateway.fleet is None:
             raise StarletteHTTPException(503, "gateway is starting")
         return gateway.fleet
 
-    @api.get("/v1/models")
+    @get("/v1/models")
     async def models() -> Response:
         created = int(gateway.started_at)
         f = fleet()
@@ -310,11 +354,27 @@ def build_api(gateway: Gateway) -> FastAPI:
         )
         return _json({"object": "list", "data": data})
 
-    @api.get("/health")
+    @get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        """One served model, or a LoRA adapter an engine has loaded, as ``/v1/models`` lists it
+        (the SDK's ``models.retrieve``)."""
+        f = fleet()
+        created = int(gateway.started_at)
+        card: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "slogate"}
+        if model in f.models():
+            return _json(card)
+        base = f.adapter_bases.get(model)
+        if base is not None:
+            return _json({**card, "parent": base})
+        return _error_response(
+            GatewayError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+        )
+
+    @get("/health")
     async def health() -> Response:
         return _json({"status": "ok"})
 
-    @api.get("/ready")
+    @get("/ready")
     async def ready(request: Request) -> Response:
         """Readiness of this process: started, its dispatch loop running, and at least one model
         with a healthy engine. A model with none is listed in ``unroutable`` but does not take
@@ -342,17 +402,17 @@ def build_api(gateway: Gateway) -> FastAPI:
             return _error_response(GatewayError(503, f"not ready: {reason}", code="not_ready"))
         return _json({"status": "ready", "models": models, "unroutable": unroutable})
 
-    @api.get("/metrics")
+    @get("/metrics")
     async def prometheus() -> Response:
         if gateway.prefix is not None:
             gateway.prefix.observe()
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @api.get("/dashboard")
+    @get("/dashboard")
     async def dashboard() -> Response:
         return Response(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
-    @api.get("/dashboard/state")
+    @get("/dashboard/state")
     async def dashboard_data(request: Request) -> Response:
         try:
             limit = parse_state_query(request.query_params, gateway.settings.dashboard_decisions)
@@ -361,7 +421,7 @@ def build_api(gateway: Gateway) -> FastAPI:
             return _error_response(error)
         return _json(state, headers={"cache-control": "no-store"})
 
-    @api.get("/admin/engines")
+    @get("/admin/engines")
     async def engines() -> Response:
         out: list[dict[str, Any]] = []
         f = fleet()
@@ -400,7 +460,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     404, f"no engine {engine_id!r}", param="engine_id", code="engine_not_found"
                 )
             try:
-                body = orjson.loads(await request.body())
+                body = orjson.loads(await _small_body(request, gateway.settings.body_timeout_s))
             except orjson.JSONDecodeError:
                 body = None
             role = body.get("role") if isinstance(body, dict) else None

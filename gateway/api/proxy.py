@@ -157,7 +157,18 @@ class Proxy:
                 span = tracing.start_request(kind, scope["path"], headers, span_start)
             policy = identity.policy
             if scope["method"] != "POST":
-                raise GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
+                refused = GatewayError(405, f"{scope['path']} accepts POST only", code="method_not_allowed")
+                refused.extra_headers = ((b"allow", b"POST"),)
+                raise refused
+            encoding = headers.get(b"content-encoding")
+            if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+                # (read as JSON, a gzip body was "not valid UTF-8")
+                raise GatewayError(
+                    415,
+                    "request bodies are read as they come: a compressed body (Content-Encoding "
+                    f"{encoding.decode(errors='replace')[:40]!r}) is not supported",
+                    code="unsupported_media_type",
+                )
             declared = headers.get(b"content-length")
             limit = self.settings.max_body_bytes
             if declared is not None and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):

@@ -39,6 +39,45 @@ def test_models_lists_the_fleet(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_models_retrieve_finds_a_served_model_and_names_one_that_is_not(client: openai.OpenAI) -> None:
+    """``models.retrieve`` got a bare 404 "Not Found" for the model the gateway serves: an SDK
+    user reads that as "no such model"."""
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model")
+    assert missing.value.body["code"] == "model_not_found" and "no-such/model" in missing.value.message  # type: ignore[index]
+
+
+def test_every_get_route_answers_head_and_a_405_names_the_allowed_methods(gw: RunningGateway) -> None:
+    """HEAD got a 405 wherever GET worked (a monitor's or load balancer's probe), and no 405
+    said which methods the route takes."""
+    for path in ("/health", "/ready", "/v1/models", f"/v1/models/{MODEL}", "/metrics"):
+        head = httpx.head(gw.url + path)
+        assert head.status_code == 200 and head.content == b"", path
+    refused = httpx.get(gw.url + "/v1/chat/completions")
+    assert refused.status_code == 405 and refused.headers["allow"] == "POST"
+    assert refused.json()["error"]["code"] == "method_not_allowed"
+    posted = httpx.post(gw.url + "/health")
+    assert posted.status_code == 405 and "GET" in posted.headers["allow"]
+    assert set(posted.json()["error"]) >= {"message", "type"}
+
+
+def test_a_compressed_request_body_is_a_415_that_says_so(gw: RunningGateway) -> None:
+    """Read as JSON, a gzip body got a 400 "not valid UTF-8"."""
+    import gzip
+
+    import orjson
+
+    body = gzip.compress(orjson.dumps({"model": MODEL, "messages": MESSAGES}))
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 415 and "gzip" in r.json()["error"]["message"]
+
+
 def test_chat_non_stream_and_stream_give_the_same_text(client: openai.OpenAI) -> None:
     plain = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}

@@ -503,17 +503,22 @@ def _max_send_buffer() -> int:
         return 4 << 20
 
 
-def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(sim_engine: ChildProcess) -> None:
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/admin/engines/e0/role"])
+def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(
+    sim_engine: ChildProcess, path: str
+) -> None:
     """A client that declares a body and stops sending it held its handler and connection for
-    good: nothing bounded the body read."""
-    with run_gateway(engines=[engine_entry(sim_engine)], body_timeout_s=0.5, **QUIET_MONITOR) as gw:
+    good: nothing bounded the body read (the admin role route's neither, after the data routes')."""
+    settings = {"body_timeout_s": 0.5, "admin_api_keys": ["sk-admin"], **QUIET_MONITOR}
+    with run_gateway(engines=[engine_entry(sim_engine, name="e0")], **settings) as gw:
         host, port = gw.url.removeprefix("http://").split(":")
         with socket.socket() as client:
             client.settimeout(10)
             client.connect((host, int(port)))
             client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b'Content-Length: 100\r\n\r\n{"model":'
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+                + b"Authorization: Bearer sk-admin\r\n"
+                + b'Content-Length: 100\r\n\r\n{"model":'
             )
             started = time.monotonic()
             answer = b""
