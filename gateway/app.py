@@ -358,6 +358,9 @@ def build_api(gateway: Gateway) -> FastAPI:
     async def model(model: str) -> Response:
         """One served model, or a LoRA adapter an engine has loaded, as ``/v1/models`` lists it
         (the SDK's ``models.retrieve``)."""
+        if not model:  # (/v1/models/: the list)
+            listed: Response = await models()
+            return listed
         f = fleet()
         created = int(gateway.started_at)
         card: dict[str, Any] = {"id": model, "object": "model", "created": created, "owned_by": "slogate"}

@@ -41,7 +41,8 @@ SECRET_FIELDS = frozenset(
 )
 
 
-_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s'\"]*@")
+#: from a scheme to the last ``@`` before the next blank or quote (a password may hold ``/`` or ``@``)
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^\s'\"]*@")
 
 
 def without_credentials(text: str) -> str:
@@ -51,15 +52,14 @@ def without_credentials(text: str) -> str:
 
 
 def _without_userinfo(value: str) -> str:
-    """A rejected URL-like value without what precedes an ``@`` in its authority (a URL without
-    its scheme still carries ``user:password@``)."""
+    """A rejected URL-like value without what precedes its last ``@`` (a URL without its scheme
+    still carries ``user:password@``)."""
     scheme, sep, rest = value.partition("://")
     if not sep:
         scheme, rest = "", value
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = "***@" + authority.rsplit("@", 1)[1]
-    return f"{scheme}{sep}{authority}{slash}{path}"
+    if "@" in rest:  # (up to the last one: a password may hold "/" or "@")
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
 
 
 def key_fingerprint(key: str) -> str:

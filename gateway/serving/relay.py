@@ -212,12 +212,12 @@ async def relay_stream(
                     or complete[:1] == b":"
                     or b"\n:" in complete  # (a comment line: no data line starts with a colon)
                 ):
-                    complete, done, n, content, failed_at, comments = _final_events(call, complete, sep)
+                    complete, done, n, content, failed_at = _final_events(call, complete, sep)
                 else:
                     n = content = complete.count(sep)
-                    comments = 0
-                # (an error is no first token, nor is a keep-alive comment)
-                if not call.first_at and failed_at != 0 and n > comments:
+                # (an error is no first token, nor is a keep-alive comment; an empty answer's
+                # [DONE] is where its first token would have been)
+                if not call.first_at and (content or (done and failed_at < 0)):
                     call.first_at = now
                     fleet.mark_prefilled(engine_id, call.rid)
                     metrics.child(metrics.TTFT, request.model, call.target.slo_class).observe(
@@ -225,7 +225,9 @@ async def relay_stream(
                     )
                     if call.upstream_span is not None:
                         call.upstream_span.add_event(EVENT_FIRST_TOKEN)
-                if now - rearmed_at > rearm_every:
+                if call.first_at and now - rearmed_at > rearm_every:
+                    # (from the first token on: a keep-alive comment before it does not end the
+                    # first-token limit)
                     # moved at most every quarter of the limit (<= 0.25 s), since this runs per
                     # chunk; the quarter is added so a silence is cut late, never early
                     deadline.reschedule(clock() + idle_s + rearm_every)
@@ -324,17 +326,17 @@ class _Oversized(Exception):
     pass
 
 
-def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int, int]:
+def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:
     """Read usage from the final chunk; drop the usage-only event if the client did not ask, and
     whatever follows ``[DONE]``.
 
     Returns the bytes to relay, whether ``[DONE]`` came, the events relayed, how many of them
-    carry content (neither ``[DONE]`` nor usage only nor an error nor a comment), where in the
-    bytes the first error event begins (-1: none), and how many are comments.
+    carry content (neither ``[DONE]`` nor usage only nor an error nor a comment), and where in
+    the bytes the first error event begins (-1: none).
     """
     done = False
     kept: list[bytes] = []
-    content = comments = 0
+    content = 0
     failed_at = -1
     for event in complete.split(sep)[:-1]:
         payload = sse_data(event)
@@ -344,7 +346,6 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
             break  # (the end of the stream: what an engine sends after it is not relayed)
         if event[:1] == b":" and _is_comment(event):
             kept.append(event + sep)  # a keep-alive comment: relayed, no output
-            comments += 1
             continue
         if b'"error"' in payload and _is_error(payload):
             if failed_at < 0:
@@ -362,7 +363,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         else:
             content += 1
         kept.append(event + sep)
-    return b"".join(kept), done, len(kept), content, failed_at, comments
+    return b"".join(kept), done, len(kept), content, failed_at
 
 
 def _is_comment(event: bytes) -> bool:

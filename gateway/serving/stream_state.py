@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 
 _TOKEN_IDS = b'"token_ids":['
 _FINISHED = b'"finish_reason":"'
-_NOT_FINISHED = b'"finish_reason":null'
+_FINISH_KEY = b'"finish_reason":'
 #: deltas a chat server parses out of the output (a reasoning parser; tool calls): a resumed
 #: stream is plain completions of the token ids and would carry them as text
 _PARSED_DELTAS = (b'"reasoning_content":"', b'"reasoning":"', b'"tool_calls":[{')
+_PARSED_KEYS = ("reasoning_content", "reasoning", "tool_calls")
+_PARSED = "the engine parses this stream's output (reasoning or tool calls)"
 #: how long after a slack check that did not move the stream the next one may come
 SLACK_RECHECK_S = 0.25
 
@@ -122,16 +124,16 @@ class StreamLedger:
         if self.first_chunk is None and b"data:" in chunk:  # (not a keep-alive comment)
             self.first_chunk = chunk
         if any(delta in chunk for delta in _PARSED_DELTAS):
-            self.blocked = "the engine parses this stream's output (reasoning or tool calls)"
+            self.blocked = _PARSED
             self.tracking = False
             return False
-        count = chunk.count
-        if count(b'"token_ids"') != count(_TOKEN_IDS) or count(b'"finish_reason"') != count(
-            _FINISHED
-        ) + count(_NOT_FINISHED):
+        if (_TOKEN_IDS not in chunk and b'"token_ids"' in chunk) or (
+            _FINISH_KEY not in chunk and b'"finish_reason"' in chunk
+        ):
             # JSON with spaces (a server or proxy that pretty-prints): the byte search would miss
             # the ids, and a resumed stream would repeat them
-            self._feed_decoded(chunk)
+            if self._feed_decoded(chunk):
+                return False
         else:
             find = chunk.find
             at = find(_TOKEN_IDS)
@@ -147,8 +149,9 @@ class StreamLedger:
                 self.finished = True
         return self.tick(content, now) if content and not self.finished else False
 
-    def _feed_decoded(self, chunk: bytes) -> None:
-        """:meth:`feed`'s reading of ids and finish reasons, decoding each event."""
+    def _feed_decoded(self, chunk: bytes) -> bool:
+        """:meth:`feed`'s reading of ids and finish reasons, decoding each event; True when the
+        stream turns out not to be resumable (its output parsed into reasoning or tool calls)."""
         for line in chunk.splitlines():
             payload = sse_data(line)
             if not payload.startswith(b"{"):
@@ -161,11 +164,17 @@ class StreamLedger:
             for choice in choices if isinstance(choices, list) else ():
                 if not isinstance(choice, dict):
                     continue
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and any(delta.get(k) for k in _PARSED_KEYS):
+                    self.blocked = _PARSED
+                    self.tracking = False
+                    return True
                 ids = choice.get("token_ids")
                 if isinstance(ids, list) and ids:
                     self.id_slices.append(orjson.dumps(ids)[1:-1])
                 if choice.get("finish_reason") is not None:
                     self.finished = True
+        return False
 
     def extend(self, ids: list[int]) -> None:
         """Token ids of a resumed stream's chunk (already decoded by the migration relay)."""

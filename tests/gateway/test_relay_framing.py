@@ -333,3 +333,64 @@ async def test_a_comment_before_the_first_event_leaves_the_stream_resumable() ->
     assert isinstance(outcome, Cut) and ledger.tokens() == [5]
     first = ledger.first_event()
     assert first is not None and first["id"] == "c1"
+
+
+async def test_an_error_after_a_comment_is_no_first_token_and_comments_mixed_with_data_are_read() -> None:
+    """An error event sharing a read with a comment before it was taken as the first token; an
+    event whose data follows a comment line (``: ping\\ndata: ...``) was relayed as content: an
+    error in it went unseen, a [DONE] in it was missed (a gateway error event followed)."""
+    ping = b": ping\n\n"
+    ledger = StreamLedger()
+    outcome, _, call, _ = await relay_on([ping + ENGINE_ERROR], ledger)
+    assert isinstance(outcome, Cut) and not call.first_at
+    mixed_error = b": ping\n" + ENGINE_ERROR
+    outcome, _, call, _ = await relay_on([TOKEN_EVENT, mixed_error], StreamLedger())
+    assert isinstance(outcome, Cut) and outcome.error is not None
+    status, out, call = await relay([content("a"), b": ping\ndata: [DONE]\n\n"])
+    assert status == 200 and b'"error"' not in out and call.content_events == 1
+
+
+async def test_a_comment_before_the_first_token_leaves_the_first_token_limit_in_force() -> None:
+    """Every chunk moved the deadline to the idle limit: a ping before the first token cut the
+    first-token limit down to the idle limit."""
+    import asyncio
+
+    class Paced(_Content):
+        async def readany(self) -> bytes:
+            chunk = await super().readany()
+            if chunk == TOKEN_EVENT:
+                await asyncio.sleep(0.3)  # past the idle limit, within the first-token limit
+            return chunk
+
+    body = {"model": "a", "prompt": "hi", "stream": True}
+    fleet = offline_fleet({"a": 1})
+    record = fleet.records["a-0"]
+    entry = RunningEntry(3, 16, 1.0, 0.0)
+    fleet.reserve("a-0", "sg-1", entry)
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    call = Call(
+        parse_request("completions", orjson.dumps(body), 16), "sg-1", "c", 0.0, send, TARGET, None, (), {}
+    )
+    call.engine_id, call.entry = "a-0", entry
+    response = _Response([])
+    response.content = Paced([b": ping\n\n", TOKEN_EVENT, b"data: [DONE]\n\n"])
+    first_token_at = asyncio.get_running_loop().time() + 2.0
+    outcome = await relay_stream(
+        call, cast(aiohttp.ClientResponse, response), fleet, record, first_token_at, 0.1, None
+    )
+    assert outcome == 200 and b"".join(sent).endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stream_whose_spaced_json_carries_reasoning_is_not_resumable() -> None:
+    """Resumed as plain completions, reasoning or tool calls would come back as text: the byte
+    search that blocks such streams missed them in JSON written with spaces."""
+    first = {"id": "c1", "created": 1, "model": "a", "prompt_token_ids": [1, 2]}
+    delta = {"index": 0, "delta": {"reasoning_content": "hmm"}, "token_ids": [5], "finish_reason": None}
+    ledger = StreamLedger()
+    await relay_on([spaced({**first, "choices": [delta]}), ENGINE_ERROR], ledger)
+    assert ledger.blocked and not ledger.tracking

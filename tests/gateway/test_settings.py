@@ -252,6 +252,8 @@ def test_engine_key_env_errors(
         "http://vllm:s3cr3t-PASSWORD@10.0.0.5:800000",  # a bad port
         "http://vllm:s3cr3t-PASSWORD@10.0.0.5:8000/v1",  # the API path given
         "vllm:s3cr3t-PASSWORD@10.0.0.5:8000",  # no scheme
+        "http://vllm:s3cr3t-PASSWORD/x@10.0.0.5:800000",  # a "/" in the password
+        "http://vllm:s3cr3t-PASSWORD@x@10.0.0.5:800000",  # an "@" in it
     ],
 )
 def test_a_bad_engine_url_is_reported_without_its_password(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
