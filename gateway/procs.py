@@ -25,7 +25,9 @@ _PR_SET_PDEATHSIG = 1
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """SIGTERM this process when the thread that started it ends (its parent died): a child
+    process of the gateway never outlives it (for subprocess preexec_fn and pool initializers)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -111,7 +113,7 @@ def spawn_listening(
         stderr=stderr,
         bufsize=0,  # read from the descriptor select() watches, not from a buffer it cannot see
         env={**os.environ, **(env or {})},
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         # a process group of its own: a terminal's Ctrl-C goes to this process alone, which stops
         # its children in order (`slogate up`: the gateway drains, then the engines stop). In the
         # terminal's group the engines got the same SIGINT at once and cut the streams draining.

@@ -8,11 +8,12 @@ Nothing reads the environment at import time.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -653,10 +654,40 @@ def describe_error(exc: ValidationError | ValueError | OSError | yaml.YAMLError)
     return without_credentials(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
 
 
+#: SLOGATE_* variables that are not gateway settings: the real-engine tier's, docker compose's
+OTHER_VARIABLES = frozenset({"SLOGATE_CACHE_DIR", "SLOGATE_REAL_ENGINES", "SLOGATE_BIND"})
+#: prefixes of SLOGATE_* variables an engine's ``api_key_env`` names (the Helm chart's, tests')
+OTHER_PREFIXES = ("SLOGATE_ENGINE_API_KEY_", "SLOGATE_TEST_")
+
+
+def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | None:
+    """The first ``SLOGATE_*`` variable that names no setting, with the setting it may mean. The
+    file refuses unknown keys, but the environment's were ignored without a word: a misspelt
+    ``SLOGATE_API_KEY`` left the gateway open to all."""
+    fields = {name.upper() for name in Settings.model_fields}
+    named = {engine.api_key_env for engine in settings.engines if engine.api_key_env}
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("SLOGATE_") or upper in OTHER_VARIABLES or name in named:
+            continue
+        if upper.startswith(OTHER_PREFIXES) or upper[8:].split("__", 1)[0] in fields:
+            continue
+        close = difflib.get_close_matches(upper[8:], sorted(fields), n=1)
+        hint = f" (did you mean SLOGATE_{close[0]}?)" if close else ""
+        return f"{name} names no setting{hint}"
+    return None
+
+
 def load_settings_or_exit(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """CLI helper: on a bad value print one line to stderr and exit with status 2."""
+    """CLI helper: on a bad value, or a ``SLOGATE_*`` variable that names no setting, print one
+    line to stderr and exit with status 2."""
     try:
-        return load_settings(config_file, **overrides)
+        settings = load_settings(config_file, **overrides)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
         print(f"slogate: invalid configuration: {describe_error(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+    unknown = unknown_variable(os.environ, settings)
+    if unknown is not None:
+        print(f"slogate: invalid configuration: {unknown}", file=sys.stderr)
+        raise SystemExit(2)
+    return settings

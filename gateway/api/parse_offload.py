@@ -19,6 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from gateway import metrics
 from gateway.api.request_parse import ParsedRequest, RouteKind, parse_request, parse_summary
+from gateway.procs import die_with_parent
 
 log = logging.getLogger("slogate.parse")
 
@@ -26,9 +27,11 @@ log = logging.getLogger("slogate.parse")
 MAX_DEATHS = 3
 
 
-def _ignore_sigint() -> None:
+def _worker_init() -> None:
     # Ctrl-C goes to the whole process group: the gateway shuts its worker down, quietly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # and a gateway killed outright (SIGKILL, the OOM killer) takes its worker with it
+    die_with_parent()
 
 
 class BodyParser:
@@ -69,7 +72,7 @@ class BodyParser:
             if pool is None:
                 # spawn, not fork: the gateway process runs threads (uvicorn, the tracer) and a loop
                 pool = self._pool = ProcessPoolExecutor(
-                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_ignore_sigint
+                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
                 )
             future = asyncio.get_running_loop().run_in_executor(
                 pool,

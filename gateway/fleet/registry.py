@@ -231,10 +231,14 @@ class Fleet:
         return {m for m, n in self._healthy_per_model.items() if n}
 
     def adapter_in_rotation(self, name: str) -> bool:
-        """Whether an engine in rotation (front pool) has LoRA adapter ``name`` loaded. O(engines
-        of its model); asked only for requests that name an adapter."""
-        base = self.adapter_bases.get(name)
-        return any(name in r.adapters and self.in_front(r) for r in self.engines_of.get(base or "", ()))
+        """Whether an engine in rotation (front pool) has LoRA adapter ``name`` loaded and, for a
+        model served disaggregated, a decode engine in rotation has it too (its requests decode
+        there: prefilled on an engine that has it, they got a decode engine's 404). O(engines of
+        its model); asked only for requests that name an adapter."""
+        base = self.adapter_bases.get(name) or ""
+        if not any(name in r.adapters and self.in_front(r) for r in self.engines_of.get(base, ())):
+            return False
+        return not self.has_prefill_pool(base) or any(name in e.adapters for e in self.decode_pool(base))
 
     def adapter_base(self, name: str) -> str | None:
         """The served model whose engines have LoRA adapter ``name`` loaded (None: no engine lists

@@ -61,6 +61,10 @@ class Call:
     #: the current attempt's engine began an answer that is no error (status below 400): it has
     #: taken up the request (a decode engine has read its KV); an error answer is a refusal
     upstream_answered: bool = False
+    #: the current attempt's request may have reached its engine though no answer came (the
+    #: connection failed after the request was written, or the answer's headers were late or
+    #: malformed): a decode engine may have read its KV, so the handover is not given to another
+    upstream_reached: bool = False
     first_at: float = 0.0
     last_at: float = 0.0
     content_events: int = 0

@@ -443,6 +443,8 @@ class CollocatedFlow:
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                     # Most often a pooled keep-alive connection the engine had already closed: try
                     # once more on this engine before calling it a failure (the monitor judges it).
+                    # (or the engine died holding the request: it may have been read)
+                    call.upstream_reached = True
                     metrics.UPSTREAM_RETRIES.labels("stale_connection" if not fresh else "cut").inc()
                     if not fresh:
                         continue
@@ -451,11 +453,13 @@ class CollocatedFlow:
                         502, f"engine {engine_id} closed the connection: {exc!r}", code="upstream_failed"
                     )
                 except TimeoutError:
+                    call.upstream_reached = True
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                     raise GatewayError(
                         504, f"engine {engine_id} did not answer in time", code="upstream_timeout"
                     ) from None
                 except aiohttp.ClientError as exc:
+                    call.upstream_reached = True
                     # a malformed answer (bad status line or headers): nothing reached the client,
                     # another engine may do
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "protocol").inc()
@@ -488,7 +492,7 @@ class CollocatedFlow:
         request = call.request
         engine_id = record.engine_id
         settings = self.settings
-        call.upstream_answered = False
+        call.upstream_answered = call.upstream_reached = False
         response = await self.post(call, record, url, payload, headers, headers_at)
         if isinstance(response, GatewayError):
             return response

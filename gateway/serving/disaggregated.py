@@ -400,8 +400,12 @@ class DisaggregatedFlow:
         overrides: dict[str, object],
         late: bool = False,
     ) -> int | GatewayError:
-        """Place the decode now and run it; another decode engine if one refuses before any
-        byte (the prefill engine keeps the KV for its lease). ``late``: the prefill's mark."""
+        """Place the decode now and run it; another decode engine if one refuses it (cannot be
+        reached, or answers an error status): the prefill engine keeps the KV for its lease.
+        Not when the request may have reached the engine unanswered (its connection cut once
+        written, a late or malformed answer): that engine may have read the KV, and another one
+        given the same handover would find none (a non-streamed request then got that engine's
+        400 "no KV held", blamed on the client). ``late``: the prefill's mark."""
         _prefill_engine_header(call, prefill.engine_id)
         outcome: int | GatewayError = self._no_decode_engine(call.request.model)
         for _ in range(self.settings.dispatch_attempts):
@@ -421,9 +425,10 @@ class DisaggregatedFlow:
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
-            if call.upstream_answered:
-                # it began its answer, so it has read the KV, which the prefill engine may have
-                # freed since: another decode engine given the same handover would read nothing
+            if call.upstream_answered or call.upstream_reached:
+                # it began its answer (or may have read the request), so it has read the KV,
+                # which the prefill engine may have freed since: another decode engine given the
+                # same handover would read nothing
                 return outcome
         return outcome
 

@@ -162,3 +162,48 @@ async def test_one_death_is_counted_once_however_many_bodies_were_queued() -> No
         assert parser._deaths <= 1 and not parser._disabled
     finally:
         parser.close()
+
+
+def test_a_gateway_killed_outright_takes_its_parse_worker_with_it() -> None:
+    """Killed with SIGKILL (or by the OOM killer), the gateway left its parse worker running for
+    good, adopted by init: nothing told it its parent was gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import asyncio, os, sys\n"
+        "from gateway.api.parse_offload import BodyParser\n"
+        "async def main():\n"
+        "    parser = BodyParser(threshold=1024, default_max_tokens=16)\n"
+        '    raw = b\'{"model": "m", "prompt": "\' + b\'a\' * 4096 + b\'"}\'\n'
+        "    await parser.parse('completions', raw)\n"
+        "    print(*parser._pool._processes, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        workers = [int(pid) for pid in proc.stdout.readline().split()]
+        assert workers and all(os.path.exists(f"/proc/{pid}") for pid in workers)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().split(") ", 1)[1][:1] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:  # (never leave one behind, whatever the outcome)
+        os.kill(pid, signal.SIGKILL)
+    assert not left

@@ -426,3 +426,78 @@ def test_a_request_served_whole_on_a_decode_engine_is_a_dashboard_decision(
     engines = [d.get("engine") for d in after["decisions"]]
     assert len(after["decisions"]) == len(before["decisions"]) + 1
     assert served.headers["x-slogate-engine"] in engines
+
+
+def test_a_non_streamed_decode_that_dies_holding_its_kv_is_a_502_not_the_next_engines_400(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """A non-streamed decode engine sends its headers only with its whole answer: one that took
+    the request (and pulled the KV) and died looked like one that never took it, so the same
+    handover went to the other decode engine, which found no KV and answered 400 "no KV held".
+    The client got that 400 as its own mistake, and the request was not counted. Now a 502,
+    counted as an error, and the other engine is never given the handover."""
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="dx") as dx,
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="dy") as dy,
+    ):
+        engines = [
+            engine_entry(fleet["p0"], role="prefill", kv_transfer="nixl"),
+            engine_entry(dx, role="decode"),
+            engine_entry(dy, role="decode"),
+        ]
+        with run_gateway(engines=engines, routing_profile=str(profile(tmp_path, "always"))) as gw:
+            for engine in (dx, dy):  # whichever takes the decode holds it
+                httpx.post(engine.url + "/sim/fault", json={"mode": "hang"}).raise_for_status()
+            errors_before = _slo_count(gw, "error")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 40}
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(httpx.post, gw.url + "/v1/chat/completions", json=body, timeout=60)
+                assert wait_until(lambda: running(dx) + running(dy) > 0, timeout=20)
+                victim, survivor = (dx, dy) if running(dx) else (dy, dx)
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                victim.proc.wait(10)
+                # (a handover given to the survivor now would be served: it must not be given)
+                httpx.post(survivor.url + "/sim/fault", json={"clear": True}).raise_for_status()
+                response = answer.result(timeout=60)
+            assert response.status_code == 502, response.text
+            assert response.json()["error"]["type"] == "upstream_error"
+            assert requests_served(survivor) == 0 and running(survivor) == 0
+            assert wait_until(lambda: _slo_count(gw, "error") == errors_before + 1)
+            assert wait_until(lambda: all(r.in_flight == 0 for r in gw.gateway.fleet.records.values()))
+
+
+def _slo_count(gw: RunningGateway, outcome: str) -> float:
+    text = httpx.get(gw.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("slogate_slo_requests_total{") and f'outcome="{outcome}"' in line
+    )
+
+
+def test_an_adapter_no_decode_engine_has_is_refused_before_its_prefill(tmp_path: Path) -> None:
+    """Loaded on the prefill engine only, a LoRA adapter's request was prefilled for nothing and
+    then answered 404 "does not exist" by a decode engine without it, which clients take as
+    final. Refused up front instead, with a 503 and Retry-After, as for an adapter whose engines
+    are all out of rotation; with the adapter on the decode engine too it is served."""
+    path = profile(tmp_path, "always")
+    path.write_text(path.read_text().replace("filters: []", "filters:\n  - name: lora_affinity"))
+    lora = ("--lora-modules", "sql=/adapters/sql")
+    for decode_has in (False, True):
+        with (
+            spawn_sim_engine(*SIM_ARGS, *lora, "--role", "prefill", name="lp") as prefill,
+            spawn_sim_engine(
+                *SIM_ARGS, *(lora if decode_has else ()), "--role", "decode", name="ld"
+            ) as decode,
+        ):
+            engines = [engine_entry(prefill, role="prefill"), engine_entry(decode, role="decode")]
+            with run_gateway(engines=engines, routing_profile=str(path), monitor_interval_s=0.2) as gw:
+                assert wait_until(lambda: "sql" in gw.gateway.fleet.adapter_bases, timeout=10)
+                before = requests_served(prefill)
+                body = {"model": "sql", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8}
+                response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+                if decode_has:
+                    assert response.status_code == 200, response.text
+                else:
+                    assert response.status_code == 503 and "retry-after" in response.headers, response.text
+                    assert requests_served(prefill) == before  # (no prefill for nothing)

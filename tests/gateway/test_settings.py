@@ -68,6 +68,50 @@ def test_cli_exits_2_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "port" in lines[0] and "integer" in lines[0], proc.stderr
 
 
+def test_a_misspelt_variable_exits_2_naming_it_not_its_value() -> None:
+    """The file refuses unknown keys, but a misspelt SLOGATE_API_KEY was ignored without a word:
+    the gateway started open to all."""
+    import os
+
+    env = {**os.environ, "SLOGATE_API_KEY": '["sk-team-secret"]', "SLOGATE_CACHE_DIR": "/tmp/x"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SLOGATE_API_KEY names no setting" in lines[0], proc.stderr
+    assert "SLOGATE_API_KEYS?" in lines[0] and "sk-team-secret" not in proc.stderr
+
+
+def test_variables_of_other_tools_and_of_engine_keys_are_not_settings_and_are_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.settings import unknown_variable
+
+    monkeypatch.setenv("SLOGATE_MY_ENGINE_KEY", "sk-engine")
+    settings = load_settings(
+        engines=[{"url": "http://e:8000", "model": "m", "api_key_env": "SLOGATE_MY_ENGINE_KEY"}]
+    )
+    allowed = {
+        "SLOGATE_CACHE_DIR": "/x",
+        "SLOGATE_REAL_ENGINES": "0",
+        "SLOGATE_BIND": "0.0.0.0",
+        "SLOGATE_ENGINE_API_KEY_0": "k",
+        "SLOGATE_MY_ENGINE_KEY": "k",  # (named by an engine's api_key_env)
+        "SLOGATE_MONITOR_INTERVAL_S": "1",
+        "SLOGATE_OTLP_HEADERS__authorization": "x",
+        "OTHER": "1",
+    }
+    assert unknown_variable(allowed, settings) is None
+    assert unknown_variable({**allowed, "SLOGATE_MONITOR_INTERVAL": "1"}, settings) == (
+        "SLOGATE_MONITOR_INTERVAL names no setting (did you mean SLOGATE_MONITOR_INTERVAL_S?)"
+    )
+
+
 @pytest.mark.parametrize(
     ("profile_key", "edit", "fragment"),
     [
