@@ -658,6 +658,12 @@ def describe_error(exc: ValidationError | ValueError | OSError | yaml.YAMLError)
 OTHER_VARIABLES = frozenset({"SLOGATE_CACHE_DIR", "SLOGATE_REAL_ENGINES", "SLOGATE_BIND"})
 #: prefixes of SLOGATE_* variables an engine's ``api_key_env`` names (the Helm chart's, tests')
 OTHER_PREFIXES = ("SLOGATE_ENGINE_API_KEY_", "SLOGATE_TEST_")
+#: what Kubernetes puts in every pod for each Service (named slogate-... here) unless the pod
+#: turns service links off: SLOGATE_X_SERVICE_HOST, SLOGATE_X_SERVICE_PORT[_NAME],
+#: SLOGATE_X_PORT and SLOGATE_X_PORT_8000_TCP[_PROTO|_PORT|_ADDR]
+_SERVICE_LINK = re.compile(
+    r"SLOGATE(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)"
+)
 
 
 def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | None:
@@ -671,6 +677,8 @@ def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | No
         if not upper.startswith("SLOGATE_") or upper in OTHER_VARIABLES or name in named:
             continue
         if upper.startswith(OTHER_PREFIXES) or upper[8:].split("__", 1)[0] in fields:
+            continue
+        if _SERVICE_LINK.fullmatch(upper):
             continue
         close = difflib.get_close_matches(upper[8:], sorted(fields), n=1)
         hint = f" (did you mean SLOGATE_{close[0]}?)" if close else ""

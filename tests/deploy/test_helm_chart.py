@@ -240,6 +240,9 @@ def test_default_values_gateway_shape(helm: HelmCall) -> None:
         "topology.kubernetes.io/zone",
     }
     assert pod["securityContext"]["runAsNonRoot"] is True
+    # the Service's links (SLOGATE_SERVICE_HOST, SLOGATE_PORT=tcp://...) would land among the
+    # gateway's own SLOGATE_* settings
+    assert pod["enableServiceLinks"] is False
     (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]

@@ -105,6 +105,14 @@ def test_variables_of_other_tools_and_of_engine_keys_are_not_settings_and_are_al
         "SLOGATE_MONITOR_INTERVAL_S": "1",
         "SLOGATE_OTLP_HEADERS__authorization": "x",
         "OTHER": "1",
+        # Kubernetes' service links for Services named slogate and slogate-engine-0
+        "SLOGATE_SERVICE_HOST": "10.0.0.1",
+        "SLOGATE_SERVICE_PORT": "8000",
+        "SLOGATE_SERVICE_PORT_HTTP": "8000",
+        "SLOGATE_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+        "SLOGATE_PORT_8000_TCP_ADDR": "10.0.0.1",
+        "SLOGATE_ENGINE_0_PORT": "tcp://10.0.0.2:8000",
+        "SLOGATE_ENGINE_0_PORT_8000_TCP_PROTO": "tcp",
     }
     assert unknown_variable(allowed, settings) is None
     assert unknown_variable({**allowed, "SLOGATE_MONITOR_INTERVAL": "1"}, settings) == (
