@@ -660,10 +660,13 @@ OTHER_VARIABLES = frozenset({"SLOGATE_CACHE_DIR", "SLOGATE_REAL_ENGINES", "SLOGA
 OTHER_PREFIXES = ("SLOGATE_ENGINE_API_KEY_", "SLOGATE_TEST_")
 #: what Kubernetes puts in every pod for each Service (named slogate-... here) unless the pod
 #: turns service links off: SLOGATE_X_SERVICE_HOST, SLOGATE_X_SERVICE_PORT[_NAME],
-#: SLOGATE_X_PORT and SLOGATE_X_PORT_8000_TCP[_PROTO|_PORT|_ADDR]
+#: SLOGATE_X_PORT_8000_TCP[_PROTO|_PORT|_ADDR], and SLOGATE_X_PORT=tcp://... (by its value: a
+#: misspelt SLOGATE_METRICS_PORT=9090 is no link)
 _SERVICE_LINK = re.compile(
-    r"SLOGATE(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)"
+    r"SLOGATE(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)"
 )
+_LINK_PORT = re.compile(r"SLOGATE_[A-Z0-9_]+_PORT")
+_LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://\S+")
 
 
 def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | None:
@@ -678,7 +681,9 @@ def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | No
             continue
         if upper.startswith(OTHER_PREFIXES) or upper[8:].split("__", 1)[0] in fields:
             continue
-        if _SERVICE_LINK.fullmatch(upper):
+        if _SERVICE_LINK.fullmatch(upper) or (
+            _LINK_PORT.fullmatch(upper) and _LINK_ADDRESS.fullmatch(environ[name])
+        ):
             continue
         close = difflib.get_close_matches(upper[8:], sorted(fields), n=1)
         hint = f" (did you mean SLOGATE_{close[0]}?)" if close else ""

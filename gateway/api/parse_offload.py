@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -27,11 +28,14 @@ log = logging.getLogger("slogate.parse")
 MAX_DEATHS = 3
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     # Ctrl-C goes to the whole process group: the gateway shuts its worker down, quietly
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # and a gateway killed outright (SIGKILL, the OOM killer) takes its worker with it
+    # and a gateway killed outright (SIGKILL, the OOM killer) takes its worker with it; one
+    # killed while the worker was still starting is gone already
     die_with_parent()
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 class BodyParser:
@@ -72,7 +76,10 @@ class BodyParser:
             if pool is None:
                 # spawn, not fork: the gateway process runs threads (uvicorn, the tracer) and a loop
                 pool = self._pool = ProcessPoolExecutor(
-                    1, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+                    1,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_worker_init,
+                    initargs=(os.getpid(),),
                 )
             future = asyncio.get_running_loop().run_in_executor(
                 pool,

@@ -231,14 +231,18 @@ class Fleet:
         return {m for m, n in self._healthy_per_model.items() if n}
 
     def adapter_in_rotation(self, name: str) -> bool:
-        """Whether an engine in rotation (front pool) has LoRA adapter ``name`` loaded and, for a
-        model served disaggregated, a decode engine in rotation has it too (its requests decode
-        there: prefilled on an engine that has it, they got a decode engine's 404). O(engines of
-        its model); asked only for requests that name an adapter."""
+        """Whether an engine in rotation (front pool) has LoRA adapter ``name`` loaded and, when
+        only prefill engines of a model served disaggregated have it, a decode engine in rotation
+        has it too (its requests decode there: prefilled on an engine that has it, they got a
+        decode engine's 404). O(engines of its model); asked only for requests that name an
+        adapter."""
         base = self.adapter_bases.get(name) or ""
-        if not any(name in r.adapters and self.in_front(r) for r in self.engines_of.get(base, ())):
+        holders = [r for r in self.engines_of.get(base, ()) if name in r.adapters and self.in_front(r)]
+        if not holders:
             return False
-        return not self.has_prefill_pool(base) or any(name in e.adapters for e in self.decode_pool(base))
+        if not self.has_prefill_pool(base) or any(r.adapter.role is Role.COLLOCATED for r in holders):
+            return True  # (a collocated engine that has it serves it whole)
+        return any(name in e.adapters for e in self.decode_pool(base))
 
     def adapter_base(self, name: str) -> str | None:
         """The served model whose engines have LoRA adapter ``name`` loaded (None: no engine lists

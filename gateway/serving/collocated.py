@@ -496,6 +496,8 @@ class CollocatedFlow:
         response = await self.post(call, record, url, payload, headers, headers_at)
         if isinstance(response, GatewayError):
             return response
+        # (an answer on a fresh connection after a stale pooled one: the stale one was not read)
+        call.upstream_reached = False
         call.upstream_answered = response.status < 400
         if up is not None:
             up.set_attribute("http.response.status_code", response.status)

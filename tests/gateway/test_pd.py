@@ -501,3 +501,20 @@ def test_an_adapter_no_decode_engine_has_is_refused_before_its_prefill(tmp_path:
                 else:
                     assert response.status_code == 503 and "retry-after" in response.headers, response.text
                     assert requests_served(prefill) == before  # (no prefill for nothing)
+    # a collocated engine that has the adapter serves its requests whole: not refused for want
+    # of a decode engine that has it
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="lp") as prefill,
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="ld") as decode,
+        spawn_sim_engine(*SIM_ARGS, *lora, name="lc") as collocated,
+    ):
+        engines = [
+            engine_entry(prefill, role="prefill"),
+            engine_entry(decode, role="decode"),
+            engine_entry(collocated),
+        ]
+        with run_gateway(engines=engines, routing_profile=str(path), monitor_interval_s=0.2) as gw:
+            assert wait_until(lambda: "sql" in gw.gateway.fleet.adapter_bases, timeout=10)
+            body = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+            response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+            assert response.status_code == 200 and response.headers["x-slogate-engine"] == "lc", response.text

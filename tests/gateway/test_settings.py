@@ -118,6 +118,9 @@ def test_variables_of_other_tools_and_of_engine_keys_are_not_settings_and_are_al
     assert unknown_variable({**allowed, "SLOGATE_MONITOR_INTERVAL": "1"}, settings) == (
         "SLOGATE_MONITOR_INTERVAL names no setting (did you mean SLOGATE_MONITOR_INTERVAL_S?)"
     )
+    # a *_PORT is a service link only by its value: a misspelt port setting is still refused
+    metrics_port = unknown_variable({**allowed, "SLOGATE_METRICS_PORT": "9090"}, settings)
+    assert metrics_port is not None and metrics_port.startswith("SLOGATE_METRICS_PORT names no setting")
 
 
 @pytest.mark.parametrize(
