@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.dispatch.window_min import WindowMax, WindowMin
-from gateway.dispatch.workers import HyperFlexisWorkers
+from gateway.dispatch.workers import MAX_NUM_SEQS, HyperFlexisWorkers
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.router import Router
 from policies.admission_queue import AdmissionQueue
@@ -479,10 +479,19 @@ class DispatchCore:
                 return own
         if at_once:
             self._enqueue(ticket, queue, now)  # no worker took it at once: it waits
-        # the ticket waits: the loop must run (other workers, the expiry timer) even if this
-        # call's own look found nothing
-        self.wake()
+        # the ticket waits for a worker's maturity or its expiry: the loop must run if either
+        # comes before its timer (under saturation each arrival woke a turn that took nothing)
+        if self._sooner(model):
+            self.wake()
         return None
+
+    def _sooner(self, model: str) -> bool:
+        """Whether the model's next maturity or queue expiry (what :meth:`next_wake` would arm)
+        comes before the time the driver's timer is armed for: a step must run (and re-arm)."""
+        queue = self.queues[model]
+        return self.workers.next_mature(model) - self.lag < self._due or (
+            len(queue) > 0 and queue.next_expiry() < self._due
+        )
 
     def _enqueue(self, ticket: Ticket, queue: AdmissionQueue, now: float) -> tuple[bool, float, OrderContext]:
         """Queue ``ticket`` (admitted already); returns whether a request was queued before it,
@@ -781,6 +790,8 @@ class DispatchCore:
                 assigned.entry.late = assignment.late
                 self.router.assigned(assigned.item.view, assignment.engine_id, now)
                 self._assign(assigned, self.fleet.records[assignment.engine_id], now)
+        # the least KV a queued request needs now (what the hold's end would find)
+        need = queue.min_need() if decision.prefill_s else 0
         for worker in looking:
             at = decision.maturity.get(worker.engine_id, worker.maturity)
             engine_id = worker.engine_id
@@ -805,10 +816,24 @@ class DispatchCore:
                 self.workers.park(model, worker.engine_id, full=worker.engine_id in decision.full)
             elif engine_id in decision.prefill_s:
                 self.workers.hold(
-                    model, engine_id, at, now, decision.prefill_s[engine_id], decision.budget_taken[engine_id]
+                    model,
+                    engine_id,
+                    at,
+                    now,
+                    decision.prefill_s[engine_id],
+                    decision.budget_taken[engine_id],
+                    full=self._full(self.fleet.records[engine_id], need),
                 )
             else:
                 self.workers.set(model, worker.engine_id, at)
+
+    def _full(self, record: EngineRecord, need: int) -> bool:
+        """Whether the engine, running what it just took, has no seat or no KV for a request
+        needing ``need`` (the queue's least): its turn would take nothing until an event on it."""
+        if len(record.running) >= (self.max_engine_load or MAX_NUM_SEQS):
+            return True
+        free_kv = record.free_kv_tokens()
+        return free_kv is not None and free_kv < need
 
     def _plan_demotions(self, model: str, queue: AdmissionQueue, now: float) -> bool:
         """Demote what each SLO band's drain cannot serve in time (Moore-Hodgson), and restore
@@ -1009,16 +1034,23 @@ class DispatchCore:
             # that engine may just have left rotation or unloaded it (only arrivals woke them)
             self.workers.unpark_all(model, -math.inf)
             self._dirty.add(model)
-        if hyperflexis and self.workers.on_engine_event(record, what):
-            # the prefills that just ended are timed now, not at the next arrival: here when the
-            # model has nothing queued (a step only for that was a loop turn per request in front
-            # of an idle fleet), else by the step the queue needs anyway
-            if self.clock is not None and not self.queued(model):
-                assert self.hyperflexis is not None
-                self.workers.shorten_holds(self.clock(), self.hyperflexis)
-            else:
+        if hyperflexis:
+            assert self.hyperflexis is not None
+            if self.workers.on_engine_event(record, what):
+                # the prefills that just ended are timed now, not at the next arrival or step (a
+                # step only for that was a loop turn per request)
+                if self.clock is None:
+                    self.wake()  # (the step times them)
+                else:
+                    self.workers.shorten_holds(self.clock(), self.hyperflexis)
+            # A turn is needed only if the event made a worker mature, or its hold end before
+            # the loop's timer: under saturation every completion, first token and scrape woke
+            # the loop for a turn that found the engine in a hold and took nothing.
+            if self.queued(model) and self._sooner(model):
+                self._dirty.add(model)
                 self.wake()
-        if not self.queued(model) or (what == "prefilled" and not hyperflexis):
+            return
+        if not self.queued(model) or what == "prefilled":
             return
         self._dirty.add(model)
         self.wake()

@@ -6,7 +6,10 @@ Every collocated engine has a maturity time (Algorithm 1's, on the core's clock)
   version per engine, so one live entry per engine ever exists);
 * ``inf``, *parked*: the engine took nothing and only an event can change that. Engines held back
   by slack may take the next arrivals (``_parked``, in the order they parked); engines that are
-  full (no seat or KV) wait for their own completions and scrapes.
+  full (no seat or KV) wait for their own completions and scrapes;
+* finite but without a timer: the engine took work and with it all the KV any queued request
+  could use (``_kv_wait``). Its hold's end would find it full, so it has no heap entry until its
+  own completion or scrape gives it one (at the same maturity).
 
 The rules for events are in :meth:`HyperFlexisWorkers.on_engine_event`. No clock, no I/O.
 """
@@ -26,6 +29,9 @@ from policies.latency_fit import Coeffs
 #: an engine whose prefills take under this fraction of the time predicted for them may take
 #: arrivals during its holds (:meth:`HyperFlexisWorkers.held`): its prior is slow, not the engine
 JOIN_BELOW_RATIO = 0.5
+#: the requests an engine runs at once when the profile sets no max_engine_load (vLLM's default
+#: --max-num-seqs)
+MAX_NUM_SEQS = 256
 
 
 class HyperFlexisWorkers:
@@ -57,6 +63,8 @@ class HyperFlexisWorkers:
         #: per engine, how long its last hold's prefills really took, as a fraction of the
         #: prediction (known when they all produced their first token within the hold)
         self.prefill_ratio: dict[str, float] = {}
+        #: engines in a hold whose timer waits for their own completion or scrape (module doc)
+        self._kv_wait: set[str] = set()
         for record in fleet.records.values():
             if record.adapter.role in FRONT_ROLES:
                 self.set(record.model, record.engine_id, 0.0)
@@ -65,23 +73,37 @@ class HyperFlexisWorkers:
     def models(self) -> Iterator[str]:
         return iter(self._heaps)
 
-    def set(self, model: str, engine_id: str, at: float) -> None:
-        """The one place a worker's maturity changes: one live heap entry per worker, ever."""
+    def set(self, model: str, engine_id: str, at: float, timer: bool = True) -> None:
+        """The one place a worker's maturity changes: one live heap entry per worker, ever
+        (none, with ``timer`` False, until its own event: see ``_kv_wait``)."""
         version = self._version.get(engine_id, 0) + 1
         self._version[engine_id] = version
         self.maturity[engine_id] = at
         self._holds.pop(engine_id, None)
         self._held[model].pop(engine_id, None)
+        self._kv_wait.discard(engine_id)
         if at != math.inf:
-            heapq.heappush(self._heaps[model], (at, version, engine_id))
+            if timer:
+                heapq.heappush(self._heaps[model], (at, version, engine_id))
+            else:
+                self._kv_wait.add(engine_id)
 
     def hold(
-        self, model: str, engine_id: str, at: float, turn_at: float, prefill_s: float, tokens: int = 0
+        self,
+        model: str,
+        engine_id: str,
+        at: float,
+        turn_at: float,
+        prefill_s: float,
+        tokens: int = 0,
+        full: bool = False,
     ) -> None:
         """``engine_id`` took work at ``turn_at`` and matures at ``at``, a hold that amortises a
         predicted prefill of ``prefill_s`` (``tokens`` prompt tokens to prefill, taken from the
-        turn's budget); it may end sooner (see :meth:`shorten_holds`)."""
-        self.set(model, engine_id, at)
+        turn's budget); it may end sooner (see :meth:`shorten_holds`). ``full``: it has no KV
+        left for any queued request, so its hold's end waits for its own completion or scrape
+        (under saturation the timer's turn found every such engine full: a turn a placement)."""
+        self.set(model, engine_id, at, timer=not full)
         if at > turn_at:
             if self.prefill_ratio.get(engine_id, 1.0) < JOIN_BELOW_RATIO:
                 self._held[model][engine_id] = tokens
@@ -130,7 +152,8 @@ class HyperFlexisWorkers:
             at = self.maturity[engine_id]
             sooner = shortened_maturity(held[0], at, held[1], now, params)
             if sooner < at:
-                self.set(self.fleet.records[engine_id].model, engine_id, sooner)
+                model = self.fleet.records[engine_id].model
+                self.set(model, engine_id, sooner, timer=engine_id not in self._kv_wait)
         self._prefilled.clear()
 
     def park(self, model: str, engine_id: str, full: bool) -> None:
@@ -257,6 +280,10 @@ class HyperFlexisWorkers:
                 self.unpark(model, engine_id, -math.inf)
             return False
         at = self.maturity[engine_id]
+        if engine_id in self._kv_wait and what in ("release", "state"):
+            # its KV may have freed: the hold's end gets its timer (the maturity stays)
+            self._kv_wait.discard(engine_id)
+            heapq.heappush(self._heaps[model], (at, self._version[engine_id], engine_id))
         full = at == math.inf and engine_id not in self._parked[model]
         if (at == math.inf and not (full and what == "prefilled")) or (
             what == "release" and not record.running and at > -math.inf
@@ -284,7 +311,7 @@ class HyperFlexisWorkers:
             prefill_coeffs=prefill,
             decode_coeffs=decode,
             free_kv_tokens=1 << 30 if free_kv is None else free_kv,
-            max_num_seqs=self.max_engine_load or 256,
+            max_num_seqs=self.max_engine_load or MAX_NUM_SEQS,
             maturity=maturity,
             load=load,
             adapters=record.adapters,

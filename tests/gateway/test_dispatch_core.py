@@ -484,8 +484,8 @@ def test_a_full_worker_whose_queue_emptied_takes_the_next_arrival() -> None:
     core.step(1.0)
     assert core.submit(ticket("r-2", now=1.0), 1.0) is not None
     assert core.submit(ticket("r-3", now=1.0), 1.0) is None
-    core.step(2.0)  # the worker is full: parked until its own events
-    assert core.workers.maturity["a-0"] == math.inf
+    core.step(2.0)  # the worker is full: no timer, it waits for its own events
+    assert core.next_wake(2.0) == 31.0  # (r-3's queue timeout)
     core.cancel("r-3", 2.0)
     fleet.release("a-0", "r-1")  # not idle (r-2 runs), and nothing queued at that moment
     assert core.submit(ticket("r-4", now=2.1), 2.1) is not None
@@ -852,7 +852,7 @@ def test_a_first_token_ending_a_holds_prefills_asks_the_driver_for_a_step_queue_
 def test_with_the_drivers_clock_an_idle_models_first_token_is_timed_without_a_step() -> None:
     """A driver that gives the core its clock gets no step for a first token when nothing is
     queued for the model (in front of an idle fleet that was a loop turn per request): the
-    prefill is timed at the event itself. With requests queued the step is asked for still."""
+    prefill is timed at the event itself. With requests queued a step is asked for still."""
     fleet = offline_fleet({"a": 1})
     core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=1)
     clock = [0.0]
@@ -869,12 +869,66 @@ def test_with_the_drivers_clock_an_idle_models_first_token_is_timed_without_a_st
     fleet.release("a-0", "r-0")
     assert core.submit(ticket("r-1", now=5.0), 5.0) is not None
     assert core.workers.prefill_ratio["a-0"] == ratio
-    # a hold ending while the model has a queue: the step that serves the queue times it
+    # a hold ending while the model has a queue: timed at the event too, and a step is asked
+    # for to serve the queue when the hold ends
     assert core.submit(ticket("r-2", now=5.0), 5.0) is None and core.queued() == 1
     wakes.clear()
     clock[0] = 5.001
     fleet.mark_prefilled("a-0", "r-1")
-    assert wakes
+    assert wakes and core.workers.prefill_ratio["a-0"] < 0.1
+
+
+def test_under_saturation_only_events_that_make_a_worker_mature_wake_the_loop() -> None:
+    """A worker in a hold looks at the hold's end, which the loop's timer stands for: an arrival
+    behind the queue, a scrape and a completion that leaves it busy change nothing a turn would
+    do before then (each woke a turn that took nothing: three a placement at 256 engines). A
+    first token that ends the hold before the timer does wake it, and the timer's turn serves
+    what waited."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    clock = [0.0]
+    core.clock = lambda: clock[0]
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    fleet.reserve("a-0", "x", RunningEntry(100, 10, 0.1, 0.0))  # (it runs something already)
+    assert core.submit(ticket("r-0"), 0.0) is not None
+    assert core.submit(ticket("r-1"), 0.0) is None
+    core.step(0.0)
+    armed = core.next_wake(0.0)
+    assert 0.01 < armed < math.inf and core.outbox == []
+    wakes.clear()
+    clock[0] = 0.001
+    assert core.submit(ticket("r-2", now=0.001), 0.001) is None
+    fleet.record_state("a-0", EngineState(kv_usage=0.1, block_size=16, num_gpu_blocks=1000), 0.001)
+    fleet.release("a-0", "x")
+    assert wakes == []
+    fleet.mark_prefilled("a-0", "r-0")  # far sooner than predicted: the hold ends sooner
+    assert wakes and core.workers.maturity["a-0"] < armed
+    at = core.next_wake(0.001)
+    core.step(at)
+    assert [rid for rid, _ in core.outbox] == ["r-1", "r-2"]
+
+
+def test_a_worker_that_took_its_last_kv_has_no_timer_until_its_own_completion() -> None:
+    """Its hold's end would find it full (a turn that takes nothing, one a placement under
+    saturation): no timer until a completion or scrape on it, which gives its hold's end one."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    fleet.record_state("a-0", EngineState(kv_usage=0.0, block_size=1, num_gpu_blocks=420), 0.0)
+    fleet.reserve("a-0", "x", RunningEntry(100, 10, 0.1, 0.0))
+    assert core.submit(ticket("r-0"), 0.0) is not None  # (a hold begins)
+    assert core.submit(ticket("r-1"), 0.0) is None and core.submit(ticket("r-2"), 0.0) is None
+    first_hold_end = core.next_wake(0.0)
+    core.step(first_hold_end)  # r-1 goes: 90 KV tokens are left, r-2 needs 110
+    assert [rid for rid, _ in core.outbox] == ["r-1"]
+    core.outbox.clear()
+    hold_end = core.workers.maturity["a-0"]
+    assert first_hold_end < hold_end < math.inf
+    assert core.next_wake(first_hold_end) == 30.0  # (r-2's queue timeout)
+    fleet.release("a-0", "x")  # two still run: the hold is kept, now with a timer
+    assert core.next_wake(first_hold_end) == hold_end
+    core.step(hold_end)
+    assert [rid for rid, _ in core.outbox] == ["r-2"]
 
 
 def test_a_join_keeps_the_hold_timed_from_the_turn_it_joined() -> None:
