@@ -449,8 +449,12 @@ class DispatchCore:
             if window is None:
                 window = self._recent_ttft[model] = WindowMin(self.hyperflexis.tightest_window_s)
             window.add(ticket.item.ttft_slo, now)
+        self.workers.fits_waiting(model, _need(view))
         self.workers.unpark_for_arrival(model, UNPARK_PER_ARRIVAL, now)
-        self.workers.shorten_holds(now, self.hyperflexis)
+        for other in self.workers.shorten_holds(now, self.hyperflexis):
+            if other != model and self.queued(other) and self._sooner(other):
+                self._dirty.add(other)
+                self.wake()
         self.lag = self._lateness.max(now)  # (arrivals may come for long without a step)
         mature = self.workers.next_mature(model) <= now + self.lag
         # No worker mature and nothing queued: the arrival may join a worker's hold while what
@@ -474,7 +478,8 @@ class DispatchCore:
                 self._submitting = None
             own, self._own = self._own, None
             if own is not None:
-                if self.outbox:
+                # (a worker that looked and took nothing may mature before the loop's timer)
+                if self.outbox or (len(queue) and self._sooner(model)):
                     self.wake()
                 return own
         if at_once:
@@ -822,18 +827,19 @@ class DispatchCore:
                     now,
                     decision.prefill_s[engine_id],
                     decision.budget_taken[engine_id],
-                    full=self._full(self.fleet.records[engine_id], need),
+                    room=self._room_if_full(self.fleet.records[engine_id], need),
                 )
             else:
                 self.workers.set(model, worker.engine_id, at)
 
-    def _full(self, record: EngineRecord, need: int) -> bool:
-        """Whether the engine, running what it just took, has no seat or no KV for a request
-        needing ``need`` (the queue's least): its turn would take nothing until an event on it."""
+    def _room_if_full(self, record: EngineRecord, need: int) -> int | None:
+        """When the engine, running what it just took, has no seat (-1) or less KV than a request
+        needing ``need`` (the queue's least) takes, what it has: its turn would take nothing
+        until an event on it or an arrival that fits. ``None`` when it has room."""
         if len(record.running) >= (self.max_engine_load or MAX_NUM_SEQS):
-            return True
+            return -1
         free_kv = record.free_kv_tokens()
-        return free_kv is not None and free_kv < need
+        return free_kv if free_kv is not None and free_kv < need else None
 
     def _plan_demotions(self, model: str, queue: AdmissionQueue, now: float) -> bool:
         """Demote what each SLO band's drain cannot serve in time (Moore-Hodgson), and restore
@@ -1036,19 +1042,21 @@ class DispatchCore:
             self._dirty.add(model)
         if hyperflexis:
             assert self.hyperflexis is not None
+            models = {model}
             if self.workers.on_engine_event(record, what):
                 # the prefills that just ended are timed now, not at the next arrival or step (a
                 # step only for that was a loop turn per request)
                 if self.clock is None:
                     self.wake()  # (the step times them)
                 else:
-                    self.workers.shorten_holds(self.clock(), self.hyperflexis)
-            # A turn is needed only if the event made a worker mature, or its hold end before
-            # the loop's timer: under saturation every completion, first token and scrape woke
-            # the loop for a turn that found the engine in a hold and took nothing.
-            if self.queued(model) and self._sooner(model):
-                self._dirty.add(model)
-                self.wake()
+                    models.update(self.workers.shorten_holds(self.clock(), self.hyperflexis))
+            # A turn is needed only if the event made a worker mature, or a hold end before the
+            # loop's timer: under saturation every completion, first token and scrape woke the
+            # loop for a turn that found the engine in a hold and took nothing.
+            for changed in models:
+                if self.queued(changed) and self._sooner(changed):
+                    self._dirty.add(changed)
+                    self.wake()
             return
         if not self.queued(model) or what == "prefilled":
             return

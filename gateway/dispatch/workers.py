@@ -7,9 +7,10 @@ Every collocated engine has a maturity time (Algorithm 1's, on the core's clock)
 * ``inf``, *parked*: the engine took nothing and only an event can change that. Engines held back
   by slack may take the next arrivals (``_parked``, in the order they parked); engines that are
   full (no seat or KV) wait for their own completions and scrapes;
-* finite but without a timer: the engine took work and with it all the KV any queued request
-  could use (``_kv_wait``). Its hold's end would find it full, so it has no heap entry until its
-  own completion or scrape gives it one (at the same maturity).
+* finite but without a timer: the engine took work and with it all the KV (or the last seat) any
+  queued request could use (``_kv_wait``). Its hold's end would find it full, so it has no heap
+  entry until its own completion or scrape, or an arrival that fits the KV it has left, gives it
+  one (at the same maturity).
 
 The rules for events are in :meth:`HyperFlexisWorkers.on_engine_event`. No clock, no I/O.
 """
@@ -63,8 +64,10 @@ class HyperFlexisWorkers:
         #: per engine, how long its last hold's prefills really took, as a fraction of the
         #: prediction (known when they all produced their first token within the hold)
         self.prefill_ratio: dict[str, float] = {}
-        #: engines in a hold whose timer waits for their own completion or scrape (module doc)
-        self._kv_wait: set[str] = set()
+        #: per model, engines in a hold whose timer waits for an event (module doc), with the KV
+        #: tokens each has left (-1: no seat), and the most any of them has (an upper bound)
+        self._kv_wait: dict[str, dict[str, int]] = {m: {} for m in fleet.served_models}
+        self._kv_room: dict[str, int] = {}
         for record in fleet.records.values():
             if record.adapter.role in FRONT_ROLES:
                 self.set(record.model, record.engine_id, 0.0)
@@ -73,20 +76,40 @@ class HyperFlexisWorkers:
     def models(self) -> Iterator[str]:
         return iter(self._heaps)
 
-    def set(self, model: str, engine_id: str, at: float, timer: bool = True) -> None:
+    def set(self, model: str, engine_id: str, at: float, room: int | None = None) -> None:
         """The one place a worker's maturity changes: one live heap entry per worker, ever
-        (none, with ``timer`` False, until its own event: see ``_kv_wait``)."""
+        (none while it waits for KV, ``room`` being the KV tokens it has left: ``_kv_wait``)."""
         version = self._version.get(engine_id, 0) + 1
         self._version[engine_id] = version
         self.maturity[engine_id] = at
         self._holds.pop(engine_id, None)
         self._held[model].pop(engine_id, None)
-        self._kv_wait.discard(engine_id)
+        waiting = self._kv_wait[model]
+        if waiting:
+            waiting.pop(engine_id, None)
         if at != math.inf:
-            if timer:
+            if room is None:
                 heapq.heappush(self._heaps[model], (at, version, engine_id))
             else:
-                self._kv_wait.add(engine_id)
+                waiting[engine_id] = room
+                if room > self._kv_room.get(model, -1):
+                    self._kv_room[model] = room
+
+    def _timer_back(self, model: str, engine_id: str) -> None:
+        """A worker waiting for KV gets its hold's end as a timer again (its maturity stays)."""
+        del self._kv_wait[model][engine_id]
+        heapq.heappush(self._heaps[model], (self.maturity[engine_id], self._version[engine_id], engine_id))
+
+    def fits_waiting(self, model: str, need: int) -> None:
+        """A request needing ``need`` KV tokens is queued: the workers waiting for KV with room
+        for it get their timers back (their holds' ends would now find something to take)."""
+        if need > self._kv_room.get(model, -1):
+            return  # (no waiting worker has room for it: the common case under saturation)
+        waiting = self._kv_wait[model]
+        for engine_id, room in list(waiting.items()):
+            if room >= need:
+                self._timer_back(model, engine_id)
+        self._kv_room[model] = max(waiting.values(), default=-1)
 
     def hold(
         self,
@@ -96,14 +119,15 @@ class HyperFlexisWorkers:
         turn_at: float,
         prefill_s: float,
         tokens: int = 0,
-        full: bool = False,
+        room: int | None = None,
     ) -> None:
         """``engine_id`` took work at ``turn_at`` and matures at ``at``, a hold that amortises a
         predicted prefill of ``prefill_s`` (``tokens`` prompt tokens to prefill, taken from the
-        turn's budget); it may end sooner (see :meth:`shorten_holds`). ``full``: it has no KV
-        left for any queued request, so its hold's end waits for its own completion or scrape
-        (under saturation the timer's turn found every such engine full: a turn a placement)."""
-        self.set(model, engine_id, at, timer=not full)
+        turn's budget); it may end sooner (see :meth:`shorten_holds`). ``room``: it has no seat
+        (-1) or only this much KV left, less than any queued request needs, so its hold's end waits
+        for its own completion or scrape or an arrival that fits (under saturation the timer's
+        turn found every such engine full: a turn a placement)."""
+        self.set(model, engine_id, at, room)
         if at > turn_at:
             if self.prefill_ratio.get(engine_id, 1.0) < JOIN_BELOW_RATIO:
                 self._held[model][engine_id] = tokens
@@ -136,10 +160,12 @@ class HyperFlexisWorkers:
                     break
         return views
 
-    def shorten_holds(self, now: float, params: HyperFlexisParams) -> None:
+    def shorten_holds(self, now: float, params: HyperFlexisParams) -> list[str]:
         """Holds whose prefills all produced their first token end in proportion to how long
-        the prefills really took (:func:`policies.hyperflexis.shortened_maturity`)."""
+        the prefills really took (:func:`policies.hyperflexis.shortened_maturity`); returns the
+        models whose timers came sooner."""
         ratio = self.prefill_ratio
+        sooner_for: list[str] = []
         for engine_id, (held, timed) in self._prefilled.items():
             took = max(0.0, now - held[0]) / held[1]
             if timed:
@@ -153,8 +179,12 @@ class HyperFlexisWorkers:
             sooner = shortened_maturity(held[0], at, held[1], now, params)
             if sooner < at:
                 model = self.fleet.records[engine_id].model
-                self.set(model, engine_id, sooner, timer=engine_id not in self._kv_wait)
+                room = self._kv_wait[model].get(engine_id)
+                self.set(model, engine_id, sooner, room)
+                if room is None and model not in sooner_for:
+                    sooner_for.append(model)
         self._prefilled.clear()
+        return sooner_for
 
     def park(self, model: str, engine_id: str, full: bool) -> None:
         """``engine_id`` took nothing and has no timer: wait for an event (see the module doc)."""
@@ -248,9 +278,9 @@ class HyperFlexisWorkers:
         concurrency 1 the next arrival waited out a whole turn, ~37 ms on the default prior,
         behind an engine with nothing to do); an engine back in health is mature at once.
 
-        True when the event ended a hold's prefills with a first token: the caller times the
-        prefill (:meth:`shorten_holds`, :attr:`prefill_ratio`) now, at its end, not at the next
-        arrival (at once when the model has nothing queued, else by a step it asks for)."""
+        True when the event ended a hold's prefills (a first token, or the end or cancellation of
+        the request): the caller times the prefill (:meth:`shorten_holds`,
+        :attr:`prefill_ratio`) now, at its end, not at the next arrival or step."""
         engine_id = record.engine_id
         model = record.model
         in_front = record.adapter.role in FRONT_ROLES and not record.draining
@@ -267,7 +297,7 @@ class HyperFlexisWorkers:
             return False
         if engine_id not in self.maturity or not in_front:
             return False
-        timed = False
+        ended = False
         if what in ("prefilled", "release") and engine_id in self._holds and not record.unprefilled:
             # (a non-streamed answer's end shows its prefill was done, and so may a cancellation:
             # both end the hold early, only a first token times the engine)
@@ -275,21 +305,20 @@ class HyperFlexisWorkers:
             seen = self._prefilled.get(engine_id)
             timed = what == "prefilled"
             self._prefilled[engine_id] = (held, timed or (seen is not None and seen == (held, True)))
+            ended = True
         if what == "health":
             if record.healthy:
                 self.unpark(model, engine_id, -math.inf)
             return False
         at = self.maturity[engine_id]
-        if engine_id in self._kv_wait and what in ("release", "state"):
-            # its KV may have freed: the hold's end gets its timer (the maturity stays)
-            self._kv_wait.discard(engine_id)
-            heapq.heappush(self._heaps[model], (at, self._version[engine_id], engine_id))
+        if what in ("release", "state") and engine_id in self._kv_wait[model]:
+            self._timer_back(model, engine_id)  # its KV may have freed
         full = at == math.inf and engine_id not in self._parked[model]
         if (at == math.inf and not (full and what == "prefilled")) or (
             what == "release" and not record.running and at > -math.inf
         ):
             self.unpark(model, engine_id, -math.inf)
-        return timed
+        return ended
 
     def _view(self, record: EngineRecord, maturity: float, joining: int | None = None) -> WorkerView:
         # the running requests summed from what the fleet keeps as they come and go (their

@@ -873,6 +873,7 @@ def test_with_the_drivers_clock_an_idle_models_first_token_is_timed_without_a_st
     # for to serve the queue when the hold ends
     assert core.submit(ticket("r-2", now=5.0), 5.0) is None and core.queued() == 1
     wakes.clear()
+    del core.workers.prefill_ratio["a-0"]
     clock[0] = 5.001
     fleet.mark_prefilled("a-0", "r-1")
     assert wakes and core.workers.prefill_ratio["a-0"] < 0.1
@@ -909,6 +910,50 @@ def test_under_saturation_only_events_that_make_a_worker_mature_wake_the_loop() 
     assert [rid for rid, _ in core.outbox] == ["r-1", "r-2"]
 
 
+def _held_with_a_queue(models: tuple[str, ...] = ("a",)) -> tuple[Fleet, DispatchCore, list[int]]:
+    """One engine per model running a prefilled request, each given r-0 at once (a hold begins)
+    with nothing queued; the core on a driver's clock at 0, wakes counted."""
+    fleet = offline_fleet({m: 1 for m in models})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    core.clock = lambda: 0.001
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    for m in models:
+        fleet.reserve(f"{m}-0", f"x-{m}", RunningEntry(100, 10, 0.1, 0.0))
+        fleet.mark_prefilled(f"{m}-0", f"x-{m}")
+        assert core.submit(ticket(f"{m}-0", model=m), 0.0) is not None
+    return fleet, core, wakes
+
+
+def test_a_hold_whose_request_was_cancelled_ends_sooner_and_wakes_the_loop_for_it() -> None:
+    """A cancellation ends the hold's prefills as a first token does: the hold ends sooner, and
+    the loop, whose timer was armed for its old end, is woken to re-arm."""
+    fleet, core, wakes = _held_with_a_queue()
+    assert core.submit(ticket("r-1"), 0.0) is None
+    core.step(0.0)
+    armed = core.next_wake(0.0)
+    wakes.clear()
+    fleet.release("a-0", "a-0")  # its client left; x-a still runs
+    assert wakes and core.workers.maturity["a-0"] < armed
+    core.step(core.next_wake(0.001))
+    assert [rid for rid, _ in core.outbox] == ["r-1"]
+
+
+def test_a_hold_another_models_event_shortens_wakes_the_loop_for_that_model() -> None:
+    """Timing one engine's prefill times every hold whose prefills ended: a hold of model b
+    that ends sooner for it needs a turn before the loop's timer, whichever model's event ran it."""
+    fleet, core, wakes = _held_with_a_queue(("a", "b"))
+    core.clock = None  # (b's cancellation is timed by a later event, as without a driver's clock)
+    assert core.submit(ticket("b-1", model="b"), 0.0) is None
+    core.step(0.0)
+    armed = core.next_wake(0.0)
+    fleet.release("b-0", "b-0")  # b's hold's prefills are over, not yet timed
+    core.clock = lambda: 0.002
+    wakes.clear()
+    fleet.mark_prefilled("a-0", "a-0")  # a has nothing queued
+    assert core.workers.maturity["b-0"] < armed and wakes
+
+
 def test_a_worker_that_took_its_last_kv_has_no_timer_until_its_own_completion() -> None:
     """Its hold's end would find it full (a turn that takes nothing, one a placement under
     saturation): no timer until a completion or scrape on it, which gives its hold's end one."""
@@ -929,6 +974,34 @@ def test_a_worker_that_took_its_last_kv_has_no_timer_until_its_own_completion() 
     assert core.next_wake(first_hold_end) == hold_end
     core.step(hold_end)
     assert [rid for rid, _ in core.outbox] == ["r-2"]
+
+
+@pytest.mark.parametrize("event", ["scrape", "arrival that fits"])
+def test_a_worker_waiting_for_kv_gets_its_timer_back_from_a_scrape_or_an_arrival_that_fits(
+    event: str,
+) -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", order="slo_tpot")
+    fleet.record_state("a-0", EngineState(kv_usage=0.0, block_size=1, num_gpu_blocks=420), 0.0)
+    fleet.reserve("a-0", "x", RunningEntry(100, 10, 0.1, 0.0))
+    assert core.submit(ticket("r-0"), 0.0) is not None
+    assert core.submit(ticket("r-1"), 0.0) is None and core.submit(ticket("r-2"), 0.0) is None
+    core.step(core.next_wake(0.0))  # r-1 goes, 90 KV tokens left: r-2 needs 110
+    core.outbox.clear()
+    hold_end = core.workers.maturity["a-0"]
+    assert core.next_wake(0.06) == 30.0
+    if event == "scrape":
+        # the engine has more cache than it said: r-2 fits now
+        fleet.record_state("a-0", EngineState(kv_usage=0.0, block_size=1, num_gpu_blocks=500), 0.06)
+        expected = ["r-2"]
+    else:
+        view = RequestView(request_id="r-3", model="a", prompt_tokens=40, max_output_tokens=10, arrival=0.06)
+        item = QueuedRequest(view=view, ttft_slo=1.0, tpot_slo=0.1, seq=3, queue_deadline=30.06)
+        assert core.submit(Ticket(item, "c", RunningEntry(40, 10, 0.1, 0.06), 0.06), 0.06) is None
+        expected = ["r-3"]  # (50 KV tokens fit in 90)
+    assert core.next_wake(0.06) == hold_end
+    core.step(hold_end)
+    assert [rid for rid, _ in core.outbox] == expected
 
 
 def test_a_join_keeps_the_hold_timed_from_the_turn_it_joined() -> None:
