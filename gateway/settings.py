@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -669,12 +669,15 @@ _LINK_PORT = re.compile(r"SLOGATE_[A-Z0-9_]+_PORT")
 _LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://\S+")
 
 
-def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | None:
+def unknown_variable(
+    environ: Mapping[str, str], settings: Settings, also_named: Collection[str] = ()
+) -> str | None:
     """The first ``SLOGATE_*`` variable that names no setting, with the setting it may mean. The
     file refuses unknown keys, but the environment's were ignored without a word: a misspelt
-    ``SLOGATE_API_KEY`` left the gateway open to all."""
+    ``SLOGATE_API_KEY`` left the gateway open to all. ``also_named``: variables the caller knows
+    to be someone's (``slogate up``: the keys of the engines it replaced)."""
     fields = {name.upper() for name in Settings.model_fields}
-    named = {engine.api_key_env for engine in settings.engines if engine.api_key_env}
+    named = {engine.api_key_env for engine in settings.engines if engine.api_key_env} | set(also_named)
     for name in sorted(environ):
         upper = name.upper()
         if not upper.startswith("SLOGATE_") or upper in OTHER_VARIABLES or name in named:
@@ -691,15 +694,17 @@ def unknown_variable(environ: Mapping[str, str], settings: Settings) -> str | No
     return None
 
 
-def load_settings_or_exit(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """CLI helper: on a bad value, or a ``SLOGATE_*`` variable that names no setting, print one
-    line to stderr and exit with status 2."""
+def load_settings_or_exit(
+    config_file: Path | None = None, *, also_named: Collection[str] = (), **overrides: Any
+) -> Settings:
+    """CLI helper: on a bad value, or a ``SLOGATE_*`` variable that names no setting (nor one of
+    ``also_named``), print one line to stderr and exit with status 2."""
     try:
         settings = load_settings(config_file, **overrides)
     except (ValidationError, ValueError, OSError, yaml.YAMLError) as exc:
         print(f"slogate: invalid configuration: {describe_error(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
-    unknown = unknown_variable(os.environ, settings)
+    unknown = unknown_variable(os.environ, settings, also_named)
     if unknown is not None:
         print(f"slogate: invalid configuration: {unknown}", file=sys.stderr)
         raise SystemExit(2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -42,10 +43,11 @@ def run_up(args: argparse.Namespace) -> int:
             roles.append(role)
             _watch(engines[-1], stopping)
         model = args.model or _served_model(engines[0].url)
-        _warn_if_engines_configured(args.config)
+        replaced_keys = _replaced_engines(args.config)
         listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings_or_exit(
             args.config,
+            also_named=replaced_keys,
             **listen,
             engines=[
                 {
@@ -98,20 +100,29 @@ def _watch(engine: ChildProcess, stopping: threading.Event) -> None:
     threading.Thread(target=wait, name=f"watch-{engine.name}", daemon=True).start()
 
 
-def _warn_if_engines_configured(config: Path | None) -> None:
+def _replaced_engines(config: Path | None) -> set[str]:
     """``up`` serves its own simulated engines: say so when the file or the environment names
-    others (they were dropped without a word)."""
+    others (they were dropped without a word). Returns the variables those engines'
+    ``api_key_env`` name: set for them, they are no misspelt settings."""
+    listed: list[object] = []
     named = "SLOGATE_ENGINES" in os.environ
+    if named:
+        with contextlib.suppress(ValueError):
+            engines = json.loads(os.environ["SLOGATE_ENGINES"])
+            listed += engines if isinstance(engines, list) else []
     if config is not None:
         with contextlib.suppress(OSError, yaml.YAMLError):
             data = yaml.safe_load(config.read_text())
-            named = named or (isinstance(data, dict) and "engines" in data)
+            if isinstance(data, dict) and "engines" in data:
+                named = True
+                listed += data["engines"] if isinstance(data["engines"], list) else []
     if named:
         print(
             "slogate up: the engines in the configuration are not used (up runs its own simulated "
             "engines; `slogate serve` runs a gateway in front of yours)",
             file=sys.stderr,
         )
+    return {e["api_key_env"] for e in listed if isinstance(e, dict) and isinstance(e.get("api_key_env"), str)}
 
 
 def _served_model(url: str) -> str:

@@ -163,13 +163,21 @@ def test_up_with_no_engines_is_a_usage_error() -> None:
 
 def test_the_configuration_sets_the_port_when_no_flag_does(tmp_path: Path) -> None:
     """``up`` gave --host and --port defaults that beat the file and SLOGATE_*: a port set there
-    was ignored (the gateway came up on 8000), and engines named there were dropped unsaid."""
+    was ignored (the gateway came up on 8000), and engines named there were dropped unsaid. The
+    variable holding a replaced engine's key is no misspelt setting (up refused to start)."""
     port = free_port()
     config = tmp_path / "up.yaml"
-    config.write_text(f"port: {port}\nengines:\n  - {{url: 'http://127.0.0.1:9', model: m}}\n")
+    config.write_text(
+        f"port: {port}\nengines:\n"
+        "  - {url: 'http://127.0.0.1:9', model: m, api_key_env: SLOGATE_MY_ENGINE_KEY}\n"
+    )
     argv = [sys.executable, "-m", "gateway.cli", "up", "--engines", "1", "--time-scale", "10"]
     proc = subprocess.Popen(
-        [*argv, "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*argv, "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SLOGATE_MY_ENGINE_KEY": "sk-engine"},
     )
     assert proc.stdout is not None
     try:
