@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from gateway.settings import load_settings_or_exit
 
-    overrides: dict[str, object] = {}
+    overrides: dict[str, Any] = {}
     if args.host is not None:
         overrides["host"] = args.host
     if args.port is not None:
