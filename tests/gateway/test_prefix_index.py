@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 import tracemalloc
 
 import numpy as np
@@ -175,23 +174,17 @@ def test_set_block_size_drops_the_engine_s_keys() -> None:
     assert index.match(prompt, ["a"]) == {"a": 2}
 
 
-def test_lookup_cost_for_a_200kb_prompt_on_4_engines() -> None:
-    """Hashing, recording and a lookup on 4 engines that all hold the whole prompt (the worst
-    case for the lookup): well under the 2 ms the issue allows the hashing alone."""
+def test_a_200kb_prompt_held_whole_on_4_engines_matches_whole_on_each() -> None:
+    """The lookup's worst case, every engine holding the whole prompt (its cost is a figure of
+    ``slogate bench large-body --key-only``, not a timed test)."""
     tokens = _tokens(13, 3571)  # ~200 KB of text
     index = _index("a", "b", "c", "d", budget=1 << 28)
     for e in "abcd":
         index.record_dispatch(e, PromptBlocks(tokens, ROOT), now=0.0)
-    best = float("inf")
-    for _ in range(5):
-        start = time.process_time()
-        prompt = PromptBlocks(tokens, ROOT)
-        hits = index.match(prompt, "abcd")
-        index.record_dispatch("a", prompt, now=1.0)
-        best = min(best, time.process_time() - start)
-    assert hits == dict.fromkeys("abcd", 3571)
-    print(f"\nhash + match on 4 engines + record, 3,571 blocks: {best * 1e3:.2f} ms CPU")
-    assert best < 0.004
+    prompt = PromptBlocks(tokens, ROOT)
+    assert index.match(prompt, "abcd") == dict.fromkeys("abcd", 3571)
+    index.record_dispatch("a", prompt, now=1.0)
+    assert index.match(PromptBlocks(tokens, ROOT), "abcd") == dict.fromkeys("abcd", 3571)
 
 
 # -- memory ---------------------------------------------------------------------------------------
