@@ -354,11 +354,7 @@ class DispatchCore:
                 continue
             wake = min(wake, queue.next_expiry())
             if self.hyperflexis is not None:
-                mature = self.workers.next_mature(model)
-                # a loop late by L runs this timer L late: armed L early, it runs on time (unless
-                # that is already past: then at its time, never at once, which would only spin)
-                early = mature - self.lag
-                wake = min(wake, early if early > self._stepped_at else mature)
+                wake = min(wake, self._maturity_timer(model))
         # (due at once, it is late by however long the driver takes to run the next step)
         self._due = max(wake, self._stepped_at if now is None else now)
         return wake
@@ -490,13 +486,19 @@ class DispatchCore:
             self.wake()
         return None
 
+    def _maturity_timer(self, model: str) -> float:
+        """When the driver's timer must run for the model's next maturity: a loop late by L runs
+        a timer L late, so it is armed L early (unless that is already past: then at its time,
+        never at once, which would only spin)."""
+        mature = self.workers.next_mature(model)
+        early = mature - self.lag
+        return early if early > self._stepped_at else mature
+
     def _sooner(self, model: str) -> bool:
         """Whether the model's next maturity or queue expiry (what :meth:`next_wake` would arm)
         comes before the time the driver's timer is armed for: a step must run (and re-arm)."""
         queue = self.queues[model]
-        return self.workers.next_mature(model) - self.lag < self._due or (
-            len(queue) > 0 and queue.next_expiry() < self._due
-        )
+        return self._maturity_timer(model) < self._due or (len(queue) > 0 and queue.next_expiry() < self._due)
 
     def _enqueue(self, ticket: Ticket, queue: AdmissionQueue, now: float) -> tuple[bool, float, OrderContext]:
         """Queue ``ticket`` (admitted already); returns whether a request was queued before it,
