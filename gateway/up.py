@@ -105,13 +105,16 @@ def _replaced_engines(config: Path | None) -> set[str]:
     others (they were dropped without a word). Returns the variables those engines'
     ``api_key_env`` name: set for them, they are no misspelt settings."""
     listed: list[object] = []
-    named = "SLOGATE_ENGINES" in os.environ
-    if named:
-        with contextlib.suppress(ValueError):
-            engines = json.loads(os.environ["SLOGATE_ENGINES"])
+    # (settings read the environment's names in any case)
+    values = [v for k, v in os.environ.items() if k.upper() == "SLOGATE_ENGINES"]
+    named = bool(values)
+    for value in values:
+        with contextlib.suppress(ValueError, RecursionError):
+            engines = json.loads(value)
             listed += engines if isinstance(engines, list) else []
     if config is not None:
-        with contextlib.suppress(OSError, yaml.YAMLError):
+        # (a file that is not UTF-8 is refused, cleanly, when the settings load)
+        with contextlib.suppress(OSError, ValueError, yaml.YAMLError):
             data = yaml.safe_load(config.read_text())
             if isinstance(data, dict) and "engines" in data:
                 named = True

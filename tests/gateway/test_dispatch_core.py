@@ -774,6 +774,12 @@ def test_a_late_loop_serves_hyperflexis_maturities_early_by_its_lateness() -> No
     for engine in fleet.records:
         core.workers.set("a", engine, 1.9)
     assert core.next_wake(1.8) == pytest.approx(1.9)  # 1.6 would be before the last step: at 1.9
+    # a scrape of a held engine brings nothing before that timer: no wake (compared with the
+    # maturity less the lag, 1.6, every event woke the loop while it ran late)
+    wakes: list[int] = []
+    core.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    fleet.record_state("a-0", EngineState(kv_usage=0.1, block_size=16, num_gpu_blocks=1000), 1.85)
+    assert wakes == []
     # the lateness leaves its window with time, steps or not: an arrival long after the stall
     # (nothing queued, so no step ran meanwhile) does not take a worker held 0.2 s more
     core.step(1.9)

@@ -188,3 +188,26 @@ def test_the_configuration_sets_the_port_when_no_flag_does(tmp_path: Path) -> No
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_the_keys_of_replaced_engines_are_read_from_any_spelling_and_odd_files_do_not_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Settings read SLOGATE_ENGINES in any case, so ``up`` must too; a file it cannot read is
+    left to the settings to refuse (exit 2), not a traceback here."""
+    from gateway.up import _replaced_engines
+
+    engines = '[{"url": "http://127.0.0.1:9", "model": "m", "api_key_env": "SLOGATE_MY_ENGINE_KEY"}, 5]'
+    monkeypatch.setenv("slogate_engines", engines)
+    assert _replaced_engines(None) == {"SLOGATE_MY_ENGINE_KEY"}
+    assert "not used" in capsys.readouterr().err
+    monkeypatch.delenv("slogate_engines")
+    odd = tmp_path / "odd.yaml"
+    for content in (
+        b"engines: [\xe9]\n",
+        b"- a list\n",
+        b"engines: {a: 1}\n",
+        b"engines: [{api_key_env: [1]}]\n",
+    ):
+        odd.write_bytes(content)
+        assert _replaced_engines(odd) == set()
