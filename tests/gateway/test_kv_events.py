@@ -311,7 +311,9 @@ async def test_a_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, old_replay: b
     index = _index()
     a, b, c = _prompt(300, 2), _prompt(5000, 2), _prompt(9000, 2)
     try:
-        async with subscribed(engine, index) as sub:
+        # (a replay that times out is a resync, the one way c could land without b: it did once,
+        # with the 2 s default, while the other test worker started vLLM servers)
+        async with subscribed(engine, index, replay_timeout_s=30.0) as sub:
             engine.publish([stored_map(a)])
             await until(lambda: _hits(index, a) == 2)
             engine.publish([stored_map(b)], lose=True)  # lost on the way, still in the buffer
