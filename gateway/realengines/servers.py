@@ -17,6 +17,7 @@ import ctypes
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,6 +50,35 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+#: ports handed out by :func:`late_bound_port` in this process (given, perhaps not bound yet)
+_LATE_BOUND: set[int] = set()
+
+
+def late_bound_port() -> int:
+    """A free port below the kernel's ephemeral range, for a server that binds it only seconds or
+    minutes later (vLLM binds its HTTP port after loading the model, its NIXL side channel ~15 s
+    after start). Meanwhile every outgoing connection on the machine takes an ephemeral port: one
+    once took the port :func:`free_port` had found free, and that server never came up. Nothing
+    takes a port below the range unless asked for it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12_000), low)
+        if port in _LATE_BOUND:  # (given to a server that has not bound it yet)
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _LATE_BOUND.add(port)
+        return port
+    return free_port()
 
 
 @dataclass
@@ -369,7 +399,7 @@ def start_vllm(
 
     python = ensure_vllm_env()
     model = model_dir if model_dir is not None else ensure_hf_model(python=python)
-    port = port if port is not None else free_port()
+    port = port if port is not None else late_bound_port()
     kv_config = None
     if kv_events_endpoint is not None:
         kv_config = {
@@ -468,7 +498,7 @@ def start_llamacpp(
 
     binary = ensure_llama_server()
     model = model_path if model_path is not None else ensure_gguf_model()
-    port = port if port is not None else free_port()
+    port = port if port is not None else late_bound_port()
     cmd = llamacpp_server_command(
         binary,
         model,

@@ -23,6 +23,7 @@ import yaml
 from openai import OpenAI
 
 from gateway.procs import ChildProcess, spawn_listening
+from gateway.realengines.servers import late_bound_port
 from tests.deploy.compose_model import Service, load_services, local_healthcheck, localize, start_order
 from tests.gateway.conftest import free_port
 
@@ -46,7 +47,8 @@ def _wait(url: str, timeout_s: float, ok: int = 200) -> httpx.Response:
 @pytest.fixture
 def compose_stack(tmp_path: Path) -> Iterator[dict[str, Service]]:
     services = {n: s for n, s in load_services().items() if s.built_here}
-    localize(services, {name: free_port() for name in services}, tmp_path)
+    # (each service binds its port only once those before it are up)
+    localize(services, {name: late_bound_port() for name in services}, tmp_path)
     running: list[ChildProcess] = []
     try:
         for name in start_order(services):

@@ -318,7 +318,7 @@ async def test_a_gap_is_filled_by_replay(ctx: zmq.asyncio.Context, old_replay: b
             await until(lambda: _hits(index, a) == 2)
             engine.publish([stored_map(b)], lose=True)  # lost on the way, still in the buffer
             engine.publish([stored_map(c)])
-            await until(lambda: _hits(index, c) == 2)
+            await until(lambda: _hits(index, c) == 2, timeout=30.0)
             assert _hits(index, b) == 2 and _hits(index, a) == 2
             assert engine.replays == [1] and sub.stats.replayed == 1 and sub.stats.resyncs == 0
     finally:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -40,7 +38,7 @@ from gateway.realengines.servers import (
     RunningEngine,
     SchedulingPolicy,
     calm_busy_threads,
-    free_port,
+    late_bound_port,
     start_llamacpp,
     start_vllm,
 )
@@ -112,7 +110,7 @@ def _record(engine: RunningEngine) -> None:
 def _vllm_kv_port() -> int:
     # (below the ephemeral range: vLLM binds it only once started, while the three servers'
     # own sockets take ephemeral ports)
-    return side_channel_port()
+    return late_bound_port()
 
 
 @pytest.fixture(scope="session")
@@ -193,39 +191,12 @@ def pd_connector_args(storage: Path) -> tuple[str, ...]:
     return ("--kv-transfer-config", json.dumps(config))
 
 
-def side_channel_port() -> int:
-    """A free port below the kernel's ephemeral range. vLLM binds the NIXL side channel ~15 s
-    after start, and meanwhile the two servers' own sockets take ephemeral ports (bound to port
-    0): one of them once took the port :func:`free_port` had found free, and the decode server
-    never became healthy. Nothing takes a port below that range unless asked for it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return free_port()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low)
-        if port in _SIDE_CHANNEL_PORTS:  # (one server's, not bound yet: never the other's too)
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _SIDE_CHANNEL_PORTS.add(port)
-        return port
-    return free_port()
-
-
-_SIDE_CHANNEL_PORTS: set[int] = set()
-
-
 def nixl_env() -> dict[str, str]:
     """NIXL on CPU: the side channel (handshake) on loopback at a port of its own per server, UCX
     over TCP, shared memory and self on the loopback device."""
     return {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port()),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(late_bound_port()),
         "UCX_TLS": "tcp,self,sm",
         "UCX_NET_DEVICES": "lo",
     }
