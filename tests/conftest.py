@@ -4,10 +4,19 @@ Each test module is one unit of work, so a module's fixtures (engines, gateways)
 modules that provision machine-wide tools (real engines, the deployment toolchain, Chromium: some
 install with apt-get, whose lock allows one installer at a time) and start the heaviest servers
 form a single unit run first, by one worker, while the other worker takes the remaining modules.
+
+A test marked ``alone`` measures wall-clock time against a bound (live against offline, an abort
+within 100 ms, which of two requests a busy engine finishes first): it runs while the other worker
+runs no test, since a neighbour that keeps both cores busy (starting vLLM takes a minute of both)
+would stretch its timings. Every test holds a lock on a file the workers share while it runs, from
+the setup of its fixtures to their teardown: ``alone`` ones exclusively, the others shared.
 """
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,3 +45,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             rest.append(item)
     # (xdist hands out units in collection order with --no-loadscope-reorder: the longest goes first)
     items[:] = first + rest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "alone: measures wall-clock timing; with xdist, no other test runs meanwhile"
+    )
+
+
+def _lock_path(config: pytest.Config) -> Path | None:
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return None  # one process: tests run one at a time anyway
+    return Path(tempfile.gettempdir()) / f"slogate-tests-{worker['testrunuid']}.lock"
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's timer: waiting is no test time)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    path = _lock_path(item.config)
+    if path is None:
+        yield
+        return
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = _lock_path(config)
+    if path is not None:
+        path.unlink(missing_ok=True)

@@ -117,6 +117,7 @@ def test_engine_is_readmitted_when_it_recovers() -> None:
         engine.stop()
 
 
+@pytest.mark.alone  # (an abort within 100 ms)
 def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5000, "ignore_eos": True, "stream": True}
     with (

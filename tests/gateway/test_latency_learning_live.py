@@ -30,6 +30,7 @@ def engine() -> Iterator[ChildProcess]:
         yield e
 
 
+@pytest.mark.alone  # (learns step times as the gateway sees them)
 def test_the_live_gateway_learns_the_engine(engine: ChildProcess) -> None:
     entry = engine_entry(engine, latency_profile="qwen-7b", time_scale=2.0)
     with run_gateway(engines=[entry], monitor_interval_s=0.25) as gw:

@@ -10,9 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.engines.vllm import parse_vllm_metrics
 from gateway.procs import ChildProcess, spawn_sim_engine
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
-from tests.gateway.gateway_thread import RunningGateway, run_gateway
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -166,6 +167,7 @@ def test_hyperflexis_dispatcher_serves_and_reports_attainment(engine: ChildProce
         assert 'slogate_slo_outcomes_total{objective="both",outcome="met",slo_class="wikisql"}' in metrics
 
 
+@pytest.mark.alone  # (which request a busy engine finishes first)
 def test_engine_side_priority_lets_urgent_work_overtake() -> None:
     args = (
         "--profile",
@@ -185,7 +187,7 @@ def test_engine_side_priority_lets_urgent_work_overtake() -> None:
             engines=[engine_entry(e, priority_scheduling=True)], slo_profile="hyperflexis-4task"
         ) as gw,
     ):
-        lax = {**BODY, "max_tokens": 60, "ignore_eos": True}
+        lax = {**BODY, "max_tokens": 120, "ignore_eos": True}
         done: dict[str, float] = {}
 
         def send(name: str, task: str) -> None:
@@ -200,7 +202,14 @@ def test_engine_side_priority_lets_urgent_work_overtake() -> None:
             for i in range(4):  # one at a time, so their arrival order is known
                 futures.append(pool.submit(send, f"lax{i}", "wikisql"))
                 time.sleep(0.03)
-            time.sleep(0.15)  # lax0 runs, lax1-3 wait in the engine's queue
+
+            def queued_at_engine() -> bool:
+                state = parse_vllm_metrics(httpx.get(e.url + "/metrics", timeout=5).text)
+                return state.num_running == 1 and state.num_waiting == 3
+
+            # lax0 runs, lax1-3 wait in the engine's queue (seen there: on a busy machine a fixed
+            # sleep once let lax0 end, and a lax one start, before the urgent one arrived)
+            assert wait_until(queued_at_engine, timeout=10, interval=0.005)
             futures.append(pool.submit(send, "urgent", "medical_qa"))
             for f in futures:
                 f.result()

@@ -314,6 +314,7 @@ def _admission_order(
     return sorted(started, key=started.__getitem__)
 
 
+@pytest.mark.alone  # (which request vLLM starts first)
 def test_priority_zero_overtakes_a_queue_on_a_priority_engine(
     vllm_priority: RunningEngine, vllm_fcfs: RunningEngine, tmp_path: Path
 ) -> None:

@@ -179,6 +179,7 @@ async def test_metrics_names_and_labels(engine: SimProcess) -> None:
 # -- (a) timing -------------------------------------------------------------------------------
 
 
+@pytest.mark.alone  # (TTFT and ITL within 10 % of the model)
 @pytest.mark.parametrize("scale", [1.0, 10.0])
 async def test_ttft_and_itl_match_the_model(timing_profile: Path, scale: float) -> None:
     with start_sim_engine(

@@ -7,6 +7,7 @@ import pytest
 from gateway.simulator.calibration import TOLERANCE, calibration_scenario, compare
 
 
+@pytest.mark.alone  # (live latency against offline, within 10 %)
 @pytest.mark.parametrize("policy", ["hyperflexis"])
 def test_live_and_offline_agree_on_attainment_and_median_latency(policy: str) -> None:
     # 200 requests (the CLI replays 300): 8 s of arrivals, gaps of 1-3 % against the 10 %

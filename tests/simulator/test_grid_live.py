@@ -7,10 +7,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.grid import Cell, _run, _scenario, live_check
 
 
+@pytest.mark.alone  # (live against offline)
 def test_a_cell_replayed_live_agrees_with_the_simulator_at_the_engines_true_speed() -> None:
     # engines twice the prior's speed: were the speed not applied live, every request would
     # take about twice as long there as offline
