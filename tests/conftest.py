@@ -43,8 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else:
             item.add_marker(pytest.mark.xdist_group(f"{path.parent.name}.{path.stem}"))
             rest.append(item)
-    # (xdist hands out units in collection order with --no-loadscope-reorder: the longest goes first)
-    items[:] = first + rest
+    # xdist hands out units in collection order (--no-loadscope-reorder): the longest first, the
+    # modules with tests that run alone last, when the real engines have started (or, on a cold
+    # machine, been provisioned) and the other worker has no long wait for its lock
+    alone = {item.path for item in rest if item.get_closest_marker("alone")}
+    items[:] = first + [i for i in rest if i.path not in alone] + [i for i in rest if i.path in alone]
 
 
 def pytest_configure(config: pytest.Config) -> None:
