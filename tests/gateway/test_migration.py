@@ -334,13 +334,15 @@ async def _read_stream(
 @pytest.mark.alone  # (the kill must land while the streams run)
 def test_killed_engine_under_load_loses_no_stream() -> None:
     """Four engines, eight streams each; one engine is killed (SIGKILL) while the streams are
-    under way: every stream completes with exactly its reference output and usage."""
+    under way: every stream completes with exactly its reference output and usage. The engines
+    run in real time (a stream takes ~2 s): at 4x, the gateway's view of 32 streams (relayed in
+    the test's process) fell behind until the victim had ended its streams before the kill."""
     n_streams, max_tokens = 32, 160
     with (
-        spawn_sim_engine(*SIM_ARGS, name="k0") as k0,
-        spawn_sim_engine(*SIM_ARGS, name="k1") as k1,
-        spawn_sim_engine(*SIM_ARGS, name="k2") as k2,
-        spawn_sim_engine(*SIM_ARGS, name="k3") as k3,
+        spawn_sim_engine(*REAL_TIME_ARGS, name="k0") as k0,
+        spawn_sim_engine(*REAL_TIME_ARGS, name="k1") as k1,
+        spawn_sim_engine(*REAL_TIME_ARGS, name="k2") as k2,
+        spawn_sim_engine(*REAL_TIME_ARGS, name="k3") as k3,
     ):
         fleet = [k0, k1, k2, k3]
         bodies = [chat_body(f"stream number {i} of the load test", max_tokens) for i in range(n_streams)]
@@ -370,17 +372,25 @@ def test_killed_engine_under_load_loses_no_stream() -> None:
                         asyncio.create_task(_read_stream(client, gw.url + CHAT, body, progress, i))
                         for i, body in enumerate(bodies)
                     ]
-                    # the kill once all 32 run at the engines (in flight at the gateway: begun,
-                    # not ended). Not by what the client has read: on a loaded 2-core machine the
+                    # the kill once all 32 are in flight at the gateway (none ended) and all of
+                    # the victim's decode (their first token in: they move, where the others would
+                    # be retried). Not by what the client has read: on a loaded 2-core machine the
                     # client (sharing a process with the gateway) fell seconds behind, and every
-                    # stream on the victim had ended there before the kill
+                    # stream on the victim had ended before the kill
                     records = gw.gateway.fleet.records
+                    on_k2 = records[victim.name]
+
+                    def ready() -> bool:
+                        if sum(r.in_flight for r in records.values()) < n_streams:
+                            return False
+                        return all(e.prefilled for e in list(on_k2.running.values()))
+
                     deadline = time.monotonic() + 30
-                    while sum(r.in_flight for r in records.values()) < n_streams:
-                        assert time.monotonic() < deadline, "the 32 streams never ran at once"
+                    while not ready():
+                        assert time.monotonic() < deadline, "the 32 streams were never under way at once"
                         await asyncio.sleep(0.002)
                     scrape = await client.get(victim.url + "/metrics")
-                    cut = records[victim.name].in_flight
+                    cut = sum(e.prefilled for e in list(on_k2.running.values()))
                     os.kill(victim.pid, signal.SIGKILL)
                     # (the victim had finished none of them: none could end from what it had sent)
                     assert finished_requests(scrape.text) == 0 < cut
