@@ -15,7 +15,6 @@ the setup of its fixtures to their teardown: ``alone`` ones exclusively, the oth
 from __future__ import annotations
 
 import fcntl
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,28 +55,31 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _lock_path(config: pytest.Config) -> Path | None:
-    worker = getattr(config, "workerinput", None)
-    if worker is None:
+def _lock_paths(config: pytest.Config) -> tuple[Path, Path] | None:
+    """The lock the tests hold while they run, and the gate taken to ask for it (see below); in
+    the run's base temporary directory, which every worker's own lies in."""
+    if getattr(config, "workerinput", None) is None:
         return None  # one process: tests run one at a time anyway
-    return Path(tempfile.gettempdir()) / f"slogate-tests-{worker['testrunuid']}.lock"
+    factory: pytest.TempPathFactory = config._tmp_path_factory  # type: ignore[attr-defined]
+    shared = factory.getbasetemp().parent
+    return shared / "tests-running.lock", shared / "tests-gate.lock"
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # (outside pytest-timeout's timer: waiting is no test time)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    path = _lock_path(item.config)
-    if path is None:
+    paths = _lock_paths(item.config)
+    if paths is None:
         yield
         return
-    with path.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+    alone = item.get_closest_marker("alone") is not None
+    mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+    with paths[0].open("a") as lock, paths[1].open("a") as gate:
+        # Linux grants a shared flock while an exclusive one waits, so a worker running short
+        # tests back to back could keep an ``alone`` test waiting: the gate lets one in at a time
+        fcntl.flock(gate, mode)
+        fcntl.flock(lock, mode)
+        fcntl.flock(gate, fcntl.LOCK_UN)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    path = _lock_path(config)
-    if path is not None:
-        path.unlink(missing_ok=True)

@@ -66,6 +66,8 @@ def late_bound_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return free_port()
+    if low <= 2048:  # (no room below the range)
+        return free_port()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, low - 12_000), low)

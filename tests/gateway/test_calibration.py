@@ -64,6 +64,7 @@ def probes(outcome: str) -> float:
     return value or 0.0
 
 
+@pytest.mark.alone  # (probes time the engine's steps)
 async def test_calibration_sets_the_coefficients_within_20_percent(engine: SimProcess) -> None:
     async with aiohttp.ClientSession() as session:
         fleet, slo, calibrator = await setup(engine, session)
@@ -152,6 +153,7 @@ async def test_a_run_interrupted_by_client_traffic_is_not_begun_again_at_every_i
         assert calibrator.due["e0"] > time.monotonic() + 3  # tried again after a wait
 
 
+@pytest.mark.alone  # (probes time the engine's steps)
 def test_a_gateway_with_calibration_probes_its_engine_and_stops_it_with_itself(engine: SimProcess) -> None:
     entry = {"url": engine.url, "kind": "sim", "model": MODEL, "name": "e0", "latency_profile": "qwen-7b"}
     with run_gateway(engines=[entry], calibration=True) as gw:

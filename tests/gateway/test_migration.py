@@ -393,6 +393,7 @@ def test_killed_engine_under_load_loses_no_stream() -> None:
                     cut = sum(e.prefilled for e in list(on_k2.running.values()))
                     os.kill(victim.pid, signal.SIGKILL)
                     # (the victim had finished none of them: none could end from what it had sent)
+                    assert "# TYPE vllm:request_success_total counter" in scrape.text  # (0 means none)
                     assert finished_requests(scrape.text) == 0 < cut
                     return list(await asyncio.gather(*tasks))
 
