@@ -717,6 +717,8 @@ class SimServer:
             if http.transport is not None:
                 http.transport.abort()  # a cut, not a clean end: the client must see the failure
             return resp
+        except ConnectionResetError:
+            return resp  # the client left: _run's cleanup aborts the request (no traceback to log)
         self._held(sim, room)
         tail = fmt.final_chunk_with_params(
             sim.finish_reason or "length", self._kv_params(sim), out.stop_reason
@@ -781,6 +783,8 @@ class SimServer:
             if http.transport is not None:
                 http.transport.abort()  # a cut, not a clean end: the client must see the failure
             return resp
+        except ConnectionResetError:
+            return resp  # the client left: _run's cleanup aborts the requests
         tail = b""
         if include_usage:
             first = choices[0].sim
