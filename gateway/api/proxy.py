@@ -239,7 +239,7 @@ class Proxy:
                 span=span,
             )
             if self.prefix is not None:
-                await self._attach(call, headers, identity.key_id)
+                await self._attach(call, headers)
             if self.router is not None and headers.get(b"x-slogate-debug") in _DEBUG_ON:
                 self.router.explain(rid, _decision_receiver(call))
             status = await self._serve(call, receive)
@@ -291,9 +291,9 @@ class Proxy:
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
 
-    async def _attach(self, call: Call, headers: dict[bytes, bytes], key_id: str | None) -> None:
+    async def _attach(self, call: Call, headers: dict[bytes, bytes]) -> None:
         """Hand the router the request's prompt blocks (the prefix index's key) and session key:
-        ``x-session-id``, else the body's ``user``, else the API key's fingerprint."""
+        ``x-session-id``, else the body's ``user`` (:func:`affinity_key`)."""
         assert self.prefix is not None
         request = call.request
         blocks = None
@@ -309,7 +309,7 @@ class Proxy:
             metrics.PREFIX_HASH.observe(time.perf_counter() - t0)
         key = None
         if self.prefix.affinity is not None:
-            key = affinity_key(call.tenant, header_text(headers, b"x-session-id"), request.user, key_id)
+            key = affinity_key(call.tenant, header_text(headers, b"x-session-id"), request.user)
         self.prefix.attach(call.rid, blocks, key)
 
     @staticmethod

@@ -170,6 +170,31 @@ def test_a_session_s_next_turn_goes_where_its_history_is_cached(
     assert all(s._task is None for s in feed.subscribers.values())  # stopped with the app
 
 
+def test_one_api_key_is_not_one_session(kv_engines: list[tuple[ChildProcess, int]]) -> None:
+    """An application sends all its users' requests with one key: without a session id or a
+    user, they are no session (keyed by the key, each request stuck to the engine the last one
+    went to, every request of the app on one engine until the imbalance guard gave way)."""
+    engines = [engine_entry(proc) for proc, _ in kv_engines]
+    with run_gateway(engines=engines, routing_profile="prefix-aware", api_keys=["sk-app-0123456789"]) as gw:
+        url = gw.url + "/v1/chat/completions"
+        headers = {"authorization": "Bearer sk-app-0123456789", "x-slogate-debug": "1"}
+        chosen = []
+        for i in range(12):  # distinct prompts, one at a time: every engine idle, every one a miss
+            messages = [{"role": "user", "content": english_text(300, seed=100 + i)}]
+            r = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 2}, headers=headers)
+            assert r.status_code == 200, r.text
+            decision = _decision(r)
+            assert "session_engine" not in decision and float(decision["session_affinity"]) == 0.0
+            chosen.append(decision["engine"])
+        assert set(chosen) == {"e0", "e1"}, chosen  # ties broken at random, not by the key
+        # a session the client names still sticks, with the key as without it
+        session = {**headers, "x-session-id": "chat-1"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        first = _decision(httpx.post(url, json=body, headers=session))["engine"]
+        for _ in range(3):
+            assert _decision(httpx.post(url, json=body, headers=session))["engine"] == first
+
+
 def test_a_body_parsed_in_the_worker_brings_its_prompt_ids() -> None:
     import orjson
 

@@ -135,9 +135,8 @@ def test_token_load_prefers_fewer_running_tokens() -> None:
 
 
 def test_affinity_keys() -> None:
-    assert affinity_key("t", session_id="s1", user="u", api_key_id="k") == "t\x1fs:s1"
-    assert affinity_key("t", user="u", api_key_id="k") == "t\x1fu:u"
-    assert affinity_key("t", api_key_id="k") == "k:k"
+    assert affinity_key("t", session_id="s1", user="u") == "t\x1fs:s1"
+    assert affinity_key("t", user="u") == "t\x1fu:u"
     assert affinity_key("t") is None
     assert affinity_key("t1", user="alice") != affinity_key("t2", user="alice")
     assert affinity_key("t", session_id="x") != affinity_key("t", user="x")
