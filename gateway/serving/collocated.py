@@ -399,8 +399,9 @@ class CollocatedFlow:
             for fresh in (False, True):
                 try:
                     async with asyncio.timeout_at(headers_at):
+                        # (never redirects: the engine's key would go with the request elsewhere)
                         response = await (self.fresh_session if fresh else self.session).post(
-                            url, data=payload, headers=headers, timeout=self._timeout
+                            url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
                         )
                     return response
                 except aiohttp.ConnectionTimeoutError:
@@ -498,11 +499,11 @@ class CollocatedFlow:
             return response
         # (an answer on a fresh connection after a stale pooled one: the stale one was not read)
         call.upstream_reached = False
-        call.upstream_answered = response.status < 400
+        call.upstream_answered = response.status == 200
         if up is not None:
             up.set_attribute("http.response.status_code", response.status)
         try:
-            if response.status >= 400:
+            if response.status != 200:  # (any other status is no answer: engine_refused)
                 return await self.engine_refused(call, record, response, headers_at)
             if request.stream and response.content_type == "application/json":
                 return await self.engine_did_not_stream(call, record, response, headers_at)

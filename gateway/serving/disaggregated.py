@@ -295,7 +295,7 @@ class DisaggregatedFlow:
         if isinstance(response, GatewayError):
             return response
         try:
-            if response.status >= 400:
+            if response.status != 200:  # (any other status is no answer: engine_refused)
                 return await self.collocated.engine_refused(call, record, response, finish_at)
             started = time.monotonic()  # (post counted the wait for the headers)
             try:

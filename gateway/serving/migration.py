@@ -578,7 +578,7 @@ class Migrator:
         if isinstance(response, GatewayError):
             return response
         try:
-            if response.status >= 400:
+            if response.status != 200:  # (any other status is no answer: engine_refused)
                 return await self.flow.engine_refused(call, record, response, headers_at)
             return await self._relay(call, ledger, state, record, entry, response, first_at)
         finally:

@@ -46,8 +46,13 @@ _LAST_WORDS_S = 1.0
 
 
 def upstream_error(status: int, body: bytes) -> GatewayError:
-    """An engine's non-2xx answer as an OpenAI-shaped error with the same status."""
+    """An engine's answer other than 200 as an OpenAI-shaped error: with the same status when it
+    is an HTTP error (4xx, 5xx), else a 502. A 2xx other than 200 (a 204 is bodiless), a
+    redirect, or a status HTTP does not define (uvicorn has no status line for 600: the client's
+    connection was dropped with nothing sent) is no completion, and not the client's to read."""
     message = body.decode(errors="replace")[:2000] or f"engine returned HTTP {status}"
+    if not 400 <= status <= 599:
+        return GatewayError(502, f"engine answered HTTP {status}, not a completion", code="upstream_failed")
     code = None
     with contextlib.suppress(orjson.JSONDecodeError):
         data = orjson.loads(body)
