@@ -41,7 +41,7 @@ from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
-from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.serving.stream_state import PARSED_KEYS, PARSED_OUTPUT, Cut, StreamLedger, valid_token_ids
 from gateway.sse import sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
@@ -66,6 +66,8 @@ COMPLETIONS = "/v1/completions"
 PATHS = {"chat": "/v1/chat/completions", "completions": COMPLETIONS}
 #: engine kinds that return token ids (``return_token_ids``) and take a token-id prompt
 TOKEN_ID_KINDS = frozenset(("vllm", "sim"))
+#: token counts an engine reports at or above this are not believed
+_COUNT_END = 1 << 40
 #: body fields :func:`policies.migration.unsupported` reads; a body with none of them is
 #: accepted without decoding it (a large body parsed in a worker stays undecoded)
 _POLICY_FIELDS = UNSUPPORTED_FIELDS
@@ -303,7 +305,7 @@ class Migrator:
             choices = first.get("choices")
             if isinstance(choices, list) and choices and isinstance(choices[0], dict):
                 prompt = choices[0].get("prompt_token_ids")
-        if not isinstance(prompt, list) or not prompt:
+        if not prompt or not valid_token_ids(prompt):
             return None
         request = call.request
         body = request.body
@@ -343,7 +345,9 @@ class Migrator:
         if call.engine_id:
             out.add(call.engine_id)
         for engine_id, record in self.flow.fleet.records.items():
-            if record.adapter.role is Role.PREFILL:
+            # (an engine that returns no token ids cannot be resumed from, nor resume: its text
+            # would go to the client unrecorded, and be repeated after the next cut)
+            if record.adapter.role is Role.PREFILL or record.adapter.kind not in TOKEN_ID_KINDS:
                 out.add(engine_id)
         return sorted(out)
 
@@ -404,6 +408,8 @@ class Migrator:
             return None
         exclude = set(self._excluded(call, ledger, []))
         relayed = len(ledger.tokens())
+        if ledger.blocked is not None:  # (its ids turned out malformed: it cannot move)
+            return None
         context = len(state.prompt_ids) + relayed
         remaining = call.request.max_tokens - relayed
         if state.limit is not None:
@@ -656,12 +662,15 @@ class Migrator:
                             if not isinstance(choice, dict):
                                 raise _Failed(f"a malformed event: {payload[:200]!r}")
                             ids = choice.get("token_ids")
-                            if ids is not None and not (
-                                isinstance(ids, list) and all(type(i) is int for i in ids)
-                            ):
+                            if ids is not None and not valid_token_ids(ids):
                                 raise _Failed(f"malformed token ids: {payload[:200]!r}")
                             finish = choice.get("finish_reason")
                             delta = choice.get("delta")
+                            if isinstance(delta, dict) and any(delta.get(k) for k in PARSED_KEYS):
+                                # a restart on an engine that parses reasoning or tool calls: its
+                                # events re-shaped as text would drop them (nor can it go on)
+                                ledger.blocked, ledger.tracking = PARSED_OUTPUT, False
+                                raise _Failed("output the engine parses (reasoning or tool calls)")
                             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
                             if text is not None and not isinstance(text, str):
                                 raise _Failed(f"malformed text: {payload[:200]!r}")
@@ -675,7 +684,10 @@ class Migrator:
                     except (_Failed, orjson.JSONDecodeError) as exc:
                         failed = exc
                     now = time.monotonic()
-                    deadline.reschedule(clock() + idle_s)
+                    if out or started:
+                        # (armed from the first output on: keep-alive comments or usage before
+                        # it held the stream, and its engine, for as long as they came)
+                        deadline.reschedule(clock() + idle_s)
                     if out:
                         if not started:
                             started = True
@@ -742,8 +754,10 @@ class Migrator:
             self.flow.dispatch.release(record.engine_id, call.rid)
         produced = len(ledger.tokens())
         completion = produced
-        if base is not None and usage is not None and isinstance(usage.get("completion_tokens"), int):
-            completion = base + usage["completion_tokens"]
+        # (the engine's figures are its word: one past 64 bits made the usage chunk unwritable)
+        reported = usage.get("completion_tokens") if usage is not None else None
+        if base is not None and type(reported) is int and 0 <= reported < _COUNT_END:
+            completion = base + reported
         prompt = len(state.prompt_ids)
         totals: dict[str, Any] = {
             "prompt_tokens": prompt,
@@ -751,8 +765,9 @@ class Migrator:
             "completion_tokens": completion,
         }
         details = usage.get("prompt_tokens_details") if usage is not None else None
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            totals["prompt_tokens_details"] = {"cached_tokens": min(prompt, details["cached_tokens"])}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(cached) is int:
+            totals["prompt_tokens_details"] = {"cached_tokens": max(0, min(prompt, cached))}
         record_usage(call, totals)
         tail = b""
         if finish:

@@ -33,8 +33,18 @@ _FINISH_KEY = b'"finish_reason":'
 #: deltas a chat server parses out of the output (a reasoning parser; tool calls): a resumed
 #: stream is plain completions of the token ids and would carry them as text
 _PARSED_DELTAS = (b'"reasoning_content":"', b'"reasoning":"', b'"tool_calls":[{')
-_PARSED_KEYS = ("reasoning_content", "reasoning", "tool_calls")
-_PARSED = "the engine parses this stream's output (reasoning or tool calls)"
+PARSED_KEYS = ("reasoning_content", "reasoning", "tool_calls")
+PARSED_OUTPUT = "the engine parses this stream's output (reasoning or tool calls)"
+_MALFORMED = "a stream whose token ids the engine sent malformed"
+#: token ids at or above this are no vocabulary's (and would not survive the next engine's JSON)
+_TOKEN_ID_END = 1 << 31
+
+
+def valid_token_ids(ids: object) -> bool:
+    """Whether ``ids`` is a list of token ids an engine could be given back as a prompt."""
+    return isinstance(ids, list) and all(type(i) is int and 0 <= i < _TOKEN_ID_END for i in ids)
+
+
 #: how long after a slack check that did not move the stream the next one may come
 SLACK_RECHECK_S = 0.25
 
@@ -124,7 +134,7 @@ class StreamLedger:
         if self.first_chunk is None and b"data:" in chunk:  # (not a keep-alive comment)
             self.first_chunk = chunk
         if any(delta in chunk for delta in _PARSED_DELTAS):
-            self.blocked = _PARSED
+            self.blocked = PARSED_OUTPUT
             self.tracking = False
             return False
         if (_TOKEN_IDS not in chunk and b'"token_ids"' in chunk) or (
@@ -165,8 +175,8 @@ class StreamLedger:
                 if not isinstance(choice, dict):
                     continue
                 delta = choice.get("delta")
-                if isinstance(delta, dict) and any(delta.get(k) for k in _PARSED_KEYS):
-                    self.blocked = _PARSED
+                if isinstance(delta, dict) and any(delta.get(k) for k in PARSED_KEYS):
+                    self.blocked = PARSED_OUTPUT
                     self.tracking = False
                     return True
                 ids = choice.get("token_ids")
@@ -189,8 +199,18 @@ class StreamLedger:
         return self.generated
 
     def _materialise(self) -> None:
-        self.generated.extend(orjson.loads(b"[" + b",".join(self.id_slices) + b"]"))
+        try:
+            ids = orjson.loads(b"[" + b",".join(self.id_slices) + b"]")
+        except orjson.JSONDecodeError:
+            ids = None
         self.id_slices.clear()
+        if not valid_token_ids(ids):
+            # ("token_ids":[1,[2]] or ["a"]): what the client was sent has no ids to resume from,
+            # and a continuation from the rest would repeat or lose tokens
+            self.blocked = _MALFORMED
+            self.tracking = False
+            return
+        self.generated.extend(ids)
 
     def first_event(self) -> dict[str, Any] | None:
         """The first relayed event, decoded (id, created, model, prompt ids); None if none came."""

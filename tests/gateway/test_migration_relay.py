@@ -9,6 +9,7 @@ event and a failure arrive in the same read.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -18,12 +19,12 @@ from aiohttp import web
 
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import parse_request
-from gateway.dispatch.offline import offline_fleet
+from gateway.dispatch.offline import fleet_of, offline_fleet
 from gateway.fleet.registry import RunningEntry
 from gateway.serving.call import Call
 from gateway.serving.migration import Migrator, _Resume, _Shape
 from gateway.serving.stream_state import Cut, StreamLedger
-from gateway.settings import Settings
+from gateway.settings import EngineConfig, Settings
 from policies.migration import MigrationReason
 from policies.slo import SloSource, SloTarget
 from tests.gateway.stub_engines import StubEngine
@@ -34,14 +35,22 @@ MALFORMED = b"data: {not json\n\n"
 
 
 class _Flow:
-    """What the migrator reads of its flow here: the settings and the fleet."""
+    """What the migrator reads of its flow here: the settings, the fleet, and its dispatch's
+    release (the end of a stream gives the engine back)."""
 
-    def __init__(self) -> None:
-        self.settings = Settings()
+    def __init__(self, **settings: Any) -> None:
+        self.settings = Settings(**settings)
         self.fleet = offline_fleet({"m": 1})
+        self.dispatch = self
+
+    def release(self, engine_id: str, rid: str) -> None:
+        self.fleet.release(engine_id, rid)
 
 
-async def _relay_once(url: str) -> tuple[int | Cut, list[int], bytes]:
+async def _relay_once(
+    url: str, restart: bool = False, first_token_s: float = 5.0, kind: str = "completions", **body: Any
+) -> tuple[int | Cut, list[int], bytes]:
+    """One continuation (or, with ``restart``, a restart: nothing relayed before) from ``url``."""
     sent: list[bytes] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -49,24 +58,32 @@ async def _relay_once(url: str) -> tuple[int | Cut, list[int], bytes]:
 
     flow = _Flow()
     migrator = Migrator(flow)  # type: ignore[arg-type]
-    request = parse_request("completions", orjson.dumps({"model": "m", "prompt": "hi", "stream": True}), 16)
-    target = SloTarget(1.0, 0.1, "default", SloSource.DEFAULT)
-    call = Call(request, "rid-1", "rid-1", 0.0, send, target, None, (), {})
+    call = _call(send, kind, **body)
     record = next(iter(flow.fleet.records.values()))
     entry = RunningEntry(1, 16, 0.1, 0.0)
     flow.fleet.reserve(record.engine_id, call.rid, entry)
     ledger = StreamLedger()
-    ledger.extend([7, 8])  # what the first engine relayed before it failed
-    state = _Resume(
-        [1, 2, 3], _Shape("completions", {"id": "cmpl-1", "created": 0, "model": "m"}), 16, None, None
-    )
+    state = None
+    if not restart:
+        ledger.extend([7, 8])  # what the first engine relayed before it failed
+        state = _Resume([1, 2, 3], _Shape(kind, {"id": "cmpl-1", "created": 0, "model": "m"}), 16, None, None)
     loop = asyncio.get_running_loop()
     async with (
         aiohttp.ClientSession() as session,
         session.post(url + "/v1/chat/completions", json={}) as response,
     ):
-        outcome = await migrator._relay(call, ledger, state, record, entry, response, loop.time() + 5.0)
+        outcome = await migrator._relay(
+            call, ledger, state, record, entry, response, loop.time() + first_token_s
+        )
     return outcome, ledger.tokens(), b"".join(sent)
+
+
+def _call(send: Any, kind: str = "completions", **body: Any) -> Call:
+    fields = {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+    request = parse_request(kind, orjson.dumps({"model": "m", **fields, "stream": True, **body}), 16)  # type: ignore[arg-type]
+    return Call(
+        request, "rid-1", "rid-1", 0.0, send, SloTarget(1.0, 0.1, "default", SloSource.DEFAULT), None, (), {}
+    )
 
 
 def _engine(events: bytes) -> StubEngine:
@@ -213,3 +230,96 @@ def test_a_stream_cut_after_its_finish_ends_whole_not_with_an_error(usage_came: 
     status, sent, completion = asyncio.run(run())
     assert status == 200 and b'"error"' not in sent and sent.endswith(b"data: [DONE]\n\n")
     assert sent.count(b'"usage"') == (0 if usage_came else 1) and completion == 1
+
+
+@pytest.mark.parametrize("ids", [b"[1,[2]]", b'["a"]', b"[-1]", b"[4294967296]"])
+def test_malformed_token_ids_end_the_stream_with_an_error_event(ids: bytes) -> None:
+    """Ids the first engine sent malformed: the resumption read them as JSON and raised past
+    every handler (``[1,[2]]``), the client's stream dropped with no error event and no
+    [DONE]; or it resumed from ids no engine can take back (negative, past 32 bits)."""
+
+    async def run() -> tuple[int, bytes, StreamLedger]:
+        sent: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b""))
+
+        migrator = Migrator(_Flow(migration_limit=2))  # type: ignore[arg-type]
+        call = _call(send)
+        call.ledger = ledger = StreamLedger()
+        ledger.feed(
+            b'data: {"id":"c","created":0,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
+            b'"text":" a","token_ids":' + ids + b',"finish_reason":null}]}\n\n',
+            1,
+            0.0,
+        )
+        cut = Cut(MigrationReason.FAILURE, "m-0", GatewayError(502, "engine died", code="upstream_failed"))
+        return await migrator.resume(call, cut, []), b"".join(sent), ledger
+
+    status, sent, ledger = asyncio.run(run())
+    assert status == 502 and b'"error"' in sent and sent.endswith(b"data: [DONE]\n\n")
+    assert ledger.blocked is not None and "malformed" in ledger.blocked and ledger.tokens() == []
+
+
+def test_a_continuation_s_usage_past_any_count_is_not_believed() -> None:
+    """An engine reporting 2**64 - 1 completion tokens: the usage chunk could not be written
+    (orjson refuses integers past 64 bits) and the stream was dropped without [DONE]."""
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":18446744073709551615}}\n\n'
+    with _engine(TOKEN + usage + b"data: [DONE]\n\n") as engine:
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url, stream_options={"include_usage": True}))
+    assert outcome == 200 and tokens == [7, 8, 9] and sent.endswith(b"data: [DONE]\n\n")
+    assert b'"completion_tokens":3' in sent  # what was relayed, counted by the gateway
+
+
+def test_keep_alive_comments_do_not_hold_a_continuation_past_its_first_token_limit() -> None:
+    """A continuation engine that sends only comments: the first-token limit holds (each comment
+    re-armed the idle limit, so the stream and its engine were held as long as they came)."""
+
+    async def pings(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(40):
+            await response.write(b": ping\n\n")
+            await asyncio.sleep(0.1)
+        await response.write_eof()
+        return response
+
+    with StubEngine(pings) as engine:
+        started = time.monotonic()
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url, first_token_s=0.5))
+        took = time.monotonic() - started
+    assert isinstance(outcome, Cut) and outcome.reason is MigrationReason.STALL, outcome
+    assert outcome.error is not None and "no first token" in outcome.error.message
+    assert took < 2.5 and sent == b"" and tokens == [7, 8]
+
+
+def test_a_restart_on_an_engine_that_parses_reasoning_is_refused_not_emptied() -> None:
+    """A restart (nothing relayed yet) re-sends the chat request; an engine with a reasoning
+    parser answers in ``reasoning_content``, which the re-shaped events dropped: the client got
+    empty content events and no reasoning."""
+    first = (
+        b'data: {"id":"c","created":0,"model":"m","prompt_token_ids":[1,2],"choices":[{"index":0,'
+        b'"delta":{"role":"assistant","reasoning_content":"let me think"},"token_ids":[5]}]}\n\n'
+    )
+    with _engine(first + b"data: [DONE]\n\n") as engine:
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url, restart=True, kind="chat"))
+    assert isinstance(outcome, Cut) and outcome.error is not None
+    assert sent == b"" and tokens == []
+
+
+def test_a_continuation_never_goes_to_an_engine_that_returns_no_token_ids() -> None:
+    """A model served by a simulated engine and an OpenAI-compatible one: the continuation's text
+    from the latter would reach the client unrecorded, and be repeated after the next cut."""
+    flow = _Flow()
+    flow.fleet = fleet_of(
+        [
+            EngineConfig(url="http://127.0.0.1:1", kind="sim", model="m", name="sim-0"),  # type: ignore[arg-type]
+            EngineConfig(url="http://127.0.0.1:2", kind="openai", model="m", name="plain-0"),  # type: ignore[arg-type]
+            EngineConfig(url="http://127.0.0.1:3", kind="vllm", model="m", name="vllm-0"),  # type: ignore[arg-type]
+        ],
+        3.0,
+    )
+    migrator = Migrator(flow)  # type: ignore[arg-type]
+    call = _call(_ignore)
+    call.engine_id = "sim-0"
+    assert migrator._excluded(call, StreamLedger(), []) == ["plain-0", "sim-0"]
