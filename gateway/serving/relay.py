@@ -336,8 +336,8 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
     whatever follows ``[DONE]``.
 
     Returns the bytes to relay, whether ``[DONE]`` came, the events relayed, how many of them
-    carry content (neither ``[DONE]`` nor usage only nor an error nor a comment), and where in
-    the bytes the first error event begins (-1: none).
+    before any error carry content (neither ``[DONE]`` nor usage only nor an error nor a
+    comment), and where in the bytes the first error event begins (-1: none).
     """
     done = False
     kept: list[bytes] = []
@@ -364,9 +364,11 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
                         continue
                     kept.append(event + sep)
                     continue
-            content += 1
+            content += failed_at < 0
         else:
-            content += 1
+            # (output after an engine's error event is not counted: a migrating stream relays
+            # only what came before it, and what it counted went into its ledger)
+            content += failed_at < 0
         kept.append(event + sep)
     return b"".join(kept), done, len(kept), content, failed_at
 

@@ -394,3 +394,14 @@ async def test_a_stream_whose_spaced_json_carries_reasoning_is_not_resumable() -
     ledger = StreamLedger()
     await relay_on([spaced({**first, "choices": [delta]}), ENGINE_ERROR], ledger)
     assert ledger.blocked and not ledger.tracking
+
+
+async def test_output_after_an_in_band_error_is_not_counted() -> None:
+    """Events an engine sends after its error event: a migrating stream relays only what came
+    before the error, yet counted them all, as output and in its ledger's pace."""
+    chunk = TOKEN_EVENT + ENGINE_ERROR + TOKEN_EVENT.replace(b"[5]", b"[6]") + b"data: [DONE]\n\n"
+    ledger = StreamLedger()
+    outcome, sent, call, _ = await relay_on([chunk], ledger)
+    assert isinstance(outcome, Cut) and sent == TOKEN_EVENT
+    assert call.content_events == 1 and ledger.tokens() == [5]
+    assert call.entry is not None and call.entry.generated == 1
