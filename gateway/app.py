@@ -148,6 +148,7 @@ class Gateway:
             s.eject_after_failures,
             s.readmit_after_successes,
             scrape_timeout_s=s.scrape_timeout_s,
+            stall_after_s=s.stall_after_s,
         )
         self.monitor.start()
         # Serve with real health information rather than guessing: wait for one round of checks.
@@ -440,6 +441,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "role": r.adapter.role.value,
                     "healthy": r.healthy,
                     "draining": r.draining,  # (a role flip under way)
+                    "stalled": r.stalled,  # (work held, no progress: out of rotation)
                     "in_flight": r.in_flight,
                     "last_error": r.last_error or None,
                     "state": asdict(r.state) if r.state else None,

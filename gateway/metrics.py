@@ -305,6 +305,18 @@ POLICY_CALL = Histogram(
 ENGINE_HEALTHY = Gauge(
     "slogate_engine_healthy", "1 when the engine is in rotation", ["engine"], registry=REGISTRY
 )
+ENGINE_STALLED = Gauge(
+    "slogate_engine_stalled",
+    "1 while the engine is out of rotation for a stall: work held, no progress (stall_after_s)",
+    ["engine"],
+    registry=REGISTRY,
+)
+ENGINE_STALLS = Counter(
+    "slogate_engine_stalls_total",
+    "Times an engine was taken out of rotation for a stall",
+    ["engine"],
+    registry=REGISTRY,
+)
 ENGINE_IN_FLIGHT = Gauge(
     "slogate_engine_in_flight",
     "Requests this gateway has in flight on the engine",

@@ -279,6 +279,14 @@ class Settings(BaseSettings):
         description="per metrics scrape; a slow or failed scrape makes the state stale, never ejects",
     )
     eject_after_failures: int = Field(default=2, ge=1)
+    stall_after_s: float = Field(
+        default=15.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="an engine holding work that shows no progress (no first token, streamed event "
+        "or work counter moving) for this long is taken out of rotation until it does or holds "
+        "nothing, unless it is its model's last engine in rotation; 0 = off",
+    )
     readmit_after_successes: int = Field(default=1, ge=1)
 
     latency_step_gap_s: float = Field(

@@ -61,8 +61,11 @@ class FleetMonitor:
         eject_after_failures: int,
         readmit_after_successes: int,
         scrape_timeout_s: float | None = None,
+        stall_after_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
+        #: see Settings.stall_after_s (0: off)
+        self.stall_after_s = stall_after_s
         self.interval_s = interval_s
         self.eject_after = eject_after_failures
         self.readmit_after = readmit_after_successes
@@ -130,8 +133,9 @@ class FleetMonitor:
                 "healthy" if record.healthy else "ejected",
                 extra={"engine": engine_id, "reason": error},
             )
-        # in rotation: healthy and not draining (for a role flip or a scale-in)
-        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if record.healthy and not record.draining else 0.0)
+        self._check_stall(record)
+        # in rotation: healthy and not draining (for a role flip or a scale-in) nor stalled
+        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if self.fleet.in_front(record) else 0.0)
         if flipped and not record.healthy:
             # what it last reported no longer holds: no series rather than a dead engine's last
             # load (dashboards summed it, KV alerts kept firing); the next good scrape sets them
@@ -140,6 +144,25 @@ class FleetMonitor:
                     gauge.remove(engine_id)
         metrics.ENGINE_IN_FLIGHT.labels(engine_id).set(record.in_flight)
         return ok
+
+    def _check_stall(self, record: EngineRecord) -> None:
+        """Out of rotation while it holds work and shows no progress, back when it does."""
+        engine_id = record.engine_id
+        if not self.fleet.check_stall(engine_id, time.monotonic(), self.stall_after_s):
+            return
+        metrics.ENGINE_STALLED.labels(engine_id).set(1.0 if record.stalled else 0.0)
+        if record.stalled:
+            metrics.ENGINE_STALLS.labels(engine_id).inc()
+            log.warning(
+                "engine %s is stalled: it holds %d requests and has shown no progress for %.0f s; "
+                "out of rotation until it does",
+                engine_id,
+                record.in_flight,
+                self.stall_after_s,
+                extra={"engine": engine_id},
+            )
+        else:
+            log.info("engine %s is back in rotation after a stall", engine_id, extra={"engine": engine_id})
 
     async def scrape_once(self, record: EngineRecord) -> bool:
         """One metrics scrape. Never raises, never touches health.

@@ -24,6 +24,7 @@ from typing import Protocol
 from gateway.engines import EngineAdapter
 from gateway.fleet.rank_index import RankIndex, RankKey
 from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role
+from policies.stall import is_stalled
 
 log = logging.getLogger("slogate.fleet")
 
@@ -87,6 +88,14 @@ class EngineRecord:
     running_tokens: int = 0
     #: taken out of rotation for an admin action (a role flip): healthy, but given no new work
     draining: bool = False
+    #: out of rotation while it holds work and makes no progress (:func:`policies.stall.is_stalled`)
+    stalled: bool = False
+    #: a count that moves with every sign of progress (first tokens, streamed events, the
+    #: engine's own work counters): read by the stall check, cheap on the relay's path
+    progress: int = 0
+    #: the count at the last stall check, and when it last moved as of a check
+    progress_seen: int = 0
+    progress_at: float = 0.0
     #: running requests per TPOT target (a handful of SLO classes: the tightest is a min over few)
     tpot_counts: dict[float, int] = field(default_factory=dict)
     #: LoRA adapters loaded on the engine's model, as its ``/v1/models`` listed them last
@@ -156,6 +165,23 @@ class TokenObserver(Protocol):
 #: hostile engine may report any number, and one past what a float holds made every later
 #: snapshot of every model raise
 MAX_REPORTED = 1 << 31
+
+
+def _worked(before: EngineState | None, after: EngineState | None) -> bool:
+    """Whether the engine's own work counters moved between two scrapes (progress that no
+    stream of this gateway shows: non-streamed answers, other clients' requests)."""
+    old = None if before is None else before.timing
+    new = None if after is None else after.timing
+    if old is None or new is None:
+        return False
+    return any(
+        b is not None and a is not None and b > a
+        for a, b in (
+            (old.steps, new.steps),
+            (old.prompt_tokens, new.prompt_tokens),
+            (old.generation_tokens, new.generation_tokens),
+        )
+    )
 
 
 def bounded_state(state: EngineState) -> EngineState:
@@ -267,6 +293,7 @@ class Fleet:
         for record in self.engines_of.get(model, ()):
             snap = self._engine_snaps[record.index]
             if snap is not None and snap.healthy and snap.role is Role.DECODE and not record.draining:
+                # (a stall takes only front engines out: see check_stall)
                 pool.append(snap)
         return pool
 
@@ -332,7 +359,13 @@ class Fleet:
             for record in self.engines_of.get(model, ()):
                 self._routable_slot.pop(record.index, None)
                 snap = self._engine_snaps[record.index]
-                if snap is not None and snap.healthy and snap.role in FRONT_ROLES and not record.draining:
+                if (
+                    snap is not None
+                    and snap.healthy
+                    and snap.role in FRONT_ROLES
+                    and not record.draining
+                    and not record.stalled
+                ):
                     self._routable_slot[record.index] = len(routable)
                     routable.append(snap)
             self._routable[model] = routable
@@ -432,6 +465,7 @@ class Fleet:
         if entry is None or entry.prefilled:
             return
         entry.prefilled = True
+        record.progress += 1
         record.unprefilled.pop(request_id, None)
         if entry.on_prefilled is not None:
             callback, entry.on_prefilled = entry.on_prefilled, None
@@ -448,6 +482,7 @@ class Fleet:
             observer.tokens(record, entry, tokens)
         entry.generated += tokens
         record.running_tokens += tokens
+        record.progress += tokens
 
     # -- health and state, written by the monitor and by data-path failures -----------------------
 
@@ -466,7 +501,10 @@ class Fleet:
         are the lesser of the two, erring towards counting a placement twice (more load, for one
         scrape interval) rather than other load not at all."""
         record = self.records[engine_id]
+        before = record.state
         record.state = None if state is None else bounded_state(state)
+        if _worked(before, record.state):
+            record.progress += 1
         record.state_at = now
         record.scrape_sent_at = now if sent_at is None else sent_at
         in_flight, tokens = record.in_flight, record.in_flight_tokens
@@ -505,7 +543,12 @@ class Fleet:
 
     @staticmethod
     def in_front(record: EngineRecord) -> bool:
-        return record.healthy and not record.draining and record.adapter.role in FRONT_ROLES
+        return (
+            record.healthy
+            and not record.draining
+            and not record.stalled
+            and record.adapter.role in FRONT_ROLES
+        )
 
     def _set_healthy(self, record: EngineRecord, healthy: bool) -> None:
         if record.healthy == healthy:
@@ -521,6 +564,41 @@ class Fleet:
             self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
         self._dirty.add(record.index)
+        if not self._healthy_per_model[record.model]:
+            # A stall only moves work between a model's engines, never refuses it: with no other
+            # engine left in front, its stalled ones are all it has (and a false alarm, say one
+            # long prefill with nothing else to stream, would otherwise be an outage)
+            for other in self.engines_of.get(record.model, ()):
+                if other.stalled:
+                    self.set_stalled(other.engine_id, False)
+
+    def set_stalled(self, engine_id: str, stalled: bool) -> None:
+        """Take the engine out of rotation for a stall (see :meth:`check_stall`) or back in."""
+        record = self.records[engine_id]
+        if record.stalled == stalled:
+            return
+        before = self.in_front(record)
+        record.stalled = stalled
+        self._membership_changed(record, before)
+        self._notify(engine_id, "role")  # (as for a drain: out of rotation, or back with a fresh look)
+
+    def check_stall(self, engine_id: str, now: float, after_s: float) -> bool:
+        """Mark the engine stalled, or no longer, by :func:`policies.stall.is_stalled`; True when
+        that changed. The last engine of its model in front is never marked: it takes the work
+        or nothing does."""
+        record = self.records[engine_id]
+        if record.progress != record.progress_seen:
+            record.progress_seen = record.progress
+            record.progress_at = now
+        sent = [e.dispatched_at for e in record.running.values() if e.dispatched_at > 0.0]
+        oldest = min(sent) if sent else None
+        stalled = record.adapter.role in FRONT_ROLES and is_stalled(oldest, record.progress_at, now, after_s)
+        if stalled == record.stalled:
+            return False
+        if stalled and (not self.in_front(record) or self._healthy_per_model[record.model] <= 1):
+            return False  # (ejected or drained already, or the last one: see above)
+        self.set_stalled(engine_id, stalled)
+        return True
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """Take the engine out of rotation (no new work; what runs there finishes) or back in."""

@@ -1,0 +1,168 @@
+"""A stalled engine (healthy by its health route, producing nothing for the work it holds) leaves
+rotation until it makes progress or holds nothing; a stall moves work between a model's engines
+and never refuses it. Peer gateways' users: "one stalled backend hangs requests"."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.procs import ChildProcess, spawn_sim_engine
+from policies.api import EngineState, EngineTiming
+from policies.stall import is_stalled
+from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.stub_engines import StubEngine, never_answer
+
+AFTER = 15.0
+
+
+def test_is_stalled() -> None:
+    assert not is_stalled(None, 0.0, 100.0, AFTER)  # holds nothing
+    assert not is_stalled(10.0, 0.0, 24.9, AFTER)
+    assert is_stalled(10.0, 0.0, 25.0, AFTER)
+    assert not is_stalled(10.0, 20.0, 34.9, AFTER)  # progress since its oldest request
+    assert is_stalled(10.0, 20.0, 35.0, AFTER)
+    assert not is_stalled(10.0, 0.0, 1e9, 0.0)  # off
+
+
+def _hold(fleet: Fleet, engine: str, rid: str, sent: float) -> RunningEntry:
+    entry = RunningEntry(100, 10, 0.1, sent)
+    fleet.reserve(engine, rid, entry)
+    return entry
+
+
+def _routable(fleet: Fleet) -> list[str]:
+    return [s.engine_id for s in fleet.candidates(MODEL)]
+
+
+def test_an_engine_holding_work_without_progress_leaves_rotation_until_it_shows_some() -> None:
+    fleet = offline_fleet({MODEL: 3})
+    _hold(fleet, "m-0", "r1", sent=10.0)
+    assert not fleet.check_stall("m-0", 24.0, AFTER)
+    assert fleet.check_stall("m-0", 25.5, AFTER)
+    record = fleet.records["m-0"]
+    assert record.stalled and not fleet.in_front(record) and fleet.has_healthy(MODEL)
+    assert _routable(fleet) == ["m-1", "m-2"]
+    fleet.mark_prefilled("m-0", "r1")  # its first token: progress
+    assert fleet.check_stall("m-0", 26.0, AFTER) and not record.stalled
+    assert _routable(fleet) == ["m-0", "m-1", "m-2"]
+    # streamed events are progress too (as of the check that sees them); without more, it is
+    # stalled again AFTER later
+    fleet.add_generated(record, record.running["r1"], 1)
+    assert not fleet.check_stall("m-0", 40.0, AFTER)
+    assert not fleet.check_stall("m-0", 54.9, AFTER)
+    assert fleet.check_stall("m-0", 55.0, AFTER) and record.stalled
+    # holding nothing (its request timed out, or the client left), it is back
+    fleet.release("m-0", "r1")
+    assert fleet.check_stall("m-0", 55.5, AFTER) and not record.stalled
+
+
+def test_the_engine_s_own_work_counters_are_progress() -> None:
+    """A non-streamed answer shows nothing until it ends: the engine's counters say it works."""
+    fleet = offline_fleet({MODEL: 2})
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    for second in range(1, 40):
+        timing = EngineTiming(steps=float(second), generation_tokens=float(10 * second))
+        fleet.record_state("m-0", EngineState(num_running=1, timing=timing), float(second))
+        assert not fleet.check_stall("m-0", float(second), AFTER)
+    assert not fleet.records["m-0"].stalled
+    frozen = EngineTiming(steps=39.0, generation_tokens=390.0)  # and then they stop
+    for second in range(40, 56):
+        fleet.record_state("m-0", EngineState(num_running=1, timing=frozen), float(second))
+        fleet.check_stall("m-0", float(second), AFTER)
+    assert fleet.records["m-0"].stalled
+
+
+def test_a_stall_never_leaves_a_model_without_an_engine() -> None:
+    fleet = offline_fleet({MODEL: 3})
+    for i in range(3):
+        _hold(fleet, f"m-{i}", f"r{i}", sent=0.5)
+    assert fleet.check_stall("m-0", 20.0, AFTER) and fleet.check_stall("m-1", 20.0, AFTER)
+    assert not fleet.check_stall("m-2", 20.0, AFTER)  # the last one in rotation takes the work
+    assert _routable(fleet) == ["m-2"]
+    # the last one ejected: the stalled engines are all the model has, and come back
+    fleet.record_health("m-2", False, eject_after=1, readmit_after=1)
+    assert not fleet.records["m-0"].stalled and not fleet.records["m-1"].stalled
+    assert fleet.has_healthy(MODEL) and _routable(fleet) == ["m-0", "m-1"]
+
+
+# -- live: a stub that never answers beside a simulated engine ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[ChildProcess]:
+    with spawn_sim_engine(*SIM_ARGS, name="b-sim") as engine:
+        yield engine
+
+
+def _stalls(metrics: str) -> float:
+    """The stall count of the stub (the registry is the process's: earlier tests count too)."""
+    found = re.search(r'^slogate_engine_stalls_total\{engine="a-hang"\} (\S+)$', metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _engines(gw: RunningGateway) -> dict[str, dict[str, Any]]:
+    return {e["id"]: e for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+
+
+@pytest.mark.parametrize("profile", ["round-robin", "least-load", "hyperflexis"])
+def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) -> None:
+    """One request hangs on an engine that passes its health checks; once that engine is found
+    stalled, every new request goes to the other (round robin sent it every second request, each
+    to wait out its headers limit), and it is back in rotation when it holds nothing."""
+    settings: dict[str, Any] = {
+        "routing_profile": profile,
+        "monitor_interval_s": 0.1,
+        "stall_after_s": 0.5,
+        "request_timeout_s": 4.0,
+        "dispatch_attempts": 1,
+    }
+    with (
+        StubEngine(never_answer) as hang,
+        run_gateway(engines=[hang.entry("a-hang"), engine_entry(sim)], **settings) as gw,
+    ):
+        url = gw.url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        answers: list[httpx.Response] = []
+
+        def post() -> None:
+            answers.append(httpx.post(url, json=body, timeout=30))
+
+        threads: list[threading.Thread] = []
+        stalls_before = _stalls(httpx.get(gw.url + "/metrics").text)
+        try:
+            # one request at a time until the stub holds one (the others the engine answers)
+            deadline = time.monotonic() + 10
+            while not hang.received and time.monotonic() < deadline:
+                threads.append(threading.Thread(target=post))
+                threads[-1].start()
+                threads[-1].join(0.5)
+            assert len(hang.received) == 1
+            assert wait_until(lambda: _engines(gw)["a-hang"]["stalled"], timeout=10)
+            assert _engines(gw)["a-hang"]["healthy"]  # (its health checks pass all along)
+            answered = len(answers)
+            with ThreadPoolExecutor(8) as pool:  # at once: by load alone, some went to the stub
+                statuses = list(
+                    pool.map(lambda _: httpx.post(url, json=body, timeout=30).status_code, range(8))
+                )
+            assert statuses == [200] * 8 and len(hang.received) == 1
+            metrics = httpx.get(gw.url + "/metrics").text
+            assert 'slogate_engine_stalled{engine="a-hang"} 1.0' in metrics
+            assert _stalls(metrics) == stalls_before + 1
+        finally:
+            for thread in threads:
+                thread.join(30)
+        # the held request ended by its own limit; holding nothing, its engine is back in rotation
+        assert len(answers) == answered + 1 and answers[-1].status_code == 504
+        assert wait_until(lambda: not _engines(gw)["a-hang"]["stalled"], timeout=5)
+        assert 'slogate_engine_stalled{engine="a-hang"} 0.0' in httpx.get(gw.url + "/metrics").text
