@@ -147,7 +147,10 @@ class EngineAdapter:
         on the engine: every engine would fail it alike)."""
         try:
             async with self.session.get(
-                self.url(self.health_path), timeout=self._health_timeout, headers=self._auth
+                self.url(self.health_path),
+                timeout=self._health_timeout,
+                headers=self._auth,
+                allow_redirects=False,
             ) as resp:
                 await resp.read()
                 return 200 <= resp.status < 300
@@ -159,7 +162,10 @@ class EngineAdapter:
         if self.metrics_path is None:
             return None
         async with self.session.get(
-            self.url(self.metrics_path), timeout=self._scrape_timeout, headers=self._auth
+            self.url(self.metrics_path),
+            timeout=self._scrape_timeout,
+            headers=self._auth,
+            allow_redirects=False,
         ) as resp:
             resp.raise_for_status()
             text = await resp.text()
@@ -167,7 +173,7 @@ class EngineAdapter:
 
     async def list_models(self) -> list[str]:
         async with self.session.get(
-            self.url("/v1/models"), timeout=self._health_timeout, headers=self._auth
+            self.url("/v1/models"), timeout=self._health_timeout, headers=self._auth, allow_redirects=False
         ) as resp:
             resp.raise_for_status()
             data = await resp.json(content_type=None)
@@ -180,7 +186,10 @@ class EngineAdapter:
         if self.models_path is None:
             return None
         async with self.session.get(
-            self.url(self.models_path), timeout=self._scrape_timeout, headers=self._auth
+            self.url(self.models_path),
+            timeout=self._scrape_timeout,
+            headers=self._auth,
+            allow_redirects=False,
         ) as resp:
             if resp.status in (404, 405, 501):
                 await resp.read()

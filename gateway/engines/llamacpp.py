@@ -108,7 +108,10 @@ class LlamaCppAdapter(EngineAdapter):
             return state
         try:
             async with self.session.get(
-                self.url("/slots"), timeout=aiohttp.ClientTimeout(total=left), headers=self._auth
+                self.url("/slots"),
+                timeout=aiohttp.ClientTimeout(total=left),
+                headers=self._auth,
+                allow_redirects=False,
             ) as resp:
                 if resp.status in (404, 501):
                     self._slots_enabled = False

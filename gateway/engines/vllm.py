@@ -107,7 +107,11 @@ class SimAdapter(VllmAdapter):
     async def switch_role(self, role: Role) -> None:
         """The simulated engine's bootstrap (SGLang-style) handling depends on its role."""
         async with self.session.post(
-            self.url("/sim/role"), json={"role": role.value}, timeout=self._health_timeout, headers=self._auth
+            self.url("/sim/role"),
+            json={"role": role.value},
+            timeout=self._health_timeout,
+            headers=self._auth,
+            allow_redirects=False,
         ) as resp:
             await resp.read()
             resp.raise_for_status()

@@ -221,7 +221,9 @@ class Calibrator:
         url, payload, headers = self._request(record, body)
         started = self.clock()
         try:
-            async with self.session.post(url, data=payload, headers=headers, timeout=self._timeout) as resp:
+            async with self.session.post(
+                url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 data = await resp.read()
                 ok = resp.status == 200
         except _ERRORS:
@@ -279,7 +281,9 @@ class Calibrator:
         }
         url, payload, headers = self._request(record, body)
         try:
-            async with self.session.post(url, data=payload, headers=headers, timeout=self._timeout) as resp:
+            async with self.session.post(
+                url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
+            ) as resp:
                 if resp.status != 200:
                     await resp.read()
                     return False

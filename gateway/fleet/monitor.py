@@ -119,6 +119,7 @@ class FleetMonitor:
         ok = await record.adapter.health()
         if ok is None:  # the gateway had no socket for the check: no verdict on the engine
             log.debug("health check of %s not made: no socket", engine_id, extra={"engine": engine_id})
+            self._check_stall(record)  # (what it holds decides that, not the check)
             return False
         if ok:  # (a refused or timed-out check is no measure of the path)
             self.fleet.record_round_trip(engine_id, time.monotonic() - sent)
@@ -135,7 +136,8 @@ class FleetMonitor:
             )
         self._check_stall(record)
         # in rotation: healthy and not draining (for a role flip or a scale-in) nor stalled
-        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if self.fleet.in_front(record) else 0.0)
+        in_rotation = record.healthy and not record.draining and not record.stalled
+        metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if in_rotation else 0.0)
         if flipped and not record.healthy:
             # what it last reported no longer holds: no series rather than a dead engine's last
             # load (dashboards summed it, KV alerts kept firing); the next good scrape sets them
@@ -148,9 +150,12 @@ class FleetMonitor:
     def _check_stall(self, record: EngineRecord) -> None:
         """Out of rotation while it holds work and shows no progress, back when it does."""
         engine_id = record.engine_id
-        if not self.fleet.check_stall(engine_id, time.monotonic(), self.stall_after_s):
-            return
+        flipped = self.fleet.check_stall(engine_id, time.monotonic(), self.stall_after_s)
+        # (set on every check: an engine also returns without a check of its own, when the others
+        # of its model leave rotation)
         metrics.ENGINE_STALLED.labels(engine_id).set(1.0 if record.stalled else 0.0)
+        if not flipped:
+            return
         if record.stalled:
             metrics.ENGINE_STALLS.labels(engine_id).inc()
             log.warning(

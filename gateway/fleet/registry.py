@@ -52,6 +52,9 @@ class RunningEntry:
     #: dispatched with its TTFT already lost (HyperFlexis's late or idle backfill): an engine that
     #: schedules by deadline runs it after every request that can still make its own
     late: bool = False
+    #: a streamed request (its events are progress as they come; a non-streamed one shows none
+    #: until it ends)
+    stream: bool = True
 
 
 #: the most output tokens one streamed event is taken to carry (a bound on a broken usage)
@@ -590,15 +593,43 @@ class Fleet:
         if record.progress != record.progress_seen:
             record.progress_seen = record.progress
             record.progress_at = now
-        sent = [e.dispatched_at for e in record.running.values() if e.dispatched_at > 0.0]
+        state = record.state
+        timing = None if state is None else state.timing
+        # A non-streamed request shows progress only when it ends: on an engine without a step
+        # counter (an OpenAI-compatible server, SGLang) it says nothing until then
+        counted = timing is not None and timing.steps is not None
+        sent = [
+            e.dispatched_at
+            for e in record.running.values()
+            if e.dispatched_at > 0.0 and (counted or e.stream)
+        ]
         oldest = min(sent) if sent else None
+        if (
+            state is not None
+            and now - record.state_at < after_s
+            and state.num_running == 0
+            and state.num_waiting == 0
+        ):
+            # the engine has nothing to do: what it holds for this gateway waits on the gateway's
+            # side (a client that reads slowly holds its stream's last events), not on the engine
+            oldest = None
         stalled = record.adapter.role in FRONT_ROLES and is_stalled(oldest, record.progress_at, now, after_s)
         if stalled == record.stalled:
             return False
-        if stalled and (not self.in_front(record) or self._healthy_per_model[record.model] <= 1):
+        if stalled and (
+            not self.in_front(record)
+            or self._healthy_per_model[record.model] <= 1
+            or self._sole_holder(record)
+        ):
             return False  # (ejected or drained already, or the last one: see above)
         self.set_stalled(engine_id, stalled)
         return True
+
+    def _sole_holder(self, record: EngineRecord) -> bool:
+        """Whether the engine is the only one in rotation with one of its LoRA adapters loaded:
+        out of rotation, that adapter's requests would be refused, not moved."""
+        others = [o for o in self.engines_of.get(record.model, ()) if o is not record and self.in_front(o)]
+        return any(not any(name in o.adapters for o in others) for name in record.adapters)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """Take the engine out of rotation (no new work; what runs there finishes) or back in."""

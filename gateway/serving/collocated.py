@@ -156,6 +156,7 @@ class CollocatedFlow:
         batch = None if call.slo_batch is None else (call.tenant, call.slo_batch)
         for attempt in range(1, settings.dispatch_attempts + 1):
             entry = RunningEntry(request.prompt_tokens, request.max_tokens, target.tpot_s, 0.0)
+            entry.stream = request.stream
             asked = time.monotonic()
             asked_ns = now_ns() if call.span is not None else 0
             # runs only if place() yields to the loop, i.e. the request waited in the queue: that

@@ -10,11 +10,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest.mock import patch
 
 import httpx
 import pytest
 
+from gateway import metrics
 from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.procs import ChildProcess, spawn_sim_engine
 from policies.api import EngineState, EngineTiming
@@ -96,6 +99,60 @@ def test_a_stall_never_leaves_a_model_without_an_engine() -> None:
     assert fleet.has_healthy(MODEL) and _routable(fleet) == ["m-0", "m-1"]
 
 
+def test_an_engine_with_nothing_to_do_is_not_stalled() -> None:
+    """Its request waits on the gateway's side (a client reading slowly holds the stream's last
+    events): the engine's own report says it runs nothing."""
+    fleet = offline_fleet({MODEL: 2})
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    for second in range(1, 40):
+        fleet.record_state("m-0", EngineState(num_running=0, num_waiting=0), float(second))
+        assert not fleet.check_stall("m-0", float(second), AFTER)
+    # the same engine saying it runs the request, its counters still: stalled
+    timing = EngineTiming(steps=5.0, generation_tokens=50.0)
+    for second in range(40, 56):
+        fleet.record_state("m-0", EngineState(num_running=1, timing=timing), float(second))
+        fleet.check_stall("m-0", float(second), AFTER)
+    assert fleet.records["m-0"].stalled
+
+
+def test_a_non_streamed_request_on_an_engine_without_a_step_counter_is_no_sign() -> None:
+    """Such an engine shows nothing of a non-streamed request until it ends: no false alarm."""
+    fleet = offline_fleet({MODEL: 2})
+    _hold(fleet, "m-0", "r1", sent=0.5).stream = False
+    assert not fleet.check_stall("m-0", 60.0, AFTER)
+    _hold(fleet, "m-0", "r2", sent=1.0)  # a stream, though, would have shown its events
+    assert fleet.check_stall("m-0", 60.0, AFTER) and fleet.records["m-0"].stalled
+
+
+def test_the_only_engine_with_an_adapter_is_never_marked() -> None:
+    """Out of rotation, its adapter's requests would be refused (503), not moved."""
+    fleet = offline_fleet({MODEL: 3})
+    fleet.set_adapters("m-0", frozenset({"sql-lora"}))
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    assert not fleet.check_stall("m-0", 60.0, AFTER) and fleet.adapter_in_rotation("sql-lora")
+    fleet.set_adapters("m-1", frozenset({"sql-lora"}))  # another engine has it too
+    assert fleet.check_stall("m-0", 61.0, AFTER) and fleet.adapter_in_rotation("sql-lora")
+
+
+def test_the_stalled_gauge_follows_a_return_without_a_check_of_its_own() -> None:
+    fleet = offline_fleet({MODEL: 2})
+    monitor = FleetMonitor(fleet, 1.0, 2, 1, stall_after_s=AFTER)
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    with patch.object(time, "monotonic", return_value=30.0):
+        monitor._check_stall(fleet.records["m-0"])
+    assert fleet.records["m-0"].stalled and _gauge("m-0") == 1.0
+    fleet.record_health("m-1", False, eject_after=1, readmit_after=1)  # the other one leaves
+    assert not fleet.records["m-0"].stalled
+    with patch.object(time, "monotonic", return_value=31.0):
+        monitor._check_stall(fleet.records["m-0"])  # the last one: not marked again
+    assert _gauge("m-0") == 0.0
+
+
+def _gauge(engine: str) -> float:
+    value = metrics.REGISTRY.get_sample_value("slogate_engine_stalled", {"engine": engine})
+    return -1.0 if value is None else value
+
+
 # -- live: a stub that never answers beside a simulated engine ------------------------------------
 
 
@@ -124,7 +181,7 @@ def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) 
         "routing_profile": profile,
         "monitor_interval_s": 0.1,
         "stall_after_s": 0.5,
-        "request_timeout_s": 4.0,
+        "headers_timeout_s": 4.0,
         "dispatch_attempts": 1,
     }
     with (
@@ -135,8 +192,8 @@ def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) 
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         answers: list[httpx.Response] = []
 
-        def post() -> None:
-            answers.append(httpx.post(url, json=body, timeout=30))
+        def post() -> None:  # (streamed: the stub has no work counters to show a non-streamed one's progress)
+            answers.append(httpx.post(url, json={**body, "stream": True}, timeout=30))
 
         threads: list[threading.Thread] = []
         stalls_before = _stalls(httpx.get(gw.url + "/metrics").text)
