@@ -110,7 +110,9 @@ class AdmissionQueue:
         self._heap: list[tuple[Any, ...]] = []
         self._rekeys: list[tuple[float, int, _Slot]] = []
         self._deadlines: list[tuple[float, int, _Slot]] = []
-        self._needs: list[tuple[int, int, _Slot]] = []  # (prompt + output bound) of each item
+        #: (prompt + output bound, generation, slot) of each item, kept from the first
+        #: :meth:`min_need` on (HyperFlexis reads it; a queue nobody asks keeps no such heap)
+        self._needs: list[tuple[int, int, _Slot]] | None = None
         self._slots: dict[str, _Slot] = {}
         self._generation = 0
         self._dead_in_heap = 0
@@ -200,9 +202,10 @@ class AdmissionQueue:
             if len(self._deadlines) > 64 + 2 * len(slots):
                 self._deadlines = _live(self._deadlines)
         needs = self._needs
-        heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
-        if len(needs) > 64 + 2 * len(slots):
-            self._needs = _live(needs)
+        if needs is not None:
+            heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
+            if len(needs) > 64 + 2 * len(slots):
+                self._needs = _live(needs)
         if moved:
             self._restamp(moved, now, held)  # the flow's head it displaced is parked
         self._structure_version += 1
@@ -274,8 +277,16 @@ class AdmissionQueue:
 
     def min_need(self) -> int:
         """The least KV any queued item needs (prompt tokens + output bound); 0 when empty.
-        Amortised O(log n): entries of items that left are dropped as they surface."""
+        Amortised O(log n): entries of items that left are dropped as they surface (the first
+        call, O(n), starts the heap that later pushes keep)."""
         needs = self._needs
+        if needs is None:
+            needs = self._needs = [
+                (slot.item.view.prompt_tokens + slot.item.view.max_output_tokens, slot.entry[-2], slot)
+                for slot in self._slots.values()
+                if slot.entry is not None
+            ]
+            heapq.heapify(needs)
         while needs and needs[0][2].entry is None:
             heapq.heappop(needs)
         return needs[0][0] if needs else 0
@@ -489,6 +500,7 @@ class AdmissionQueue:
         self._rekeys = [r for r in self._rekeys if r[2].entry is not None and r[2].entry[-2] == r[1]]
         heapq.heapify(self._rekeys)
         self._deadlines = _live(self._deadlines)
-        self._needs = _live(self._needs)
+        if self._needs is not None:
+            self._needs = _live(self._needs)
         self._dead_in_heap = 0
         self._structure_version += 1

@@ -1015,6 +1015,8 @@ class DispatchCore:
     # -- engine events -----------------------------------------------------------------------------
 
     def _on_engine_change(self, engine_id: str, what: str) -> None:
+        if what == "prefilled" and self.hyperflexis is None:
+            return  # (a first token frees no capacity a pipeline placement reads)
         record = self.fleet.records[engine_id]
         model = record.model
         if what in ("adapters", "health", "role"):

@@ -206,10 +206,15 @@ class DispatchLoop:
         """Wake the task at ``at`` (the core's clock): one timer handle, moved only when needed."""
         if at == self._timer_at:
             return
+        now = self.clock()
         if self._timer is not None:
+            if now < at and self._timer_at < at:
+                # an earlier timer stays: its step finds nothing due and arms this one. Under a
+                # standing queue the earliest expiry moves on with every placement, and moving the
+                # timer each time cost a cancelled handle and a new one per placement
+                return
             self._timer.cancel()
             self._timer = None
-        now = self.clock()
         if at <= now:  # due already (a worker made mature by an event): run again at once
             self._timer_at = math.inf
             self._event.set()

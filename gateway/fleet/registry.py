@@ -111,20 +111,26 @@ class EngineRecord:
     #: the latest health checks' round trips (seconds): the path to the engine and back, the
     #: gateway's own lateness in reading the answer included (see :meth:`Fleet.path_delay`)
     round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=ROUND_TRIPS_KEPT))
+    #: what of the adapter's configuration never changes, held here: every placement, release and
+    #: snapshot reads it, and the hops through the adapter and its configuration were cache misses
+    #: on each (the dispatch loop runs cold between events, on memory the streams have used)
+    engine_id: str = field(init=False)
+    model: str = field(init=False)
+    weight: float = field(init=False)
+    accepts_priority: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        adapter = self.adapter
+        self.engine_id = adapter.engine_id
+        self.model = adapter.config.model
+        self.weight = adapter.config.weight
+        self.accepts_priority = adapter.accepts_priority
 
     def note_tokens_per_event(self, completion_tokens: int, events: int) -> None:
         """A stream ended with its usage: fold its tokens per content event into the estimate."""
         if events > 0 and completion_tokens > 0:
             ratio = min(MAX_TOKENS_PER_EVENT, max(1.0, completion_tokens / events))
             self.tokens_per_event += 0.2 * (ratio - self.tokens_per_event)
-
-    @property
-    def engine_id(self) -> str:
-        return self.adapter.engine_id
-
-    @property
-    def model(self) -> str:
-        return self.adapter.config.model
 
     def tightest_tpot(self) -> float | None:
         """The tightest TPOT target among the requests running here (None: none runs)."""
@@ -388,20 +394,22 @@ class Fleet:
         return snap
 
     def _build(self, r: EngineRecord, now: float) -> EngineSnapshot:
+        state = r.state
+        # (positional, in EngineSnapshot's field order: keywords cost a lookup each)
         return EngineSnapshot(
-            engine_id=r.engine_id,
-            model=r.model,
-            role=r.adapter.role,
-            healthy=r.healthy,
-            stale=r.state is None or now - r.state_at > self.stale_after_s,
-            weight=r.adapter.config.weight,
-            in_flight=r.in_flight,
-            in_flight_tokens=r.in_flight_tokens,
-            in_flight_at_scrape=r.in_flight_at_scrape,
-            state=r.state,
-            accepts_priority=r.adapter.accepts_priority,
-            running_tokens=r.running_tokens,
-            adapters=r.adapters,
+            r.engine_id,
+            r.model,
+            r.adapter.role,
+            r.healthy,
+            state is None or now - r.state_at > self.stale_after_s,
+            r.weight,
+            r.in_flight,
+            r.in_flight_tokens,
+            r.in_flight_at_scrape,
+            state,
+            r.accepts_priority,
+            r.running_tokens,
+            r.adapters,
         )
 
     def touch(self, engine_id: str) -> None:

@@ -691,6 +691,63 @@ async def test_arrivals_behind_a_waiting_head_do_not_each_wake_the_loop() -> Non
         await loop.stop()
 
 
+async def test_a_standing_queue_does_not_move_the_loops_timer_on_every_placement() -> None:
+    """Each placement from a standing queue moves its earliest expiry; the loop keeps its earlier
+    timer (whose step re-arms) instead of cancelling and re-making one per placement, and the
+    requests left still expire at their deadline."""
+    fleet = offline_fleet({"a": 1})
+    loop = DispatchLoop(
+        DispatchCore(
+            fleet,
+            Router(fleet, compile_profile({"scorers": [{"name": "least_load"}]})),
+            make_order("fcfs", {}),
+            lambda _: ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+            lambda _: ClassLimits(max_queued=100, queue_timeout_s=0.6),
+            max_engine_load=1,
+        )
+    )
+    event_loop = asyncio.get_running_loop()
+    armed = 0
+    call_at = event_loop.call_at
+
+    def counting_call_at(when, callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal armed
+        armed += callback == loop._fire  # (the loop's own timer, not the test's wait_for)
+        return call_at(when, callback, *args, **kwargs)
+
+    event_loop.call_at = counting_call_at  # type: ignore[method-assign]
+    loop.start()
+    try:
+        first = await loop.place(_view("r-0"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+        waiters, arrived = [], []
+        for i in range(1, 21):
+            arrived.append(time.monotonic())
+            waiters.append(
+                asyncio.create_task(
+                    loop.place(_view(f"r-{i}"), 1.0, 0.1, "c", RunningEntry(10, 10, 0.1, 0.0))
+                )
+            )
+            await asyncio.sleep(0.002)  # (deadlines apart: each placement moves the earliest)
+        await asyncio.sleep(0)
+        assert loop.core.queued() == 20
+        armed = 0
+        loop.release(first.engine_id, "r-0")
+        for i in range(1, 11):
+            record = await asyncio.wait_for(waiters[i - 1], 1.0)
+            loop.release(record.engine_id, f"r-{i}")
+        assert armed <= 2, armed
+        for task, at in zip(waiters[11:], arrived[11:], strict=True):
+            with pytest.raises(GatewayError) as refused:
+                await asyncio.wait_for(task, 2.0)
+            assert refused.value.code == "queue_timeout"
+            assert time.monotonic() < at + 0.6 + 0.3  # (at its deadline, not at a later one's)
+        record = await asyncio.wait_for(waiters[10], 1.0)
+        loop.release(record.engine_id, "r-11")
+    finally:
+        event_loop.call_at = call_at  # type: ignore[method-assign]
+        await loop.stop()
+
+
 def test_each_models_queue_is_keyed_with_its_own_fastest_engine() -> None:
     """A slow model listed first must not decide what counts as late for a fast one."""
     fleet = offline_fleet({"big": 1, "a": 2})

@@ -100,3 +100,48 @@ def test_ranking_turned_on_after_candidates_were_read_does_not_break_snapshots()
     view = RequestView("q", "m", 10, 10)
     first = router.choose(view, now=0.2)
     assert first is not None and first.engine_id != "m-1"
+
+
+def test_a_snapshot_entry_carries_each_field_of_its_engine() -> None:
+    """The fleet makes entries positionally (they are made on every reservation and release):
+    each field must still come from its own source, whatever order the fields are declared in."""
+    from gateway.dispatch.offline import fleet_of
+    from gateway.settings import EngineConfig
+    from policies.api import Role
+
+    config = EngineConfig(
+        url="http://127.0.0.1:10000",
+        kind="vllm",  # type: ignore[arg-type]
+        model="m",
+        name="e",
+        role=Role.PREFILL,
+        weight=2.5,
+        priority_scheduling=True,
+    )
+    fleet = fleet_of([config], 3.0)
+    record = fleet.records["e"]
+    state = EngineState(num_running=3, num_waiting=4, kv_usage=0.25)
+    fleet.record_state("e", state, 10.0)
+    fleet.reserve("e", "r1", RunningEntry(100, 20, 0.1, 10.0))
+    record.adapters = frozenset({"lora-a"})
+    fleet.touch("e")
+    snap = fleet.engine_snapshot("e", now=11.0)
+    expected = EngineSnapshot(
+        engine_id="e",
+        model="m",
+        role=Role.PREFILL,
+        healthy=True,
+        stale=False,
+        weight=2.5,
+        in_flight=1,
+        in_flight_tokens=120,
+        in_flight_at_scrape=0,
+        state=record.state,
+        accepts_priority=True,
+        running_tokens=100,
+        adapters=frozenset({"lora-a"}),
+    )
+    assert snap == expected and snap.load == expected.load
+    assert fleet.engine_snapshot("e", now=100.0).stale is False  # (not dirty: the entry stands)
+    fleet.touch("e")
+    assert fleet.engine_snapshot("e", now=100.0).stale is True

@@ -366,7 +366,12 @@ def test_min_need_is_the_least_need_queued_and_its_heap_stays_bounded(ops: list[
         elif op == "tick":
             now += arg / 200
         items = queue.items()
+        if arg % 3:
+            # (read now and then: the heap starts at the first read, over what is queued then,
+            # and pushes, pops, removals and expiry keep it from there)
+            continue
         assert queue.min_need() == min((i.view.prompt_tokens + 8 for i in items), default=0)
+        assert queue._needs is not None
         assert len(queue._needs) <= 64 + 2 * max(1, len(items)) + 1
 
 
