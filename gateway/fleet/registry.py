@@ -294,15 +294,15 @@ class Fleet:
         return self._prefill_engines.get(model, 0) > 0
 
     def decode_pool(self, model: str, now: float | None = None) -> list[EngineSnapshot]:
-        """Healthy decode engines of ``model`` not draining, in fleet order (O(engines of the
-        model); the decode stage runs once per disaggregated request, not per queue event)."""
+        """Healthy decode engines of ``model`` neither draining nor stalled, in fleet order
+        (O(engines of the model); the decode stage runs once per disaggregated request, not per
+        queue event)."""
         if self._dirty:
             self._rebuild_dirty(now)
         pool: list[EngineSnapshot] = []
         for record in self.engines_of.get(model, ()):
             snap = self._engine_snaps[record.index]
-            if snap is not None and snap.healthy and snap.role is Role.DECODE and not record.draining:
-                # (a stall takes only front engines out: see check_stall)
+            if snap is not None and snap.healthy and self.in_decode_pool(record):
                 pool.append(snap)
         return pool
 
@@ -561,6 +561,30 @@ class Fleet:
             and record.adapter.role in FRONT_ROLES
         )
 
+    @staticmethod
+    def in_decode_pool(record: EngineRecord) -> bool:
+        return (
+            record.healthy
+            and not record.draining
+            and not record.stalled
+            and record.adapter.role is Role.DECODE
+        )
+
+    def _in_rotation(self, record: EngineRecord) -> bool:
+        """In rotation in its own pool: the front one (collocated and prefill) or the decode one."""
+        return self.in_decode_pool(record) if record.adapter.role is Role.DECODE else self.in_front(record)
+
+    def _peers(self, record: EngineRecord) -> list[EngineRecord]:
+        """The other engines of its model in rotation in its pool."""
+        decode = record.adapter.role is Role.DECODE
+        return [
+            other
+            for other in self.engines_of.get(record.model, ())
+            if other is not record
+            and (other.adapter.role is Role.DECODE) == decode
+            and self._in_rotation(other)
+        ]
+
     def _set_healthy(self, record: EngineRecord, healthy: bool) -> None:
         if record.healthy == healthy:
             return
@@ -575,13 +599,18 @@ class Fleet:
             self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
         self._dirty.add(record.index)
+        # A stall only moves work between a pool's engines, never refuses it: with no other
+        # engine of the pool left in rotation, its stalled ones are all it has (and a false alarm,
+        # say one long prefill with nothing else to stream, would otherwise be an outage)
+        engines = self.engines_of.get(record.model, ())
         if not self._healthy_per_model[record.model]:
-            # A stall only moves work between a model's engines, never refuses it: with no other
-            # engine left in front, its stalled ones are all it has (and a false alarm, say one
-            # long prefill with nothing else to stream, would otherwise be an outage)
-            for other in self.engines_of.get(record.model, ()):
-                if other.stalled:
+            for other in engines:
+                if other.stalled and other.adapter.role in FRONT_ROLES:
                     self.set_stalled(other.engine_id, False)
+        stalled_decode = [o for o in engines if o.stalled and o.adapter.role is Role.DECODE]
+        if stalled_decode and not any(self.in_decode_pool(o) for o in engines):
+            for other in stalled_decode:
+                self.set_stalled(other.engine_id, False)
 
     def set_stalled(self, engine_id: str, stalled: bool) -> None:
         """Take the engine out of rotation for a stall (see :meth:`check_stall`) or back in."""
@@ -595,8 +624,8 @@ class Fleet:
 
     def check_stall(self, engine_id: str, now: float, after_s: float) -> bool:
         """Mark the engine stalled, or no longer, by :func:`policies.stall.is_stalled`; True when
-        that changed. The last engine of its model in front is never marked: it takes the work
-        or nothing does."""
+        that changed. The last engine of its model in rotation in its pool (front, or decode) is
+        never marked: it takes the work or nothing does."""
         record = self.records[engine_id]
         if record.progress != record.progress_seen:
             record.progress_seen = record.progress
@@ -621,23 +650,24 @@ class Fleet:
             # the engine has nothing to do: what it holds for this gateway waits on the gateway's
             # side (a client that reads slowly holds its stream's last events), not on the engine
             oldest = None
-        stalled = record.adapter.role in FRONT_ROLES and is_stalled(oldest, record.progress_at, now, after_s)
+        stalled = is_stalled(oldest, record.progress_at, now, after_s)
         if stalled == record.stalled:
             return False
-        if stalled and (
-            not self.in_front(record)
-            or self._healthy_per_model[record.model] <= 1
-            or self._sole_holder(record)
-        ):
-            return False  # (ejected or drained already, or the last one: see above)
+        if stalled:
+            if not self._in_rotation(record):
+                return False  # (ejected or drained already)
+            peers = self._peers(record)
+            if not peers or self._sole_holder(record, peers):
+                return False  # (the last one, or the last with an adapter: see above)
         self.set_stalled(engine_id, stalled)
         return True
 
-    def _sole_holder(self, record: EngineRecord) -> bool:
-        """Whether the engine is the only one in rotation with one of its LoRA adapters loaded:
-        out of rotation, that adapter's requests would be refused, not moved."""
-        others = [o for o in self.engines_of.get(record.model, ()) if o is not record and self.in_front(o)]
-        return any(not any(name in o.adapters for o in others) for name in record.adapters)
+    @staticmethod
+    def _sole_holder(record: EngineRecord, peers: list[EngineRecord]) -> bool:
+        """Whether the engine is the only one of its pool in rotation (``peers`` are the others)
+        with one of its LoRA adapters loaded: out of rotation, that adapter's requests would be
+        refused, not moved."""
+        return any(not any(name in o.adapters for o in peers) for name in record.adapters)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """Take the engine out of rotation (no new work; what runs there finishes) or back in."""

@@ -501,6 +501,7 @@ class DisaggregatedFlow:
         entry = RunningEntry(request.prompt_tokens, request.max_tokens, call.target.tpot_s, 0.0)
         entry.remote_kv = remote_kv
         entry.late = late
+        entry.stream = request.stream  # (a non-streamed decode shows no progress until it ends)
         self.fleet.reserve(record.engine_id, call.rid, entry)
         return entry
 

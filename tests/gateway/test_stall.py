@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 from gateway import metrics
-from gateway.dispatch.offline import offline_fleet
+from gateway.dispatch.offline import fleet_of, offline_fleet
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.procs import ChildProcess, spawn_sim_engine
-from policies.api import EngineState, EngineTiming
+from gateway.settings import EngineConfig
+from policies.api import EngineState, EngineTiming, Role
 from policies.stall import is_stalled
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
@@ -153,6 +154,51 @@ def _gauge(engine: str) -> float:
     return -1.0 if value is None else value
 
 
+def _pd_fleet() -> Fleet:
+    """One prefill engine and three decode engines of MODEL (fleet order p, d0, d1, d2)."""
+    configs = [
+        EngineConfig(url="http://127.0.0.1:10000", kind="sim", model=MODEL, name="p", role=Role.PREFILL)
+    ]  # type: ignore[arg-type]
+    configs += [
+        EngineConfig(
+            url=f"http://127.0.0.1:{10_001 + i}", kind="sim", model=MODEL, name=f"d{i}", role=Role.DECODE
+        )  # type: ignore[arg-type]
+        for i in range(3)
+    ]
+    return fleet_of(configs, 3.0)
+
+
+def _decoding(fleet: Fleet) -> list[str]:
+    return [s.engine_id for s in fleet.decode_pool(MODEL)]
+
+
+def test_a_stalled_decode_engine_leaves_the_decode_pool_and_the_last_one_stays() -> None:
+    fleet = _pd_fleet()
+    for name in ("d0", "d1", "d2"):
+        _hold(fleet, name, f"r-{name}", sent=0.5)
+    assert fleet.check_stall("d0", 20.0, AFTER) and fleet.check_stall("d1", 20.0, AFTER)
+    assert not fleet.check_stall("d2", 20.0, AFTER)  # the last decode engine takes the decodes
+    assert _decoding(fleet) == ["d2"] and fleet.has_healthy(MODEL)  # (the prefill pool as it was)
+    # a decode engine's first token and events are progress, as a front engine's
+    fleet.mark_prefilled("d0", "r-d0")
+    assert fleet.check_stall("d0", 21.0, AFTER) and _decoding(fleet) == ["d0", "d2"]
+    # the other decode engines leave: the stalled one is all the pool has, and comes back
+    fleet.record_health("d0", False, eject_after=1, readmit_after=1)
+    fleet.record_health("d2", False, eject_after=1, readmit_after=1)
+    assert not fleet.records["d1"].stalled and _decoding(fleet) == ["d1"]
+    # nor does the front pool's last engine leaving bring back a stalled decode engine
+    fleet.record_health("d2", True, eject_after=1, readmit_after=1)
+    assert fleet.check_stall("d1", 40.0, AFTER) and _decoding(fleet) == ["d2"]
+    fleet.record_health("p", False, eject_after=1, readmit_after=1)
+    assert fleet.records["d1"].stalled and _decoding(fleet) == ["d2"]
+
+
+def test_a_non_streamed_decode_on_an_engine_without_a_step_counter_is_no_sign() -> None:
+    fleet = _pd_fleet()
+    _hold(fleet, "d0", "r1", sent=0.5).stream = False
+    assert not fleet.check_stall("d0", 60.0, AFTER) and _decoding(fleet) == ["d0", "d1", "d2"]
+
+
 # -- live: a stub that never answers beside a simulated engine ------------------------------------
 
 
@@ -223,3 +269,59 @@ def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) 
         assert len(answers) == answered + 1 and answers[-1].status_code == 504
         assert wait_until(lambda: not _engines(gw)["a-hang"]["stalled"], timeout=5)
         assert 'slogate_engine_stalled{engine="a-hang"} 0.0' in httpx.get(gw.url + "/metrics").text
+
+
+def test_new_decodes_go_around_a_stalled_decode_engine() -> None:
+    """P/D: a decode engine that hangs (healthy, its steps stopped) holds one stream; once it is
+    found stalled every new decode goes to the other decode engine, and it is back in rotation
+    once it makes progress again."""
+    with (
+        spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="sp") as prefill,
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="sd0") as d0,
+        spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="sd1") as d1,
+        run_gateway(
+            engines=[
+                engine_entry(prefill, role="prefill"),
+                engine_entry(d0, role="decode"),
+                engine_entry(d1, role="decode"),
+            ],
+            monitor_interval_s=0.1,
+            stall_after_s=0.5,
+            dispatch_attempts=1,
+        ) as gw,
+    ):
+        httpx.post(d0.url + "/sim/fault", json={"mode": "hang"}).raise_for_status()
+        url = gw.url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answers: list[httpx.Response] = []
+
+        def post() -> None:
+            answers.append(httpx.post(url, json={**body, "stream": True}, timeout=60))
+
+        threads: list[threading.Thread] = []
+        try:
+            # (ties go to the first decode engine in fleet order: the hung one takes the first)
+            deadline = time.monotonic() + 10
+            while not _engines(gw)["sd0"]["in_flight"] and time.monotonic() < deadline:
+                threads.append(threading.Thread(target=post))
+                threads[-1].start()
+                threads[-1].join(0.5)
+            assert _engines(gw)["sd0"]["in_flight"] == 1
+            assert wait_until(lambda: _engines(gw)["sd0"]["stalled"], timeout=10)
+            assert _engines(gw)["sd0"]["healthy"]
+            with ThreadPoolExecutor(8) as pool:
+                served = list(
+                    pool.map(
+                        lambda _: httpx.post(url, json=body, timeout=30).headers.get("x-slogate-engine"),
+                        range(8),
+                    )
+                )
+            assert served == ["sd1"] * 8, served
+            assert _engines(gw)["sd0"]["in_flight"] == 1
+            httpx.post(d0.url + "/sim/fault", json={"clear": True}).raise_for_status()
+            assert wait_until(lambda: not _engines(gw)["sd0"]["stalled"], timeout=10)
+        finally:
+            for thread in threads:
+                thread.join(30)
+        assert answers and all(a.status_code == 200 for a in answers)
+        assert answers[-1].text.rstrip().endswith("data: [DONE]")
