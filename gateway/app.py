@@ -85,8 +85,10 @@ class Gateway:
         self.proxy: Proxy | None = None
         self.flow: DisaggregatedFlow | None = None
         self.started_at = time.time()
-        #: set when stopping begins: /ready turns 503 at once
+        #: set when stopping begins (the server stopped accepting): /ready turns 503 at once
         self.stopping = False
+        #: ends what is still open when the shutdown's grace is over (see begin_shutdown)
+        self._cut_timer: asyncio.TimerHandle | None = None
         self.lag_probe = LoopLagProbe()
 
     async def start(self) -> None:
@@ -180,8 +182,41 @@ class Gateway:
             )
             self.calibrator.start()
 
+    def begin_shutdown(self) -> None:
+        """The server stopped accepting (SIGTERM, Ctrl-C) and waits for open requests: they get
+        ``shutdown_grace_s``, then whatever is still open is ended (:meth:`Proxy.cut_open`),
+        each with an answer that says so, rather than cut by the platform's kill."""
+        if self._cut_timer is not None:
+            return
+        self.stopping = True
+        grace = self.settings.shutdown_grace_s
+        open_now = self.proxy.open_requests if self.proxy is not None else 0
+        if open_now:
+            log.warning(
+                "stopping: %d open requests get up to %g s to finish (from a terminal, Ctrl-C "
+                "again ends them now)",
+                open_now,
+                grace,
+            )
+        self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut)
+
+    def cut_now(self) -> None:
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
+        self._cut("told to stop again")
+
+    def _cut(self, why: str | None = None) -> None:
+        if self.proxy is None:
+            return
+        ended = self.proxy.cut_open()
+        if ended:
+            why = why or f"the shutdown grace of {self.settings.shutdown_grace_s:g} s is over"
+            log.warning("%s: %d open requests ended with shutting_down", why, ended)
+
     async def stop(self) -> None:
         self.stopping = True
+        if self._cut_timer is not None:
+            self._cut_timer.cancel()
         self.lag_probe.stop()
         if self.calibrator is not None:
             await self.calibrator.stop()
@@ -227,6 +262,14 @@ class FrontDoor:
     def __init__(self, gateway: Gateway, api: FastAPI) -> None:
         self.gateway = gateway
         self.api = api
+
+    def begin_shutdown(self) -> None:
+        """Called by the server as it stops accepting (see :class:`gateway.server.GatewayServer`)."""
+        self.gateway.begin_shutdown()
+
+    def cut_now(self) -> None:
+        """Called by the server when told to stop again: what is open ends now, not at the grace."""
+        self.gateway.cut_now()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -20,9 +22,15 @@ from gateway.settings import Settings
 from gateway.sim.profiles import ProfileError
 from policies.api import PolicyConfigError
 
+#: how long past the gateway's own shutdown grace uvicorn waits before it cancels what is left:
+#: the gateway ends every open request at its grace (Gateway.begin_shutdown), this is the backstop
+SHUTDOWN_BACKSTOP_S = 5.0
+
 
 def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.Config:
-    return serving_config(app or create_app(settings), settings.host, settings.port)
+    config = serving_config(app or create_app(settings), settings.host, settings.port)
+    config.timeout_graceful_shutdown = round(settings.shutdown_grace_s + SHUTDOWN_BACKSTOP_S)
+    return config
 
 
 def serving_config(app: Any, host: str, port: int) -> uvicorn.Config:
@@ -39,6 +47,37 @@ def serving_config(app: Any, host: str, port: int) -> uvicorn.Config:
         timeout_keep_alive=30,
         backlog=4096,
     )
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server for the gateway: as it stops accepting it tells the gateway, which gives
+    open requests ``shutdown_grace_s`` and then ends what is left with answers that say so.
+    Without it uvicorn waited for every open stream however long (a hung engine's: for good),
+    until the platform killed the process and every stream was cut without a word."""
+
+    def __init__(self, config: uvicorn.Config, front_door: FrontDoor) -> None:
+        super().__init__(config)
+        self.front_door = front_door
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cut_asked = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.front_door.begin_shutdown()
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT and not self._cut_asked and self._loop is not None:
+            # A second Ctrl-C: end what is still open now, each with its answer, and stop as
+            # usual. uvicorn would force the exit instead, skipping the gateway's own shutdown,
+            # and cut every open stream without a word. A third one still forces it.
+            self._cut_asked = True
+            self._loop.call_soon_threadsafe(self.front_door.cut_now)
+            return
+        super().handle_exit(sig, frame)
 
 
 class _AnnouncingServer(uvicorn.Server):
@@ -87,4 +126,8 @@ def serve(settings: Settings) -> None:
         raise SystemExit(2) from None
     tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)
     raise_open_files_limit()  # two sockets a stream
-    _AnnouncingServer(uvicorn_config(settings, app)).run()
+    _AnnouncingGateway(uvicorn_config(settings, app), app).run()
+
+
+class _AnnouncingGateway(_AnnouncingServer, GatewayServer):
+    """The gateway's server with the line that says where it listens."""

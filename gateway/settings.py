@@ -279,6 +279,17 @@ class Settings(BaseSettings):
         description="per metrics scrape; a slow or failed scrape makes the state stale, never ejects",
     )
     eject_after_failures: int = Field(default=2, ge=1)
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="on SIGTERM (or Ctrl-C) the gateway stops accepting and open requests get this "
+        "long to finish; then each open stream ends with an in-band error event (code "
+        "shutting_down) and [DONE], each request not yet answered gets a 503 with Retry-After, "
+        "and their engine requests are aborted. Keep it below the time the platform waits before "
+        "it kills the process (Kubernetes' terminationGracePeriodSeconds less any preStop sleep: "
+        "the Helm chart sets it so)",
+    )
     stall_after_s: float = Field(
         default=15.0,
         ge=0,

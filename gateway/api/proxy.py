@@ -33,7 +33,7 @@ from gateway.fleet.registry import Fleet
 from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
-from gateway.serving.relay import count_usage
+from gateway.serving.relay import count_usage, end_with_error
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
 from policies.plugins.affinity import affinity_key
@@ -113,6 +113,31 @@ class Proxy:
         #: for the fleet's adapters of the time (rebuilt when those change)
         self._tokenizers_for: dict[str, str] | None = None
         self._tokenizers: Mapping[str, str] | None = None
+        #: requests being served (past parsing) and their handler tasks, by gateway id: what a
+        #: shutdown ends once its grace is over
+        self._open: dict[str, tuple[Call, asyncio.Task[Any]]] = {}
+        #: the answer every request gets once a shutdown's grace ran out (None: serving)
+        self.cut: GatewayError | None = None
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    def cut_open(self) -> int:
+        """A shutdown's grace is over: each open request ends now, a started stream with an
+        error event and [DONE], any other with a 503 (its engine request aborted, its queue
+        place or reservation given back, as when a client leaves); later ones are refused.
+        Returns how many were open."""
+        self.cut = GatewayError(
+            503, "the gateway is shutting down; retry the request", code="shutting_down", retry_after_s=1.0
+        )
+        open_now = [(call, task) for call, task in self._open.values() if not call.finished_at]
+        for call, task in open_now:
+            # (one whose engine part is over is sending its last bytes: uvicorn's backstop bounds
+            # a client that does not take them)
+            call.cut = self.cut
+            task.cancel()
+        return len(open_now)
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's
@@ -326,10 +351,13 @@ class Proxy:
         return (OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)), own
 
     async def _serve(self, call: Call, receive: Receive) -> int:
+        if self.cut is not None:
+            raise self.cut
         relay = asyncio.current_task()
         assert relay is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, relay))
         call.watcher = watcher
+        self._open[call.rid] = (call, relay)
         self.slo.started(call.priority)
         try:
             return await self.flow.serve(call)
@@ -337,8 +365,18 @@ class Proxy:
             if watcher.done() and not watcher.cancelled() and watcher.result():
                 relay.uncancel()
                 raise ClientGone() from None
-            raise
+            if call.cut is not None and (call.overhead_s < 0.0 or call.request.stream):
+                # the shutdown's cut (cut_open), not a client that left: what was open is cleaned
+                # up by now (as for a disconnect), and the client is told why it ends
+                relay.uncancel()
+                if call.overhead_s < 0.0:
+                    raise call.cut from None  # (answered as any refusal: a 503 with Retry-After)
+                with contextlib.suppress(OSError, RuntimeError):  # (the connection may be gone)
+                    await end_with_error(call, call.cut)
+                return call.cut.status
+            raise  # (a plain answer half sent cannot take an error: its connection is closed)
         finally:
+            self._open.pop(call.rid, None)
             watcher.cancel()
             self.slo.left(call.priority)
 

@@ -24,6 +24,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from gateway.server import SHUTDOWN_BACKSTOP_S
 from gateway.settings import load_settings
 from tests.deploy.compose_model import COMPOSE_FILE, REPO, load_compose, load_services, read_dockerfile
 
@@ -119,6 +120,17 @@ def test_compose_gateway_settings_load() -> None:
     for name, engine in engines.items():
         assert engine.base_url == f"http://{name}:{services[name].port}"
         assert engine.kind == "sim"
+
+
+def test_compose_waits_for_the_gateways_shutdown_grace() -> None:
+    """``docker compose stop`` kills after ``stop_grace_period`` (10 s unless set): the gateway's
+    own grace, and uvicorn's backstop after it, must end first."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    period = compose["services"]["gateway"]["stop_grace_period"]
+    assert period.endswith("s") and period[:-1].isdigit(), period
+    gateway = load_services()["gateway"]
+    settings = load_settings(gateway.mounts[gateway.argv[gateway.argv.index("--config") + 1]])
+    assert settings.shutdown_grace_s + SHUTDOWN_BACKSTOP_S < int(period[:-1])
 
 
 def test_prometheus_config_is_valid_and_scrapes_every_slogate_service(prometheus_bin: Path) -> None:

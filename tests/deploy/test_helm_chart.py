@@ -570,6 +570,22 @@ def test_a_stopping_gateway_drains(helm: HelmCall) -> None:
     assert not answer["ok"] and "terminationGracePeriodSeconds" in answer["error"], answer
 
 
+def _grace_env(helm: HelmCall, gateway: dict[str, Any]) -> str | None:
+    pod = _by_kind(_render(helm, {"gateway": gateway}), "Deployment")[0]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    return env.get("SLOGATE_SHUTDOWN_GRACE_S")
+
+
+def test_a_stopping_gateway_ends_what_is_open_before_the_kill(helm: HelmCall) -> None:
+    """The gateway's own grace ends 10 s before the pod's (preStop sleep taken out): what is open
+    then is ended with answers that say so, not cut by the kill."""
+    assert _grace_env(helm, {}) == "105"  # 120 - 5 - 10
+    assert _grace_env(helm, {"terminationGracePeriodSeconds": 30, "preStopSleepSeconds": 0}) == "20"
+    assert _grace_env(helm, {"terminationGracePeriodSeconds": 12, "preStopSleepSeconds": 5}) == "0"
+    # given in the gateway's settings, it is not overridden (the environment would win)
+    assert _grace_env(helm, {"config": {"shutdown_grace_s": 50}}) is None
+
+
 def test_vllm_pods_are_locked_down_and_request_resources(helm: HelmCall) -> None:
     for doc in _by_kind(_render(helm, _values("pd")), "Deployment"):
         if "-vllm-" not in doc["metadata"]["name"]:

@@ -17,7 +17,7 @@ import uvicorn
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.app import FrontDoor, Gateway, create_app
-from gateway.server import uvicorn_config
+from gateway.server import GatewayServer, uvicorn_config
 from gateway.settings import load_settings
 
 
@@ -40,7 +40,7 @@ def run_gateway(
     ``span_exporter`` receives every span as it ends (with ``tracing=True``)."""
     settings = load_settings(config_file, host="127.0.0.1", port=0, **overrides)
     app = create_app(settings, span_exporter=span_exporter)
-    server = uvicorn.Server(uvicorn_config(settings, app))
+    server = GatewayServer(uvicorn_config(settings, app), app)
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 15

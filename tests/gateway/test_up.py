@@ -57,6 +57,23 @@ def _assert_gone(engines: list[int]) -> None:
     assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
 
 
+def _in_a_terminal(port: int) -> subprocess.Popen[str]:
+    """``slogate up`` with one real-time engine in a process group of its own, as a shell gives
+    the job it runs (a terminal's Ctrl-C signals that whole group)."""
+    return _up(port, 1, "1", stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _model_once_listening(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """What ``proc`` printed up to its "listening" line, and the model it serves."""
+    assert proc.stdout is not None
+    output = ""
+    while "slogate listening on" not in output and proc.poll() is None:
+        output += proc.stdout.readline()
+    model = re.search(r"model '([^']+)'", output)
+    assert model, output
+    return output, model.group(1)
+
+
 # (SIGINT: test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
@@ -92,19 +109,13 @@ def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> 
     """A terminal's Ctrl-C signals its whole foreground process group. The engines were in it:
     they got SIGINT with the gateway and froze the stream it was draining (cut two minutes later)."""
     port = free_port()
-    # a group of its own, as a shell gives the job it runs
-    proc = _up(port, 1, "1", stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
+    proc = _in_a_terminal(port)
     engines: list[int] = []
     try:
-        output = ""
-        while "slogate listening on" not in output and proc.poll() is None:
-            output += proc.stdout.readline()
-        model = re.search(r"model '([^']+)'", output)
-        assert model, output
+        _, model = _model_once_listening(proc)
         engines = _children(proc.pid)
         assert engines and all(os.getpgid(e) != os.getpgid(proc.pid) for e in engines)
-        body = {"model": model.group(1), "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {"model": model, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
         events, done = 0, False
         url = f"http://127.0.0.1:{port}/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=10) as response:
@@ -211,3 +222,46 @@ def test_the_keys_of_replaced_engines_are_read_from_any_spelling_and_odd_files_d
     ):
         odd.write_bytes(content)
         assert _replaced_engines(odd) == set()
+
+
+def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly() -> None:
+    """The first Ctrl-C drains (the stream goes on, within the shutdown grace); the second ends
+    what is open now: the stream gets an error event that says why and [DONE], the engines stop,
+    and the exit is clean. uvicorn's own second Ctrl-C skipped the gateway's shutdown and cut the
+    stream without a word."""
+    port = free_port()
+    proc = _in_a_terminal(port)
+    assert proc.stdout is not None
+    engines: list[int] = []
+    try:
+        _, model = _model_once_listening(proc)
+        engines = _children(proc.pid)
+        body = {
+            "model": model,
+            "prompt": "hi",
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        lines: list[str] = []
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=10) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                lines.append(line[6:])
+                if len(lines) == 2:
+                    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: drain
+                elif len(lines) == 20:
+                    os.killpg(proc.pid, signal.SIGINT)  # and again: end it now
+        assert 20 <= len(lines) < 150 and lines[-1] == "[DONE]", lines[-3:]
+        assert '"shutting_down"' in lines[-2]
+        assert proc.wait(15) == 0
+        rest = proc.stdout.read()
+        assert "Ctrl-C again ends them now" in rest and "told to stop again: 1 open" in rest, rest
+        assert "Traceback" not in rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _assert_gone(engines)
