@@ -18,9 +18,11 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +100,10 @@ class RunningEngine:
     started_at: float = field(default_factory=time.monotonic)
     ready_seconds: float | None = None
     kv_events_endpoint: str | None = None
+    #: the server's own temporary directory (its TMPDIR), removed when it stops: vLLM leaves its
+    #: IPC sockets and torch's rendezvous files (vllm_dist_*) in the temporary directory, and
+    #: every start used to add more to /tmp
+    scratch: Path | None = None
 
     @property
     def url(self) -> str:
@@ -170,6 +176,8 @@ class RunningEngine:
                 self.process.wait(timeout=timeout)
         # Children (vLLM's engine core) may outlive the leader for a moment: end the group for good.
         _kill_group_leftovers(self.pid, timeout)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         return self.process.returncode
 
     def __enter__(self) -> RunningEngine:
@@ -274,19 +282,26 @@ def _launch(
 ) -> RunningEngine:
     args = [os.fspath(c) for c in cmd]
     log_path = logs_dir() / f"{kind}-{name}-{port}.log"
+    # (short: a unix socket's path holds at most 107 bytes, and vLLM names its sockets by UUID)
+    scratch = Path(tempfile.mkdtemp(prefix=f"slogate-{kind}-"))
     full_env = dict(os.environ)
     full_env.update(env)
-    with log_path.open("wb") as log:
-        log.write(f"$ {' '.join(args)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            preexec_fn=_preexec,  # setsid + parent-death signal only
-        )
+    full_env["TMPDIR"] = str(scratch)
+    try:
+        with log_path.open("wb") as log:
+            log.write(f"$ {' '.join(args)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                preexec_fn=_preexec,  # setsid + parent-death signal only
+            )
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     engine = RunningEngine(
         kind=kind,
         name=name,
@@ -297,6 +312,7 @@ def _launch(
         log_path=log_path,
         command=args,
         kv_events_endpoint=kv_events_endpoint,
+        scratch=scratch,
     )
     _live[proc.pid] = engine
     return engine

@@ -38,3 +38,19 @@ def test_a_child_that_writes_a_lot_after_starting_is_not_blocked(tmp_path: Path)
             time.sleep(0.05)
         assert done.exists(), "the child blocked writing to its standard output"
         assert len(process.output) == 200 and process.output[-1].startswith("span ")
+
+
+def test_a_real_engine_server_has_a_temporary_directory_of_its_own_removed_when_it_stops() -> None:
+    from gateway.realengines.servers import _launch
+
+    script = "import tempfile, time; tempfile.mkstemp(); print('ready', flush=True); time.sleep(60)"
+    engine = _launch("llamacpp", "scratch-test", [sys.executable, "-c", script], 1, {})
+    try:
+        assert engine.scratch is not None
+        deadline = time.monotonic() + 10
+        while not any(engine.scratch.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(engine.scratch.iterdir())  # (its TMPDIR: what it made went there)
+    finally:
+        engine.stop()
+    assert not engine.scratch.exists()

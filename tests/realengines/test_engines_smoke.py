@@ -180,3 +180,11 @@ def test_vllm_priority_field_accepted(vllm_priority: RunningEngine) -> None:
     log = vllm_priority.log_path.read_text(errors="replace")
     assert "priority" in " ".join(vllm_priority.command)
     assert "Traceback" not in log
+
+
+def test_vllm_keeps_its_temporary_files_in_a_directory_of_its_own(vllm_fcfs: RunningEngine) -> None:
+    """vLLM leaves IPC sockets and torch's rendezvous files (vllm_dist_*) in the temporary
+    directory; each server gets its own (removed when it stops), so runs do not pile them up in
+    /tmp."""
+    assert vllm_fcfs.scratch is not None and vllm_fcfs.scratch.is_dir()
+    assert any(vllm_fcfs.scratch.iterdir()), "vLLM wrote nothing to its TMPDIR: is it read?"
