@@ -201,8 +201,9 @@ class Gateway:
         self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut)
 
     def cut_now(self) -> None:
-        if self._cut_timer is not None:
-            self._cut_timer.cancel()
+        self.begin_shutdown()  # (the server may not have begun its own stop yet: /ready, the log)
+        assert self._cut_timer is not None
+        self._cut_timer.cancel()
         self._cut("told to stop again")
 
     def _cut(self, why: str | None = None) -> None:

@@ -116,8 +116,8 @@ class Proxy:
         #: requests being served (past parsing) and their handler tasks, by gateway id: what a
         #: shutdown ends once its grace is over
         self._open: dict[str, tuple[Call, asyncio.Task[Any]]] = {}
-        #: the answer every request gets once a shutdown's grace ran out (None: serving)
-        self.cut: GatewayError | None = None
+        #: a shutdown's grace ran out: what is still open is ended, later requests are refused
+        self.cut = False
 
     @property
     def open_requests(self) -> int:
@@ -127,15 +127,13 @@ class Proxy:
         """A shutdown's grace is over: each open request ends now, a started stream with an
         error event and [DONE], any other with a 503 (its engine request aborted, its queue
         place or reservation given back, as when a client leaves); later ones are refused.
-        Returns how many were open."""
-        self.cut = GatewayError(
-            503, "the gateway is shutting down; retry the request", code="shutting_down", retry_after_s=1.0
-        )
-        open_now = [(call, task) for call, task in self._open.values() if not call.finished_at]
+        Returns how many it ended."""
+        self.cut = True
+        # (one cut already is ending; one whose engine part is over is sending its last bytes,
+        # and uvicorn's backstop bounds a client that does not take them)
+        open_now = [(c, task) for c, task in self._open.values() if not c.cut and not c.finished_at]
         for call, task in open_now:
-            # (one whose engine part is over is sending its last bytes: uvicorn's backstop bounds
-            # a client that does not take them)
-            call.cut = self.cut
+            call.cut = True
             task.cancel()
         return len(open_now)
 
@@ -351,8 +349,8 @@ class Proxy:
         return (OVERHEAD_HEADER, b"%.3f" % (own * 1000.0)), own
 
     async def _serve(self, call: Call, receive: Receive) -> int:
-        if self.cut is not None:
-            raise self.cut
+        if self.cut:
+            raise _shutting_down()
         relay = asyncio.current_task()
         assert relay is not None
         watcher = asyncio.create_task(_watch_disconnect(receive, relay))
@@ -365,20 +363,34 @@ class Proxy:
             if watcher.done() and not watcher.cancelled() and watcher.result():
                 relay.uncancel()
                 raise ClientGone() from None
-            if call.cut is not None and (call.overhead_s < 0.0 or call.request.stream):
-                # the shutdown's cut (cut_open), not a client that left: what was open is cleaned
-                # up by now (as for a disconnect), and the client is told why it ends
-                relay.uncancel()
-                if call.overhead_s < 0.0:
-                    raise call.cut from None  # (answered as any refusal: a 503 with Retry-After)
-                with contextlib.suppress(OSError, RuntimeError):  # (the connection may be gone)
-                    await end_with_error(call, call.cut)
-                return call.cut.status
-            raise  # (a plain answer half sent cannot take an error: its connection is closed)
+            if not self.cut:
+                raise
+            # Stopping, not a client that left: the cut (cut_open) or, after it, the server's
+            # backstop. What was open is cleaned up by now, as for a disconnect, and the client
+            # is told why it ends wherever it still can be
+            relay.uncancel()
+            if call.finished_at or (call.overhead_s >= 0.0 and not call.request.stream):
+                # its last bytes not taken within the grace, or a plain answer half sent (no
+                # place for an error in it): its connection is closed
+                raise ClientGone() from None
+            if call.overhead_s >= 0.0:
+                # (a RuntimeError: the stream's start was cut while it waited for the socket and
+                # never went out, so the answer is a 503 after all)
+                with contextlib.suppress(RuntimeError):
+                    await end_with_error(call, _shutting_down())
+                    return 503
+            raise _shutting_down() from None  # (a refusal: a 503 with Retry-After)
         finally:
             self._open.pop(call.rid, None)
             watcher.cancel()
             self.slo.left(call.priority)
+
+
+def _shutting_down() -> GatewayError:
+    # (a new one for each request: a raised error's traceback would hold every request's frames)
+    return GatewayError(
+        503, "the gateway is shutting down; retry the request", code="shutting_down", retry_after_s=1.0
+    )
 
 
 #: ``x-slogate-debug`` values that ask for the routing decision in ``x-slogate-decision``

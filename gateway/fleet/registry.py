@@ -55,6 +55,10 @@ class RunningEntry:
     #: a streamed request (its events are progress as they come; a non-streamed one shows none
     #: until it ends)
     stream: bool = True
+    #: when the engine could start on it, if later than its dispatch: a P/D decode sent alongside
+    #: its prefill (bootstrap) waits for that prefill's KV (inf until the prefill answers); what
+    #: a stall is timed from
+    ready_at: float = 0.0
 
 
 #: the most output tokens one streamed event is taken to carry (a bound on a broken usage)
@@ -636,11 +640,13 @@ class Fleet:
         # counter (an OpenAI-compatible server, SGLang) it says nothing until then
         counted = timing is not None and timing.steps is not None
         sent = [
-            e.dispatched_at
+            max(e.dispatched_at, e.ready_at)
             for e in record.running.values()
             if e.dispatched_at > 0.0 and (counted or e.stream)
         ]
         oldest = min(sent) if sent else None
+        if oldest == math.inf:
+            oldest = None  # (all it holds waits for KV from prefills still running elsewhere)
         if (
             state is not None
             and now - record.state_at < after_s

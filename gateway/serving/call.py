@@ -14,7 +14,6 @@ from policies.slo import SloTarget
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from gateway.api.errors import GatewayError
     from gateway.router import Decision
     from gateway.serving.stream_state import StreamLedger
 
@@ -84,8 +83,8 @@ class Call:
     #: upstream call's, for the first-token event
     span: Span | None = None
     upstream_span: Span | None = None
-    #: why the gateway itself ended the request (a shutdown's grace ran out); None otherwise
-    cut: GatewayError | None = None
+    #: the gateway itself ended the request: a shutdown's grace ran out (Proxy.cut_open)
+    cut: bool = False
     #: what the current stream relayed, when it may migrate to another engine (None: it may not)
     ledger: StreamLedger | None = None
     #: the router's latest decision for it, when the client asked (``x-slogate-debug: 1``)

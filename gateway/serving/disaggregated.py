@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -563,6 +564,9 @@ class DisaggregatedFlow:
         )
         _prefill_engine_header(call, prefill.engine_id)
         decode_entry = self._reserve(call, decode, remote_kv=True, late=entry.late)
+        # the decode engine can do nothing for it before the prefill answers: its stall clock
+        # starts then (a long prefill was taken for a stalled decode engine)
+        decode_entry.ready_at = math.inf
         # counted as arriving at the decode engine (not gated: P and D go together here)
         end_transfer = await self._transfer_turn(call, decode, decode_entry, choice, gated=False)
         prefill_task = asyncio.create_task(
@@ -579,6 +583,7 @@ class DisaggregatedFlow:
                 if failed is None:
                     answer = prefill_task.result()
                     failed = answer if isinstance(answer, GatewayError) else None
+                decode_entry.ready_at = time.monotonic()
                 # the KV arrived if the decode streamed a token, or (not streamed) began its answer
                 kv_arrived = bool(call.first_at) if call.request.stream else call.upstream_answered
                 if failed is not None and not decode_task.done() and not kv_arrived:

@@ -116,7 +116,7 @@ def test_a_snapshot_entry_carries_each_field_of_its_engine() -> None:
         name="e",
         role=Role.PREFILL,
         weight=2.5,
-        priority_scheduling=True,
+        priority_scheduling=False,  # (not the True of healthy: the two could be swapped unseen)
     )
     fleet = fleet_of([config], 3.0)
     record = fleet.records["e"]
@@ -137,7 +137,7 @@ def test_a_snapshot_entry_carries_each_field_of_its_engine() -> None:
         in_flight_tokens=120,
         in_flight_at_scrape=0,
         state=record.state,
-        accepts_priority=True,
+        accepts_priority=False,
         running_tokens=100,
         adapters=frozenset({"lora-a"}),
     )

@@ -116,3 +116,25 @@ def test_a_gateway_with_nothing_open_stops_at_once() -> None:
             assert response.status_code == 200
             stopping_at = time.monotonic()
         assert time.monotonic() - stopping_at < 5.0, time.monotonic() - started
+
+
+def test_a_request_being_ended_is_not_ended_twice() -> None:
+    """A second cut (a second Ctrl-C after the grace ran out) while a stream is still writing its
+    error event would cancel that write and drop the stream without it."""
+    with (
+        StubEngine(_streams_for_long_or_never_answers) as engine,
+        run_gateway(engines=[engine.entry("stub")], stall_after_s=0) as gw,
+    ):
+        stream = _Stream(gw)
+        assert wait_until(lambda: stream.content_events() >= 2, timeout=10)
+        proxy = gw.gateway.proxy
+        assert proxy is not None
+        ended: list[int] = []
+        loop = gw.gateway.dispatch._task.get_loop()  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(lambda: ended.extend([proxy.cut_open(), proxy.cut_open()]))
+        stream.thread.join(10)
+        assert ended == [1, 0]
+        assert stream.lines[-1] == "[DONE]" and '"shutting_down"' in stream.lines[-2]
+        # and later requests are refused as the gateway stops
+        late = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"

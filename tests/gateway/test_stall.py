@@ -4,11 +4,13 @@ and never refuses it. Peer gateways' users: "one stalled backend hangs requests"
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 from unittest.mock import patch
 
@@ -20,6 +22,7 @@ from gateway.dispatch.offline import fleet_of, offline_fleet
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.procs import ChildProcess, spawn_sim_engine
+from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import EngineConfig
 from policies.api import EngineState, EngineTiming, Role
 from policies.stall import is_stalled
@@ -193,10 +196,30 @@ def test_a_stalled_decode_engine_leaves_the_decode_pool_and_the_last_one_stays()
     assert fleet.records["d1"].stalled and _decoding(fleet) == ["d2"]
 
 
-def test_a_non_streamed_decode_on_an_engine_without_a_step_counter_is_no_sign() -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_non_streamed_decode_on_an_engine_without_a_step_counter_is_no_sign(stream: bool) -> None:
+    """The decode stage's reservation says whether its request streams (a non-streamed one shows
+    nothing until it ends, and this engine has no step counter)."""
     fleet = _pd_fleet()
-    _hold(fleet, "d0", "r1", sent=0.5).stream = False
-    assert not fleet.check_stall("d0", 60.0, AFTER) and _decoding(fleet) == ["d0", "d1", "d2"]
+    request = SimpleNamespace(prompt_tokens=100, max_tokens=10, stream=stream)
+    call = SimpleNamespace(request=request, target=SimpleNamespace(tpot_s=0.1), rid="r1")
+    flow = SimpleNamespace(fleet=fleet)
+    entry = DisaggregatedFlow._reserve(flow, call, fleet.records["d0"], remote_kv=True)  # type: ignore[arg-type]
+    entry.dispatched_at = 0.5
+    assert fleet.check_stall("d0", 60.0, AFTER) is stream
+    assert _decoding(fleet) == (["d1", "d2"] if stream else ["d0", "d1", "d2"])
+
+
+def test_a_decode_sent_with_its_prefill_is_timed_from_the_prefills_answer() -> None:
+    """Bootstrap P/D sends the decode alongside the prefill: the decode engine can do nothing for
+    it before the prefill's KV is there, however long that prefill takes elsewhere."""
+    fleet = _pd_fleet()
+    entry = _hold(fleet, "d0", "r1", sent=0.5)
+    entry.ready_at = math.inf  # (the prefill still runs)
+    assert not fleet.check_stall("d0", 60.0, AFTER)
+    entry.ready_at = 50.0  # (it answered then)
+    assert not fleet.check_stall("d0", 64.9, AFTER)
+    assert fleet.check_stall("d0", 65.0, AFTER) and _decoding(fleet) == ["d1", "d2"]
 
 
 # -- live: a stub that never answers beside a simulated engine ------------------------------------
