@@ -553,6 +553,7 @@ class Fleet:
                     )
         self.adapter_bases = bases
         self._dirty.add(record.index)
+        self._restore_needed(record.model)  # (an adapter unloaded: a stalled engine may hold the last)
         self._notify(engine_id, "adapters")
         return True
 
@@ -603,18 +604,25 @@ class Fleet:
             self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
         self._dirty.add(record.index)
-        # A stall only moves work between a pool's engines, never refuses it: with no other
-        # engine of the pool left in rotation, its stalled ones are all it has (and a false alarm,
-        # say one long prefill with nothing else to stream, would otherwise be an outage)
-        engines = self.engines_of.get(record.model, ())
-        if not self._healthy_per_model[record.model]:
-            for other in engines:
-                if other.stalled and other.adapter.role in FRONT_ROLES:
-                    self.set_stalled(other.engine_id, False)
-        stalled_decode = [o for o in engines if o.stalled and o.adapter.role is Role.DECODE]
-        if stalled_decode and not any(self.in_decode_pool(o) for o in engines):
-            for other in stalled_decode:
-                self.set_stalled(other.engine_id, False)
+        self._restore_needed(record.model)
+
+    def _restore_needed(self, model: str) -> None:
+        """A stall only moves work between a pool's engines, never refuses it: a stalled engine
+        comes back once no other engine of its pool in rotation could take its work (none left,
+        or none with one of its LoRA adapters), as :meth:`check_stall` would not have marked it
+        then (a false alarm, say one long prefill with nothing else to stream, would otherwise
+        be an outage). Decided for every stalled engine before any returns."""
+        engines = self.engines_of.get(model, ())
+        needed = [
+            other
+            for other in engines
+            if other.stalled
+            and other.healthy
+            and not other.draining
+            and (not (peers := self._peers(other)) or self._sole_holder(other, peers))
+        ]
+        for other in needed:
+            self.set_stalled(other.engine_id, False)
 
     def set_stalled(self, engine_id: str, stalled: bool) -> None:
         """Take the engine out of rotation for a stall (see :meth:`check_stall`) or back in."""

@@ -138,6 +138,36 @@ def test_the_only_engine_with_an_adapter_is_never_marked() -> None:
     assert fleet.check_stall("m-0", 61.0, AFTER) and fleet.adapter_in_rotation("sql-lora")
 
 
+@pytest.mark.parametrize("leaves", ["unloads it", "is ejected", "drains"])
+def test_a_stalled_engine_comes_back_when_it_becomes_the_only_one_with_an_adapter(leaves: str) -> None:
+    """Marked while another engine had its adapter too; that one then unloads it or leaves
+    rotation: the adapter's requests have no engine but the stalled one."""
+    fleet = offline_fleet({MODEL: 3})
+    for engine in ("m-0", "m-1"):
+        fleet.set_adapters(engine, frozenset({"sql-lora"}))
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    assert fleet.check_stall("m-0", 60.0, AFTER) and fleet.records["m-0"].stalled
+    if leaves == "unloads it":
+        fleet.set_adapters("m-1", frozenset())
+    elif leaves == "is ejected":
+        fleet.record_health("m-1", False, eject_after=1, readmit_after=1)
+    else:
+        fleet.set_draining("m-1", True)
+    assert not fleet.records["m-0"].stalled and fleet.adapter_in_rotation("sql-lora")
+    assert "m-0" in _routable(fleet)
+    assert not fleet.check_stall("m-0", 61.0, AFTER)  # (nor marked again while it is the only one)
+
+
+def test_a_stalled_engine_that_was_ejected_is_back_if_it_returns_alone() -> None:
+    fleet = offline_fleet({MODEL: 2})
+    _hold(fleet, "m-0", "r1", sent=0.5)
+    assert fleet.check_stall("m-0", 20.0, AFTER)
+    fleet.record_health("m-0", False, eject_after=1, readmit_after=1)
+    fleet.record_health("m-1", False, eject_after=1, readmit_after=1)
+    fleet.record_health("m-0", True, eject_after=1, readmit_after=1)  # the only one to return
+    assert not fleet.records["m-0"].stalled and _routable(fleet) == ["m-0"]
+
+
 def test_the_stalled_gauge_follows_a_return_without_a_check_of_its_own() -> None:
     fleet = offline_fleet({MODEL: 2})
     monitor = FleetMonitor(fleet, 1.0, 2, 1, stall_after_s=AFTER)
