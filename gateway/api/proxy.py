@@ -374,8 +374,9 @@ class Proxy:
                 # place for an error in it): its connection is closed
                 raise ClientGone() from None
             if call.overhead_s >= 0.0:
-                # (a RuntimeError: the stream's start was cut while it waited for the socket and
-                # never went out, so the answer is a 503 after all)
+                # (the stream's start was cut while it waited for the socket to drain and never
+                # went out: a client that then takes nothing is gone once the last words' limit is
+                # over, one that reads meets a RuntimeError here and gets a 503 after all)
                 with contextlib.suppress(RuntimeError):
                     await end_with_error(call, _shutting_down())
                     return 503
