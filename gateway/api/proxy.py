@@ -369,18 +369,16 @@ class Proxy:
             # backstop. What was open is cleaned up by now, as for a disconnect, and the client
             # is told why it ends wherever it still can be
             relay.uncancel()
-            if call.finished_at or (call.overhead_s >= 0.0 and not call.request.stream):
+            if call.finished_at or (call.started and not call.request.stream):
                 # its last bytes not taken within the grace, or a plain answer half sent (no
                 # place for an error in it): its connection is closed
                 raise ClientGone() from None
-            if call.overhead_s >= 0.0:
-                # (the stream's start was cut while it waited for the socket to drain and never
-                # went out: a client that then takes nothing is gone once the last words' limit is
-                # over, one that reads meets a RuntimeError here and gets a 503 after all)
-                with contextlib.suppress(RuntimeError):
-                    await end_with_error(call, _shutting_down())
-                    return 503
-            raise _shutting_down() from None  # (a refusal: a 503 with Retry-After)
+            if call.started:
+                await end_with_error(call, _shutting_down())
+                return 503
+            # (a refusal: a 503 with Retry-After; also for an answer whose start was cut while
+            # it waited for the socket to drain, and never went out)
+            raise _shutting_down() from None
         finally:
             self._open.pop(call.rid, None)
             watcher.cancel()

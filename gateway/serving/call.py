@@ -77,8 +77,10 @@ class Call:
     #: time inside the request that was not the gateway's own work: receiving the client's body,
     #: waiting in the admission queue, waiting on engines (see :func:`overhead_header`)
     waited_s: float = 0.0
-    #: the gateway's own time up to the response headers, once they are sent (-1: not yet)
+    #: the gateway's own time up to the response headers, as they are sent (-1: not yet)
     overhead_s: float = -1.0
+    #: the response's start (status and headers) went out: an error can only be told in band
+    started: bool = False
     #: the request's span when tracing is on (None: no span work at all), and the current
     #: upstream call's, for the first-token event
     span: Span | None = None

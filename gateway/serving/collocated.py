@@ -56,6 +56,20 @@ from policies.api import RequestView
 
 #: the error code of a request refused for the gateway's own shortage of sockets
 OVERLOADED = "gateway_overloaded"
+REQUEST_TIMEOUT = "request_timeout"
+
+
+def out_of_time(timeout_s: float, engine: str = "an engine") -> GatewayError:
+    """A non-streamed request's whole time (``request_timeout_s``) ran out before it reached
+    ``engine``: sent now, that engine would do the work and be blamed for a timeout that was
+    the gateway's (its queue, a KV transfer's turn)."""
+    return GatewayError(
+        504,
+        f"the request's {timeout_s:g} s (request_timeout_s) ran out before it reached {engine}",
+        code=REQUEST_TIMEOUT,
+    )
+
+
 #: at most one warning this often (seconds) for those refusals: they come in bursts
 _SHORTAGE_LOG_EVERY_S = 1.0
 _shortage_logged = [-math.inf, 0]  # (when the last warning went out, refusals since)
@@ -176,14 +190,7 @@ class CollocatedFlow:
             tried.append(record.engine_id)
             try:
                 if deadline is not None and time.monotonic() >= deadline:
-                    # it waited its whole time in the queue: sent now, the engine would do the
-                    # work and be blamed for a timeout that was the queue's
-                    raise GatewayError(
-                        504,
-                        f"the request waited {settings.request_timeout_s:g} s (request_timeout_s) "
-                        "without reaching an engine",
-                        code="request_timeout",
-                    )
+                    raise out_of_time(settings.request_timeout_s)  # (it waited its time in the queue)
                 outcome = await serve_on(call, record, entry, deadline)
             finally:
                 self.dispatch.release(record.engine_id, call.rid)
@@ -297,12 +304,9 @@ class CollocatedFlow:
             body = request.body
             if "stream_options" in extra:
                 extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            if overrides or remove:
-                body = {k: v for k, v in body.items() if k not in remove}
-            else:
-                request.body_edited = True
-            body.update(extra)
-            return orjson.dumps(body)
+            # a copy: what goes to this engine (its priority, token ids a migration needs) must
+            # not reach a retry's, which may be of a kind that refuses it
+            return orjson.dumps({**{k: v for k, v in body.items() if k not in remove}, **extra})
         # parse_request accepted a JSON object with a "model": it opens with "{" and has a member
         at = request.raw.index(b"{") + 1
         return b"".join((request.raw[:at], orjson.dumps(extra)[1:-1], b",", request.raw[at:]))

@@ -52,7 +52,14 @@ from gateway.dispatch.slo_service import SloService
 from gateway.dispatch.transfer_gate import TransferGate
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.serving.call import Call
-from gateway.serving.collocated import OVERLOADED, PATHS, CollocatedFlow, end_upstream
+from gateway.serving.collocated import (
+    OVERLOADED,
+    PATHS,
+    REQUEST_TIMEOUT,
+    CollocatedFlow,
+    end_upstream,
+    out_of_time,
+)
 from gateway.serving.relay import end_with_error
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import EngineSnapshot, Role
@@ -159,8 +166,14 @@ class DisaggregatedFlow:
         try:
             status = await self.collocated.serve(call, stage)
         except GatewayError as error:
-            if always or progress.prefilled or not 500 <= error.status < 600 or error.code == OVERLOADED:
-                # (the gateway out of sockets: a decode engine would need one as well)
+            if (
+                always
+                or progress.prefilled
+                or not 500 <= error.status < 600
+                or error.code in (OVERLOADED, REQUEST_TIMEOUT)
+            ):
+                # (the gateway out of sockets: a decode engine would need one as well; the
+                # request's time is over: a decode engine would have none for it)
                 raise
             # every prefill attempt failed (or no prefill engine is in rotation): the request
             # runs whole on a decode engine, which can prefill too
@@ -419,6 +432,9 @@ class DisaggregatedFlow:
             end_transfer: Callable[[], None] | None = None
             try:
                 end_transfer = await self._transfer_turn(call, record, entry, choice)
+                if deadline is not None and time.monotonic() >= deadline:
+                    # its time ran out waiting for its transfer's turn
+                    return out_of_time(self.settings.request_timeout_s, "a decode engine")
                 outcome = await self.collocated.attempt(call, record, entry, deadline, overrides)
             finally:
                 if end_transfer is not None:
@@ -511,9 +527,12 @@ class DisaggregatedFlow:
         model = call.request.model
         deadline = None if call.request.stream else call.arrival + self.settings.request_timeout_s
         tried: list[str] = []
-        outcome: int | GatewayError | None = cause
+        failure = cause
         decisions = self.collocated.decisions
         for attempt in range(1, self.settings.dispatch_attempts + 1):
+            if deadline is not None and time.monotonic() >= deadline:
+                # (the prefills' or the last attempt's failure when they took the time)
+                raise failure if failure is not None else out_of_time(self.settings.request_timeout_s)
             choice = self.place_decode(call, None, tried)
             if choice is None:
                 break
@@ -528,13 +547,8 @@ class DisaggregatedFlow:
                 self.collocated.dispatch.release(record.engine_id, call.rid)
             if isinstance(outcome, int):
                 return outcome
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        if isinstance(outcome, int):
-            return outcome
-        if tried and outcome is not None:
-            raise outcome
-        raise cause if cause is not None else self._no_decode_engine(model)
+            failure = outcome
+        raise failure if failure is not None else self._no_decode_engine(model)
 
     # -- SGLang: bootstrap room, both engines at once -----------------------------------------------
 
@@ -589,7 +603,7 @@ class DisaggregatedFlow:
                 if failed is not None and not decode_task.done() and not kv_arrived:
                     # the decode would wait for KV that is not coming: close it now, whether or
                     # not its stream's headers already reached the client
-                    started = call.overhead_s >= 0 and call.request.stream
+                    started = call.started and call.request.stream
                     await _cancel(decode_task)
                     overloaded = isinstance(failed, GatewayError) and failed.code == OVERLOADED
                     if started and overloaded:

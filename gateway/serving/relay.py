@@ -124,6 +124,7 @@ async def answer_plain(call: Call, status: int, body: bytes, idle_s: float) -> i
         "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine), overhead],
     }
     await send_bounded(call.send, start, idle_s)
+    call.started = True
     await send_bounded(call.send, {"type": "http.response.body", "body": body}, idle_s)
     return status
 
@@ -176,6 +177,7 @@ async def relay_stream(
         },
         idle_s,
     )
+    call.started = True
     clock = asyncio.get_running_loop().time
     done = False
     sending = False

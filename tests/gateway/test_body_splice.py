@@ -76,6 +76,21 @@ def test_a_field_removed_for_one_engine_stays_removed_for_the_next() -> None:
     assert keys(second).count("stream_options") == 1
 
 
+def test_what_one_engine_is_sent_does_not_reach_the_next() -> None:
+    """The client's own stream_options made the body re-serialised for a vLLM engine: what was
+    added for it went into the client's body itself and stayed there for a retry on an engine of
+    another kind (its priority was taken out again, a migration's return_token_ids was not)."""
+    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{}}'
+    c = call(raw)
+    f = flow()
+    first = json.loads(f.body_for(c, record("vllm", True)))
+    assert first["priority"] == 11_000 and first["stream_options"] == {"include_usage": True}
+    second = json.loads(f.body_for(c, record("sglang", False)))
+    assert "priority" not in second
+    assert second["stream_options"] == {"include_usage": True}
+    assert c.request.body == json.loads(raw)  # the client's body as it came
+
+
 def test_an_untouched_body_is_sent_as_is() -> None:
     raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}], "stream": false}'
     c = call(raw)

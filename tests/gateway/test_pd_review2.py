@@ -3,14 +3,19 @@ and fails against the code as reviewed. Stub engines (kind ``openai``) as in tes
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.gateway_thread import run_gateway
-from tests.gateway.stub_engines import StubEngine, completion_body, status_after
-from tests.gateway.test_pd_review import chat_body, engines, entry, profile
+from tests.gateway.gateway_thread import run_gateway, wait_until
+from tests.gateway.stub_engines import StubEngine, chunk_event, completion_body, status_after
+from tests.gateway.test_pd_review import chat_body, engines, entry, nixl_prefill, profile
 
 
 async def bootstrap_prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
@@ -74,3 +79,75 @@ def test_bootstrap_prefill_failure_does_not_discard_a_non_streamed_decode_alread
             assert response.status_code == 200, (
                 f"{response.status_code} {response.text[:200]}: the decode's answer was thrown away"
             )
+
+
+# -- a non-streamed request whose time ran out before its decode engine is not sent there ----------
+
+
+def _timeout_blamed_on(url: str, engine: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "slogate_upstream_errors_total" and sample.labels == {
+                "engine": engine,
+                "kind": "timeout",
+            }:
+                return sample.value
+    return 0.0
+
+
+async def _decode_answers(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+    """A decode engine: a stream's first event after 2 s, a plain answer at once."""
+    if engine.received[-1].get("stream"):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(2.0)
+        await response.write(chunk_event("t", 0) + b"data: [DONE]\n\n")
+        return response
+    return web.Response(body=completion_body("ok"), content_type="application/json")
+
+
+@pytest.mark.parametrize("held", ["prefill engine", "kv transfer"])
+def test_a_request_whose_time_ran_out_before_its_decode_engine_is_not_sent_there(
+    tmp_path: Path, held: str
+) -> None:
+    """A streamed request holds the only prefill engine (``max_engine_load: 1``), or the decode
+    engine's one KV-transfer turn (its first token comes after 2 s); a non-streamed request waits
+    out its ``request_timeout_s`` behind it. It was then sent to the decode engine all the same
+    (whole, as a fallback for a prefill that "failed" with the queue's timeout, or after its
+    transfer turn), with no time left: that engine was blamed for a timeout that was not its own,
+    and the client told it "did not answer in time"."""
+
+    async def prefill(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        if held == "prefill engine" and len(engine.received) == 1:
+            await asyncio.sleep(2.0)  # (the streamed request's prefill)
+        return await nixl_prefill(engine, request)
+
+    with engines(prefill, _decode_answers) as (pre, dec):
+        config = [entry(pre, "p0", "prefill"), entry(dec, "d0", "decode")]
+        gating = (
+            # (a slow link: the streamed request's turn lasts until its first token)
+            "kv_transfer: {order: fifo, max_per_engine: 1}\ndecode_placement: {transfer_tokens_per_s: 50.0}\n"
+            if held == "kv transfer"
+            else ""
+        )
+        settings: dict[str, Any] = {
+            "max_engine_load": 1 if held == "prefill engine" else 8,
+            "request_timeout_s": 0.6,
+            "monitor_interval_s": 60.0,
+        }
+        routing = profile(tmp_path, mode="conditional", extra=gating)
+        with run_gateway(engines=config, routing_profile=routing, **settings) as gw:
+            holder = threading.Thread(
+                target=httpx.post,
+                args=(gw.url + "/v1/chat/completions",),
+                kwargs={"json": chat_body(True, max_tokens=8), "timeout": 20},
+            )
+            holder.start()
+            busy = pre if held == "prefill engine" else dec
+            assert wait_until(lambda: len(busy.received) == 1, timeout=10)
+            response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
+            holder.join()
+            error = response.json()["error"]
+            assert response.status_code == 504 and error["code"] == "request_timeout", error
+            assert _timeout_blamed_on(gw.url, "d0") == 0.0
+            assert [r for r in dec.received if not r.get("stream")] == []
