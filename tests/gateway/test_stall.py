@@ -159,6 +159,8 @@ def test_a_stalled_engine_comes_back_when_it_becomes_the_only_one_with_an_adapte
 
 
 def test_a_stalled_engine_that_was_ejected_is_back_if_it_returns_alone() -> None:
+    """(Held before the rule above too, by another path: kept so the rule, which passes over
+    ejected engines, does not lose it.)"""
     fleet = offline_fleet({MODEL: 2})
     _hold(fleet, "m-0", "r1", sent=0.5)
     assert fleet.check_stall("m-0", 20.0, AFTER)
