@@ -18,9 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gateway.engines.vllm import parse_vllm_metrics
 from gateway.procs import ChildProcess, spawn_sim_engine
+from profiles import PROFILES_DIR
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 
@@ -273,21 +275,34 @@ def test_gated_transfers_one_per_decode_engine(
     fleet: dict[str, ChildProcess], tmp_path: Path, order: str
 ) -> None:
     """With one KV transfer at a time per decode engine, concurrent requests queue at the gate and
-    every one completes with the collocated answer; nothing is left in the gate or the fleet."""
-    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
-        reference = answer_of(chat(gw, LONG, True, max_tokens=32), True)
-    gating = f"kv_transfer: {{order: {order}, max_per_engine: 1}}\n"
-    with run_gateway(
-        engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always", extra=gating))
-    ) as gw:
-        with ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda _: chat(gw, LONG, True, max_tokens=32), range(12)))
-        assert all(answer_of(r, True) == reference for r in responses)
-        flow = gw.gateway.proxy.flow
-        assert flow.gate is not None
-        assert flow.gate.waited_total > 0  # the gate did hold transfers back
-        assert all(flow.gate.in_flight(e) == 0 and flow.gate.waiting(e) == 0 for e in ("d0", "d1"))
-        assert all(not r.running for r in gw.gateway.fleet.records.values())
+    every one completes with the collocated answer; nothing is left in the gate or the fleet.
+
+    The one decode engine's KV link is slow (each transfer holds it ~70 ms of engine time), so the
+    transfers of concurrent requests overlap whatever the machine's load: the gate must hold some."""
+    slow = yaml.safe_load((PROFILES_DIR / "engines" / "qwen-7b.yaml").read_text())
+    slow["transfer"]["link_bandwidth_gbps"] = 0.1
+    slow_path = tmp_path / "slow-link.yaml"
+    slow_path.write_text(yaml.safe_dump(slow))
+    args = [a if a != "qwen-7b" else str(slow_path) for a in SIM_ARGS]
+    decode = spawn_sim_engine(*args, "--role", "decode", name="d-slow")
+    try:
+        with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+            reference = answer_of(chat(gw, LONG, True, max_tokens=32), True)
+        gating = f"kv_transfer: {{order: {order}, max_per_engine: 1}}\n"
+        entries = [*pd_entries(fleet)[:2], engine_entry(decode, role="decode")]
+        with run_gateway(
+            engines=entries, routing_profile=str(profile(tmp_path, "always", extra=gating))
+        ) as gw:
+            with ThreadPoolExecutor(8) as pool:
+                responses = list(pool.map(lambda _: chat(gw, LONG, True, max_tokens=32), range(12)))
+            assert all(answer_of(r, True) == reference for r in responses)
+            flow = gw.gateway.proxy.flow
+            assert flow.gate is not None
+            assert flow.gate.waited_total > 0  # the gate did hold transfers back
+            assert flow.gate.in_flight("d-slow") == 0 and flow.gate.waiting("d-slow") == 0
+            assert all(not r.running for r in gw.gateway.fleet.records.values())
+    finally:
+        decode.stop()
 
 
 @pytest.mark.parametrize(
