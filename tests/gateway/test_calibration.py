@@ -14,7 +14,7 @@ import pytest
 from gateway import metrics
 from gateway.dispatch.slo_service import SloService
 from gateway.engines import adapter_for
-from gateway.fleet.calibration import Calibrator, Interrupted, _prompt_tokens
+from gateway.fleet.calibration import PREFILL_REPEATS, PROMPT_TOKENS, Calibrator, Interrupted, _prompt_tokens
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.settings import load_settings
 from gateway.sim.profiles import load_profile
@@ -84,7 +84,7 @@ async def test_calibration_sets_the_coefficients_within_20_percent(engine: SimPr
             true = (TRUTH.decode_a + TRUTH.decode_b * context + TRUTH.decode_c * batch) / SPEED
             assert step == pytest.approx(true, rel=0.2)
         # probes are not client traffic: nothing counted as SLO traffic, nothing reserved
-        assert added >= 16 and probes("ok") - before_ok == 8 + 1 + 1 + 4
+        assert added >= 16 and probes("ok") - before_ok == len(PROMPT_TOKENS) * PREFILL_REPEATS + 1 + 1 + 4
         assert slo_requests() == before_slo
         assert fleet.records["e0"].in_flight == 0 and not fleet.records["e0"].running
 
