@@ -138,9 +138,11 @@ class FleetMonitor:
         # in rotation: healthy and not draining (for a role flip or a scale-in) nor stalled
         in_rotation = record.healthy and not record.draining and not record.stalled
         metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if in_rotation else 0.0)
-        if flipped and not record.healthy:
+        if not record.healthy:
             # what it last reported no longer holds: no series rather than a dead engine's last
-            # load (dashboards summed it, KV alerts kept firing); the next good scrape sets them
+            # load (dashboards summed it, KV alerts kept firing). On every failed check, not only
+            # on the flip: the data path may have ejected it first. A scrape sets them again only
+            # once it is healthy (vLLM serves /metrics after its engine core died)
             for gauge in (metrics.ENGINE_RUNNING, metrics.ENGINE_WAITING, metrics.ENGINE_KV_USAGE):
                 with contextlib.suppress(KeyError):
                     gauge.remove(engine_id)
@@ -187,7 +189,7 @@ class FleetMonitor:
         self.fleet.record_state(engine_id, state, time.monotonic(), sent_at, at_send)
         if self.scrape_errors.pop(engine_id, None) is not None:
             log.info("metrics scrape of %s recovered", engine_id, extra={"engine": engine_id})
-        if state is not None:
+        if state is not None and record.healthy:
             metrics.ENGINE_WAITING.labels(engine_id).set(state.num_waiting)
             metrics.ENGINE_RUNNING.labels(engine_id).set(state.num_running)
             metrics.ENGINE_KV_USAGE.labels(engine_id).set(state.kv_usage)

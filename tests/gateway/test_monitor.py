@@ -14,6 +14,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from gateway import metrics
 from gateway.engines import adapter_for
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.registry import EngineRecord, Fleet
@@ -303,3 +304,38 @@ def test_an_ejected_engine_leaves_no_reported_load_behind() -> None:
                 assert series(gw.url, name) == [], name
     finally:
         engine.stop()
+
+
+def _reported_running() -> float | None:
+    return metrics.REGISTRY.get_sample_value("slogate_engine_running", {"engine": "e"})
+
+
+async def test_an_engine_the_data_path_ejected_first_leaves_no_reported_load_behind(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """A crash under traffic: a request's connect error ejects the engine before any health check
+    fails, so the checks that then fail flip nothing; its last load must go all the same."""
+    monitor, fleet, record = make_monitor(engine, session)
+    await monitor.check_once(record)
+    assert record.healthy and _reported_running() == 3.0
+    fleet.eject("e", "ClientConnectorError: connection refused")
+    engine.health_status, engine.metrics_mode = 503, "error"
+    await monitor.check_once(record)
+    assert not record.healthy and _reported_running() is None
+
+
+async def test_an_ejected_engine_whose_metrics_still_answer_reports_no_load(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """vLLM's API server keeps serving /metrics after its engine core died (/health 503): the
+    scrapes of the ejected engine must not put its load back; readmitted, the next scrape does."""
+    monitor, _, record = make_monitor(engine, session)
+    await monitor.check_once(record)
+    engine.health_status = 503
+    assert not await monitor.check_health(record)
+    assert await monitor.scrape_once(record)
+    assert not record.healthy and _reported_running() is None
+    engine.health_status = 200
+    assert await monitor.check_health(record) and record.healthy
+    assert await monitor.scrape_once(record)
+    assert _reported_running() == 3.0
