@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.api.errors import GatewayError
+from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import FRONT_ROLES, Fleet
 from policies.api import Role
 
@@ -111,14 +112,15 @@ async def flip_role(
                 await record.adapter.switch_role(before)
             except Exception as again:
                 log.error(
-                    "engine %s: role change to %s failed and its role %s could not be restored: %r",
+                    "engine %s: role change to %s failed and its role %s could not be restored: %s",
                     engine_id,
                     role.value,
                     before.value,
-                    again,
+                    describe_failure(again),
                     extra={"engine": engine_id},
                 )
-            raise GatewayError(502, f"engine {engine_id} refused the role change: {exc!r}") from None
+            reason = describe_failure(exc)
+            raise GatewayError(502, f"engine {engine_id} refused the role change: {reason}") from None
         fleet.set_role(engine_id, role)
     finally:
         fleet.set_draining(engine_id, False)

@@ -35,6 +35,7 @@ from gateway.api.errors import GatewayError
 from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
+from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.open_files import out_of_sockets
 from gateway.serving.call import Call, ClientGone
@@ -439,9 +440,10 @@ class CollocatedFlow:
                         )
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
                     metrics.UPSTREAM_RETRIES.labels("connect").inc()
-                    self.fleet.eject(engine_id, repr(exc))
+                    reason = describe_failure(exc)
+                    self.fleet.eject(engine_id, reason)
                     log.warning(
-                        "engine %s unreachable: %r", engine_id, exc, extra={"request_id": call.client_rid}
+                        "engine %s unreachable: %s", engine_id, reason, extra={"request_id": call.client_rid}
                     )
                     return GatewayError(
                         502, f"engine {engine_id} is unreachable", code="upstream_unreachable"

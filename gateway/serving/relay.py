@@ -24,6 +24,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, Send, overhead_header
 from gateway.serving.stream_state import Cut, StreamLedger
@@ -102,9 +103,13 @@ async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | Ga
     except aiohttp.ClientError as exc:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         log.warning(
-            "engine %s failed mid-response: %r", engine_id, exc, extra={"request_id": call.client_rid}
+            "engine %s failed mid-response: %s",
+            engine_id,
+            describe_failure(exc),
+            extra={"request_id": call.client_rid},
         )
-        return GatewayError(502, f"engine {engine_id} failed mid-response: {exc!r}", code="upstream_failed")
+        reason = describe_failure(exc)
+        return GatewayError(502, f"engine {engine_id} failed mid-response: {reason}", code="upstream_failed")
     if b'"usage"' in body:
         with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
             record_usage(call, orjson.loads(body).get("usage"))

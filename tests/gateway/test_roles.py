@@ -60,3 +60,51 @@ async def test_a_failed_role_change_tells_the_engine_its_old_role_again() -> Non
     assert info.value.status == 502
     assert told == [Role.DECODE, Role.COLLOCATED] and record.adapter.role is Role.COLLOCATED
     assert not record.draining
+
+
+async def test_a_refused_role_change_never_shows_the_engine_s_key(caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's ClientResponseError carries the request's headers in its repr: the 502 and the
+    log of a refused role change showed the engine's Authorization header."""
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.engines import adapter_for
+    from gateway.fleet.registry import Fleet
+    from gateway.fleet.roles import flip_role
+
+    async def refuse(_: web.Request) -> web.Response:
+        return web.Response(status=500, text="no")
+
+    app = web.Application()
+    app.router.add_post("/sim/role", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            adapters = [
+                adapter_for(
+                    EngineConfig(
+                        url=f"http://127.0.0.1:{port}",
+                        kind="sim",
+                        model="m",
+                        name=f"e{i}",
+                        api_key="sk-ENGINE-SECRET",
+                    ),  # type: ignore[arg-type]
+                    session,
+                    2.0,
+                )
+                for i in range(2)
+            ]
+            fleet = Fleet(adapters, 3.0)
+            for name in fleet.records:
+                fleet.record_health(name, True, 1, 1)
+            with pytest.raises(GatewayError) as info:
+                await flip_role(fleet, "e1", Role.DECODE, 1.0)
+    finally:
+        await runner.cleanup()
+    assert info.value.status == 502 and "HTTP 500" in info.value.message
+    assert "SECRET" not in info.value.message and "SECRET" not in caplog.text
+    assert "could not be restored" in caplog.text  # (the restore was refused as well, and logged)
