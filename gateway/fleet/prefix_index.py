@@ -26,6 +26,12 @@ granularity: a dispatch re-writes the prompt's keys into the newest generation (
 until their generation goes, counted in full), so a prefix used all the time is never evicted and
 a chain's tail, refreshed less often than its head, goes first.
 
+An engine holds few generations whatever the fleet's size: the newest is closed once it holds a
+sixteenth of the engine's entries (and at least an even share of the budget's sixteenth), and past
+:data:`MAX_GENERATIONS` the two smallest neighbours are merged. Lookups, copy-forwards and
+removals walk an engine's generations, so their count, not the fleet's, bounds each one's cost
+(a budget split over 64 engines made one busy engine's 200,000 blocks 600 generations).
+
 The byte budget is counted honestly: every dict's own allocation (``sys.getsizeof``: its table)
 plus the int and float objects each entry keeps alive. Over budget, the engine holding the most
 bytes gives up its oldest generation (its dispatch guesses before the blocks its events reported
@@ -41,6 +47,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, islice, repeat, takewhile
+from typing import TypeVar
 
 from gateway.fleet.block_hash import PromptBlocks, chain, root_key
 
@@ -61,6 +68,8 @@ GENERATIONS = 16
 _SLOT_BYTES_PER_ENTRY = 3 * (4 + 16)
 #: the fewest entries a generation takes before the next is opened
 _MIN_GENERATION = 256
+#: generations an engine keeps per feed before neighbours are merged
+MAX_GENERATIONS = 2 * GENERATIONS
 #: vLLM's default when the engine has not told its block size yet
 DEFAULT_BLOCK_SIZE = 16
 
@@ -131,6 +140,10 @@ class _EngineEntries:
             if key is not None:
                 return key
         return None
+
+
+_G = TypeVar("_G", _ApproxGen, _PreciseGen)
+_V = TypeVar("_V")
 
 
 @dataclass(slots=True)
@@ -375,6 +388,10 @@ class PrefixIndex:
                 self._remeasure(entries, approx)
         for i in touched:
             self._remeasure(entries, entries.precise[i])
+        # (an engine's cache churns: what its events stored long ago is evicted by now, and
+        # the generations that held it would otherwise stay, empty, to be walked by every call)
+        self._drop_empty(entries, entries.approx)
+        self._drop_empty(entries, entries.precise)
         self.stats.removed += len(gone)
         return len(gone)
 
@@ -405,26 +422,66 @@ class PrefixIndex:
             return self._engines[engine_id].entries()
         return sum(e.entries() for e in self._engines.values())
 
+    def _full(self, gens: Sequence[_ApproxGen | _PreciseGen]) -> bool:
+        """The newest generation has taken its share: a sixteenth of the engine's entries in this
+        feed, and at least the floor."""
+        newest = len(gens[-1].keys)
+        if newest < self._generation_entries:
+            return False
+        return newest * GENERATIONS >= sum(len(g.keys) for g in gens)
+
     def _approx_gen(self, entries: _EngineEntries, now: float) -> _ApproxGen:
         gens = entries.approx
         if (
             not gens
-            or len(gens[-1].keys) >= self._generation_entries
+            or self._full(gens)
             # time-bounded too, so the TTL can drop old guesses a generation at a time
             or now - gens[-1].created >= self.approx_ttl_s / 8
         ):
             gen = _ApproxGen(now, now)
             gens.append(gen)
             self._remeasure(entries, gen)
+            if len(gens) > MAX_GENERATIONS:
+                older, newer = self._smallest_pair(gens)
+                older.keys = _merged(older.keys, newer.keys)
+                older.writes += newer.writes
+                self._absorb(entries, gens, older, newer)
         return gens[-1]
 
     def _precise_gen(self, entries: _EngineEntries, now: float) -> _PreciseGen:
         gens = entries.precise
-        if not gens or len(gens[-1].keys) >= self._generation_entries:
+        if not gens or self._full(gens):
             gen = _PreciseGen(now, now)
             gens.append(gen)
             self._remeasure(entries, gen)
+            if len(gens) > MAX_GENERATIONS:
+                older, newer = self._smallest_pair(gens)
+                older.keys = _merged(older.keys, newer.keys)
+                older.by_engine_hash = _merged(older.by_engine_hash, newer.by_engine_hash)
+                self._absorb(entries, gens, older, newer)
         return gens[-1]
+
+    @staticmethod
+    def _smallest_pair(gens: list[_G]) -> tuple[_G, _G]:
+        """The two neighbours, the newest (open) generation aside, holding the fewest entries."""
+        i = min(range(len(gens) - 2), key=lambda j: len(gens[j].keys) + len(gens[j + 1].keys))
+        return gens[i], gens[i + 1]
+
+    def _absorb(self, entries: _EngineEntries, gens: list[_G], older: _G, newer: _G) -> None:
+        """``older`` now holds ``newer``'s entries too: it takes its age and ``newer`` goes."""
+        older.last_write = max(older.last_write, newer.last_write)
+        gens.remove(newer)
+        entries.bytes -= newer.bytes
+        self._bytes -= newer.bytes
+        self._remeasure(entries, older)
+
+    def _drop_empty(self, entries: _EngineEntries, gens: list[_G]) -> None:
+        empty = [g for g in gens[:-1] if not g.keys]  # (the newest stays: it takes the writes)
+        if empty:
+            freed = sum(g.bytes for g in empty)
+            entries.bytes -= freed
+            self._bytes -= freed
+            gens[:-1] = [g for g in gens[:-1] if g.keys]
 
     def _remeasure(self, entries: _EngineEntries, gen: _ApproxGen | _PreciseGen) -> None:
         before = gen.bytes
@@ -460,6 +517,17 @@ class PrefixIndex:
             self.stats.evicted += len(gen.keys)
             victim.bytes -= gen.bytes
             self._bytes -= gen.bytes
+
+
+def _merged(older: dict[int, _V], newer: dict[int, _V]) -> dict[int, _V]:
+    """``older`` and ``newer`` in one dict, ``newer``'s values winning; built in the larger of
+    the two (updated in place), so a merge costs the smaller one's entries."""
+    if len(older) >= len(newer):
+        older.update(newer)
+        return older
+    for key, value in older.items():
+        newer.setdefault(key, value)
+    return newer
 
 
 def _leading(keys: Sequence[int], dicts: Sequence[dict[int, float] | dict[int, int]]) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gateway.fleet.block_hash import PromptBlocks, chain, root_key
-from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.prefix_index import GENERATIONS, PrefixIndex
 
 BS = 16
 ROOT = root_key("m")
@@ -295,3 +295,75 @@ def test_events_before_the_first_scrape_take_the_block_size_they_carry() -> None
     # once the engine has said its size, an event of another size is a mismatch
     apply_events(index, "e", [Stored([15], None, tokens[:16], 16, None, None)], 2.0)
     assert index.stats.block_size_mismatch == 1
+
+
+# -- generations: how many an engine holds -----------------------------------------------------
+
+
+class _CountingDict(dict):  # type: ignore[type-arg]
+    """Counts the lookups and pops the index makes in the generations it wraps."""
+
+    ops = 0
+
+    def __contains__(self, key: object) -> bool:
+        _CountingDict.ops += 1
+        return dict.__contains__(self, key)
+
+    def pop(self, *args: object) -> object:  # type: ignore[override]
+        _CountingDict.ops += 1
+        return dict.pop(self, *args)
+
+
+def _busy_engine_among(engines: int) -> tuple[PrefixIndex, list[int]]:
+    """Engine e0's events report 200 prompts of 1,000 blocks (~40 MB of a 64 MB budget); the
+    other engines are idle. Returns the index and each prompt's first engine hash."""
+    index = _index(*(f"e{i}" for i in range(engines)))
+    rng = np.random.default_rng(0)
+    firsts = []
+    for c in range(200):
+        tokens = rng.integers(0, 152_000, 1000 * BS).tolist()
+        hashes = list(range(1 + c * 1000, 1 + (c + 1) * 1000))
+        index.stored("e0", hashes, None, tokens, BS, now=float(c))
+        firsts.append(hashes[0])
+    return index, firsts
+
+
+def test_a_busy_engine_s_generations_do_not_multiply_with_the_fleet() -> None:
+    """Generations were sized to an even share of the budget: among 63 idle engines, one busy
+    engine's 200,000 blocks took 600 generations, and every dispatch (copying reported blocks
+    forward) and every BlockRemoved walked them all: 18x the dict operations of the same engine
+    alone. Now an engine keeps at most two per sixteenth of its entries whatever the fleet."""
+    costs = {}
+    for engines in (1, 64):
+        index, firsts = _busy_engine_among(engines)
+        precise = index._engines["e0"].precise
+        assert len(precise) <= 2 * GENERATIONS, len(precise)
+        assert index.entries("e0") == 200_000 and index.stats.evicted == 0  # (merges lose nothing)
+        for gen in precise:
+            gen.keys, gen.by_engine_hash = _CountingDict(gen.keys), _CountingDict(gen.by_engine_hash)
+        _CountingDict.ops = 0
+        rng = np.random.default_rng(1)
+        index.record_dispatch("e0", PromptBlocks(rng.integers(0, 152_000, 2000 * BS), ROOT), now=300.0)
+        assert index.removed("e0", firsts[:100]) == 100
+        costs[engines] = _CountingDict.ops
+    assert costs[64] <= 4 * costs[1], costs
+
+
+def test_generations_an_engine_s_cache_evicted_go_and_the_rest_still_match() -> None:
+    """An engine's cache churns: blocks its events stored long ago are evicted. The generations
+    that held them go (they stayed, empty, walked by every call), and merged generations still
+    answer for every block they took in."""
+    index = _index("a")
+    index._generation_entries = 8  # tiny generations: many, merged
+    prompts = [_tokens(500 + i, 4) for i in range(60)]
+    hashes = [_store(index, "a", p, None, now=float(i)) for i, p in enumerate(prompts)]
+    gens = index._engines["a"].precise
+    assert 1 < len(gens) <= 32
+    assert all(index.match(PromptBlocks(p, ROOT), ["a"]) == {"a": 4} for p in prompts)
+    before = len(gens)
+    for h in hashes[:50]:
+        index.removed("a", h)
+    assert len(index._engines["a"].precise) < before and index.entries("a") == 40
+    assert all(index.match(PromptBlocks(p, ROOT), ["a"]) == {"a": 0} for p in prompts[:50])
+    assert all(index.match(PromptBlocks(p, ROOT), ["a"]) == {"a": 4} for p in prompts[50:])
+    assert index.bytes_used == sum(g.measure() for g in index._engines["a"].precise)
