@@ -64,11 +64,17 @@ class PrefixRouting:
             fleet.listeners.append(self._on_change)
 
     def _on_change(self, engine_id: str, what: str) -> None:
-        if what != "state" or self.index is None:
+        if self.index is None:
             return
-        state = self.fleet.records[engine_id].state
-        if state is not None and state.block_size:
-            self.index.set_block_size(engine_id, state.block_size)
+        record = self.fleet.records[engine_id]
+        if what == "state":
+            if record.state is not None and record.state.block_size:
+                self.index.set_block_size(engine_id, record.state.block_size)
+        elif what == "health" and not record.healthy:
+            # an ejected engine has most likely crashed or restarted: what was dispatched to it
+            # is gone, and it would draw its old prompts back, to be prefilled from scratch, for
+            # the TTL. Readmitted, its events' replay and new dispatches fill it again
+            self.index.cleared(engine_id)
 
     # -- the front door's side ---------------------------------------------------------------------
 

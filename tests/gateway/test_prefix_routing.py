@@ -225,3 +225,21 @@ def test_an_arrival_goes_to_the_mature_worker_holding_its_prefix() -> None:
         else:
             assert record.engine_id != ENGINES[3]
             assert not fleet.records[record.engine_id].shared
+
+
+def test_an_ejected_engine_loses_its_prefix_credit() -> None:
+    """An engine ejected (crashed, restarted) kept the dispatch guesses of its old cache for the
+    TTL: readmitted, it drew its old prompts back, to prefill them from scratch."""
+    fleet, router, routing = _setup()
+    prompt = _chat(SYSTEM, "what is the capital of france")
+    routing.attach("r1", prompt, None)
+    chosen = router.choose(_view("r1"), now=0.0)
+    assert chosen is not None
+    routing.attach("r2", prompt, None)
+    cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=1.0).prefix.cached_tokens)  # type: ignore[union-attr]
+    assert cached[chosen.engine_id] > 0
+    fleet.eject(chosen.engine_id, "connection refused")
+    fleet.record_health(chosen.engine_id, True, 1, 1)  # back (restarted)
+    assert fleet.records[chosen.engine_id].healthy
+    cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=2.0).prefix.cached_tokens)  # type: ignore[union-attr]
+    assert cached[chosen.engine_id] == 0
