@@ -112,8 +112,17 @@ class _AnnouncingServer(uvicorn.Server):
                     print(f"{self.name} listening on http://{host}:{port}", flush=True)
 
 
-def serve(settings: Settings) -> None:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port) and listening, as uvicorn binds one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=4096)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: Settings, listener: socket.socket | None = None) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown.
+    ``listener``: a socket already bound (else uvicorn binds ``settings.host:port``).
 
     A profile that names an unknown plugin or holds a bad value is a configuration error like any
     other: one line on stderr and exit status 2, before anything listens.
@@ -126,7 +135,7 @@ def serve(settings: Settings) -> None:
         raise SystemExit(2) from None
     tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)
     raise_open_files_limit()  # two sockets a stream
-    _AnnouncingGateway(uvicorn_config(settings, app), app).run()
+    _AnnouncingGateway(uvicorn_config(settings, app), app).run(None if listener is None else [listener])
 
 
 class _AnnouncingGateway(_AnnouncingServer, GatewayServer):

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from gateway.procs import ChildProcess, spawn_sim_engine
-from gateway.server import serve
+from gateway.server import listening_socket, serve
 from gateway.settings import load_settings_or_exit
 
 
@@ -63,7 +63,18 @@ def run_up(args: argparse.Namespace) -> int:
             # every engine here is simulated: let clients drive them (X-Sim-Output-Len, X-Sim-Fault)
             forward_sim_headers=True,
         )
-        base = f"http://{settings.host}:{settings.port}"
+        try:
+            # bound before anything says where: a busy port is one line, not a banner and then a
+            # traceback, and port 0 shows the one it got
+            listener = listening_socket(settings.host, settings.port)
+        except OSError as exc:
+            print(
+                f"slogate up: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 1
+        host, port = listener.getsockname()[:2]
+        base = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         print(f"slogate gateway on {base}  ({len(engines)} simulated engines, model {model!r})", flush=True)
         for e, role in zip(engines, roles, strict=True):
             print(f"  engine {e.name} ({role}): {e.url}", flush=True)
@@ -73,11 +84,14 @@ def run_up(args: argparse.Namespace) -> int:
             f'"max_tokens": 32}}\'\nCtrl-C stops everything.',
             flush=True,
         )
-        serve(settings)
+        serve(settings, listener)
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # (an engine that did not start, or did not answer)
         print(f"slogate up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the engines start: stop them, no traceback
+        print("slogate up: interrupted", file=sys.stderr)
+        return 130
     finally:
         stopping.set()
         for e in engines:

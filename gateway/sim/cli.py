@@ -66,9 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _serve(config: SimConfig) -> None:
+async def _serve(config: SimConfig) -> int:
     server = SimServer(config)
-    url = await server.start()
+    try:
+        url = await server.start()
+    except OSError as exc:  # (a busy port: one line, and what start opened is closed)
+        await server.stop()
+        print(
+            f"slogate sim-engine: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
     print(f"slogate-sim listening on {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -76,6 +84,7 @@ async def _serve(config: SimConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop()
+    return 0
 
 
 def sim_engine_main(argv: list[str]) -> int:
@@ -136,9 +145,9 @@ def sim_engine_main(argv: list[str]) -> int:
         try:
             import uvloop
         except ImportError:
-            asyncio.run(_serve(config))
+            return asyncio.run(_serve(config))
         else:
-            uvloop.run(_serve(config))
+            return uvloop.run(_serve(config))
     return 0
 
 

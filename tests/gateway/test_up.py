@@ -265,3 +265,34 @@ def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly()
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     _assert_gone(engines)
+
+
+def test_a_busy_port_is_one_line_and_no_engine_is_left() -> None:
+    """A port in use printed the "gateway on" banner and then uvicorn's bind error; now up binds
+    first and says only that it cannot listen there."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--engines", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert f"slogate up: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "gateway on" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_port_0_shows_the_port_it_got() -> None:
+    proc = _up(0, 1, "10", stdout=subprocess.PIPE, text=True)
+    try:
+        output = _until_listening(proc)
+        got = re.search(r"slogate gateway on http://127\.0\.0\.1:(\d+)", output)
+        assert got and got.group(1) != "0", output
+        assert f"slogate listening on http://127.0.0.1:{got.group(1)}" in output, output
+        assert httpx.get(f"http://127.0.0.1:{got.group(1)}/ready", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0

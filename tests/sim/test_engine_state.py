@@ -117,3 +117,23 @@ def test_a_slow_fault_is_relative_to_the_engines_own_speed() -> None:
     server._apply_faults(_parse_fault_header("slow=3"), request("r", [5] * 4, 1))
     assert server.model.slow_factor == pytest.approx(1.5)  # 3x slower than its own 2x speed
     assert _parse_fault_header(" hang , crash-after=4,") == [("hang", 0.0), ("crash-after", 4.0)]
+
+
+def test_the_sim_engine_on_a_busy_port_says_so_in_one_line() -> None:
+    """It printed a traceback and an unclosed-session warning."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.sim.cli", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert line.startswith(f"slogate sim-engine: cannot listen on 127.0.0.1:{port}: "), line
+    assert "already in use" in line and "\n" not in line, line
