@@ -351,8 +351,8 @@ def _dispatching(loop: DispatchLoop | None) -> bool:
 def build_api(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await gateway.start()
-        try:
+        try:  # (a start that fails half-way closes what it opened: sessions, tasks)
+            await gateway.start()
             yield
         finally:
             await gateway.stop()
