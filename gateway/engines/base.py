@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import aiohttp
+import orjson
 
 from gateway.engines import prom_text
 from gateway.open_files import out_of_sockets
@@ -23,6 +24,31 @@ from policies.api import EngineState, Role
 MAX_PRIORITY = (1 << 53) - 1
 #: added to a late request's deadline (ms): later than any on-time deadline for ~11 days
 LATE_URGENCY_MS = 1_000_000_000
+#: the most a control answer (health, metrics, model list, slots) may hold: vLLM's metrics with
+#: per-adapter histograms are a few hundred KB. Beyond, the read fails (a broken or hostile
+#: engine streaming without end would hold the gateway's memory for the whole scrape timeout)
+MAX_CONTROL_BODY = 16 << 20
+
+
+class ControlBodyTooLarge(aiohttp.ClientPayloadError):
+    """A control answer past :data:`MAX_CONTROL_BODY`."""
+
+
+async def read_control(resp: aiohttp.ClientResponse, limit: int = MAX_CONTROL_BODY) -> bytes:
+    """A control answer's body, at most ``limit`` bytes (else :class:`ControlBodyTooLarge`)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ControlBodyTooLarge(f"answer of {resp.content_length} bytes, over {limit}")
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            raise ControlBodyTooLarge(f"answer over {limit} bytes")
+    return bytes(body)
+
+
+def control_json(body: bytes) -> Any:
+    """A control answer's JSON (ValueError when it is none)."""
+    return orjson.loads(body)
 
 
 class EngineAdapter:
@@ -152,7 +178,7 @@ class EngineAdapter:
                 headers=self._auth,
                 allow_redirects=False,
             ) as resp:
-                await resp.read()
+                await read_control(resp)
                 return 200 <= resp.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return None if out_of_sockets(exc) else False
@@ -168,7 +194,7 @@ class EngineAdapter:
             allow_redirects=False,
         ) as resp:
             resp.raise_for_status()
-            text = await resp.text()
+            text = (await read_control(resp)).decode(errors="replace")  # (the text format is UTF-8)
         return self.parse_metrics(text)
 
     async def list_models(self) -> list[str]:
@@ -176,7 +202,7 @@ class EngineAdapter:
             self.url("/v1/models"), timeout=self._health_timeout, headers=self._auth, allow_redirects=False
         ) as resp:
             resp.raise_for_status()
-            data = await resp.json(content_type=None)
+            data = control_json(await read_control(resp))
         return [str(m["id"]) for m in data.get("data", []) if isinstance(m, Mapping) and "id" in m]
 
     async def loaded_adapters(self) -> frozenset[str] | None:
@@ -192,10 +218,9 @@ class EngineAdapter:
             allow_redirects=False,
         ) as resp:
             if resp.status in (404, 405, 501):
-                await resp.read()
                 return None
             resp.raise_for_status()
-            data = await resp.json(content_type=None)
+            data = control_json(await read_control(resp))
         return adapters_listed(data, self.config.model)
 
     def parse_metrics(self, text: str) -> EngineState | None:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from gateway.engines import prom_text
-from gateway.engines.base import EngineAdapter, gauge
+from gateway.engines.base import EngineAdapter, control_json, gauge, read_control
 from policies.api import EngineState, EngineTiming
 
 #: what a scrape's /slots read leaves of the scrape's budget (the monitor's own timeout ends it)
@@ -117,7 +117,7 @@ class LlamaCppAdapter(EngineAdapter):
                     self._slots_enabled = False
                     return state
                 resp.raise_for_status()
-                slots = await resp.json(content_type=None)
+                slots = control_json(await read_control(resp))
             # (the engine's answer is untrusted: any shape but the expected one is no reading)
             return with_slots(state, slots) if isinstance(slots, list) else state
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, AttributeError, OverflowError):

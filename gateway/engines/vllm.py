@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.engines import prom_text
-from gateway.engines.base import EngineAdapter, gauge
+from gateway.engines.base import EngineAdapter, gauge, read_control
 from policies.api import EngineState, EngineTiming, Role
 
 _RUNNING = "vllm:num_requests_running"
@@ -113,5 +113,5 @@ class SimAdapter(VllmAdapter):
             headers=self._auth,
             allow_redirects=False,
         ) as resp:
-            await resp.read()
+            await read_control(resp)
             resp.raise_for_status()

@@ -4,6 +4,7 @@ engine; only failed health checks eject, and successes re-admit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +25,7 @@ from tests.gateway.gateway_thread import run_gateway, wait_until
 from tests.support.threaded_app import ThreadedApp
 
 ENGINE_KEY = "sk-engine-upstream-secret"
-MetricsMode = Literal["ok", "hang", "error"]
+MetricsMode = Literal["ok", "hang", "error", "endless"]
 
 
 class FakeEngine(ThreadedApp):
@@ -57,8 +58,16 @@ class FakeEngine(ThreadedApp):
                 await self._release.wait()
             return web.Response(status=self.health_status, text="")
 
-        async def prom(_: web.Request) -> web.Response:
+        async def prom(request: web.Request) -> web.StreamResponse:
             self.metrics_hits += 1
+            if self.metrics_mode == "endless":  # chunked, no length: a stream without end
+                response = web.StreamResponse()
+                await response.prepare(request)
+                line = b"# " + b"x" * 65_000 + b"\n"
+                with contextlib.suppress(ConnectionError):
+                    while not self._release.is_set():
+                        await response.write(line)
+                return response
             if self.metrics_mode == "hang":
                 await self._release.wait()
             if self.metrics_mode == "error":
@@ -339,3 +348,26 @@ async def test_an_ejected_engine_whose_metrics_still_answer_reports_no_load(
     assert await monitor.check_health(record) and record.healthy
     assert await monitor.scrape_once(record)
     assert _reported_running() == 3.0
+
+
+async def test_a_metrics_answer_without_end_is_a_failed_scrape_not_the_gateway_s_memory(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """Control answers were read whole: an engine streaming /metrics without end grew the
+    gateway's memory for the whole scrape timeout (gigabytes over loopback). They stop at
+    MAX_CONTROL_BODY now and the scrape fails, health untouched."""
+    import tracemalloc
+
+    from gateway.engines.base import MAX_CONTROL_BODY
+
+    monitor, _, record = make_monitor(engine, session, scrape_timeout_s=5.0)
+    assert await monitor.check_health(record)
+    engine.metrics_mode = "endless"
+    tracemalloc.start()
+    try:
+        assert not await monitor.scrape_once(record)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "over" in monitor.scrape_errors["e"] and record.healthy
+    assert peak < 3 * MAX_CONTROL_BODY, peak
