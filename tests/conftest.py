@@ -1,13 +1,13 @@
-"""How the suite spreads over pytest-xdist workers (``-n 2 --dist loadgroup``, set in pyproject).
+"""How the suite spreads over pytest-xdist workers (``-n 3 --dist loadgroup``, set in pyproject).
 
 Each test module is one unit of work, so a module's fixtures (engines, gateways) start once. The
 modules that provision machine-wide tools (real engines, the deployment toolchain, Chromium: some
 install with apt-get, whose lock allows one installer at a time) and start the heaviest servers
-form a single unit run first, by one worker, while the other worker takes the remaining modules.
+form a single unit run first, by one worker, while the other workers take the remaining modules.
 
 A test marked ``alone`` measures wall-clock time against a bound (live against offline, an abort
-within 100 ms, which of two requests a busy engine finishes first): it runs while the other worker
-runs no test, since a neighbour that keeps both cores busy (starting vLLM takes a minute of both)
+within 100 ms, which of two requests a busy engine finishes first): it runs while the other workers
+run no test, since a neighbour that keeps both cores busy (starting vLLM takes a minute of both)
 would stretch its timings. Every test holds a lock on a file the workers share while it runs, from
 the setup of its fixtures to their teardown: ``alone`` ones exclusively, the others shared.
 """
@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             rest.append(item)
     # xdist hands out units in collection order (--no-loadscope-reorder): the longest first, the
     # modules with tests that run alone last, when the real engines have started (or, on a cold
-    # machine, been provisioned) and the other worker has no long wait for its lock
+    # machine, been provisioned) and the other workers have no long wait for its lock
     alone = {item.path for item in rest if item.get_closest_marker("alone")}
     items[:] = first + [i for i in rest if i.path not in alone] + [i for i in rest if i.path in alone]
 

@@ -37,7 +37,7 @@ import itertools
 import json
 import re
 import socket
-from collections.abc import Callable, Coroutine, Iterator, MutableMapping
+from collections.abc import Callable, Coroutine, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -733,6 +733,24 @@ def check_stream(kind: RouteKind, body: bytes, wants_usage: bool, shown: str) ->
 # one first in a weighted pick.
 
 
+_SAMPLED: dict[tuple[tuple[type, Any], ...], st.SearchStrategy[Any]] = {}
+
+
+def sampled(values: Sequence[Any]) -> st.SearchStrategy[Any]:
+    """``st.sampled_from(values)``, made once per distinct list: generators call it per draw,
+    and every new strategy is validated and has its properties worked out again (a quarter of
+    the generation time)."""
+    try:
+        key = tuple((type(v), v) for v in values)
+        hash(key)
+    except TypeError:  # (unhashable values: made each time)
+        return st.sampled_from(values)
+    strategy = _SAMPLED.get(key)
+    if strategy is None:
+        strategy = _SAMPLED[key] = st.sampled_from(list(values))
+    return strategy
+
+
 def chance(draw: st.DrawFn, percent: int) -> bool:
     """True about ``percent`` % of the time (at most 49)."""
     return 50 <= draw(st.integers(0, 99)) < 50 + percent
@@ -764,7 +782,7 @@ def _fmt(value: float | int) -> bytes:
 
 
 def _padded(draw: st.DrawFn, value: bytes) -> bytes:
-    return draw(st.sampled_from([b"", b" ", b"\t"])) + value + draw(st.sampled_from([b"", b" ", b"\t"]))
+    return draw(sampled([b"", b" ", b"\t"])) + value + draw(sampled([b"", b" ", b"\t"]))
 
 
 OK_PRIORITIES = [b"9999999", b"-9999999", b"0", b"-0", b"+0", b"0003"]
@@ -800,9 +818,9 @@ def priority_values(draw: st.DrawFn) -> tuple[bytes, Verdict]:
             number = draw(st.integers(-1000, 1000))
             return _padded(draw, (b"+" if number >= 0 and chance(draw, 30) else b"") + _fmt(number)), "ok"
         case "edge":
-            return draw(st.sampled_from(OK_PRIORITIES)), "ok"
+            return draw(sampled(OK_PRIORITIES)), "ok"
         case "bad":
-            return draw(st.sampled_from(BAD_PRIORITIES)), "bad"
+            return draw(sampled(BAD_PRIORITIES)), "bad"
     return draw(unknown), "any"
 
 
@@ -815,11 +833,11 @@ def target_values(draw: st.DrawFn) -> tuple[bytes, Verdict]:
             number = draw(st.floats(min_value=1e-3, max_value=1e300, allow_nan=False, allow_infinity=False))
             return _padded(draw, _fmt(number)), "ok"
         case "edge":
-            return draw(st.one_of(st.sampled_from(OK_TARGETS), st.integers(1, 10**30).map(_fmt))), "ok"
+            return draw(st.one_of(sampled(OK_TARGETS), st.integers(1, 10**30).map(_fmt))), "ok"
         case "bad":
-            return draw(st.sampled_from(BAD_TARGETS)), "bad"
+            return draw(sampled(BAD_TARGETS)), "bad"
         case "huge":
-            return draw(st.sampled_from(HUGE_TARGETS)), "any"
+            return draw(sampled(HUGE_TARGETS)), "any"
     return draw(unknown), "any"
 
 
@@ -828,15 +846,15 @@ def task_values(draw: st.DrawFn) -> tuple[bytes, Verdict]:
     """x-slo-task: printable ASCII of at most 256 characters (an unknown task is no error)."""
     match pick(draw, {"ok": 55, "bad": 30, "unknown": 15}):
         case "ok":
-            return draw(st.one_of(st.sampled_from(OK_TASKS), PRINTABLE.map(str.encode))), "ok"
+            return draw(st.one_of(sampled(OK_TASKS), PRINTABLE.map(str.encode))), "ok"
         case "bad":
-            return draw(st.sampled_from(BAD_TASKS)), "bad"
+            return draw(sampled(BAD_TASKS)), "bad"
     return draw(unknown), "any"
 
 
 def free_values(*typical: bytes) -> Callable[[], st.SearchStrategy[tuple[bytes, Verdict]]]:
     """A header whose value never changes the status: anything at all, or a typical value."""
-    values = st.one_of(unknown, TEXT.map(str.encode), *([st.sampled_from(typical)] if typical else []))
+    values = st.one_of(unknown, TEXT.map(str.encode), *([sampled(typical)] if typical else []))
     return lambda: values.map(lambda v: (v, "ok"))
 
 
@@ -863,9 +881,7 @@ HEADER_NAMES = [*SLO_HEADERS, *SLO_HEADERS, *FREE_HEADERS, *SIM_HEADERS]
 @st.composite
 def sim_values(draw: st.DrawFn) -> bytes:
     """``x-sim-*`` values; none that would hang, slow or crash the engine every test shares."""
-    value = draw(
-        st.one_of(unknown, st.sampled_from([b"1", b"3", b"0", b"-2", b"bogus", b"x=1", b"\xfe\xff"]))
-    )
+    value = draw(st.one_of(unknown, sampled([b"1", b"3", b"0", b"-2", b"bogus", b"x=1", b"\xfe\xff"])))
     return b"" if any(fault in value for fault in _SIM_FAULTS) else value
 
 
@@ -882,8 +898,8 @@ def authorization(draw: st.DrawFn) -> tuple[bytes | None, Verdict | Literal["adm
     """A client key (any scheme case, any spacing), the policy key, the admin key, none, or junk."""
     match pick(draw, {"client": 60, "policy": 8, "admin": 6, "missing": 8, "wrong": 18}):
         case "client":
-            scheme = draw(st.sampled_from([b"Bearer", b"bearer", b"BEARER", b"bEaReR"]))
-            space = draw(st.sampled_from([b" ", b"  ", b"\t"]))
+            scheme = draw(sampled([b"Bearer", b"bearer", b"BEARER", b"bEaReR"]))
+            space = draw(sampled([b" ", b"  ", b"\t"]))
             return _padded(draw, scheme + space + CLIENT_KEY.encode()), "ok"
         case "policy":
             return b"Bearer " + POLICY_KEY.encode(), "ok"
@@ -893,7 +909,7 @@ def authorization(draw: st.DrawFn) -> tuple[bytes | None, Verdict | Literal["adm
             return None, "bad"
     near = [b"Bearer", b"Bearer ", b"Basic " + CLIENT_KEY.encode(), CLIENT_KEY.encode()]
     near += [b"Bearer " + CLIENT_KEY.encode()[:-1], b"Bearer " + CLIENT_KEY.upper().encode()]
-    return draw(st.one_of(unknown, st.sampled_from(near), SMALL_BYTES.map(lambda b: b"Bearer " + b))), "bad"
+    return draw(st.one_of(unknown, sampled(near), SMALL_BYTES.map(lambda b: b"Bearer " + b))), "bad"
 
 
 def _combine(verdicts: list[Verdict]) -> Verdict:
@@ -915,7 +931,7 @@ def header_sets(
 ) -> HeaderDraw:
     """Headers from those the gateway reads, with any values (or, for ``http``, what HTTP/1.1
     carries), repeats, and a declared content length that may be absent, wrong or huge."""
-    chosen = draw(st.lists(st.sampled_from(HEADER_NAMES), max_size=8 if heavy else 2))
+    chosen = draw(st.lists(sampled(HEADER_NAMES), max_size=8 if heavy else 2))
     items: list[tuple[bytes, bytes, Verdict]] = []
     for name in chosen:
         verdict: Verdict
@@ -1037,7 +1053,7 @@ def valid_body(draw: st.DrawFn, kind: RouteKind) -> dict[str, Any]:
         content: Any = draw(TEXT)
         if chance(draw, 20):
             content = [{"type": "text", "text": content}]
-        role = draw(st.sampled_from(["user", "system", "assistant"]))
+        role = draw(sampled(["user", "system", "assistant"]))
         system = [{"role": "system", "content": "be brief"}] if chance(draw, 20) else []
         body["messages"] = [*system, {"role": role, "content": content}]
     elif kind == "completions":
@@ -1054,7 +1070,7 @@ def valid_body(draw: st.DrawFn, kind: RouteKind) -> dict[str, Any]:
         texts = st.lists(TEXT.filter(bool), min_size=1, max_size=3)
         body["input"] = draw(st.one_of(TEXT.filter(bool), texts))
     if kind != "embeddings":
-        body[draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))] = draw(st.integers(1, 4))
+        body[draw(sampled(["max_tokens", "max_completion_tokens"]))] = draw(st.integers(1, 4))
         match pick(draw, {"plain": 40, "stream": 25, "usage": 25, "false": 10}):
             case "stream":
                 body["stream"] = True
@@ -1064,9 +1080,9 @@ def valid_body(draw: st.DrawFn, kind: RouteKind) -> dict[str, Any]:
             case "false":
                 body["stream"] = False
     if chance(draw, 25):
-        body["priority"] = draw(st.one_of(st.integers(-1000, 1000), st.sampled_from([2**62, -(2**63)])))
+        body["priority"] = draw(st.one_of(st.integers(-1000, 1000), sampled([2**62, -(2**63)])))
     if kind != "embeddings" and chance(draw, 25):
-        body["temperature"] = draw(st.sampled_from([0, 0.5, 1.0]))
+        body["temperature"] = draw(sampled([0, 0.5, 1.0]))
     return body
 
 
@@ -1088,16 +1104,16 @@ def bodies(draw: st.DrawFn, kind: RouteKind, *, mutate: bool = True) -> Body:
     match shape:
         case "mutated":
             for _ in range(draw(st.integers(1, 3))):
-                key = draw(st.sampled_from(MUTABLE_FIELDS))
+                key = draw(sampled(MUTABLE_FIELDS))
                 if chance(draw, 15):
                     body.pop(key, None)
                 else:
-                    body[key] = draw(st.one_of(st.sampled_from(SPECIAL_VALUES), JSON_JUNK))
+                    body[key] = draw(st.one_of(sampled(SPECIAL_VALUES), JSON_JUNK))
             raw = serialise(draw, body)
         case "long":
             # very long text: near the body limit or past it
-            size = draw(st.sampled_from([1000, MAX_BODY // 2, MAX_BODY - 200, MAX_BODY + 1, 4 * MAX_BODY]))
-            filler = draw(st.sampled_from(["a", "é", "日本", " ", "\\"])) * (size // 2)
+            size = draw(sampled([1000, MAX_BODY // 2, MAX_BODY - 200, MAX_BODY + 1, 4 * MAX_BODY]))
+            filler = draw(sampled(["a", "é", "日本", " ", "\\"])) * (size // 2)
             field_name = {"chat": "messages", "completions": "prompt", "embeddings": "input"}[kind]
             body[field_name] = [{"role": "user", "content": filler}] if kind == "chat" else filler
             raw = serialise(draw, body)
@@ -1111,10 +1127,10 @@ def bodies(draw: st.DrawFn, kind: RouteKind, *, mutate: bool = True) -> Body:
                 valid.replace(b'"', b"'"),
                 valid[:cut] + b"\xff" + valid[cut:],
             ]
-            raw = draw(st.sampled_from(spoilt))
+            raw = draw(sampled(spoilt))
             pristine = raw == valid + b" \n"
         case "not-object":
-            raw = draw(st.sampled_from(NOT_OBJECTS))
+            raw = draw(sampled(NOT_OBJECTS))
         case "bytes":
             raw = draw(st.binary(max_size=300))
         case _:
@@ -1146,14 +1162,12 @@ def data_requests(
     odd_methods: bool = False,
     http: bool = False,
 ) -> Case:
-    gateway = draw(st.sampled_from(gateways))
-    path = draw(st.sampled_from(list(DATA_PATHS)))
+    gateway = draw(sampled(gateways))
+    path = draw(sampled(list(DATA_PATHS)))
     kind = DATA_PATHS[path]
     method = "POST"
     if odd_methods and chance(draw, 20):
-        method = draw(
-            st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", *([] if http else ["HEAD"])])
-        )
+        method = draw(sampled(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", *([] if http else ["HEAD"])]))
     body = draw(bodies(kind, mutate=mutate_bodies))
     drawn = draw(header_sets(body.raw, http=http, forwards_sim=gateway == "open", heavy=heavy_headers))
     expect = expectation(
@@ -1178,12 +1192,12 @@ def other_requests(
     draw: st.DrawFn, *, gateways: tuple[str, ...] = ("keyed", "open"), http: bool = False
 ) -> Case:
     """The FastAPI side: models, health, readiness, metrics, admin and unknown routes."""
-    gateway = draw(st.sampled_from(gateways))
-    path = draw(st.sampled_from(OTHER_PATHS))
+    gateway = draw(sampled(gateways))
+    path = draw(sampled(OTHER_PATHS))
     method = pick(draw, {"GET": 60, "POST": 15, "PUT": 10, "DELETE": 15})
     drawn = draw(header_sets(b"", http=http, heavy=False))
-    body = draw(st.sampled_from([b"", b"{}", b"\xff"])) if method != "GET" else b""
-    query = draw(st.sampled_from([b"", b"x=1", b"a=%ff&b"]))
+    body = draw(sampled([b"", b"{}", b"\xff"])) if method != "GET" else b""
+    query = draw(sampled([b"", b"x=1", b"a=%ff&b"]))
     expect = expectation(gateway, method, path, drawn.auth, False, 0, "any", drawn.verdict, None)
     return Case(Wire(method, path, drawn.headers, [body], query), gateway, expect)
 

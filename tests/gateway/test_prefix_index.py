@@ -206,14 +206,14 @@ def _fill(index: PrefixIndex, engines: list[str], blocks: int, precise: bool) ->
 
 @pytest.mark.parametrize(
     ("precise", "blocks", "budget"),
-    # (events carry their token lists, which the fill builds in Python under tracemalloc: a
-    # quarter of the blocks into a quarter of the budget overflows it as much, in a fifth of the
-    # time of a million)
-    [(False, 1_000_000, 64 << 20), (True, 250_000, 16 << 20)],
+    # (past the budget as a million blocks were past 64 MiB: under tracemalloc every allocation
+    # is slow, and at a million these two took a minute of a loaded CI run; events carry their
+    # token lists, which the fill builds in Python, so fewer of them)
+    [(False, 256_000, 16 << 20), (True, 102_400, 6 << 20)],
     ids=["dispatches", "events"],
 )
-def test_a_million_distinct_blocks_stay_under_the_budget(precise: bool, blocks: int, budget: int) -> None:
-    """1,000,000 distinct blocks into a 64 MiB index (by KV events: 250,000 into 16 MiB): what
+def test_distinct_blocks_past_the_budget_stay_under_it(precise: bool, blocks: int, budget: int) -> None:
+    """256,000 distinct blocks into a 16 MiB index (by KV events: 102,400 into 6 MiB): what
     Python really allocated for it (tracemalloc, peak included) stays under the budget, and the
     index's own count is at least what was measured (it never under-counts)."""
     tracemalloc.start()
@@ -243,21 +243,21 @@ def test_a_million_distinct_blocks_stay_under_the_budget(precise: bool, blocks: 
     assert min(index.entries(e) for e in engines) > 0.2 * index.entries()
 
 
-def test_memory_of_a_million_blocks_held() -> None:
-    """With room for all of them: what 1,000,000 dispatched blocks cost."""
+def test_memory_of_blocks_held() -> None:
+    """With room for all of them: what 256,000 dispatched blocks cost (under 100 B each)."""
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         index = _index("a", budget=1 << 30)
-        _fill(index, ["a"], 1_000_000, precise=False)
+        _fill(index, ["a"], 256_000, precise=False)
         held = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert index.entries() == 1_000_000 and index.stats.evicted == 0
+    assert index.entries() == 256_000 and index.stats.evicted == 0
     print(
-        f"\n1,000,000 blocks held: measured {held / 2**20:.1f} MiB, counted {index.bytes_used / 2**20:.1f} MiB"
+        f"\n256,000 blocks held: measured {held / 2**20:.1f} MiB, counted {index.bytes_used / 2**20:.1f} MiB"
     )
-    assert held <= index.bytes_used < 100 << 20
+    assert held <= index.bytes_used < 25 << 20
 
 
 def test_a_quiet_engine_keeps_its_share() -> None:
