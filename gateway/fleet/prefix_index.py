@@ -152,6 +152,8 @@ class IndexStats:
 
     #: generations dropped for the budget, and the entries they held
     evicted_generations: int = 0
+    #: generations merged into a neighbour (past MAX_GENERATIONS)
+    merged_generations: int = 0
     evicted: int = 0
     expired: int = 0
     stored: int = 0
@@ -442,10 +444,11 @@ class PrefixIndex:
             gens.append(gen)
             self._remeasure(entries, gen)
             if len(gens) > MAX_GENERATIONS:
-                older, newer = self._smallest_pair(gens)
+                i = self._smallest_pair(gens)
+                older, newer = gens[i], gens[i + 1]
                 older.keys = _merged(older.keys, newer.keys)
                 older.writes += newer.writes
-                self._absorb(entries, gens, older, newer)
+                self._absorb(entries, gens, i)
         return gens[-1]
 
     def _precise_gen(self, entries: _EngineEntries, now: float) -> _PreciseGen:
@@ -455,22 +458,27 @@ class PrefixIndex:
             gens.append(gen)
             self._remeasure(entries, gen)
             if len(gens) > MAX_GENERATIONS:
-                older, newer = self._smallest_pair(gens)
+                i = self._smallest_pair(gens)
+                older, newer = gens[i], gens[i + 1]
                 older.keys = _merged(older.keys, newer.keys)
                 older.by_engine_hash = _merged(older.by_engine_hash, newer.by_engine_hash)
-                self._absorb(entries, gens, older, newer)
+                self._absorb(entries, gens, i)
         return gens[-1]
 
     @staticmethod
-    def _smallest_pair(gens: list[_G]) -> tuple[_G, _G]:
-        """The two neighbours, the newest (open) generation aside, holding the fewest entries."""
-        i = min(range(len(gens) - 2), key=lambda j: len(gens[j].keys) + len(gens[j + 1].keys))
-        return gens[i], gens[i + 1]
+    def _smallest_pair(gens: Sequence[_ApproxGen | _PreciseGen]) -> int:
+        """Where the two neighbours holding the fewest entries start, the newest (open)
+        generation aside."""
+        return min(range(len(gens) - 2), key=lambda j: len(gens[j].keys) + len(gens[j + 1].keys))
 
-    def _absorb(self, entries: _EngineEntries, gens: list[_G], older: _G, newer: _G) -> None:
-        """``older`` now holds ``newer``'s entries too: it takes its age and ``newer`` goes."""
+    def _absorb(self, entries: _EngineEntries, gens: list[_G], i: int) -> None:
+        """``gens[i]`` now holds ``gens[i + 1]``'s entries too: it takes its age and the other
+        goes. (A dispatch guess so lives until the merged generation's newest write is older
+        than the TTL: longer than the TTL and a generation's span when it was the older one.)"""
+        older, newer = gens[i], gens[i + 1]
         older.last_write = max(older.last_write, newer.last_write)
-        gens.remove(newer)
+        del gens[i + 1]
+        self.stats.merged_generations += 1
         entries.bytes -= newer.bytes
         self._bytes -= newer.bytes
         self._remeasure(entries, older)
@@ -488,6 +496,17 @@ class PrefixIndex:
         delta = gen.measure() - before
         entries.bytes += delta
         self._bytes += delta
+
+    def forget_dispatched(self, engine_id: str) -> None:
+        """Drop the gateway's own guesses of what ``engine_id`` holds (it was ejected: most likely
+        it restarted, and they are void); what its KV events reported stays, since an engine that
+        did restart says so in its events (its sequence starts again) and a blip changes nothing."""
+        entries = self._engines.get(engine_id)
+        if entries is not None and entries.approx:
+            freed = sum(g.bytes for g in entries.approx)
+            entries.approx = []
+            entries.bytes -= freed
+            self._bytes -= freed
 
     def _reset(self, entries: _EngineEntries, precise_only: bool) -> None:
         freed = sum(g.bytes for g in entries.precise)

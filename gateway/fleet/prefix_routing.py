@@ -73,8 +73,9 @@ class PrefixRouting:
         elif what == "health" and not record.healthy:
             # an ejected engine has most likely crashed or restarted: what was dispatched to it
             # is gone, and it would draw its old prompts back, to be prefilled from scratch, for
-            # the TTL. Readmitted, its events' replay and new dispatches fill it again
-            self.index.cleared(engine_id)
+            # the TTL. What its KV events reported stays: a restart shows in them (the sequence
+            # starts again: cleared and replayed), and a blip leaves its cache as it was
+            self.index.forget_dispatched(engine_id)
 
     # -- the front door's side ---------------------------------------------------------------------
 

@@ -19,6 +19,14 @@ async def test_a_start_that_fails_half_way_closes_what_it_opened(monkeypatch: py
     def fails(*_: object, **__: object) -> None:  # (whatever breaks after the sessions are open)
         raise RuntimeError("the dispatch loop could not start")
 
+    started: list[asyncio.Task[None]] = []
+    real_start = app_module.FleetMonitor.start
+
+    def start(monitor: app_module.FleetMonitor) -> None:
+        real_start(monitor)
+        started.extend(monitor._tasks)  # (stop() clears its list: keep the tasks to look at)
+
+    monkeypatch.setattr(app_module.FleetMonitor, "start", start)
     monkeypatch.setattr(app_module, "DispatchLoop", fails)
     gateway = Gateway(load_settings(engines=[{"url": "http://127.0.0.1:9", "kind": "sim", "model": "m"}]))
     api = build_api(gateway)
@@ -27,6 +35,4 @@ async def test_a_start_that_fails_half_way_closes_what_it_opened(monkeypatch: py
             pass
     sessions = (gateway.session, gateway.fresh_session, gateway.control_session)
     assert all(s is not None and s.closed for s in sessions)
-    assert gateway.monitor is not None
-    await asyncio.sleep(0)
-    assert all(t.done() for t in gateway.monitor._tasks)
+    assert started and all(t.done() for t in started)

@@ -229,12 +229,19 @@ def test_an_arrival_goes_to_the_mature_worker_holding_its_prefix() -> None:
 
 def test_an_ejected_engine_loses_its_prefix_credit() -> None:
     """An engine ejected (crashed, restarted) kept the dispatch guesses of its old cache for the
-    TTL: readmitted, it drew its old prompts back, to prefill them from scratch."""
+    TTL: readmitted, it drew its old prompts back, to prefill them from scratch. What its KV events
+    reported stays (a restart shows in the events themselves; a blip leaves the cache as it was)."""
     fleet, router, routing = _setup()
     prompt = _chat(SYSTEM, "what is the capital of france")
     routing.attach("r1", prompt, None)
     chosen = router.choose(_view("r1"), now=0.0)
     assert chosen is not None
+    index = routing.index
+    assert index is not None
+    reported = _chat("another system prompt " * 20, "hello")
+    tokens = [int(t) for t in reported.tokens]
+    index.stored(chosen.engine_id, list(range(1, 1 + len(tokens) // 16)), None, tokens, 16, 0.0)
+    assert index.match_reported(reported, [chosen.engine_id])[chosen.engine_id] == len(reported) // 16
     routing.attach("r2", prompt, None)
     cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=1.0).prefix.cached_tokens)  # type: ignore[union-attr]
     assert cached[chosen.engine_id] > 0
@@ -243,3 +250,5 @@ def test_an_ejected_engine_loses_its_prefix_credit() -> None:
     assert fleet.records[chosen.engine_id].healthy
     cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=2.0).prefix.cached_tokens)  # type: ignore[union-attr]
     assert cached[chosen.engine_id] == 0
+    assert index.match_reported(reported, [chosen.engine_id])[chosen.engine_id] == len(reported) // 16
+    assert index.stats.cleared == 0  # (that counts the engine's own AllBlocksCleared)

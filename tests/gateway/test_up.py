@@ -267,7 +267,7 @@ def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly()
     _assert_gone(engines)
 
 
-def test_a_busy_port_is_one_line_and_no_engine_is_left() -> None:
+def test_a_busy_port_is_one_line() -> None:
     """A port in use printed the "gateway on" banner and then uvicorn's bind error; now up binds
     first and says only that it cannot listen there."""
     import socket
