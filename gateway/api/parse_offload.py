@@ -4,12 +4,18 @@
 13 ms (ASCII) to 34 ms (non-ASCII), and every stream relayed by this process stalls for as long.
 Bodies above ``offload_parse_bytes`` are therefore parsed in a worker process, which sends back the
 routing fields only; the proxy keeps the bytes it forwards and decodes them itself only in the rare
-case a field must be removed for an engine. The worker starts with the first large body.
+case a field must be removed for an engine.
+
+The worker starts with the first large body, and until it is up (a process spawn and the
+gateway's imports: about a second here, many on a loaded machine) large bodies are parsed in
+place: a stall of tens of milliseconds for the other streams rather than a second or more of
+waiting for the body's own request. A gateway that never sees a large body starts no worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import os
@@ -61,6 +67,8 @@ class BodyParser:
         #: model -> tokenizer directory: those models' prompts are keyed with their own tokenizer
         self.engine_tokenizers = dict(engine_tokenizers or {})
         self._pool: ProcessPoolExecutor | None = None
+        #: the pool's first task, a no-op: done once its worker is up
+        self._warm_up: concurrent.futures.Future[int] | None = None
         self._disabled = False
         self._deaths = 0  # in a row, without a body parsed since
 
@@ -81,6 +89,13 @@ class BodyParser:
                     initializer=_worker_init,
                     initargs=(os.getpid(),),
                 )
+                self._warm_up = pool.submit(os.getpid)
+            warm_up = self._warm_up
+            if warm_up is not None and not warm_up.done():
+                return parse_request(kind, raw, self.default_max_tokens)  # (the worker is starting)
+            if warm_up is not None and warm_up.exception() is not None:
+                self._died(pool)  # it died starting: the next large body starts another
+                return parse_request(kind, raw, self.default_max_tokens)
             future = asyncio.get_running_loop().run_in_executor(
                 pool,
                 parse_summary,
@@ -112,7 +127,7 @@ class BodyParser:
         (each is told so), and never shutting down a pool started since."""
         if pool is None or self._pool is not pool:
             return
-        self._pool = None
+        self._pool = self._warm_up = None
         pool.shutdown(wait=False, cancel_futures=True)
         metrics.PARSE_WORKER_FAILURES.inc()
         self._deaths += 1
@@ -122,7 +137,18 @@ class BodyParser:
         else:
             log.warning("the body-parsing worker died; a new one starts with the next large body")
 
+    async def started(self) -> bool:
+        """Wait until the worker the first large body started is up (tests; the gateway never
+        waits for it). False when there is none or it died starting."""
+        if self._warm_up is None:
+            return False
+        try:
+            await asyncio.wrap_future(self._warm_up)
+        except BrokenProcessPool:
+            return False
+        return True
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            self._pool = self._warm_up = None

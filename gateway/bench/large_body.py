@@ -351,6 +351,9 @@ async def _measure(
         for body in (small, *prompts.values()):
             for _ in range(10):
                 await _post(session, gateway.url + "/v1/chat/completions", body)
+        # the first large body started the gateway's parse worker, and large bodies are parsed in
+        # place until it is up (about a second): what is measured is the worker's steady state
+        await asyncio.sleep(3.0)
         idle = await idle_cpu_rate(gateway.pid, 1.0)
 
         progress(f"(a) {n} small requests, direct and through the gateway (interleaved)")

@@ -39,7 +39,7 @@ from gateway.fleet.prompt_key import prompt_token_ids
 from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.settings import load_settings
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
-from tests.gateway.gateway_thread import run_gateway
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
 CHATML = (
@@ -269,8 +269,10 @@ async def test_the_parsing_worker_keys_with_the_engine_tokenizer(chatml_dir: Pat
     assert _ids(summary.prompt_ids) == expected
     parser = BodyParser(1024, 16, prompt_ids=True, engine_tokenizers={"hf-model": str(chatml_dir)})
     try:
+        await parser.parse("chat", raw)  # (parsed here while the worker starts)
+        assert await parser.started()
         offloaded = await parser.parse("chat", raw)
-        assert parser._pool is not None and offloaded.parsed is None
+        assert offloaded.parsed is None
         assert _ids(offloaded.prompt_ids) == expected
     finally:
         parser.close()
@@ -466,6 +468,16 @@ def sim_engine() -> Iterator[ChildProcess]:
         yield engine
 
 
+def _start_parse_worker(gw: RunningGateway) -> None:
+    """Start the gateway's parsing worker and wait until it is up: until then large bodies are
+    parsed in place, and these tests are about the worker."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4096}], "max_tokens": 1}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert gw.gateway.proxy is not None
+    parser = gw.gateway.proxy.parser
+    assert wait_until(lambda: parser._warm_up is not None and parser._warm_up.done(), timeout=30)
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_the_front_door_keys_a_configured_model_with_its_tokenizer(
     sim_engine: ChildProcess, chatml_dir: Path, offload: bool
@@ -479,6 +491,8 @@ def test_the_front_door_keys_a_configured_model_with_its_tokenizer(
         engine_tokenizers={MODEL: str(chatml_dir)},
         **overrides,
     ) as gw:
+        if offload:
+            _start_parse_worker(gw)
         for size in (200, 20_000):
             messages = [{"role": "user", "content": english_text(size, seed=size)}]
             body = {"model": MODEL, "messages": messages, "max_tokens": 2}
@@ -509,6 +523,8 @@ def test_a_lora_adapter_s_prompts_are_keyed_with_its_base_model_s_tokenizer(
             **overrides,
         ) as gw,
     ):
+        if offload:
+            _start_parse_worker(gw)
         messages = [{"role": "user", "content": english_text(20_000, seed=5)}]
         body = {"model": "a1", "messages": messages, "max_tokens": 2}
         r = httpx.post(
