@@ -7,11 +7,13 @@ most of it vLLM start-up. Provisioning and server start-up report their progress
 although pytest captures output (see ``_progress_on_terminal``). Skip the tier with
 ``SLOGATE_REAL_ENGINES=0`` or ``-m "not real_engines"``; run only it with ``pytest tests/realengines``.
 
-Servers are session-scoped and shared by all tests; the three vLLM servers start concurrently
-(start-up is mostly waiting: three took about as long as one). Two of them run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
+Servers are session-scoped and shared by all tests; the two vLLM servers start concurrently.
+Both run with ``--max-num-seqs 2`` so that a handful of requests already forms a waiting queue (the
 priority and least-load tests need one; the default batch limit would run everything at once), and
 both also answer to the shared model name ``tiny-vllm`` so the gateway can balance between them.
-The third publishes KV events for the prefix-index tests (``vllm_kv``).
+The FCFS one also publishes KV events and has vLLM's dev endpoints on, for the prefix-index tests
+(``vllm_kv``: it answers to ``tiny-vllm-kv`` as well). A third server for those alone cost a vLLM
+start-up, a minute of both cores on a loaded machine, for one test module.
 The P/D module adds a prefill and a decode vLLM server with the NIXL and Example KV connectors
 (``vllm_pd_pair``, module-scoped: they run only while that module's tests do; nixl is installed
 into the vLLM venv on first use, ~70 MB).
@@ -36,7 +38,6 @@ from gateway.realengines.cli import cache_status
 from gateway.realengines.progress import progress, progress_to, terminal_sink
 from gateway.realengines.servers import (
     RunningEngine,
-    SchedulingPolicy,
     calm_busy_threads,
     late_bound_port,
     start_llamacpp,
@@ -49,7 +50,7 @@ VLLM_PRIORITY_NAME = "tiny-vllm-prio"
 VLLM_SHARED_NAME = "tiny-vllm"  # both vLLM servers answer to it
 VLLM_ARGS = ("--max-num-seqs", "2")
 LLAMACPP_NAME = "tiny-llamacpp"
-VLLM_KV_NAME = "tiny-vllm-kv"  # the server that publishes KV events
+VLLM_KV_NAME = "tiny-vllm-kv"  # a name of the FCFS server, which publishes KV events
 VLLM_PD_NAME = "tiny-vllm-pd"  # served by the P/D pair's prefill and decode server
 
 TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
@@ -115,27 +116,30 @@ def _vllm_kv_port() -> int:
 
 @pytest.fixture(scope="session")
 def vllm_servers(_vllm_kv_port: int) -> Iterator[dict[str, RunningEngine]]:
-    """Three vLLM servers started concurrently: FCFS and ``--scheduling-policy priority`` (the
-    pair the gateway balances between), and one publishing KV events (``vllm_kv``)."""
+    """Two vLLM servers started concurrently: FCFS and ``--scheduling-policy priority`` (the
+    pair the gateway balances between); the FCFS one also publishes KV events (``vllm_kv``)."""
     started = time.monotonic()
-
-    def start(name: str, policy: SchedulingPolicy) -> RunningEngine:
-        return start_vllm(
-            name, scheduling_policy=policy, extra_args=VLLM_ARGS, aliases=(VLLM_SHARED_NAME,), wait=False
-        )
-
-    servers = {"fcfs": start(VLLM_FCFS_NAME, "fcfs")}
+    servers: dict[str, RunningEngine] = {}
     try:
-        servers["priority"] = start(VLLM_PRIORITY_NAME, "priority")
         # (binds the port: vLLM publishes, the gateway connects; the dev endpoints give the
         # tests /reset_prefix_cache)
-        servers["kv"] = start_vllm(
-            VLLM_KV_NAME,
+        servers["fcfs"] = start_vllm(
+            VLLM_FCFS_NAME,
+            scheduling_policy="fcfs",
+            extra_args=VLLM_ARGS,
+            aliases=(VLLM_SHARED_NAME, VLLM_KV_NAME),
             kv_events_endpoint=f"tcp://*:{_vllm_kv_port}",
             env={"VLLM_SERVER_DEV_MODE": "1"},
             wait=False,
         )
-        progress("waiting for the three vLLM servers to start (about a minute)")
+        servers["priority"] = start_vllm(
+            VLLM_PRIORITY_NAME,
+            scheduling_policy="priority",
+            extra_args=VLLM_ARGS,
+            aliases=(VLLM_SHARED_NAME,),
+            wait=False,
+        )
+        progress("waiting for the two vLLM servers to start (about a minute)")
         for engine in servers.values():
             engine.wait_ready()
         progress(f"vLLM servers ready after {time.monotonic() - started:.1f} s")
@@ -151,7 +155,7 @@ def vllm_servers(_vllm_kv_port: int) -> Iterator[dict[str, RunningEngine]]:
 def vllm_kv(vllm_servers: dict[str, RunningEngine], _vllm_kv_port: int) -> tuple[RunningEngine, int]:
     """vLLM publishing KV events on a port it binds (``tcp://*:P``), with the dev endpoints
     (``/reset_prefix_cache``) on: the server and the port."""
-    return vllm_servers["kv"], _vllm_kv_port
+    return vllm_servers["fcfs"], _vllm_kv_port
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ events but keying with the gateway's own tokenizer (what every model got before
 ``engine_tokenizers``) sees the same blocks and matches none of its prompts: the control that
 shows the keying is what this test checks.
 
-The vLLM server (``vllm_kv``) starts with the session's other two.
+The vLLM server (``vllm_kv``) is the session's FCFS one, which publishes KV events.
 """
 
 from __future__ import annotations
