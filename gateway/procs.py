@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import select
@@ -25,14 +26,20 @@ _PR_SET_PDEATHSIG = 1
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """SIGTERM this process when the thread that started it ends (its parent died): a child
-    process of the gateway never outlives it (for subprocess preexec_fn and pool initializers)."""
+    process of the gateway never outlives it (for subprocess preexec_fn and pool initializers).
+
+    ``parent``: the pid that started it. A parent that died before the signal was asked for is
+    gone already and will send nothing: the child then exits at once rather than live on,
+    adopted by init."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: stop() still cleans up on a normal exit
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 #: the child's last lines of standard output kept (for error messages)
@@ -113,7 +120,7 @@ def spawn_listening(
         stderr=stderr,
         bufsize=0,  # read from the descriptor select() watches, not from a buffer it cannot see
         env={**os.environ, **(env or {})},
-        preexec_fn=die_with_parent,
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
         # a process group of its own: a terminal's Ctrl-C goes to this process alone, which stops
         # its children in order (`slogate up`: the gateway drains, then the engines stop). In the
         # terminal's group the engines got the same SIGINT at once and cut the streams draining.

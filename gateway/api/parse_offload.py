@@ -39,9 +39,7 @@ def _worker_init(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # and a gateway killed outright (SIGKILL, the OOM killer) takes its worker with it; one
     # killed while the worker was still starting is gone already
-    die_with_parent()
-    if os.getppid() != parent:
-        os._exit(0)
+    die_with_parent(parent)
 
 
 class BodyParser:

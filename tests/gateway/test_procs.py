@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,3 +56,17 @@ def test_a_real_engine_server_has_a_temporary_directory_of_its_own_removed_when_
     finally:
         engine.stop()
     assert not engine.scratch.exists()
+
+
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_exits() -> None:
+    """The parent can die between the fork and the child's prctl: the child is then adopted by
+    init, no death signal ever comes, and it ran on for good. It checks who its parent is after
+    asking, and exits when that is no longer the pid that started it (here: a pid that is not
+    its parent, as after the reparenting)."""
+    script = "from gateway.procs import die_with_parent\ndie_with_parent({parent})\nprint('alive')\n"
+    gone = subprocess.run([sys.executable, "-c", script.format(parent=1)], capture_output=True, text=True)
+    assert gone.returncode == 1 and gone.stdout == "" and gone.stderr == ""
+    kept = subprocess.run(
+        [sys.executable, "-c", script.format(parent=os.getpid())], capture_output=True, text=True
+    )
+    assert kept.returncode == 0 and kept.stdout == "alive\n"
