@@ -22,6 +22,9 @@ from policies.api import EngineState, EngineTiming
 
 #: what a scrape's /slots read leaves of the scrape's budget (the monitor's own timeout ends it)
 SLOTS_MARGIN_S = 0.05
+#: how long a server that refused /slots (404, 501: started without --slots) is not asked again;
+#: it may be restarted with it, or the refusal may have been a proxy's during a restart
+SLOTS_RETRY_S = 300.0
 
 _TIMING = (
     "llamacpp:n_decode_total",
@@ -89,8 +92,8 @@ class LlamaCppAdapter(EngineAdapter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # a server started without --slots answers 501; stop asking after the first refusal
-        self._slots_enabled = True
+        # a server started without --slots answers 501: not asked again for SLOTS_RETRY_S
+        self._slots_refused_at: float | None = None
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_llamacpp_metrics(text)
@@ -98,7 +101,10 @@ class LlamaCppAdapter(EngineAdapter):
     async def scrape(self) -> EngineState | None:
         started = time.monotonic()
         state = await super().scrape()
-        if state is None or not self._slots_enabled:
+        if state is None:
+            return state
+        refused = self._slots_refused_at
+        if refused is not None and started - refused < SLOTS_RETRY_S:
             return state
         # /slots gets what is left of the scrape's budget (less a margin): the monitor times
         # the whole scrape, and a slow /slots must not cost the metrics already read
@@ -114,8 +120,9 @@ class LlamaCppAdapter(EngineAdapter):
                 allow_redirects=False,
             ) as resp:
                 if resp.status in (404, 501):
-                    self._slots_enabled = False
+                    self._slots_refused_at = time.monotonic()
                     return state
+                self._slots_refused_at = None
                 resp.raise_for_status()
                 slots = control_json(await read_control(resp))
             # (the engine's answer is untrusted: any shape but the expected one is no reading)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.engines import prom_text
@@ -328,6 +330,59 @@ async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow()
                 state = await adapter.scrape()
             assert state is not None and state.num_running == 2
             assert asyncio.get_running_loop().time() - started < 1.5  # not the 5 s /slots takes
+    finally:
+        await server.close()
+
+
+async def test_a_llamacpp_server_that_refused_slots_is_asked_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One 404/501 from /slots (a server started without --slots, or a proxy's answer while it
+    restarted) turned slot reading off for the gateway's lifetime: a server restarted with
+    --slots was never read again. It is asked again after SLOTS_RETRY_S."""
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    import gateway.engines.llamacpp as llamacpp
+    from gateway.engines import adapter_for
+    from gateway.settings import EngineConfig
+
+    monkeypatch.setattr(llamacpp, "SLOTS_RETRY_S", 0.2, raising=False)
+    hits: list[int] = []
+    refuse = [True]
+    busy = {
+        "id": 0,
+        "n_ctx": 1000,
+        "is_processing": True,
+        "n_prompt_tokens": 300,
+        "next_token": [{"n_decoded": 100}],
+    }
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="llamacpp:requests_processing 1\n")
+
+    async def slots_route(_: web.Request) -> web.Response:
+        hits.append(1)
+        return web.Response(status=501, text="no slots") if refuse[0] else web.json_response([busy])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slots", slots_route)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        config = EngineConfig(url=str(server.make_url("/")), kind="llamacpp", model="m", name="l0")
+        async with aiohttp.ClientSession() as session:
+            adapter = adapter_for(config, session, 1.0, scrape_timeout_s=0.5)
+            state = await adapter.scrape()
+            assert state is not None and state.num_gpu_blocks is None and len(hits) == 1
+            refuse[0] = False  # restarted with --slots
+            await adapter.scrape()
+            assert len(hits) == 1  # not asked again at once
+            await asyncio.sleep(0.25)
+            state = await adapter.scrape()
+            assert len(hits) == 2 and state is not None and state.num_gpu_blocks == 1000
     finally:
         await server.close()
 
