@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from gateway.dispatch.latency_learner import REFIT_MIN_INTERVAL_S
 from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.sim.profiles import load_profile
 from tests.gateway.conftest import MODEL, engine_entry
@@ -63,6 +64,13 @@ def test_the_live_gateway_learns_the_engine(engine: ChildProcess) -> None:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(one, range(32)))
         time.sleep(0.6)  # the next scrapes confirm the last samples
+        # Once an engine's sample rings are full, it is re-fitted at most every
+        # REFIT_MIN_INTERVAL_S, and only when samples arrive: on a slow machine the last re-fit can
+        # predate most prefill samples. A trickle of requests lets the next one come
+        deadline = time.monotonic() + REFIT_MIN_INTERVAL_S + 5.0
+        while slo.coefficients("e0")[0] == prior_prefill and time.monotonic() < deadline:
+            one(0)
+            time.sleep(0.5)
         prefill_samples, decode_samples = slo.latency.sample_counts("e0")
         assert prefill_samples >= 8 and decode_samples >= 50
         prefill, decode = slo.coefficients("e0")
