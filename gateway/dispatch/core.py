@@ -48,6 +48,7 @@ from policies.queue_order import (
     OrderContext,
     QueuedRequest,
     QueueOrder,
+    last_feasible_start,
     marginal_service_s,
     ttft_infeasible,
     with_batch,
@@ -132,10 +133,12 @@ class Ticket:
 Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
-#: what demotion plans keep of a queued request, whatever the latency coefficients: its ticket's
-#: admission number (the row is that ticket's), its band, its rank in the band, its TTFT deadline,
-#: and its prompt and output tokens
-_PlanRow = tuple[int, Band, tuple[float, ...], float, int, int]
+#: what demotion plans keep of a queued request: its ticket's admission number (the row is that
+#: ticket's), its band, the context its member was computed with, and that member (its rank in
+#: the band, last feasible start, predicted engine time and id). Under a standing queue each plan
+#: re-reads every request, and the context rarely changes between plans: computed once, a row is
+#: only looked up
+_PlanRow = tuple[int, Band, OrderContext, Member]
 
 
 @dataclass(slots=True)
@@ -154,6 +157,23 @@ class _DemotionPlan:
     waiting: set[Band] = field(default_factory=set)
     demoted: list[str] = field(default_factory=list)
     bands: dict[tuple[int, float, float], Band] = field(default_factory=dict)
+
+
+def _plan_row(
+    item: QueuedRequest, ctx: OrderContext, bands: dict[tuple[int, float, float], Band]
+) -> _PlanRow:
+    """A demotion plan's row of a queued request."""
+    view = item.view
+    # by targets, not class name (a class may be a priority level's, whatever the task); each
+    # distinct set looked up once per plan
+    targets = (view.priority, item.ttft_slo, item.tpot_slo)
+    band = bands.get(targets)
+    if band is None:
+        band = bands[targets] = band_of(*targets)
+    # the order the queue serves a band in (SloTpot, past its level)
+    rank: tuple[float, ...] = (item.tpot_slo, view.arrival, float(item.seq))
+    member = (rank, last_feasible_start(item, ctx), marginal_service_s(view, ctx), view.request_id)
+    return (item.seq, band, ctx, member)
 
 
 def no_healthy_engine(model: str, why: str, refused: bool = True) -> GatewayError:
@@ -883,35 +903,19 @@ class DispatchCore:
         ctx = plan.ctx
         cache, members, waiting, demoted = plan.cache, plan.members, plan.waiting, plan.demoted
         bands = plan.bands
-        # last_feasible_start and marginal_service_s, unrolled (at 10,000 queued this loop was the
-        # pass's cost), and each request's computed once while it waits
-        base, per_token = ctx.prefill_base_s, 1.0 / ctx.prefill_tokens_per_s
-        per_seq, per_context = ctx.decode_seq_s, ctx.decode_context_s
         for item in items[plan.at : end]:
-            view = item.view
-            rid = view.request_id
+            rid = item.view.request_id
             row = cache.get(rid)
-            if row is None or row[0] != item.seq:  # (another ticket: the request came back queued)
-                # by targets, not class name (a class may be a priority level's, whatever the
-                # task); each distinct set looked up once per plan
-                targets = (view.priority, item.ttft_slo, item.tpot_slo)
-                band = bands.get(targets)
-                if band is None:
-                    band = bands[targets] = band_of(*targets)
-                # the order the queue serves a band in (SloTpot, past its level)
-                rank: tuple[float, ...] = (item.tpot_slo, view.arrival, float(item.seq))
-                prompt, output = max(0, view.prompt_tokens), max(0, view.max_output_tokens)
-                row = cache[rid] = (item.seq, band, rank, view.arrival + item.ttft_slo, prompt, output)
-            _, band, rank, deadline, prompt, output = row
+            if row is None or row[0] != item.seq or row[2] is not ctx:
+                # (another ticket, the request queued again; or another context)
+                row = cache[rid] = _plan_row(item, ctx, bands)
+            band, member = row[1], row[3]
             if band not in waiting:
                 waiting.add(band)
                 members[band] = []
-            prefill = base + prompt * per_token
-            last_start = deadline - prefill
-            if last_start < now:
+            if member[1] < now:
                 continue  # late: the queue ranks it late whatever its stamp
-            service = prefill + output * (per_seq + per_context * (prompt + output / 2))
-            members[band].append((rank, last_start, service, rid))
+            members[band].append(member)
             if item.demoted:
                 demoted.append(rid)
         plan.at = end

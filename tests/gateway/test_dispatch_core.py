@@ -1280,10 +1280,10 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
 
 
 def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same(monkeypatch) -> None:
-    """What does not change while a request waits (its band, rank, deadline, token counts) is
-    looked up once (at 10,000 queued that was most of every plan): rows kept from plans at other
-    times equal rows computed afresh and decide the same, over several slices and under new
-    latency coefficients; a request queued again under a new ticket gets its new targets' row;
+    """What does not change while a request waits (its band, rank, last feasible start and engine
+    time under one context) is computed once (at 10,000 queued that was most of every plan): rows
+    kept from plans at other times equal rows computed afresh and decide the same, over several
+    slices and under new latency coefficients; a request queued again under a new ticket gets its new targets' row;
     rows of requests that left are dropped once they outnumber the queue, and all of them once
     it is empty."""
     import gateway.dispatch.core as core_module
@@ -1322,9 +1322,10 @@ def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the
     assert cached.submit(ticket, 8.0) is None
     while not cached._plan_demotions("a", queue, 8.0):
         pass
-    seq, band, _rank, deadline, *_ = cached._plan_rows["a"][back.view.request_id]
-    assert seq == ticket.item.seq and band == (back.view.priority, 0.5, 0.05)
-    assert deadline == back.view.arrival + 0.5
+    seq, band, row_ctx, (_rank, last_start, _service, rid) = cached._plan_rows["a"][back.view.request_id]
+    assert seq == ticket.item.seq and band == (back.view.priority, 0.5, 0.05) and rid == back.view.request_id
+    prefill = row_ctx.predicted_prefill_s(back.view.prompt_tokens)
+    assert row_ctx is cached.context("a", 8.0) and last_start == back.view.arrival + 0.5 - prefill
 
     rows = cached._plan_rows_for("a", queue)
     gone = {f"gone-{i}": next(iter(rows.values())) for i in range(2 * len(queue) + 1100)}
