@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -185,3 +186,33 @@ def test_stalled_engine_times_out_with_an_error_event(one_engine: ChildProcess) 
         assert r.status_code == 200  # headers were sent before the stall
         assert b'"code":"upstream_timeout"' in r.content and r.content.endswith(b"data: [DONE]\n\n")
         assert time.monotonic() - t0 < 3
+
+
+def test_an_engine_the_data_path_cannot_reach_is_ejected_with_a_one_line_reason(
+    one_engine: ChildProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused connection ejects the engine at once (the request goes to another) with a reason
+    in one line, not the exception's repr (a ``ConnectionKey`` with every field of the
+    connection): the log's, and ``/admin/engines``' until a health check gives its own."""
+    # (a long monitor interval: the data path, not a health check, finds it gone)
+    with (
+        spawn_sim_engine(*SIM_ARGS, name="dead") as doomed,
+        caplog.at_level(logging.WARNING, logger="slogate.serving"),
+        run_gateway(engines=[engine_entry(doomed), engine_entry(one_engine)], monitor_interval_s=60.0) as gw,
+    ):
+        port = doomed.url.rsplit(":", 1)[1]
+        doomed.stop()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        for _ in range(4):
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2
+            )
+            assert raw.headers["x-slogate-engine"] == "solo"
+        assert not gw.gateway.fleet.records["dead"].healthy  # type: ignore[union-attr]
+    [reason] = [
+        r.getMessage().removeprefix("engine dead unreachable: ")
+        for r in caplog.records
+        if r.getMessage().startswith("engine dead unreachable: ")
+    ]
+    assert reason.startswith("ClientConnectorError: ") and f"127.0.0.1:{port}" in reason, reason
+    assert "ConnectionKey" not in reason and "\n" not in reason, reason

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_thread import run_gateway, wait_until
-from tests.gateway.stub_engines import StubEngine, completion_body, status_after
+from tests.gateway.stub_engines import StubEngine, completion_body, events_every, status_after
 
 LONG = "tell me about the weather in the hills " * 60
 #: what a vLLM NIXL prefill answers (kv_transfer_params to hand to the decode verbatim)
@@ -379,3 +379,48 @@ def test_a_decode_cut_after_it_began_its_answer_is_not_retried_with_the_same_kv(
     assert response.status_code == expected, response.text
     assert calls == decodes and len(d0.received) + len(d1.received) == decodes
     assert len(p.received) == 1
+
+
+def test_a_bootstrap_decode_waiting_for_its_prefill_is_not_taken_for_a_stalled_engine(tmp_path: Path) -> None:
+    """With SGLang's bootstrap the decode request goes out with the prefill and can show nothing
+    before the prefill's KV arrives: its stall clock starts when the prefill answers
+    (``ready_at``), not when it was sent. Counted from the send, a prefill longer than
+    ``stall_after_s`` took a healthy decode engine out of rotation for it."""
+    prefill_s, stall_s = 1.5, 0.6
+    prefilled = threading.Event()
+
+    async def slow_prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(prefill_s)
+        prefilled.set()
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    async def decode_after_kv(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        for _ in range(400):  # the KV comes when the prefill is done
+            if prefilled.is_set():
+                break
+            await asyncio.sleep(0.01)
+        return await events_every(0.05, 3)(engine, request)
+
+    with engines(slow_prefill, decode_after_kv, decode_after_kv) as (p, d0, d1):
+        config = [
+            entry(p, "p0", "prefill", kv_transfer="bootstrap", bootstrap_port=8998),
+            entry(d0, "d0", "decode"),
+            entry(d1, "d1", "decode"),
+        ]
+        with run_gateway(
+            engines=config, routing_profile=profile(tmp_path), monitor_interval_s=0.05, stall_after_s=stall_s
+        ) as gw:
+            fleet = gw.gateway.fleet
+            assert fleet is not None
+            stalled: set[str] = set()
+            with ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(
+                    httpx.post, gw.url + "/v1/chat/completions", json=chat_body(True), timeout=20
+                )
+                while not answer.done():
+                    stalled.update(e for e in ("d0", "d1") if fleet.records[e].stalled)
+                    time.sleep(0.01)
+            response = answer.result()
+            assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+            assert len(d0.received) + len(d1.received) == 1
+    assert not stalled, f"{stalled} taken out of rotation while its decode waited for a {prefill_s} s prefill"

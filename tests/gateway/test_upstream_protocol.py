@@ -31,3 +31,32 @@ def test_a_malformed_answer_fails_over_to_another_engine() -> None:
         with run_gateway(engines=[broken.entry("broken")], monitor_interval_s=0.2) as gw:
             r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
             assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+
+
+async def cut_mid_body(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+    """A JSON answer whose Content-Length promises more than comes before the engine closes."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "4000"})
+    await response.prepare(request)
+    await response.write(b'{"id": "cmpl-1", "object": "chat.completion", ')
+    transport = request.transport
+    assert transport is not None
+    transport.close()
+    await engine.wait_forever()
+    return response
+
+
+def test_an_answer_cut_mid_body_is_a_502_with_a_one_line_reason() -> None:
+    """A plain answer cut before its end is a 502 naming the engine and what failed in one line
+    (never the exception's repr, which for aiohttp's errors may carry the request's headers)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with (
+        StubEngine(cut_mid_body) as cut,
+        run_gateway(engines=[cut.entry("cut")], monitor_interval_s=30.0, dispatch_attempts=1) as gw,
+    ):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
+    assert cut.received, "the engine was never asked: the test proves nothing"
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed", r.text
+    message = r.json()["error"]["message"]
+    # (a repr reads "ClientPayloadError('Response payload...', <ContentLengthError...>)")
+    prefix = "engine cut failed mid-response: ClientPayloadError: Response payload is not completed"
+    assert message.startswith(prefix) and "\n" not in message, message
