@@ -134,10 +134,10 @@ Outcome = tuple[str, "EngineRecord | GatewayError"]
 
 
 #: what demotion plans keep of a queued request: its ticket's admission number (the row is that
-#: ticket's), its band, the context its member was computed with, and that member (its rank in
-#: the band, last feasible start, predicted engine time and id). Under a standing queue each plan
-#: re-reads every request, and the context rarely changes between plans: computed once, a row is
-#: only looked up
+#: ticket's), its band, its rank in the band, and its member (rank, last feasible start,
+#: predicted engine time, id) with the context that was computed under. Under a standing queue
+#: each plan re-reads every request: a row is looked up, and only a new context (a re-fit of the
+#: fastest engine's latency model) recomputes the member's two times
 _PlanRow = tuple[int, Band, OrderContext, Member]
 
 
@@ -160,18 +160,20 @@ class _DemotionPlan:
 
 
 def _plan_row(
-    item: QueuedRequest, ctx: OrderContext, bands: dict[tuple[int, float, float], Band]
+    item: QueuedRequest, ctx: OrderContext, bands: dict[tuple[int, float, float], Band], old: _PlanRow | None
 ) -> _PlanRow:
-    """A demotion plan's row of a queued request."""
+    """A demotion plan's row of a queued request; ``old``, its row under another context."""
     view = item.view
-    # by targets, not class name (a class may be a priority level's, whatever the task); each
-    # distinct set looked up once per plan
-    targets = (view.priority, item.ttft_slo, item.tpot_slo)
-    band = bands.get(targets)
-    if band is None:
-        band = bands[targets] = band_of(*targets)
-    # the order the queue serves a band in (SloTpot, past its level)
-    rank: tuple[float, ...] = (item.tpot_slo, view.arrival, float(item.seq))
+    if old is not None and old[0] == item.seq:
+        band, rank = old[1], old[3][0]
+    else:
+        # by targets, not class name (a class may be a priority level's, whatever the task);
+        # each distinct set looked up once per plan
+        targets = (view.priority, item.ttft_slo, item.tpot_slo)
+        known = bands.get(targets)
+        band = bands[targets] = band_of(*targets) if known is None else known
+        # the order the queue serves a band in (SloTpot, past its level)
+        rank = (item.tpot_slo, view.arrival, float(item.seq))
     member = (rank, last_feasible_start(item, ctx), marginal_service_s(view, ctx), view.request_id)
     return (item.seq, band, ctx, member)
 
@@ -908,7 +910,7 @@ class DispatchCore:
             row = cache.get(rid)
             if row is None or row[0] != item.seq or row[2] is not ctx:
                 # (another ticket, the request queued again; or another context)
-                row = cache[rid] = _plan_row(item, ctx, bands)
+                row = cache[rid] = _plan_row(item, ctx, bands, row)
             band, member = row[1], row[3]
             if band not in waiting:
                 waiting.add(band)

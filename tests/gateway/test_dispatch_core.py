@@ -1313,7 +1313,17 @@ def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the
         kept, computed = cached._plan_rows["a"], fresh._plan_rows["a"]
         assert len(queued) > 100 and {r: kept[r] for r in queued} == {r: computed[r] for r in queued}
     assert decided[0] != decided[1]  # (the coefficients matter: the comparison can tell)
+    # under one context a plan only looks rows up; a new one recomputes only the two times
+    rows_before = dict(cached._plan_rows["a"])
+    while not cached._plan_demotions("a", queue, 8.0):
+        pass
+    assert all(cached._plan_rows["a"][r] is rows_before[r] for r in queued)
     cached._contexts["a"] = (8.0, ctx)
+    while not cached._plan_demotions("a", queue, 8.0):
+        pass
+    for r in queued:
+        old, new = rows_before[r], cached._plan_rows["a"][r]
+        assert new[2] is ctx and new[1] is old[1] and new[3][0] is old[3][0] and new[3][1:] != old[3][1:]
 
     # one request leaves and comes back queued, its view unchanged, under tighter targets
     back = queue.items()[0]

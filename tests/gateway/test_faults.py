@@ -189,11 +189,13 @@ def test_stalled_engine_times_out_with_an_error_event(one_engine: ChildProcess) 
 
 
 def test_an_engine_the_data_path_cannot_reach_is_ejected_with_a_one_line_reason(
-    one_engine: ChildProcess, caplog: pytest.LogCaptureFixture
+    one_engine: ChildProcess, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A refused connection ejects the engine at once (the request goes to another) with a reason
     in one line, not the exception's repr (a ``ConnectionKey`` with every field of the
     connection): the log's, and ``/admin/engines``' until a health check gives its own."""
+    # (caplog listens at the root: whatever set up logging in this worker before)
+    monkeypatch.setattr(logging.getLogger("slogate"), "propagate", True)
     # (a long monitor interval: the data path, not a health check, finds it gone)
     with (
         spawn_sim_engine(*SIM_ARGS, name="dead") as doomed,

@@ -386,7 +386,7 @@ def test_a_bootstrap_decode_waiting_for_its_prefill_is_not_taken_for_a_stalled_e
     before the prefill's KV arrives: its stall clock starts when the prefill answers
     (``ready_at``), not when it was sent. Counted from the send, a prefill longer than
     ``stall_after_s`` took a healthy decode engine out of rotation for it."""
-    prefill_s, stall_s = 1.5, 0.6
+    prefill_s, stall_s = 2.0, 0.8
     prefilled = threading.Event()
 
     async def slow_prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
