@@ -116,12 +116,14 @@ class Proxy:
         #: requests being served (past parsing) and their handler tasks, by gateway id: what a
         #: shutdown ends once its grace is over
         self._open: dict[str, tuple[Call, asyncio.Task[Any]]] = {}
+        #: handler tasks still receiving or parsing their request (not served yet), by gateway id
+        self._receiving: dict[str, asyncio.Task[Any]] = {}
         #: a shutdown's grace ran out: what is still open is ended, later requests are refused
         self.cut = False
 
     @property
     def open_requests(self) -> int:
-        return len(self._open)
+        return len(self._open) + len(self._receiving)
 
     def cut_open(self) -> int:
         """A shutdown's grace is over: each open request ends now, a started stream with an
@@ -135,7 +137,11 @@ class Proxy:
         for call, task in open_now:
             call.cut = True
             task.cancel()
-        return len(open_now)
+        # a request still arriving (a slow upload) is refused now, not at uvicorn's backstop
+        receiving, self._receiving = list(self._receiving.values()), {}
+        for task in receiving:
+            task.cancel()
+        return len(open_now) + len(receiving)
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's
@@ -172,6 +178,10 @@ class Proxy:
         # wall-clock start of the request span, read only with tracing on (off reads no clock)
         span_start = now_ns() if tracing.tracer is not None else 0
         span: Span | None = None
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._receiving[rid] = handler
+        served = False
         try:
             identity = self.auth.client(headers)
             # The span starts once the caller is authenticated: an anonymous caller makes no span
@@ -265,20 +275,28 @@ class Proxy:
                 await self._attach(call, headers)
             if self.router is not None and headers.get(b"x-slogate-debug") in _DEBUG_ON:
                 self.router.explain(rid, _decision_receiver(call))
+            self._receiving.pop(rid, None)  # (_serve keeps it with what is open)
+            served = True
             status = await self._serve(call, receive)
         except GatewayError as error:
-            status = error.status
-            header, early_overhead_s = self._overhead(call, arrival, body_s)
-            extra = ((b"x-request-id", client_rid), header)
-            try:
-                async with asyncio.timeout(_ERROR_SEND_S):
-                    await send_error(send, error, extra)
-            except (OSError, RuntimeError):
-                pass
-            except TimeoutError:  # a client that takes not even an error answer is gone
-                status = 499
-                metrics.CLIENT_DISCONNECTS.inc()
+            status, early_overhead_s = await self._answer_error(
+                send, error, call, arrival, body_s, client_rid
+            )
             error_code = error.code or str(error.status)
+        except asyncio.CancelledError:
+            if not self.cut or handler is None or served:
+                raise  # (_serve answers what it serves; nothing else cancels a handler)
+            # Stopping while the request was still arriving or being parsed: cut at the grace's
+            # end (cut_open) or by uvicorn's backstop. A 503 that says so, not uvicorn's bare
+            # 500 and traceback; the connection closes (what is left of a body would be read as
+            # its next request)
+            handler.uncancel()
+            refused = _shutting_down()
+            refused.extra_headers = ((b"connection", b"close"),)
+            status, early_overhead_s = await self._answer_error(
+                send, refused, call, arrival, body_s, client_rid
+            )
+            error_code = refused.code
         except ClientGone:
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
@@ -295,6 +313,7 @@ class Proxy:
                 async with asyncio.timeout(_ERROR_SEND_S):  # (a client taking nothing is gone)
                     await send_error(send, internal, extra)
         finally:
+            self._receiving.pop(rid, None)
             if self.prefix is not None:
                 self.prefix.detach(rid)
             if self.router is not None:
@@ -334,6 +353,30 @@ class Proxy:
         if self.prefix.affinity is not None:
             key = affinity_key(call.tenant, header_text(headers, b"x-session-id"), request.user)
         self.prefix.attach(call.rid, blocks, key)
+
+    async def _answer_error(
+        self,
+        send: Send,
+        error: GatewayError,
+        call: Call | None,
+        arrival: float,
+        body_s: float,
+        client_rid: bytes,
+    ) -> tuple[int, float]:
+        """Send ``error`` as the answer; returns the status to count (499 for a client that took
+        not even that) and the overhead the answer stated when the request had no Call yet."""
+        status = error.status
+        header, early_overhead_s = self._overhead(call, arrival, body_s)
+        extra = ((b"x-request-id", client_rid), header)
+        try:
+            async with asyncio.timeout(_ERROR_SEND_S):
+                await send_error(send, error, extra)
+        except (OSError, RuntimeError):
+            pass
+        except TimeoutError:  # a client that takes not even an error answer is gone
+            status = 499
+            metrics.CLIENT_DISCONNECTS.inc()
+        return status, early_overhead_s
 
     @staticmethod
     def _overhead(call: Call | None, arrival: float, body_s: float) -> tuple[tuple[bytes, bytes], float]:

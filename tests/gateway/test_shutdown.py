@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import threading
 import time
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from tests.gateway.conftest import MODEL
@@ -138,3 +141,41 @@ def test_a_request_being_ended_is_not_ended_twice() -> None:
         # and later requests are refused as the gateway stops
         late = httpx.post(gw.url + "/v1/chat/completions", json=BODY, timeout=10)
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+
+
+def test_a_request_still_arriving_when_the_grace_ends_gets_a_503_not_a_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client still uploading its body when the grace runs out is refused then with a 503 that
+    says so (and the connection closes: the rest of its body is not read as a next request).
+    Before, nothing ended it until uvicorn's backstop, 5 s later, cancelled the handler: uvicorn
+    answered a bare 500 and logged 'Exception in ASGI application' with a traceback."""
+    grace = 0.5
+    with (
+        caplog.at_level(logging.ERROR),
+        StubEngine(events_every(0.01, 2)) as engine,
+        run_gateway(engines=[engine.entry("stub")], shutdown_grace_s=grace, body_timeout_s=60.0) as gw,
+    ):
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=15) as client:
+            client.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b'{"model": "' + MODEL.encode()
+            )
+            # (uvicorn runs a task for it: its body is being read)
+            assert wait_until(lambda: len(gw.server.server_state.tasks) == 1, timeout=5)
+            stopped_at = time.monotonic()
+            gw.server.should_exit = True
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+            answered_in = time.monotonic() - stopped_at
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" in head.lower():
+        body = body.split(b"\r\n")[1]  # (one chunk)
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert b"connection: close" in head.lower() and b"retry-after: 1" in head.lower(), head
+    assert json.loads(body)["error"]["code"] == "shutting_down"
+    assert grace <= answered_in < grace + 3.0  # (at the grace's end, not at the backstop's)
+    assert not engine.received  # (it never reached an engine)
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
