@@ -585,7 +585,13 @@ class Migrator:
             return response
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
-                return await self.flow.engine_refused(call, record, response, headers_at)
+                try:
+                    return await self.flow.engine_refused(call, record, response, headers_at)
+                except GatewayError as refused:
+                    # A continuation is the gateway's own request (the prompt and the tokens so far
+                    # as ids), not the client's: an engine's 400 (a shorter max_model_len), 429 or
+                    # 500 says nothing of the others, and the next attempt goes to another engine
+                    return refused
             return await self._relay(call, ledger, state, record, entry, response, first_at)
         finally:
             response.close()  # also aborts the engine's request if it is still running
@@ -802,8 +808,9 @@ class Migrator:
         message = f"{error.message}; {why}" if why else error.message
         log.warning(message, extra={"request_id": call.client_rid})
         # the client has part of the answer: a cut stream is a failure, even when what stopped
-        # its resumption was a refusal (the gateway out of sockets, an engine's 429)
-        status = 502 if error.status in (429, 503) else error.status
+        # its resumption was a refusal (the gateway out of sockets, an engine's 429 or 400 to the
+        # gateway's own continuation request): never the client's fault
+        status = 502 if error.status < 500 or error.status == 503 else error.status
         final = GatewayError(status, message, code=error.code or "upstream_failed")
         event = final.sse_event() + b"data: [DONE]\n\n"
         if call.watcher is not None:  # (the response ends here: see end_with_error)

@@ -20,11 +20,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from aiohttp import web
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.procs import ChildProcess, spawn_sim_engine
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.stub_engines import StubEngine
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -468,3 +470,65 @@ def test_a_stream_restarted_before_its_first_event_is_timed_and_counted_as_serve
         change = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         assert change.get("error", 0.0) == 0.0, change
         assert change.get("met", 0.0) + change.get("missed_ttft", 0.0) + change.get("missed_tpot", 0.0) == 1.0
+
+
+class _RefusingEngine(StubEngine):
+    """A vLLM-like engine (health, model list) that answers 500 to every data-path request:
+    the original request, and a continuation (``/v1/completions`` with token ids)."""
+
+    async def build(self) -> web.Application:
+        app = await super().build()
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        async def completions(request: web.Request) -> web.Response:
+            self.received.append(await request.json())
+            return web.json_response({"error": {"message": "engine failed", "code": 500}}, status=500)
+
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+
+async def _refuse(_: StubEngine, request: web.Request) -> web.StreamResponse:
+    return web.json_response({"error": {"message": "engine failed", "code": 500}}, status=500)
+
+
+def test_a_continuation_an_engine_refuses_goes_to_another_engine(healthy: list[ChildProcess]) -> None:
+    """A continuation is the gateway's own request: an engine's refusal of it (a 500 here; a 400
+    from a shorter max_model_len, a 429) says nothing of the other engines, and the stream goes
+    on on the next one. Before, the refusal ended the stream with an error event carrying the
+    engine's status, while another engine was free."""
+    body = chat_body("a refused continuation", 60)
+    ref = reference(healthy[0], CHAT, body)
+    with _RefusingEngine(_refuse) as refuser:
+        engines = [
+            engine_entry(healthy[0]),
+            engine_entry(healthy[1]),
+            {**refuser.entry("refuser"), "kind": "vllm"},
+        ]
+        with run_gateway(
+            engines=engines,
+            forward_sim_headers=True,
+            monitor_interval_s=0.2,
+            migration_limit=1,
+            dispatch_attempts=3,
+        ) as gw:
+            exercised = False
+            # (ties rotate: the original lands on each engine in turn, and so does a continuation's
+            # first choice; an original on the refuser is its 500, not this test's case)
+            for _ in range(9):
+                continuations = sum(1 for b in refuser.received if "prompt" in b)
+                got = post(gw, CHAT, body, {"X-Sim-Fault": "crash-after=10"})
+                for engine in healthy[:2]:
+                    sim_fault(engine, {"clear": True})
+                if got.engine == "refuser":
+                    assert got.status == 502
+                    continue
+                assert_exact(got, ref, 60)
+                if sum(1 for b in refuser.received if "prompt" in b) > continuations:
+                    exercised = True
+                    break
+            assert exercised, "no continuation went to the refusing engine first: the test proves nothing"
+            assert wait_until(lambda: capacity_is_released(gw), timeout=5)
