@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.engines import prom_text
+from gateway.engines.base import EngineAdapter
 from gateway.engines.llamacpp import parse_llamacpp_metrics, with_slots
 from gateway.engines.sglang import parse_sglang_metrics
 from gateway.engines.vllm import parse_vllm_metrics
@@ -35,6 +40,30 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.75
 vllm:gpu_prefix_cache_queries_total{model_name="m"} 10
 vllm:gpu_prefix_cache_hits_total{model_name="m"} 5
 """
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def _llamacpp(metrics: Handler, slots: Handler) -> AsyncIterator[EngineAdapter]:
+    """A llama.cpp adapter in front of a server answering /metrics and /slots with these."""
+    from aiohttp.test_utils import TestServer
+
+    from gateway.engines import adapter_for
+    from gateway.settings import EngineConfig
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slots", slots)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        config = EngineConfig(url=str(server.make_url("/")), kind="llamacpp", model="m", name="l0")
+        async with aiohttp.ClientSession() as session:
+            yield adapter_for(config, session, 1.0, scrape_timeout_s=0.5)
+    finally:
+        await server.close()
 
 
 def test_vllm_033_sums_dp_ranks_and_reads_cache_config() -> None:
@@ -292,15 +321,6 @@ def test_llamacpp_slots_of_older_builds_and_junk_slots() -> None:
 
 
 async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow() -> None:
-    import asyncio
-
-    import aiohttp
-    from aiohttp import web
-    from aiohttp.test_utils import TestServer
-
-    from gateway.engines import adapter_for
-    from gateway.settings import EngineConfig
-
     slots: dict[str, object] = {"body": [{"n_ctx": "x", "is_processing": True}], "delay": 0.0}
 
     async def metrics(_: web.Request) -> web.Response:
@@ -310,28 +330,18 @@ async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow()
         await asyncio.sleep(float(slots["delay"]))  # type: ignore[arg-type]
         return web.json_response(slots["body"])
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/slots", slots_route)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        config = EngineConfig(url=str(server.make_url("/")), kind="llamacpp", model="m", name="l0")
-        async with aiohttp.ClientSession() as session:
-            adapter = adapter_for(config, session, 1.0, scrape_timeout_s=0.5)
-            state = await adapter.scrape()  # junk slots: the metrics reading stands
-            assert state is not None and state.num_running == 2
-            slots["body"] = [{"n_ctx": 1000, "is_processing": True, "n_prompt_tokens": float("inf")}]
-            state = await adapter.scrape()  # (aiohttp reads Infinity: no int of it)
-            assert state is not None and state.num_running == 2
-            slots["body"], slots["delay"] = [], 5.0
-            started = asyncio.get_running_loop().time()
-            async with asyncio.timeout(3.0):  # (the monitor's own limit is the scrape timeout)
-                state = await adapter.scrape()
-            assert state is not None and state.num_running == 2
-            assert asyncio.get_running_loop().time() - started < 1.5  # not the 5 s /slots takes
-    finally:
-        await server.close()
+    async with _llamacpp(metrics, slots_route) as adapter:
+        state = await adapter.scrape()  # junk slots: the metrics reading stands
+        assert state is not None and state.num_running == 2
+        slots["body"] = [{"n_ctx": 1000, "is_processing": True, "n_prompt_tokens": float("inf")}]
+        state = await adapter.scrape()  # (aiohttp reads Infinity: no int of it)
+        assert state is not None and state.num_running == 2
+        slots["body"], slots["delay"] = [], 5.0
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(3.0):  # (the monitor's own limit is the scrape timeout)
+            state = await adapter.scrape()
+        assert state is not None and state.num_running == 2
+        assert asyncio.get_running_loop().time() - started < 1.5  # not the 5 s /slots takes
 
 
 async def test_a_llamacpp_server_that_refused_slots_is_asked_again_later(
@@ -340,13 +350,7 @@ async def test_a_llamacpp_server_that_refused_slots_is_asked_again_later(
     """One 404/501 from /slots (a server started without --slots, or a proxy's answer while it
     restarted) turned slot reading off for the gateway's lifetime: a server restarted with
     --slots was never read again. It is asked again after SLOTS_RETRY_S."""
-    import aiohttp
-    from aiohttp import web
-    from aiohttp.test_utils import TestServer
-
     import gateway.engines.llamacpp as llamacpp
-    from gateway.engines import adapter_for
-    from gateway.settings import EngineConfig
 
     monkeypatch.setattr(llamacpp, "SLOTS_RETRY_S", 0.2, raising=False)
     hits: list[int] = []
@@ -366,25 +370,15 @@ async def test_a_llamacpp_server_that_refused_slots_is_asked_again_later(
         hits.append(1)
         return web.Response(status=501, text="no slots") if refuse[0] else web.json_response([busy])
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/slots", slots_route)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        config = EngineConfig(url=str(server.make_url("/")), kind="llamacpp", model="m", name="l0")
-        async with aiohttp.ClientSession() as session:
-            adapter = adapter_for(config, session, 1.0, scrape_timeout_s=0.5)
-            state = await adapter.scrape()
-            assert state is not None and state.num_gpu_blocks is None and len(hits) == 1
-            refuse[0] = False  # restarted with --slots
-            await adapter.scrape()
-            assert len(hits) == 1  # not asked again at once
-            await asyncio.sleep(0.25)
-            state = await adapter.scrape()
-            assert len(hits) == 2 and state is not None and state.num_gpu_blocks == 1000
-    finally:
-        await server.close()
+    async with _llamacpp(metrics, slots_route) as adapter:
+        state = await adapter.scrape()
+        assert state is not None and state.num_gpu_blocks is None and len(hits) == 1
+        refuse[0] = False  # restarted with --slots
+        await adapter.scrape()
+        assert len(hits) == 1  # not asked again at once
+        await asyncio.sleep(0.25)
+        state = await adapter.scrape()
+        assert len(hits) == 2 and state is not None and state.num_gpu_blocks == 1000
 
 
 def test_requests_placed_while_a_scrape_was_in_flight_count_on_top_of_its_report() -> None:
