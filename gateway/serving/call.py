@@ -69,6 +69,10 @@ class Call:
     last_at: float = 0.0
     content_events: int = 0
     completion_tokens: int | None = None
+    #: the engine's usage-only last chunk came (relayed, or dropped when the client did not ask
+    #: for it): with ``continuous_usage_stats`` every chunk carries usage, so a usage figure alone
+    #: does not say the stream's usage was told
+    usage_told: bool = False
     #: a stream of several choices: content events per choice index (None: one choice)
     choice_events: dict[int, int] | None = None
     #: the engine's latest usage report, counted once when the request ends (relay.count_usage)

@@ -217,8 +217,9 @@ class Migrator:
         ledger = call.ledger
         assert ledger is not None, "only a stream with a ledger is cut"
         placed = cut.placed
-        if placed is None and ledger.finished and call.completion_tokens is not None:
+        if placed is None and ledger.finished and call.usage_told:
             # its finish chunk and its usage went out: only [DONE] was missing, the answer is whole
+            # (a finish chunk carrying running usage is not the usage chunk: that one is made below)
             return await self._end_whole(call)
         try:
             while True:

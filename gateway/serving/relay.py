@@ -367,6 +367,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
                 chunk = orjson.loads(payload)
                 record_usage(call, chunk.get("usage"))
                 if not chunk.get("choices"):
+                    call.usage_told = True
                     if not call.request.client_wants_usage:
                         continue
                     kept.append(event + sep)

@@ -28,6 +28,7 @@ from gateway.settings import EngineConfig, Settings
 from policies.migration import MigrationReason
 from policies.slo import SloSource, SloTarget
 from tests.gateway.stub_engines import StubEngine
+from tests.gateway.test_relay_framing import relay_on
 
 TOKEN = b'data: {"choices":[{"index":0,"text":" nine","token_ids":[9],"finish_reason":null}]}\n\n'
 FAILURE = b'data: {"error":{"message":"engine died","code":500}}\n\n'
@@ -222,7 +223,7 @@ def test_a_stream_cut_after_its_finish_ends_whole_not_with_an_error(usage_came: 
             0.0,
         )
         if usage_came:
-            call.completion_tokens = 1
+            call.completion_tokens, call.usage_told = 1, True
         cut = Cut(MigrationReason.FAILURE, "m-0", GatewayError(502, "cut", code="upstream_failed"))
         status = await migrator.resume(call, cut, [])
         return status, b"".join(sent), call.completion_tokens
@@ -230,6 +231,46 @@ def test_a_stream_cut_after_its_finish_ends_whole_not_with_an_error(usage_came: 
     status, sent, completion = asyncio.run(run())
     assert status == 200 and b'"error"' not in sent and sent.endswith(b"data: [DONE]\n\n")
     assert sent.count(b'"usage"') == (0 if usage_came else 1) and completion == 1
+
+
+def test_a_stream_with_running_usage_cut_after_its_finish_still_gets_its_usage_chunk() -> None:
+    """``continuous_usage_stats``: every chunk carries the running usage, the finish chunk too.
+    An engine cut after the finish chunk but before the usage-only chunk: the stream was taken
+    for whole because a usage figure had come, and the client that asked for usage never got
+    its usage chunk."""
+    running = b',"usage":{"prompt_tokens":2,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+    first = (
+        b'data: {"id":"c","created":0,"model":"a","prompt_token_ids":[1,2],"choices":[{"index":0,'
+        b'"text":" nine","token_ids":[9],"finish_reason":null}]' + running % (1, 3)
+    )
+    finish = (
+        b'data: {"choices":[{"index":0,"text":" ten","token_ids":[10],"finish_reason":"stop"}]'
+        + running
+        % (
+            2,
+            4,
+        )
+    )
+
+    async def run() -> tuple[int, bytes, bytes]:
+        ledger = StreamLedger()
+        outcome, relayed, call, _ = await relay_on([first, finish], ledger, wants_usage=True)
+        assert isinstance(outcome, Cut)  # (no [DONE]: the engine's connection ended)
+        sent: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b""))
+
+        call.send, call.ledger = send, ledger
+        status = await Migrator(_Flow()).resume(call, outcome, [])  # type: ignore[arg-type]
+        return status, relayed, b"".join(sent)
+
+    status, relayed, tail = asyncio.run(run())
+    assert relayed == first + finish
+    assert status == 200 and b'"error"' not in tail and tail.endswith(b"data: [DONE]\n\n")
+    events = [orjson.loads(line[6:]) for line in tail.split(b"\n\n") if line.startswith(b"data: {")]
+    assert len(events) == 1 and events[0]["choices"] == []  # no second finish, one usage chunk
+    assert events[0]["usage"]["completion_tokens"] == 2 and events[0]["usage"]["prompt_tokens"] == 2
 
 
 @pytest.mark.parametrize("ids", [b"[1,[2]]", b'["a"]', b"[-1]", b"[4294967296]"])
