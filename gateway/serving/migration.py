@@ -40,9 +40,9 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
-from gateway.serving.relay import MAX_EVENT_BYTES, record_usage, send_bounded
+from gateway.serving.relay import event_limit, record_usage, send_bounded
 from gateway.serving.stream_state import PARSED_KEYS, PARSED_OUTPUT, Cut, StreamLedger, valid_token_ids
-from gateway.sse import sse_data
+from gateway.sse import OversizedEvent, SseFramer, sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
 from policies.migration import (
@@ -619,24 +619,17 @@ class Migrator:
         ledger.on_new_engine()
         usage: dict[str, Any] | None = None
         started = done = sending = False
-        pending = b""
-        sep = b"\n\n"
+        # (its first event may echo the prompt it was given: the client's ids and the output's)
+        prompt = len(state.prompt_ids) + base if state is not None else call.request.prompt_tokens
+        framer = SseFramer(event_limit(prompt))
         try:
             async with asyncio.timeout_at(first_at) as deadline:
                 read = response.content.readany
                 while chunk := await read():
-                    data = pending + chunk if pending else chunk
-                    end = data.rfind(sep)
-                    if end < 0 and sep == b"\n\n" and b"\r\n\r\n" in data:
-                        sep = b"\r\n\r\n"
-                        end = data.rfind(sep)
-                    if end < 0:
-                        if len(data) > MAX_EVENT_BYTES:
-                            raise _Failed("an oversized event")
-                        pending = data
+                    complete = framer.feed(chunk)
+                    if not complete:
                         continue
-                    end += len(sep)
-                    complete, pending = data[:end], data[end:]
+                    sep = framer.sep
                     out: list[bytes] = []
                     # The ledger records each event's ids as it is parsed; an event that fails
                     # after others in the same read ends the relay only once those went out: the
@@ -728,7 +721,7 @@ class Migrator:
             what = "sent no first token" if not started else "stalled between events"
             error = GatewayError(504, f"engine {engine_id} {what} in time", code="upstream_timeout")
             return Cut(MigrationReason.STALL, engine_id, error)
-        except (aiohttp.ClientError, _Failed, orjson.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, _Failed, orjson.JSONDecodeError, OversizedEvent) as exc:
             metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             error = GatewayError(
                 502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed"

@@ -28,7 +28,7 @@ from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, Send, overhead_header
 from gateway.serving.stream_state import Cut, StreamLedger
-from gateway.sse import sse_data
+from gateway.sse import OversizedEvent, SseFramer, sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN
 from policies.migration import MigrationReason
 
@@ -40,8 +40,18 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-#: an SSE event larger than this is an engine bug, not something to buffer without end
+#: an SSE event larger than this is an engine bug, not something to buffer without end...
 MAX_EVENT_BYTES = 4 * 1024 * 1024
+#: ...but for the prompt's token ids, which the first event may echo (``return_token_ids``, as
+#: migration asks): up to ten digits and a comma each, and the prompt's count is an estimate
+_ID_BYTES_PER_PROMPT_TOKEN = 16
+
+
+def event_limit(prompt_tokens: int) -> int:
+    """The longest SSE event a stream of a ``prompt_tokens`` prompt may carry."""
+    return MAX_EVENT_BYTES + _ID_BYTES_PER_PROMPT_TOKEN * max(0, prompt_tokens)
+
+
 #: how long a final error event may wait for a client that is not reading
 _LAST_WORDS_S = 1.0
 
@@ -187,7 +197,6 @@ async def relay_stream(
     done = False
     sending = False
     events = 0
-    pending = b""
     tracking = ledger is not None and ledger.tracking
     moved: Cut | None = None
     errored = False  # the engine reported a failure in band (relayed as it came: no ledger)
@@ -196,23 +205,13 @@ async def relay_stream(
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany
-            sep = b"\n\n"  # the SSE event boundary; some servers end events with CRLF CRLF
+            framer = SseFramer(event_limit(request.prompt_tokens))
+            frame = framer.feed
             while chunk := await read():
-                data = pending + chunk if pending else chunk
-                end = data.rfind(sep)
-                if end < 0 and sep == b"\n\n" and b"\r\n\r\n" in data:
-                    sep = b"\r\n\r\n"
-                    end = data.rfind(sep)
-                if end < 0:
-                    if len(data) > MAX_EVENT_BYTES:
-                        raise _Oversized()
-                    pending = data
+                complete = frame(chunk)
+                if not complete:
                     continue
-                end += len(sep)
-                if end == len(data):  # the common case: the chunk ends on an event boundary
-                    complete, pending = data, b""
-                else:
-                    complete, pending = data[:end], data[end:]
+                sep = framer.sep
                 now = monotonic()
                 failed_at = -1
                 # (a JSON string escapes its quotes: '"error"' is an event's own key or the
@@ -295,7 +294,7 @@ async def relay_stream(
             return Cut(MigrationReason.STALL, engine_id, error)
         await end_with_error(call, error)
         return 504
-    except _Oversized:
+    except OversizedEvent:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         await end_with_error(
             call, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
@@ -332,10 +331,6 @@ async def relay_stream(
     last = b"" if done else b"data: [DONE]\n\n"
     await send_bounded(send, {"type": "http.response.body", "body": last, "more_body": False}, idle_s)
     return 502 if errored else response.status
-
-
-class _Oversized(Exception):
-    pass
 
 
 def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:

@@ -49,7 +49,12 @@ class _Flow:
 
 
 async def _relay_once(
-    url: str, restart: bool = False, first_token_s: float = 5.0, kind: str = "completions", **body: Any
+    url: str,
+    restart: bool = False,
+    first_token_s: float = 5.0,
+    kind: str = "completions",
+    prompt_ids: list[int] | None = None,
+    **body: Any,
 ) -> tuple[int | Cut, list[int], bytes]:
     """One continuation (or, with ``restart``, a restart: nothing relayed before) from ``url``."""
     sent: list[bytes] = []
@@ -67,7 +72,13 @@ async def _relay_once(
     state = None
     if not restart:
         ledger.extend([7, 8])  # what the first engine relayed before it failed
-        state = _Resume([1, 2, 3], _Shape(kind, {"id": "cmpl-1", "created": 0, "model": "m"}), 16, None, None)
+        state = _Resume(
+            prompt_ids or [1, 2, 3],
+            _Shape(kind, {"id": "cmpl-1", "created": 0, "model": "m"}),
+            16,
+            None,
+            None,
+        )
     loop = asyncio.get_running_loop()
     async with (
         aiohttp.ClientSession() as session,
@@ -106,6 +117,20 @@ def test_a_token_read_together_with_a_failure_reaches_the_client_before_the_cut(
         # the next engine continues after token 9, so the client must have its text
         assert tokens == [7, 8, 9]
         assert b" nine" in sent and b"[9]" in sent
+
+
+def test_a_continuation_echoing_a_long_prompts_ids_is_relayed() -> None:
+    """A continuation's prompt is the client's ids and the output's; an engine that echoes them
+    in its first event (about 4.9 MB for 700k tokens) was cut as "an oversized event"."""
+    prompt_ids = list(range(100_000, 800_000))
+    echo = (
+        b'data: {"id":"x","prompt_token_ids":' + orjson.dumps([*prompt_ids, 7, 8]) + b',"choices":'
+        b'[{"index":0,"text":" nine","token_ids":[9],"finish_reason":"length"}]}\n\n'
+    )
+    with _engine(echo + b"data: [DONE]\n\n") as engine:
+        outcome, tokens, sent = asyncio.run(_relay_once(engine.url, prompt_ids=prompt_ids))
+    assert outcome == 200 and tokens == [7, 8, 9]
+    assert b" nine" in sent and sent.endswith(b"data: [DONE]\n\n") and b'"error"' not in sent
 
 
 def test_a_failure_alone_records_nothing_and_sends_nothing() -> None:

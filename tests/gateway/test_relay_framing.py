@@ -14,8 +14,9 @@ from gateway.api.request_parse import parse_request
 from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call
-from gateway.serving.relay import relay_stream
+from gateway.serving.relay import MAX_EVENT_BYTES, relay_stream
 from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.sse import SseFramer
 from policies.slo import SloSource, SloTarget
 
 TARGET = SloTarget(ttft_s=10.0, tpot_s=1.0, slo_class="c", source=SloSource.TASK)
@@ -50,10 +51,10 @@ class _Response:
 
 
 async def relay_on(
-    chunks: list[bytes], ledger: StreamLedger | None = None, wants_usage: bool = False
+    chunks: list[bytes], ledger: StreamLedger | None = None, wants_usage: bool = False, prompt: str = "hi"
 ) -> tuple[int | Cut, bytes, Call, EngineRecord]:
     """Relay ``chunks`` (an engine's reads) for one stream; what the client got, and the engine."""
-    body: dict[str, Any] = {"model": "a", "prompt": "hi", "stream": True}
+    body: dict[str, Any] = {"model": "a", "prompt": prompt, "stream": True}
     if wants_usage:
         body["stream_options"] = {"include_usage": True}
     sent: list[bytes] = []
@@ -405,3 +406,43 @@ async def test_output_after_an_in_band_error_is_not_counted() -> None:
     assert isinstance(outcome, Cut) and sent == TOKEN_EVENT
     assert call.content_events == 1 and ledger.tokens() == [5]
     assert call.entry is not None and call.entry.generated == 1
+
+
+def test_an_event_arriving_over_many_reads_is_held_as_those_reads_until_it_ends() -> None:
+    """A long event in many reads: each read was joined to everything before it and the whole
+    rescanned (a 4 MB event in 4 KB reads: a thousand copies and scans). The framer keeps the
+    reads as they came and searches only the newest, with the bytes where a boundary may begin."""
+    framer = SseFramer(MAX_EVENT_BYTES)
+    reads = [b"data: {" + b"x" * 4096] + [b"y" * 4096 for _ in range(200)] + [b"}\n"]
+    for read in reads:
+        assert framer.feed(read) == b""
+    assert all(held is read for held, read in zip(framer.held, reads, strict=True))  # never joined
+    # the boundary's second byte in the next read, with the start of the next event
+    assert framer.feed(b"\ndata: 2") == b"".join(reads) + b"\n"
+    assert framer.held == [b"data: 2"]
+    assert framer.feed(b"\r\n\r\n") == b"data: 2\r\n\r\n" and framer.sep == b"\r\n\r\n"
+
+
+async def test_an_event_past_the_limit_ends_the_stream_with_an_error_event() -> None:
+    reads = [content("a"), b"data: {" + b"x" * 65536] + [b"x" * 65536] * (MAX_EVENT_BYTES // 65536)
+    status, out, _, _ = await relay_on(reads)  # (the caller releases the engine after a failure)
+    assert status == 502
+    assert out.startswith(content("a")) and b"oversized event" in out and out.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_first_event_echoing_a_long_prompts_token_ids_is_relayed() -> None:
+    """A stream that may migrate asks for token ids, and the engine's first event then echoes
+    the prompt's: about 4.9 MB for a 700k-token prompt. The stream failed with an "oversized
+    event" where it succeeds with migration off."""
+    prompt_ids = orjson.dumps(list(range(100_000, 100_000 + 700_000)))
+    first = (
+        b'data: {"id":"c","created":0,"model":"a","prompt_token_ids":' + prompt_ids + b',"choices":'
+        b'[{"index":0,"text":" a","token_ids":[5],"finish_reason":null}],"usage":null}\n\n'
+    )
+    assert len(first) > MAX_EVENT_BYTES
+    reads = [first[i : i + 65536] for i in range(0, len(first), 65536)]
+    reads += [content("b"), usage(), b"data: [DONE]\n\n"]
+    ledger = StreamLedger()
+    status, out, call, _ = await relay_on(reads, ledger, prompt="hello " * 700_000)
+    assert status == 200 and out == first + content("b") + b"data: [DONE]\n\n"
+    assert call.content_events == 2 and ledger.tokens() == [5]
