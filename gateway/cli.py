@@ -86,6 +86,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.simulator_scale import bench_simulator_main
 
         return bench_simulator_main(args)
+    if args.bench == "prefix-memory":
+        from gateway.bench.prefix_memory import bench_prefix_memory_main
+
+        return bench_prefix_memory_main(args)
     from gateway.bench.overhead import bench_overhead_main
 
     return bench_overhead_main(args)
@@ -221,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_simulator_arguments(
         bench_sub.add_parser("simulator", help="offline simulator time, 16 to 256 engines (200k requests)")
+    )
+    from gateway.bench.prefix_memory import add_prefix_memory_arguments
+
+    add_prefix_memory_arguments(
+        bench_sub.add_parser(
+            "prefix-memory", help="the prefix index's memory against its budget, 1,000,000 blocks"
+        )
     )
     p.set_defaults(func=_bench)
 

@@ -136,3 +136,22 @@ def test_the_paced_figure_is_the_median_runs_whole() -> None:
     assert (median.cpu_us_per_sse_event, median.cpu_ms_per_request) == (19.0, 0.4)
     assert median.runs_us_per_event == (24.0, 15.0, 19.0)
     assert _median_run([run(24.0, 0.3), run(15.0, 0.5)]).cpu_us_per_sse_event == 24.0
+
+
+def test_prefix_memory_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``slogate bench prefix-memory`` at 61,440 blocks into 3 MiB (the real run: a million into
+    64 MiB): every case filled with distinct blocks, its checks met, the curve measured."""
+    argv = ["bench", "prefix-memory", "--blocks", "61440", "--budget-mib", "3", "--checkpoints", "3"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+
+    out = capsys.readouterr().out
+    assert "| dispatches | 61,440 | 3 |" in out and "NO" not in out.split("figure", 1)[1]
+    cases = {c["feed"]: c for c in json.loads((tmp_path / "cases.json").read_text())}
+    assert set(cases) == {"dispatches", "events", "held"}
+    held = cases["held"]
+    assert held["entries"] == 61_440 and held["evicted"] == 0  # distinct blocks, all kept
+    for feed in ("dispatches", "events"):
+        case = cases[feed]
+        assert 0 < case["measured_mib"] <= case["counted_mib"] <= 3.0 and case["evicted"] > 0
+        assert [p["blocks"] for p in case["curve"]] == [20_480, 40_960, 61_440]
+    assert (tmp_path / "prefix_memory.png").stat().st_size > 10_000 and (tmp_path / "table.md").exists()
