@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,22 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             continue  # thread exited between listing and reading
     return total / 1e9
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def kernel_seconds(pid: int) -> float:
+    """CPU time every thread of ``pid`` spent in the kernel (system calls: socket reads and
+    writes, epoll), from ``/proc/<pid>/task/*/stat`` (clock ticks, 10 ms: read over seconds)."""
+    ticks = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            # (fields after the command name, which may itself hold spaces and parentheses)
+            ticks += int((task / "stat").read_text().rsplit(")", 1)[1].split()[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks / _CLOCK_TICKS
 
 
 def rss_mb(pid: int) -> float:
@@ -92,9 +109,15 @@ def spawn_sink(model: str) -> ChildProcess:
 async def idle_cpu_rate(pid: int, seconds: float = 1.0) -> float:
     """CPU seconds per second ``pid`` spends with no request (its monitor scraping engines), to be
     subtracted from a measurement that lasts a while."""
-    c0, t0 = cpu_seconds(pid), time.perf_counter()
+    return (await idle_rates(pid, seconds))[0]
+
+
+async def idle_rates(pid: int, seconds: float = 1.0) -> tuple[float, float]:
+    """:func:`idle_cpu_rate`, and the part of it spent in the kernel."""
+    c0, k0, t0 = cpu_seconds(pid), kernel_seconds(pid), time.perf_counter()
     await asyncio.sleep(seconds)
-    return (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    return (cpu_seconds(pid) - c0) / elapsed, (kernel_seconds(pid) - k0) / elapsed
 
 
 @dataclass

@@ -41,6 +41,8 @@ def test_overhead_benchmark_smoke() -> None:
     assert paced.events_per_stream[1] - paced.events_per_stream[0] == pytest.approx(12, abs=1)
     assert all(0 < cpu < 100 for cpu in paced.cpu_ms_per_stream)
     assert math.isfinite(paced.cpu_us_per_sse_event) and math.isfinite(paced.cpu_ms_per_request)
+    # (read in 10 ms clock ticks: in so short a run only its presence is checked)
+    assert math.isfinite(paced.kernel_us_per_sse_event)
     # tokens 20 ms apart: were the engine not pacing, streams of 16 tokens would end in a few ms
     assert paced.max_gap_ms >= 15
 
@@ -51,9 +53,11 @@ def test_overhead_benchmark_smoke() -> None:
         assert len(run.runs_us_per_event) == 2
         assert run.cpu_us_per_sse_event in run.runs_us_per_event
     assert floor.events_per_stream == paced.events_per_stream
+    assert math.isfinite(floor.kernel_us_per_sse_event)
     assert math.isfinite(floor.cpu_us_per_sse_event) and floor.max_gap_ms >= 15
     checks = "\n".join(row[0] for row in paced.checks())
     assert "a bare relay on the same stack" in checks and "above the floor" in checks
+    assert "in the kernel" in checks
 
     assert result.dispatchers is not None
     assert set(result.dispatchers.added_p50_ms) == {"least-load", "hyperflexis"}
