@@ -80,7 +80,7 @@ def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main([*argv, "--results-dir", str(tmp_path)]) == 0
 
     table = capsys.readouterr().out
-    assert "parse + estimate" in table and "over a small request" in table
+    assert "parse + estimate" in table and "over a small request" in table and "in the kernel" in table
     assert "1 MB mixed body: added largest gap" in table
     [written] = tmp_path.glob("large-body-*.json")
     data = json.loads(written.read_text())
@@ -90,6 +90,7 @@ def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixtur
     for case in data["prompts"]:
         assert case["gateway_cpu_ms"] > 0 and case["parse_ms"] > 0
         assert case["direct_p50_ms"] > 0 and case["gateway_p50_ms"] > 0
+        assert math.isfinite(case["over_small_kernel_ms"])  # (10 ms ticks: a figure, not its size)
         assert 20_000 <= case["body_bytes"] < 20_200  # the prompt's UTF-8 bytes and the JSON around
 
     [big] = data["big_bodies"]
