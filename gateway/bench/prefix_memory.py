@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass, field
@@ -140,8 +141,11 @@ def run_case(feed: str, blocks: int, budget: int, checkpoints: int = 10, seed: i
     held: dispatches into ``budget`` with room), measured under tracemalloc."""
     if feed not in ("dispatches", "events", "held"):
         raise ValueError(f"unknown feed {feed!r}: dispatches, events or held")
-    if blocks < BLOCKS_PER_PROMPT * len(ENGINES):
-        raise ValueError(f"at least {BLOCKS_PER_PROMPT * len(ENGINES)} blocks, got {blocks}")
+    if blocks < BLOCKS_PER_PROMPT * len(ENGINES) or blocks % BLOCKS_PER_PROMPT:
+        raise ValueError(
+            f"blocks go {BLOCKS_PER_PROMPT} to a prompt: a multiple of {BLOCKS_PER_PROMPT} and at least "
+            f"{BLOCKS_PER_PROMPT * len(ENGINES)}, got {blocks}"
+        )
     engines = ENGINES[:1] if feed == "held" else ENGINES
     way = "events" if feed == "events" else "dispatches"
     # what numpy and the index allocate once, on first use, is not the index's: a throwaway fill
@@ -242,8 +246,12 @@ def add_prefix_memory_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_prefix_memory_main(args: argparse.Namespace) -> int:
     budget = int(args.budget_mib * MIB)
     cases = []
-    for feed in [f.strip() for f in args.feeds.split(",") if f.strip()]:
-        cases.append(run_case(feed, args.blocks, ROOM if feed == "held" else budget, args.checkpoints))
+    try:
+        for feed in [f.strip() for f in args.feeds.split(",") if f.strip()]:
+            cases.append(run_case(feed, args.blocks, ROOM if feed == "held" else budget, args.checkpoints))
+    except ValueError as error:
+        print(f"slogate bench prefix-memory: {error}", file=sys.stderr)
+        return 2
     table = render_table(cases)
     checks = [row for case in cases for row in case.checks()]
     print(table)

@@ -226,7 +226,8 @@ class Migrator:
                 if placed is None and ledger.finished:
                     state = self._resume_state(call, ledger)
                     if state is not None:  # whole but for its usage: no error, no engine needed
-                        return await self._finish(call, ledger, state, None, "")
+                        # (the engine's running usage, when it sent one, has its cached tokens)
+                        return await self._finish(call, ledger, state, None, "", usage=call.usage)
                 if placed is None:
                     decision = decide_on_failure(
                         self._view(call, ledger, time.monotonic()),

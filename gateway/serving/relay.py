@@ -362,7 +362,8 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
                 chunk = orjson.loads(payload)
                 record_usage(call, chunk.get("usage"))
                 if not chunk.get("choices"):
-                    call.usage_told = True
+                    # (after an engine's error event nothing is relayed: not told then)
+                    call.usage_told = call.usage_told or failed_at < 0
                     if not call.request.client_wants_usage:
                         continue
                     kept.append(event + sep)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
 
+from gateway.bench.harness import cpu_seconds, kernel_seconds
 from gateway.bench.overhead import PacedResult, _median_run, render_table, run_overhead
 from gateway.cli import main
 
@@ -160,3 +163,24 @@ def test_prefix_memory_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFix
         assert 0 < case["measured_mib"] <= case["counted_mib"] <= 3.0 and case["evicted"] > 0
         assert [p["blocks"] for p in case["curve"]] == [20_480, 40_960, 61_440]
     assert (tmp_path / "prefix_memory.png").stat().st_size > 10_000 and (tmp_path / "table.md").exists()
+    # blocks go 64 to a prompt: any other count was filled short and reported as asked
+    assert main(["bench", "prefix-memory", "--blocks", "100000", "--out", str(tmp_path)]) == 2
+    assert "a multiple of 64" in capsys.readouterr().err
+
+
+def test_kernel_seconds_is_the_time_spent_in_the_kernel() -> None:
+    """The paced and large-body figures split CPU into the kernel's part with this: reading
+    /dev/zero in megabytes is mostly kernel work (zero-filling), and the figure must agree with
+    what the process's own clock says of its system time."""
+    pid = os.getpid()
+    fd = os.open("/dev/zero", os.O_RDONLY)
+    try:
+        k0, s0, c0 = kernel_seconds(pid), os.times().system, cpu_seconds(pid)
+        deadline = time.monotonic() + 0.4
+        while time.monotonic() < deadline:
+            os.read(fd, 1 << 20)
+        k1, s1, c1 = kernel_seconds(pid), os.times().system, cpu_seconds(pid)
+    finally:
+        os.close(fd)
+    assert k1 - k0 > 0.05 and abs((k1 - k0) - (s1 - s0)) <= 0.03
+    assert k1 - k0 <= c1 - c0 + 0.02

@@ -263,7 +263,10 @@ def test_a_stream_with_running_usage_cut_after_its_finish_still_gets_its_usage_c
     An engine cut after the finish chunk but before the usage-only chunk: the stream was taken
     for whole because a usage figure had come, and the client that asked for usage never got
     its usage chunk."""
-    running = b',"usage":{"prompt_tokens":2,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+    running = (
+        b',"usage":{"prompt_tokens":2,"completion_tokens":%d,"total_tokens":%d,'
+        b'"prompt_tokens_details":{"cached_tokens":1}}}\n\n'
+    )
     first = (
         b'data: {"id":"c","created":0,"model":"a","prompt_token_ids":[1,2],"choices":[{"index":0,'
         b'"text":" nine","token_ids":[9],"finish_reason":null}]' + running % (1, 3)
@@ -296,6 +299,7 @@ def test_a_stream_with_running_usage_cut_after_its_finish_still_gets_its_usage_c
     events = [orjson.loads(line[6:]) for line in tail.split(b"\n\n") if line.startswith(b"data: {")]
     assert len(events) == 1 and events[0]["choices"] == []  # no second finish, one usage chunk
     assert events[0]["usage"]["completion_tokens"] == 2 and events[0]["usage"]["prompt_tokens"] == 2
+    assert events[0]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}  # (the engine's word)
 
 
 @pytest.mark.parametrize("ids", [b"[1,[2]]", b'["a"]', b"[-1]", b"[4294967296]"])

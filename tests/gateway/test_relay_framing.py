@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -408,19 +409,35 @@ async def test_output_after_an_in_band_error_is_not_counted() -> None:
     assert call.entry is not None and call.entry.generated == 1
 
 
-def test_an_event_arriving_over_many_reads_is_held_as_those_reads_until_it_ends() -> None:
+def test_an_event_arriving_over_many_reads_is_held_in_about_its_own_size() -> None:
     """A long event in many reads: each read was joined to everything before it and the whole
-    rescanned (a 4 MB event in 4 KB reads: a thousand copies and scans). The framer keeps the
-    reads as they came and searches only the newest, with the bytes where a boundary may begin."""
+    rescanned (a 4 MB event in 4 KB reads: a thousand copies and scans); held as a list of the
+    reads instead, an engine writing two bytes at a time cost some 20 times the event."""
     framer = SseFramer(MAX_EVENT_BYTES)
-    reads = [b"data: {" + b"x" * 4096] + [b"y" * 4096 for _ in range(200)] + [b"}\n"]
-    for read in reads:
-        assert framer.feed(read) == b""
-    assert all(held is read for held, read in zip(framer.held, reads, strict=True))  # never joined
+    event = b"data: {" + b"x" * 199_990 + b"}\n"
+    assert framer.feed(event[:7]) == b""
+    tracemalloc.start()
+    try:
+        for at in range(7, len(event), 2):
+            assert framer.feed(event[at : at + 2]) == b""
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(event)  # (a growing buffer reallocates: briefly two copies)
     # the boundary's second byte in the next read, with the start of the next event
-    assert framer.feed(b"\ndata: 2") == b"".join(reads) + b"\n"
-    assert framer.held == [b"data: 2"]
+    assert framer.feed(b"\ndata: 2") == event + b"\n"
+    assert framer.held == b"data: 2"
     assert framer.feed(b"\r\n\r\n") == b"data: 2\r\n\r\n" and framer.sep == b"\r\n\r\n"
+
+
+def test_a_crlf_boundary_after_lf_events_in_one_read_is_not_left_waiting() -> None:
+    """LF events, then one ended CRLF CRLF (a proxy's keep-alive) and the start of another, in
+    one read: the rest after the last LF boundary was never searched again, so the CRLF event
+    waited for a later boundary instead of going out."""
+    framer = SseFramer(MAX_EVENT_BYTES)
+    assert framer.feed(b"data: a\n\ndata: b\r\n\r\nda") == b"data: a\n\ndata: b\r\n\r\n"
+    assert framer.sep == b"\r\n\r\n" and framer.held == b"da"
+    assert framer.feed(b"ta: c\r\n\r\n") == b"data: c\r\n\r\n"
 
 
 async def test_an_event_past_the_limit_ends_the_stream_with_an_error_event() -> None:
@@ -446,3 +463,16 @@ async def test_a_first_event_echoing_a_long_prompts_token_ids_is_relayed() -> No
     status, out, call, _ = await relay_on(reads, ledger, prompt="hello " * 700_000)
     assert status == 200 and out == first + content("b") + b"data: [DONE]\n\n"
     assert call.content_events == 2 and ledger.tokens() == [5]
+
+
+async def test_a_usage_chunk_after_an_error_event_is_not_taken_as_told() -> None:
+    """Finish, an error event, then the usage-only chunk, in one read: nothing after the error
+    is relayed, yet the usage was taken as told, and a stream cut there ended without the usage
+    chunk the client asked for."""
+    finish = event({"choices": [{"index": 0, "text": "a", "token_ids": [4], "finish_reason": "stop"}]})
+    failure = event({"error": {"message": "engine died", "code": 500}})
+    outcome, out, call, _ = await relay_on([finish + failure + usage()], StreamLedger(), wants_usage=True)
+    assert isinstance(outcome, Cut) and out == finish
+    assert not call.usage_told
+    _, _, told, _ = await relay_on([finish + usage()], StreamLedger(), wants_usage=True)
+    assert told.usage_told  # (the usage chunk with nothing before it failing: told)
