@@ -24,7 +24,7 @@ from gateway.api.auth import Authenticator, forwardable_headers
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
-from gateway.dispatch.core import no_healthy_engine
+from gateway.dispatch.core import NO_HEALTHY_ENGINE, no_healthy_engine
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.engine_tokenizer import PromptKeyer
 from gateway.fleet.prefix_routing import PrefixRouting
@@ -284,6 +284,9 @@ class Proxy:
                 send, error, call, arrival, body_s, client_rid
             )
             error_code = error.code or str(error.status)
+            if error.code == NO_HEALTHY_ENGINE:
+                # (here, where the request is answered: not every attempt's, which another may mend)
+                metrics.NO_ENGINE.labels(model).inc()
         except asyncio.CancelledError:
             if not self.cut or handler is None or served:
                 raise  # (_serve answers what it serves; nothing else cancels a handler)

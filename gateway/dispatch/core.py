@@ -178,13 +178,16 @@ def _plan_row(
     return (item.seq, band, ctx, member)
 
 
-def no_healthy_engine(model: str, why: str, refused: bool = True) -> GatewayError:
+#: the code of the 503 a request gets when no engine in rotation can take it (counted in
+#: ``slogate_no_engine_total`` where the answer goes out, once per request: an attempt's outcome
+#: may still be mended by another)
+NO_HEALTHY_ENGINE = "no_healthy_engine"
+
+
+def no_healthy_engine(model: str, why: str) -> GatewayError:
     """The 503 (with Retry-After) for a request of ``model`` that no engine in rotation can take
-    now; ``refused``: the request is answered with it (counted in ``slogate_no_engine_total``),
-    not one attempt's outcome that another may still mend."""
-    if refused:
-        metrics.NO_ENGINE.labels(model).inc()
-    return GatewayError(503, f"{why}; retry later", code="no_healthy_engine", retry_after_s=1.0)
+    now."""
+    return GatewayError(503, f"{why}; retry later", code=NO_HEALTHY_ENGINE, retry_after_s=1.0)
 
 
 def _order_context(prefill: Coeffs, decode: Coeffs, engines: int) -> OrderContext | None:

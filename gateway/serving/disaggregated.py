@@ -93,6 +93,9 @@ class _Progress:
 
     #: a prefill finished: later failures are the decode's, which no fallback repeats
     prefilled: bool = False
+    #: an attempt ended as the collocated flow never retries (an engine that had the request
+    #: timed out): no fallback repeats it on a decode engine either
+    final: bool = False
     decode_tried: list[str] = field(default_factory=list)
 
 
@@ -169,6 +172,7 @@ class DisaggregatedFlow:
             if (
                 always
                 or progress.prefilled
+                or progress.final
                 or not 500 <= error.status < 600
                 or error.code in (OVERLOADED, REQUEST_TIMEOUT)
             ):
@@ -202,7 +206,11 @@ class DisaggregatedFlow:
         engine prefills, then the decode stage runs."""
         _prefill_engine_header(call, None)  # (an earlier attempt's)
         if record.adapter.role is not Role.PREFILL:
-            return await self.collocated.attempt(call, record, entry, deadline)
+            try:
+                return await self.collocated.attempt(call, record, entry, deadline)
+            except GatewayError:
+                progress.final = True  # (it raises only what is never retried: see attempt)
+                raise
         if record.adapter.config.transfer_protocol == "bootstrap":
             return await self._bootstrap(progress, call, record, entry, deadline)
         shared = record.adapter.config.transfer_protocol == "shared"
@@ -390,10 +398,9 @@ class DisaggregatedFlow:
         span = self.tracing.child(call.span, SPAN_DISPATCH, attributes)
         span.end()
 
-    def _no_decode_engine(self, model: str, refused: bool = True) -> GatewayError:
-        """The 503 for a model with no decode engine in rotation; ``refused``: the request is
-        answered with it (counted as refused for want of an engine), not one attempt's outcome."""
-        return no_healthy_engine(model, f"no decode engine of model {model!r} is in rotation", refused)
+    def _no_decode_engine(self, model: str) -> GatewayError:
+        """The 503 for a model with no decode engine in rotation."""
+        return no_healthy_engine(model, f"no decode engine of model {model!r} is in rotation")
 
     def routable(self, model: str) -> bool:
         """Whether requests for ``model`` can be served now: a collocated or prefill engine in
@@ -563,7 +570,7 @@ class DisaggregatedFlow:
         choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
         if choice is None:
             self.collocated.dispatch.release(prefill.engine_id, call.rid)
-            return self._no_decode_engine(call.request.model, refused=False)  # (another pair may do)
+            return self._no_decode_engine(call.request.model)  # (another pair may do)
         progress.decode_tried.append(choice.engine_id)
         decode = self.fleet.records[choice.engine_id]
         config = prefill.adapter.config
@@ -611,7 +618,8 @@ class DisaggregatedFlow:
                         await end_with_error(call, failed)  # (no engine's failure: none is blamed)
                         return failed.status
                     if started:
-                        metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
+                        if not isinstance(failed, GatewayError):  # (one was counted where it arose)
+                            metrics.child(metrics.UPSTREAM_ERRORS, prefill.engine_id, "stream_cut").inc()
                         await end_with_error(
                             call,
                             GatewayError(
@@ -629,7 +637,11 @@ class DisaggregatedFlow:
                         return failed
                     raise failed
                 progress.prefilled = failed is None
-            outcome = await decode_task
+            try:
+                outcome = await decode_task
+            except GatewayError:
+                progress.final = True  # the decode engine had the request (a timeout): not re-run
+                raise
             progress.prefilled = progress.prefilled or isinstance(outcome, int)
             if isinstance(outcome, GatewayError):
                 # the decode engine refused: its error is the answer (another pair would only

@@ -130,6 +130,7 @@ def test_pd_answer_equals_collocated_answer(
     with run_gateway(
         engines=pd_entries(fleet, kv_transfer), routing_profile=str(profile(tmp_path, "always"))
     ) as gw:
+        refusals = _no_engine_count(gw)  # (the process's registry: earlier tests' count too)
         response = chat(gw, LONG, stream, headers={"x-slogate-debug": "1"})
         assert answer_of(response, stream) == reference
         assert response.headers["x-slogate-prefill-engine"] in ("p0", "p1")
@@ -138,6 +139,9 @@ def test_pd_answer_equals_collocated_answer(
         # headers to what they were before the placement that added it)
         assert "x-slogate-decision" in response.headers
         assert reference[1]["completion_tokens"] == 24
+        # served: not a request refused for want of an engine (every NIXL decode stage was
+        # counted as one, an alert on that counter fired all the time)
+        assert _no_engine_count(gw) == refusals
         # the gateway's own time: the engines' prefill and the waits are not in it (nor counted twice)
         assert 0.0 < float(response.headers["x-slogate-overhead-ms"]) < 50.0
         # nothing is left counted as arriving at a decode engine, or running anywhere
@@ -207,10 +211,13 @@ def test_failed_prefill_falls_back_or_errors_and_never_leaves_a_decode_waiting(
     with run_gateway(
         engines=engines, routing_profile=str(profile(tmp_path, "conditional")), monitor_interval_s=30
     ) as gw:
+        refusals = _no_engine_count(gw)  # (the process's registry: earlier tests' count too)
         response = chat(gw, LONG, True)
         assert answer_of(response, True) == reference
         assert response.headers["x-slogate-engine"] == "d0"
         assert "x-slogate-prefill-engine" not in response.headers
+        # (its retry found no other prefill engine: that attempt's 503 was counted as a refusal)
+        assert _no_engine_count(gw) == refusals
     with run_gateway(
         engines=engines, routing_profile=str(profile(tmp_path, "always")), monitor_interval_s=30
     ) as gw:

@@ -25,9 +25,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import MODEL
+from gateway import metrics
+from tests.gateway.conftest import MODEL, free_port
 from tests.gateway.gateway_thread import run_gateway, wait_until
-from tests.gateway.stub_engines import StubEngine, completion_body, events_every, status_after
+from tests.gateway.stub_engines import StubEngine, completion_body, events_every, never_answer, status_after
 
 LONG = "tell me about the weather in the hills " * 60
 #: what a vLLM NIXL prefill answers (kv_transfer_params to hand to the decode verbatim)
@@ -424,3 +425,54 @@ def test_a_bootstrap_decode_waiting_for_its_prefill_is_not_taken_for_a_stalled_e
             assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
             assert len(d0.received) + len(d1.received) == 1
     assert not stalled, f"{stalled} taken out of rotation while its decode waited for a {prefill_s} s prefill"
+
+
+def test_a_bootstrap_prefill_failing_after_the_stream_began_is_counted_once(tmp_path: Path) -> None:
+    """The decode's stream had begun (its headers went out) when the prefill engine refused: the
+    client's stream ends with an error event, and the prefill's failure was counted twice in
+    slogate_upstream_errors, as the refusal it was (status) and again as a cut stream."""
+
+    async def refusing_prefill(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # (the decode's headers reach the client first)
+        return web.json_response({"error": {"message": "prefill crashed", "code": 500}}, status=500)
+
+    def errors(kind: str) -> float:
+        return (
+            metrics.REGISTRY.get_sample_value(
+                "slogate_upstream_errors_total", {"engine": "p-refusing", "kind": kind}
+            )
+            or 0.0
+        )
+
+    with engines(refusing_prefill, headers_then_wait_for_kv) as (p, d):
+        boot = {"kv_transfer": "bootstrap", "bootstrap_port": 8998}
+        config = [entry(p, "p-refusing", "prefill", **boot), entry(d, "d-waiting", "decode")]
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, "always")) as gw:
+            before = {kind: errors(kind) for kind in ("status", "stream_cut")}
+            answer = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(True), timeout=20)
+            after = {kind: errors(kind) for kind in ("status", "stream_cut")}
+    assert answer.status_code == 200 and '"error"' in answer.text and "prefill" in answer.text
+    assert answer.text.rstrip().endswith("data: [DONE]")
+    assert after["status"] - before["status"] == 1 and after["stream_cut"] == before["stream_cut"]
+
+
+def test_a_collocated_engine_that_timed_out_with_the_request_is_not_re_run_on_a_decode_engine(
+    tmp_path: Path,
+) -> None:
+    """A P/D model's front pool with a collocated engine, which serves a request whole: it took a
+    streamed request and sent no headers in time. The collocated flow never retries that (the
+    engine had the request), but the P/D fallback ran it whole again on a decode engine."""
+    dead = f"http://127.0.0.1:{free_port()}"  # the prefill engine: down, so the collocated one is placed
+    with engines(never_answer, status_after(200, 0.0)) as (c, d):
+        config = [
+            c.entry("c-silent"),
+            {"url": dead, "kind": "openai", "model": MODEL, "name": "p-down", "role": "prefill"},
+            entry(d, "d-ready", "decode"),
+        ]
+        settings = {"monitor_interval_s": 0.1, "headers_timeout_s": 0.5}
+        with run_gateway(engines=config, routing_profile=profile(tmp_path, "conditional"), **settings) as gw:
+            assert wait_until(lambda: not gw.gateway.fleet.records["p-down"].healthy, timeout=5.0)
+            answer = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(True), timeout=20)
+    assert c.received, "the collocated engine was never placed: the test proves nothing"
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "upstream_timeout", answer.text
+    assert not d.received

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 from aiohttp import web
 
+from gateway import metrics
 from tests.gateway.gateway_thread import run_gateway
 from tests.gateway.stub_engines import MODEL, StubEngine, events_every
 
@@ -29,8 +30,17 @@ def test_a_malformed_answer_fails_over_to_another_engine() -> None:
             assert all(r.headers["x-slogate-engine"] == "good" for r in answers)
             assert broken.received, "the broken engine was never tried: the test proves nothing"
         with run_gateway(engines=[broken.entry("broken")], monitor_interval_s=0.2) as gw:
+            refusals = _no_engine_count()
             r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
             assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
+            # the retry found no other engine: the engine's failure is the answer, and the request
+            # was not refused for want of an engine (that attempt's 503 was counted as if it were)
+            assert _no_engine_count() == refusals
+
+
+def _no_engine_count() -> float:
+    """``slogate_no_engine_total`` for the stubs' model, in this process's registry."""
+    return metrics.REGISTRY.get_sample_value("slogate_no_engine_total", {"model": MODEL}) or 0.0
 
 
 async def cut_mid_body(engine: StubEngine, request: web.Request) -> web.StreamResponse:
