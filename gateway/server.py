@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import FrontDoor, create_app
+from gateway.http_head import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_head_protocol
 from gateway.logs import setup_logging
 from gateway.open_files import raise_open_files_limit
 from gateway.runtime import tune_gc
@@ -28,18 +29,31 @@ SHUTDOWN_BACKSTOP_S = 5.0
 
 
 def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.Config:
-    config = serving_config(app or create_app(settings), settings.host, settings.port)
+    config = serving_config(
+        app or create_app(settings),
+        settings.host,
+        settings.port,
+        settings.max_head_bytes,
+        settings.head_timeout_s,
+    )
     config.timeout_graceful_shutdown = round(settings.shutdown_grace_s + SHUTDOWN_BACKSTOP_S)
     return config
 
 
-def serving_config(app: Any, host: str, port: int) -> uvicorn.Config:
-    """How every server of ours is served: uvicorn with httptools and uvloop, no access log."""
+def serving_config(
+    app: Any,
+    host: str,
+    port: int,
+    max_head_bytes: int = MAX_HEAD_BYTES,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
+) -> uvicorn.Config:
+    """How every server of ours is served: uvicorn with httptools (each request's head bounded in
+    size and time: :mod:`gateway.http_head`) and uvloop, no access log."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http="httptools",
+        http=bounded_head_protocol(max_head_bytes, head_timeout_s),
         loop="uvloop",
         lifespan="on",
         access_log=False,

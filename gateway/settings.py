@@ -371,6 +371,14 @@ class Settings(BaseSettings):
         description="a slack move's target must be predicted to decode within this share of the TPOT target",
     )
 
+    max_head_bytes: int = Field(
+        default=64 * 1024, ge=4096, description="a request line and headers longer than this get a 431"
+    )
+    head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request line and headers must arrive within this of their first byte",
+    )
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a request body must arrive whole within this (else 408)"

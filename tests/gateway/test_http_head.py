@@ -1,0 +1,101 @@
+"""Request heads bounded in size and time (gateway/http_head.py), over real sockets.
+
+httptools bounds neither: a 64 MB header was read whole before any key was checked, joining its
+pieces cost seconds of event-loop CPU (every stream frozen), and a head trickled in was never
+timed out. These tests talk raw HTTP to a real gateway: the ASGI fuzz tests cannot see a head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from tests.gateway.conftest import MODEL
+from tests.gateway.gateway_thread import RunningGateway, run_gateway
+
+
+@pytest.fixture(scope="module")
+def gw() -> Iterator[RunningGateway]:
+    # (an engine nobody answers at: these requests never get past the front door's checks)
+    engines = [{"url": "http://127.0.0.1:9", "kind": "sim", "model": MODEL, "name": "e0"}]
+    with run_gateway(engines=engines, head_timeout_s=0.5, monitor_interval_s=30) as running:
+        yield running
+
+
+def _connect(gw: RunningGateway) -> socket.socket:
+    port = int(gw.url.rsplit(":", 1)[1])
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Read one answer until the server closes: status, headers, body."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in fields.items()}, body
+
+
+def test_a_head_past_the_limit_is_refused_with_a_431_as_it_arrives(gw: RunningGateway) -> None:
+    with _connect(gw) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ")
+        sent = 0
+        # refused and closed as it arrives: the sends fail long before 64 MB went out (what the
+        # kernel's socket buffers took meanwhile, a few MB, is all that was sent)
+        with pytest.raises(OSError):
+            while sent < 64 * 1024 * 1024:
+                sock.sendall(b"k" * 4096)
+                sent += 4096
+        status, fields, body = 0, {}, b""
+        with contextlib.suppress(OSError):  # (a reset can take the answer with it: the close counts)
+            status, fields, body = _answer(sock)
+    if status:
+        assert status == 431 and fields["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "request_header_too_large"
+
+
+def test_a_431_names_the_limit_and_the_server_goes_on(gw: RunningGateway) -> None:
+    with _connect(gw) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n")
+        status, fields, body = _answer(sock)
+    assert status == 431 and fields["content-type"] == "application/json"
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "request_header_too_large" and "65536 bytes" in error["message"]
+    assert httpx.get(gw.url + "/health").status_code == 200
+
+
+def test_a_head_trickling_in_is_refused_with_a_408(gw: RunningGateway) -> None:
+    with _connect(gw) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"X-Slow: 1\r\n")  # ...and the rest never comes
+        status, _, body = _answer(sock)
+    assert status == 408 and orjson.loads(body)["error"]["code"] == "request_timeout"
+    assert 0.4 <= time.monotonic() - started < 5.0
+
+
+def test_heads_under_the_limit_and_large_bodies_are_not_counted_as_heads(gw: RunningGateway) -> None:
+    """A 60 KB header is within the limit; a 2 MB body sent with its head in the same reads, and a
+    second request on the same connection, are bodies and a next head, not one long head."""
+    body = orjson.dumps({"model": "not-served", "messages": [{"role": "user", "content": "x" * 2_000_000}]})
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Pad: " + b"p" * (60 * 1024) + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    with _connect(gw) as sock:
+        sock.sendall(head + body + head + body)  # two requests, one write: keep-alive
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    # both answered by the front door itself (a model it does not serve), neither refused as a head
+    assert data.count(b"HTTP/1.1 404 ") == 2, data[:300]
+    assert b"model_not_found" in data and b"request_header_too_large" not in data
