@@ -588,17 +588,21 @@ class DispatchCore:
             self._due = math.inf
         self._stepped_at = now
         self.lag = self._lateness.max(now)
-        for queue in self.queues.values():
+        failed: Exception | None = None
+        for model, queue in self.queues.items():
             if len(queue) and queue.next_expiry() <= now:
-                for item in queue.expire(now):
-                    self._expired(item, now)
+                try:
+                    for item in queue.expire(now):
+                        self._expired(item, now)
+                except Exception as exc:
+                    self._unstrand(model, now)  # (the rest of what expired left the queue too)
+                    failed = failed or exc
         if self.hyperflexis is not None:
             self.workers.shorten_holds(now, self.hyperflexis)
             for model in self.workers.models:
                 if self.queued(model) and self.workers.next_mature(model) <= now + self.lag:
                     self._dirty.add(model)
         pending, self._dirty = list(self._dirty), set()
-        failed: Exception | None = None
         while pending:
             model = pending.pop()
             if not self.queued(model):
@@ -621,6 +625,7 @@ class DispatchCore:
                 # one model's failure (a bug) must not hold back the others: they are
                 # dispatched all the same, and it is tried again on the next step
                 self._dirty.add(model)
+                self._unstrand(model, now)
                 failed = failed or exc
             except BaseException:
                 self._dirty.update(pending)  # the other models still have news
@@ -1099,6 +1104,23 @@ class DispatchCore:
             self._own = record
         else:
             self.outbox.append((rid, record))
+
+    def _unstrand(self, model: str, now: float) -> None:
+        """After a step of ``model`` failed (a bug): a ticket it had taken from the queue but not
+        yet assigned is in no queue, so nothing would ever place or expire it, and its client
+        would wait for good. It is answered with a 500 instead, any reservation made for it
+        undone. (Every live ticket is in its queue between steps: arrivals placed at once are
+        never ticketed.)"""
+        queue = self.queues.get(model)
+        for rid, ticket in list(self.tickets.items()):
+            if ticket.item.view.model != model or (queue is not None and rid in queue):
+                continue
+            for record in self.fleet.engines_of.get(model, ()):
+                self.fleet.release(record.engine_id, rid)
+            self._forget(rid, now, in_queue=False)
+            # (the loop logs the step's exception)
+            message = "internal gateway error while dispatching; see its log"
+            self.outbox.append((rid, GatewayError(500, message, code="internal_error")))
 
     def _expired(self, item: QueuedRequest, now: float) -> None:
         ticket = self.tickets.get(item.view.request_id)

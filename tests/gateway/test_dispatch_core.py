@@ -1642,3 +1642,68 @@ def test_an_unusable_fit_falls_back_on_the_default_priors_whole_context(bad: flo
     assert ctx.prefill_base_s == DEFAULT_PREFILL[0]
     short, long = (RequestView(f"r{n}", "m", 100, n) for n in (10, 1000))
     assert marginal_service_s(long, ctx) > marginal_service_s(short, ctx) + 0.09
+
+
+@pytest.mark.parametrize("dispatcher", ["pipeline", "hyperflexis"])
+def test_a_step_failing_after_taking_a_request_from_its_queue_answers_it(
+    dispatcher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug between taking a request from its queue and assigning it (the reservation, the
+    router's bookkeeping): the ticket stayed, in no queue, still counted in its class, never
+    placed nor expired, and its client waited for good. It is answered with a 500 now."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher=dispatcher, max_engine_load=1)
+    assert core.submit(ticket("r-0", now=0.0), 0.0) is not None
+    if dispatcher == "hyperflexis":  # (a queued request: the worker is busy until an event)
+        monkeypatch.setattr(core.workers, "next_mature", lambda model: math.inf)
+    assert core.submit(ticket("r-1", now=0.0), 0.0) is None and core.queued() == 1
+    monkeypatch.undo()
+    fleet.release("a-0", "r-0")
+    core.outbox.clear()
+    target = (core.router, "assigned") if dispatcher == "hyperflexis" else (fleet, "reserve")
+    real = getattr(*target)
+    calls = 0
+
+    def fails_once(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug while assigning")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(*target, fails_once)
+    with pytest.raises(RuntimeError):
+        for at in (0.1, 0.2, 0.3):  # (HyperFlexis: once its worker is mature again)
+            core.step(at)
+    assert calls == 1
+    [(rid, answer)] = core.outbox
+    assert rid == "r-1" and isinstance(answer, GatewayError) and answer.status == 500
+    assert "r-1" not in core.tickets and core.queued() == 0
+    assert sum(core.queued_per_class.values()) == 0 and fleet.records["a-0"].in_flight == 0
+    # the engine is free for the next one
+    assert core.submit(ticket("r-2", now=0.4), 0.4) is not None
+
+
+def test_an_expiry_that_fails_answers_every_request_that_expired_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    assert core.submit(ticket("r-0"), 0.0) is not None
+    for i in (1, 2, 3):
+        assert core.submit(ticket(f"r-{i}", timeout=1.0), 0.0) is None
+    real = core._expired
+    calls = 0
+
+    def fails_once(item: QueuedRequest, now: float) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug while refusing")
+        real(item, now)
+
+    monkeypatch.setattr(core, "_expired", fails_once)
+    with pytest.raises(RuntimeError):
+        core.step(2.0)
+    assert sorted(rid for rid, _ in core.outbox) == ["r-1", "r-2", "r-3"]
+    assert not core.tickets and core.queued() == 0 and sum(core.queued_per_class.values()) == 0
