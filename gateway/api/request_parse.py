@@ -240,6 +240,10 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
+        for flag in ("include_usage", "continuous_usage_stats"):
+            # (read loosely, "false" was true here and false at vLLM: no usage came either way)
+            if options.get(flag) is not None and not isinstance(options[flag], bool):
+                raise bad_request(f"'stream_options.{flag}' must be a boolean", "stream_options")
     # (absent is None, not vLLM's default 0: a body's 0 is a claim like x-priority: 0)
     priority = body.get("priority") if "priority" in body else None
     if "priority" in body and (isinstance(priority, bool) or not isinstance(priority, int)):

@@ -37,6 +37,9 @@ def body(**kw: object) -> bytes:
         (body(max_completion_tokens=True), "max_completion_tokens"),
         (body(stream="yes"), "stream"),
         (body(stream_options={"include_usage": True}), "stream_options"),
+        # a string was read as true here (no usage injected) and as false by vLLM: no usage at all
+        (body(stream=True, stream_options={"include_usage": "false"}), "stream_options"),
+        (body(stream=True, stream_options={"continuous_usage_stats": 1}), "stream_options"),
         (body(priority=1.5), "priority"),
         (body(priority=None), "priority"),
     ],
@@ -60,6 +63,9 @@ def test_chat_fields() -> None:
     assert parse_request("chat", body(), 100).max_tokens == 100
     usage = parse_request("chat", body(stream=True, stream_options={"include_usage": True}), 100)
     assert usage.client_wants_usage is True
+    # (OpenAI's reading: usage only when asked; vLLM alone defaults an empty object's to true)
+    for options in ({}, {"include_usage": None}, {"include_usage": False}):
+        assert not parse_request("chat", body(stream=True, stream_options=options), 100).client_wants_usage
 
 
 def test_chat_prompt_tokens_count_framing_and_text_parts() -> None:
