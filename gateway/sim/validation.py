@@ -123,6 +123,68 @@ def messages(name: str, value: Any) -> str | None:
     return None
 
 
+def logit_bias(name: str, value: Any) -> str | None:
+    """Token id (as a JSON object's key, a string) -> bias: vLLM takes the ids as integers."""
+    if not isinstance(value, dict):
+        return f"{name} must be an object of token ids to numbers, got {_show(value)}"
+    for key, bias in value.items():
+        if not key.lstrip("-").isdigit():
+            return f"{name} keys must be token ids, got {_show(key)}"
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            return f"{name}[{key}] must be a finite number, got {_show(bias)}"
+    return None
+
+
+RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
+
+
+def response_format(name: str, value: Any) -> str | None:
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        return f"{name} must be an object with a 'type' of {sorted(RESPONSE_FORMATS)}, got {_show(value)}"
+    if value["type"] == "json_schema" and not isinstance(value.get("json_schema"), dict):
+        return f"{name}.json_schema must be an object when the type is 'json_schema'"
+    return None
+
+
+def _function(where: str, value: Any) -> str | None:
+    if not isinstance(value, dict) or value.get("type") != "function":
+        return f"{where} must be an object with 'type': 'function', got {_show(value)}"
+    function = value.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return f"{where}.function must be an object with a string 'name', got {_show(function)}"
+    return None
+
+
+def tools(name: str, value: Any) -> str | None:
+    if not isinstance(value, list):
+        return f"{name} must be a list of tools, got {_show(value)}"
+    for i, tool in enumerate(value):
+        problem = _function(f"{name}[{i}]", tool)
+        if problem is not None:
+            return problem
+    return None
+
+
+def tool_choice(name: str, value: Any) -> str | None:
+    if isinstance(value, str):
+        choices = ("none", "auto", "required")
+        return (
+            None
+            if value in choices
+            else f"{name} must be one of {list(choices)} or a function, got {_show(value)}"
+        )
+    return _function(name, value)
+
+
+def stream_options(name: str, value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return f"{name} must be an object, got {_show(value)}"
+    for flag in ("include_usage", "continuous_usage_stats"):
+        if value.get(flag) is not None and not isinstance(value[flag], bool):
+            return f"{name}.{flag} must be a boolean, got {_show(value[flag])}"
+    return None
+
+
 _SAMPLING: dict[str, Check] = {
     "model": string,
     "n": integer(1, MAX_N),
@@ -138,7 +200,9 @@ _SAMPLING: dict[str, Check] = {
     "seed": integer(*INT64),
     "stop": stop,
     "stream": boolean,
-    "stream_options": obj,
+    "stream_options": stream_options,
+    "logit_bias": logit_bias,
+    "response_format": response_format,
     "ignore_eos": boolean,
     "return_token_ids": boolean,
     "user": string,
@@ -151,8 +215,10 @@ FIELDS: Mapping[str, Mapping[str, Check]] = {
         "max_completion_tokens": integer(1),
         "logprobs": boolean,
         "top_logprobs": integer(0, MAX_LOGPROBS),
+        "tools": tools,
+        "tool_choice": tool_choice,
     },
-    "completion": {**_SAMPLING, "logprobs": integer(0, MAX_LOGPROBS), "echo": boolean},
+    "completion": {**_SAMPLING, "logprobs": integer(0, MAX_LOGPROBS), "echo": boolean, "best_of": integer(1)},
 }
 REQUIRED: Mapping[str, tuple[str, ...]] = {"chat": ("messages",), "completion": ("prompt",)}
 
@@ -172,6 +238,9 @@ def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
     temperature = body.get("temperature")
     if n is not None and n > 1 and temperature is not None and temperature < GREEDY_EPS:
         return f"n must be 1 when using greedy sampling, got {n}.", "n"
+    best_of = body.get("best_of") if kind == "completion" else None
+    if best_of is not None and best_of < (n or 1):
+        return f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.", "best_of"
     min_tokens = body.get("min_tokens")
     limit = body.get("max_completion_tokens") if kind == "chat" else None
     limit = limit if limit is not None else body.get("max_tokens")

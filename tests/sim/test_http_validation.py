@@ -62,6 +62,22 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"messages": USER, "min_tokens": 10, "max_tokens": 3}, "min_tokens"),
     ("chat", {"messages": USER, "top_logprobs": 5}, "top_logprobs"),
     ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("chat", {"messages": USER, "logit_bias": "junk"}, "logit_bias"),
+    ("chat", {"messages": USER, "logit_bias": {"word": 1.0}}, "logit_bias"),
+    ("chat", {"messages": USER, "logit_bias": {"50": "up"}}, "logit_bias"),
+    ("chat", {"messages": USER, "response_format": 5}, "response_format"),
+    ("chat", {"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
+    ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("chat", {"messages": USER, "tools": {"type": "function"}}, "tools"),
+    ("chat", {"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools"),
+    ("chat", {"messages": USER, "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        "chat",
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options",
+    ),
+    ("completion", {"prompt": "x", "best_of": 0}, "best_of"),
+    ("completion", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
 ]
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
@@ -81,6 +97,19 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("completion", {"prompt": "x", "logprobs": 2, "echo": False, "stop": "zz", "frequency_penalty": 0.5}),
+    (
+        "chat",
+        {
+            "messages": USER,
+            "logit_bias": {"50": 10, "7": -100.0},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "stream_options": None,
+        },
+    ),
+    ("chat", {"messages": USER, "response_format": {"type": "json_object"}, "tool_choice": "none"}),
+    ("completion", {"prompt": "x", "n": 2, "best_of": 2, "temperature": 1.0}),
 ]
 
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
