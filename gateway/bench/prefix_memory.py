@@ -113,7 +113,7 @@ class MemoryCase:
         return rows
 
 
-def _fill(
+def fill(
     index: PrefixIndex, engines: tuple[str, ...], blocks: int, feed: str, rng: np.random.Generator, start: int
 ) -> None:
     """``blocks`` blocks, new ones while ``rng`` goes on (``start``: prompts filled before, whose
@@ -151,7 +151,7 @@ def run_case(feed: str, blocks: int, budget: int, checkpoints: int = 10, seed: i
     # what numpy and the index allocate once, on first use, is not the index's: a throwaway fill
     # first, past its own small budget (evictions too)
     warm_up = np.random.default_rng(seed + 1)
-    _fill(_index(32 << 10, ENGINES[:1]), ENGINES[:1], 20 * BLOCKS_PER_PROMPT, way, warm_up, 0)
+    fill(_index(32 << 10, ENGINES[:1]), ENGINES[:1], 20 * BLOCKS_PER_PROMPT, way, warm_up, 0)
     rng = np.random.default_rng(seed)
     step = max(BLOCKS_PER_PROMPT, blocks // checkpoints // BLOCKS_PER_PROMPT * BLOCKS_PER_PROMPT)
     curve: list[Checkpoint] = []
@@ -164,7 +164,7 @@ def run_case(feed: str, blocks: int, budget: int, checkpoints: int = 10, seed: i
         done = 0
         while done < blocks:
             n = min(step, blocks - done)
-            _fill(index, engines, n, way, rng, done // BLOCKS_PER_PROMPT)
+            fill(index, engines, n, way, rng, done // BLOCKS_PER_PROMPT)
             done += n
             measured = (tracemalloc.get_traced_memory()[0] - base) / MIB
             curve.append(Checkpoint(done, measured, index.bytes_used / MIB, index.entries()))

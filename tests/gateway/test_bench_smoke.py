@@ -158,6 +158,7 @@ def test_prefix_memory_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFix
     assert set(cases) == {"dispatches", "events", "held"}
     held = cases["held"]
     assert held["entries"] == 61_440 and held["evicted"] == 0  # distinct blocks, all kept
+    assert held["measured_mib"] * 2**20 / held["entries"] < 100  # (bytes a block)
     for feed in ("dispatches", "events"):
         case = cases[feed]
         assert 0 < case["measured_mib"] <= case["counted_mib"] <= 3.0 and case["evicted"] > 0

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import random
-import tracemalloc
 
 import numpy as np
-import pytest
 
+from gateway.bench.prefix_memory import fill
 from gateway.fleet.block_hash import PromptBlocks, chain, root_key
 from gateway.fleet.prefix_index import GENERATIONS, PrefixIndex
 
@@ -190,89 +189,15 @@ def test_a_200kb_prompt_held_whole_on_4_engines_matches_whole_on_each() -> None:
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def _warm_up(precise: bool) -> None:
-    """Fill a throwaway index first: what numpy and the index's code allocate once, on first use,
-    is not the index's (at 32,000 blocks it was a quarter of what tracemalloc measured)."""
-    _fill(_index("a", budget=32 << 10), ["a"], 1280, precise)  # (past its budget: evictions too)
-
-
-def _fill(index: PrefixIndex, engines: list[str], blocks: int, precise: bool) -> None:
-    """``blocks`` distinct blocks, 64 per prompt, spread over ``engines``."""
-    rng = np.random.default_rng(0)
-    per = 64
-    for i in range(blocks // per):
-        tokens = rng.integers(0, 152_000, size=per * BS, dtype=np.uint64)
-        engine = engines[i % len(engines)]
-        if precise:
-            hashes = rng.integers(0, 1 << 63, size=per, dtype=np.uint64).tolist()
-            index.stored(engine, hashes, None, tokens.tolist(), BS, float(i))
-        else:
-            index.record_dispatch(engine, PromptBlocks(tokens, ROOT), float(i))
-
-
-@pytest.mark.parametrize(
-    ("precise", "blocks", "budget"),
-    # (past the budget as a million blocks were past 64 MiB: under tracemalloc every allocation
-    # is slow, and at a quarter of a million these two still took a minute of a loaded CI run;
-    # events carry their token lists, which the fill builds in Python, so fewer of them)
-    [(False, 64_000, 4 << 20), (True, 51_200, 3 << 20)],
-    ids=["dispatches", "events"],
-)
-def test_distinct_blocks_past_the_budget_stay_under_it(precise: bool, blocks: int, budget: int) -> None:
-    """64,000 distinct blocks into a 4 MiB index (by KV events: 51,200 into 3 MiB): what
-    Python really allocated for it (tracemalloc, peak included) stays under the budget, and the
-    index's own count is at least what was measured (it never under-counts)."""
-    _warm_up(precise)
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        index = PrefixIndex(budget, 1e9)
-        engines = ["a", "b", "c", "d"]
-        for e in engines:
-            index.add_engine(e, "m", BS)
-        _fill(index, engines, blocks, precise)
-        current, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    held = current - base
-    print(
-        f"\n{'events' if precise else 'dispatches'}: {blocks:,} blocks into {budget >> 20} MiB: "
-        f"{index.entries():,} entries kept, measured {held / 2**20:.1f} MiB "
-        f"(peak {(peak - base) / 2**20:.1f} MiB, fill transients included), "
-        f"counted {index.bytes_used / 2**20:.1f} MiB, {held / index.entries():.0f} B/entry"
-    )
-    assert index.entries() < blocks  # the budget was overflowed: entries were evicted
-    assert index.bytes_used <= budget
-    assert held <= index.bytes_used  # the index's count is honest: an upper bound
-    assert peak - base <= budget
-    # every engine kept a share (evictions take from the largest holder)
-    assert min(index.entries(e) for e in engines) > 0.2 * index.entries()
-
-
-def test_memory_of_blocks_held() -> None:
-    """With room for all of them: what 64,000 dispatched blocks cost (under 100 B each)."""
-    _warm_up(False)
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        index = _index("a", budget=1 << 30)
-        _fill(index, ["a"], 64_000, precise=False)
-        held = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
-    assert index.entries() == 64_000 and index.stats.evicted == 0
-    print(
-        f"\n64,000 blocks held: measured {held / 2**20:.1f} MiB, counted {index.bytes_used / 2**20:.1f} MiB"
-    )
-    assert held <= index.bytes_used < 64_000 * 100
+# (the index's memory against its budget, measured: ``slogate bench prefix-memory``, whose smoke
+# run in tests/gateway/test_bench_smoke.py holds it to its checks)
 
 
 def test_a_quiet_engine_keeps_its_share() -> None:
     index = _index("busy", "quiet", budget=4 << 20)
     quiet = PromptBlocks(_tokens(14, 64), ROOT)
     index.record_dispatch("quiet", quiet, now=0.0)
-    _fill(index, ["busy"], 200_000, precise=False)
+    fill(index, ("busy",), 200_000, "dispatches", np.random.default_rng(0), 0)
     assert index.match(quiet, ["quiet"]) == {"quiet": 64}
     assert index.bytes_used <= 4 << 20 and index.stats.evicted > 0
 
