@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway.tokenizer import VOCAB_SIZE
+
 #: returns None when ``value`` is acceptable for field ``name``, else the error message
 Check = Callable[[str, Any], str | None]
 
@@ -124,34 +126,46 @@ def messages(name: str, value: Any) -> str | None:
 
 
 def logit_bias(name: str, value: Any) -> str | None:
-    """Token id (as a JSON object's key, a string) -> bias: vLLM takes the ids as integers."""
+    """Token id (a JSON object's key: a string ``int()`` reads) -> bias, the id in the
+    vocabulary, as vLLM's ``SamplingParams`` converts and checks them (the bias is clamped)."""
     if not isinstance(value, dict):
         return f"{name} must be an object of token ids to numbers, got {_show(value)}"
     for key, bias in value.items():
-        if not key.lstrip("-").isdigit():
-            return f"{name} keys must be token ids, got {_show(key)}"
+        try:
+            token = int(key)
+        except ValueError:
+            return f"{name} contains key(s) that cannot be converted to integer token IDs: {[key]!r}"
+        if not 0 <= token < VOCAB_SIZE:
+            return f"token id {token} in {name} is out of the vocabulary (size {VOCAB_SIZE})"
+                f"token_id(s) [{token}] in {name} contain out-of-vocab token ids (vocabulary: {VOCAB_SIZE})"
+            )
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
             return f"{name}[{key}] must be a finite number, got {_show(bias)}"
     return None
 
 
+#: vLLM 0.32's response formats (and its structural tags)
 RESPONSE_FORMATS = frozenset({"text", "json_object", "json_schema", "structural_tag"})
 
 
 def response_format(name: str, value: Any) -> str | None:
     if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
         return f"{name} must be an object with a 'type' of {sorted(RESPONSE_FORMATS)}, got {_show(value)}"
-    if value["type"] == "json_schema" and not isinstance(value.get("json_schema"), dict):
-        return f"{name}.json_schema must be an object when the type is 'json_schema'"
+    if value["type"] == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            return f"{name}.json_schema must be an object with a string 'name'"
     return None
 
 
 def _function(where: str, value: Any) -> str | None:
-    if not isinstance(value, dict) or value.get("type") != "function":
-        return f"{where} must be an object with 'type': 'function', got {_show(value)}"
+    """A tool, or a named tool choice: ``type`` is ``function`` (its default, as vLLM's models
+    have it) and ``function`` names it."""
+    if not isinstance(value, dict) or value.get("type", "function") != "function":
+        return f"{where} must be an object of 'type' 'function', got {_show(value)}"
     function = value.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        return f"{where}.function must be an object with a string 'name', got {_show(function)}"
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        return f"{where}.function must be an object with a non-empty string 'name', got {_show(function)}"
     return None
 
 
@@ -165,15 +179,29 @@ def tools(name: str, value: Any) -> str | None:
     return None
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
 def tool_choice(name: str, value: Any) -> str | None:
     if isinstance(value, str):
-        choices = ("none", "auto", "required")
-        return (
-            None
-            if value in choices
-            else f"{name} must be one of {list(choices)} or a function, got {_show(value)}"
-        )
+        if value in TOOL_CHOICES:
+            return None
+        return f"{name} must be one of {list(TOOL_CHOICES)} or a named function, got {_show(value)}"
     return _function(name, value)
+
+
+def _tool_choice_problem(body: Mapping[str, Any]) -> str | None:
+    """What vLLM's chat request model says of ``tool_choice`` against ``tools`` (each already
+    well formed): a choice other than ``none`` needs tools, and a named one, one of them."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return None
+    listed = body.get("tools")
+    if listed is None:
+        return "When using `tool_choice`, `tools` must be set."
+    if isinstance(choice, dict) and all(t["function"]["name"] != choice["function"]["name"] for t in listed):
+        return "The tool specified in `tool_choice` does not match any of the specified `tools`"
+    return None
 
 
 def stream_options(name: str, value: Any) -> str | None:
@@ -218,7 +246,7 @@ FIELDS: Mapping[str, Mapping[str, Check]] = {
         "tools": tools,
         "tool_choice": tool_choice,
     },
-    "completion": {**_SAMPLING, "logprobs": integer(0, MAX_LOGPROBS), "echo": boolean, "best_of": integer(1)},
+    "completion": {**_SAMPLING, "logprobs": integer(0, MAX_LOGPROBS), "echo": boolean},
 }
 REQUIRED: Mapping[str, tuple[str, ...]] = {"chat": ("messages",), "completion": ("prompt",)}
 
@@ -238,9 +266,10 @@ def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
     temperature = body.get("temperature")
     if n is not None and n > 1 and temperature is not None and temperature < GREEDY_EPS:
         return f"n must be 1 when using greedy sampling, got {n}.", "n"
-    best_of = body.get("best_of") if kind == "completion" else None
-    if best_of is not None and best_of < (n or 1):
-        return f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.", "best_of"
+    if kind == "chat":
+        problem = _tool_choice_problem(body)
+        if problem is not None:
+            return problem, "tool_choice"
     min_tokens = body.get("min_tokens")
     limit = body.get("max_completion_tokens") if kind == "chat" else None
     limit = limit if limit is not None else body.get("max_tokens")

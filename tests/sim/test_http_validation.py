@@ -64,20 +64,35 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat", {"messages": USER, "logit_bias": "junk"}, "logit_bias"),
     ("chat", {"messages": USER, "logit_bias": {"word": 1.0}}, "logit_bias"),
+    ("chat", {"messages": USER, "logit_bias": {"-5": 1.0}}, "logit_bias"),  # (out of the vocabulary)
+    ("chat", {"messages": USER, "logit_bias": {"10000000": 1.0}}, "logit_bias"),
     ("chat", {"messages": USER, "logit_bias": {"50": "up"}}, "logit_bias"),
     ("chat", {"messages": USER, "response_format": 5}, "response_format"),
     ("chat", {"messages": USER, "response_format": {"type": "yaml"}}, "response_format"),
     ("chat", {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+    (
+        "chat",
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
+        "response_format",
+    ),
     ("chat", {"messages": USER, "tools": {"type": "function"}}, "tools"),
     ("chat", {"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools"),
     ("chat", {"messages": USER, "tool_choice": "sometimes"}, "tool_choice"),
+    ("chat", {"messages": USER, "tool_choice": "auto"}, "tool_choice"),  # (vLLM: tools must be set)
+    (
+        "chat",
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),
     (
         "chat",
         {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
         "stream_options",
     ),
-    ("completion", {"prompt": "x", "best_of": 0}, "best_of"),
-    ("completion", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
 ]
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
@@ -109,7 +124,17 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("chat", {"messages": USER, "response_format": {"type": "json_object"}, "tool_choice": "none"}),
-    ("completion", {"prompt": "x", "n": 2, "best_of": 2, "temperature": 1.0}),
+    # vLLM 0.32 has no best_of (an unknown field, ignored); a type defaults to "function"; a
+    # "+5" id is what int() reads
+    ("completion", {"prompt": "x", "best_of": 0, "logit_bias": {"+5": 200}}),
+    (
+        "chat",
+        {
+            "messages": USER,
+            "tools": [{"function": {"name": "f"}}],
+            "tool_choice": {"function": {"name": "f"}},
+        },
+    ),
 ]
 
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
