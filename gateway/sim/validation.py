@@ -137,8 +137,6 @@ def logit_bias(name: str, value: Any) -> str | None:
             return f"{name} contains key(s) that cannot be converted to integer token IDs: {[key]!r}"
         if not 0 <= token < VOCAB_SIZE:
             return f"token id {token} in {name} is out of the vocabulary (size {VOCAB_SIZE})"
-                f"token_id(s) [{token}] in {name} contain out-of-vocab token ids (vocabulary: {VOCAB_SIZE})"
-            )
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
             return f"{name}[{key}] must be a finite number, got {_show(bias)}"
     return None
