@@ -235,6 +235,7 @@ class Proxy:
                 base = self.fleet.adapter_base(request.model)
                 if base is not None:
                     request.lora, request.model = request.model, base
+                    model = base  # (a refusal just below is counted under it)
                     if (
                         self.router is not None
                         and self.router.lora.required

@@ -494,6 +494,9 @@ class DispatchCore:
                     self._own = None
                 # nor a ticket: the caller is told the request failed, so nothing may place it
                 self._forget(rid, None)
+                # nor the queued requests the turn had taken out of the queue (answered, as a
+                # failed step answers them: their waiters get it on this call's delivery)
+                self._unstrand(model, now)
                 raise
             finally:
                 self._submitting = None

@@ -1707,3 +1707,31 @@ def test_an_expiry_that_fails_answers_every_request_that_expired_with_it(
         core.step(2.0)
     assert sorted(rid for rid, _ in core.outbox) == ["r-1", "r-2", "r-3"]
     assert not core.tickets and core.queued() == 0 and sum(core.queued_per_class.values()) == 0
+
+
+def test_an_arrivals_turn_failing_after_taking_a_queued_request_answers_that_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HyperFlexis runs a turn inside submit when a worker is mature: one failing after it took a
+    queued request from the queue left that request in no queue, never placed nor expired."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, dispatcher="hyperflexis", max_engine_load=1)
+    assert core.submit(ticket("r-0"), 0.0) is not None
+    monkeypatch.setattr(core.workers, "next_mature", lambda model: math.inf)
+    assert core.submit(ticket("r-1"), 0.0) is None
+    monkeypatch.undo()
+    fleet.release("a-0", "r-0")  # (the worker is mature again: the next arrival's turn looks)
+    core.outbox.clear()
+    real = core.router.assigned
+
+    def fails_once(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(core.router, "assigned", real)
+        raise RuntimeError("a bug while assigning")
+
+    monkeypatch.setattr(core.router, "assigned", fails_once)
+    with pytest.raises(RuntimeError):
+        core.submit(ticket("r-2", now=0.1), 0.1)
+    [(rid, answer)] = core.outbox
+    assert rid == "r-1" and isinstance(answer, GatewayError) and answer.status == 500
+    assert not core.tickets and core.queued() == 0 and sum(core.queued_per_class.values()) == 0
+    assert fleet.records["a-0"].in_flight == 0
