@@ -3,14 +3,18 @@
 httptools bounds neither the size nor the arrival time of a request head, and uvicorn adds no
 limit of its own: a 64 MB header was read whole, before any key was checked, and since its pieces
 are joined as they come (the URL by uvicorn, a header value by httptools) a 4 MB header sent in
-4 KB segments cost 1.4 s of CPU on the event loop, freezing every stream the process relays. A
-head arriving slowly was never timed out either (uvicorn's keep-alive timer stops at a head's
-first byte), so a client trickling headers held its connection for good.
+4 KB segments cost 1.4 s of CPU on the event loop, freezing every stream the process relays. The
+same held for a chunked body's trailer fields. A head arriving slowly was never timed out either
+(uvicorn's keep-alive timer stops at a head's first byte, and a new connection has none), so a
+client trickling headers, or sending nothing, held its connection for good.
 
-Here a head longer than ``max_head_bytes`` is refused with a 431 and one that has not arrived
-whole ``head_timeout_s`` after its first byte with a 408, both OpenAI-shaped and closing the
-connection. The body is not affected: its size and time are the front door's (``max_body_bytes``,
-``body_timeout_s``).
+Here what the parser is still gathering (a head, a trailer) may not pass ``max_head_bytes``: a 431.
+A request's head must arrive whole within ``head_timeout_s`` of its first byte: a 408. A new
+connection that sends nothing for as long is closed. Both answers are
+OpenAI-shaped and end the connection, after a moment in which what the client still sends is read
+and dropped (closed at once, its unread bytes would reset the connection and could take the
+answer with them). The body is not affected: its size and time are the front door's
+(``max_body_bytes``, ``body_timeout_s``).
 """
 
 from __future__ import annotations
@@ -26,41 +30,46 @@ from gateway.api.errors import GatewayError
 #: a head this long is no client's: 64 KiB holds any token or cookie header real clients send
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
+#: how long a refused connection is still read (and dropped) before it is closed
+LINGER_S = 2.0
+#: what the request line holds besides its target (the longest method, spaces, version, CRLF)
+_REQUEST_LINE_BYTES = len(b"OPTIONS  HTTP/1.1\r\n")
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
-    """:class:`HttpToolsProtocol` refusing a request head past ``max_head_bytes`` or
-    ``head_timeout_s`` (class attributes: :func:`bounded_head_protocol` sets them).
+    """:class:`HttpToolsProtocol` refusing a head past ``max_head_bytes`` or ``head_timeout_s``
+    (class attributes: :func:`bounded_head_protocol` sets them).
 
-    A head still arriving is measured by the reads it came in (the parser's joining is what costs,
-    so it is cut off as soon as they pass the limit); a head that ends within a read, by its
-    request target and header fields as the parser hands them over (that read may hold the body
-    too, which is no part of the head)."""
+    Size is judged twice: as bytes read since the parser last handed anything over (a head or
+    trailer still arriving: its joining is what costs, so it is cut off as soon as it passes the
+    limit), and for a head that ended within a read, by its target and fields as the parser
+    hands them over (that read may hold the body too, which is no part of the head)."""
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: what arrives now is a request's head (at first, and after each request's body)
-        self._in_head = True
-        #: the head's reads so far, and its target and fields as parsed
-        self._head_reads = 0
+        #: bytes read since the parser last handed over a part of a request
+        self._unparsed = 0
+        #: the current request's target and fields, as parsed
         self._head_size = 0
         self._head_timer: asyncio.TimerHandle | None = None
-        #: a head was refused: the connection is closing, nothing more of it is read
+        #: a head was refused: the connection is ending, what it still brings is dropped
         self._refused = False
+        self._linger: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.head_timeout_s)  # (its first request's head: no byte of it yet)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        counting = self._in_head
-        if counting:
-            self._head_reads += len(data)
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+        self._unparsed += len(data)
         super().data_received(data)
-        if counting and self._in_head and self._head_reads > self.max_head_bytes:
+        if self._unparsed > self.max_head_bytes and not self._refused:
             self._refuse(self._too_large())
 
     # -- the parser's callbacks: measured, and ignored once the head is refused ---------------------
@@ -68,6 +77,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         if not self._refused:
             self._head_size = _REQUEST_LINE_BYTES
+            self._arm(self.head_timeout_s)  # (at its first byte: not a stray CRLF between requests)
             super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -83,8 +93,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self._refused:
             return
-        self._in_head = False
-        self._end_head()
+        self._unparsed = 0
+        self._disarm()
         if self._head_size > self.max_head_bytes:
             self._refuse(self._too_large())
             return
@@ -92,21 +102,28 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
+            self._unparsed = 0
             super().on_body(body)
 
     def on_message_complete(self) -> None:
         if not self._refused:
+            self._unparsed = 0
             super().on_message_complete()
-            self._in_head = True  # what comes next is the next request's head
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end_head()
+        self._disarm()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         super().connection_lost(exc)
 
-    # -- refusing ------------------------------------------------------------------------------------
+    # -- timing and refusing ---------------------------------------------------------------------------
 
-    def _end_head(self) -> None:
-        self._head_reads = 0
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(seconds, self._head_late)
+
+    def _disarm(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -114,40 +131,53 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def _too_large(self) -> GatewayError:
         return GatewayError(
             431,
-            f"the request line and headers exceed {self.max_head_bytes} bytes",
+            f"the request line and header fields exceed {self.max_head_bytes} bytes",
             code="request_header_too_large",
         )
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self._in_head and self._head_reads and not self._refused:
-            self._refuse(
-                GatewayError(
-                    408,
-                    f"the request line and headers did not arrive within {self.head_timeout_s:g} s",
-                    code="request_timeout",
-                )
-            )
+        if self._refused:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # an answer is still being written (a client pipelining its next request): the
+            # next head is judged once it is done
+            self._arm(self.head_timeout_s)
+            return
+        if self.scope is None:  # (a new connection that sent nothing: nothing to answer)
+            self._refused = True
+            self.transport.close()
+            return
+        late = GatewayError(
+            408,
+            f"the request line and header fields did not arrive within {self.head_timeout_s:g} s",
+            code="request_timeout",
+        )
+        self._refuse(late)
 
     def _refuse(self, error: GatewayError) -> None:
-        """Answer ``error`` and close; while an earlier request's answer is still being written
-        on this connection (a client pipelining), only close: the answers would interleave."""
+        """Answer ``error`` and end the connection. A request still in the app (its trailer
+        refused, or an earlier one a client pipelined) sees its client gone; one whose answer is
+        being written ends with the connection at once: the answers would interleave."""
         self._refused = True
-        self._end_head()
+        self._disarm()
         transport = self.transport
         if transport.is_closing():
             return
-        if self.cycle is None or self.cycle.response_complete:
-            body = orjson.dumps(error.payload())
-            status = b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS[error.status])
-            fields = b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
-            transport.write(status + fields + b"connection: close\r\n\r\n" + body)
-        transport.close()
-
-
-#: what the request line holds besides its target (the longest method, spaces, version, CRLF)
-_REQUEST_LINE_BYTES = len(b"OPTIONS  HTTP/1.1\r\n")
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:
+                transport.close()
+                return
+            cycle.disconnected = True  # (its receive answers http.disconnect, its send nothing)
+            cycle.message_event.set()
+        body = orjson.dumps(error.payload())
+        status = b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS[error.status])
+        fields = b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        transport.write(status + fields + b"connection: close\r\n\r\n" + body)
+        if transport.can_write_eof():
+            transport.write_eof()  # the answer is whole; what the client still sends is dropped
+        self._linger = self.loop.call_later(LINGER_S, transport.close)
 
 
 def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float) -> type[BoundedHeadProtocol]:
