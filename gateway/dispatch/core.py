@@ -356,7 +356,11 @@ class DispatchCore:
         cached = self._contexts.get(model)
         if cached is not None and now is not None and now - cached[0] < CONTEXT_REFRESH_S:
             return cached[1]
-        engines = self.fleet.engines_of.get(model, ())
+        # the engines that take the queue's requests: not a P/D model's decode engines (which
+        # never learn a prefill speed), nor those out of rotation; all of them while none is in
+        # (a queue with no engine is refused, its context matters little)
+        every = self.fleet.engines_of.get(model, ())
+        engines = [r for r in every if self.fleet.in_front(r)] or every
         if not engines:
             return self._default_context
         a = b = a_d = b_d = c_d = math.inf

@@ -1735,3 +1735,16 @@ def test_an_arrivals_turn_failing_after_taking_a_queued_request_answers_that_req
     assert rid == "r-1" and isinstance(answer, GatewayError) and answer.status == 500
     assert not core.tickets and core.queued() == 0 and sum(core.queued_per_class.values()) == 0
     assert fleet.records["a-0"].in_flight == 0
+
+
+def test_a_queues_context_counts_only_the_engines_that_take_its_requests() -> None:
+    """The queue orders' drain estimate counted every engine of the model, a P/D model's decode
+    engines and ejected ones too: a queue served by one prefill engine was predicted to drain
+    four times as fast as it did."""
+    fleet = offline_fleet({"a": 4})
+    core = offline_core(fleet)
+    assert core.context("a", 0.0).prefill_engines == 4
+    for engine_id in ("a-1", "a-2"):
+        fleet.set_role(engine_id, Role.DECODE)
+    fleet.eject("a-3", "down")
+    assert core.context("a", 10.0).prefill_engines == 1
