@@ -10,7 +10,7 @@ client trickling headers, or sending nothing, held its connection for good.
 
 Here what the parser is still gathering (a head, a trailer) may not pass ``max_head_bytes``: a 431.
 A request's head must arrive whole within ``head_timeout_s`` of its first byte: a 408. A new
-connection that sends nothing for as long is closed. Both answers are
+connection that sends nothing is closed as an idle kept-alive one is. Both answers are
 OpenAI-shaped and end the connection, after a moment in which what the client still sends is read
 and dropped (closed at once, its unread bytes would reset the connection and could take the
 answer with them). The body is not affected: its size and time are the front door's
@@ -62,7 +62,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm(self.head_timeout_s)  # (its first request's head: no byte of it yet)
+        # nothing sent yet: as idle as a kept-alive connection between requests (a pool may
+        # open one ahead of its first request)
+        self._arm(max(self.head_timeout_s, float(self.timeout_keep_alive)))
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -109,6 +111,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if not self._refused:
             self._unparsed = 0
             super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # (a refused head's read may hold more: its answer went out)
+            super().send_400_response(msg)
+
+    def handle_websocket_upgrade(self) -> None:
+        if not self._refused:  # (a refused head leaves no request to upgrade)
+            super().handle_websocket_upgrade()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -165,10 +175,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if transport.is_closing():
             return
         cycle = self.cycle
+        if self.pipeline or (cycle is not None and cycle.response_started and not cycle.response_complete):
+            # (requests a client pipelined: the newest is not the one being answered)
+            transport.close()
+            return
         if cycle is not None and not cycle.response_complete:
-            if cycle.response_started:
-                transport.close()
-                return
             cycle.disconnected = True  # (its receive answers http.disconnect, its send nothing)
             cycle.message_event.set()
         body = orjson.dumps(error.payload())
@@ -177,6 +188,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         transport.write(status + fields + b"connection: close\r\n\r\n" + body)
         if transport.can_write_eof():
             transport.write_eof()  # the answer is whole; what the client still sends is dropped
+        self.flow.resume_reading()  # (read and dropped even when a body had paused reading)
         self._linger = self.loop.call_later(LINGER_S, transport.close)
 
 

@@ -54,7 +54,6 @@ def serving_config(
         host=host,
         port=port,
         http=bounded_head_protocol(max_head_bytes, head_timeout_s),
-        ws="none",  # (no WebSocket route: an upgrade request is served as plain HTTP)
         loop="uvloop",
         lifespan="on",
         access_log=False,

@@ -363,10 +363,15 @@ class DispatchCore:
         engines = [r for r in every if self.fleet.in_front(r)] or every
         if not engines:
             return self._default_context
+        # ...and the decode estimate from those that decode them (a P/D model's decode engines)
+        decoding = [r for r in every if self.fleet.in_front(r) or self.fleet.in_decode_pool(r)] or every
         a = b = a_d = b_d = c_d = math.inf
         for record in engines:
-            (pa, pb, _), (da, db, dc) = self.coefficients(record.engine_id)
-            a, b, a_d, b_d, c_d = min(a, pa), min(b, pb), min(a_d, da), min(b_d, db), min(c_d, dc)
+            (pa, pb, _), _ = self.coefficients(record.engine_id)
+            a, b = min(a, pa), min(b, pb)
+        for record in decoding:
+            _, (da, db, dc) = self.coefficients(record.engine_id)
+            a_d, b_d, c_d = min(a_d, da), min(b_d, db), min(c_d, dc)
         # a bad profile or a degenerate fit must not stop every submit and step
         context = _order_context((a, b, 0.0), (a_d, b_d, c_d), len(engines)) or self._default_context
         if cached is not None and cached[1] == context:
