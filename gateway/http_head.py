@@ -43,8 +43,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     Size is judged twice: as bytes read since the parser last handed anything over (a head or
     trailer still arriving: its joining is what costs, so it is cut off as soon as it passes the
-    limit), and for a head that ended within a read, by its target and fields as the parser
-    hands them over (that read may hold the body too, which is no part of the head)."""
+    limit), and for a head that ended within a read, by its target and fields as parsed (that
+    read may hold the body too, which is no part of the head)."""
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
@@ -53,8 +53,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         #: bytes read since the parser last handed over a part of a request
         self._unparsed = 0
-        #: the current request's target and fields, as parsed
-        self._head_size = 0
         self._head_timer: asyncio.TimerHandle | None = None
         #: a head was refused: the connection is ending, what it still brings is dropped
         self._refused = False
@@ -78,29 +76,27 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         if not self._refused:
-            self._head_size = _REQUEST_LINE_BYTES
             self._arm(self.head_timeout_s)  # (at its first byte: not a stray CRLF between requests)
             super().on_message_begin()
-
-    def on_url(self, url: bytes) -> None:
-        if not self._refused:
-            self._head_size += len(url)
-            super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._refused:
-            self._head_size += len(name) + len(value) + 4  # (": " and CRLF)
-            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if self._refused:
             return
+        # (measured only when the reads since the last part could hold a head too long: the
+        # common head came within one read far below the limit)
+        too_large = self._unparsed > self.max_head_bytes and self._head_size() > self.max_head_bytes
         self._unparsed = 0
         self._disarm()
-        if self._head_size > self.max_head_bytes:
+        if too_large:
             self._refuse(self._too_large())
             return
         super().on_headers_complete()
+
+    def _head_size(self) -> int:
+        """The request line and header fields as parsed (the read that ended them may hold the
+        body too, which is no part of the head)."""
+        fields = self.headers
+        return _REQUEST_LINE_BYTES + len(self.url) + sum(len(n) + len(v) + 4 for n, v in fields)
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
