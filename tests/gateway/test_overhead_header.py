@@ -21,7 +21,9 @@ from tests.gateway.stub_engines import HeaderEngine, StubEngine, chunk_event, co
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 #: far above what the gateway itself takes on this machine, far below the waits the tests create
-OWN_BOUND_MS = 60.0
+#: (WAIT_S: a wait counted as the gateway's own would be past it); 60 ms was passed once in a
+#: loaded CI run, the gateway sharing its process (and the GIL) with the test's client
+OWN_BOUND_MS = 150.0
 WAIT_S = 0.4
 
 
