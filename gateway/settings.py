@@ -97,6 +97,11 @@ class ApiKeyPolicy(BaseModel):
     max_priority: int | None = Field(default=None, ge=0, description="most urgent priority allowed")
     min_ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     min_tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    decisions: bool = Field(
+        default=False,
+        description="x-slogate-debug is answered with the routing decision, which shows how much of "
+        "the prompt each engine holds cached (prefix roots are not per tenant)",
+    )
 
 
 class EngineConfig(BaseModel):

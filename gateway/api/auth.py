@@ -47,8 +47,9 @@ __all__ = [
 
 Role = Literal["anonymous", "client", "admin"]
 
-#: the policy of a caller without a (known) key: its claims stand as made
-OPEN_POLICY = ApiKeyPolicy(task_override=True)
+#: the policy of a caller without a (known) key, or with a key that has no policy: its claims
+#: stand as made, its routing decisions are shown when it asks
+OPEN_POLICY = ApiKeyPolicy(task_override=True, decisions=True)
 
 _AUTHORIZATION = b"authorization"
 _BEARER = b"bearer"

@@ -274,7 +274,11 @@ class Proxy:
             )
             if self.prefix is not None:
                 await self._attach(call, headers)
-            if self.router is not None and headers.get(b"x-slogate-debug") in _DEBUG_ON:
+            if (
+                self.router is not None
+                and identity.policy.decisions
+                and headers.get(b"x-slogate-debug") in _DEBUG_ON
+            ):
                 self.router.explain(rid, _decision_receiver(call))
             self._receiving.pop(rid, None)  # (_serve keeps it with what is open)
             served = True

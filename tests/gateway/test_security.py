@@ -30,6 +30,7 @@ from gateway.settings import EngineConfig, Settings, describe_error, key_fingerp
 from policies.slo import SloHints, SloSource, SloTarget
 from tests.gateway.conftest import MODEL, BrokenEngine
 from tests.gateway.gateway_thread import run_gateway
+from tests.gateway.stub_engines import HeaderEngine
 
 CLIENT = "sk-client-0123456789abcdef"
 POLICY_KEY = "sk-policy-0123456789abcdef"
@@ -427,3 +428,30 @@ def test_no_key_appears_in_metrics_logs_or_admin_output(
     for key in (CLIENT, POLICY_KEY, ADMIN, ENGINE_KEY):
         assert key not in metrics_text and key not in engines_text and key not in caplog.text, key
     assert "engine-password" not in engines_text
+
+
+def test_a_key_with_a_policy_sees_routing_decisions_only_when_it_allows() -> None:
+    """``x-slogate-debug: 1`` answers with the routing decision, which says how much of the prompt
+    each engine holds cached: prefix roots are per model, adapter and cache_salt, not per tenant,
+    so a restricted tenant could probe what another's prompts left cached. A key with a policy
+    sees decisions only with ``decisions: true``; a plain key's claims stand as made."""
+    open_key = "sk-policy-decisions-0123456789"
+    policies = {**KEYED["api_key_policies"], open_key: {"tenant": "team-b", "decisions": True}}
+    with (
+        HeaderEngine() as engine,
+        run_gateway(
+            **{**KEYED, "api_key_policies": policies},
+            engines=[engine.entry("e0")],
+            routing_profile="round-robin",
+        ) as gw,
+    ):
+
+        def decision(key: str) -> str | None:
+            headers = {"Authorization": f"Bearer {key}", "x-slogate-debug": "1"}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            return r.headers.get("x-slogate-decision")
+
+        assert decision(POLICY_KEY) is None
+        assert decision(open_key) is not None and decision(CLIENT) is not None
