@@ -152,11 +152,11 @@ class ResponseFormat:
         self,
         outputs: Sequence[tuple[str, Sequence[int], str, str | None]],
         usage: dict[str, Any],
-        prompt_token_ids: Sequence[int],
+        prompts: Sequence[Sequence[int]],
         kv_transfer_params: dict[str, Any] | None,
     ) -> bytes:
         """The non-streamed body; ``outputs`` holds (text, token ids, finish_reason, stop_reason)
-        per choice."""
+        per choice, ``prompts`` each choice's prompt token ids (a completions batch has several)."""
         choices: list[dict[str, Any]] = []
         for index, (text, token_ids, finish_reason, stop_reason) in enumerate(outputs):
             choice: dict[str, Any]
@@ -168,7 +168,7 @@ class ResponseFormat:
             if self.return_token_ids:
                 choice["token_ids"] = list(token_ids)
                 if self.kind == "completion":
-                    choice["prompt_token_ids"] = list(prompt_token_ids)
+                    choice["prompt_token_ids"] = list(prompts[index])
             choices.append(choice)
         body: dict[str, Any] = {
             "id": self.id,
@@ -179,7 +179,7 @@ class ResponseFormat:
             "usage": usage,
         }
         if self.return_token_ids and self.kind == "chat":
-            body["prompt_token_ids"] = list(prompt_token_ids)
+            body["prompt_token_ids"] = list(prompts[0])
         body["kv_transfer_params"] = kv_transfer_params
         return orjson.dumps(body)
 

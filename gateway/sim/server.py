@@ -311,7 +311,9 @@ class SimServer:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "embedding")
 
-    def _prompt(self, kind: str, body: dict[str, Any]) -> list[int]:
+    def _prompts(self, kind: str, body: dict[str, Any]) -> list[list[int]]:
+        """The request's prompts as token ids: one for a chat, a completions body's batch (a
+        string, token ids, or a list of either) one per entry, as vLLM takes them."""
         if kind == "chat":
             messages = body.get("messages")
             if (
@@ -320,23 +322,20 @@ class SimServer:
                 or not all(isinstance(m, dict) for m in messages)
             ):
                 raise BadRequest(400, "'messages' must be a non-empty list of objects", "messages")
-            return encode(apply_chat_template(messages))
+            return [encode(apply_chat_template(messages))]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise BadRequest(400, "the prompt cannot be empty", "prompt")
-            return encode(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            return list(prompt)
-        raise BadRequest(
-            400, "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
-        )
+        batch: list[Any]
+        if isinstance(prompt, str) or _token_ids(prompt):
+            batch = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+            batch = prompt
+        else:
+            raise BadRequest(
+                400, "'prompt' must be a string, a list of token ids, or a non-empty list of those", "prompt"
+            )
+        if any(p == "" for p in batch):
+            raise BadRequest(400, "the prompt cannot be empty", "prompt")
+        return [encode(p) if isinstance(p, str) else list(p) for p in batch]
 
     async def _generate(self, http: web.Request, kind: str) -> web.StreamResponse:
         try:
@@ -420,10 +419,11 @@ class SimServer:
         model = body.get("model")
         if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
-        prompt = self._prompt(kind, body)
-        max_tokens = self._limits(http, body, len(prompt))
-        if prompt and not 0 <= min(prompt) <= max(prompt) < VOCAB_SIZE:  # (after the length, as vLLM)
-            raise BadRequest(400, f"token ids must be in [0, {VOCAB_SIZE}): out of vocabulary", "prompt")
+        prompts = self._prompts(kind, body)
+        max_tokens = [self._limits(http, body, len(prompt)) for prompt in prompts]
+        for prompt in prompts:  # (after the lengths, as vLLM)
+            if not 0 <= min(prompt) <= max(prompt) < VOCAB_SIZE:
+                raise BadRequest(400, f"token ids must be in [0, {VOCAB_SIZE}): out of vocabulary", "prompt")
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         if options and not stream:
@@ -437,18 +437,24 @@ class SimServer:
         room = body.get("bootstrap_room")
         if n > 1 and (params is not None or room is not None):
             raise BadRequest(400, "n > 1 cannot be combined with KV transfer (P/D) in the sim", "n")
+        if len(prompts) > 1 and (params is not None or room is not None):
+            raise BadRequest(
+                400, "a batch of prompts cannot be combined with KV transfer (P/D) in the sim", "prompt"
+            )
         prefill_only = bool(params and params.get("do_remote_decode")) or (
             room is not None and self.config.role == "prefill"
         )
         output_len = None if prefill_only else self._output_len(http, body)
         arrival = self.now()
         # n > 1 fans out into n engine requests, as vLLM's parallel sampling does: each takes a
-        # sequence slot, KV blocks and its own decode steps (the prompt is computed per choice)
+        # sequence slot, KV blocks and its own decode steps (the prompt is computed per choice);
+        # a batch of prompts into n per prompt, choice p * n + i for sequence i of prompt p
+        single = n == 1 and len(prompts) == 1
         sims = [
             SimRequest(
-                rid if n == 1 else f"{i}_{rid}",
+                rid if single else f"{p * n + i}_{rid}",
                 prompt,
-                1 if prefill_only else max_tokens,
+                1 if prefill_only else limit,
                 arrival,
                 priority=priority,
                 ignore_eos=bool(body.get("ignore_eos")),
@@ -456,6 +462,7 @@ class SimServer:
                 output_len=output_len,
                 choice=i,
             )
+            for p, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True))
             for i in range(n)
         ]
         faults = _parse_fault_header(http.headers.get("X-Sim-Fault"))  # (refused before any KV moves)
@@ -484,7 +491,7 @@ class SimServer:
         self.wake_driver()
         include_usage = bool(options.get("include_usage"))
         try:
-            if stream and n == 1:
+            if stream and single:
                 c = choices[0]
                 return await self._stream(http, c.sim, fmt, c.out, c.channel, include_usage, room)
             if stream:
@@ -656,13 +663,11 @@ class SimServer:
             self._observe(choice.sim, choice.first_real, end_real, len(choice.out.token_ids))
         first = choices[0].sim
         self._held(first, room)
-        completion_tokens = sum(len(c.out.token_ids) for c in choices)
-        usage = usage_of(len(first.prompt), completion_tokens, first.cached_tokens)
         outputs = [
             (c.out.delta(True), c.out.token_ids, c.sim.finish_reason or "length", c.out.stop_reason)
             for c in choices
         ]
-        body = fmt.full(outputs, usage, first.prompt, self._kv_params(first))
+        body = fmt.full(outputs, _usage(choices), [c.sim.prompt for c in choices], self._kv_params(first))
         return web.Response(body=body, content_type="application/json")
 
     async def _stream(
@@ -733,8 +738,9 @@ class SimServer:
     async def _stream_choices(
         self, http: web.Request, choices: list[Choice], fmt: ResponseFormat, include_usage: bool
     ) -> web.StreamResponse:
-        """Streaming for n > 1: each chunk carries one choice; a choice's finish chunk goes out when
-        it ends. Kept apart from :meth:`_stream` so the n = 1 hot path pays nothing for it."""
+        """Streaming for n > 1 or a batch of prompts: each chunk carries one choice; a choice's
+        finish chunk goes out when it ends. Kept apart from :meth:`_stream` so the n = 1 hot path
+        pays nothing for it."""
         resp = web.StreamResponse(headers=_SSE)
         await resp.prepare(http)
         event = choices[0].channel.event
@@ -787,9 +793,7 @@ class SimServer:
             return resp  # the client left: _run's cleanup aborts the requests
         tail = b""
         if include_usage:
-            first = choices[0].sim
-            completion_tokens = sum(len(c.out.token_ids) for c in choices)
-            tail = fmt.usage_chunk(usage_of(len(first.prompt), completion_tokens, first.cached_tokens))
+            tail = fmt.usage_chunk(_usage(choices))
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -863,4 +867,24 @@ def _json(data: Any) -> web.Response:
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.Response(
         status=status, body=error_body(status, message, param), content_type="application/json"
+    )
+
+
+def _token_ids(prompt: object) -> bool:
+    """Whether ``prompt`` is one prompt given as token ids (a non-empty list of ints)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    """A request's usage: each prompt counted once (its first sequence stands for the n that
+    share it), every choice's output."""
+    prompts = [c.sim for c in choices if c.sim.choice == 0]
+    return usage_of(
+        sum(len(sim.prompt) for sim in prompts),
+        sum(len(c.out.token_ids) for c in choices),
+        sum(sim.cached_tokens for sim in prompts),
     )

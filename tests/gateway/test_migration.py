@@ -95,7 +95,7 @@ def chat_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+def completion_body(prompt: str | list[str], max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
         "model": MODEL,
         "prompt": prompt,
@@ -312,6 +312,31 @@ def test_unresumable_requests_end_with_a_clear_error(
         assert not got.token_ids  # the engine was not asked for token ids
         assert metric(gw, "slogate_migrations_total", reason="failure") == before
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+def test_a_completions_batch_streams_whole_and_is_not_migrated(healthy: list[ChildProcess]) -> None:
+    """A list of prompts streams through the gateway as the engine answers it (two choices per
+    prompt, the batch's usage); cut, it ends with an error naming why it cannot be resumed."""
+    body = completion_body(["batch one", "batch two"], 12, n=2, temperature=1.0)
+    ref = reference(healthy[0], COMPLETIONS, body)
+    assert ref.done and ref.usage is not None and len(ref.finishes) == 4
+    with gateway(healthy, migration_limit=2) as gw:
+        got = post(gw, COMPLETIONS, body)
+        assert got.error is None and got.done
+        assert got.usage == ref.usage and sorted(got.finishes) == ["length"] * 4
+        for index in range(4):
+            assert _choice_text(got, index) == _choice_text(ref, index)
+        cut = post(gw, COMPLETIONS, body, {"X-Sim-Fault": "crash-after=4"})
+        assert cut.error is not None and cut.done
+        message = cut.error["message"]
+        assert "not migrated" in message and "a batch of 2 prompts" in message, message
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+def _choice_text(stream: Stream, index: int) -> str:
+    return "".join(
+        c.get("text") or "" for e in stream.events for c in e.get("choices") or () if c["index"] == index
+    )
 
 
 # -- under load: one of four engines killed ------------------------------------------------------
