@@ -539,18 +539,6 @@ class CollocatedFlow:
         finally:
             response.close()  # also aborts the engine's request if it is still running
 
-    async def _error_body(self, call: Call, response: aiohttp.ClientResponse, deadline: float) -> bytes:
-        """An engine's error answer, read within a second past ``deadline`` (empty if it is not
-        sent by then, or the connection fails)."""
-        read_at = time.monotonic()
-        try:
-            async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
-                return await response.read()
-        except (TimeoutError, aiohttp.ClientError):
-            return b""
-        finally:
-            call.waited_s += time.monotonic() - read_at
-
     async def engine_did_not_stream(
         self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
     ) -> GatewayError:
@@ -558,7 +546,7 @@ class CollocatedFlow:
         200, as some servers and proxies send, or a whole answer): an error that carries the
         engine's message, before any stream has begun (a stream would end with a bare "ended
         before it was complete" and lose it)."""
-        body = await self._error_body(call, response, deadline)
+        body = await error_body(call, response, deadline)
         metrics.child(metrics.UPSTREAM_ERRORS, record.engine_id, "status").inc()
         reported = upstream_error(502, body)
         return GatewayError(
@@ -568,10 +556,17 @@ class CollocatedFlow:
         )
 
     async def engine_refused(
-        self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
+        self,
+        call: Call,
+        record: EngineRecord,
+        response: aiohttp.ClientResponse,
+        deadline: float,
+        count_wait: bool = True,
     ) -> GatewayError:
+        """The error an engine's refusal (any status but 200) comes to; ``count_wait`` as for
+        :meth:`post`."""
         engine_id = record.engine_id
-        body = await self._error_body(call, response, deadline)
+        body = await error_body(call, response, deadline, count_wait)
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
         status = response.status
         if status == 503:  # overloaded or asleep: another engine may do
@@ -593,6 +588,23 @@ class CollocatedFlow:
                 code="model_not_supported",
             )
         raise upstream_error(status, body)
+
+
+async def error_body(
+    call: Call, response: aiohttp.ClientResponse, deadline: float, count_wait: bool = True
+) -> bytes:
+    """An engine's error answer, read within a second past ``deadline`` (empty if it is not sent
+    by then, or the connection fails); its time counts as waiting on the engine unless
+    ``count_wait`` is False (a request sent beside another, whose wait is counted once)."""
+    read_at = time.monotonic()
+    try:
+        async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
+            return await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return b""
+    finally:
+        if count_wait:
+            call.waited_s += time.monotonic() - read_at
 
 
 class _Flag:

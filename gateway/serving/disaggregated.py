@@ -318,7 +318,7 @@ class DisaggregatedFlow:
             return response
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
-                return await self.collocated.engine_refused(call, record, response, finish_at)
+                return await self.collocated.engine_refused(call, record, response, finish_at, count_wait)
             started = time.monotonic()  # (post counted the wait for the headers)
             try:
                 async with asyncio.timeout_at(finish_at):
