@@ -18,6 +18,7 @@ _TYPES = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_error",
     502: "upstream_error",

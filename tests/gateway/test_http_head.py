@@ -7,6 +7,7 @@ timed out. These tests talk raw HTTP to a real gateway: the ASGI fuzz tests cann
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -15,9 +16,11 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.gateway.conftest import MODEL
-from tests.gateway.gateway_thread import RunningGateway, run_gateway
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.stub_engines import StubEngine, chunk_event
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +92,7 @@ def test_a_431_names_the_limit_and_the_server_goes_on(gw: RunningGateway) -> Non
     assert status == 431 and fields["content-type"] == "application/json"
     error = orjson.loads(body)["error"]
     assert error["code"] == "request_header_too_large" and "65536 bytes" in error["message"]
+    assert error["type"] == "invalid_request_error"  # (the client's to fix, not the server's)
     assert httpx.get(gw.url + "/health").status_code == 200
 
 
@@ -132,3 +136,41 @@ def test_what_follows_a_refused_head_in_the_same_read_is_dropped_quietly(
         status, _, body = _answer(sock)
     assert status == 431 and orjson.loads(body)["error"]["code"] == "request_header_too_large"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_head_refused_while_a_pipelined_answer_streams_ends_the_connection() -> None:
+    """A client pipelines a streamed request and, behind it, a head past the limit. A 431 written
+    into the stream under way would interleave with it: the connection ends at once instead, the
+    engine's request is aborted, and the server goes on."""
+
+    async def slow_stream(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(50):  # 10 s if nothing ends it
+            await response.write(chunk_event(f"t{i} ", i))
+            await asyncio.sleep(0.2)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    with StubEngine(slow_stream) as engine, run_gateway(engines=[engine.entry("e0")]) as running:
+        with _connect(running) as sock:
+            sock.sendall(first)
+            data = sock.recv(65536)
+            while b"t0 " not in data:  # the first answer is streaming
+                data += sock.recv(65536)
+            started = time.monotonic()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for _ in range(20):  # 80 KB of one header value, past the limit as it arrives
+                sock.sendall(b"b" * 4096)
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert time.monotonic() - started < 3.0  # ended at the refusal, not after the stream's 10 s
+        assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 431" not in data
+        assert b"[DONE]" not in data
+        assert wait_until(lambda: engine.aborted == 1, timeout=5)
+        assert httpx.get(running.url + "/health").status_code == 200
