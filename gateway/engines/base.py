@@ -10,6 +10,7 @@ aiohttp session with an explicit connection pool, owned by the gateway and passe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import aiohttp
@@ -66,6 +67,11 @@ class EngineAdapter:
     models_path: ClassVar[str | None] = "/v1/models"
     #: whether the engine understands the client's ``x-sim-*`` controls (the simulated engine)
     accepts_sim_headers: ClassVar[bool] = False
+    #: whether the engine refuses a request for a model name its model list does not hold (vLLM
+    #: answers 404): such an engine listing names without the configured model serves none of
+    #: its requests (an address reused by another deployment). Servers that answer whatever the
+    #: body names (llama.cpp, generic upstreams) are not judged by their list
+    lists_served_model: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -197,18 +203,11 @@ class EngineAdapter:
             text = (await read_control(resp)).decode(errors="replace")  # (the text format is UTF-8)
         return self.parse_metrics(text)
 
-    async def list_models(self) -> list[str]:
-        async with self.session.get(
-            self.url("/v1/models"), timeout=self._health_timeout, headers=self._auth, allow_redirects=False
-        ) as resp:
-            resp.raise_for_status()
-            data = control_json(await read_control(resp))
-        return [str(m["id"]) for m in data.get("data", []) if isinstance(m, Mapping) and "id" in m]
-
-    async def loaded_adapters(self) -> frozenset[str] | None:
-        """The LoRA adapters the engine has loaded on its model, from its model list (see
-        :func:`adapters_listed`); None when it publishes no model list (404, 405, 501). Raises
-        on other failures, like :meth:`scrape`."""
+    async def read_model_list(self) -> ModelList | None:
+        """What the engine's model list says of it: the LoRA adapters loaded on its model (see
+        :func:`adapters_listed`) and, for engines that answer only for the names they list,
+        whether it lists the configured model; None when it publishes no model list (404, 405,
+        501). Raises on other failures, like :meth:`scrape`."""
         if self.models_path is None:
             return None
         async with self.session.get(
@@ -221,10 +220,37 @@ class EngineAdapter:
                 return None
             resp.raise_for_status()
             data = control_json(await read_control(resp))
-        return adapters_listed(data, self.config.model)
+        model = self.config.model
+        listed = models_listed(data)
+        serves = None if listed is None or not self.lists_served_model else model in listed
+        return ModelList(adapters_listed(data, model), serves, listed or ())
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """An engine's ``/v1/models`` as the monitor reads it."""
+
+    #: LoRA adapters loaded on the engine's configured model
+    adapters: frozenset[str]
+    #: whether the configured model is among the names listed; None: the list cannot tell (the
+    #: engine kind answers whatever a body names, or the answer is no model list)
+    serves_model: bool | None
+    #: every model name listed (for the reason an engine is taken out of rotation)
+    names: tuple[str, ...] = ()
+
+
+def models_listed(data: Any) -> tuple[str, ...] | None:
+    """The names of the cards in a model list (``data`` array or bare array); None when the
+    answer is no model list."""
+    cards = data.get("data") if isinstance(data, Mapping) else data
+    if not isinstance(cards, list):
+        return None
+    return tuple(
+        name for card in cards if isinstance(card, Mapping) and isinstance(name := card.get("id"), str)
+    )
 
 
 def adapters_listed(data: Any, model: str) -> frozenset[str]:
@@ -256,3 +282,13 @@ def adapters_listed(data: Any, model: str) -> frozenset[str]:
 def gauge(samples: prom_text.Samples, *names: str) -> float:
     value = prom_text.total(samples, *names)
     return 0.0 if value is None else value
+
+
+def load_gauges(samples: prom_text.Samples, running: str, waiting: str) -> tuple[int, int]:
+    """The engine's running and waiting request counts. An answer with neither gauge is no
+    reading (ValueError: a failed scrape, so the state goes stale): read as zeros, an engine
+    with its stats off, a proxy's page or a renamed metric looked idle and fresh, which hid its
+    load and kept the stall check from ever judging it."""
+    if running not in samples and waiting not in samples:
+        raise ValueError(f"the metrics hold neither {running} nor {waiting}")
+    return int(gauge(samples, running)), int(gauge(samples, waiting))

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from gateway.engines import prom_text
-from gateway.engines.base import EngineAdapter, control_json, gauge, read_control
+from gateway.engines.base import EngineAdapter, control_json, gauge, load_gauges, read_control
 from policies.api import EngineState, EngineTiming
 
 #: what a scrape's /slots read leaves of the scrape's budget (the monitor's own timeout ends it)
@@ -60,9 +60,10 @@ def parse_llamacpp_metrics(text: str) -> EngineState:
     samples = prom_text.parse(text, _WANTED)
     computed = gauge(samples, "llamacpp:prompt_tokens_total")
     cached = gauge(samples, "llamacpp:prompt_tokens_cached_total")
+    running, waiting = load_gauges(samples, "llamacpp:requests_processing", "llamacpp:requests_deferred")
     return EngineState(
-        num_running=int(gauge(samples, "llamacpp:requests_processing")),
-        num_waiting=int(gauge(samples, "llamacpp:requests_deferred")),
+        num_running=running,
+        num_waiting=waiting,
         kv_usage=gauge(samples, "llamacpp:kv_cache_usage_ratio"),  # older builds only
         prefix_queries=computed + cached,
         prefix_hits=cached,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.engines import prom_text
-from gateway.engines.base import EngineAdapter, gauge
+from gateway.engines.base import EngineAdapter, gauge, load_gauges
 from policies.api import EngineState, EngineTiming
 
 _TIMING = (
@@ -40,9 +40,10 @@ def sglang_timing(samples: prom_text.Samples) -> EngineTiming | None:
 def parse_sglang_metrics(text: str) -> EngineState:
     samples = prom_text.parse(text, _WANTED)
     max_tokens = prom_text.total(samples, "sglang:max_total_num_tokens")
+    running, waiting = load_gauges(samples, "sglang:num_running_reqs", "sglang:num_queue_reqs")
     return EngineState(
-        num_running=int(gauge(samples, "sglang:num_running_reqs")),
-        num_waiting=int(gauge(samples, "sglang:num_queue_reqs")),
+        num_running=running,
+        num_waiting=waiting,
         kv_usage=gauge(samples, "sglang:token_usage"),
         prefix_queries=gauge(samples, "sglang:prompt_tokens_total"),
         prefix_hits=gauge(samples, "sglang:cached_tokens_total"),

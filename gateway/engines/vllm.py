@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.engines import prom_text
-from gateway.engines.base import EngineAdapter, gauge, read_control
+from gateway.engines.base import EngineAdapter, gauge, load_gauges, read_control
 from policies.api import EngineState, EngineTiming, Role
 
 _RUNNING = "vllm:num_requests_running"
@@ -76,9 +76,10 @@ def parse_vllm_metrics(text: str) -> EngineState:
         labels.get("sleep_state") not in (None, "awake") and value > 0
         for labels, value in samples.get(_SLEEP, [])
     )
+    running, waiting = load_gauges(samples, _RUNNING, _WAITING)
     return EngineState(
-        num_running=int(gauge(samples, _RUNNING)),
-        num_waiting=int(gauge(samples, _WAITING)),
+        num_running=running,
+        num_waiting=waiting,
         kv_usage=kv_usage,
         prefix_queries=gauge(samples, *_QUERIES),
         prefix_hits=gauge(samples, *_HITS),
@@ -93,6 +94,7 @@ class VllmAdapter(EngineAdapter):
     switches_role: ClassVar[bool] = True
     kind: ClassVar[str] = "vllm"
     supports_priority_field: ClassVar[bool] = True
+    lists_served_model: ClassVar[bool] = True  # (a name it does not list: 404 "does not exist")
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_vllm_metrics(text)

@@ -124,6 +124,8 @@ class FleetMonitor:
         if ok:  # (a refused or timed-out check is no measure of the path)
             self.fleet.record_round_trip(engine_id, time.monotonic() - sent)
         error = "" if ok else "health check failed"
+        if ok and (why := self._not_serving(record)):
+            ok, error = False, why  # (answering its health route, it still serves none of it)
         flipped = self.fleet.record_health(engine_id, ok, self.eject_after, self.readmit_after, error)
         if flipped:
             level = logging.INFO if record.healthy else logging.WARNING
@@ -189,6 +191,7 @@ class FleetMonitor:
         self.fleet.record_state(engine_id, state, time.monotonic(), sent_at, at_send)
         if self.scrape_errors.pop(engine_id, None) is not None:
             log.info("metrics scrape of %s recovered", engine_id, extra={"engine": engine_id})
+        self._out_if_not_serving(record)
         if state is not None and record.healthy:
             metrics.ENGINE_WAITING.labels(engine_id).set(state.num_waiting)
             metrics.ENGINE_RUNNING.labels(engine_id).set(state.num_running)
@@ -202,9 +205,9 @@ class FleetMonitor:
         engine_id = record.engine_id
         if record.adapter.models_path is None:
             return False
-        ok, adapters = await self._read(
+        ok, listed = await self._read(
             engine_id,
-            record.adapter.loaded_adapters,
+            record.adapter.read_model_list,
             self.adapter_errors,
             "reading the model list",
             "its LoRA adapters stay as last read",
@@ -212,7 +215,19 @@ class FleetMonitor:
         if not ok:
             return False
         self.adapter_errors.pop(engine_id, None)
-        adapters = adapters or frozenset()
+        adapters = frozenset() if listed is None else listed.adapters
+        unlisted = ""
+        if listed is not None and listed.serves_model is False:
+            names = ", ".join(repr(name[:80]) for name in listed.names[:5]) or "none"
+            more = f" and {len(listed.names) - 5} more" if len(listed.names) > 5 else ""
+            unlisted = f"its model list does not name model {record.model!r} (it lists {names}{more})"
+        if unlisted != record.unlisted:
+            record.unlisted = unlisted
+            if not unlisted:
+                log.info(
+                    "engine %s lists model %r again", engine_id, record.model, extra={"engine": engine_id}
+                )
+        self._out_if_not_serving(record)
         before = record.adapters
         if self.fleet.set_adapters(engine_id, adapters):
             log.info(
@@ -223,6 +238,32 @@ class FleetMonitor:
                 extra={"engine": engine_id},
             )
         return True
+
+    def _not_serving(self, record: EngineRecord) -> str:
+        """Why an engine that answers its health route serves none of its model's requests all
+        the same ("" when it may): its model list lacks the model (an address another deployment
+        took over: each request got its 404, and failing at once it looked the least loaded),
+        or its fresh metrics say it sleeps (it refuses work until woken, and with its load and
+        KV cache at nothing it drew every request)."""
+        if record.unlisted:
+            return record.unlisted
+        state = record.state
+        if (
+            state is not None
+            and state.sleeping
+            and time.monotonic() - record.state_at <= self.fleet.stale_after_s
+        ):
+            return "it is asleep (its metrics report a sleep state)"
+        return ""
+
+    def _out_if_not_serving(self, record: EngineRecord) -> None:
+        """Out of rotation at once when it cannot serve (its health checks keep it out until it can)."""
+        why = self._not_serving(record)
+        if why and record.healthy:
+            self.fleet.eject(record.engine_id, why)
+            log.warning(
+                "engine %s is out of rotation: %s", record.engine_id, why, extra={"engine": record.engine_id}
+            )
 
     async def _read(
         self, engine_id: str, fetch: Callable[[], Awaitable[_T]], errors: dict[str, str], what: str, so: str

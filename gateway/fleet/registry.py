@@ -107,6 +107,9 @@ class EngineRecord:
     tpot_counts: dict[float, int] = field(default_factory=dict)
     #: LoRA adapters loaded on the engine's model, as its ``/v1/models`` listed them last
     adapters: frozenset[str] = frozenset()
+    #: why the engine's model list, as last read, shows it does not serve its configured model
+    #: ("" when it does, or the list cannot tell): it is kept out of rotation while so
+    unlisted: str = ""
     #: output tokens per streamed content event, from finished streams' usage (more than one on
     #: engines that send several tokens an event: speculative decoding, vLLM --stream-interval)
     tokens_per_event: float = 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -87,7 +88,23 @@ def test_vllm_old_names() -> None:
 
 def test_vllm_sleeping() -> None:
     text = 'vllm:engine_sleep_state{sleep_state="awake"} 0\nvllm:engine_sleep_state{sleep_state="discard_all"} 1\n'
-    assert parse_vllm_metrics(text).sleeping is True
+    assert parse_vllm_metrics("vllm:num_requests_running 0\n" + text).sleeping is True
+
+
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (parse_vllm_metrics, 'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'),
+        (parse_sglang_metrics, 'sglang:token_usage{model_name="m"} 0.4\n'),
+        (parse_llamacpp_metrics, "llamacpp:prompt_tokens_total 120\n"),
+        (parse_vllm_metrics, "<html>a proxy's page</html>\n"),
+    ],
+)
+def test_metrics_without_either_load_gauge_are_no_reading(parse: Any, text: str) -> None:
+    """An engine with its stats off, a proxy's page, a renamed metric: read as zeros, it looked
+    idle and fresh (its load hidden, and the stall check never judging it)."""
+    with pytest.raises(ValueError, match="neither"):
+        parse(text)
 
 
 def test_sglang() -> None:
@@ -302,7 +319,7 @@ def test_no_number_an_engine_reports_breaks_routing_for_any_model() -> None:
     sane = parse_vllm_metrics(VLLM_033)
     assert bounded_state(sane) is sane
     # a share past 1 (or below 0) is brought within bounds
-    over = parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 7\n')
+    over = parse_vllm_metrics('vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc{engine="0"} 7\n')
     assert bounded_state(over).kv_usage == 1.0
 
 

@@ -44,6 +44,11 @@ class FakeEngine(ThreadedApp):
         self.health_hangs = False
         self.metrics_mode: MetricsMode = "ok"
         self.running = 3
+        #: the model list's names (None: no model list, a 404)
+        self.models: list[str] | None = None
+        self.sleeping = False
+        #: the metrics lack the running and waiting gauges (an engine with its stats off)
+        self.no_load_gauges = False
         self.health_hits = 0
         self.metrics_hits = 0
         self._release = asyncio.Event()
@@ -73,11 +78,23 @@ class FakeEngine(ThreadedApp):
             if self.metrics_mode == "error":
                 return web.Response(status=500, text="busy")
             text = f"vllm:num_requests_running {self.running}\nvllm:num_requests_waiting 1\n"
+            if self.no_load_gauges:
+                text = "vllm:kv_cache_usage_perc 0.5\n"
+            state = "weights_offloaded" if self.sleeping else "awake"
+            text += f'vllm:engine_sleep_state{{sleep_state="{state}"}} 1\n'
             return web.Response(text=text)
+
+        async def models(_: web.Request) -> web.Response:
+            if self.models is None:
+                return web.Response(status=404)
+            return web.json_response(
+                {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+            )
 
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", prom)
+        app.router.add_get("/v1/models", models)
         return app
 
 
@@ -371,3 +388,65 @@ async def test_a_metrics_answer_without_end_is_a_failed_scrape_not_the_gateway_s
         tracemalloc.stop()
     assert "over" in monitor.scrape_errors["e"] and record.healthy
     assert peak < 3 * MAX_CONTROL_BODY, peak
+
+
+async def test_an_engine_whose_model_list_lacks_its_model_is_out_of_rotation_until_it_lists_it(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """An address another deployment took over answers /health, yet every request for the
+    configured model got its 404 (and, failing at once, it looked the least loaded)."""
+    monitor, _, record = make_monitor(engine, session, eject_after=3, readmit_after=1)
+    engine.models = ["m", "m-lora"]
+    await monitor.check_once(record)
+    assert record.healthy and record.unlisted == ""
+    engine.models = ["other-model"]
+    await monitor.check_once(record)
+    assert not record.healthy  # at once, not after three failed checks
+    assert "does not name model 'm'" in record.last_error and "'other-model'" in record.last_error
+    assert not await monitor.check_health(record) and not record.healthy  # answering /health is not enough
+    engine.models = ["m"]
+    await monitor.check_once(record)
+    await monitor.check_once(record)  # (the list is read beside the check: the next one readmits)
+    assert record.healthy and record.unlisted == ""
+
+
+async def test_a_kind_that_answers_any_model_name_is_not_judged_by_its_list(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    config = EngineConfig.model_validate({"url": engine.url, "kind": "llamacpp", "model": "m", "name": "e"})
+    fleet = Fleet([adapter_for(config, session, 1.0, scrape_timeout_s=0.3)], 0.3)
+    monitor, record = FleetMonitor(fleet, 0.05, 1, 1, scrape_timeout_s=0.3), fleet.records["e"]
+    engine.models = ["/models/tiny.gguf"]  # (llama.cpp lists its file and serves any name asked)
+    await monitor.check_once(record)
+    await monitor.check_once(record)
+    assert record.healthy and record.unlisted == ""
+
+
+async def test_a_sleeping_engine_is_out_of_rotation_until_it_wakes(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """Asleep, vLLM still answers /health; it refuses work, and with no load and an empty cache
+    least-load routing sent it every request."""
+    monitor, _, record = make_monitor(engine, session, eject_after=3, readmit_after=1, stale_after_s=5.0)
+    await monitor.check_once(record)
+    assert record.healthy
+    engine.sleeping = True
+    assert await monitor.scrape_once(record)
+    assert not record.healthy and "asleep" in record.last_error  # at the scrape that shows it
+    assert not await monitor.check_health(record)
+    engine.sleeping = False
+    assert await monitor.scrape_once(record)
+    assert await monitor.check_health(record) and record.healthy
+
+
+async def test_metrics_without_the_load_gauges_are_a_failed_scrape_not_an_idle_engine(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    monitor, fleet, record = make_monitor(engine, session, eject_after=1)
+    engine.no_load_gauges = True
+    assert not await monitor.scrape_once(record)
+    assert record.state is None and fleet.engine_snapshot("e").stale  # the shadow decides, not zeros
+    assert "neither vllm:num_requests_running nor vllm:num_requests_waiting" in monitor.scrape_errors["e"]
+    assert await monitor.check_health(record) and record.healthy  # (a failed scrape ejects nothing)
+    engine.no_load_gauges = False
+    assert await monitor.scrape_once(record) and record.state is not None and record.state.num_running == 3
