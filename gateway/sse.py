@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+#: what may come before an event's data line: comment lines, and blank lines' CR and LF
+_SKIPPED = (b":", b"\r", b"\n")
+
 
 def sse_data(event: bytes) -> bytes:
     """An SSE event's data: after ``data:`` and the one space the spec lets a server put there or
     not (``data:{...}`` is as valid as ``data: {...}``), past any comment lines before it (a
-    proxy's ``: ping``); the event itself when it has no data."""
-    if event[:1] == b":":
+    proxy's ``: ping``) and blank lines (a proxy's LF event inside an engine's CRLF-framed
+    stream is cut only at the next CRLF boundary: the ping, its blank line, then the event); the
+    event itself when it has no data."""
+    if event[:1] in _SKIPPED:
         at = 0
-        while event[at : at + 1] == b":":
+        while (first := event[at : at + 1]) in _SKIPPED:
+            if first != b":":
+                at += 1  # (a blank line's CR or LF)
+                continue
             end = event.find(b"\n", at)
             if end < 0:
                 return event  # comments only

@@ -313,10 +313,17 @@ class Migrator:
         body = request.body
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         min_tokens = body.get("min_tokens")
-        natural = body.get("sim_output_len")
+        # the simulated engine's own length controls: another engine ignores them, and read as
+        # its answer's length they ended a migrated answer early ("stop" at the sim's length)
+        origin = self.flow.fleet.records.get(call.engine_id or "")
+        natural = (
+            body.get("sim_output_len") if origin is not None and origin.adapter.accepts_sim_headers else None
+        )
         header = next((v for k, v in call.forward_headers.items() if k.lower() == "x-sim-output-len"), None)
-        if header is not None and header.strip().isdigit():
-            natural = int(header) if not isinstance(natural, int) else min(natural, int(header))
+        if origin is not None and origin.adapter.forwards_sim_headers and header is not None:
+            header = header.strip()
+            if header.isdecimal() and header.isascii():
+                natural = int(header) if not isinstance(natural, int) else min(natural, int(header))
         state = _Resume(
             prompt,
             _Shape(request.kind, first),
@@ -582,7 +589,15 @@ class Migrator:
         headers_at: float,
         first_at: float,
     ) -> int | Cut | GatewayError:
-        response = await self.flow.post(call, record, url, payload, headers, headers_at)
+        try:
+            response = await self.flow.post(call, record, url, payload, headers, headers_at)
+        except GatewayError as late:
+            # no headers in time: its request is abandoned (the connection closed), and as for a
+            # refusal the next attempt may go to another engine (raised, it ended the stream
+            # with migrations and attempts left)
+            if late.code != "upstream_timeout":
+                raise
+            return late
         if isinstance(response, GatewayError):
             return response
         try:
@@ -685,9 +700,10 @@ class Migrator:
                     except (_Failed, orjson.JSONDecodeError) as exc:
                         failed = exc
                     now = time.monotonic()
-                    if out or started:
-                        # (armed from the first output on: keep-alive comments or usage before
-                        # it held the stream, and its engine, for as long as they came)
+                    if out:
+                        # (moved by output alone: keep-alive comments or usage, before the first
+                        # output or after it, held a stalled stream, and its engine, for as long
+                        # as they came)
                         deadline.reschedule(clock() + idle_s)
                     if out:
                         if not started:

@@ -236,9 +236,9 @@ async def relay_stream(
                     )
                     if call.upstream_span is not None:
                         call.upstream_span.add_event(EVENT_FIRST_TOKEN)
-                if call.first_at and now - rearmed_at > rearm_every:
-                    # (from the first token on: a keep-alive comment before it does not end the
-                    # first-token limit)
+                if content and call.first_at and now - rearmed_at > rearm_every:
+                    # (by content from the first token on: a keep-alive comment, before it or
+                    # after, held a stalled stream and its engine for as long as they came)
                     # moved at most every quarter of the limit (<= 0.25 s), since this runs per
                     # chunk; the quarter is added so a silence is cut late, never early
                     deadline.reschedule(clock() + idle_s + rearm_every)

@@ -498,8 +498,18 @@ def test_a_stream_restarted_before_its_first_event_is_timed_and_counted_as_serve
 
 
 class _RefusingEngine(StubEngine):
-    """A vLLM-like engine (health, model list) that answers 500 to every data-path request:
-    the original request, and a continuation (``/v1/completions`` with token ids)."""
+    """A vLLM-like engine (health, model list) that fails every data-path request, the original
+    and a continuation (``/v1/completions`` with token ids): with a 500, or (``silent``) by
+    never sending its answer's headers."""
+
+    def __init__(self, silent: bool) -> None:
+        super().__init__(self._fail)
+        self.silent = silent
+
+    async def _fail(self, _: StubEngine, request: web.Request) -> web.StreamResponse:
+        if self.silent:
+            await self.wait_forever()
+        return web.json_response({"error": {"message": "engine failed", "code": 500}}, status=500)
 
     async def build(self) -> web.Application:
         app = await super().build()
@@ -507,27 +517,27 @@ class _RefusingEngine(StubEngine):
         async def health(_: web.Request) -> web.Response:
             return web.Response(text="")
 
-        async def completions(request: web.Request) -> web.Response:
+        async def completions(request: web.Request) -> web.StreamResponse:
             self.received.append(await request.json())
-            return web.json_response({"error": {"message": "engine failed", "code": 500}}, status=500)
+            return await self._fail(self, request)
 
         app.router.add_get("/health", health)
         app.router.add_post("/v1/completions", completions)
         return app
 
 
-async def _refuse(_: StubEngine, request: web.Request) -> web.StreamResponse:
-    return web.json_response({"error": {"message": "engine failed", "code": 500}}, status=500)
-
-
-def test_a_continuation_an_engine_refuses_goes_to_another_engine(healthy: list[ChildProcess]) -> None:
+@pytest.mark.parametrize("silent", [False, True], ids=["refused", "no_headers"])
+def test_a_continuation_an_engine_fails_goes_to_another_engine(
+    healthy: list[ChildProcess], silent: bool
+) -> None:
     """A continuation is the gateway's own request: an engine's refusal of it (a 500 here; a 400
-    from a shorter max_model_len, a 429) says nothing of the other engines, and the stream goes
-    on on the next one. Before, the refusal ended the stream with an error event carrying the
-    engine's status, while another engine was free."""
+    from a shorter max_model_len, a 429), or its silence past the headers timeout, says nothing
+    of the other engines, and the stream goes on on the next one. Before, the refusal ended the
+    stream with an error event carrying the engine's status, and so did the silence (a 504),
+    while another engine was free."""
     body = chat_body("a refused continuation", 60)
     ref = reference(healthy[0], CHAT, body)
-    with _RefusingEngine(_refuse) as refuser:
+    with _RefusingEngine(silent) as refuser:
         engines = [
             engine_entry(healthy[0]),
             engine_entry(healthy[1]),
@@ -539,21 +549,22 @@ def test_a_continuation_an_engine_refuses_goes_to_another_engine(healthy: list[C
             monitor_interval_s=0.2,
             migration_limit=1,
             dispatch_attempts=3,
+            headers_timeout_s=0.5,
         ) as gw:
             exercised = False
             # (ties rotate: the original lands on each engine in turn, and so does a continuation's
-            # first choice; an original on the refuser is its 500, not this test's case)
+            # first choice; an original on the refuser is its 500 or 504, not this test's case)
             for _ in range(9):
                 continuations = sum(1 for b in refuser.received if "prompt" in b)
                 got = post(gw, CHAT, body, {"X-Sim-Fault": "crash-after=10"})
                 for engine in healthy[:2]:
                     sim_fault(engine, {"clear": True})
-                if got.engine == "refuser":
-                    assert got.status == 502
+                if got.engine == "refuser" or not got.engine:
+                    assert got.status in (502, 504), got
                     continue
                 assert_exact(got, ref, 60)
                 if sum(1 for b in refuser.received if "prompt" in b) > continuations:
                     exercised = True
                     break
-            assert exercised, "no continuation went to the refusing engine first: the test proves nothing"
+            assert exercised, "no continuation went to the failing engine first: the test proves nothing"
             assert wait_until(lambda: capacity_is_released(gw), timeout=5)

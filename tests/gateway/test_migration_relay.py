@@ -54,6 +54,7 @@ async def _relay_once(
     first_token_s: float = 5.0,
     kind: str = "completions",
     prompt_ids: list[int] | None = None,
+    idle_s: float | None = None,
     **body: Any,
 ) -> tuple[int | Cut, list[int], bytes]:
     """One continuation (or, with ``restart``, a restart: nothing relayed before) from ``url``."""
@@ -62,7 +63,7 @@ async def _relay_once(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message.get("body", b""))
 
-    flow = _Flow()
+    flow = _Flow() if idle_s is None else _Flow(idle_timeout_s=idle_s)
     migrator = Migrator(flow)  # type: ignore[arg-type]
     call = _call(send, kind, **body)
     record = next(iter(flow.fleet.records.values()))
@@ -161,9 +162,11 @@ def test_a_batch_of_completions_prompts_is_never_migrated() -> None:
         assert ledger is not None and ledger.blocked is not None and "batch of 2" in ledger.blocked
     # parsed in a worker (the summary carries no body): known all the same
     summary = parse_request(
-        "completions", orjson.dumps({"model": "m", "prompt": ["a", "b", "c"]}), 16
+        "completions", orjson.dumps({"model": "m", "prompt": ["a", "b", "c"], "stream": True}), 16
     ).summary()
     assert summary.prompts == 3 and summary.parsed is None
+    ledger = migrator.ledger(Call(summary, "r", "r", 0.0, _ignore, target, None, (), {}), record)
+    assert ledger is not None and ledger.blocked is not None and "batch of 3" in ledger.blocked
 
 
 async def _ignore(_: dict[str, Any]) -> None:
@@ -255,7 +258,9 @@ def test_a_stream_cut_after_its_finish_ends_whole_not_with_an_error(usage_came: 
 
     status, sent, completion = asyncio.run(run())
     assert status == 200 and b'"error"' not in sent and sent.endswith(b"data: [DONE]\n\n")
-    assert sent.count(b'"usage"') == (0 if usage_came else 1) and completion == 1
+    assert sent.count(b'"usage"') == (0 if usage_came else 1)
+    if not usage_came:
+        assert completion == 1  # counted from what was relayed (the test set it when told)
 
 
 def test_a_stream_with_running_usage_cut_after_its_finish_still_gets_its_usage_chunk() -> None:
@@ -363,6 +368,28 @@ def test_keep_alive_comments_do_not_hold_a_continuation_past_its_first_token_lim
     assert took < 2.5 and sent == b"" and tokens == [7, 8]
 
 
+def test_keep_alive_comments_after_a_continuation_s_first_token_do_not_hold_it() -> None:
+    """Past its first output, every read moved a continuation's idle deadline, a proxy's ping
+    too: a continuation engine that stalled behind one held the stream, and its slot, for good."""
+
+    async def stalls(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(TOKEN)
+        for _ in range(100):  # 10 s of pings if nothing ends it
+            await asyncio.sleep(0.1)
+            await response.write(b": ping\n\n")
+        await response.write_eof()
+        return response
+
+    with StubEngine(stalls) as engine:
+        started = time.monotonic()
+        outcome, tokens, _ = asyncio.run(_relay_once(engine.url, idle_s=0.4))
+        took = time.monotonic() - started
+    assert isinstance(outcome, Cut) and outcome.reason is MigrationReason.STALL, outcome
+    assert took < 3.0 and tokens == [7, 8, 9]
+
+
 def test_a_restart_on_an_engine_that_parses_reasoning_is_refused_not_emptied() -> None:
     """A restart (nothing relayed yet) re-sends the chat request; an engine with a reasoning
     parser answers in ``reasoning_content``, which the re-shaped events dropped: the client got
@@ -393,3 +420,26 @@ def test_a_continuation_never_goes_to_an_engine_that_returns_no_token_ids() -> N
     call = _call(_ignore)
     call.engine_id = "sim-0"
     assert migrator._excluded(call, StreamLedger(), []) == ["plain-0", "sim-0"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "forward", "natural"),
+    [("vllm", True, None), ("sim", False, 5), ("sim", True, 3)],
+    ids=["vllm-ignores-both", "sim-body-only", "sim-body-and-header"],
+)
+def test_the_sim_s_output_length_controls_count_only_on_a_simulated_engine(
+    kind: str, forward: bool, natural: int | None
+) -> None:
+    """``sim_output_len`` and ``x-sim-output-len`` were read as the answer's length on any engine:
+    a vLLM stream that failed past that many tokens was ended as finished ("stop") at once."""
+    flow = _Flow()
+    config = EngineConfig(url="http://127.0.0.1:1", kind=kind, model="m", name="e0")  # type: ignore[arg-type]
+    flow.fleet = fleet_of([config], 3.0)
+    flow.fleet.records["e0"].adapter.forwards_sim_headers = forward and kind == "sim"
+    call = _call(None, sim_output_len=5)
+    call.forward_headers = {"X-Sim-Output-Len": "3"}
+    call.engine_id = "e0"
+    ledger = StreamLedger()
+    ledger.first_chunk = TOKEN.replace(b'"choices"', b'"prompt_token_ids":[1,2],"choices"')
+    state = Migrator(flow)._resume_state(call, ledger)  # type: ignore[arg-type]
+    assert state is not None and state.natural == natural

@@ -52,9 +52,16 @@ class _Response:
 
 
 async def relay_on(
-    chunks: list[bytes], ledger: StreamLedger | None = None, wants_usage: bool = False, prompt: str = "hi"
+    chunks: list[bytes],
+    ledger: StreamLedger | None = None,
+    wants_usage: bool = False,
+    prompt: str = "hi",
+    reader: _Content | None = None,
+    first_token_at: float = 1e12,
+    idle_s: float = 30.0,
 ) -> tuple[int | Cut, bytes, Call, EngineRecord]:
-    """Relay ``chunks`` (an engine's reads) for one stream; what the client got, and the engine."""
+    """Relay ``chunks`` (an engine's reads; or what ``reader`` reads) for one stream; what the
+    client got, and the engine."""
     body: dict[str, Any] = {"model": "a", "prompt": prompt, "stream": True}
     if wants_usage:
         body["stream_options"] = {"include_usage": True}
@@ -72,8 +79,12 @@ async def relay_on(
         parse_request("completions", orjson.dumps(body), 16), "sg-1", "c", 0.0, send, TARGET, None, (), {}
     )
     call.engine_id, call.entry = "a-0", entry
-    response = cast(aiohttp.ClientResponse, _Response(chunks))
-    outcome = await relay_stream(call, response, fleet, record, 1e12, 30.0, ledger)
+    response = _Response(chunks)
+    if reader is not None:
+        response.content = reader
+    outcome = await relay_stream(
+        call, cast(aiohttp.ClientResponse, response), fleet, record, first_token_at, idle_s, ledger
+    )
     return outcome, b"".join(sent), call, record
 
 
@@ -364,28 +375,10 @@ async def test_a_comment_before_the_first_token_leaves_the_first_token_limit_in_
                 await asyncio.sleep(0.3)  # past the idle limit, within the first-token limit
             return chunk
 
-    body = {"model": "a", "prompt": "hi", "stream": True}
-    fleet = offline_fleet({"a": 1})
-    record = fleet.records["a-0"]
-    entry = RunningEntry(3, 16, 1.0, 0.0)
-    fleet.reserve("a-0", "sg-1", entry)
-    sent: list[bytes] = []
-
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.body":
-            sent.append(message["body"])
-
-    call = Call(
-        parse_request("completions", orjson.dumps(body), 16), "sg-1", "c", 0.0, send, TARGET, None, (), {}
-    )
-    call.engine_id, call.entry = "a-0", entry
-    response = _Response([])
-    response.content = Paced([b": ping\n\n", TOKEN_EVENT, b"data: [DONE]\n\n"])
+    reader = Paced([b": ping\n\n", TOKEN_EVENT, b"data: [DONE]\n\n"])
     first_token_at = asyncio.get_running_loop().time() + 2.0
-    outcome = await relay_stream(
-        call, cast(aiohttp.ClientResponse, response), fleet, record, first_token_at, 0.1, None
-    )
-    assert outcome == 200 and b"".join(sent).endswith(b"data: [DONE]\n\n")
+    outcome, sent, _, _ = await relay_on([], reader=reader, first_token_at=first_token_at, idle_s=0.1)
+    assert outcome == 200 and sent.endswith(b"data: [DONE]\n\n")
 
 
 async def test_a_stream_whose_spaced_json_carries_reasoning_is_not_resumable() -> None:
@@ -476,3 +469,36 @@ async def test_a_usage_chunk_after_an_error_event_is_not_taken_as_told() -> None
     assert not call.usage_told
     _, _, told, _ = await relay_on([finish + usage()], StreamLedger(), wants_usage=True)
     assert told.usage_told  # (the usage chunk with nothing before it failing: told)
+
+
+async def test_keep_alive_comments_after_the_first_token_do_not_hold_a_stalled_stream() -> None:
+    """After the first token every chunk moved the idle deadline, a proxy's ``: ping`` too: an
+    engine that stalled behind a proxy pinging every 15 s (idle limit 30 s) held the stream, and
+    its engine's slot, for as long as the pings came."""
+    import asyncio
+
+    class Pinging(_Content):
+        async def readany(self) -> bytes:
+            if self._chunks:
+                return await super().readany()
+            await asyncio.sleep(0.03)
+            return b": ping\n\n"  # the engine stalled; its proxy pings on
+
+    outcome, sent, _, _ = await asyncio.wait_for(relay_on([], reader=Pinging([TOKEN_EVENT]), idle_s=0.2), 5.0)
+    assert outcome == 504
+    assert b"stalled between events" in sent
+
+
+async def test_an_lf_comment_inside_a_crlf_stream_does_not_hide_its_done() -> None:
+    """An engine ending its events CRLF CRLF and a proxy pinging with LF ones: the ping was held
+    (only CRLF boundaries were sought once they were seen) and joined to the next event, whose
+    ``[DONE]`` was then not found behind the ping and its blank line: a finished stream ended
+    with an error event."""
+    crlf = b"\r\n\r\n"
+    status, out, call = await relay(
+        [content("a", crlf), b": ping\n\n", content("b", crlf) + b"data: [DONE]" + crlf]
+    )
+    assert status == 200 and b"error" not in out, out
+    assert out.endswith(b"data: [DONE]" + crlf) and call.content_events == 2
+    status, out, call = await relay([content("a", crlf), b": ping\n\n", b"data: [DONE]" + crlf])
+    assert status == 200 and b"error" not in out and call.content_events == 1, out
