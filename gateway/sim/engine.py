@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from gateway.sim.kv_cache import KVCache, SeqBlocks, prefix_hashes
-from gateway.sim.output import TokenStream, choice_seed
+from gateway.sim.output import TokenStream, choice_state, sequence_state
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.stats import EngineStats
 from policies.latency import batch_step_time
@@ -68,6 +68,9 @@ class SimRequest:
     pooling: bool = False
     #: which of a request's ``n`` choices this is; choice i > 0 draws from its own output function
     choice: int = 0
+    #: the prompt's rolling state under the engine's seed (:func:`sequence_state`), when the
+    #: caller computed it once for the n choices sharing the prompt; None: computed on admission
+    prompt_state: int | None = None
     phase: Phase = Phase.WAITING
     computed: int = 0  # tokens of prompt + output whose KV exists
     cached_tokens: int = 0
@@ -164,8 +167,10 @@ class EngineModel:
         request.order = self._order
         if request.stream is None:
             ignore_eos = request.ignore_eos or request.output_len is not None
-            seed = choice_seed(self.seed, request.choice) if request.choice else self.seed
-            request.stream = TokenStream(request.prompt, ignore_eos, seed)
+            prompt_state = request.prompt_state
+            if prompt_state is None:
+                prompt_state = sequence_state(request.prompt, self.seed)
+            request.stream = TokenStream((), ignore_eos, state=choice_state(prompt_state, request.choice))
         self.requests[request.request_id] = request
         (self.transferring if request.remote_kv else self.waiting).append(request)
 

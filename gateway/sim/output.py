@@ -53,11 +53,15 @@ def token_after(state: int, ignore_eos: bool) -> int:
     return _WORD_FIRST + 2 * ((x >> 24) % _WORDS)
 
 
-def choice_seed(seed: int, choice: int) -> int:
-    """The output-function seed of choice ``choice`` (> 0) of an ``n > 1`` request: unrelated to the
-    engine's own ``seed`` and to every other choice, so the n choices differ the way sampled ones
-    would, while choice 0 keeps the plain output (and continuation) of an ``n = 1`` request."""
-    return _avalanche((seed & _MASK) ^ ((choice * 0x9E3779B97F4A7C15) & _MASK)) | 1
+def choice_state(prompt_state: int, choice: int) -> int:
+    """The generator state of choice ``choice`` of an ``n > 1`` request whose prompt's rolling
+    state is ``prompt_state``: choice 0 keeps the plain output (and continuation) of an ``n = 1``
+    request; each other choice is moved to an unrelated state, so the n choices differ the way
+    sampled ones would. Derived from the prompt's state, not by hashing the prompt again per
+    choice (n choices of a long prompt held the engine's loop for n passes over it)."""
+    if not choice:
+        return prompt_state
+    return _avalanche(prompt_state ^ ((choice * 0x9E3779B97F4A7C15) & _MASK)) | 1
 
 
 class TokenStream:
@@ -65,8 +69,12 @@ class TokenStream:
 
     __slots__ = ("eos_id", "ignore_eos", "state")
 
-    def __init__(self, prompt: Iterable[int], ignore_eos: bool, seed: int = 0) -> None:
-        self.state = sequence_state(prompt, seed)
+    def __init__(
+        self, prompt: Iterable[int], ignore_eos: bool, seed: int = 0, state: int | None = None
+    ) -> None:
+        """``state``: the rolling state the stream starts from, when known (``prompt`` is then
+        not read)."""
+        self.state = sequence_state(prompt, seed) if state is None else state
         self.ignore_eos = ignore_eos
         self.eos_id = EOS_ID
 

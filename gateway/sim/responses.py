@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,23 @@ class OutputState:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
+
+
+def batch_deltas(
+    out: OutputState, tokens: list[int], finished: bool
+) -> Iterator[tuple[str, list[int], bool]]:
+    """Per token of a batch the engine produced, added to ``out``: the text that may go out with
+    it, the token ids it shows, and whether a stop string ended the output there (nothing after
+    that token is read). ``finished``: the engine ended the request with this batch, so the text
+    held back for stop strings goes with its last token, not its first (the later tokens may
+    complete a stop string, whose start was then sent)."""
+    final_k = len(tokens) - 1
+    for k, token in enumerate(tokens):
+        stopped = out.add(token)
+        text = out.delta(stopped or (finished and k == final_k))
+        yield text, [token] if out.token_ids and out.token_ids[-1] == token else [], stopped
+        if stopped:
+            return
 
 
 class ResponseFormat:

@@ -33,14 +33,19 @@ from gateway.sim.engine import EngineModel, Phase, SimRequest
 from gateway.sim.kv_events import KVEventPublisher
 from gateway.sim.lora import LoraAdapters
 from gateway.sim.metrics import SimMetrics
+from gateway.sim.output import sequence_state
 from gateway.sim.profiles import EngineProfile
-from gateway.sim.responses import OutputState, ResponseFormat, error_body, usage_of
+from gateway.sim.responses import OutputState, ResponseFormat, batch_deltas, error_body, usage_of
 from gateway.sim.validation import messages as check_messages
 from gateway.sim.validation import validate
 from gateway.tokenizer import VOCAB_SIZE, apply_chat_template, decode, encode
 
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HELD_LEASE_S = 30.0
+#: a completion's output bound when the client gives none (vLLM's CompletionRequest default)
+COMPLETION_MAX_TOKENS = 16
+#: the most prompts one completions batch may hold (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
+MAX_COMPLETION_PROMPTS = 1024
 #: on stop, requests in progress may finish for this long before their connections are cut
 DRAIN_S = 10.0
 
@@ -335,6 +340,13 @@ class SimServer:
             )
         if any(p == "" for p in batch):
             raise BadRequest(400, "the prompt cannot be empty", "prompt")
+        if len(batch) > MAX_COMPLETION_PROMPTS:
+            raise BadRequest(
+                400,
+                f"prompt list length {len(batch)} exceeds the maximum allowed count of "
+                f"{MAX_COMPLETION_PROMPTS}",
+                "prompt",
+            )
         return [encode(p) if isinstance(p, str) else list(p) for p in batch]
 
     async def _generate(self, http: web.Request, kind: str) -> web.StreamResponse:
@@ -354,7 +366,11 @@ class SimServer:
         except ConnectionAbortedError as exc:  # the engine died under a non-streamed request
             return _error(500, f"EngineDeadError: {exc}")
 
-    def _limits(self, http: web.Request, body: dict[str, Any], prompt_len: int) -> int:
+    def _limits(self, kind: str, body: dict[str, Any], prompt_len: int) -> int:
+        """The request's output bound, as vLLM sets it: the client's ``max_tokens`` (a chat's
+        ``max_completion_tokens`` first; a completion's default is 16, a chat's the room left),
+        cut to what the context leaves after the prompt. Refused: a prompt that fills the
+        context, a bound that is no integer >= 1 or longer than the whole context."""
         max_len = self.profile.max_model_len
         if prompt_len >= max_len:
             raise BadRequest(
@@ -363,17 +379,23 @@ class SimServer:
                 f"{prompt_len} input tokens. Please reduce the length of the input messages.",
                 "messages",
             )
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        field = "max_tokens"
+        if kind == "chat" and body.get("max_completion_tokens") is not None:
+            field = "max_completion_tokens"
+        limit = body.get(field)
+        if limit is None and kind == "completion":
+            limit = COMPLETION_MAX_TOKENS
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise BadRequest(400, "max_tokens must be an integer >= 1", "max_tokens")
-        if limit is not None and prompt_len + limit > max_len:
+            raise BadRequest(400, f"{field} must be an integer >= 1", field)
+        if limit is not None and limit > max_len:
             raise BadRequest(
                 400,
-                f"max_tokens ({limit}) plus the prompt ({prompt_len} tokens) exceeds the maximum "
-                f"context length of {max_len}",
-                "max_tokens",
+                f"{field}={limit} cannot be greater than max_model_len={max_len}. "
+                "Please request fewer output tokens.",
+                field,
             )
-        return int(limit or max_len - prompt_len)
+        room = max_len - prompt_len
+        return room if limit is None else min(limit, room)
 
     @staticmethod
     def _output_len(http: web.Request, body: dict[str, Any]) -> int | None:
@@ -387,8 +409,13 @@ class SimServer:
             # a body's integer, or the header's digits (int() also took true and 1.7)
             if isinstance(extra, int) and not isinstance(extra, bool):
                 value = extra
-            elif extra is header and header is not None and header.strip().isdigit():
-                value = int(header)
+            elif (
+                extra is header
+                and header is not None
+                and (digits := header.strip()).isdecimal()
+                and digits.isascii()
+            ):
+                value = int(digits)  # (isdigit() alone took "²", which int() refuses: a 500)
             else:
                 raise BadRequest(400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len")
             if value < 1:
@@ -420,7 +447,7 @@ class SimServer:
         if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         prompts = self._prompts(kind, body)
-        max_tokens = [self._limits(http, body, len(prompt)) for prompt in prompts]
+        max_tokens = [self._limits(kind, body, len(prompt)) for prompt in prompts]
         for prompt in prompts:  # (after the lengths, as vLLM)
             if not 0 <= min(prompt) <= max(prompt) < VOCAB_SIZE:
                 raise BadRequest(400, f"token ids must be in [0, {VOCAB_SIZE}): out of vocabulary", "prompt")
@@ -450,6 +477,7 @@ class SimServer:
         # sequence slot, KV blocks and its own decode steps (the prompt is computed per choice);
         # a batch of prompts into n per prompt, choice p * n + i for sequence i of prompt p
         single = n == 1 and len(prompts) == 1
+        states = [None] if single else [sequence_state(prompt, self.model.seed) for prompt in prompts]
         sims = [
             SimRequest(
                 rid if single else f"{p * n + i}_{rid}",
@@ -461,8 +489,9 @@ class SimServer:
                 prefill_only=prefill_only,
                 output_len=output_len,
                 choice=i,
+                prompt_state=state,
             )
-            for p, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True))
+            for p, (prompt, limit, state) in enumerate(zip(prompts, max_tokens, states, strict=True))
             for i in range(n)
         ]
         faults = _parse_fault_header(http.headers.get("X-Sim-Fault"))  # (refused before any KV moves)
@@ -696,13 +725,10 @@ class SimServer:
                         self.h_itl.observe(now - last)
                     last = now
                 parts: list[bytes] = []
-                for token in tokens:
-                    stopped = out.add(token)
+                for text, ids, stopped in batch_deltas(out, tokens, channel.done):
                     if stopped:
                         self.model.complete(sim, "stop")
                         channel.done = True
-                    text = out.delta(channel.done)
-                    ids = [token] if out.token_ids and out.token_ids[-1] == token else []
                     if text or ids or not first_sent:
                         parts.append(
                             fmt.chunk(
@@ -714,8 +740,6 @@ class SimServer:
                             )
                         )
                         first_sent = True
-                    if stopped:
-                        break
                 if parts:
                     await resp.write(b"".join(parts))
         except ConnectionAbortedError:
@@ -725,7 +749,9 @@ class SimServer:
         except ConnectionResetError:
             return resp  # the client left: _run's cleanup aborts the request (no traceback to log)
         self._held(sim, room)
-        tail = fmt.final_chunk_with_params(
+        rest = out.delta(True)  # (held back for a stop string, when no token came after it)
+        tail = fmt.chunk(rest, [], None) if rest else b""
+        tail += fmt.final_chunk_with_params(
             sim.finish_reason or "length", self._kv_params(sim), out.stop_reason
         )
         if include_usage:
@@ -762,21 +788,19 @@ class SimServer:
                         else:
                             self.h_itl.observe(now - c.last_real)
                         c.last_real = now
-                    for token in tokens:
-                        stopped = c.out.add(token)
+                    for text, ids, stopped in batch_deltas(c.out, tokens, c.channel.done):
                         if stopped:
                             self.model.complete(c.sim, "stop")
                             c.channel.done = True
-                        text = c.out.delta(c.channel.done)
-                        ids = [token] if c.out.token_ids and c.out.token_ids[-1] == token else []
                         if text or ids or not c.started:
                             prompt_ids = None if c.started else c.sim.prompt
                             parts.append(formats[c.index].chunk(text, ids, None, not c.started, prompt_ids))
                             c.started = True
-                        if stopped:
-                            break
                     if c.channel.done:
                         reason = c.sim.finish_reason or "length"
+                        if rest := c.out.delta(True):  # (held back, when no token came after it)
+                            parts.append(formats[c.index].chunk(rest, [], None, not c.started))
+                            c.started = True
                         parts.append(
                             formats[c.index].final_chunk_with_params(reason, None, c.out.stop_reason)
                         )

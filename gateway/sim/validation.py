@@ -273,6 +273,15 @@ def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
     limit = limit if limit is not None else body.get("max_tokens")
     if min_tokens is not None and limit is not None and min_tokens > limit:
         return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.", "min_tokens"
-    if kind == "chat" and body.get("top_logprobs") is not None and not body.get("logprobs"):
+    top = body.get("top_logprobs")
+    if kind == "chat" and top is not None and top != 0 and not body.get("logprobs"):
         return "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+    # what it cannot produce it refuses, rather than answer without (a client reading the
+    # logprobs it asked for found null; an echo's prompt was missing from the text)
+    if (kind == "chat" and body.get("logprobs")) or (
+        kind == "completion" and body.get("logprobs") is not None
+    ):
+        return "the simulated engine produces no log-probabilities (vLLM does)", "logprobs"
+    if kind == "completion" and body.get("echo"):
+        return "the simulated engine does not echo the prompt (vLLM does)", "echo"
     return None

@@ -236,6 +236,7 @@ def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly()
     try:
         _, model = _model_once_listening(proc)
         engines = _children(proc.pid)
+        assert engines  # (else the check that they are gone at the end would check nothing)
         body = {
             "model": model,
             "prompt": "hi",

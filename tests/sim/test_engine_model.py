@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gateway.sim.engine import EngineModel, Phase
 from gateway.sim.output import TokenStream
-from gateway.sim.responses import OutputState
+from gateway.sim.responses import OutputState, batch_deltas
 from gateway.tokenizer import EOS_ID, decode
 from tests.sim.helpers import profile, request, run_virtual
 
@@ -240,6 +240,27 @@ def test_stop_string_cuts_text_and_streaming_never_leaks_part_of_it() -> None:
         if done:
             break
     assert out.stopped and sent == text[: text.find(stop)]
+
+
+def test_a_finished_batch_never_leaks_part_of_a_stop_string_its_later_tokens_complete() -> None:
+    """A streaming handler behind the engine reads a whole finished batch at once: the text held
+    back for stop strings went out with the batch's first token, before the later tokens could
+    complete the stop string it began (the non-streamed answer, cut before it, differed)."""
+    stream = TokenStream([7, 7, 7], ignore_eos=True)
+    tokens = [stream.next_token() for _ in range(40)]
+    text = decode(tokens)
+    stop = text[20:26]
+    whole = OutputState((stop,))
+    for token in tokens:
+        if whole.add(token):
+            break
+    for first in range(len(tokens)):  # the handler fell behind from this token on
+        out = OutputState((stop,))
+        sent = "".join(text for text, _, _ in batch_deltas(out, tokens[:first], False))
+        if not out.stopped:  # (a stop ends the stream: nothing after it is read)
+            sent += "".join(text for text, _, _ in batch_deltas(out, tokens[first:], True))
+        sent += out.delta(True)
+        assert sent == whole.text == text[: text.find(stop)], first
 
 
 def test_pooling_request_prefills_and_ends_without_a_token() -> None:

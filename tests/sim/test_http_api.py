@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gateway.tokenizer import decode, encode
-from tests.sim.helpers import MODEL
+from tests.sim.helpers import MODEL, write_profile
 from tests.support.sim_process import SimProcess, start_sim_engine
 
 
@@ -319,8 +319,29 @@ async def test_sim_output_len_body_and_header(engine: SimProcess) -> None:
     for bad in (True, 1.7, "3", [3]):
         status, body = await post(url, {"prompt": "x", "max_tokens": 5, "sim_output_len": bad})
         assert status == 400 and body["error"]["param"] == "sim_output_len", (bad, body)
-    status, body = await post(url, {"prompt": "x", "max_tokens": 5}, headers={"X-Sim-Output-Len": "1.7"})
-    assert status == 400, body
+    for header in ("1.7", "²", "٣"):  # (digits to isdigit() or isdecimal(), not to the sim)
+        status, body = await post(url, {"prompt": "x", "max_tokens": 5}, headers={"X-Sim-Output-Len": header})
+        assert status == 400 and body["error"]["param"] == "sim_output_len", (header, body)
+
+
+async def test_output_bounds_are_set_as_vllm_sets_them(profiles_dir: Path) -> None:
+    """A completion without max_tokens got the whole context's room (minutes of stream with
+    ignore_eos) where vLLM gives 16; a bound past the room left after the prompt was refused
+    where vLLM cuts it to that room."""
+    path = write_profile(profiles_dir / "short-context.yaml", max_model_len=64)
+    with start_sim_engine("--profile", str(path), "--model", MODEL, "--time-scale", "100") as proc:
+        url = proc.url + "/v1/completions"
+        for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": 3}):  # (no completions field)
+            _, body = await post(url, {"prompt": "x", "ignore_eos": True, **extra})
+            assert body["usage"]["completion_tokens"] == 16, (extra, body)
+            assert body["choices"][0]["finish_reason"] == "length"
+        _, body = await post(url, {"prompt": [5] * 60, "max_tokens": 50, "ignore_eos": True})
+        assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        _, body = await post(proc.url + "/v1/chat/completions", chat)  # (a chat: the room left)
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 64
+        status, body = await post(url, {"prompt": "x", "max_tokens": 65})
+        assert status == 400 and body["error"]["param"] == "max_tokens", body
 
 
 async def test_stop_strings_non_stream_and_stream(engine: SimProcess) -> None:

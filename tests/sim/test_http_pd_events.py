@@ -85,7 +85,8 @@ async def test_nixl_style_prefill_then_decode(pd_engines: tuple[SimProcess, SimP
     transfer = 0.001 + 2000 * 262144 / 10e9
     prefill = 0.025 + 1e-4 * 2000 + 2e-9 * 2000**2
     ttft = times[0] - sent
-    assert transfer < ttft < transfer + 0.05 < prefill  # paid the transfer, not the prefill
+    # paid the transfer, not the prefill (0.1 s of room for a loaded machine: 0.05 was passed)
+    assert transfer < ttft < transfer + 0.1 < prefill
     assert await metric(p.url, "vllm:kv_cache_usage_perc") == 0.0  # P freed the blocks once read
     # the KV was consumed: a second decode with the same params cannot find it
     status, err = await post(d.url + "/v1/completions", {**body, "kv_transfer_params": params})

@@ -55,6 +55,13 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("completion", {"prompt": "x", "logprobs": -1}, "logprobs"),
     ("completion", {"prompt": "x", "logprobs": 100}, "logprobs"),
     ("completion", {"prompt": ""}, "prompt"),
+    ("completion", {"prompt": "x", "logprobs": 2}, "logprobs"),  # (produced by vLLM, not by the sim)
+    ("completion", {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ("chat", {"messages": USER, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("completion", {"prompt": "x", "echo": True}, "echo"),
+    ("completion", {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),  # (past the whole context)
+    ("chat", {"messages": USER, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ("completion", {"prompt": ["x"] * 1025}, "prompt"),  # (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
     ("completion", {"prompt": [""]}, "prompt"),
     ("completion", {"prompt": [10**15]}, "prompt"),
     ("completion", {"prompt": [-3, 4]}, "prompt"),
@@ -111,7 +118,8 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
             ]
         },
     ),
-    ("completion", {"prompt": "x", "logprobs": 2, "echo": False, "stop": "zz", "frequency_penalty": 0.5}),
+    ("completion", {"prompt": "x", "echo": False, "stop": "zz", "frequency_penalty": 0.5}),
+    ("chat", {"messages": USER, "top_logprobs": 0}),  # (vLLM refuses -1 and above 0 without logprobs)
     (
         "chat",
         {
