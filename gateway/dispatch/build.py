@@ -101,7 +101,17 @@ def kv_event_feed(settings: Settings, prefix: PrefixRouting | None) -> KVEventFe
         for e in settings.engines
         if e.kv_events_endpoint is not None
     ]
-    return KVEventFeed(prefix.index, sources) if sources else None
+    if not sources:
+        return None
+    feed = KVEventFeed(prefix.index, sources)
+    fleet = prefix.fleet
+
+    def on_engine_change(engine_id: str, what: str) -> None:
+        if what == "health" and not fleet.records[engine_id].healthy:
+            feed.engine_ejected(engine_id)
+
+    fleet.listeners.append(on_engine_change)
+    return feed
 
 
 def build_core(

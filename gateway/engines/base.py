@@ -72,6 +72,10 @@ class EngineAdapter:
     #: its requests (an address reused by another deployment). Servers that answer whatever the
     #: body names (llama.cpp, generic upstreams) are not judged by their list
     lists_served_model: ClassVar[bool] = False
+    #: whether the block size its metrics report is the one its KV events hash blocks by (vLLM's
+    #: cache config); SGLang reports token granularity for capacity whatever its page size, and
+    #: its events' own size must decide, or every event of a paged cache is refused
+    scraped_block_size_keys_events: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -58,6 +58,8 @@ class SglangAdapter(EngineAdapter):
     supports_priority_field: ClassVar[bool] = True
     # SGLang's scheduler runs higher values first unless --schedule-low-priority-values-first
     priority_low_first_default: ClassVar[bool] = False
+    # (its KV events carry block_size = --page-size; the scrape says 1, token granularity)
+    scraped_block_size_keys_events: ClassVar[bool] = False
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_sglang_metrics(text)

@@ -264,6 +264,8 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         #: the last sequence number applied (None: nothing yet, or the engine restarted)
         self.last_seq: int | None = None
+        #: the engine was ejected since the last batch (:meth:`engine_ejected`)
+        self._maybe_restarted = False
         self._backoff = _Backoff(*backoff_s)
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -348,15 +350,29 @@ class KVEventSubscriber:
             else:
                 self.stats.decode_errors += 1
                 continue
+            if len(seq_bytes) != 8:  # (a short frame read as a small number looked like a restart)
+                self.stats.decode_errors += 1
+                continue
             await self.on_batch(int.from_bytes(seq_bytes, "big"), payload)
 
     # -- sequence numbers, replay, resync --------------------------------------------------------
 
+    def engine_ejected(self) -> None:
+        """The engine left rotation (failed health checks, refused connections): it may have
+        restarted, and the next batch is judged so (see :meth:`on_batch`)."""
+        self._maybe_restarted = True
+
     async def on_batch(self, seq: int, payload: bytes) -> None:
         """One batch from the live stream, in order of arrival."""
         last = self.last_seq
-        if last is not None and seq <= last:
-            # the publisher's numbering started again: the engine restarted with an empty cache
+        maybe_restarted, self._maybe_restarted = self._maybe_restarted, False
+        if last is not None and (seq <= last or (maybe_restarted and seq > last + 1)):
+            # the publisher's numbering started again: the engine restarted with an empty cache.
+            # A number above the last one seen says so too after the engine was ejected: a new
+            # process may publish more batches than the old one had before the subscriber sees
+            # one (ZMQ drops what is sent while it reconnects), and replaying the gap from the
+            # new process's buffer kept the old process's entries, credit for blocks it no
+            # longer holds (a blip keeps its connection, and with it the numbers in step)
             self.stats.restarts += 1
             self.index.cleared(self.engine_id)
             last = self.last_seq = None
@@ -505,6 +521,12 @@ class KVEventFeed:
     def start(self) -> None:
         for subscriber in self.subscribers.values():
             subscriber.start()
+
+    def engine_ejected(self, engine_id: str) -> None:
+        """``engine_id`` left rotation: its next batch may come from a restarted process."""
+        subscriber = self.subscribers.get(engine_id)
+        if subscriber is not None:
+            subscriber.engine_ejected()
 
     async def stop(self) -> None:
         await asyncio.gather(*(s.stop() for s in self.subscribers.values()))

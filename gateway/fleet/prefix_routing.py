@@ -22,7 +22,7 @@ from itertools import takewhile
 from gateway import metrics
 from gateway.fleet.block_hash import PromptBlocks
 from gateway.fleet.prefix_index import PrefixIndex
-from gateway.fleet.registry import Fleet
+from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import Affinity, EngineSnapshot, PrefixMatch, RequestView
 from policies.hyperflexis import Held, PrefixLookup
 from policies.plugins.affinity import AffinityStore
@@ -59,8 +59,7 @@ class PrefixRouting:
         self._using: dict[str, tuple[str, list[int]]] = {}  # request id -> (engine, its keys)
         if index is not None:
             for record in fleet.records.values():
-                block_size = record.state.block_size if record.state is not None else None
-                index.add_engine(record.engine_id, record.model, block_size)
+                index.add_engine(record.engine_id, record.model, _scraped_block_size(record))
             fleet.listeners.append(self._on_change)
 
     def _on_change(self, engine_id: str, what: str) -> None:
@@ -68,8 +67,9 @@ class PrefixRouting:
             return
         record = self.fleet.records[engine_id]
         if what == "state":
-            if record.state is not None and record.state.block_size:
-                self.index.set_block_size(engine_id, record.state.block_size)
+            block_size = _scraped_block_size(record)
+            if block_size:
+                self.index.set_block_size(engine_id, block_size)
         elif what == "health" and not record.healthy:
             # an ejected engine has most likely crashed or restarted: what was dispatched to it
             # is gone, and it would draw its old prompts back, to be prefilled from scratch, for
@@ -200,3 +200,10 @@ class PrefixRouting:
         metrics.PREFIX_INDEX_BYTES.set(self.index.bytes_used)
         for engine_id in self.index.engines():
             metrics.child(metrics.PREFIX_INDEX_BLOCKS, engine_id).set(self.index.entries(engine_id))
+
+
+def _scraped_block_size(record: EngineRecord) -> int | None:
+    """The block size the engine's scrape reports, when its KV events hash blocks by it."""
+    if record.state is None or not record.adapter.scraped_block_size_keys_events:
+        return None
+    return record.state.block_size

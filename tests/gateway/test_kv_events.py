@@ -384,6 +384,55 @@ async def test_a_restarted_engine_empties_its_entries(ctx: zmq.asyncio.Context) 
         await engine.close()
 
 
+@pytest.mark.parametrize("ejected", [True, False], ids=["ejected", "blip"])
+async def test_a_restart_numbered_past_the_old_process_is_known_after_an_ejection(
+    ctx: zmq.asyncio.Context, ejected: bool
+) -> None:
+    """The new process published more batches than the old one had before the subscriber saw
+    one: its number is above the last one seen, and the gap was filled from the new process's
+    buffer on top of the old process's entries (credit for blocks it no longer holds). After the
+    engine was ejected such a gap is a restart; without an ejection it stays a gap to fill."""
+    engine = FakeEngine(ctx)
+    index = _index()
+    old, new = _prompt(300, 2), _prompt(5000, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(old)])
+            await until(lambda: _hits(index, old) == 2)
+            await engine.restart()
+            await asyncio.sleep(1.0)  # ZMQ reconnects the subscriber by itself
+            for _ in range(3):  # published while the subscriber was away
+                engine.publish([stored_map(new[:BS])], lose=True)
+            if ejected:
+                sub.engine_ejected()
+            engine.publish([stored_map(new)])
+            await until(lambda: _hits(index, new) == 2)
+            assert _hits(index, old) == (0 if ejected else 2)
+            assert sub.stats.restarts == (1 if ejected else 0)
+    finally:
+        await engine.close()
+
+
+async def test_a_sequence_frame_of_the_wrong_length_is_a_decode_error_not_a_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    a = _prompt(300, 2)
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(a)])
+            engine.publish([stored_map(a[:BS])])
+            await until(lambda: sub.last_seq == 1)
+            assert engine.pub is not None
+            payload = msgpack.packb([time.time(), [stored_map(_prompt(900, 1))], 0], use_bin_type=True)
+            engine.pub.send_multipart([engine.topic, b"\x00", payload])  # (one byte: "seq 0")
+            await until(lambda: sub.stats.decode_errors == 1)
+            assert sub.stats.restarts == 0 and _hits(index, a) == 2 and sub.last_seq == 1
+    finally:
+        await engine.close()
+
+
 async def test_undecodable_batch_resyncs_and_a_socket_error_reconnects(ctx: zmq.asyncio.Context) -> None:
     engine = FakeEngine(ctx, replay=False)
     index = _index()
@@ -538,3 +587,49 @@ async def test_a_long_replay_does_not_hold_the_event_loop(
     assert sub.last_seq == 1_500 and _hits(index, _prompt(100_000, 8)) == 8
     # one turn per slice of REPLAY_SLICE batches, whatever the machine's speed
     assert turns >= 1_500 // 32 - 2, turns
+
+
+def test_an_ejection_reaches_the_engine_s_subscriber() -> None:
+    from gateway.dispatch.build import kv_event_feed
+    from gateway.dispatch.offline import offline_fleet
+    from gateway.fleet.prefix_routing import PrefixRouting
+    from gateway.settings import Settings
+
+    fleet = offline_fleet({MODEL: 2})
+    engines = [
+        {"url": f"http://127.0.0.1:{10_000 + i}", "kind": "sim", "model": MODEL, "name": f"{MODEL}-{i}"}
+        for i in range(2)
+    ]
+    engines[0]["kv_events_endpoint"] = "tcp://127.0.0.1:9"
+    feed = kv_event_feed(Settings(engines=engines), PrefixRouting(fleet, _index(), None, False))
+    assert feed is not None and list(feed.subscribers) == [f"{MODEL}-0"]
+    try:
+        subscriber = feed.subscribers[f"{MODEL}-0"]
+        fleet.eject(f"{MODEL}-1", "refused")  # (publishes no events: nothing to tell)
+        assert not subscriber._maybe_restarted
+        fleet.eject(f"{MODEL}-0", "refused")
+        assert subscriber._maybe_restarted
+    finally:
+        feed.context.term()
+
+
+@pytest.mark.parametrize(("kind", "indexed"), [("sglang", 2), ("vllm", 0)])
+def test_sglang_s_page_size_is_read_from_its_events_not_its_scrape(kind: str, indexed: int) -> None:
+    """SGLang's scrape says block size 1 (token granularity, for capacity) whatever its page
+    size, and its events carry the page size: taken as the engine's reported size, the 1
+    refused every event of a paged cache. vLLM's scraped size is its events' own."""
+    from gateway.dispatch.offline import fleet_of
+    from gateway.fleet.kv_events import apply_events
+    from gateway.fleet.prefix_routing import PrefixRouting
+    from gateway.settings import EngineConfig
+    from policies.api import EngineState
+
+    config = EngineConfig(url="http://127.0.0.1:1", kind=kind, model=MODEL, name="e0")  # type: ignore[arg-type]
+    fleet = fleet_of([config], 3.0)
+    index = PrefixIndex(1 << 24, 60.0)
+    PrefixRouting(fleet, index, None, False)
+    fleet.record_state("e0", EngineState(block_size=1, num_gpu_blocks=65536), time.monotonic())
+    tokens = _prompt(300, 2)
+    events = decode_batch(msgpack.packb([time.time(), [stored_map(tokens)], 0], use_bin_type=True))
+    apply_events(index, "e0", events, time.monotonic())  # (page size 16: BS)
+    assert _hits(index, tokens) == indexed
