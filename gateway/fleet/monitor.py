@@ -79,8 +79,6 @@ class FleetMonitor:
         self.first_round = asyncio.Event()
         # the first round is one health check and one scrape attempt per engine
         self._pending_first = 2 * len(fleet.records)
-        #: called after every check (the dispatch loop re-syncs with fresh engine state)
-        self.on_tick: Callable[[], None] | None = None
         if not self._pending_first:
             self.first_round.set()
 
@@ -297,6 +295,4 @@ class FleetMonitor:
                 if self._pending_first <= 0:
                     self.first_round.set()
             self.fleet.touch(record.engine_id)  # re-evaluate its staleness at least once per interval
-            if self.on_tick is not None:
-                self.on_tick()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
