@@ -103,15 +103,10 @@ def kv_event_feed(settings: Settings, prefix: PrefixRouting | None) -> KVEventFe
     ]
     if not sources:
         return None
-    feed = KVEventFeed(prefix.index, sources)
-    fleet = prefix.fleet
-
-    def on_engine_change(engine_id: str, what: str) -> None:
-        if what == "health" and not fleet.records[engine_id].healthy:
-            feed.engine_ejected(engine_id)
-
-    fleet.listeners.append(on_engine_change)
-    return feed
+    records = prefix.fleet.records
+    return KVEventFeed(
+        prefix.index, sources, refused_at=lambda engine_id: records[engine_id].adapter.refused_at
+    )
 
 
 def build_core(

@@ -9,6 +9,7 @@ aiohttp session with an explicit connection pool, owned by the gateway and passe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -97,6 +98,9 @@ class EngineAdapter:
         self._scrape_timeout = aiohttp.ClientTimeout(total=scrape_timeout_s or health_timeout_s)
         #: x-sim-* reach this engine only if it is simulated and the gateway was told to relay them
         self.forwards_sim_headers = self.accepts_sim_headers and forward_sim_headers
+        #: when (monotonic) a connection to the engine was last refused: nothing listened at its
+        #: address, so its process may have ended (and what comes from it next, a new one)
+        self.refused_at = 0.0
         self._auth: dict[str, str] = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
     @property
@@ -191,7 +195,15 @@ class EngineAdapter:
                 await read_control(resp)
                 return 200 <= resp.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            return None if out_of_sockets(exc) else False
+            if out_of_sockets(exc):
+                return None
+            self.note_refusal(exc)
+            return False
+
+    def note_refusal(self, exc: BaseException) -> None:
+        """Record when a connection to the engine was refused (see :attr:`refused_at`)."""
+        if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError):
+            self.refused_at = time.monotonic()
 
     async def scrape(self) -> EngineState | None:
         """Read and parse the engine's metrics; None when it publishes none."""
@@ -227,7 +239,7 @@ class EngineAdapter:
         model = self.config.model
         listed = models_listed(data)
         serves = None if listed is None or not self.lists_served_model else model in listed
-        return ModelList(adapters_listed(data, model), serves, listed or ())
+        return ModelList(adapters_listed(data, model), serves, listed or (), context_length(data, model))
 
     def parse_metrics(self, text: str) -> EngineState | None:
         return None
@@ -244,6 +256,8 @@ class ModelList:
     serves_model: bool | None
     #: every model name listed (for the reason an engine is taken out of rotation)
     names: tuple[str, ...] = ()
+    #: the context length the model's card gives (vLLM's ``max_model_len``), when it gives one
+    max_model_len: int | None = None
 
 
 def models_listed(data: Any) -> tuple[str, ...] | None:
@@ -255,6 +269,18 @@ def models_listed(data: Any) -> tuple[str, ...] | None:
     return tuple(
         name for card in cards if isinstance(card, Mapping) and isinstance(name := card.get("id"), str)
     )
+
+
+def context_length(data: Any, model: str) -> int | None:
+    """The ``max_model_len`` that the model list's card for ``model`` gives (vLLM's, the
+    simulated engine's), when it gives a positive integer."""
+    cards = data.get("data") if isinstance(data, Mapping) else data
+    for card in cards if isinstance(cards, list) else ():
+        if isinstance(card, Mapping) and card.get("id") == model:
+            length = card.get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                return length
+    return None
 
 
 def adapters_listed(data: Any, model: str) -> frozenset[str]:

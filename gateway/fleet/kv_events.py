@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -255,6 +256,7 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         backoff_s: tuple[float, float] = (0.1, 5.0),
         clock: Callable[[], float] = time.monotonic,
+        refused_at: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.source = source
         self.index = index
@@ -264,8 +266,10 @@ class KVEventSubscriber:
         self.stats = SubscriberStats()
         #: the last sequence number applied (None: nothing yet, or the engine restarted)
         self.last_seq: int | None = None
-        #: the engine was ejected since the last batch (:meth:`engine_ejected`)
-        self._maybe_restarted = False
+        #: when (``clock``) the engine last refused a connection (0: never known)
+        self.refused_at = refused_at
+        #: when the last batch came
+        self._batch_at = clock()
         self._backoff = _Backoff(*backoff_s)
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -357,22 +361,18 @@ class KVEventSubscriber:
 
     # -- sequence numbers, replay, resync --------------------------------------------------------
 
-    def engine_ejected(self) -> None:
-        """The engine left rotation (failed health checks, refused connections): it may have
-        restarted, and the next batch is judged so (see :meth:`on_batch`)."""
-        self._maybe_restarted = True
-
     async def on_batch(self, seq: int, payload: bytes) -> None:
         """One batch from the live stream, in order of arrival."""
         last = self.last_seq
-        maybe_restarted, self._maybe_restarted = self._maybe_restarted, False
-        if last is not None and (seq <= last or (maybe_restarted and seq > last + 1)):
+        previous, self._batch_at = self._batch_at, self.clock()
+        if last is not None and (seq <= last or (seq > last + 1 and self.refused_at() > previous)):
             # the publisher's numbering started again: the engine restarted with an empty cache.
-            # A number above the last one seen says so too after the engine was ejected: a new
-            # process may publish more batches than the old one had before the subscriber sees
-            # one (ZMQ drops what is sent while it reconnects), and replaying the gap from the
-            # new process's buffer kept the old process's entries, credit for blocks it no
-            # longer holds (a blip keeps its connection, and with it the numbers in step)
+            # A gap says so too once the engine refused a connection since the last batch (no
+            # process listened): a new process may publish more batches than the old one had
+            # before the subscriber sees one (ZMQ drops what is sent while it reconnects), and
+            # the gap filled from the new process's buffer kept the old process's entries,
+            # credit for blocks it no longer holds. (A gap after a partition or a timeout is
+            # filled as any other: the engine's cache is as it was.)
             self.stats.restarts += 1
             self.index.cleared(self.engine_id)
             last = self.last_seq = None
@@ -511,22 +511,27 @@ def apply_events(index: PrefixIndex, engine_id: str, events: Sequence[Event], no
 class KVEventFeed:
     """Subscribers for every engine that publishes KV events; one ZMQ context, stopped together."""
 
-    def __init__(self, index: PrefixIndex, sources: Iterable[KVEventSource], **options: Any) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        sources: Iterable[KVEventSource],
+        refused_at: Callable[[str], float] | None = None,
+        **options: Any,
+    ) -> None:
+        """``refused_at(engine_id)``: when a connection to the engine was last refused (the
+        clock of the subscribers' ``clock`` option, monotonic by default)."""
         self.index = index
         self.context = zmq.asyncio.Context()
         self.subscribers = {
             s.engine_id: KVEventSubscriber(s, index, self.context, **options) for s in sources
         }
+        if refused_at is not None:
+            for engine_id, subscriber in self.subscribers.items():
+                subscriber.refused_at = functools.partial(refused_at, engine_id)
 
     def start(self) -> None:
         for subscriber in self.subscribers.values():
             subscriber.start()
-
-    def engine_ejected(self, engine_id: str) -> None:
-        """``engine_id`` left rotation: its next batch may come from a restarted process."""
-        subscriber = self.subscribers.get(engine_id)
-        if subscriber is not None:
-            subscriber.engine_ejected()
 
     async def stop(self) -> None:
         await asyncio.gather(*(s.stop() for s in self.subscribers.values()))

@@ -2,7 +2,10 @@
 
 Health and metrics are separate questions with separate loops. Only a failed health check counts
 towards ejection (the data path ejects on its own connection failures); enough consecutive
-successes re-admit the engine. A scrape that fails or times out only leaves the engine's scraped
+successes re-admit the engine. What a read does show, an engine that answers its health route but
+serves nothing (its model list lacks its model, or it sleeps while others serve the model), takes
+it out at once, and its health checks count as failed while that holds. A scrape that fails or
+times out only leaves the engine's scraped
 state where it was: it goes stale after ``stale_after_s`` and routing falls back on the gateway's
 own shadow of in-flight work (``policies.api.estimated_load``). A busy engine answers ``/metrics``
 slowly (a real vLLM took 2.3 s under load), and ejecting it then would take the busiest engine
@@ -12,8 +15,9 @@ Each engine gets its own two tasks, so a slow engine never delays the others, an
 scrape never delays a health check.
 
 The scrape task also reads the engine's model list (``/v1/models``) beside its metrics, for the
-LoRA adapters it has loaded (:meth:`Fleet.set_adapters`): on the scrape's cadence, never per
-request. A failed read, like a failed scrape, only leaves the adapters as they were last read.
+LoRA adapters it has loaded (:meth:`Fleet.set_adapters`) and whether it lists its model: on the
+scrape's cadence, never per request. A failed read, like a failed scrape, only leaves what the list
+said as it was last read.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class FleetMonitor:
 
     async def scrape_round(self, record: EngineRecord) -> bool:
         """One metrics scrape and one read of the LoRA adapters, side by side; returns the
-        scrape's result. Never raises, never touches health."""
+        scrape's result. Never raises; a failure never touches health."""
         scraped, _ = await asyncio.gather(self.scrape_once(record), self.read_adapters(record))
         return scraped
 
@@ -172,7 +176,8 @@ class FleetMonitor:
             log.info("engine %s is back in rotation after a stall", engine_id, extra={"engine": engine_id})
 
     async def scrape_once(self, record: EngineRecord) -> bool:
-        """One metrics scrape. Never raises, never touches health.
+        """One metrics scrape. Never raises; a failed one never touches health (one that shows
+        the engine asleep while others serve its model takes it out: see :meth:`_not_serving`).
 
         On failure the last good state and its timestamp stay as they were, so the snapshot marks
         the engine stale once that reading is older than ``stale_after_s``.
@@ -198,7 +203,8 @@ class FleetMonitor:
 
     async def read_adapters(self, record: EngineRecord) -> bool:
         """One read of the engine's model list for the LoRA adapters it has loaded. Never raises,
-        never touches health: on failure the adapters stay as last read. An engine that publishes
+        a failed read never touches health: the adapters stay as last read (one that shows the
+        model missing takes the engine out: see :meth:`_not_serving`). An engine that publishes
         no model list has none."""
         engine_id = record.engine_id
         if record.adapter.models_path is None:
@@ -214,6 +220,7 @@ class FleetMonitor:
             return False
         self.adapter_errors.pop(engine_id, None)
         adapters = frozenset() if listed is None else listed.adapters
+        record.max_model_len = None if listed is None else listed.max_model_len
         unlisted = ""
         if listed is not None and listed.serves_model is False:
             names = ", ".join(repr(name[:80]) for name in listed.names[:5]) or "none"
@@ -241,8 +248,9 @@ class FleetMonitor:
         """Why an engine that answers its health route serves none of its model's requests all
         the same ("" when it may): its model list lacks the model (an address another deployment
         took over: each request got its 404, and failing at once it looked the least loaded),
-        or its fresh metrics say it sleeps (it refuses work until woken, and with its load and
-        KV cache at nothing it drew every request)."""
+        or its fresh metrics say it sleeps while other engines serve its model (it holds work
+        until woken, and with its load and KV cache at nothing it drew every request; the last
+        one in rotation stays: holding requests until woken beats refusing every one)."""
         if record.unlisted:
             return record.unlisted
         state = record.state
@@ -250,8 +258,9 @@ class FleetMonitor:
             state is not None
             and state.sleeping
             and time.monotonic() - record.state_at <= self.fleet.stale_after_s
+            and self.fleet.peers(record)
         ):
-            return "it is asleep (its metrics report a sleep state)"
+            return "it is asleep (its metrics report a sleep state) and other engines serve its model"
         return ""
 
     def _out_if_not_serving(self, record: EngineRecord) -> None:

@@ -107,6 +107,8 @@ class EngineRecord:
     tpot_counts: dict[float, int] = field(default_factory=dict)
     #: LoRA adapters loaded on the engine's model, as its ``/v1/models`` listed them last
     adapters: frozenset[str] = frozenset()
+    #: the context length its model list gives for its model (None: not given, or not read yet)
+    max_model_len: int | None = None
     #: why the engine's model list, as last read, shows it does not serve its configured model
     #: ("" when it does, or the list cannot tell): it is kept out of rotation while so
     unlisted: str = ""
@@ -582,7 +584,7 @@ class Fleet:
         """In rotation in its own pool: the front one (collocated and prefill) or the decode one."""
         return self.in_decode_pool(record) if record.adapter.role is Role.DECODE else self.in_front(record)
 
-    def _peers(self, record: EngineRecord) -> list[EngineRecord]:
+    def peers(self, record: EngineRecord) -> list[EngineRecord]:
         """The other engines of its model in rotation in its pool."""
         decode = record.adapter.role is Role.DECODE
         return [
@@ -622,7 +624,7 @@ class Fleet:
             if other.stalled
             and other.healthy
             and not other.draining
-            and (not (peers := self._peers(other)) or self._sole_holder(other, peers))
+            and (not (peers := self.peers(other)) or self._sole_holder(other, peers))
         ]
         for other in needed:
             self.set_stalled(other.engine_id, False)
@@ -673,7 +675,7 @@ class Fleet:
         if stalled:
             if not self._in_rotation(record):
                 return False  # (ejected or drained already)
-            peers = self._peers(record)
+            peers = self.peers(record)
             if not peers or self._sole_holder(record, peers):
                 return False  # (the last one, or the last with an adapter: see above)
         self.set_stalled(engine_id, stalled)

@@ -441,6 +441,7 @@ class CollocatedFlow:
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "connect").inc()
                     metrics.UPSTREAM_RETRIES.labels("connect").inc()
                     reason = describe_failure(exc)
+                    record.adapter.note_refusal(exc)
                     self.fleet.eject(engine_id, reason)
                     log.warning(
                         "engine %s unreachable: %s", engine_id, reason, extra={"request_id": call.client_rid}

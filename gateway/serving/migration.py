@@ -95,6 +95,8 @@ _CARRIED = (
 #: client headers a continuation does not repeat: a simulated fault targets the engine it first
 #: reached, and the natural output length is carried in the body, less what was already relayed
 _NOT_REPEATED = frozenset(("x-sim-fault", "x-sim-output-len"))
+#: a completion's output bound when its body gives none (the OpenAI API's default, and vLLM's)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class _Shape:
@@ -150,7 +152,8 @@ class _Resume:
     ) -> None:
         self.prompt_ids = prompt_ids
         self.shape = shape
-        #: the client's max_tokens (None: the engine's default, the rest of the context)
+        #: the client's max_tokens (a completion's default when it gave none; None: a chat
+        #: without one, which runs to the end of the context)
         self.limit = limit
         self.min_tokens = min_tokens
         #: the simulated engine's natural output length (sim_output_len / X-Sim-Output-Len)
@@ -311,7 +314,11 @@ class Migrator:
             return None
         request = call.request
         body = request.body
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if request.kind == "chat":
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        else:  # (a completion without one, or with null, is bounded by the API's default)
+            limit = body.get("max_tokens")
+            limit = COMPLETION_DEFAULT_MAX_TOKENS if limit is None else limit
         min_tokens = body.get("min_tokens")
         # the simulated engine's own length controls: another engine ignores them, and read as
         # its answer's length they ended a migrated answer early ("stop" at the sim's length)
@@ -527,6 +534,13 @@ class Migrator:
         body["return_token_ids"] = True
         if state.limit is not None:
             body["max_tokens"] = state.limit - relayed
+        else:
+            # a chat without a bound runs to the end of the context; a continuation is a
+            # completion, whose default is 16 tokens: it is given the room the engine's context
+            # leaves (from its model list; else the gateway's own bound for the request)
+            context = record.max_model_len
+            room = context - len(state.prompt_ids) if context is not None else call.request.max_tokens
+            body["max_tokens"] = max(1, room - relayed)
         if state.min_tokens is not None:
             body["min_tokens"] = max(0, state.min_tokens - relayed)
         if state.natural is not None:

@@ -384,31 +384,33 @@ async def test_a_restarted_engine_empties_its_entries(ctx: zmq.asyncio.Context) 
         await engine.close()
 
 
-@pytest.mark.parametrize("ejected", [True, False], ids=["ejected", "blip"])
-async def test_a_restart_numbered_past_the_old_process_is_known_after_an_ejection(
-    ctx: zmq.asyncio.Context, ejected: bool
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "partition"])
+async def test_a_restart_numbered_past_the_old_process_is_known_by_a_refused_connection(
+    ctx: zmq.asyncio.Context, refused: bool
 ) -> None:
     """The new process published more batches than the old one had before the subscriber saw
     one: its number is above the last one seen, and the gap was filled from the new process's
-    buffer on top of the old process's entries (credit for blocks it no longer holds). After the
-    engine was ejected such a gap is a restart; without an ejection it stays a gap to fill."""
+    buffer on top of the old process's entries (credit for blocks it no longer holds). Once the
+    engine refused a connection since the last batch (nothing listened: its process ended),
+    such a gap is a restart; otherwise (a partition, a timeout) it stays a gap to fill."""
     engine = FakeEngine(ctx)
     index = _index()
     old, new = _prompt(300, 2), _prompt(5000, 2)
+    refused_at = [0.0]
     try:
-        async with subscribed(engine, index) as sub:
+        async with subscribed(engine, index, refused_at=lambda: refused_at[0]) as sub:
             engine.publish([stored_map(old)])
             await until(lambda: _hits(index, old) == 2)
             await engine.restart()
             await asyncio.sleep(1.0)  # ZMQ reconnects the subscriber by itself
             for _ in range(3):  # published while the subscriber was away
                 engine.publish([stored_map(new[:BS])], lose=True)
-            if ejected:
-                sub.engine_ejected()
+            if refused:
+                refused_at[0] = time.monotonic()
             engine.publish([stored_map(new)])
             await until(lambda: _hits(index, new) == 2)
-            assert _hits(index, old) == (0 if ejected else 2)
-            assert sub.stats.restarts == (1 if ejected else 0)
+            assert _hits(index, old) == (0 if refused else 2)
+            assert sub.stats.restarts == (1 if refused else 0)
     finally:
         await engine.close()
 
@@ -589,28 +591,36 @@ async def test_a_long_replay_does_not_hold_the_event_loop(
     assert turns >= 1_500 // 32 - 2, turns
 
 
-def test_an_ejection_reaches_the_engine_s_subscriber() -> None:
-    from gateway.dispatch.build import kv_event_feed
-    from gateway.dispatch.offline import offline_fleet
-    from gateway.fleet.prefix_routing import PrefixRouting
-    from gateway.settings import Settings
+async def test_a_refused_connection_reaches_the_engine_s_subscriber() -> None:
+    """The engine's adapter notes a refused connection (its health check here; the data path's
+    too); the feed the gateway builds reads it for that engine, not for the others."""
+    import aiohttp
 
-    fleet = offline_fleet({MODEL: 2})
+    from gateway.dispatch.build import kv_event_feed
+    from gateway.engines import adapter_for
+    from gateway.fleet.prefix_routing import PrefixRouting
+    from gateway.fleet.registry import Fleet
+    from gateway.settings import EngineConfig, Settings
+
+    closed = _free_port()  # (nothing listens there)
     engines = [
-        {"url": f"http://127.0.0.1:{10_000 + i}", "kind": "sim", "model": MODEL, "name": f"{MODEL}-{i}"}
+        {"url": f"http://127.0.0.1:{closed}", "kind": "sim", "model": MODEL, "name": f"{MODEL}-{i}"}
         for i in range(2)
     ]
     engines[0]["kv_events_endpoint"] = "tcp://127.0.0.1:9"
-    feed = kv_event_feed(Settings(engines=engines), PrefixRouting(fleet, _index(), None, False))
-    assert feed is not None and list(feed.subscribers) == [f"{MODEL}-0"]
-    try:
-        subscriber = feed.subscribers[f"{MODEL}-0"]
-        fleet.eject(f"{MODEL}-1", "refused")  # (publishes no events: nothing to tell)
-        assert not subscriber._maybe_restarted
-        fleet.eject(f"{MODEL}-0", "refused")
-        assert subscriber._maybe_restarted
-    finally:
-        feed.context.term()
+    async with aiohttp.ClientSession() as session:
+        adapters = [adapter_for(EngineConfig.model_validate(e), session, 1.0) for e in engines]
+        fleet = Fleet(adapters, 3.0)
+        feed = kv_event_feed(Settings(engines=engines), PrefixRouting(fleet, _index(), None, False))
+        assert feed is not None and list(feed.subscribers) == [f"{MODEL}-0"]
+        try:
+            subscriber = feed.subscribers[f"{MODEL}-0"]
+            assert subscriber.refused_at() == 0.0
+            before = time.monotonic()
+            assert await adapters[0].health() is False
+            assert subscriber.refused_at() >= before
+        finally:
+            feed.context.term()
 
 
 @pytest.mark.parametrize(("kind", "indexed"), [("sglang", 2), ("vllm", 0)])

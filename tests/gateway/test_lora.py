@@ -27,7 +27,7 @@ from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
 from gateway.engines import adapter_for
-from gateway.engines.base import adapters_listed
+from gateway.engines.base import adapters_listed, context_length
 from gateway.fleet.block_hash import root_key
 from gateway.fleet.monitor import FleetMonitor
 from gateway.fleet.prompt_key import prompt_blocks
@@ -122,6 +122,15 @@ def test_adapters_are_read_off_vllm_s_model_list() -> None:
     assert adapters_listed(llamacpp, "m") == frozenset()
     for junk in (None, "x", {"data": "x"}, {"data": [1, {"id": 3, "parent": "m"}, {"parent": "m"}]}):
         assert adapters_listed(junk, "m") == frozenset()
+
+
+def test_the_context_length_is_read_off_the_model_s_card() -> None:
+    """What a continuation without a client bound may ask for (migration.py)."""
+    assert context_length(VLLM_MODELS, "m") == 32768
+    assert context_length(VLLM_MODELS, "a1") is None  # (null on an adapter's card)
+    assert context_length([{"id": "m", "max_model_len": 4096}], "m") == 4096
+    for junk in (None, {"data": [{"id": "m", "max_model_len": True}]}, [{"id": "m", "max_model_len": "9"}]):
+        assert context_length(junk, "m") is None
 
 
 # -- the monitor ------------------------------------------------------------------------------------

@@ -314,6 +314,35 @@ def test_unresumable_requests_end_with_a_clear_error(
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
 
 
+@pytest.mark.parametrize(
+    ("path", "make", "natural", "expected"),
+    [(CHAT, chat_body, 60, 60), (COMPLETIONS, completion_body, 60, 16)],
+    ids=["chat-to-its-natural-end", "completion-to-the-api-default"],
+)
+def test_a_stream_without_max_tokens_resumes_to_the_end_it_would_have_had(
+    healthy: list[ChildProcess], path: str, make: Any, natural: int, expected: int
+) -> None:
+    """A continuation is a completion, whose default bound is 16 tokens: a chat without
+    max_tokens (which runs to its natural end or the context's) stopped 16 tokens after the cut,
+    "length" and no error; a completion without one got 16 more after the cut, not 16 in all."""
+    body = make("no bound given", 1)
+    del body["max_tokens"]
+    body["ignore_eos"] = False
+    headers = {"X-Sim-Output-Len": str(natural)}
+    r = httpx.post(
+        healthy[0].url + path, json={**body, "return_token_ids": True}, headers=headers, timeout=60
+    )
+    ref = parse(r.status_code, "", r.content)
+    assert ref.done and len(ref.token_ids) == expected
+    with gateway(healthy, migration_limit=1) as gw:
+        got = post(gw, path, body, {**headers, "X-Sim-Fault": "crash-after=10"})
+        assert got.error is None and got.done, got.error
+        assert got.token_ids == ref.token_ids and got.text == ref.text
+        assert got.finishes == ref.finishes and got.usage is not None
+        assert got.usage["completion_tokens"] == expected
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
 def test_a_completions_batch_streams_whole_and_is_not_migrated(healthy: list[ChildProcess]) -> None:
     """A list of prompts streams through the gateway as the engine answers it (two choices per
     prompt, the batch's usage); cut, it ends with an error naming why it cannot be resumed."""

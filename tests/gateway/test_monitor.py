@@ -422,21 +422,33 @@ async def test_a_kind_that_answers_any_model_name_is_not_judged_by_its_list(
     assert record.healthy and record.unlisted == ""
 
 
-async def test_a_sleeping_engine_is_out_of_rotation_until_it_wakes(
+async def test_a_sleeping_engine_is_out_of_rotation_until_it_wakes_unless_it_is_the_last(
     engine: FakeEngine, session: aiohttp.ClientSession
 ) -> None:
-    """Asleep, vLLM still answers /health; it refuses work, and with no load and an empty cache
-    least-load routing sent it every request."""
-    monitor, _, record = make_monitor(engine, session, eject_after=3, readmit_after=1, stale_after_s=5.0)
-    await monitor.check_once(record)
-    assert record.healthy
-    engine.sleeping = True
-    assert await monitor.scrape_once(record)
-    assert not record.healthy and "asleep" in record.last_error  # at the scrape that shows it
-    assert not await monitor.check_health(record)
-    engine.sleeping = False
-    assert await monitor.scrape_once(record)
-    assert await monitor.check_health(record) and record.healthy
+    """Asleep, vLLM still answers /health and holds work until woken; with no load and an empty
+    cache least-load routing sent it every request while another engine was awake. The last of
+    its model in rotation stays: holding requests beats refusing every one."""
+    with FakeEngine() as other:
+        configs = [
+            EngineConfig.model_validate({"url": e.url, "kind": "vllm", "model": "m", "name": name})
+            for name, e in (("e", engine), ("o", other))
+        ]
+        fleet = Fleet([adapter_for(c, session, 1.0, scrape_timeout_s=0.3) for c in configs], 5.0)
+        monitor = FleetMonitor(fleet, 0.05, 3, 1, scrape_timeout_s=0.3)
+        mine, theirs = fleet.records["e"], fleet.records["o"]
+        for record in (mine, theirs):
+            await monitor.check_once(record)
+        assert mine.healthy and theirs.healthy
+        engine.sleeping = True
+        assert await monitor.scrape_once(mine)
+        assert not mine.healthy and "asleep" in mine.last_error  # at the scrape that shows it
+        assert not await monitor.check_health(mine)
+        other.sleeping = True
+        assert await monitor.scrape_once(theirs) and theirs.healthy  # the last one in rotation
+        assert await monitor.check_health(theirs) and theirs.healthy
+        engine.sleeping = other.sleeping = False
+        assert await monitor.scrape_once(mine)
+        assert await monitor.check_health(mine) and mine.healthy
 
 
 async def test_metrics_without_the_load_gauges_are_a_failed_scrape_not_an_idle_engine(
