@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,8 @@ def windows(outcomes: Sequence[Outcome], priority: int, duration_s: float) -> li
                     "ttft_met_assigned": sum(o.assigned_ttft_met for o in inside) / len(inside),
                     "ttft_met_bound": sum(o.status == 200 and o.ttft_s <= P0_TTFT_BOUND_S for o in inside)
                     / len(inside),
-                    "mean_ttft_s": sum(o.ttft_s for o in inside if o.status == 200) / max(1, len(inside)),
+                    # (over the requests served: the shed ones have no first token)
+                    "mean_ttft_s": _mean([o.ttft_s for o in inside if o.status == 200]),
                     "mean_assigned_ttft_s": sum(o.assigned_ttft_s for o in inside) / len(inside),
                 }
             )
@@ -134,3 +136,7 @@ def ramp_main(args: argparse.Namespace) -> int:
     plot(results, png, args.duration)
     print(f"wrote {args.out / 'results.json'}, {args.out / 'table.txt'} and {png}")
     return 0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan

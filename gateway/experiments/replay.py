@@ -166,11 +166,13 @@ class Summary:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (the nearest rank at or below; ``nan`` when empty)."""
+    """The ``q`` quantile of ``values`` by nearest rank (the smallest value with at least a ``q``
+    share of the values at or below it); ``nan`` when empty. (``int(q * n)`` made p99 the
+    largest value for any n up to 100, and one rank high beyond.)"""
     if not values:
         return math.nan
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def summarize(outcomes: Sequence[Outcome]) -> Summary:
@@ -178,7 +180,8 @@ def summarize(outcomes: Sequence[Outcome]) -> Summary:
     if n == 0:
         return Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
     ok = [o for o in outcomes if o.status == 200]
-    e2e = [o.e2e_s for o in ok] or [0.0]
+    # (over the requests served: none served is no latency, not a latency of 0)
+    e2e = [o.e2e_s for o in ok] or [math.nan]
     return Summary(
         requests=n,
         attainment=sum(o.met for o in outcomes) / n,

@@ -176,7 +176,7 @@ class Autoscaler:
 
     def start(self) -> None:
         self._replenish()
-        self.clock.at(self.clock.now + self.scaler.interval_s, self._tick)
+        self.clock.at(self.clock.now + self.scaler.interval_s, self._tick, daemon=True)
 
     def _tick(self) -> None:
         if not self.gateway._scraping:  # the run is over
@@ -196,7 +196,7 @@ class Autoscaler:
                 sum(1 for s in self.slots.values() if s.phase is Phase.LOADING),
             )
         )
-        self.clock.at(self.clock.now + self.scaler.interval_s, self._tick)
+        self.clock.at(self.clock.now + self.scaler.interval_s, self._tick, daemon=True)
 
     # -- what the gateway sees ---------------------------------------------------------------------
 
@@ -329,7 +329,7 @@ class Autoscaler:
         if slot.generation != generation:
             return
         if not self._drained(slot):
-            self.clock.at(self.clock.now + 0.05, self._poll_drain, slot, generation)
+            self.clock.at(self.clock.now + 0.05, self._poll_drain, slot, generation, daemon=True)
             return
         fleet = self.fleet
         if slot.flipping_to is not None:

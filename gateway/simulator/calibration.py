@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gateway.experiments import runner
 from gateway.experiments.replay import Summary, replay, summarize
+from gateway.experiments.runner import split_prio
 from gateway.simulator.scenario import Scenario, run, workload_for
 
 TOLERANCE = 0.10
@@ -46,7 +47,11 @@ class Comparison:
 
 
 def calibration_scenario(policy: str, qps: float = 25.0, requests: int = 300, seed: int = 3) -> Scenario:
-    return Scenario(str(WORKLOAD), qps=qps, policy=policy, engines=2, requests=requests, seed=seed)
+    """``policy``: a routing profile, ``+prio`` for deadline scheduling on the engines."""
+    profile, prio = split_prio(policy)
+    return Scenario(
+        str(WORKLOAD), qps=qps, policy=profile, engines=2, requests=requests, seed=seed, engine_priority=prio
+    )
 
 
 def replay_live(scenario: Scenario) -> Summary:

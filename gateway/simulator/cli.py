@@ -179,7 +179,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, default=None, help="arrivals for this many seconds")
     parser.add_argument("--engine-priority", action="store_true", help="priority scheduling on every engine")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="first seed (default 0; --calibrate: 3)")
     parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     parser.add_argument("--out", type=Path, default=Path("results/simulate"))
@@ -257,7 +257,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     comparisons = []
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
         print(f"[simulate] calibration: {policy}, live (real time) and offline", file=sys.stderr, flush=True)
-        comparisons.append(compare(calibration_scenario(policy, seed=args.seed or 3)))
+        comparisons.append(compare(calibration_scenario(policy, seed=3 if args.seed is None else args.seed)))
     text = render(comparisons)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +277,8 @@ def simulate_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"slogate simulate: {exc}") from None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rates = parse_rates(args.qps)
-    seeds = range(args.seed, args.seed + args.repeat)
+    first = 0 if args.seed is None else args.seed
+    seeds = range(first, first + args.repeat)
     points = [scenario_for(args, p, q, s) for q in rates for p in policies for s in seeds]
     args.out.mkdir(parents=True, exist_ok=True)
     fleet = f"{args.engines}" if args.pd is None else f"P/D {args.pd[0]}:{args.pd[1]} ({args.pd_mode})"

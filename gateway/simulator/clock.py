@@ -9,21 +9,28 @@ from typing import Any
 
 
 class EventQueue:
-    """Callbacks at virtual times. ``now`` is the time of the event being run."""
+    """Callbacks at virtual times. ``now`` is the time of the event being run.
 
-    __slots__ = ("_heap", "_seq", "events", "now")
+    A *daemon* event (a periodic scrape, an autoscaler's tick) reschedules itself for as long as
+    the run lasts and moves no request on by itself: :meth:`run` ends once only daemon events
+    are left, as a run with nothing left to do, rather than running them forever."""
+
+    __slots__ = ("_heap", "_live", "_seq", "events", "now")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...], bool]] = []
         self._seq = 0
+        #: events pending that are not daemons
+        self._live = 0
         self.now = 0.0
         #: events run so far (the simulator's unit of work)
         self.events = 0
 
-    def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
+    def at(self, when: float, fn: Callable[..., None], *args: Any, daemon: bool = False) -> None:
         """Run ``fn(*args)`` at ``when`` (never before the current time)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(when, self.now), self._seq, fn, args))
+        self._live += not daemon
+        heapq.heappush(self._heap, (max(when, self.now), self._seq, fn, args, daemon))
 
     def soon(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at the current time, after the events already due now."""
@@ -33,11 +40,13 @@ class EventQueue:
         return len(self._heap)
 
     def run(self, until: float = math.inf, stop: Callable[[], bool] | None = None) -> None:
-        """Run events in order until none is left, the next is after ``until``, or ``stop()``."""
+        """Run events in order until no event but daemons is left, the next is after ``until``,
+        or ``stop()``."""
         heap = self._heap
         pop = heapq.heappop
-        while heap and heap[0][0] <= until:
-            when, _, fn, args = pop(heap)
+        while self._live and heap[0][0] <= until:
+            when, _, fn, args, daemon = pop(heap)
+            self._live -= not daemon
             self.now = when
             self.events += 1
             fn(*args)

@@ -123,7 +123,10 @@ class SimGateway:
             self.engines[node.engine_id] = node
             self._scrape(node.engine_id)
             self.clock.at(
-                self.clock.now + interval * (i + 1) / len(engines), self._scrape_every, node.engine_id
+                self.clock.now + interval * (i + 1) / len(engines),
+                self._scrape_every,
+                node.engine_id,
+                daemon=True,
             )
 
     def stop_scrapes(self) -> None:
@@ -158,7 +161,9 @@ class SimGateway:
             return
         if self._disturbed("stale-scrapes") is None:
             self._scrape(engine_id)
-        self.clock.at(self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id)
+        self.clock.at(
+            self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id, daemon=True
+        )
 
     def _disturbed(self, kind: str) -> float | None:
         """The magnitude of a disturbance of ``kind`` in effect now, else None."""

@@ -152,6 +152,9 @@ def _run(cell: Cell, policy: str, scenario: Scenario) -> Result:
 def cells(
     workloads: list[str], speeds: list[float], loads: list[float], engines: int, ramp_qps: float
 ) -> list[Cell]:
+    if any(not load > 0 for load in loads):
+        # (load 0 marks the priority ramp's cell, which has rates of its own)
+        raise ValueError(f"loads are fractions of capacity, each > 0: got {loads}")
     out: list[Cell] = []
     for workload in workloads:
         for speed in speeds:
@@ -411,13 +414,16 @@ def grid_main(args: argparse.Namespace) -> int:
     disturbances = tuple(args.disturbances)
     if disturbances and args.live:
         raise SystemExit("slogate experiment grid: --disturb is offline only (live runs have their own)")
-    grid = cells(
-        [w for w in args.workloads.split(",") if w],
-        [float(x) for x in args.speeds.split(",") if x],
-        [float(x) for x in args.loads.split(",") if x],
-        args.engines,
-        args.ramp_qps,
-    )
+    try:
+        grid = cells(
+            [w for w in args.workloads.split(",") if w],
+            [float(x) for x in args.speeds.split(",") if x],
+            [float(x) for x in args.loads.split(",") if x],
+            args.engines,
+            args.ramp_qps,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"slogate experiment grid: {exc}") from None
     jobs = [(cell, policy) for cell in grid for policy in policies]
     seeds: list[int] = args.seeds or [args.seed]
     total = len(jobs) * len(seeds)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main as cli_main
-from gateway.experiments.replay import Outcome, summarize
+from gateway.experiments.replay import Outcome, percentile, summarize
 from gateway.experiments.runner import run_point
 from gateway.experiments.workload import HYPERFLEXIS_4TASK, RequestSpec, poisson_workload, priority_ramp
 
@@ -32,6 +33,18 @@ def test_summary_counts_both_objectives() -> None:
     ]
     s = summarize(outcomes)
     assert (s.attainment, s.ttft_attainment, s.errors) == (1 / 3, 2 / 3, 1)
+    # latency is over the requests served; none served is no latency, not 0 s
+    shed = summarize(outcomes[2:])
+    assert math.isnan(shed.e2e_mean_s) and math.isnan(shed.e2e_p99_s) and shed.errors == 1
+
+
+def test_percentiles_are_by_nearest_rank() -> None:
+    """``int(q * n)`` made p99 the largest of any 100 values or fewer, and one rank high beyond."""
+    hundred = [float(i) for i in range(1, 101)]
+    assert percentile(hundred, 0.99) == 99.0 and percentile(hundred, 0.5) == 50.0
+    assert percentile(hundred, 1.0) == 100.0 and percentile(hundred, 0.0) == 1.0
+    assert percentile([float(i) for i in range(1, 1001)], 0.99) == 990.0
+    assert percentile([7.0], 0.99) == 7.0 and math.isnan(percentile([], 0.5))
 
 
 def test_attainment_point_smoke() -> None:

@@ -19,3 +19,12 @@ def test_live_and_offline_agree_on_attainment_and_median_latency(policy: str) ->
     assert 0.3 < offline.attainment < 0.97  # a scenario where attainment has something to say
     assert comparison.attainment_gap <= TOLERANCE, (offline.attainment, live.attainment)
     assert comparison.e2e_p50_gap <= TOLERANCE, (offline.e2e_p50_s, live.e2e_p50_s)
+
+
+def test_a_prio_policy_is_a_profile_with_deadline_scheduling_on_the_engines() -> None:
+    """`slogate simulate --calibrate`'s default policies include least-load+prio, which was
+    looked up as a routing profile of that name and crashed after the first policy's live run."""
+    scenario = calibration_scenario("least-load+prio")
+    assert scenario.policy == "least-load" and scenario.engine_priority
+    plain = calibration_scenario("hyperflexis", seed=0)
+    assert plain.policy == "hyperflexis" and not plain.engine_priority and plain.seed == 0

@@ -56,6 +56,9 @@ def test_a_grid_with_no_baseline_is_refused(tmp_path: Path) -> None:
         )  # fmt: skip
     with pytest.raises(SystemExit, match="names no policy"):
         main(["experiment", "grid", "--candidate", ",", "--out", str(tmp_path)])
+    # load 0 marks the priority ramp's cell: as a load it ran the ramp in a worker and crashed there
+    with pytest.raises(SystemExit, match="each > 0"):
+        main(["experiment", "grid", "--loads", "0,1", "--out", str(tmp_path)])
 
 
 def test_the_grid_runs_and_writes_its_table_json_and_plot(tmp_path: Path) -> None:

@@ -108,8 +108,21 @@ def test_same_seed_same_results_and_another_seed_differs() -> None:
 def test_the_gateway_reads_engine_state_only_at_scrapes() -> None:
     """With a 1,000 s monitor interval the gateway has only the first scrape (all idle): routing
     then rests on its own shadow, exactly as live between scrapes."""
-    slow = run(_small(monitor_interval_s=1000.0, qps=60))
+    sim = Simulation(_small(monitor_interval_s=1000.0, qps=60))
+    slow = sim.run()
     assert summarize(slow.outcomes).requests == 300  # still served, from the shadow alone
+    records = sim.gateway.fleet.records.values()
+    makespan = max(o.start_s + o.e2e_s for o in slow.outcomes)
+    assert makespan > 1.0 and all(r.state is not None and r.state_at < 1.0 for r in records)
+    assert all(r.state is not None and r.state.num_running == 0 for r in records)  # (idle, as first seen)
+
+
+def test_a_request_that_can_never_start_ends_the_run_with_an_error_not_a_spin() -> None:
+    """A KV cache smaller than one prompt: the engine never starts it, and the periodic scrapes
+    kept the event heap from emptying, so the run spun in virtual time for good."""
+    scenario = _small(num_gpu_blocks=2, requests=20)
+    with pytest.raises(RuntimeError, match="ran out of events"):
+        run(scenario)
 
 
 def test_overload_queues_in_the_gateway_and_sheds_by_the_profile() -> None:
