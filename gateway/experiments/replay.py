@@ -70,7 +70,7 @@ async def _one(
         {
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": spec.output_tokens,
+            "max_tokens": spec.bound,
             "ignore_eos": True,
             "stream": True,
         }

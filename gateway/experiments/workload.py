@@ -7,6 +7,8 @@ tokenizer counts as one token each, so the engine sees the intended prompt lengt
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +47,34 @@ class RequestSpec:
     session: str | None = None
     turn: int = 0
     segments: tuple[tuple[int, int], ...] = ()
+    #: the output bound the client sends (``max_tokens``); None: exactly ``output_tokens``, as
+    #: if the client knew its answer's length (see :func:`with_task_bounds`)
+    max_tokens: int | None = None
+
+    @property
+    def bound(self) -> int:
+        """What the gateway and its policies know of the output: the client's bound."""
+        return self.output_tokens if self.max_tokens is None else self.max_tokens
+
+
+#: what ``--output-bound`` takes: ``exact`` (the client sends each answer's own length) or
+#: ``task-p99`` (the 99th percentile of its task's lengths: a bound an application sets from
+#: what its answers measure, the longer ones cut there)
+OUTPUT_BOUNDS = ("exact", "task-p99")
+
+
+def with_task_bounds(specs: Sequence[RequestSpec], quantile: float = 0.99) -> list[RequestSpec]:
+    """``specs`` with each request's ``max_tokens`` set to its task's ``quantile`` of output
+    lengths (nearest rank): what the dispatcher may know of a request's output is then what a
+    client knows, a bound per kind of request, not the exact length of each answer."""
+    lengths: dict[str, list[int]] = {}
+    for spec in specs:
+        lengths.setdefault(spec.task, []).append(spec.output_tokens)
+    bound = {}
+    for task, values in lengths.items():
+        values.sort()
+        bound[task] = values[min(len(values) - 1, max(0, math.ceil(quantile * len(values)) - 1))]
+    return [dataclasses.replace(spec, max_tokens=bound[spec.task]) for spec in specs]
 
 
 # HyperFlexis Table 1 (TTFT s, TPOT s, input mean ± std, output mean ± std).

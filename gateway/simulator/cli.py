@@ -24,6 +24,7 @@ from gateway.experiments.plotting import pyplot
 from gateway.experiments.priority_ramp import plot as plot_ramp
 from gateway.experiments.replay import Outcome
 from gateway.experiments.runner import PRIO_SUFFIX, split_prio
+from gateway.experiments.workload import OUTPUT_BOUNDS
 from gateway.experiments.workloads import read_workload
 from gateway.simulator.autoscale import WARM_SOURCES, AutoscaleConfig
 from gateway.simulator.disturbance import Disturbance
@@ -134,6 +135,7 @@ def scenario_for(args: argparse.Namespace, policy: str, qps: float, seed: int) -
         duration_s=args.duration,
         seed=seed,
         engine_priority=prio or args.engine_priority,
+        output_bound=getattr(args, "output_bound", "exact"),
         disturbances=tuple(getattr(args, "disturbances", ())),
         pd=getattr(args, "pd", None),
         pd_mode=getattr(args, "pd_mode", "two-stage"),
@@ -179,6 +181,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, default=None, help="arrivals for this many seconds")
     parser.add_argument("--engine-priority", action="store_true", help="priority scheduling on every engine")
+    add_output_bound_argument(parser)
     parser.add_argument("--seed", type=int, default=None, help="first seed (default 0; --calibrate: 3)")
     parser.add_argument("--repeat", type=int, default=1, help="seeds per point; requests are pooled")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
@@ -358,3 +361,13 @@ def _as_json(r: Row) -> dict[str, object]:
         "events": r.events,
         "wall_s": r.wall_s,
     }
+
+
+def add_output_bound_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--output-bound",
+        choices=OUTPUT_BOUNDS,
+        default="exact",
+        help="the max_tokens clients send: each answer's own length (exact, as if known) or its "
+        "task's 99th percentile (task-p99: what a dispatcher can know in practice)",
+    )

@@ -241,9 +241,9 @@ class SimGateway:
         return False
 
     def _placed_output_tokens(self, spec: RequestSpec) -> int:
-        """Output tokens the engine the dispatch core places on will produce (all of them here;
-        a prefill engine in P/D produces one)."""
-        return spec.output_tokens
+        """Output tokens the gateway expects the engine it places on to produce: the client's
+        bound (a prefill engine in P/D produces one)."""
+        return spec.bound
 
     # -- the dispatch loop, as DispatchLoop runs it ------------------------------------------------
 
@@ -302,7 +302,7 @@ class SimGateway:
         request = SimRequest(
             flight.rid,
             engine_prompt(spec),
-            spec.output_tokens,
+            spec.bound,
             now,
             priority=self._engine_priority(flight, record),
             ignore_eos=True,

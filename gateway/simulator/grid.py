@@ -29,7 +29,7 @@ from gateway.experiments.replay import summarize
 from gateway.experiments.runner import split_prio
 from gateway.simulator.calibration import replay_live
 from gateway.simulator.capacity import engine_capacity
-from gateway.simulator.cli import add_disturb_argument
+from gateway.simulator.cli import add_disturb_argument, add_output_bound_argument
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import RunResult, Scenario, run
@@ -110,6 +110,7 @@ def _scenario(
     duration_s: float,
     seed: int,
     disturbances: tuple[Disturbance, ...] = (),
+    output_bound: str = "exact",
 ) -> Scenario:
     profile, prio = split_prio(policy)
     ramp = cell.load == 0
@@ -126,6 +127,7 @@ def _scenario(
         engine_priority=prio,
         engine_speed=cell.speed,
         disturbances=disturbances,
+        output_bound=output_bound,
     )
 
 
@@ -364,6 +366,7 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
         "--speeds", default="0.5,1,2", help="engines' true speed relative to the gateway's prior"
     )
     parser.add_argument("--loads", default="0.6,0.8,1.0,1.2,1.5", help="fractions of measured capacity")
+    add_output_bound_argument(parser)
     parser.add_argument(
         "--policies",
         default="round-robin,least-load,least-load+prio,hyperflexis",
@@ -444,7 +447,11 @@ def grid_main(args: argparse.Namespace) -> int:
         )
 
     runs = [
-        (cell, policy, _scenario(cell, policy, args.engines, args.duration, seed, disturbances))
+        (
+            cell,
+            policy,
+            _scenario(cell, policy, args.engines, args.duration, seed, disturbances, args.output_bound),
+        )
         for seed in seeds
         for cell, policy in jobs
     ]

@@ -190,7 +190,7 @@ class PdGateway(SimGateway):
         request = SimRequest(
             flight.rid,
             list(stage.prompt),
-            spec.output_tokens,
+            spec.bound,
             now,
             priority=self._engine_priority(flight, record),
             ignore_eos=True,
@@ -298,7 +298,7 @@ class PdGateway(SimGateway):
             )
         entry = flight.entry
         demand = DecodeDemand(
-            flight.rid, entry.prompt_tokens, flight.spec.output_tokens, flight.target.tpot_s, source
+            flight.rid, entry.prompt_tokens, flight.spec.bound, flight.target.tpot_s, source
         )
         choice = place_decode(demand, candidates, self.placement)
         if choice is not None:
@@ -324,7 +324,7 @@ class PdGateway(SimGateway):
         return min(pool, key=estimated_load).engine_id  # ties: fleet order
 
     def _reserve_decode(self, flight: _Flight, stage: _Stage) -> RunningEntry:
-        entry = RunningEntry(flight.entry.prompt_tokens, flight.spec.output_tokens, flight.target.tpot_s, 0.0)
+        entry = RunningEntry(flight.entry.prompt_tokens, flight.spec.bound, flight.target.tpot_s, 0.0)
         entry.remote_kv = not stage.whole  # its KV comes from the prefill engine (the latency learner)
         stage.decode_entry = entry
         self.fleet.reserve(stage.decode_engine, flight.rid, entry)
@@ -368,7 +368,7 @@ class PdGateway(SimGateway):
         request = SimRequest(
             rid,
             list(stage.prompt),
-            spec.output_tokens,
+            spec.bound,
             now,
             priority=self._engine_priority(flight, self.fleet.records[engine_id]),
             ignore_eos=True,

@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.dispatch.build import with_profile_engines
 from gateway.experiments.replay import Outcome
-from gateway.experiments.workload import RequestSpec
+from gateway.experiments.workload import OUTPUT_BOUNDS, RequestSpec, with_task_bounds
 from gateway.experiments.workloads import load_workload
 from gateway.settings import EngineConfig, Settings
 from gateway.sim.profiles import EngineProfile, load_profile
@@ -75,6 +75,9 @@ class Scenario:
     #: scale the fleet with a scaling policy (gateway.simulator.autoscale): ``engines`` (or ``pd``)
     #: is the fleet at the start, ``autoscale.max_engines`` the slots
     autoscale: AutoscaleConfig | None = None
+    #: what the client's ``max_tokens`` tells of each answer: ``exact`` (its own length, as if
+    #: known) or ``task-p99`` (its task's 99th percentile; see with_task_bounds)
+    output_bound: str = "exact"
 
     def label(self) -> str:
         scaled = f", {self.autoscale.label()}" if self.autoscale is not None else ""
@@ -173,13 +176,18 @@ def settings_for(scenario: Scenario) -> Settings:
 
 
 def workload_for(scenario: Scenario) -> list[RequestSpec]:
-    return load_workload(
+    if scenario.output_bound not in OUTPUT_BOUNDS:
+        raise ValueError(
+            f"output_bound must be one of {', '.join(OUTPUT_BOUNDS)}, got {scenario.output_bound!r}"
+        )
+    specs = load_workload(
         scenario.workload,
         qps=scenario.qps,
         requests=scenario.requests,
         duration_s=scenario.duration_s,
         seed=scenario.seed,
     )
+    return with_task_bounds(specs) if scenario.output_bound == "task-p99" else specs
 
 
 class Simulation:

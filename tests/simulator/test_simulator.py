@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 
@@ -166,3 +167,39 @@ def test_engine_priority_reaches_the_engines_when_scheduling_by_priority() -> No
         return sum(o.ttft_s for o in outcomes if o.spec.ttft_s < 1) / 100
 
     assert tight_ttft(prio) < 0.75 * tight_ttft(fifo)  # (equal if the priority never reached them)
+
+
+def test_with_task_bounds_the_dispatcher_knows_a_bound_per_task_not_each_length() -> None:
+    """With each request's max_tokens its exact length, the length-aware orders (wspt, the
+    demotion of the longest, HyperFlexis's KV need) had an oracle no client gives: with
+    task-p99 they see what a client sends, its task's 99th percentile, and the longest answers
+    are cut there."""
+    from gateway.experiments.workload import with_task_bounds
+
+    exact = _small(requests=200)
+    specs = workload_for(exact)
+    bounded = workload_for(dataclasses.replace(exact, output_bound="task-p99"))
+    assert [s.output_tokens for s in bounded] == [s.output_tokens for s in specs]
+    assert all(s.max_tokens is None and s.bound == s.output_tokens for s in specs)
+    for task in {s.task for s in specs}:
+        lengths = sorted(s.output_tokens for s in specs if s.task == task)
+        caps = {s.max_tokens for s in bounded if s.task == task}
+        assert caps == {lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]}
+    assert with_task_bounds([]) == []
+    sim = Simulation(dataclasses.replace(exact, output_bound="task-p99"))
+    seen: list[int] = []
+    choose = sim.gateway.core.router.choose
+
+    def watched(request: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(request.max_output_tokens)
+        return choose(request, *args, **kwargs)
+
+    sim.gateway.core.router.choose = watched  # type: ignore[method-assign]
+    result = sim.run()
+    caps = {s.max_tokens for s in bounded}
+    assert seen and set(seen) <= caps  # the dispatcher saw bounds, never an exact length
+    assert all(
+        o.tokens == min(o.spec.output_tokens, o.spec.bound) for o in result.outcomes if o.status == 200
+    )
+    with pytest.raises(ValueError, match="output_bound"):
+        workload_for(dataclasses.replace(exact, output_bound="oracle"))
