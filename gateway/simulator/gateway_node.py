@@ -112,6 +112,9 @@ class SimGateway:
         self._scraping = True
         #: injected scrape blackouts and stalls (gateway.simulator.disturbance)
         self.disturbances: list[Disturbance] = []
+        #: per channel (an engine's connection, or the gateway's own events: ""), the latest
+        #: time an event held back by a disturbance is handled at
+        self._held_until: dict[str, float] = {}
 
     # -- engines and scrapes -----------------------------------------------------------------------
 
@@ -181,9 +184,18 @@ class SimGateway:
         delay = self._disturbed("gateway-stall") or 0.0
         if relayed:
             delay += self._disturbed("relay-delay") or 0.0
-        if not delay:
+        now = self.clock.now
+        # an engine's tokens and ends come over its connection: never before what was held
+        # back of it earlier (at a window's end a token made after it overtook the ones made
+        # just before, and a stream's finish its last tokens); the gateway's own events keep
+        # their order likewise
+        channel = args[0] if relayed else ""
+        held = self._held_until.get(channel, -math.inf)
+        if not delay and held <= now:
             return False
-        self.clock.at(self.clock.now + delay, fn, *args, True)
+        when = max(now + delay, held)
+        self._held_until[channel] = when
+        self.clock.at(when, fn, *args, True)
         return True
 
     # -- the front door: one request arrives -------------------------------------------------------

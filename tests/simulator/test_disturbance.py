@@ -77,6 +77,18 @@ def test_a_relay_delay_shows_every_token_and_end_that_much_later_in_order() -> N
         assert late.tokens == early.tokens
 
 
+def test_what_a_window_held_back_is_not_overtaken_when_it_ends() -> None:
+    """Each event's delay was fixed when it was made: at the window's end a token made just
+    after it was handled before the ones made just before, the stream's finish too, and the
+    streams crossing the end lost their last tokens (and their TTFT came out early)."""
+    light = {"qps": 4, "requests": 120, "duration_s": None}
+    for kind in ("relay-delay", "gateway-stall"):
+        held = run(_base(**light, disturbances=(Disturbance(kind, 0.0, 12.0, 0.5),)))
+        served = [o for o in held.outcomes if o.status == 200]
+        assert len(served) == 120, kind
+        assert all(o.tokens == o.spec.output_tokens for o in served), kind
+
+
 def test_a_relay_delay_brings_the_scrapes_answers_that_much_later_too() -> None:
     """The engine's metrics come back over the same path as its tokens: a scrape sent at t reads
     the engine as it was at t and reaches the gateway at t + delay (recorded with its send time,
