@@ -25,6 +25,8 @@ from gateway.tokenizer import estimate_tokens, estimate_total_tokens
 from policies.migration import batched_prompts, more_than_one
 
 RouteKind = Literal["chat", "completions", "embeddings"]
+#: a completion's output bound when its body gives none (the OpenAI API's default, and vLLM's)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 #: per-message framing tokens of a ChatML-style template (role header and end marker)
 _MESSAGE_OVERHEAD_TOKENS = 4
@@ -253,6 +255,10 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         return ParsedRequest(kind, raw, body, model, False, False, 0, _embedding_input_tokens(body), priority)
     prompt_tokens = _chat_prompt_tokens(body) if kind == "chat" else _completion_prompt_tokens(body)
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    if max_tokens is None and kind == "completions":
+        # a completion without a bound gets the API's default, not the gateway's (placement,
+        # KV reservations and migration planned 1024 tokens for an answer stopped at 16)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     wants_usage = bool(options and options.get("include_usage"))
     return ParsedRequest(
         kind,

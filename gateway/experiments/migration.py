@@ -403,7 +403,8 @@ def _slow(
     finally:
         stack.close()
     result = _check(streams, refs, prompts)
-    tpots = [t for s in streams if s.done and (t := s.tpot) is not None]
+    # (a stream that failed ends with an error event and [DONE]: done, but nothing it met)
+    tpots = [t for s in streams if s.done and s.error is None and (t := s.tpot) is not None]
     target = args.tpot_ms / 1e3
     result.update(
         migration=migrate,

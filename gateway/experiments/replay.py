@@ -71,6 +71,10 @@ async def _one(
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": spec.bound,
+            # the answer's own length, in the body too: a gateway that does not relay the
+            # x-sim-* headers still passes it (with a task's bound as max_tokens and ignore_eos,
+            # every answer ran to that bound)
+            "sim_output_len": spec.output_tokens,
             "ignore_eos": True,
             "stream": True,
         }
@@ -177,8 +181,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(outcomes: Sequence[Outcome]) -> Summary:
     n = len(outcomes)
-    if n == 0:
-        return Summary(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+    if n == 0:  # (no request: no share met and no latency, not 0 % and 0 s)
+        return Summary(0, math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0.0)
     ok = [o for o in outcomes if o.status == 200]
     # (over the requests served: none served is no latency, not a latency of 0)
     e2e = [o.e2e_s for o in ok] or [math.nan]

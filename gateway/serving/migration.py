@@ -38,6 +38,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.api.request_parse import COMPLETION_DEFAULT_MAX_TOKENS
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.relay import event_limit, record_usage, send_bounded
@@ -95,8 +96,6 @@ _CARRIED = (
 #: client headers a continuation does not repeat: a simulated fault targets the engine it first
 #: reached, and the natural output length is carried in the body, less what was already relayed
 _NOT_REPEATED = frozenset(("x-sim-fault", "x-sim-output-len"))
-#: a completion's output bound when its body gives none (the OpenAI API's default, and vLLM's)
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class _Shape:

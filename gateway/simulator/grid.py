@@ -93,8 +93,8 @@ def pooled(runs: list[Result]) -> Result:
         first.policy,
         sum(r.attainment * r.requests for r in runs) / max(1, requests),
         by_task,
-        sum(r.e2e_p50_s for r in runs) / len(runs),
-        sum(r.e2e_p99_s for r in runs) / len(runs),
+        _mean_of_served([r.e2e_p50_s for r in runs]),
+        _mean_of_served([r.e2e_p99_s for r in runs]),
         sum(r.errors for r in runs),
         sum(r.cost_units for r in runs) / len(runs),
         requests,
@@ -493,3 +493,9 @@ def grid_main(args: argparse.Namespace) -> int:
         live_check(results, runs[: len(jobs)], args.out / "live.md")
     print(f"[grid] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/grid.md, grid.json, {png}")
     return 0
+
+
+def _mean_of_served(values: list[float]) -> float:
+    """The mean over the seeds that served anything (a seed with none has NaN latency)."""
+    served = [v for v in values if not math.isnan(v)]
+    return sum(served) / len(served) if served else math.nan

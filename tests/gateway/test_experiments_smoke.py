@@ -105,3 +105,21 @@ def test_bad_experiment_inputs_stop_it_before_the_first_run(
         _checked_inputs(policies, qps, repeat)
     assert info.value.code == 2 and "slogate experiment:" in capsys.readouterr().err
     assert _checked_inputs(["least-load", "hyperflexis+prio"], "2,4", 2) == [2.0, 4.0]
+
+
+def test_the_live_replay_sends_the_bound_and_the_answer_s_own_length() -> None:
+    """With task-level bounds the engine learns each answer's length from the body as well as
+    the header: a gateway that does not relay x-sim-* headers dropped it, and with the bound as
+    max_tokens and ignore_eos every answer ran to its task's bound."""
+    import asyncio
+
+    from gateway.experiments.replay import replay
+    from tests.gateway.stub_engines import HeaderEngine
+
+    spec = RequestSpec(0.0, "t", 0, 10, 5, ttft_s=1.0, tpot_s=0.1, max_tokens=50)
+    with HeaderEngine() as engine:
+        outcomes = asyncio.run(replay(engine.url, "m", [spec], 1.0, progress=False))
+        sent = engine.received[-1]
+    assert outcomes[0].status == 200
+    assert sent["max_tokens"] == 50 and sent["sim_output_len"] == 5 and sent["ignore_eos"] is True
+    assert engine.headers[-1]["x-sim-output-len"] == "5"

@@ -334,7 +334,9 @@ def test_a_stream_without_max_tokens_resumes_to_the_end_it_would_have_had(
     )
     ref = parse(r.status_code, "", r.content)
     assert ref.done and len(ref.token_ids) == expected
-    with gateway(healthy, migration_limit=1) as gw:
+    # (default_max_tokens below the answer's length: the continuation's room must come from the
+    # engine's context, not from the gateway's default bound)
+    with gateway(healthy, migration_limit=1, default_max_tokens=20) as gw:
         got = post(gw, path, body, {**headers, "X-Sim-Fault": "crash-after=10"})
         assert got.error is None and got.done, got.error
         assert got.token_ids == ref.token_ids and got.text == ref.text

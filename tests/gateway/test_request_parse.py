@@ -68,6 +68,18 @@ def test_chat_fields() -> None:
         assert not parse_request("chat", body(stream=True, stream_options=options), 100).client_wants_usage
 
 
+def test_an_output_bound_not_given_is_the_api_s_for_a_completion_and_the_gateway_s_for_a_chat() -> None:
+    """A completion without max_tokens (or with null) is stopped at 16 tokens by the engine (the
+    API's default): planned at the gateway's 1024, its KV and placement counted 64 times too much."""
+    for body in ({"model": "m", "prompt": "hi"}, {"model": "m", "prompt": "hi", "max_tokens": None}):
+        assert parse_request("completions", orjson.dumps(body), 1024).max_tokens == 16
+    assert (
+        parse_request("completions", b'{"model":"m","prompt":"hi","max_tokens":300}', 1024).max_tokens == 300
+    )
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request("chat", orjson.dumps(chat), 1024).max_tokens == 1024
+
+
 def test_chat_prompt_tokens_count_framing_and_text_parts() -> None:
     messages = [
         {"role": "system", "content": "be brief"},  # "be" " bri" "ef"
