@@ -22,15 +22,15 @@ from gateway.cli import main
 def test_overhead_benchmark_smoke() -> None:
     # (the paced case with its floor, as --paced-floor runs it: one smoke for both)
     result = run_overhead(
-        n=40,
+        n=24,
         stream_tokens=8,
-        paced_streams=10,
+        paced_streams=6,
         paced_tokens=(4, 16),
         paced_waves=1,
         paced_repeats=2,
         paced_floor=True,
         paced_idle_s=0.25,
-        dispatcher_requests=20,  # (x 20 at c=8: 400 a profile; n // 2 is no more)
+        dispatcher_requests=12,  # (x 20 at c=8: 240 a profile; n // 2 is no more)
     )
     assert 0 < result.cpu_ms_per_request < 50
     assert 0 <= result.cpu_us_per_sse_event < 5000
@@ -74,7 +74,7 @@ def test_overhead_benchmark_smoke() -> None:
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
     assert "hyperflexis over least-load, added p50 (c=1)" in table
     assert "hyperflexis gateway CPU per request vs least-load" in table
-    assert "paced: CPU per relayed SSE event (10 streams, 20 ms apart)" in table
+    assert "paced: CPU per relayed SSE event (6 streams, 20 ms apart)" in table
 
 
 def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
