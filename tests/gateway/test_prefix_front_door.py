@@ -6,6 +6,7 @@ history, and says so in ``x-slogate-decision`` when asked."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -135,6 +136,21 @@ def test_a_session_s_next_turn_goes_where_its_history_is_cached(
         feed = gw.gateway.kv_events
         assert feed is not None and set(feed.subscribers) == {"e0", "e1"}
         url = gw.url + "/v1/chat/completions"
+        # both subscriptions reach their publishers before the test's request: ZMQ drops what is
+        # published before (a loaded CI run lost the one event this test waits for)
+        deadline, warm = time.monotonic() + 20, 0
+        while (
+            any(sub.stats.batches == 0 for sub in feed.subscribers.values()) and time.monotonic() < deadline
+        ):
+            warm += 1
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"warm up {warm}"}],
+                "max_tokens": 1,
+            }
+            assert httpx.post(url, json=body).status_code == 200
+            time.sleep(0.05)
+        assert all(sub.stats.batches > 0 for sub in feed.subscribers.values())
         system = english_text(4_000, seed=11)
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "what now"}]
         debug = {"x-slogate-debug": "1", "x-session-id": "s-1"}
