@@ -268,8 +268,8 @@ class KVEventSubscriber:
         self.last_seq: int | None = None
         #: when (``clock``) the engine last refused a connection (0: never known)
         self.refused_at = refused_at
-        #: when the last batch came
-        self._batch_at = clock()
+        #: the latest refusal a first batch, a restart or a gap has accounted for
+        self._refusal_judged = 0.0
         self._backoff = _Backoff(*backoff_s)
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -364,15 +364,19 @@ class KVEventSubscriber:
     async def on_batch(self, seq: int, payload: bytes) -> None:
         """One batch from the live stream, in order of arrival."""
         last = self.last_seq
-        previous, self._batch_at = self._batch_at, self.clock()
-        if last is not None and (seq <= last or (seq > last + 1 and self.refused_at() > previous)):
+        refused = self.refused_at()
+        unexplained = refused > self._refusal_judged
+        if last is None or seq != last + 1:
+            self._refusal_judged = refused  # (what a first batch, a restart or a gap settles)
+        if last is not None and (seq <= last or (seq > last + 1 and unexplained)):
             # the publisher's numbering started again: the engine restarted with an empty cache.
-            # A gap says so too once the engine refused a connection since the last batch (no
-            # process listened): a new process may publish more batches than the old one had
-            # before the subscriber sees one (ZMQ drops what is sent while it reconnects), and
-            # the gap filled from the new process's buffer kept the old process's entries,
-            # credit for blocks it no longer holds. (A gap after a partition or a timeout is
-            # filled as any other: the engine's cache is as it was.)
+            # A gap says so too once the engine refused a connection that no gap or restart has
+            # explained yet (nothing listened: its process ended; the old one may still have
+            # published a few batches in order after its listener closed): a new process may
+            # publish more batches than the old one had before the subscriber sees one (ZMQ
+            # drops what is sent while it reconnects), and the gap filled from the new process's
+            # buffer kept the old process's entries, credit for blocks it no longer holds. (A
+            # gap after a partition or a timeout is filled as any other: the cache is as it was.)
             self.stats.restarts += 1
             self.index.cleared(self.engine_id)
             last = self.last_seq = None

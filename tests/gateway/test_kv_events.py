@@ -384,15 +384,20 @@ async def test_a_restarted_engine_empties_its_entries(ctx: zmq.asyncio.Context) 
         await engine.close()
 
 
-@pytest.mark.parametrize("refused", [True, False], ids=["refused", "partition"])
+@pytest.mark.parametrize(
+    ("refused", "old_goes_on"),
+    [(True, False), (True, True), (False, False)],
+    ids=["refused", "refused-then-the-old-process-published", "partition"],
+)
 async def test_a_restart_numbered_past_the_old_process_is_known_by_a_refused_connection(
-    ctx: zmq.asyncio.Context, refused: bool
+    ctx: zmq.asyncio.Context, refused: bool, old_goes_on: bool
 ) -> None:
     """The new process published more batches than the old one had before the subscriber saw
     one: its number is above the last one seen, and the gap was filled from the new process's
     buffer on top of the old process's entries (credit for blocks it no longer holds). Once the
-    engine refused a connection since the last batch (nothing listened: its process ended),
-    such a gap is a restart; otherwise (a partition, a timeout) it stays a gap to fill."""
+    engine refused a connection that no gap has explained (nothing listened: its process
+    ended; the old one may still publish a batch in order after its listener closed), such a
+    gap is a restart; otherwise (a partition, a timeout) it stays a gap to fill."""
     engine = FakeEngine(ctx)
     index = _index()
     old, new = _prompt(300, 2), _prompt(5000, 2)
@@ -401,11 +406,15 @@ async def test_a_restart_numbered_past_the_old_process_is_known_by_a_refused_con
         async with subscribed(engine, index, refused_at=lambda: refused_at[0]) as sub:
             engine.publish([stored_map(old)])
             await until(lambda: _hits(index, old) == 2)
+            if old_goes_on:
+                refused_at[0] = time.monotonic()
+                engine.publish([stored_map(old[:BS])])  # (in order, after the refusal)
+                await until(lambda: sub.last_seq == 1)
             await engine.restart()
             await asyncio.sleep(1.0)  # ZMQ reconnects the subscriber by itself
             for _ in range(3):  # published while the subscriber was away
                 engine.publish([stored_map(new[:BS])], lose=True)
-            if refused:
+            if refused and not old_goes_on:
                 refused_at[0] = time.monotonic()
             engine.publish([stored_map(new)])
             await until(lambda: _hits(index, new) == 2)
