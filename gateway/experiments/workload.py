@@ -8,7 +8,6 @@ tokenizer counts as one token each, so the engine sees the intended prompt lengt
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,13 +66,12 @@ def with_task_bounds(specs: Sequence[RequestSpec], quantile: float = 0.99) -> li
     """``specs`` with each request's ``max_tokens`` set to its task's ``quantile`` of output
     lengths (nearest rank): what the dispatcher may know of a request's output is then what a
     client knows, a bound per kind of request, not the exact length of each answer."""
-    lengths: dict[str, list[int]] = {}
+    from gateway.experiments.replay import percentile  # (replay reads this module's specs)
+
+    lengths: dict[str, list[float]] = {}
     for spec in specs:
         lengths.setdefault(spec.task, []).append(spec.output_tokens)
-    bound = {}
-    for task, values in lengths.items():
-        values.sort()
-        bound[task] = values[min(len(values) - 1, max(0, math.ceil(quantile * len(values)) - 1))]
+    bound = {task: int(percentile(values, quantile)) for task, values in lengths.items()}
     return [dataclasses.replace(spec, max_tokens=bound[spec.task]) for spec in specs]
 
 

@@ -346,20 +346,29 @@ def test_a_continuation_s_usage_past_any_count_is_not_believed() -> None:
     assert b'"completion_tokens":3' in sent  # what was relayed, counted by the gateway
 
 
-def test_keep_alive_comments_do_not_hold_a_continuation_past_its_first_token_limit() -> None:
-    """A continuation engine that sends only comments: the first-token limit holds (each comment
-    re-armed the idle limit, so the stream and its engine were held as long as they came)."""
+def _pinging(first: bytes, pings: int) -> StubEngine:
+    """A continuation engine that sends ``first`` (b"": nothing), then only a proxy's keep-alive
+    comments, ``pings`` of them 0.1 s apart."""
 
-    async def pings(_: StubEngine, request: web.Request) -> web.StreamResponse:
+    async def behaviour(_: StubEngine, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for _ in range(40):
+        if first:
+            await response.write(first)
+        for _ in range(pings):
             await response.write(b": ping\n\n")
             await asyncio.sleep(0.1)
         await response.write_eof()
         return response
 
-    with StubEngine(pings) as engine:
+    return StubEngine(behaviour)
+
+
+def test_keep_alive_comments_do_not_hold_a_continuation_past_its_first_token_limit() -> None:
+    """A continuation engine that sends only comments: the first-token limit holds (each comment
+    re-armed the idle limit, so the stream and its engine were held as long as they came)."""
+
+    with _pinging(b"", 40) as engine:
         started = time.monotonic()
         outcome, tokens, sent = asyncio.run(_relay_once(engine.url, first_token_s=0.5))
         took = time.monotonic() - started
@@ -372,17 +381,7 @@ def test_keep_alive_comments_after_a_continuation_s_first_token_do_not_hold_it()
     """Past its first output, every read moved a continuation's idle deadline, a proxy's ping
     too: a continuation engine that stalled behind one held the stream, and its slot, for good."""
 
-    async def stalls(_: StubEngine, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(TOKEN)
-        for _ in range(100):  # 10 s of pings if nothing ends it
-            await asyncio.sleep(0.1)
-            await response.write(b": ping\n\n")
-        await response.write_eof()
-        return response
-
-    with StubEngine(stalls) as engine:
+    with _pinging(TOKEN, 100) as engine:  # (10 s of pings if nothing ends it)
         started = time.monotonic()
         outcome, tokens, _ = asyncio.run(_relay_once(engine.url, idle_s=0.4))
         took = time.monotonic() - started
