@@ -27,6 +27,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.api.errors import GatewayError
 
+#: body bytes buffered before reading pauses until the app takes them (the front door takes a
+#: body as fast as it comes, so this bounds a connection's buffer, not the app's pace)
+BODY_HIGH_WATER = 1024 * 1024
 #: a head this long is no client's: 64 KiB holds any token or cookie header real clients send
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
@@ -99,9 +102,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         return _REQUEST_LINE_BYTES + len(self.url) + sum(len(n) + len(v) + 4 for n, v in fields)
 
     def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            self._unparsed = 0
-            super().on_body(body)
+        # uvicorn's on_body with BODY_HIGH_WATER as the limit (its own is a module constant)
+        if self._refused:
+            return
+        self._unparsed = 0
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        cycle.body += body  # (a bytearray since uvicorn 0.42: appends are amortised)
+        if len(cycle.body) > BODY_HIGH_WATER:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_complete(self) -> None:
         if not self._refused:

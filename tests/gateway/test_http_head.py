@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import orjson
 import pytest
+import uvicorn
 from aiohttp import web
 
+from gateway.http_head import BODY_HIGH_WATER
+from gateway.server import serving_config
 from tests.gateway.conftest import MODEL
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import StubEngine, chunk_event
@@ -174,3 +178,64 @@ def test_a_head_refused_while_a_pipelined_answer_streams_ends_the_connection() -
         assert b"[DONE]" not in data
         assert wait_until(lambda: engine.aborted == 1, timeout=5)
         assert httpx.get(running.url + "/health").status_code == 200
+
+
+class _BodyRecorder:
+    """An ASGI app that waits before it reads a request's body, then answers with the size of each
+    body message it got: how much the protocol buffered while nobody read."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        assert callable(receive) and callable(send)
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await asyncio.sleep(self.wait_s)
+        sizes = []
+        while True:
+            message = await receive()
+            sizes.append(len(message.get("body", b"")))
+            if not message.get("more_body"):
+                break
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": orjson.dumps(sizes)})
+
+
+@pytest.fixture(scope="module")
+def recorder_url() -> Iterator[str]:
+    server = uvicorn.Server(serving_config(_BodyRecorder(0.3), "127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, name="recorder", daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=15)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def test_a_body_under_the_high_water_is_read_whole_while_the_app_is_busy(recorder_url: str) -> None:
+    """uvicorn paused reading at 64 KiB until the app asked: a 900 KB prompt came in rounds of a
+    pause, a receive and a resume (CPU per large request). Here it is buffered whole."""
+    body = b"x" * 900_000
+    sizes = httpx.post(recorder_url, content=body, timeout=10).json()
+    assert sizes == [len(body)]
+
+
+def test_a_body_past_the_high_water_still_pauses_reading(recorder_url: str) -> None:
+    """What one connection buffers stays bounded: past BODY_HIGH_WATER reading pauses until the
+    app takes what came, and the body arrives whole over several messages."""
+    body = b"y" * (3 * BODY_HIGH_WATER)
+    sizes = httpx.post(recorder_url, content=body, timeout=10).json()
+    assert sum(sizes) == len(body)
+    assert sizes[0] < len(body) and max(sizes) <= BODY_HIGH_WATER + 1024 * 1024
