@@ -1,13 +1,15 @@
 """``slogate bench large-body``: large prompts cost little CPU and never stall other streams.
 
-One single-worker gateway runs in front of three child engines: a zero-latency simulated engine,
-one that paces tokens ``--token-gap-ms`` apart, and a sink that answers any request at once (where
-the 15 MB body goes, so that no engine tokenizes 15 MB on the same cores as the streams).
+One single-worker gateway runs in front of two child engines: a simulated engine that paces
+tokens ``--token-gap-ms`` apart, and a sink that answers any request at once without reading its
+prompt (so that no engine tokenizes 200 KB or 15 MB on the same cores as the gateway).
 
 (a) Gateway CPU per request for a 200 KB prompt (UTF-8; English, and a non-ASCII mix), against the
-    zero-latency engine at concurrency 1, next to a small request's: the difference is what the
-    prompt's size costs (reading, parsing, estimating its tokens, forwarding it). Latency is
-    compared with calling the engine directly.
+    sink at concurrency 1, next to a small request's: the difference is what the prompt's size
+    costs (reading, parsing, estimating its tokens, forwarding it). Latency is compared with
+    calling the engine directly. (Against the simulated engine, which counts a prompt's tokens
+    exactly, 70 ms a request, the gateway's share was buried under the engine's: its CPU is read
+    less an idle rate over the whole time, and the engine's work shared the two cores.)
 (b) ``--streams`` concurrent streams through the gateway; in every other round one 15 MB body is
     sent while they run. The largest gap between two chunks of any stream, with and without the
     big body, says how long the gateway's event loop was held: the streams share that loop. Done
@@ -54,7 +56,6 @@ from gateway.bench.harness import (
     spawn_gateway,
     spawn_paced_engine,
     spawn_sink,
-    spawn_zero_engine,
     traced_stream,
     wait_until_served,
 )
@@ -63,7 +64,7 @@ from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prompt_key import MessageTokens, chat_token_ids, prompt_blocks
 from gateway.procs import ChildProcess
 
-MODEL = "bench-model"
+MODEL = "bench-model"  # (the prefix-index key figures: in-process, no engine)
 PACED_MODEL = "bench-paced"
 SINK_MODEL = "bench-sink"
 DEFAULT_RESULTS_DIR = Path("results/bench-large-body")
@@ -181,12 +182,15 @@ class LargeBodyResult:
                     "<= 2 ms",
                     case.prefix_turn_ms <= 2.0,
                 ),
+                # and, read strictly, the target is on all the prompt adds to its request, the
+                # bytes' way in and out included: judged for English, the issue's case (a
+                # non-ASCII body's parse alone is ~0.6 ms in orjson, reported)
                 (
                     "  gateway CPU over a small request (parse, estimate, I/O)",
                     f"{case.over_small_ms:.3f} ms, {case.over_small_kernel_ms:.3f} of it in the kernel "
                     f"(whole request {case.gateway_cpu_ms:.3f})",
-                    "(reported)",
-                    True,
+                    "<= 1 ms" if case.text == "english" else "(reported)",
+                    case.over_small_ms <= 1.0 or case.text != "english",
                 ),
                 (
                     "  latency p50: direct / gateway",
@@ -345,17 +349,18 @@ class LargeBodyConfig:
 
 
 async def _measure(
-    config: LargeBodyConfig, zero: ChildProcess, gateway: ChildProcess, big_bodies: dict[str, bytes]
+    config: LargeBodyConfig, sink: ChildProcess, gateway: ChildProcess, big_bodies: dict[str, bytes]
 ) -> LargeBodyResult:
     n = config.requests
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        for model in (MODEL, PACED_MODEL, SINK_MODEL):
+        for model in (PACED_MODEL, SINK_MODEL):
             await wait_until_served(session, gateway.url, model)
-        small = _chat_body(MODEL, "Say hello to the benchmark.", max_tokens=1)
+        small = _chat_body(SINK_MODEL, "Say hello to the benchmark.", max_tokens=1)
         prompts = {
-            kind: _chat_body(MODEL, _prompt_text(kind, config), max_tokens=1) for kind in config.prompt_texts
+            kind: _chat_body(SINK_MODEL, _prompt_text(kind, config), max_tokens=1)
+            for kind in config.prompt_texts
         }
         progress("warm-up")
         for body in (small, *prompts.values()):
@@ -368,12 +373,12 @@ async def _measure(
 
         progress(f"(a) {n} small requests, direct and through the gateway (interleaved)")
         small_cpu, small_direct, small_via, small_kernel = await _interleaved(
-            session, zero, gateway, small, n, idle
+            session, sink, gateway, small, n, idle
         )
         cases: list[PromptCase] = []
         for kind, body in prompts.items():
             progress(f"(a) {n} requests with a {config.prompt_bytes / 1000:.0f} KB {kind} prompt")
-            cpu, direct_p50, via_p50, kernel = await _interleaved(session, zero, gateway, body, n, idle)
+            cpu, direct_p50, via_p50, kernel = await _interleaved(session, sink, gateway, body, n, idle)
             parse = _best_ms(lambda: parse_request("chat", body, 1))  # noqa: B023 (called at once)
             fresh, turn = _prefix_key_ms(body)
             cases.append(
@@ -520,21 +525,19 @@ def run_large_body(config: LargeBodyConfig | None = None) -> LargeBodyResult:
     # room for the big bodies whatever the default limit is
     largest = max((len(b) for b in big_bodies.values()), default=0)
     env = {"SLOGATE_MAX_BODY_BYTES": str(max(16 * 1024 * 1024, 2 * largest))}
-    progress("starting a zero-latency engine, a paced engine, a sink engine and a single-worker gateway")
+    progress("starting a paced engine, a sink engine and a single-worker gateway")
     with tempfile.TemporaryDirectory(prefix="slogate-bench-") as tmp:
         profile = paced_profile(Path(tmp), config.token_gap_ms / 1e3)
         with (
-            spawn_zero_engine(MODEL) as zero,
             spawn_paced_engine(PACED_MODEL, profile) as paced,
             spawn_sink(SINK_MODEL) as sink,
         ):
             engines = [
-                engine_entry(zero, MODEL),
                 engine_entry(paced, PACED_MODEL),
                 engine_entry(sink, SINK_MODEL, kind="openai"),
             ]
             with spawn_gateway(engines, env) as gateway:
-                return asyncio.run(_measure(config, zero, gateway, big_bodies))
+                return asyncio.run(_measure(config, sink, gateway, big_bodies))
 
 
 def render_table(result: LargeBodyResult) -> str:
