@@ -155,7 +155,17 @@ class SloService:
                 return clock is not None and self.backlog(model, clock())
 
             target, self.mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
-        return clamp_target(target, policy), priority
+        return clamp_target(target, policy, self._level_floor(policy)), priority
+
+    def _level_floor(self, policy: ApiKeyPolicy) -> tuple[float, float] | None:
+        """The TTFT and TPOT floors of the key's ``max_priority`` level (see :func:`clamp_target`);
+        None when the key has no ceiling or the profile no levels."""
+        ceiling = policy.max_priority
+        if ceiling is None or self.profile.priority is None:
+            return None
+        levels = self.profile.priority.levels
+        bounds = levels[min(max(ceiling, 0), len(levels) - 1)].bounds()
+        return bounds.ttft_min_s, bounds.tpot_min_s
 
     # -- pending and completions -----------------------------------------------------------------
 

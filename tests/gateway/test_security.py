@@ -265,12 +265,38 @@ def test_classify_honours_the_keys_ceilings() -> None:
     assert slo.classify({}, 0, policy)[1] == 1
     explicit = {b"x-slo-ttft-ms": b"300", b"x-slo-tpot-ms": b"400"}
     target, _ = slo.classify(explicit, None, policy)
-    assert (target.ttft_s, target.tpot_s) == (1.2, 0.4)
+    # the key's minimum TTFT, and p1's TPOT floor (0.525 s): the key may claim no tighter
+    assert (target.ttft_s, target.tpot_s) == (1.2, 0.525)
 
     tasks = load_settings(api_key_policies={POLICY_KEY: {"task": "wikisql"}})
     task_policy = tasks.key_policies()[POLICY_KEY]
     target, _ = SloService(tasks).classify({b"x-slo-task": b"medical_qa"}, None, task_policy)
     assert target.slo_class == "wikisql"
+
+
+def test_a_keys_priority_ceiling_binds_targets_from_every_rule() -> None:
+    """A key held to priority 3 (no minimums of its own) got tighter targets than its level
+    promises by not claiming a priority (the default class, 1.5 s), by naming a task (0.7 s) or by
+    asking (1 ms): queue orders by deadline put it ahead of priority 0. Each is floored at its
+    level's range now; the mapper's targets for the level stay its own."""
+    settings = load_settings(
+        slo_profile="hyperflexis-4task", api_key_policies={POLICY_KEY: {"max_priority": 3}}
+    )
+    slo = SloService(settings)
+    policy = settings.key_policies()[POLICY_KEY]
+    claimed, priority = slo.classify({b"x-priority": b"0"}, None, policy)
+    assert priority == 3 and claimed.ttft_s >= 15.0
+    for headers in (
+        {},
+        {b"x-slo-task": b"medical_qa"},
+        {b"x-slo-ttft-ms": b"1", b"x-slo-tpot-ms": b"1"},
+        {b"x-slo-ttft-ms": b"1"},
+    ):
+        target, _ = slo.classify(headers, None, policy)
+        assert target.ttft_s >= 15.0 and target.tpot_s >= 0.75, (headers, target)
+    # a key without a ceiling keeps what it asks for
+    open_target, _ = slo.classify({b"x-slo-task": b"medical_qa"}, None)
+    assert open_target.ttft_s == 0.7
 
 
 # -- headers forwarded upstream ------------------------------------------------------------------
