@@ -508,6 +508,20 @@ def build_api(gateway: Gateway) -> FastAPI:
                 raise GatewayError(
                     404, f"no engine {engine_id!r}", param="engine_id", code="engine_not_found"
                 )
+            if gateway.stopping:
+                # (a drain begun now would hold the shutdown, and the cut of open requests would
+                # end it half-way through the switch)
+                raise GatewayError(503, "gateway is shutting down", code="shutting_down", retry_after_s=1.0)
+            media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                # A page in a browser on this machine may POST text/plain anywhere without asking
+                # first (no CORS preflight), and with no admin keys (the default) nothing else
+                # stood between it and a role flip; JSON makes the browser ask, and we never agree
+                raise GatewayError(
+                    415,
+                    "the body must be JSON sent with Content-Type: application/json",
+                    code="unsupported_media_type",
+                )
             try:
                 body = orjson.loads(await _small_body(request, gateway.settings.body_timeout_s))
             except orjson.JSONDecodeError:

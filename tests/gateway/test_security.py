@@ -481,3 +481,26 @@ def test_a_key_with_a_policy_sees_routing_decisions_only_when_it_allows() -> Non
 
         assert decision(POLICY_KEY) is None
         assert decision(open_key) is not None and decision(CLIENT) is not None
+
+
+def test_a_role_flip_needs_a_json_body_and_a_running_gateway() -> None:
+    """With no admin keys (the default) a web page open on the same machine could flip an
+    engine's role: a text/plain POST needs no CORS preflight. And a flip asked for while the
+    gateway stops began a drain that the shutdown's cut ended half-way."""
+    engines = [
+        {"url": "http://127.0.0.1:9", "kind": "sim", "model": MODEL, "name": "e0"},
+        {"url": "http://127.0.0.1:9", "kind": "sim", "model": MODEL, "name": "e1"},
+    ]
+    with run_gateway(engines=engines, monitor_interval_s=30) as gw:
+        url = gw.url + "/admin/engines/e0/role"
+        body = '{"role": "prefill", "allow_gap": true}'
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"content-type": content_type} if content_type else {}
+            answer = httpx.post(url, content=body, headers=headers)
+            assert answer.status_code == 415, (content_type, answer.text)
+            assert answer.json()["error"]["code"] == "unsupported_media_type"
+        assert gw.gateway.fleet.records["e0"].adapter.role.value == "collocated"
+        gw.gateway.stopping = True  # (what begin_shutdown sets as the server stops accepting)
+        answer = httpx.post(url, json={"role": "prefill", "allow_gap": True})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+        assert answer.headers["retry-after"] == "1" and not gw.gateway.fleet.records["e0"].draining
