@@ -117,9 +117,12 @@ class EngineConfig(BaseModel):
     name: str | None = Field(
         default=None,
         min_length=1,
-        # (it is a path segment of /admin/engines/{id}/...: one with a slash could not be addressed)
-        pattern=r"^[^/]+$",
-        description="engine id (no '/'); default: host:port",
+        # It is a path segment of /admin/engines/{id}/... (a '/', '?', '#' or '%' could not be
+        # addressed) and the value of every answer's x-slogate-engine header (a control character
+        # there made uvicorn drop each connection after the engine had done the work): visible
+        # ASCII only, without those four
+        pattern=r"^[!\x22\x24\x26-\x2e\x30-\x3e\x40-\x7e]+$",
+        description="engine id (visible ASCII, no '/', '?', '#' or '%'); default: host:port",
     )
     api_key: str | None = Field(default=None, description="sent upstream as a Bearer token", repr=False)
     api_key_env: str | None = Field(
@@ -463,6 +466,17 @@ class Settings(BaseSettings):
                     f"duplicate engine id {engine.engine_id!r}; give each engine a distinct name"
                 )
             seen.add(engine.engine_id)
+        served: set[tuple[str, str]] = set()
+        for engine in engines:
+            # one server may serve several models (a generic OpenAI server), but one model there
+            # twice is one engine counted as two: its load read twice, its limit doubled
+            key = (str(engine.url).rstrip("/"), engine.model)
+            if key in served:
+                raise ValueError(
+                    f"engine {engine.engine_id!r} repeats {key[0]} for model {engine.model!r}: "
+                    "one server, one entry per model it serves"
+                )
+            served.add(key)
         roles: dict[str, set[Role]] = {}
         for engine in engines:
             roles.setdefault(engine.model, set()).add(engine.role)

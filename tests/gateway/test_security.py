@@ -489,7 +489,7 @@ def test_a_role_flip_needs_a_json_body_and_a_running_gateway() -> None:
     gateway stops began a drain that the shutdown's cut ended half-way."""
     engines = [
         {"url": "http://127.0.0.1:9", "kind": "sim", "model": MODEL, "name": "e0"},
-        {"url": "http://127.0.0.1:9", "kind": "sim", "model": MODEL, "name": "e1"},
+        {"url": "http://127.0.0.1:10", "kind": "sim", "model": MODEL, "name": "e1"},
     ]
     with run_gateway(engines=engines, monitor_interval_s=30) as gw:
         url = gw.url + "/admin/engines/e0/role"

@@ -350,12 +350,28 @@ def test_an_engine_url_with_the_api_path_is_refused_with_the_address_to_give(url
     assert url.rstrip("/").removesuffix("/v1") in str(raised.value)
 
 
-def test_an_engine_name_with_a_slash_is_refused() -> None:
-    """The name is a path segment of /admin/engines/{id}/role: with a slash it could never be
-    addressed (404 with or without %2F)."""
+@pytest.mark.parametrize(
+    "name", ["rack1/gpu0", "gpu?0", "gpu#0", "gpu%2F0", "gpu 0", "gpu\n0", "gpu\x000", "gpü"]
+)
+def test_an_engine_name_that_is_no_path_segment_or_header_value_is_refused(name: str) -> None:
+    """The name is a path segment of /admin/engines/{id}/role (with a slash it could never be
+    addressed, 404 with or without %2F) and every answer's x-slogate-engine header: a control
+    character there made uvicorn drop each connection after the engine had done the work."""
     with pytest.raises(ValidationError):
-        load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1/gpu0"}])
-    assert load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1-gpu0"}])
+        load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": name}])
+    assert load_settings(None, engines=[{"url": "http://vllm:8000", "model": "m", "name": "rack1-gpu0:[a]"}])
+
+
+def test_one_server_and_model_declared_twice_is_refused() -> None:
+    """Under two names one engine was counted as two: its scraped load read twice, a per-engine
+    load limit doubled. One server serving two models is two engines."""
+    twice = [
+        {"url": "http://vllm:8000", "model": "m", "name": "a"},
+        {"url": "http://vllm:8000/", "model": "m", "name": "b"},
+    ]
+    with pytest.raises(ValidationError, match="one entry per model"):
+        load_settings(None, engines=twice)
+    assert load_settings(None, engines=[twice[0], {**twice[1], "model": "other"}])
 
 
 def test_a_nested_variable_for_a_case_sensitive_mapping_is_refused_without_the_key(
