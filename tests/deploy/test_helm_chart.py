@@ -25,7 +25,7 @@ from gateway.app import create_app
 from gateway.settings import EngineConfig, EngineKind, Settings, load_settings
 from policies.api import Role
 from policies.slo import parse_slo_profile
-from tests.deploy.conftest import CHART, HelmCall
+from tests.deploy.conftest import CHART, REPO, HelmCall
 
 #: oldest (autoscaling/v2, policy/v1 and topology spread are long GA there) and newest checked
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
@@ -134,6 +134,28 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
             "gateway/engines/0",
         ),
         ({"gateway": {"pdb": {"minAvailable": 1.5}}}, "gateway/pdb/minAvailable"),
+        # a PDB that allows no eviction at all would hang every node drain
+        ({"gateway": {"pdb": {"maxUnavailable": 0}}}, "gateway/pdb/maxUnavailable"),
+        ({"gateway": {"pdb": {"maxUnavailable": "0%"}}}, "gateway/pdb/maxUnavailable"),
+        ({"gateway": {"pdb": {"minAvailable": "100%"}}}, "gateway/pdb/minAvailable"),
+        # what the gateway refuses at start-up: an API path, names no route or header can carry
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000/v1", "model": "m"}]}},
+            "gateway/engines/0/url",
+        ),
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "name": "a/b"}]}},
+            "gateway/engines/0/name",
+        ),
+        (
+            {"gateway": {"engines": [{"url": "http://e:8000", "model": "m", "name": ""}]}},
+            "gateway/engines/0/name",
+        ),
+        # a SecretKeySelector without its key: the ServiceMonitor CRD refuses it
+        (
+            {"serviceMonitor": {"bearerTokenSecret": {"name": "prom-token"}}},
+            "serviceMonitor/bearerTokenSecret",
+        ),
         ({"simEngines": {"role": "both"}}, "simEngines/role"),
         ({"apiKeys": {"clientKeys": ["has space"]}}, "apiKeys/clientKeys/0"),
     ],
@@ -183,8 +205,7 @@ def test_chart_renders_and_every_manifest_validates(
     helm: HelmCall, service_monitor_model: type[Any], name: str
 ) -> None:
     docs = _render(helm, _values(name))
-    assert docs
-    checked = 0
+    assert {"Deployment", "Service", "ConfigMap"} <= {doc["kind"] for doc in docs}, name
     for doc in docs:
         source = doc.pop("__source__")
         where = f"{source}: {doc['kind']} {doc['metadata']['name']}"
@@ -201,8 +222,6 @@ def test_chart_renders_and_every_manifest_validates(
                     error = f"{exc.message} at {list(exc.path)}"
                 assert error is None, f"{where} invalid for Kubernetes {version}: {error}"
         assert len(doc["metadata"]["name"]) <= 63 and DNS_1035.match(doc["metadata"]["name"]), where
-        checked += 1
-    assert checked == len(docs)
 
 
 def test_lint_is_clean(helm: HelmCall) -> None:
@@ -316,7 +335,8 @@ def test_pd_values_register_roles_and_keys(
     }
     assert len(vllm) == 4
     for name, container in vllm.items():
-        assert ("--kv-transfer-config" in container["args"]) == ("-collocated-" not in name), name
+        # (the collocated one too: an admin may flip it into either pool, see below)
+        assert "--kv-transfer-config" in container["args"], name
         assert container["args"][container["args"].index("--served-model-name") + 1] == "qwen-7b"
     (secret,) = _by_kind(docs, "Secret")
     gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "rel-slogate")
@@ -587,9 +607,11 @@ def test_a_stopping_gateway_ends_what_is_open_before_the_kill(helm: HelmCall) ->
 
 
 def test_vllm_pods_are_locked_down_and_request_resources(helm: HelmCall) -> None:
-    for doc in _by_kind(_render(helm, _values("pd")), "Deployment"):
-        if "-vllm-" not in doc["metadata"]["name"]:
-            continue
+    vllm = [
+        d for d in _by_kind(_render(helm, _values("pd")), "Deployment") if "-vllm-" in d["metadata"]["name"]
+    ]
+    assert len(vllm) >= 2  # (the P/D values run a prefill and a decode engine at least)
+    for doc in vllm:
         pod = doc["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -610,10 +632,11 @@ def test_sim_engines_can_schedule_by_deadline(helm: HelmCall, tmp_path: Path) ->
         },
     )
     docs = _render(helm, values)
-    for doc in _by_kind(docs, "Deployment"):
-        if "-sim-" in doc["metadata"]["name"]:
-            args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
-            assert args[args.index("--scheduling-policy") + 1] == "priority"
+    sims = [d for d in _by_kind(docs, "Deployment") if "-sim-" in d["metadata"]["name"]]
+    assert sims
+    for doc in sims:
+        args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--scheduling-policy") + 1] == "priority"
     settings = _gateway_config(docs, tmp_path)
     assert settings.engines and all(e.priority_scheduling for e in settings.engines)
     create_app(settings)
@@ -623,3 +646,52 @@ def test_sim_engines_can_schedule_by_deadline(helm: HelmCall, tmp_path: Path) ->
         "template"
     ]["spec"]["containers"][0]["args"]
     assert "--scheduling-policy" not in args
+
+
+def test_every_vllm_engine_of_a_disaggregated_release_runs_the_kv_connector(helm: HelmCall) -> None:
+    """The gateway lets an admin flip any vLLM engine into the prefill or decode pool: a
+    collocated one launched without the KV connector then failed every prefill (502) or
+    recomputed every prompt. Without P/D engines, none needs it."""
+    vllm = [
+        d for d in _by_kind(_render(helm, _values("pd")), "Deployment") if "-vllm-" in d["metadata"]["name"]
+    ]
+    assert {d["metadata"]["labels"]["slogate.io/role"] for d in vllm} == {"collocated", "prefill", "decode"}
+    for doc in vllm:
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        assert "--kv-transfer-config" in container["args"], doc["metadata"]["name"]
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in {e["name"] for e in container["env"]}
+    collocated_only = _coalesce(
+        _values("pd"),
+        {"vllm": {"collocated": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 0}}},
+    )
+    vllm = [
+        d for d in _by_kind(_render(helm, collocated_only), "Deployment") if "-vllm-" in d["metadata"]["name"]
+    ]
+    assert vllm and all(
+        "--kv-transfer-config" not in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in vllm
+    )
+
+
+def test_a_changed_engine_profile_restarts_the_simulated_engines(helm: HelmCall) -> None:
+    """A new profiles.engines text restarted the gateway (its ConfigMap checksum) but not the
+    simulated engines, which kept the latency profile they had read at start."""
+
+    def sim_annotations(profile_text: str) -> list[dict[str, str]]:
+        values = _coalesce(
+            _values("demo"),
+            {"profiles": {"engines": {"custom": profile_text}}, "simEngines": {"profile": "custom"}},
+        )
+        sims = [d for d in _by_kind(_render(helm, values), "Deployment") if "-sim-" in d["metadata"]["name"]]
+        assert sims
+        return [d["spec"]["template"]["metadata"].get("annotations", {}) for d in sims]
+
+    profile = (REPO / "profiles" / "engines" / "qwen-7b.yaml").read_text()
+    first, second = sim_annotations(profile), sim_annotations(profile + "\n# tuned\n")
+    assert all("checksum/profiles" in a for a in first)
+    assert first != second
+
+
+def test_an_autoscaler_whose_minimum_is_above_its_maximum_fails_the_render(helm: HelmCall) -> None:
+    values = {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
+    answer = helm("render", values)
+    assert not answer["ok"] and "minReplicas (5) is above maxReplicas (2)" in answer["error"], answer
