@@ -173,6 +173,10 @@ def _engines(gateway: Gateway) -> list[dict[str, Any]]:
                 "kind": record.adapter.kind,
                 "role": record.adapter.role.value,
                 "healthy": record.healthy,
+                # out of rotation while healthy: being drained (a role flip) or stalled
+                "draining": record.draining,
+                "stalled": record.stalled,
+                "in_rotation": fleet.in_front(record) or fleet.in_decode_pool(record),
                 "in_flight": record.in_flight,
                 "running": None if state is None else state.num_running,
                 "waiting": None if state is None else state.num_waiting,

@@ -100,6 +100,33 @@ def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> Non
     assert state(gateway, "?decisions=0").json()["decisions"] == []
 
 
+def test_an_engine_out_of_rotation_is_not_shown_as_serving(gateway: RunningGateway) -> None:
+    """An engine being drained (a role flip) or stalled stays healthy, and the page showed it as
+    healthy and counted it among the serving engines: it takes no request meanwhile."""
+    fleet = gateway.gateway.fleet
+    assert fleet is not None
+    loop = gateway.gateway.dispatch._task.get_loop()  # type: ignore[union-attr]
+
+    def on_loop(change: Any) -> None:
+        done = threading.Event()
+        loop.call_soon_threadsafe(lambda: (change(), done.set()))
+        assert done.wait(5)
+
+    on_loop(lambda: fleet.set_draining("e0", True))
+    try:
+        engines = {e["id"]: e for e in state(gateway).json()["engines"]}
+        assert engines["e0"]["healthy"] and engines["e0"]["draining"]
+        assert not engines["e0"]["in_rotation"] and engines["e1"]["in_rotation"]
+    finally:
+        on_loop(lambda: fleet.set_draining("e0", False))
+    on_loop(lambda: fleet.set_stalled("e1", True))
+    try:
+        engines = {e["id"]: e for e in state(gateway).json()["engines"]}
+        assert engines["e1"]["stalled"] and not engines["e1"]["in_rotation"] and engines["e0"]["in_rotation"]
+    finally:
+        on_loop(lambda: fleet.set_stalled("e1", False))
+
+
 def test_bad_input_gets_openai_shaped_errors(gateway: RunningGateway) -> None:
     for query, param in (
         ("?decisions=-1", "decisions"),
