@@ -117,7 +117,9 @@ class AdminRoutes:
             s.model.cache.clear()
             s.publish_kv_events()
         self.level = max(self.level, level) if self.asleep else level
-        self.asleep = {"scheduling"} if level == 0 else set(ALL_TAGS)
+        # (added to what already sleeps: a level-0 sleep after a level-1 one leaves the weights off
+        # the GPU, and the wake must still load them)
+        self.asleep |= {"scheduling"} if level == 0 else set(ALL_TAGS)
         return _json({"status": "sleeping", "level": level})
 
     async def wake_up(self, http: web.Request) -> web.Response:

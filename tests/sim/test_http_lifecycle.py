@@ -63,6 +63,16 @@ async def test_sleep_abort_ends_in_flight_requests(fresh: SimProcess) -> None:
     assert seconds >= 4.14 / SCALE  # level 2 reloads from disk
 
 
+async def test_a_lighter_sleep_after_a_deeper_one_keeps_the_weights_off(fresh: SimProcess) -> None:
+    """Level 1, then level 0: the second replaced what slept with the scheduler alone, and the wake
+    skipped loading weights that were still offloaded (sleep experiments came out optimistic)."""
+    await call("POST", fresh.url + "/sleep?level=1")
+    status, _, _ = await call("POST", fresh.url + "/sleep?level=0")
+    assert status == 200
+    _, body, seconds = await call("POST", fresh.url + "/wake_up")
+    assert body["status"] == "awake" and seconds >= 2.73 / SCALE  # weights back from CPU
+
+
 @pytest.mark.parametrize(("source", "seconds"), [("disk", 4.14), ("cpu", 2.73), ("peer", 0.89)])
 async def test_load_weights_takes_table2_time(fresh: SimProcess, source: str, seconds: float) -> None:
     payload = {"source": source} | ({"peer_url": "http://127.0.0.1:1"} if source == "peer" else {})
