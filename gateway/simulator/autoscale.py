@@ -333,8 +333,11 @@ class Autoscaler:
             return
         fleet = self.fleet
         if slot.flipping_to is not None:
-            role, slot.flipping_to = slot.flipping_to, None
-            self.clock.at(self.clock.now + self.config.role_switch_s, self._flipped, slot, generation, role)
+            # (still on its way into the new pool while it switches: the scaler counts it pending
+            # until _flipped, or a tick in between added an engine beyond its max_pending)
+            self.clock.at(
+                self.clock.now + self.config.role_switch_s, self._flipped, slot, generation, slot.flipping_to
+            )
             return
         fleet.eject(slot.engine_id, "scaled in")
         fleet.set_draining(slot.engine_id, False)
@@ -348,7 +351,7 @@ class Autoscaler:
             return
         fleet = self.fleet
         fleet.set_role(slot.engine_id, role)
-        slot.role = role
+        slot.role, slot.flipping_to = role, None
         self._move(slot, Phase.SERVING)
         fleet.set_draining(slot.engine_id, False)
         self._event("flipped", slot)

@@ -141,6 +141,37 @@ def test_pd_scales_each_pool_and_flips_roles_without_losing_requests() -> None:
     assert set(report.timeline[-1][1]) == {"prefill", "decode"}
 
 
+def test_an_engine_switching_role_counts_as_pending_for_its_new_pool() -> None:
+    """Drained, a flipping engine switches role for ``role_switch_s``: in that time it was neither
+    serving nor pending anywhere, and a scaler tick could add another engine to the pool it was
+    joining beyond the policy's max_pending."""
+    scenario = Scenario(
+        "hyperflexis-4task",
+        qps=60,
+        policy="least-load",
+        duration_s=12,
+        requests=10**6,
+        seed=3,
+        pd=(1, 2),
+        disaggregation="always",
+        autoscale=AutoscaleConfig("hyperflexis", 1, 4, 1, role_switch_s=3.0),
+    )
+    sim = Simulation(scenario)
+    auto = sim.autoscaler
+    assert auto is not None
+    seen: list[int] = []
+    flipped = auto._flipped
+
+    def spy(slot: object, generation: int, role: Role) -> None:
+        seen.append(auto.view().pending(role))  # the moment before the switch ends
+        flipped(slot, generation, role)  # type: ignore[arg-type]
+
+    auto._flipped = spy  # type: ignore[method-assign]
+    result = sim.run()
+    assert result.autoscale is not None and any(ev.kind == "flipped" for ev in result.autoscale.events)
+    assert seen and all(n >= 1 for n in seen), seen
+
+
 def test_recovery_time() -> None:
     wins = [(0.0, 10, 1.0), (5.0, 10, 0.5), (10.0, 10, 0.8), (15.0, 10, 0.95), (20.0, 10, 1.0)]
     assert recovery(wins, 5.0, 25.0) == 10.0
