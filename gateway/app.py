@@ -485,6 +485,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "role": r.adapter.role.value,
                     "healthy": r.healthy,
                     "draining": r.draining,  # (a role flip under way)
+                    "role_unsure": r.role_unsure,  # (a failed flip left its role unknown)
                     "stalled": r.stalled,  # (work held, no progress: out of rotation)
                     "in_flight": r.in_flight,
                     "last_error": r.last_error or None,

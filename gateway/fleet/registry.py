@@ -95,6 +95,9 @@ class EngineRecord:
     running_tokens: int = 0
     #: taken out of rotation for an admin action (a role flip): healthy, but given no new work
     draining: bool = False
+    #: a role change failed and so did telling the engine its old role again: which of the two
+    #: it runs is unknown, so it stays out of rotation (draining) until a role flip succeeds
+    role_unsure: bool = False
     #: out of rotation while it holds work and makes no progress (:func:`policies.stall.is_stalled`)
     stalled: bool = False
     #: a count that moves with every sign of progress (first tokens, streamed events, the

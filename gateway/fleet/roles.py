@@ -77,9 +77,12 @@ async def flip_role(
     """Drain ``engine_id``, switch it to ``role``, put it back (see the module docstring)."""
     record = fleet.records[engine_id]
     before = record.adapter.role
-    if record.draining:
+    # (an engine whose role is unsure was left draining by the failure: a flip is what mends it,
+    # to either role, and it is told the role even when the gateway already records it)
+    unsure = record.role_unsure
+    if record.draining and not unsure:
         raise GatewayError(409, f"engine {engine_id} is already being drained", code="draining")
-    if before is role:
+    if before is role and not unsure:
         return RoleFlip(engine_id, before, role, 0.0)
     if not record.adapter.switches_role:
         raise GatewayError(
@@ -91,6 +94,10 @@ async def flip_role(
     check_flip(fleet, engine_id, role, allow_gap)
     started = time.monotonic()
     fleet.set_draining(engine_id, True)
+    # this flip owns the engine now (a second request meanwhile is refused as a drain under way);
+    # whatever ends it before the engine confirms a role leaves an unsure one as it was
+    record.role_unsure = False
+    left_unsure = unsure
     try:
         while record.running:
             if time.monotonic() - started > drain_timeout_s:
@@ -105,14 +112,22 @@ async def flip_role(
         check_flip(fleet, engine_id, role, allow_gap=True)
         try:
             await record.adapter.switch_role(role)
+        except asyncio.CancelledError:
+            left_unsure = True  # (told or not, nobody will know: as when the restore fails)
+            raise
         except Exception as exc:  # the engine did not take it: it keeps serving as before
             # it may have taken it and failed to say so (an answer past the timeout): told its
             # old role again, so that the engine and the gateway agree on it (best effort)
             try:
                 await record.adapter.switch_role(before)
+                left_unsure = False
             except Exception as again:
+                # it may run either role: out of rotation until a flip (to either) succeeds,
+                # rather than sent requests its role may not serve
+                left_unsure = True
                 log.error(
-                    "engine %s: role change to %s failed and its role %s could not be restored: %s",
+                    "engine %s: role change to %s failed and its role %s could not be restored: "
+                    "%s; it stays out of rotation until a role change succeeds",
                     engine_id,
                     role.value,
                     before.value,
@@ -122,8 +137,11 @@ async def flip_role(
             reason = describe_failure(exc)
             raise GatewayError(502, f"engine {engine_id} refused the role change: {reason}") from None
         fleet.set_role(engine_id, role)
+        left_unsure = False
     finally:
-        fleet.set_draining(engine_id, False)
+        record.role_unsure = left_unsure
+        if not left_unsure:
+            fleet.set_draining(engine_id, False)
     drained = time.monotonic() - started
     log.info("engine %s: role %s -> %s after %.3f s drain", engine_id, before.value, role.value, drained)
     return RoleFlip(engine_id, before, role, drained)

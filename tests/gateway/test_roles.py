@@ -62,6 +62,31 @@ async def test_a_failed_role_change_tells_the_engine_its_old_role_again() -> Non
     assert not record.draining
 
 
+async def test_an_engine_whose_role_is_unknown_stays_out_of_rotation_until_a_flip_mends_it() -> None:
+    """The change failed and so did the restore: the engine may run either role. It went back
+    into rotation under the old one, and asking for the old role again was a no-op that never
+    told the engine (200, drained_s 0), so nothing could bring the two back into agreement."""
+    from gateway.fleet.roles import flip_role
+
+    fleet = _fleet("collocated", "collocated")
+    record = fleet.records["e1"]
+    told: list[Role] = []
+
+    async def switch_role(role: Role) -> None:
+        told.append(role)
+        if len(told) <= 2:
+            raise TimeoutError()
+
+    record.adapter.switch_role = switch_role  # type: ignore[method-assign]
+    with pytest.raises(GatewayError) as info:
+        await flip_role(fleet, "e1", Role.DECODE, 1.0)
+    assert info.value.status == 502 and told == [Role.DECODE, Role.COLLOCATED]
+    assert record.role_unsure and record.draining and not fleet.in_front(record)
+    flip = await flip_role(fleet, "e1", Role.COLLOCATED, 1.0)  # the role it is recorded in
+    assert told[-1] is Role.COLLOCATED and flip.role is Role.COLLOCATED
+    assert not record.role_unsure and not record.draining and fleet.in_front(record)
+
+
 async def test_a_refused_role_change_never_shows_the_engine_s_key(caplog: pytest.LogCaptureFixture) -> None:
     """aiohttp's ClientResponseError carries the request's headers in its repr: the 502 and the
     log of a refused role change showed the engine's Authorization header."""
