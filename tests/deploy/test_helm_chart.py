@@ -695,3 +695,12 @@ def test_an_autoscaler_whose_minimum_is_above_its_maximum_fails_the_render(helm:
     values = {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
     answer = helm("render", values)
     assert not answer["ok"] and "minReplicas (5) is above maxReplicas (2)" in answer["error"], answer
+
+
+def test_simulated_engines_of_one_half_of_a_pair_alone_fail_the_render(helm: HelmCall) -> None:
+    """simEngines.role prefill (or decode) with no other engine rendered a fleet the gateway
+    refuses at start-up: pods crash-looping instead of a failed install."""
+    for role in ("prefill", "decode"):
+        answer = helm("render", _coalesce(_values("demo"), {"simEngines": {"role": role}}))
+        assert not answer["ok"] and f"simEngines.role {role}" in answer["error"], answer
+    assert helm("render", _values("demo"))["ok"]

@@ -140,6 +140,10 @@ SLOGATE_ENGINE_API_KEY_{{ . }}
 {{- if and $k.required (not $k.existingSecret) (or (not $k.clientKeys) (not $k.adminKeys)) -}}
 {{- fail "apiKeys.required: give client and admin keys, e.g. --set-json 'apiKeys.clientKeys=[\"<client key>\"]' --set-json 'apiKeys.adminKeys=[\"<admin key>\"]' (openssl rand -hex 24 makes one), or name your own Secret in apiKeys.existingSecret" -}}
 {{- end -}}
+{{- $s := .Values.simEngines -}}
+{{- if and $s.enabled (ne $s.role "collocated") (not .Values.gateway.engines) (not .Values.vllm.enabled) -}}
+{{- fail (printf "simEngines.role %s: every simulated engine would be a %s engine and none the other half of the pair (the gateway refuses such a fleet at start-up); add the other half in gateway.engines or vllm, or use role collocated" $s.role $s.role) -}}
+{{- end -}}
 {{- $g := .Values.gateway -}}
 {{- if and (gt (int $g.preStopSleepSeconds) 0) (ge (int $g.preStopSleepSeconds) (int $g.terminationGracePeriodSeconds)) -}}
 {{- fail (printf "gateway.terminationGracePeriodSeconds (%d) must be above gateway.preStopSleepSeconds (%d): the grace period counts from the start of the preStop sleep" (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
