@@ -509,10 +509,11 @@ def build_api(gateway: Gateway) -> FastAPI:
                 raise GatewayError(
                     404, f"no engine {engine_id!r}", param="engine_id", code="engine_not_found"
                 )
+            stopping = GatewayError(503, "gateway is shutting down", code="shutting_down", retry_after_s=1.0)
             if gateway.stopping:
                 # (a drain begun now would hold the shutdown, and the cut of open requests would
                 # end it half-way through the switch)
-                raise GatewayError(503, "gateway is shutting down", code="shutting_down", retry_after_s=1.0)
+                raise stopping
             media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media != "application/json":
                 # A page in a browser on this machine may POST text/plain anywhere without asking
@@ -540,6 +541,8 @@ def build_api(gateway: Gateway) -> FastAPI:
             allow_gap = body.get("allow_gap", False) if isinstance(body, dict) else False
             if not isinstance(allow_gap, bool):
                 raise GatewayError(400, "allow_gap must be true or false", param="allow_gap")
+            if gateway.stopping:  # (again: the body may have taken up to body_timeout_s)
+                raise stopping
             flip = await flip_role(f, engine_id, Role(role), float(drain), allow_gap)
         except GatewayError as error:
             return _error_response(error)

@@ -269,19 +269,26 @@ def clamp_hints(hints: SloHints, policy: ApiKeyPolicy) -> SloHints:
     return SloHints(ttft_ms=ttft, tpot_ms=tpot, task=task, priority=priority, tenant=policy.tenant)
 
 
+#: the rules whose targets a client chooses (headers, a task it names, or claiming nothing)
+CLIENT_SOURCES = frozenset({SloSource.EXPLICIT, SloSource.TASK, SloSource.DEFAULT})
+
+
 def clamp_target(
-    target: SloTarget, policy: ApiKeyPolicy, level_floor: tuple[float, float] | None = None
+    target: SloTarget,
+    policy: ApiKeyPolicy,
+    level_floor: tuple[float, float] | None = None,
+    client_sources: frozenset[SloSource] = CLIENT_SOURCES,
 ) -> SloTarget:
     """``target`` no tighter than the key's minimums, whichever rule produced it.
 
     Clamping the explicit headers is not enough: a task the client may pick, or the priority
     mapper's relaxed floor, can also promise more than the key is allowed. ``level_floor``: the
     TTFT and TPOT floors of the key's ``max_priority`` level, when the profile has levels. They
-    bind targets that came from any rule but the priority mapper (a task, explicit headers, a
-    tenant's or the default class): a key held to priority 3 got the default class's 1.5 s by
-    claiming nothing, 0.7 s by naming a task and 1 ms by asking, where its level promises 15 s.
-    The mapper's own targets for the key's level are its rules' (Algorithm 2's relaxed floor
-    included), as for any client of that level.
+    bind the targets of the rules in ``client_sources``, the ones the client chose: a key held
+    to priority 3 got the default class's 1.5 s by claiming nothing, 0.7 s by naming a task and
+    1 ms by asking, where its level promises 15 s. What the operator chose (the key's own task, a
+    tenant's class) stands, and so do the mapper's targets for the key's level (Algorithm 2's
+    relaxed floor included), as for any client of that level.
     """
     ttft_s, tpot_s = target.ttft_s, target.tpot_s
     if policy.min_ttft_ms is not None:
@@ -289,9 +296,9 @@ def clamp_target(
     if policy.min_tpot_ms is not None:
         tpot_s = max(tpot_s, policy.min_tpot_ms / 1000)
     if level_floor is not None:
-        if target.source is not SloSource.PRIORITY:
+        if target.source in client_sources:
             ttft_s = max(ttft_s, level_floor[0])
-        if (target.tpot_source or target.source) is not SloSource.PRIORITY:
+        if (target.tpot_source or target.source) in client_sources:
             tpot_s = max(tpot_s, level_floor[1])
     if (ttft_s, tpot_s) == (target.ttft_s, target.tpot_s):
         return target

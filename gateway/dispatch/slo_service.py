@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from gateway import metrics
-from gateway.api.auth import OPEN_POLICY, clamp_hints, clamp_target
+from gateway.api.auth import CLIENT_SOURCES, OPEN_POLICY, clamp_hints, clamp_target
 from gateway.api.errors import bad_request
 from gateway.dispatch.core import ClassLimits
 from gateway.dispatch.latency_learner import LatencyLearner
@@ -29,6 +29,7 @@ from policies.priority_mapping import PriorityMappingState, observe_completion, 
 from policies.slo import (
     SloHints,
     SloProfile,
+    SloSource,
     SloTarget,
     classify,
     classify_mapped,
@@ -155,14 +156,20 @@ class SloService:
                 return clock is not None and self.backlog(model, clock())
 
             target, self.mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
-        return clamp_target(target, policy, self._level_floor(policy)), priority
+        floor = self._level_floor(policy)
+        if floor is None:
+            return clamp_target(target, policy), priority
+        # the key's own task is the operator's choice, not a claim of the client's
+        key_task = policy.task is not None and not (policy.task_override and claims.task)
+        sources = CLIENT_SOURCES - {SloSource.TASK} if key_task else CLIENT_SOURCES
+        return clamp_target(target, policy, floor, sources), priority
 
     def _level_floor(self, policy: ApiKeyPolicy) -> tuple[float, float] | None:
         """The TTFT and TPOT floors of the key's ``max_priority`` level (see :func:`clamp_target`);
         None when the key has no ceiling or the profile no levels."""
         ceiling = policy.max_priority
-        if ceiling is None or self.profile.priority is None:
-            return None
+        if ceiling is None or ceiling <= 0 or self.profile.priority is None:
+            return None  # (a ceiling at the highest level bounds nothing)
         levels = self.profile.priority.levels
         bounds = levels[min(max(ceiling, 0), len(levels) - 1)].bounds()
         return bounds.ttft_min_s, bounds.tpot_min_s

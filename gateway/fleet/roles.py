@@ -91,7 +91,8 @@ async def flip_role(
             "a launch setting, e.g. SGLang's --disaggregation-mode): restart it in the new role",
             code="role_fixed",
         )
-    check_flip(fleet, engine_id, role, allow_gap)
+    # (an unsure engine is out of rotation already: mending it opens no gap)
+    check_flip(fleet, engine_id, role, allow_gap or unsure)
     started = time.monotonic()
     fleet.set_draining(engine_id, True)
     # this flip owns the engine now (a second request meanwhile is refused as a drain under way);
@@ -118,13 +119,13 @@ async def flip_role(
         except Exception as exc:  # the engine did not take it: it keeps serving as before
             # it may have taken it and failed to say so (an answer past the timeout): told its
             # old role again, so that the engine and the gateway agree on it (best effort)
+            left_unsure = True  # (until the engine confirms it: a cancellation here leaves it so)
             try:
                 await record.adapter.switch_role(before)
                 left_unsure = False
             except Exception as again:
                 # it may run either role: out of rotation until a flip (to either) succeeds,
                 # rather than sent requests its role may not serve
-                left_unsure = True
                 log.error(
                     "engine %s: role change to %s failed and its role %s could not be restored: "
                     "%s; it stays out of rotation until a role change succeeds",

@@ -117,7 +117,12 @@ def test_an_engine_out_of_rotation_is_not_shown_as_serving(gateway: RunningGatew
         engines = {e["id"]: e for e in state(gateway).json()["engines"]}
         assert engines["e0"]["healthy"] and engines["e0"]["draining"]
         assert not engines["e0"]["in_rotation"] and engines["e1"]["in_rotation"]
+        # (a failed role flip leaves an engine draining with its role unknown: shown so)
+        assert not engines["e0"]["role_unsure"]
+        on_loop(lambda: setattr(fleet.records["e0"], "role_unsure", True))
+        assert {e["id"]: e for e in state(gateway).json()["engines"]}["e0"]["role_unsure"]
     finally:
+        on_loop(lambda: setattr(fleet.records["e0"], "role_unsure", False))
         on_loop(lambda: fleet.set_draining("e0", False))
     on_loop(lambda: fleet.set_stalled("e1", True))
     try:

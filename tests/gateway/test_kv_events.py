@@ -611,9 +611,10 @@ async def test_a_refused_connection_reaches_the_engine_s_subscriber() -> None:
     from gateway.fleet.registry import Fleet
     from gateway.settings import EngineConfig, Settings
 
-    closed = _free_port()  # (nothing listens there)
+    first = _free_port()  # (nothing listens there; one port each: one server is one engine)
+    closed = [first, next(p for p in iter(_free_port, None) if p != first)]
     engines = [
-        {"url": f"http://127.0.0.1:{closed}", "kind": "sim", "model": MODEL, "name": f"{MODEL}-{i}"}
+        {"url": f"http://127.0.0.1:{closed[i]}", "kind": "sim", "model": MODEL, "name": f"{MODEL}-{i}"}
         for i in range(2)
     ]
     engines[0]["kv_events_endpoint"] = "tcp://127.0.0.1:9"

@@ -87,6 +87,40 @@ async def test_an_engine_whose_role_is_unknown_stays_out_of_rotation_until_a_fli
     assert not record.role_unsure and not record.draining and fleet.in_front(record)
 
 
+async def test_a_flip_cancelled_while_restoring_the_old_role_leaves_the_role_unknown() -> None:
+    """Cancelled (a shutdown's backstop) while the engine was being told its old role again after
+    a failed change: the engine went back into rotation under the old role, whichever it ran."""
+    import asyncio
+
+    from gateway.fleet.roles import flip_role
+
+    fleet = _fleet("collocated", "collocated")
+    record = fleet.records["e1"]
+    told: list[Role] = []
+    restoring = asyncio.Event()
+
+    async def switch_role(role: Role) -> None:
+        told.append(role)
+        if len(told) == 1:
+            raise TimeoutError()
+        restoring.set()
+        await asyncio.sleep(60)
+
+    record.adapter.switch_role = switch_role  # type: ignore[method-assign]
+    flip = asyncio.create_task(flip_role(fleet, "e1", Role.DECODE, 1.0))
+    await asyncio.wait_for(restoring.wait(), 5)
+    flip.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flip
+    assert record.role_unsure and record.draining and not fleet.in_front(record)
+    # the model's other engine is in rotation; were it not, the mend needs no allow_gap: the
+    # unsure engine is out already
+    fleet.set_draining("e0", True)
+    record.adapter.switch_role = lambda role: asyncio.sleep(0)  # type: ignore[method-assign,assignment,return-value]
+    await flip_role(fleet, "e1", Role.COLLOCATED, 1.0)
+    assert not record.role_unsure and fleet.in_front(record)
+
+
 async def test_a_refused_role_change_never_shows_the_engine_s_key(caplog: pytest.LogCaptureFixture) -> None:
     """aiohttp's ClientResponseError carries the request's headers in its repr: the 502 and the
     log of a refused role change showed the engine's Authorization header."""

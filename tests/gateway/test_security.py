@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from typing import Any
 
 import aiohttp
@@ -294,9 +296,24 @@ def test_a_keys_priority_ceiling_binds_targets_from_every_rule() -> None:
     ):
         target, _ = slo.classify(headers, None, policy)
         assert target.ttft_s >= 15.0 and target.tpot_s >= 0.75, (headers, target)
-    # a key without a ceiling keeps what it asks for
-    open_target, _ = slo.classify({b"x-slo-task": b"medical_qa"}, None)
-    assert open_target.ttft_s == 0.7
+    # a key without a ceiling, or with the highest level as its ceiling, keeps what it asks for
+    # (the floor is for claims the key's level does not allow, not for every key)
+    keys = load_settings(
+        slo_profile="hyperflexis-4task",
+        api_key_policies={"sk-none-0123456789": {"tenant": "t"}, "sk-top-0123456789": {"max_priority": 0}},
+    )
+    for name in ("sk-none-0123456789", "sk-top-0123456789"):
+        target, _ = SloService(keys).classify(
+            {b"x-slo-ttft-ms": b"300", b"x-slo-tpot-ms": b"200"}, None, keys.key_policies()[name]
+        )
+        assert (target.ttft_s, target.tpot_s) == (0.3, 0.2), name
+    # the key's own task is the operator's choice, not the client's claim: it stands
+    own = load_settings(
+        slo_profile="hyperflexis-4task",
+        api_key_policies={POLICY_KEY: {"task": "medical_qa", "max_priority": 2}},
+    )
+    target, _ = SloService(own).classify({}, None, own.key_policies()[POLICY_KEY])
+    assert (target.slo_class, target.ttft_s) == ("medical_qa", 0.7)
 
 
 # -- headers forwarded upstream ------------------------------------------------------------------
@@ -500,7 +517,18 @@ def test_a_role_flip_needs_a_json_body_and_a_running_gateway() -> None:
             assert answer.status_code == 415, (content_type, answer.text)
             assert answer.json()["error"]["code"] == "unsupported_media_type"
         assert gw.gateway.fleet.records["e0"].adapter.role.value == "collocated"
-        gw.gateway.stopping = True  # (what begin_shutdown sets as the server stops accepting)
+        # stopping begins while the body is still arriving (it may take up to body_timeout_s)
+        host, port = gw.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /admin/engines/e0/role HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body[:5].encode()
+            )
+            time.sleep(0.3)
+            gw.gateway.stopping = True  # (what begin_shutdown sets as the server stops accepting)
+            sock.sendall(body[5:].encode())
+            assert sock.recv(65536).startswith(b"HTTP/1.1 503 ")
+        assert not gw.gateway.fleet.records["e0"].draining
         answer = httpx.post(url, json={"role": "prefill", "allow_gap": True})
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
         assert answer.headers["retry-after"] == "1" and not gw.gateway.fleet.records["e0"].draining
