@@ -226,6 +226,10 @@ async def relay_stream(
                     complete, done, n, content, failed_at = _final_events(call, complete, sep)
                 else:
                     n = content = complete.count(sep)
+                if content and not call.first_at and b'"role"' in complete:
+                    # vLLM's chat streams open with an event carrying only the role: no token (as
+                    # one, every such stream's TPOT read (N - 1) / N of its real value)
+                    content -= _role_only_events(complete, sep)
                 # (an error is no first token, nor is a keep-alive comment; an empty answer's
                 # [DONE] is where its first token would have been)
                 if not call.first_at and (content or (done and failed_at < 0)):
@@ -383,6 +387,33 @@ def _is_comment(event: bytes) -> bool:
     return all(line[:1] == b":" for line in event.splitlines() if line)
 
 
+def _role_only(choice: object) -> bool:
+    """A streamed choice whose delta announces the role and carries no output (no content, no
+    tool call, no reasoning): the event vLLM opens a chat stream with, before the first token."""
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    return (
+        isinstance(delta, dict)
+        and "role" in delta
+        and not any(value for key, value in delta.items() if key != "role")
+    )
+
+
+def _role_only_events(complete: bytes, sep: bytes) -> int:
+    """How many events of ``complete`` are role announcements only (see :func:`_role_only`):
+    decoded only for a stream's first chunk that names a role."""
+    count = 0
+    for event in complete.split(sep)[:-1]:
+        payload = sse_data(event)
+        if b'"role"' not in payload or not payload.startswith(b"{"):
+            continue
+        with contextlib.suppress(orjson.JSONDecodeError):
+            data = orjson.loads(payload)
+            choices = data.get("choices") if isinstance(data, dict) else None
+            if isinstance(choices, list) and choices and all(_role_only(c) for c in choices):
+                count += 1
+    return count
+
+
 def _count_choices(call: Call, complete: bytes, sep: bytes) -> None:
     """A stream of several choices: its content events per choice index, the longest of which is
     the number of engine steps (a choice that ends sends no more). Decoded only here, for the
@@ -399,7 +430,7 @@ def _count_choices(call: Call, complete: bytes, sep: bytes) -> None:
             choices = data.get("choices") if isinstance(data, dict) else None
             for choice in choices if isinstance(choices, list) else ():
                 index = choice.get("index") if isinstance(choice, dict) else None
-                if isinstance(index, int):
+                if isinstance(index, int) and not _role_only(choice):
                     counts[index] = counts.get(index, 0) + 1
 
 

@@ -502,3 +502,27 @@ async def test_an_lf_comment_inside_a_crlf_stream_does_not_hide_its_done() -> No
     assert out.endswith(b"data: [DONE]" + crlf) and call.content_events == 2
     status, out, call = await relay([content("a", crlf), b": ping\n\n", b"data: [DONE]" + crlf])
     assert status == 200 and b"error" not in out and call.content_events == 1, out
+
+
+def role_only(index: int = 0) -> bytes:
+    """The event vLLM opens a chat stream with: the role, no token."""
+    return event(
+        {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}]}
+    )
+
+
+@pytest.mark.parametrize("together", [False, True])
+async def test_the_role_announcement_opening_a_chat_stream_is_no_token(together: bool) -> None:
+    """Counted as a content event, it made every vLLM chat stream one step longer than it was:
+    TPOT judged at (N - 1) / N of the real one (half of it for two tokens), and the stream's
+    first token timed at an event that carried none."""
+    tokens = content("a") + content("b") + content("c") + b"data: [DONE]\n\n"
+    chunks = [role_only() + tokens] if together else [role_only(), tokens]
+    status, out, call = await relay(chunks)
+    assert status == 200 and out == role_only() + tokens  # relayed untouched all the same
+    assert call.content_events == 3 and call.entry is not None and call.entry.generated == 3
+    # a delta with the role and content (the simulated engine's first event) is a token
+    status, _, call = await relay(
+        [event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}), tokens]
+    )
+    assert status == 200 and call.content_events == 4
