@@ -82,18 +82,36 @@ MAX_TRACE_HEADER_LENGTH = 512
 SHUTDOWN_TIMEOUT_S = 3.0
 
 
-class _QuietTruncation(logging.Filter):
-    """Drops OpenTelemetry's warning for each attribute cut to the span limits: cutting is meant
-    here, and a client sending long text would otherwise get a log line per request."""
+class _QuietClientInput(logging.Filter):
+    """Drops OpenTelemetry's warnings about what a client sent: an attribute cut to the span
+    limits (cutting is meant here), a ``tracestate`` it cannot parse (malformed members, more
+    than 32 of them; ignored, as W3C says). Those loggers are not the gateway's, so each was a
+    plain-text line on stderr echoing the client's text, one per request a client chose to send."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("String attribute value exceeds max length")
+        return not str(record.msg).startswith(self.prefixes)
 
 
-def _quiet_truncation() -> None:
-    logger = logging.getLogger("opentelemetry.attributes")
-    if not any(isinstance(f, _QuietTruncation) for f in logger.filters):
-        logger.addFilter(_QuietTruncation())
+_CLIENT_INPUT_WARNINGS = {
+    "opentelemetry.attributes": ("String attribute value exceeds max length",),
+    "opentelemetry.trace.span": (
+        "Member doesn't match the w3c identifiers format",
+        "There can't be more",
+        "Duplicate key",
+        "Invalid key/value pair",
+    ),
+}
+
+
+def _quiet_client_input() -> None:
+    for name, prefixes in _CLIENT_INPUT_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietClientInput) for f in logger.filters):
+            logger.addFilter(_QuietClientInput(prefixes))
 
 
 def otlp_available(protocol: str) -> bool:
@@ -149,7 +167,7 @@ class Tracing:
         self._shutdown_timeout_s = shutdown_timeout_s
         if not enabled:
             return
-        _quiet_truncation()
+        _quiet_client_input()
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": service_name}),
             sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
