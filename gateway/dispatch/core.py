@@ -422,6 +422,9 @@ class DispatchCore:
         if self.hyperflexis is None and (queue is None or not len(queue)):
             record = self._choose(ticket, (), now)
             if record is not None:
+                # a zero wait, as HyperFlexis counts its placements at once: the histogram is
+                # every placed request's wait, the same series whichever dispatcher runs
+                metrics.deferred(metrics.QUEUE_WAIT, ticket.slo_class).observe(0.0)
                 return record
         limits = self.limits(ticket.slo_class)
         bucket = (model, ticket.slo_class)

@@ -34,7 +34,7 @@ from policies.hyperflexis import (
     dispatch,
     kv_bound,
 )
-from policies.latency_fit import predict_decode, predict_prefill
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, predict_decode, predict_prefill
 from policies.pipeline import compile_profile
 from policies.queue_order import QueuedRequest, make_order
 
@@ -348,6 +348,26 @@ def test_an_arrival_placed_at_once_is_counted_as_a_zero_wait_and_never_queued() 
     assert core.queued() == 0 and len(core.queues["a"]._heap) == 0  # never went through the queue
     assert core.queued_per_class[("a", "c-at-once")] == 0
     assert waits() == (1.0, 1.0)
+
+
+def test_a_pipeline_placement_at_once_is_a_zero_wait_too() -> None:
+    """HyperFlexis counted its placements at once as a wait of 0 and the pipeline dispatcher did
+    not count them: the same series meant two things, and its percentiles changed with the
+    routing profile at the same load."""
+    fleet = offline_fleet({"a": 1})
+    core = DispatchCore(
+        fleet,
+        Router(fleet, compile_profile({"scorers": [{"name": "least_load"}]})),
+        make_order("fcfs", {}),
+        lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE),
+        lambda _: ClassLimits(),
+    )
+    labels = {"slo_class": "c-pipeline-at-once"}
+    view = RequestView("r-1", "a", 100, 50, arrival=0.0)
+    ticket = core.ticket(view, 1.0, 0.1, "c-pipeline-at-once", RunningEntry(100, 50, 0.1, 0.0), 0.0)
+    assert core.submit(ticket, 0.0) is not None
+    assert metrics.REGISTRY.get_sample_value("slogate_queue_wait_seconds_count", labels) == 1.0
+    assert metrics.REGISTRY.get_sample_value("slogate_queue_wait_seconds_sum", labels) == 0.0
 
 
 def test_deferred_metrics_read_as_if_observed_directly() -> None:
