@@ -268,7 +268,13 @@ def fit_prefill(
     if fitted is prior:
         return prior
     a, b, c = fitted
-    slopes = target / np.maximum(design[:, 1], 1.0)
+    # (over prefills of some tokens: one of none, a prompt the engine held whole in its prefix
+    # cache, has a "slope" of its whole time, and a dozen of them set b at 6x the real one)
+    tokens = design[:, 1]
+    with_tokens = tokens > 0.0
+    if not with_tokens.any():
+        return fitted
+    slopes = target[with_tokens] / tokens[with_tokens]
     return (a, max(b, TOKEN_COST_FLOOR * float(np.median(slopes))), c)
 
 
