@@ -269,7 +269,12 @@ class LatencyLearner:
     # -- scrapes: confirm or drop the interval's samples ----------------------------------------------
 
     def _on_change(self, engine_id: str, what: str) -> None:
-        if what != "state" or self._fleet is None:
+        if self._fleet is None:
+            return
+        if what == "prefilled":
+            self._prefill_stage(engine_id)
+            return
+        if what != "state":
             return
         steps = self._steps.get(engine_id)
         if steps is None:
@@ -318,6 +323,24 @@ class LatencyLearner:
             else:
                 metrics.child(metrics.LATENCY_SAMPLES, engine_id, stage, "refuted").inc(len(pending))
             pending.clear()
+
+    def _prefill_stage(self, engine_id: str) -> None:
+        """A P/D prefill answered (not streamed: no token passes :meth:`tokens`, so a prefill
+        engine learnt nothing and kept its prior, which is what places the prefill pool). Timed
+        when it ran alone: the only request on its engine, and nothing else made progress there
+        from its send to its answer; its time less the path there and back is its prefill."""
+        assert self._fleet is not None and self._clock is not None
+        record = self._fleet.records[engine_id]
+        if len(record.running) != 1 or engine_id not in self._rings:
+            return
+        (entry,) = record.running.values()
+        if not entry.prefill_stage or record.progress != entry.progress_at_dispatch + 1:
+            return  # (+1: its own answer's mark; anything more was another request, or a scrape)
+        path = min(MAX_PATH_DELAY_S, self._fleet.path_delay(engine_id))
+        seconds = self._clock() - entry.dispatched_at - path
+        if seconds > 0.0:
+            uncached = entry.prompt_tokens - min(max(entry.cached_tokens, 0), entry.prompt_tokens)
+            self._keep(engine_id, (PrefillSample((uncached,), seconds),), "prefill_stage")
 
     # -- samples into rings, rings into models --------------------------------------------------------
 

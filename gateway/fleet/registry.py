@@ -59,6 +59,10 @@ class RunningEntry:
     #: its prefill (bootstrap) waits for that prefill's KV (inf until the prefill answers); what
     #: a stall is timed from
     ready_at: float = 0.0
+    #: a P/D prefill stage (its answer is its prefill done), with the engine record's progress
+    #: count when it was sent: the latency learner times it when nothing else moved there
+    prefill_stage: bool = False
+    progress_at_dispatch: int = -1
 
 
 #: the most output tokens one streamed event is taken to carry (a bound on a broken usage)

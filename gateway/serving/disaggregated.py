@@ -280,6 +280,7 @@ class DisaggregatedFlow:
         if deadline is not None:
             finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
         entry.dispatched_at = time.monotonic()
+        entry.prefill_stage, entry.progress_at_dispatch = True, record.progress
         if not call.prefill_dispatched_at:
             call.prefill_dispatched_at = entry.dispatched_at
         metrics.child(metrics.DISPATCHES, engine_id).inc()

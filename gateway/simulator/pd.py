@@ -208,6 +208,7 @@ class PdGateway(SimGateway):
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
+        flight.entry.prefill_stage, flight.entry.progress_at_dispatch = True, record.progress
         stage = _Stage(engine_prompt(flight.spec), prefill_engine=record.engine_id)
         self.stages[flight.rid] = stage
         if self.mode != "two-stage":  # the pair is fixed now

@@ -188,6 +188,11 @@ def test_always_never_prefills_on_a_decode_engine(fleet: dict[str, ChildProcess]
         short = chat(gw, SHORT, False)
         answer_of(short, False)
         assert short.headers["x-slogate-prefill-engine"] in ("p0", "p1")
+        # one at a time, each prefill alone on its engine: the prefill engines learn from them
+        # (not streamed, no token of a prefill stage reached the latency learner)
+        engines = [chat(gw, LONG, False).headers["x-slogate-prefill-engine"] for _ in range(4)]
+        learner = gw.gateway.slo.latency
+        assert all(learner.sample_counts(e)[0] >= 1 for e in set(engines)), engines
 
 
 @pytest.fixture()

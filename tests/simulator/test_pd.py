@@ -13,6 +13,7 @@ from gateway.cli import main
 from gateway.experiments.replay import summarize
 from gateway.simulator.pd import PdGateway
 from gateway.simulator.scenario import Scenario, Simulation
+from policies.latency_fit import predict_prefill
 
 
 def _scenario(**kw: object) -> Scenario:
@@ -233,3 +234,22 @@ def test_experiment_pd_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     decode = [p for p in points if p["part"] == "decode"]
     assert len(decode) == 18 and all(p["requests"] > 0 for p in decode)
     assert (out / "pd.png").stat().st_size > 10_000
+
+
+def test_prefill_engines_learn_their_latency_model_from_the_prefill_stages() -> None:
+    """A P/D prefill is not streamed, so no token of it passed the learner: prefill engines kept
+    their prior for good, and the prior is what places the prefill pool. Timed alone on its engine
+    (light load here), each prefill stage is a sample."""
+    # engines at half the speed of the profile the gateway's prior comes from
+    sim = Simulation(_scenario(qps=2.0, requests=40, duration_s=30.0, engine_speed=0.5))
+    learner = sim.gateway.slo.latency
+    result = sim.run()
+    assert all(o.status == 200 for o in result.outcomes)
+    for engine in ("prefill-0", "prefill-1"):
+        samples, _ = learner.sample_counts(engine)
+        assert samples >= 5, engine
+        model = learner.models[engine]
+        prompt = 500
+        learnt, prior = (predict_prefill(c, [prompt]) for c in (model.prefill, model.prior_prefill))
+        # what it learnt is the engine's own speed, twice the prior's time
+        assert learnt == pytest.approx(2 * prior, rel=0.15), (engine, model.prefill, model.prior_prefill)
