@@ -735,6 +735,7 @@ class Migrator:
                         sending = True
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                         sending = False
+                        metrics.SSE_EVENTS.inc(len(out))  # (as the first engine's relay counts)
                     if failed is not None:
                         raise failed
                     if done:

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import parse_request
 from gateway.dispatch.offline import fleet_of, offline_fleet
@@ -128,9 +129,12 @@ def test_a_continuation_echoing_a_long_prompts_ids_is_relayed() -> None:
         b'data: {"id":"x","prompt_token_ids":' + orjson.dumps([*prompt_ids, 7, 8]) + b',"choices":'
         b'[{"index":0,"text":" nine","token_ids":[9],"finish_reason":"length"}]}\n\n'
     )
+    relayed = metrics.REGISTRY.get_sample_value("slogate_sse_events_relayed_total") or 0.0
     with _engine(echo + b"data: [DONE]\n\n") as engine:
         outcome, tokens, sent = asyncio.run(_relay_once(engine.url, prompt_ids=prompt_ids))
     assert outcome == 200 and tokens == [7, 8, 9]
+    # counted as the first engine's events are (the continuation's went uncounted)
+    assert (metrics.REGISTRY.get_sample_value("slogate_sse_events_relayed_total") or 0.0) > relayed
     assert b" nine" in sent and sent.endswith(b"data: [DONE]\n\n") and b'"error"' not in sent
 
 
