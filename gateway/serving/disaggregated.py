@@ -287,7 +287,7 @@ class DisaggregatedFlow:
         up = collocated.upstream_span(call, record, url, headers) if call.span is not None else None
         outcome: bytes | GatewayError | BaseException = GatewayError(502, "prefill did not run")
         try:
-            outcome = await self._prefill_read(call, record, url, payload, headers, finish_at, count_wait)
+            outcome = await self._prefill_read(call, record, url, payload, headers, finish_at, count_wait, up)
             if isinstance(outcome, bytes):
                 self.fleet.mark_prefilled(engine_id, call.rid)
             return outcome
@@ -307,6 +307,7 @@ class DisaggregatedFlow:
         headers: dict[str, str],
         finish_at: float,
         count_wait: bool,
+        up: Span | None,
     ) -> bytes | GatewayError:
         engine_id = record.engine_id
         try:
@@ -317,6 +318,8 @@ class DisaggregatedFlow:
             return error  # a prefill that timed out is retried elsewhere (this one is aborted)
         if isinstance(response, GatewayError):
             return response
+        if up is not None:
+            up.set_attribute("http.response.status_code", response.status)
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
                 return await self.collocated.engine_refused(call, record, response, finish_at, count_wait)

@@ -579,7 +579,7 @@ class Migrator:
         up = flow.upstream_span(call, record, url, headers) if call.span is not None else None
         try:
             outcome = await self._exchange(
-                call, ledger, state, record, entry, url, payload, headers, headers_at, first_at
+                call, ledger, state, record, entry, url, payload, headers, headers_at, first_at, up
             )
         except BaseException as exc:
             if up is not None:
@@ -601,6 +601,7 @@ class Migrator:
         headers: dict[str, str],
         headers_at: float,
         first_at: float,
+        up: Span | None,
     ) -> int | Cut | GatewayError:
         try:
             response = await self.flow.post(call, record, url, payload, headers, headers_at)
@@ -613,6 +614,8 @@ class Migrator:
             return late
         if isinstance(response, GatewayError):
             return response
+        if up is not None:
+            up.set_attribute("http.response.status_code", response.status)
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
                 try:

@@ -195,6 +195,28 @@ def test_always_never_prefills_on_a_decode_engine(fleet: dict[str, ChildProcess]
         assert all(learner.sample_counts(e)[0] >= 1 for e in set(engines)), engines
 
 
+def test_each_stage_s_upstream_span_carries_its_engine_s_status(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """Only the collocated exchange set http.response.status_code: a prefill stage's span never
+    had it, though the docs say every upstream span does."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    profile_path = str(profile(tmp_path, "always"))
+    with run_gateway(
+        engines=pd_entries(fleet), routing_profile=profile_path, tracing=True, span_exporter=exporter
+    ) as gw:
+        answer_of(chat(gw, LONG, True), True)
+        assert wait_until(
+            lambda: any(s.name == "slogate.upstream.decode" for s in exporter.get_finished_spans())
+        )
+    upstream = {s.name: s for s in exporter.get_finished_spans() if s.name.startswith("slogate.upstream.")}
+    assert set(upstream) == {"slogate.upstream.prefill", "slogate.upstream.decode"}
+    for span in upstream.values():
+        assert (span.attributes or {}).get("http.response.status_code") == 200, span.name
+
+
 @pytest.fixture()
 def dead_prefill() -> Iterator[ChildProcess]:
     with spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="pdead") as engine:
