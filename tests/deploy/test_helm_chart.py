@@ -670,6 +670,18 @@ def test_every_vllm_engine_of_a_disaggregated_release_runs_the_kv_connector(helm
     assert vllm and all(
         "--kv-transfer-config" not in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in vllm
     )
+    # ...unless its model's prefill and decode engines run outside the chart (gateway.engines)
+    external = [
+        {"url": f"http://outside-{role}:8000", "model": "qwen-7b", "role": role, "kind": "vllm"}
+        for role in ("prefill", "decode")
+    ]
+    with_external = _coalesce(collocated_only, {"gateway": {"engines": external}})
+    vllm = [
+        d for d in _by_kind(_render(helm, with_external), "Deployment") if "-vllm-" in d["metadata"]["name"]
+    ]
+    assert vllm and all(
+        "--kv-transfer-config" in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in vllm
+    )
 
 
 def test_a_changed_engine_profile_restarts_the_simulated_engines(helm: HelmCall) -> None:
@@ -691,6 +703,26 @@ def test_a_changed_engine_profile_restarts_the_simulated_engines(helm: HelmCall)
     assert first != second
 
 
+@pytest.mark.parametrize(
+    ("gateway", "ok"),
+    [
+        ({"replicas": 2, "pdb": {"minAvailable": "60%"}}, False),  # 1.2 rounds up to 2 of 2
+        ({"replicas": 2, "pdb": {"minAvailable": "90%"}}, False),
+        ({"replicas": 3, "pdb": {"minAvailable": "50%"}}, True),  # 2 of 3
+        ({"autoscaling": {"enabled": True, "minReplicas": 1}, "pdb": {"minAvailable": "50%"}}, False),
+    ],
+)
+def test_a_pdb_percentage_that_rounds_up_to_every_replica_fails_the_render(
+    helm: HelmCall, gateway: dict[str, Any], ok: bool
+) -> None:
+    """Kubernetes rounds minAvailable's percentage up: 50 % of one replica is one, and the PDB
+    then blocks every node drain."""
+    answer = helm("render", {"gateway": _coalesce({"pdb": {"enabled": True}}, gateway)})
+    assert answer["ok"] is ok, answer
+    if not ok:
+        assert "would block every eviction" in answer["error"]
+
+
 def test_an_autoscaler_whose_minimum_is_above_its_maximum_fails_the_render(helm: HelmCall) -> None:
     values = {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}
     answer = helm("render", values)
@@ -702,5 +734,16 @@ def test_simulated_engines_of_one_half_of_a_pair_alone_fail_the_render(helm: Hel
     refuses at start-up: pods crash-looping instead of a failed install."""
     for role in ("prefill", "decode"):
         answer = helm("render", _coalesce(_values("demo"), {"simEngines": {"role": role}}))
-        assert not answer["ok"] and f"simEngines.role {role}" in answer["error"], answer
+        assert not answer["ok"] and f"has {role} engines but no" in answer["error"], answer
     assert helm("render", _values("demo"))["ok"]
+    # the other half must serve the same model: another model's pair is no help
+    others = [
+        {"url": f"http://elsewhere-{role}:8000", "model": "other-model", "role": role}
+        for role in ("prefill", "decode")
+    ]
+    values = _coalesce(_values("demo"), {"simEngines": {"role": "prefill"}, "gateway": {"engines": others}})
+    answer = helm("render", values)
+    assert not answer["ok"] and 'model "qwen-7b" has prefill engines but no decode' in answer["error"], answer
+    same = [{**others[1], "model": "qwen-7b"}]
+    values = _coalesce(_values("demo"), {"simEngines": {"role": "prefill"}, "gateway": {"engines": same}})
+    assert helm("render", values)["ok"]

@@ -140,9 +140,22 @@ SLOGATE_ENGINE_API_KEY_{{ . }}
 {{- if and $k.required (not $k.existingSecret) (or (not $k.clientKeys) (not $k.adminKeys)) -}}
 {{- fail "apiKeys.required: give client and admin keys, e.g. --set-json 'apiKeys.clientKeys=[\"<client key>\"]' --set-json 'apiKeys.adminKeys=[\"<admin key>\"]' (openssl rand -hex 24 makes one), or name your own Secret in apiKeys.existingSecret" -}}
 {{- end -}}
-{{- $s := .Values.simEngines -}}
-{{- if and $s.enabled (ne $s.role "collocated") (not .Values.gateway.engines) (not .Values.vllm.enabled) -}}
-{{- fail (printf "simEngines.role %s: every simulated engine would be a %s engine and none the other half of the pair (the gateway refuses such a fleet at start-up); add the other half in gateway.engines or vllm, or use role collocated" $s.role $s.role) -}}
+{{- /* each model's roles, the chart's engines and the user's: a half of a P/D pair alone is a
+fleet the gateway refuses at start-up (pods crash-looping instead of a failed install) */ -}}
+{{- $roles := dict -}}
+{{- range $e := include "slogate.engineList" . | fromJsonArray -}}
+{{- $_ := set $roles $e.model (append (get $roles $e.model | default (list)) $e.role) -}}
+{{- end -}}
+{{- range $e := .Values.gateway.engines -}}
+{{- $_ := set $roles $e.model (append (get $roles $e.model | default (list)) ($e.role | default "collocated")) -}}
+{{- end -}}
+{{- range $model, $present := $roles -}}
+{{- if and (has "prefill" $present) (not (has "decode" $present)) -}}
+{{- fail (printf "model %q has prefill engines but no decode engine (role: decode): the gateway would refuse this fleet at start-up" $model) -}}
+{{- end -}}
+{{- if and (has "decode" $present) (not (has "prefill" $present)) (not (has "collocated" $present)) -}}
+{{- fail (printf "model %q has decode engines but no prefill engine (role: prefill): the gateway would refuse this fleet at start-up" $model) -}}
+{{- end -}}
 {{- end -}}
 {{- $g := .Values.gateway -}}
 {{- if and (gt (int $g.preStopSleepSeconds) 0) (ge (int $g.preStopSleepSeconds) (int $g.terminationGracePeriodSeconds)) -}}
