@@ -235,8 +235,10 @@ PREFIX_KEYS_SKIPPED = Counter(
 PD_REQUESTS = Counter(
     "slogate_pd_requests",
     "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "
-    "engine, then decode engine), whole_on_decode (short prompt, n > 1, embeddings, or mode never) "
-    "or fallback (every prefill attempt failed: served whole on a decode engine)",
+    "engine, then decode engine), collocated (whole on a collocated engine of the front pool), "
+    "whole_on_decode (short prompt, n > 1, embeddings, or mode never), fallback (every prefill "
+    "attempt failed: served whole on a decode engine) or failed (refused or failed before a prefill "
+    "ended)",
     ["model", "path"],
     registry=REGISTRY,
 )

@@ -99,6 +99,14 @@ class _Progress:
     decode_tried: list[str] = field(default_factory=list)
 
 
+def _path(progress: _Progress, failed: bool) -> str:
+    """What the request's placement loop came to, for ``slogate_pd_requests_total``: through a
+    prefill engine, whole on a collocated engine of the front pool, or no answer before either."""
+    if progress.prefilled:
+        return "disaggregated"
+    return "failed" if failed else "collocated"
+
+
 class DisaggregatedFlow:
     """Serves every request: models with prefill engines two-stage, the rest collocated."""
 
@@ -178,6 +186,7 @@ class DisaggregatedFlow:
             ):
                 # (the gateway out of sockets: a decode engine would need one as well; the
                 # request's time is over: a decode engine would have none for it)
+                metrics.child(metrics.PD_REQUESTS, model, _path(progress, failed=True)).inc()
                 raise
             # every prefill attempt failed (or no prefill engine is in rotation): the request
             # runs whole on a decode engine, which can prefill too
@@ -189,7 +198,7 @@ class DisaggregatedFlow:
             metrics.child(metrics.PD_REQUESTS, model, "fallback").inc()
             _prefill_engine_header(call, None)
             return await self._whole_on_decode(call, error)
-        metrics.child(metrics.PD_REQUESTS, model, "disaggregated").inc()
+        metrics.child(metrics.PD_REQUESTS, model, _path(progress, failed=False)).inc()
         return status
 
     # -- the prefill engine's part ------------------------------------------------------------------

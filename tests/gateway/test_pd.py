@@ -217,6 +217,36 @@ def test_each_stage_s_upstream_span_carries_its_engine_s_status(
         assert (span.attributes or {}).get("http.response.status_code") == 200, span.name
 
 
+def test_a_request_served_whole_on_a_collocated_engine_is_not_counted_as_disaggregated(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """A model's front pool may hold collocated engines beside its prefill ones (a role flip mid
+    way, a mixed fleet): a request placed on one ran whole there and was counted disaggregated."""
+    from gateway import metrics
+
+    entries = [
+        engine_entry(fleet["p0"], role="prefill"),
+        engine_entry(fleet["d0"], role="decode"),
+        engine_entry(fleet["c0"]),
+    ]
+
+    def count(path: str) -> float:
+        return (
+            metrics.REGISTRY.get_sample_value("slogate_pd_requests_total", {"model": MODEL, "path": path})
+            or 0.0
+        )
+
+    before = {p: count(p) for p in ("disaggregated", "collocated")}
+    with run_gateway(engines=entries, routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+        served = [chat(gw, LONG, False) for _ in range(6)]
+    for r in served:
+        answer_of(r, False)
+    whole = sum(1 for r in served if r.headers["x-slogate-engine"] == "c0")
+    assert 0 < whole < 6, [r.headers["x-slogate-engine"] for r in served]
+    assert count("collocated") - before["collocated"] == whole
+    assert count("disaggregated") - before["disaggregated"] == 6 - whole
+
+
 @pytest.fixture()
 def dead_prefill() -> Iterator[ChildProcess]:
     with spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="pdead") as engine:
