@@ -393,8 +393,8 @@ LATENCY_ERROR = Gauge(
 )
 LATENCY_SAMPLES = Counter(
     "slogate_latency_samples",
-    "Latency-model samples by engine and stage (prefill, decode): kept for the fit (outcome kept, "
-    "calibration for probes, or prefill_stage for a P/D prefill timed alone on its engine), refuted by the engine's own counters for their scrape interval, or "
+    "Latency-model samples by engine and stage (prefill, decode): kept for the fit (outcome kept, or "
+    "calibration for probes), refuted by the engine's own counters for their scrape interval, or "
     "unclean (an engine step that measured neither equation cleanly; stage step)",
     ["engine", "stage", "outcome"],
     registry=REGISTRY,

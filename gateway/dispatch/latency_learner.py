@@ -327,20 +327,32 @@ class LatencyLearner:
     def _prefill_stage(self, engine_id: str) -> None:
         """A P/D prefill answered (not streamed: no token passes :meth:`tokens`, so a prefill
         engine learnt nothing and kept its prior, which is what places the prefill pool). Timed
-        when it ran alone: the only request on its engine, and nothing else made progress there
-        from its send to its answer; its time less the path there and back is its prefill."""
+        when it ran alone: the only request of this gateway on its engine from its send to its
+        answer; its time less the path there and back is a prefill sample. It waits for the
+        engine's next scrape like a step's (the engine's counters see the step and its token, and
+        refute the interval's prefill samples when prompts hit the prefix cache: a prompt found
+        cached answers in a few milliseconds whatever its length)."""
         assert self._fleet is not None and self._clock is not None
         record = self._fleet.records[engine_id]
-        if len(record.running) != 1 or engine_id not in self._rings:
+        steps = self._steps.get(engine_id)
+        if len(record.running) != 1 or steps is None:
             return
         (entry,) = record.running.values()
-        if not entry.prefill_stage or record.progress != entry.progress_at_dispatch + 1:
-            return  # (+1: its own answer's mark; anything more was another request, or a scrape)
+        if not entry.prefill_stage or entry.alone_since < 0 or record.reservations != entry.alone_since:
+            return  # (another request was there when it was sent, or came since)
         path = min(MAX_PATH_DELAY_S, self._fleet.path_delay(engine_id))
         seconds = self._clock() - entry.dispatched_at - path
-        if seconds > 0.0:
-            uncached = entry.prompt_tokens - min(max(entry.cached_tokens, 0), entry.prompt_tokens)
-            self._keep(engine_id, (PrefillSample((uncached,), seconds),), "prefill_stage")
+        # one engine step with one token the relay never saw: the interval's check counts it
+        steps.seen_steps += 1
+        steps.seen_tokens += 1
+        if seconds <= 0.0:
+            return
+        uncached = entry.prompt_tokens - min(max(entry.cached_tokens, 0), entry.prompt_tokens)
+        sample = PrefillSample((uncached,), seconds)
+        if engine_id in self._unchecked:
+            self._keep(engine_id, (sample,), "kept")
+        else:
+            steps.pending_prefill.append(sample)
 
     # -- samples into rings, rings into models --------------------------------------------------------
 

@@ -59,10 +59,11 @@ class RunningEntry:
     #: its prefill (bootstrap) waits for that prefill's KV (inf until the prefill answers); what
     #: a stall is timed from
     ready_at: float = 0.0
-    #: a P/D prefill stage (its answer is its prefill done), with the engine record's progress
-    #: count when it was sent: the latency learner times it when nothing else moved there
+    #: a P/D prefill stage (its answer is its prefill done), with its engine's reservation count
+    #: when it was sent, if it was alone there then (-1 if not): the latency learner times it when
+    #: no other request of this gateway came or ran there until its answer
     prefill_stage: bool = False
-    progress_at_dispatch: int = -1
+    alone_since: int = -1
 
 
 #: the most output tokens one streamed event is taken to carry (a bound on a broken usage)
@@ -107,6 +108,8 @@ class EngineRecord:
     #: a count that moves with every sign of progress (first tokens, streamed events, the
     #: engine's own work counters): read by the stall check, cheap on the relay's path
     progress: int = 0
+    #: reservations made on the engine so far (what came there meanwhile, between two reads)
+    reservations: int = 0
     #: the count at the last stall check, and when it last moved as of a check
     progress_seen: int = 0
     progress_at: float = 0.0
@@ -225,6 +228,12 @@ def bounded_state(state: EngineState) -> EngineState:
         num_gpu_blocks=_block(state.num_gpu_blocks),
     )
     return state if bounded == state else bounded
+
+
+def alone_since(record: EngineRecord) -> int:
+    """The engine's reservation count if the request just reserved there is its only one (what a
+    later read compares to see that none came since), else -1."""
+    return record.reservations if len(record.running) == 1 else -1
 
 
 def _counter(value: float) -> float:
@@ -456,6 +465,7 @@ class Fleet:
         else:
             shared = 0
         record.in_flight += 1
+        record.reservations += 1
         record.in_flight_tokens += entry.prompt_tokens - shared + entry.max_tokens
         record.running[request_id] = entry
         record.running_tokens += entry.prompt_tokens + entry.generated

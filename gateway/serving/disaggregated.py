@@ -50,7 +50,7 @@ from gateway.dispatch.core import no_healthy_engine
 from gateway.dispatch.profile import DispatcherConfig
 from gateway.dispatch.slo_service import SloService
 from gateway.dispatch.transfer_gate import TransferGate
-from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
+from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry, alone_since
 from gateway.serving.call import Call
 from gateway.serving.collocated import (
     OVERLOADED,
@@ -289,7 +289,7 @@ class DisaggregatedFlow:
         if deadline is not None:
             finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
         entry.dispatched_at = time.monotonic()
-        entry.prefill_stage, entry.progress_at_dispatch = True, record.progress
+        entry.prefill_stage, entry.alone_since = True, alone_since(record)
         if not call.prefill_dispatched_at:
             call.prefill_dispatched_at = entry.dispatched_at
         metrics.child(metrics.DISPATCHES, engine_id).inc()

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, replace
 
 from gateway.experiments.workload import RequestSpec
-from gateway.fleet.registry import EngineRecord, RunningEntry
+from gateway.fleet.registry import EngineRecord, RunningEntry, alone_since
 from gateway.settings import Settings
 from gateway.sim.engine import SimRequest
 from gateway.sim.profiles import EngineProfile
@@ -208,7 +208,7 @@ class PdGateway(SimGateway):
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
-        flight.entry.prefill_stage, flight.entry.progress_at_dispatch = True, record.progress
+        flight.entry.prefill_stage, flight.entry.alone_since = True, alone_since(record)
         stage = _Stage(engine_prompt(flight.spec), prefill_engine=record.engine_id)
         self.stages[flight.rid] = stage
         if self.mode != "two-stage":  # the pair is fixed now
