@@ -112,8 +112,9 @@ def test_removal_drains_first_and_loses_no_request() -> None:
             assert max(finished_there, default=0.0) <= drained[ev.engine_id] + 1e-9
 
 
-def test_pd_scales_each_pool_and_flips_roles_without_losing_requests() -> None:
-    scenario = Scenario(
+def _pd_scaled(**auto: object) -> Scenario:
+    """A P/D run whose prefill pool is the bottleneck at 1:2 (a decode engine flips to prefill)."""
+    return Scenario(
         "hyperflexis-4task",
         qps=60,
         policy="least-load",
@@ -122,9 +123,12 @@ def test_pd_scales_each_pool_and_flips_roles_without_losing_requests() -> None:
         seed=3,
         pd=(1, 2),
         disaggregation="always",
-        autoscale=AutoscaleConfig("hyperflexis", 1, 4, 1),
+        autoscale=AutoscaleConfig("hyperflexis", 1, 4, 1, **auto),  # type: ignore[arg-type]
     )
-    sim = Simulation(scenario)
+
+
+def test_pd_scales_each_pool_and_flips_roles_without_losing_requests() -> None:
+    sim = Simulation(_pd_scaled())
     assert sim.gateway.fleet.records["spare-0"].adapter.role is Role.PREFILL
     result = sim.run()
     report = result.autoscale
@@ -145,18 +149,7 @@ def test_an_engine_switching_role_counts_as_pending_for_its_new_pool() -> None:
     """Drained, a flipping engine switches role for ``role_switch_s``: in that time it was neither
     serving nor pending anywhere, and a scaler tick could add another engine to the pool it was
     joining beyond the policy's max_pending."""
-    scenario = Scenario(
-        "hyperflexis-4task",
-        qps=60,
-        policy="least-load",
-        duration_s=12,
-        requests=10**6,
-        seed=3,
-        pd=(1, 2),
-        disaggregation="always",
-        autoscale=AutoscaleConfig("hyperflexis", 1, 4, 1, role_switch_s=3.0),
-    )
-    sim = Simulation(scenario)
+    sim = Simulation(_pd_scaled(role_switch_s=3.0))
     auto = sim.autoscaler
     assert auto is not None
     seen: list[int] = []
