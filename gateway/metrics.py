@@ -237,8 +237,8 @@ PD_REQUESTS = Counter(
     "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "
     "engine, then decode engine), collocated (whole on a collocated engine of the front pool), "
     "whole_on_decode (short prompt, n > 1, embeddings, or mode never), fallback (every prefill "
-    "attempt failed: served whole on a decode engine) or failed (refused or failed before a prefill "
-    "ended)",
+    "attempt failed: served whole on a decode engine), failed (refused, or failed before a prefill "
+    "ended) or cancelled (the client left before a prefill ended)",
     ["model", "path"],
     registry=REGISTRY,
 )

@@ -60,6 +60,8 @@ OUTLIER_SIGMAS = 3.0
 OUTLIER_FLOOR = 0.05
 #: a fitted per-token prefill cost is at least this share of the median slope of the samples
 TOKEN_COST_FLOOR = 0.02
+#: ...of the samples of at least this many prompt tokens (a KV block: fewer is the fixed cost)
+FLOOR_MIN_TOKENS = 16
 #: token budget reported when eq.(5) puts no bound on it (b == 0, or an infinite TTFT)
 UNBOUNDED_TOKENS = 1 << 30
 
@@ -268,10 +270,11 @@ def fit_prefill(
     if fitted is prior:
         return prior
     a, b, c = fitted
-    # (over prefills of some tokens: one of none, a prompt the engine held whole in its prefix
-    # cache, has a "slope" of its whole time, and a dozen of them set b at 6x the real one)
+    # (over prefills of a block or more: one of none or a few, a prompt the engine held (nearly)
+    # whole in its prefix cache, has a "slope" of its whole time, and a dozen of them set b at
+    # 6x the real one)
     tokens = design[:, 1]
-    with_tokens = tokens > 0.0
+    with_tokens = tokens >= FLOOR_MIN_TOKENS
     if not with_tokens.any():
         return fitted
     slopes = target[with_tokens] / tokens[with_tokens]

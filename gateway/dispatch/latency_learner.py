@@ -269,12 +269,7 @@ class LatencyLearner:
     # -- scrapes: confirm or drop the interval's samples ----------------------------------------------
 
     def _on_change(self, engine_id: str, what: str) -> None:
-        if self._fleet is None:
-            return
-        if what == "prefilled":
-            self._prefill_stage(engine_id)
-            return
-        if what != "state":
+        if what != "state" or self._fleet is None:
             return
         steps = self._steps.get(engine_id)
         if steps is None:
@@ -324,30 +319,41 @@ class LatencyLearner:
                 metrics.child(metrics.LATENCY_SAMPLES, engine_id, stage, "refuted").inc(len(pending))
             pending.clear()
 
-    def _prefill_stage(self, engine_id: str) -> None:
-        """A P/D prefill answered (not streamed: no token passes :meth:`tokens`, so a prefill
-        engine learnt nothing and kept its prior, which is what places the prefill pool). Timed
-        when it ran alone: the only request of this gateway on its engine from its send to its
-        answer; its time less the path there and back is a prefill sample. It waits for the
-        engine's next scrape like a step's (the engine's counters see the step and its token, and
-        refute the interval's prefill samples when prompts hit the prefix cache: a prompt found
-        cached answers in a few milliseconds whatever its length)."""
-        assert self._fleet is not None and self._clock is not None
-        record = self._fleet.records[engine_id]
-        steps = self._steps.get(engine_id)
-        if len(record.running) != 1 or steps is None:
+    def prefill_answered(self, record: EngineRecord, entry: RunningEntry, timed: bool = True) -> None:
+        """A P/D prefill stage answered (both drivers call this as it does: the live flow when its
+        answer is read, the offline simulator at its token). Not streamed, no token of it passes
+        :meth:`tokens`: a prefill engine learnt nothing and kept its prior, which is what places
+        the prefill pool. The interval's check counts its steps and its one token either way.
+        Timed when it ran alone (the only request of this gateway on its engine from its send to
+        its answer) in one step (a prompt within the engine's chunk): its time less the path
+        there and back is a prefill sample, which waits for the engine's next scrape like a
+        step's (its counters refute an interval whose prompts hit the prefix cache: a prompt
+        found cached answers in milliseconds whatever its length). ``timed`` False: its time is
+        not its prefill's (a bootstrap prefill answers once its KV has moved), only counted."""
+        if self._fleet is None or self._clock is None:
             return
-        (entry,) = record.running.values()
-        if not entry.prefill_stage or entry.alone_since < 0 or record.reservations != entry.alone_since:
-            return  # (another request was there when it was sent, or came since)
-        path = min(MAX_PATH_DELAY_S, self._fleet.path_delay(engine_id))
-        seconds = self._clock() - entry.dispatched_at - path
-        # one engine step with one token the relay never saw: the interval's check counts it
-        steps.seen_steps += 1
-        steps.seen_tokens += 1
-        if seconds <= 0.0:
+        engine_id = record.engine_id
+        steps = self._steps.get(engine_id)
+        if steps is None:
             return
         uncached = entry.prompt_tokens - min(max(entry.cached_tokens, 0), entry.prompt_tokens)
+        chunk = steps.chunk_tokens
+        stage_steps = max(1, -(-uncached // chunk)) if chunk else 1
+        steps.seen_tokens += 1
+        alone = (
+            len(record.running) == 1 and entry.alone_since >= 0 and record.reservations == entry.alone_since
+        )
+        if not (alone and timed):
+            # (beside other requests its steps may be theirs too: as many steps, or none, more)
+            steps.unsure_steps += stage_steps
+            return
+        steps.seen_steps += stage_steps
+        if stage_steps > 1:
+            return  # (several steps, none of them timed: as step_sample leaves a chunked prompt)
+        path = min(MAX_PATH_DELAY_S, self._fleet.path_delay(engine_id))
+        seconds = self._clock() - entry.dispatched_at - path
+        if seconds <= 0.0:
+            return
         sample = PrefillSample((uncached,), seconds)
         if engine_id in self._unchecked:
             self._keep(engine_id, (sample,), "kept")

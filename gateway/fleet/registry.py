@@ -59,10 +59,9 @@ class RunningEntry:
     #: its prefill (bootstrap) waits for that prefill's KV (inf until the prefill answers); what
     #: a stall is timed from
     ready_at: float = 0.0
-    #: a P/D prefill stage (its answer is its prefill done), with its engine's reservation count
-    #: when it was sent, if it was alone there then (-1 if not): the latency learner times it when
-    #: no other request of this gateway came or ran there until its answer
-    prefill_stage: bool = False
+    #: a P/D prefill stage's engine's reservation count when it was sent, if it was alone there
+    #: then (-1 if not): the latency learner times it when no other request of this gateway came
+    #: or ran there until its answer
     alone_since: int = -1
 
 

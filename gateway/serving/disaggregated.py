@@ -99,12 +99,13 @@ class _Progress:
     decode_tried: list[str] = field(default_factory=list)
 
 
-def _path(progress: _Progress, failed: bool) -> str:
+def _path(progress: _Progress, status: int | None) -> str:
     """What the request's placement loop came to, for ``slogate_pd_requests_total``: through a
-    prefill engine, whole on a collocated engine of the front pool, or no answer before either."""
+    prefill engine, whole on a collocated engine of the front pool, or no answer before either
+    (``status`` None: it raised; an error status: a stream ended with an error event)."""
     if progress.prefilled:
         return "disaggregated"
-    return "failed" if failed else "collocated"
+    return "failed" if status is None or status >= 400 else "collocated"
 
 
 class DisaggregatedFlow:
@@ -146,6 +147,7 @@ class DisaggregatedFlow:
         if (several or batch) and always:
             # the handovers carry one sequence's KV; 'always' forbids running it whole on a decode engine
             what, param = ("n = 1", "n") if several else ("one prompt per request", "prompt")
+            metrics.child(metrics.PD_REQUESTS, model, "failed").inc()
             raise GatewayError(
                 400,
                 f"model {model!r} is served disaggregated only (mode always), which takes {what}",
@@ -160,6 +162,7 @@ class DisaggregatedFlow:
             metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
             return await self._whole_on_decode(call, None)
         if not self.fleet.decode_pool(model):
+            metrics.child(metrics.PD_REQUESTS, model, "failed").inc()
             raise self._no_decode_engine(model)  # a prefill now would only strand its KV
         if not always and not self.fleet.has_healthy(model):
             # no prefill engine in rotation: whole on a decode engine at once (a prefill attempt
@@ -186,7 +189,7 @@ class DisaggregatedFlow:
             ):
                 # (the gateway out of sockets: a decode engine would need one as well; the
                 # request's time is over: a decode engine would have none for it)
-                metrics.child(metrics.PD_REQUESTS, model, _path(progress, failed=True)).inc()
+                metrics.child(metrics.PD_REQUESTS, model, _path(progress, None)).inc()
                 raise
             # every prefill attempt failed (or no prefill engine is in rotation): the request
             # runs whole on a decode engine, which can prefill too
@@ -198,7 +201,11 @@ class DisaggregatedFlow:
             metrics.child(metrics.PD_REQUESTS, model, "fallback").inc()
             _prefill_engine_header(call, None)
             return await self._whole_on_decode(call, error)
-        metrics.child(metrics.PD_REQUESTS, model, _path(progress, failed=False)).inc()
+        except BaseException:  # (the client left, or the gateway stops: counted all the same)
+            cancelled = "disaggregated" if progress.prefilled else "cancelled"
+            metrics.child(metrics.PD_REQUESTS, model, cancelled).inc()
+            raise
+        metrics.child(metrics.PD_REQUESTS, model, _path(progress, status)).inc()
         return status
 
     # -- the prefill engine's part ------------------------------------------------------------------
@@ -289,7 +296,7 @@ class DisaggregatedFlow:
         if deadline is not None:
             finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
         entry.dispatched_at = time.monotonic()
-        entry.prefill_stage, entry.alone_since = True, alone_since(record)
+        entry.alone_since = alone_since(record)
         if not call.prefill_dispatched_at:
             call.prefill_dispatched_at = entry.dispatched_at
         metrics.child(metrics.DISPATCHES, engine_id).inc()
@@ -299,6 +306,10 @@ class DisaggregatedFlow:
             outcome = await self._prefill_read(call, record, url, payload, headers, finish_at, count_wait, up)
             if isinstance(outcome, bytes):
                 self.fleet.mark_prefilled(engine_id, call.rid)
+                # (a bootstrap prefill answers once its KV has reached the decode engine: its time
+                # is not the prefill's)
+                timed = record.adapter.config.transfer_protocol != "bootstrap"
+                self.slo.latency.prefill_answered(record, entry, timed)
             return outcome
         except BaseException as exc:
             outcome = exc

@@ -41,7 +41,7 @@ from gateway.api.errors import GatewayError
 from gateway.api.request_parse import COMPLETION_DEFAULT_MAX_TOKENS
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
-from gateway.serving.relay import event_limit, record_usage, send_bounded
+from gateway.serving.relay import event_limit, record_usage, role_only, send_bounded
 from gateway.serving.stream_state import PARSED_KEYS, PARSED_OUTPUT, Cut, StreamLedger, valid_token_ids
 from gateway.sse import OversizedEvent, SseFramer, sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
@@ -663,6 +663,7 @@ class Migrator:
                         continue
                     sep = framer.sep
                     out: list[bytes] = []
+                    announced = 0  # (role-only events among them: relayed, no token)
                     # The ledger records each event's ids as it is parsed; an event that fails
                     # after others in the same read ends the relay only once those went out: the
                     # next engine continues from the ledger, so what it holds the client must have.
@@ -706,6 +707,8 @@ class Migrator:
                             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
                             if text is not None and not isinstance(text, str):
                                 raise _Failed(f"malformed text: {payload[:200]!r}")
+                            if first and role_only(choice):
+                                announced += 1  # (a restart on a chat endpoint opens with it)
                             event_out = state.shape.chunk(text or "", ids, finish, first)
                             # recorded only once the event is sure to go out (see above)
                             if ids:
@@ -721,7 +724,8 @@ class Migrator:
                         # output or after it, held a stalled stream, and its engine, for as long
                         # as they came)
                         deadline.reschedule(clock() + idle_s)
-                    if out:
+                    content = len(out) - announced
+                    if content:
                         if not started:
                             started = True
                             fleet.mark_prefilled(engine_id, call.rid)
@@ -733,8 +737,9 @@ class Migrator:
                             if call.upstream_span is not None:
                                 call.upstream_span.add_event(EVENT_FIRST_TOKEN)
                         call.last_at = now
-                        call.content_events += len(out)
-                        fleet.add_generated(record, entry, len(out))
+                        call.content_events += content
+                        fleet.add_generated(record, entry, content)
+                    if out:
                         sending = True
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                         sending = False
@@ -743,7 +748,7 @@ class Migrator:
                         raise failed
                     if done:
                         break
-                    if out and not ledger.finished and ledger.tick(len(out), now):
+                    if content and not ledger.finished and ledger.tick(content, now):
                         placed = await ledger.move(now)
                         if placed is not None:
                             return Cut(MigrationReason.SLACK, engine_id, None, placed)

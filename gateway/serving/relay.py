@@ -387,7 +387,7 @@ def _is_comment(event: bytes) -> bool:
     return all(line[:1] == b":" for line in event.splitlines() if line)
 
 
-def _role_only(choice: object) -> bool:
+def role_only(choice: object) -> bool:
     """A streamed choice whose delta announces the role and carries no output (no content, no
     tool call, no reasoning): the event vLLM opens a chat stream with, before the first token."""
     delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -399,7 +399,7 @@ def _role_only(choice: object) -> bool:
 
 
 def _role_only_events(complete: bytes, sep: bytes) -> int:
-    """How many events of ``complete`` are role announcements only (see :func:`_role_only`):
+    """How many events of ``complete`` are role announcements only (see :func:`role_only`):
     decoded only for a stream's first chunk that names a role."""
     count = 0
     for event in complete.split(sep)[:-1]:
@@ -409,7 +409,7 @@ def _role_only_events(complete: bytes, sep: bytes) -> int:
         with contextlib.suppress(orjson.JSONDecodeError):
             data = orjson.loads(payload)
             choices = data.get("choices") if isinstance(data, dict) else None
-            if isinstance(choices, list) and choices and all(_role_only(c) for c in choices):
+            if isinstance(choices, list) and choices and all(role_only(c) for c in choices):
                 count += 1
     return count
 
@@ -430,7 +430,7 @@ def _count_choices(call: Call, complete: bytes, sep: bytes) -> None:
             choices = data.get("choices") if isinstance(data, dict) else None
             for choice in choices if isinstance(choices, list) else ():
                 index = choice.get("index") if isinstance(choice, dict) else None
-                if isinstance(index, int) and not _role_only(choice):
+                if isinstance(index, int) and not role_only(choice):
                     counts[index] = counts.get(index, 0) + 1
 
 

@@ -208,7 +208,7 @@ class PdGateway(SimGateway):
         flight.record = record
         flight.dispatched_at = now
         flight.entry.dispatched_at = now
-        flight.entry.prefill_stage, flight.entry.alone_since = True, alone_since(record)
+        flight.entry.alone_since = alone_since(record)
         stage = _Stage(engine_prompt(flight.spec), prefill_engine=record.engine_id)
         self.stages[flight.rid] = stage
         if self.mode != "two-stage":  # the pair is fixed now
@@ -236,8 +236,10 @@ class PdGateway(SimGateway):
         record = fleet.records[engine_id]
         for request, _ in tokens:
             if request.prefill_only:  # the prefill's own token: the client never sees it
-                if request.request_id in self.flights:
+                flight = self.flights.get(request.request_id)
+                if flight is not None:
                     fleet.mark_prefilled(engine_id, request.request_id)
+                    self.slo.latency.prefill_answered(record, flight.entry)  # (as live)
                 continue
             flight = self.flights.get(request.request_id)
             stage = self.stages.get(request.request_id)

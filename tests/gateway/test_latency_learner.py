@@ -313,3 +313,61 @@ def test_a_path_delay_is_never_taken_past_its_bound_and_follows_the_latest_check
     fleet.record_round_trip("e", 0.0005)
     fleet.record_state("e", EngineState(), clock.now)
     assert learner._steps["e"].path_s == pytest.approx(0.0005)
+
+
+def _stage(fleet: Fleet, clock: Clock, rid: str, prompt: int) -> RunningEntry:
+    """A P/D prefill stage sent to ``e`` (its alone mark as the flows set it)."""
+    from gateway.fleet.registry import alone_since
+
+    entry = send(fleet, clock, rid, prompt)
+    entry.alone_since = alone_since(fleet.records["e"])
+    return entry
+
+
+def _answer(
+    fleet: Fleet, learner: LatencyLearner, clock: Clock, rid: str, seconds: float, timed: bool = True
+) -> None:
+    clock.now += seconds
+    record = fleet.records["e"]
+    fleet.mark_prefilled("e", rid)
+    learner.prefill_answered(record, record.running[rid], timed)
+    fleet.release("e", rid)
+
+
+def test_a_prefill_stage_alone_is_a_sample_and_every_stage_is_counted() -> None:
+    """P/D prefill stages are not streamed: their steps and tokens were unseen by the interval's
+    check (three in an interval refuted every sample in it), and none was ever a sample."""
+    fleet, learner, clock = setup()
+    steps = learner._steps["e"]
+    _stage(fleet, clock, "a", 1000)
+    _answer(fleet, learner, clock, "a", 0.13)
+    assert pending(learner)[0] == [PrefillSample((1000,), pytest.approx(0.13))]  # type: ignore[list-item]
+    assert (steps.seen_steps, steps.seen_tokens, steps.unsure_steps) == (1, 1, 0)
+    # two at once: neither is timed, each counted (its step may be the other's too)
+    _stage(fleet, clock, "b", 500)
+    _stage(fleet, clock, "c", 500)
+    _answer(fleet, learner, clock, "b", 0.1)
+    _answer(fleet, learner, clock, "c", 0.01)
+    assert len(pending(learner)[0]) == 1
+    assert (steps.seen_steps, steps.seen_tokens, steps.unsure_steps) == (1, 3, 2)
+    # a bootstrap prefill (answered once its KV moved) is counted, not timed
+    _stage(fleet, clock, "d", 500)
+    _answer(fleet, learner, clock, "d", 0.5, timed=False)
+    assert len(pending(learner)[0]) == 1 and steps.unsure_steps == 3
+
+
+def test_a_chunked_prefill_stage_counts_its_steps_and_is_no_sample() -> None:
+    """A prompt past the engine's chunk runs in several steps: one seen where the engine ran four
+    refuted the interval, and a prompt of two chunks was timed as one step's."""
+    config = EngineConfig(url="http://127.0.0.1:9", kind="sim", model="m", name="e")  # type: ignore[arg-type]
+    fleet = fleet_of([config], 3.0)
+    learner = LatencyLearner({"e": PRIOR}, {"e": 2048})
+    clock = Clock()
+    learner.attach(fleet, clock, GAP)
+    _stage(fleet, clock, "a", 8000)
+    _answer(fleet, learner, clock, "a", 0.9)
+    steps = learner._steps["e"]
+    assert steps.seen_steps == 4 and not pending(learner)[0]
+    _stage(fleet, clock, "b", 2000)
+    _answer(fleet, learner, clock, "b", 0.2)
+    assert steps.seen_steps == 5 and len(pending(learner)[0]) == 1

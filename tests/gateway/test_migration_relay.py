@@ -56,9 +56,11 @@ async def _relay_once(
     kind: str = "completions",
     prompt_ids: list[int] | None = None,
     idle_s: float | None = None,
+    calls: list[Call] | None = None,
     **body: Any,
 ) -> tuple[int | Cut, list[int], bytes]:
-    """One continuation (or, with ``restart``, a restart: nothing relayed before) from ``url``."""
+    """One continuation (or, with ``restart``, a restart: nothing relayed before) from ``url``;
+    ``calls`` gets the request's call."""
     sent: list[bytes] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -67,6 +69,8 @@ async def _relay_once(
     flow = _Flow() if idle_s is None else _Flow(idle_timeout_s=idle_s)
     migrator = Migrator(flow)  # type: ignore[arg-type]
     call = _call(send, kind, **body)
+    if calls is not None:
+        calls.append(call)
     record = next(iter(flow.fleet.records.values()))
     entry = RunningEntry(1, 16, 0.1, 0.0)
     flow.fleet.reserve(record.engine_id, call.rid, entry)
@@ -446,3 +450,23 @@ def test_the_sim_s_output_length_controls_count_only_on_a_simulated_engine(
     ledger.first_chunk = TOKEN.replace(b'"choices"', b'"prompt_token_ids":[1,2],"choices"')
     state = Migrator(flow)._resume_state(call, ledger)  # type: ignore[arg-type]
     assert state is not None and state.natural == natural
+
+
+def test_a_chat_restart_s_role_announcement_is_relayed_but_no_token() -> None:
+    """A restart goes to the chat endpoint, whose stream opens with the role alone: counted as a
+    token (the first engine's relay no longer does), the stream's TPOT read one step short."""
+    role = (
+        b'data: {"id":"x","prompt_token_ids":[1,2,3],"choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+    )
+    tokens = b"".join(
+        b'data: {"id":"x","choices":[{"index":0,"delta":{"content":" t%d"},"token_ids":[%d],'
+        b'"finish_reason":null}]}\n\n' % (i, i)
+        for i in (9, 10)
+    )
+    calls: list[Call] = []
+    with _engine(role + tokens + b"data: [DONE]\n\n") as engine:
+        outcome, ids, sent = asyncio.run(_relay_once(engine.url, restart=True, kind="chat", calls=calls))
+    assert outcome == 200 and ids == [9, 10]
+    assert sent.count(b"data: {") == 3  # the role event goes out all the same
+    assert calls[0].content_events == 2

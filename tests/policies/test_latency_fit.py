@@ -237,11 +237,13 @@ def test_prefills_of_cached_prompts_do_not_set_the_per_token_floor() -> None:
     """A prefill of no uncached token (the prompt found whole in the prefix cache) has a "slope"
     of its whole time: 12 of them at 30 ms beside 8 of 1000 tokens at 130 ms put b at 6e-4, six
     times the 1e-4 the data show."""
-    samples = [PrefillSample((0,), 0.03)] * 12 + [PrefillSample((1000,), 0.13)] * 8
-    a, b, _ = fit_prefill(samples, TRUE_PREFILL)
-    assert b == pytest.approx(1e-4, rel=0.05) and a == pytest.approx(0.03, rel=0.05)
-    # none with tokens: no slope to floor by
-    assert fit_prefill([PrefillSample((0,), 0.03)] * 20, TRUE_PREFILL)[1] >= 0.0
+    for cached_whole in (0, 1, 3):  # (a predicted whole hit may leave a token or three)
+        samples = [PrefillSample((cached_whole,), 0.03)] * 12 + [PrefillSample((1000,), 0.13)] * 8
+        a, b, _ = fit_prefill(samples, TRUE_PREFILL)
+        assert b == pytest.approx(1e-4, rel=0.05) and a == pytest.approx(0.03, rel=0.05), cached_whole
+    # none of a block or more: no slope to floor by, the fit stands (flat data: b from the ridge)
+    flat = [PrefillSample((n,), 0.03) for n in (0, 1, 2, 3) * 5]
+    assert fit_prefill(flat, TRUE_PREFILL)[1] < TOKEN_COST_FLOOR * 0.03 / 3
 
 
 def test_flat_prefills_keep_a_per_token_cost_from_the_data() -> None:
