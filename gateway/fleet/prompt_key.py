@@ -350,14 +350,20 @@ def encode_array(text: str) -> U64Array:
     return _joined(parts)
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any) -> tuple[str, bool]:
+    """A message's text, and whether that is all of it (False at a part that is not text: an
+    image, audio, whose tokens the gateway cannot know)."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            p.get("text", "") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
-        )
-    return ""
+        return content, True
+    if not isinstance(content, list):
+        return "", True
+    texts: list[str] = []
+    for part in content:
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if not isinstance(text, str) or part.get("type", "text") != "text":
+            return "".join(texts), False
+        texts.append(text)
+    return "".join(texts), True
 
 
 class MessageTokens:
@@ -417,7 +423,13 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
         if not isinstance(message, Mapping):
             return _EMPTY
         role = message.get("role", "user")
-        content = _content_text(message.get("content"))
+        content, whole = _content_text(message.get("content"))
+        if not whole:
+            # a part the gateway cannot tokenize (an image): its tokens are unknown, and a key
+            # of the text alone gave requests alike but for their images one key, and the
+            # engine that took the first one full credit for every other (a key cut before it
+            # would be scored as the whole prompt): not keyed, as the engine tokenizer leaves it
+            return _EMPTY
         if len(content) > budget:
             # keyed by its leading part only: no closing marker, so nothing after it matches
             short.append(_IM_START_ID)

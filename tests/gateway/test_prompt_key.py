@@ -234,3 +234,24 @@ def test_prompt_ids_are_uint64_for_every_kind() -> None:
     assert chat is not None and chat.dtype.name == "uint64"
     assert text is not None and text.dtype.name == "uint64"
     assert text.tolist() == encode("once upon a time " * 40)
+
+
+def test_a_chat_with_an_image_is_not_keyed() -> None:
+    """Parts that are not text were dropped: requests alike but for their images got one key,
+    and the engine that took the first got full prefix credit for every other (their image
+    tokens are not cached there)."""
+
+    def chat(url: str) -> dict[str, object]:
+        parts = [
+            {"type": "text", "text": "what is in this picture? " * 20},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        return {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]}
+
+    assert prompt_token_ids("chat", chat("https://example.com/a.png")) is None
+    assert prompt_token_ids("chat", chat("https://example.com/b.png")) is None
+    # text parts alone (with or without their type) are keyed as their text
+    text = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"text": "there"}]}]}
+    keyed = prompt_token_ids("chat", text)
+    plain = prompt_token_ids("chat", {"messages": [{"role": "user", "content": "hi there"}]})
+    assert keyed is not None and plain is not None and keyed.tolist() == plain.tolist()
