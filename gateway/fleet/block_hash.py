@@ -170,11 +170,16 @@ class PromptBlocks:
     engines it is matched against.
     """
 
-    __slots__ = ("_by_size", "root", "tokens")
+    __slots__ = ("_by_size", "prompt_tokens", "root", "tokens")
 
-    def __init__(self, tokens: Sequence[int] | U64Array, root: int) -> None:
+    def __init__(self, tokens: Sequence[int] | U64Array, root: int, prompt_tokens: int | None = None) -> None:
         self.tokens = as_tokens(tokens)
         self.root = root
+        #: the whole prompt's tokens, of which ``tokens`` may be the leading part only (what a
+        #: match is a share of)
+        self.prompt_tokens = (
+            len(self.tokens) if prompt_tokens is None else max(prompt_tokens, len(self.tokens))
+        )
         self._by_size: dict[int, list[int]] = {}
 
     def __len__(self) -> int:

@@ -119,7 +119,7 @@ class PrefixRouting:
         if attached.prompt is not None and self.index is not None:
             self.index.expire(now)
             cached = self.index.cached_tokens(attached.prompt, [e.engine_id for e in candidates])
-            prefix = PrefixMatch(len(attached.prompt), cached)
+            prefix = PrefixMatch(attached.prompt.prompt_tokens, cached)
         affinity = view.affinity
         if attached.affinity_key is not None and self.affinity is not None:
             affinity = Affinity(attached.affinity_key, self.affinity.get(attached.affinity_key, now))
@@ -146,7 +146,7 @@ class PrefixRouting:
             match = None
             prompt = None if entry is None else entry.prompt
             if prompt is not None and len(prompt):
-                total = len(prompt)
+                total = prompt.prompt_tokens
                 cached = {
                     e: min(1.0, n / total) for e, n in index.cached_tokens(prompt, engine_ids).items() if n
                 }

@@ -25,9 +25,11 @@ large-body --key-only`` measures it):
 
 Bodies parsed in the worker process (``gateway/api/parse_offload.py``) have their token ids
 computed there (:func:`prompt_token_ids` runs in the worker, its cache lives there) and sent back
-with the routing fields. A prompt longer than :data:`MAX_PROMPT_CHARS` characters is keyed by its
-first :data:`MAX_PROMPT_CHARS` only: the index matches leading blocks, so the rest would only
-matter to a second prompt sharing all of them.
+with the routing fields. A prompt longer than :data:`MAX_PROMPT_CHARS` characters, or
+:data:`MAX_PROMPT_TOKENS` tokens, is keyed by its head only: the index matches leading blocks, so
+the rest would only matter to a second prompt sharing all of them (a match is scored as a share of
+the whole prompt's tokens all the same). A chat with a part that is not text (an image) is not
+keyed: its tokens are unknown.
 
 Only chat and completions requests get blocks; the model, the body's ``cache_salt`` and no LoRA
 root them (a LoRA adapter is served under its own model name, which is the model here).
@@ -49,6 +51,10 @@ from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode
 
 #: characters of a prompt hashed at most (a 15 MB prompt is keyed by its first 4 MB)
 MAX_PROMPT_CHARS = 4_000_000
+#: ...and tokens (16K blocks of 16): 4M characters of non-ASCII text are ~12M tokens here (one a
+#: UTF-8 byte), whose 750K blocks took 0.3 s of the event loop to hash and record, and were more
+#: than the index's whole budget, so recording them evicted everything the engine held
+MAX_PROMPT_TOKENS = 1 << 18
 #: bytes of token arrays the per-message cache keeps (ids kept as uint16, 2 bytes a token: 16M tokens)
 MESSAGE_CACHE_BYTES = 32 << 20
 #: messages shorter than this are encoded each time (a dict entry costs more than the encoding)
@@ -482,7 +488,7 @@ def prompt_blocks(
     if tokens is None or not len(tokens):
         return None
     salt = cache_salt if isinstance(cache_salt, str) else None
-    return PromptBlocks(tokens, root_key(model, lora, salt))
+    return PromptBlocks(tokens[:MAX_PROMPT_TOKENS], root_key(model, lora, salt), len(tokens))
 
 
 def reference_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:

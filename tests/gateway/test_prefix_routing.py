@@ -252,3 +252,27 @@ def test_an_ejected_engine_loses_its_prefix_credit() -> None:
     assert cached[chosen.engine_id] == 0
     assert index.match_reported(reported, [chosen.engine_id])[chosen.engine_id] == len(reported) // 16
     assert index.stats.cleared == 0  # (that counts the engine's own AllBlocksCleared)
+
+
+def test_a_prompt_past_the_token_cap_is_keyed_by_its_head_and_scored_as_a_share_of_the_whole() -> None:
+    """4M characters of non-ASCII text are ~12M tokens: hashing and recording its 750K blocks
+    held the loop for 0.3 s and, past the index's budget, evicted all the engine held. Keyed by
+    its first MAX_PROMPT_TOKENS only, a match of that head is a share of the whole prompt, not
+    all of it."""
+    import numpy as np
+
+    from gateway.fleet.prompt_key import MAX_PROMPT_TOKENS, prompt_blocks
+
+    tokens = np.arange(2 * MAX_PROMPT_TOKENS, dtype=np.uint64) % 50_000
+    blocks = prompt_blocks(MODEL, tokens)
+    assert blocks is not None and len(blocks) == MAX_PROMPT_TOKENS
+    assert blocks.prompt_tokens == 2 * MAX_PROMPT_TOKENS
+    fleet, router, routing = _setup()
+    routing.attach("r1", blocks, None)
+    chosen = router.choose(_view("r1"), now=0.0)
+    assert chosen is not None
+    again = prompt_blocks(MODEL, tokens)
+    routing.attach("r2", again, None)
+    view = routing.annotate(_view("r2"), fleet.candidates(MODEL), now=1.0)
+    assert view.prefix is not None and view.prefix.prompt_tokens == 2 * MAX_PROMPT_TOKENS
+    assert dict(view.prefix.cached_tokens)[chosen.engine_id] == MAX_PROMPT_TOKENS  # half of it
