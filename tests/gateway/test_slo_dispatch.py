@@ -187,7 +187,9 @@ def test_engine_side_priority_lets_urgent_work_overtake() -> None:
             engines=[engine_entry(e, priority_scheduling=True)], slo_profile="hyperflexis-4task"
         ) as gw,
     ):
-        lax = {**BODY, "max_tokens": 120, "ignore_eos": True}
+        # (300 tokens, ~1 s each: with 120 a loaded cold machine once saw the first end before
+        # the other three reached the engine's queue)
+        lax = {**BODY, "max_tokens": 300, "ignore_eos": True}
         done: dict[str, float] = {}
 
         def send(name: str, task: str) -> None:
