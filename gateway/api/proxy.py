@@ -24,7 +24,7 @@ from gateway.api.auth import Authenticator, forwardable_headers
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
-from gateway.dispatch.core import NO_HEALTHY_ENGINE, no_healthy_engine
+from gateway.dispatch.core import NO_HEALTHY_ENGINE, model_not_found, no_healthy_engine
 from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.engine_tokenizer import PromptKeyer
 from gateway.fleet.prefix_routing import PrefixRouting
@@ -249,6 +249,10 @@ class Proxy:
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy, request.model)
+            if model == "(unknown)":
+                # refused here, before its prompt is keyed (a bad SLO header still says so
+                # first): hashing 200 KB for a model nobody serves is loop time spent on nothing
+                raise model_not_found(request.model, self.fleet.served_models)
             slo_class = target.slo_class
             reply = (
                 (b"x-request-id", client_rid),

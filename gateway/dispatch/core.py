@@ -184,6 +184,17 @@ def _plan_row(
 NO_HEALTHY_ENGINE = "no_healthy_engine"
 
 
+def model_not_found(model: str, served: Collection[str]) -> GatewayError:
+    """The 404 for a request naming a model no engine of the fleet serves."""
+    listed = ", ".join(sorted(served)) or "none"
+    return GatewayError(
+        404,
+        f"model {model!r} is not served here; available models: {listed}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def no_healthy_engine(model: str, why: str) -> GatewayError:
     """The 503 (with Retry-After) for a request of ``model`` that no engine in rotation can take
     now."""
@@ -395,13 +406,7 @@ class DispatchCore:
 
     def no_engine(self, model: str) -> GatewayError:
         if model not in self.fleet.served_models:
-            served = ", ".join(sorted(self.fleet.served_models)) or "none"
-            return GatewayError(
-                404,
-                f"model {model!r} is not served here; available models: {served}",
-                param="model",
-                code="model_not_found",
-            )
+            return model_not_found(model, self.fleet.served_models)
         return no_healthy_engine(model, f"no healthy engine is serving model {model!r}")
 
     # -- arrivals, retries, cancellation ----------------------------------------------------------

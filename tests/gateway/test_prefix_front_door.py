@@ -222,3 +222,29 @@ def test_a_body_parsed_in_the_worker_brings_its_prompt_ids() -> None:
     assert summary.parsed is None and summary.user == "alice" and summary.cache_salt == "t"
     assert summary.prompt_ids is not None and summary.prompt_ids.tolist() == reference_token_ids(messages)
     assert parse_summary("chat", raw, 16).prompt_ids is None
+
+
+def _hashed(metrics_text: str) -> float:
+    line = next(x for x in metrics_text.splitlines() if x.startswith("slogate_prefix_hash_seconds_count"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_request_for_a_model_nobody_serves_is_refused_before_its_prompt_is_keyed(
+    kv_engines: list[tuple[ChildProcess, int]],
+) -> None:
+    """Hashing the prompt of a request that will get a 404 is the loop's time spent on a client's
+    mistake (a 200 KB prompt costs milliseconds to key)."""
+    engines = [engine_entry(proc) for proc, _ in kv_engines]
+    with run_gateway(engines=engines, routing_profile="prefix-aware") as gw:
+        url = gw.url + "/v1/chat/completions"
+        prompt = [{"role": "user", "content": english_text(20_000, seed=5)}]
+        ok = httpx.post(url, json={"model": MODEL, "messages": prompt, "max_tokens": 1})
+        assert ok.status_code == 200
+        before = _hashed(httpx.get(gw.url + "/metrics").text)
+        assert before >= 1  # (keyed: the series this test reads counts every keyed prompt)
+        r = httpx.post(url, json={"model": "no-such-model", "messages": prompt, "max_tokens": 1})
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert MODEL in error["message"]  # the models that are served, named
+        assert _hashed(httpx.get(gw.url + "/metrics").text) == before
