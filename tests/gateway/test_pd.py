@@ -201,15 +201,22 @@ def test_always_never_prefills_on_a_decode_engine(fleet: dict[str, ChildProcess]
 
         before = {e: kept(e) for e in ("p0", "p1")}
         # (prompts the engines have not seen: one found in a prefix cache is no prefill sample)
-        engines = [
-            chat(gw, f"{os.getpid()} {time.time()} {i} {LONG}", False).headers["x-slogate-prefill-engine"]
-            for i in range(4)
+        engines: list[str] = []
+        for i in range(12):
+            response = chat(gw, f"{os.getpid()} {time.time()} {i} {LONG}", False)
+            engines.append(response.headers["x-slogate-prefill-engine"])
+            # kept once the engine's next scrape confirms the interval (on a loaded machine an
+            # interval may hold other work of the engine's and stay unsure: then the next prompt)
+            if i >= 3 and wait_until(lambda: all(kept(e) > before[e] for e in set(engines)), timeout=3):
+                break
+        outcomes = [
+            (s.labels["engine"], s.labels["stage"], s.labels["outcome"], s.value)
+            for family in metrics.REGISTRY.collect()
+            if family.name == "slogate_latency_samples"
+            for s in family.samples
+            if s.name.endswith("_total")
         ]
-        # kept once the engine's next scrape confirms the interval
-        assert wait_until(lambda: all(kept(e) > before[e] for e in set(engines)), timeout=10), (
-            engines,
-            before,
-        )
+        assert all(kept(e) > before[e] for e in set(engines)), (engines, before, outcomes)
 
 
 def test_each_stage_s_upstream_span_carries_its_engine_s_status(
