@@ -374,6 +374,16 @@ PARSE_WORKER_FAILURES = Counter(
     "Large request bodies whose worker process died while parsing them (parsed in place instead)",
     registry=REGISTRY,
 )
+BODY_BYTES = Gauge(
+    "slogate_request_body_bytes",
+    "Bytes of request bodies the gateway holds now (received or declared, requests not yet ended)",
+    registry=REGISTRY,
+)
+BODY_BUDGET_REFUSALS = Counter(
+    "slogate_body_budget_refusals",
+    "Requests refused with a 503 because the bodies held at once would pass max_body_memory_bytes",
+    registry=REGISTRY,
+)
 SLOW_CLIENTS = Counter(
     "slogate_slow_clients",
     "Streams ended because the client stopped reading for longer than the idle limit",

@@ -388,6 +388,12 @@ class Settings(BaseSettings):
         description="a request line and headers must arrive within this of their first byte",
     )
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_body_memory_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=64 * 1024,
+        description="request bodies held at once (from their first byte to the end of their "
+        "request) past this get a 503; bodies over 64 KiB may use three quarters of it",
+    )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a request body must arrive whole within this (else 408)"
     )
@@ -531,6 +537,17 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"api_key_tenants and api_key_policies disagree on the tenant of {key_fingerprint(key)}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _one_body_fits_the_budget(self) -> Settings:
+        from gateway.api.body_budget import large_share
+
+        if large_share(self.max_body_memory_bytes) < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_memory_bytes ({self.max_body_memory_bytes}): bodies over 64 KiB may use "
+                f"three quarters of it, less than one body of max_body_bytes ({self.max_body_bytes})"
+            )
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway import metrics
 from gateway.api.auth import Authenticator, forwardable_headers
+from gateway.api.body_budget import BodyBudget, BodyLease
 from gateway.api.errors import GatewayError, send_error
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import RouteKind
@@ -51,8 +52,9 @@ def _status_class(status: int) -> str:
     return f"{status // 100}xx"
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body, or a 413 as soon as it exceeds ``limit`` bytes."""
+async def read_body(receive: Receive, limit: int, lease: BodyLease | None = None) -> bytes:
+    """The whole request body, or a 413 as soon as it exceeds ``limit`` bytes; with ``lease``,
+    its bytes are held against the gateway's body budget as they come (a 503 past it)."""
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone()
@@ -60,10 +62,14 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     if not message.get("more_body"):
         if len(body) > limit:
             raise GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        if lease is not None:
+            lease.take_up_to(len(body))
         return body
     chunks = [body]
     size = len(body)
     while True:
+        if lease is not None:
+            lease.take_up_to(size)
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone()
@@ -73,6 +79,8 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             raise GatewayError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
         if not message.get("more_body"):
+            if lease is not None:
+                lease.take_up_to(size)
             return b"".join(chunks)
 
 
@@ -101,6 +109,7 @@ class Proxy:
         keyed = prefix is not None and prefix.index is not None
         #: keys prompts for the prefix index (each model's engine tokenizer, else the gateway's)
         self.keyer = PromptKeyer(settings.engine_tokenizers)
+        self.bodies = BodyBudget(settings.max_body_memory_bytes)
         self.parser = BodyParser(
             settings.offload_parse_bytes,
             settings.default_max_tokens,
@@ -178,6 +187,7 @@ class Proxy:
         # wall-clock start of the request span, read only with tracing on (off reads no clock)
         span_start = now_ns() if tracing.tracer is not None else 0
         span: Span | None = None
+        lease = self.bodies.lease()
         handler = asyncio.current_task()
         if handler is not None:
             self._receiving[rid] = handler
@@ -210,12 +220,14 @@ class Proxy:
                     f"request body exceeds {self.settings.max_body_bytes} bytes",
                     code="request_too_large",
                 )
+            if declared is not None and declared.isdigit():
+                lease.take_up_to(int(declared))  # (a body that cannot be held is not waited for)
             started = time.monotonic()
             try:
                 # a client that declares a body and stops sending it would hold the handler and its
                 # connection for good (uvicorn bounds no body read)
                 async with asyncio.timeout(self.settings.body_timeout_s):
-                    raw = await read_body(receive, self.settings.max_body_bytes)
+                    raw = await read_body(receive, self.settings.max_body_bytes, lease)
             except TimeoutError:
                 error = GatewayError(
                     408,
@@ -326,6 +338,7 @@ class Proxy:
                 async with asyncio.timeout(_ERROR_SEND_S):  # (a client taking nothing is gone)
                     await send_error(send, internal, extra)
         finally:
+            lease.release()
             self._receiving.pop(rid, None)
             if self.prefix is not None:
                 self.prefix.detach(rid)

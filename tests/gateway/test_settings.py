@@ -387,3 +387,11 @@ def test_a_nested_variable_for_a_case_sensitive_mapping_is_refused_without_the_k
     monkeypatch.delenv("SLOGATE_API_KEY_POLICIES__Sk-TeamA-Secret__MAX_PRIORITY")
     monkeypatch.setenv("SLOGATE_API_KEY_POLICIES", '{"Sk-TeamA-Secret": {"max_priority": 1}}')
     assert list(load_settings(None).api_key_policies) == ["Sk-TeamA-Secret"]
+
+
+def test_the_body_budget_must_hold_one_largest_body() -> None:
+    """Bodies over 64 KiB may use three quarters of max_body_memory_bytes: a budget whose share
+    is below max_body_bytes would refuse every largest body, whatever else is held."""
+    assert load_settings(None, max_body_bytes=150_000, max_body_memory_bytes=200_000)
+    with pytest.raises(ValueError, match="max_body_memory_bytes"):
+        load_settings(None, max_body_bytes=150_001, max_body_memory_bytes=200_000)
