@@ -391,8 +391,8 @@ class Settings(BaseSettings):
     max_body_memory_bytes: int = Field(
         default=1024 * 1024 * 1024,
         ge=64 * 1024,
-        description="request bodies held at once (from their first byte to the end of their "
-        "request) past this get a 503; bodies over 64 KiB may use three quarters of it",
+        description="request bodies held at once (their bytes as they arrive, until their request "
+        "ends) past this get a 503; bodies over 64 KiB may use three quarters of it",
     )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="a request body must arrive whole within this (else 408)"
@@ -541,12 +541,15 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_body_fits_the_budget(self) -> Settings:
-        from gateway.api.body_budget import large_share
+        from gateway.api.body_budget import SMALL_BODY_BYTES, large_share
 
-        if large_share(self.max_body_memory_bytes) < self.max_body_bytes:
+        largest, budget = self.max_body_bytes, self.max_body_memory_bytes
+        cap = budget if largest <= SMALL_BODY_BYTES else large_share(budget)
+        if cap < largest:
             raise ValueError(
-                f"max_body_memory_bytes ({self.max_body_memory_bytes}): bodies over 64 KiB may use "
-                f"three quarters of it, less than one body of max_body_bytes ({self.max_body_bytes})"
+                f"max_body_memory_bytes ({budget}) must hold one body of "
+                f"max_body_bytes ({largest}): bodies over 64 KiB may use three quarters of it; "
+                f"raise it to at least {-(-largest * 4 // 3)}"
             )
         return self
 

@@ -89,8 +89,13 @@ async def send_error(
     extra: tuple[tuple[bytes, bytes], ...] = (),
 ) -> None:
     """Answer ``error`` on a raw ASGI ``send`` (the data routes and the auth guard)."""
-    await send({"type": "http.response.start", "status": error.status, "headers": [*error.headers(), *extra]})
-    await send({"type": "http.response.body", "body": error.body()})
+    body = error.body()
+    # (with its length: a client reading one answer on a kept connection knows where it ends,
+    # without chunked framing)
+    length = (b"content-length", b"%d" % len(body))
+    headers = [*error.headers(), length, *extra]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _rebuild(cls: type[GatewayError], message: str) -> GatewayError:

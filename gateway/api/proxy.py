@@ -221,7 +221,7 @@ class Proxy:
                     code="request_too_large",
                 )
             if declared is not None and declared.isdigit():
-                lease.take_up_to(int(declared))  # (a body that cannot be held is not waited for)
+                lease.admit(int(declared))
             started = time.monotonic()
             try:
                 # a client that declares a body and stops sending it would hold the handler and its
@@ -261,11 +261,11 @@ class Proxy:
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
             target, priority = self.slo.classify(headers, request.priority, policy, request.model)
-            if model == "(unknown)":
+            slo_class = target.slo_class
+            if request.model not in self.fleet.served_models:
                 # refused here, before its prompt is keyed (a bad SLO header still says so
                 # first): hashing 200 KB for a model nobody serves is loop time spent on nothing
                 raise model_not_found(request.model, self.fleet.served_models)
-            slo_class = target.slo_class
             reply = (
                 (b"x-request-id", client_rid),
                 (b"x-slo-class", target.slo_class.encode()),

@@ -247,4 +247,9 @@ def test_a_request_for_a_model_nobody_serves_is_refused_before_its_prompt_is_key
         error = r.json()["error"]
         assert error["code"] == "model_not_found" and error["param"] == "model"
         assert MODEL in error["message"]  # the models that are served, named
+        # a malformed SLO header is still the answer it was (the header is read first)
+        bad = httpx.post(
+            url, json={"model": "no-such-model", "messages": prompt}, headers={"x-priority": "--1"}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-priority", bad.text
         assert _hashed(httpx.get(gw.url + "/metrics").text) == before

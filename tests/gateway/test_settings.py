@@ -395,3 +395,5 @@ def test_the_body_budget_must_hold_one_largest_body() -> None:
     assert load_settings(None, max_body_bytes=150_000, max_body_memory_bytes=200_000)
     with pytest.raises(ValueError, match="max_body_memory_bytes"):
         load_settings(None, max_body_bytes=150_001, max_body_memory_bytes=200_000)
+    # bodies of 64 KiB or less may use the whole budget
+    assert load_settings(None, max_body_bytes=65_536, max_body_memory_bytes=65_536)

@@ -529,13 +529,27 @@ def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(
         assert b'"code":"request_timeout"' in answer and 0.4 < waited < 8, (answer, waited)
 
 
-def _upload_head(path: str, length: int | None) -> bytes:
+def _upload_head(path: str, length: int | None, close: bool = False) -> bytes:
     framing = b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length
-    # (the connection closes after the answer: read to its end)
-    return b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n%s\r\n" % (
+    closing = b"Connection: close\r\n" if close else b""
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s%s\r\n" % (
         path.encode(),
+        closing,
         framing,
     )
+
+
+def _response_of(client: socket.socket) -> bytes:
+    """One response with a Content-Length body (what error answers have), the connection kept."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += client.recv(65536)
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    length = next(int(line[15:]) for line in lines if line.startswith(b"content-length:"))
+    while len(rest) < length:
+        rest += client.recv(65536)
+    return head + b"\r\n\r\n" + rest
 
 
 def _answer_of(client: socket.socket) -> bytes:
@@ -549,8 +563,9 @@ def test_bodies_held_at_once_are_bounded_and_ordinary_requests_still_get_through
     sim_engine: ChildProcess,
 ) -> None:
     """max_body_bytes bounded one body and nothing bounded how many: a few hundred slow 16 MB
-    uploads took gigabytes. Past max_body_memory_bytes a large body gets a 503 (declared: at
-    once; chunked: as it passes the bound), while small requests keep their quarter."""
+    uploads took gigabytes. Past max_body_memory_bytes a large body gets a 503 (one whose
+    declared length would not fit: at once; a chunked one: as it passes the bound), while small
+    requests keep their quarter; a head declaring a large body and sending nothing holds nothing."""
     settings = {
         **QUIET_MONITOR,
         "max_body_bytes": 150_000,
@@ -562,31 +577,35 @@ def test_bodies_held_at_once_are_bounded_and_ordinary_requests_still_get_through
         # (bulk the engine does not count as prompt tokens: its context is small)
         body = orjson.dumps({**chat(), "user": "x" * 149_000})
         assert len(body) <= 150_000
-        with socket.create_connection((host, int(port)), timeout=20) as holder:
-            # a large upload that has declared its size and sent part of it holds all of it
-            holder.sendall(_upload_head(CHAT, len(body)) + body[:1000])
-            assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == len(body), timeout=10)
+        with (
+            socket.create_connection((host, int(port)), timeout=20) as silent,
+            socket.create_connection((host, int(port)), timeout=20) as holder,
+        ):
+            silent.sendall(_upload_head(CHAT, len(body)))  # declared, nothing sent: nothing held
+            # a large upload that has sent all but the end of its body holds what it sent
+            holder.sendall(_upload_head(CHAT, len(body), close=True) + body[:-10])
+            assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == len(body) - 10, timeout=10)
             with socket.create_connection((host, int(port)), timeout=20) as declared:
-                # (refused without waiting for the body it declared)
+                # refused without waiting for the body it declared; the connection stays usable
                 declared.sendall(_upload_head(CHAT, 100_000))
-                answer = _answer_of(declared).lower()
-            assert answer.startswith(b"http/1.1 503") and b'"code":"server_busy"' in answer, answer
-            assert b"\r\nretry-after: 1\r\n" in answer and b"\r\nconnection: close\r\n" in answer
+                answer = _response_of(declared).lower()
+                assert answer.startswith(b"http/1.1 503") and b'"code":"server_busy"' in answer, answer
+                assert b"\r\nretry-after: 1\r\n" in answer and b"\r\nconnection: close" not in answer
             with socket.create_connection((host, int(port)), timeout=20) as chunked:
                 # chunked (no length declared): refused once what arrived passes the bound
                 chunked.sendall(_upload_head(CHAT, None) + b"%x\r\n%s\r\n" % (70_000, b" " * 70_000))
-                answer = _answer_of(chunked)
+                answer = _response_of(chunked)
             assert answer.startswith(b"HTTP/1.1 503") and b'"code":"server_busy"' in answer, answer
             # an ordinary request still gets through beside the upload
             assert httpx.post(gw.url + CHAT, json=chat(), timeout=20).status_code == 200
-            holder.sendall(body[1000:])
+            holder.sendall(body[-10:])
             answer = _answer_of(holder)
-        assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert answer.startswith(b"HTTP/1.1 200"), answer
         assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == 0, timeout=10)
         assert metric(gw, "slogate_body_budget_refusals_total") == 2
         # and the upload that was refused is served once the budget has room
         assert httpx.post(gw.url + CHAT, content=body, timeout=20).status_code == 200
-        assert metric(gw, "slogate_request_body_bytes") == 0
+        assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == 0, timeout=10)
 
 
 def test_a_plain_request_that_waited_its_whole_time_in_the_queue_never_reaches_an_engine() -> None:
