@@ -292,8 +292,10 @@ class Held(NamedTuple):
 PrefixLookup = Callable[[str], Held | None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Assignment:
+    """Read-only by contract, not frozen (as :class:`WorkerView`): one is made per placement."""
+
     request_id: str
     engine_id: str
     #: False when the request was admitted by idle backfill with p < theta
@@ -306,8 +308,10 @@ class Assignment:
     late: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HyperFlexisDecision:
+    """Read-only by contract, not frozen (as :class:`WorkerView`): one is made per turn."""
+
     assignments: tuple[Assignment, ...]
     maturity: Mapping[str, float] = field(default_factory=dict)
     wake_at: float = math.inf
@@ -510,6 +514,10 @@ def dispatch(
     ends). Never to a worker over the imbalance bound: more than ``prefix_max_spread`` requests
     and ``prefix_max_ratio`` times above the worker that would take it instead.
     """
+    if ALONE_SHORTCUT and len(workers) == 1 and isinstance(queue, tuple) and len(queue) == 1:
+        alone = _alone(queue[0], workers[0], now, params, late_last, cached, adapters_held)
+        if alone is not None:
+            return alone
     prefix = _QueuePrefix(queue)
     # (time, tiebreak, index): a second look is ordered after every first one due by ``now``
     order = [(w.maturity, i, i) for i, w in enumerate(workers)]
@@ -798,7 +806,7 @@ def _fill_worker(
             or misses >= scan_after_admit
         )
     if params.late_backfill and budget_left is not None:
-        chosen = {item.view.request_id for item, *_ in admitted}
+        chosen: set[str] | None = None  # (made once a candidate is reached: often none is)
         misses = 0
         i = 0
         while i < len(items) or grow():
@@ -812,6 +820,8 @@ def _fill_worker(
             ):
                 break
             view = item.view
+            if chosen is None:
+                chosen = {item.view.request_id for item, *_ in admitted}
             if view.request_id in chosen:
                 continue
             if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
@@ -969,6 +979,80 @@ def shortened_maturity(
         return maturity
     scaled = turn_at + (maturity - turn_at) * (actual / predicted_prefill_s)
     return min(maturity, max(turn_at + params.recheck_s, scaled, now))
+
+
+#: :func:`dispatch` decides one arrival for one idle worker by :func:`_alone` (tests compare it
+#: with the whole algorithm by turning this off)
+ALONE_SHORTCUT = True
+
+
+def _alone(
+    item: QueuedRequest,
+    worker: WorkerView,
+    now: float,
+    params: HyperFlexisParams,
+    late_last: OrderContext | None,
+    cached: PrefixLookup | None,
+    adapters_held: frozenset[str],
+) -> HyperFlexisDecision | None:
+    """:func:`dispatch`'s decision for one request and one mature, idle worker, without the
+    machinery of a turn over a queue: at low load every arrival is this case (an engine that
+    finished its work is mature at once). ``None`` where the case is not this simple (a prefix
+    lookup, a LoRA adapter held somewhere, a worker joining a hold, one that takes nothing): the
+    whole algorithm then decides. The same comparisons in the same order as :func:`_fill_worker`
+    and :func:`dispatch` (tests/policies/test_hyperflexis.py holds the two equal)."""
+    view = item.view
+    prompt = view.prompt_tokens
+    if (
+        worker.maturity > now
+        or worker.joining is not None
+        or worker.max_num_seqs < 1
+        or (cached is not None and params.prefix_preference)
+        or (adapters_held and view.lora is not None)
+        or _requests(worker) != 0
+        or worker.free_kv_tokens <= 0
+        or prompt < 0
+    ):
+        return None
+    a, b, c = worker.prefill_coeffs
+    deadline = view.arrival + item.ttft_slo
+    need_kv = prompt + view.max_output_tokens
+    late_rejected = params.theta >= 0.5
+    prefill = a + b * prompt + c * (prompt * prompt)
+    feasible = True
+    lane = late_last
+    if (
+        lane is not None
+        and late_rejected
+        and c >= 0.0
+        and a >= lane.prefill_base_s * (1.0 - 1e-9)
+        and b * lane.prefill_tokens_per_s >= 1.0 - 1e-9
+        and now > deadline - (lane.prefill_base_s + (prompt if prompt > 0 else 0) / lane.prefill_tokens_per_s)
+    ):
+        feasible = False  # late on the lane's estimate
+    elif need_kv > worker.free_kv_tokens or (
+        late_rejected and deadline < now + a + b * prompt + c * prompt * prompt
+    ):
+        feasible = False
+    else:
+        expected = a + b * prompt + c * (prompt * prompt)
+        p = admission_probability(view.arrival, item.ttft_slo, now, expected, 0.0, params.slack_scale)
+        feasible = not p < params.theta  # (as _fill_worker tests it: a NaN p is admitted)
+    if not feasible and not (params.idle_backfill and prompt < worker.free_kv_tokens):
+        return None
+    shadow = _Shadow(worker)
+    shadow.add(prompt, item.tpot_slo, need_kv)
+    at, e_p = _next_maturity(worker, shadow, now, True, math.inf, params)
+    engine_id = worker.engine_id
+    late = not feasible and deadline < now + prefill
+    return HyperFlexisDecision(
+        (Assignment(view.request_id, engine_id, feasible, 0, 0, late),),
+        {engine_id: at},
+        math.inf,
+        frozenset(),
+        {engine_id: e_p},
+        {engine_id: shadow.prefill_taken},
+    )
 
 
 def _next_maturity(

@@ -567,3 +567,84 @@ def test_a_request_late_on_its_whole_prompt_but_on_time_on_its_uncached_part_is_
         assert [(a.request_id, a.feasible, a.cached_tokens) for a in decision.assignments] == [
             ("r", True, 9_500)
         ]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    prompt=st.integers(0, 5000),
+    out=st.integers(0, 4000),
+    arrival=st.floats(0.0, 2.0),
+    ttft=st.sampled_from([0.01, 0.05, 0.3, 1.0, 5.0, math.inf]),
+    tpot=st.sampled_from([0.005, 0.02, 0.1, 1.0]),
+    now=st.floats(0.0, 3.0),
+    maturity=st.floats(-1.0, 3.5),
+    kv=st.integers(-10, 9000),
+    seqs=st.integers(0, 3),
+    prefill=st.tuples(
+        st.floats(0.0, 0.05), st.sampled_from([0.0, 1e-5, 1e-4, 3e-4]), st.sampled_from([0.0, 1e-8, -1e-9])
+    ),
+    decode=st.tuples(st.floats(0.0, 0.03), st.floats(0.0, 1e-5), st.floats(0.0, 1e-3)),
+    theta=st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]),
+    idle_backfill=st.booleans(),
+    mixed=st.booleans(),
+    tpot_plan=st.sampled_from([1.0, 0.9]),
+    lane=st.sampled_from([None, "same", "slower", "faster"]),
+    lora=st.sampled_from([None, "x"]),
+    held=st.sampled_from([frozenset(), frozenset({"x"})]),
+    joining=st.sampled_from([None, 0, 100]),
+)
+def test_one_arrival_for_one_idle_worker_is_decided_as_the_whole_algorithm_decides(
+    prompt: int,
+    out: int,
+    arrival: float,
+    ttft: float,
+    tpot: float,
+    now: float,
+    maturity: float,
+    kv: int,
+    seqs: int,
+    prefill: tuple[float, float, float],
+    decode: tuple[float, float, float],
+    theta: float,
+    idle_backfill: bool,
+    mixed: bool,
+    tpot_plan: float,
+    lane: str | None,
+    lora: str | None,
+    held: frozenset[str],
+    joining: int | None,
+) -> None:
+    """The shortcut for an arrival to an empty queue with one idle worker (every request at low
+    load) must decide exactly what dispatch's whole turn does: same assignment, flags, maturity,
+    prefill time and budget, or leave the case to it."""
+    from policies import hyperflexis
+
+    view = RequestView("r", "m", prompt, out, arrival=arrival, lora=lora)
+    item = QueuedRequest(view=view, ttft_slo=ttft, tpot_slo=tpot, seq=1)
+    w = WorkerView(
+        "w", prefill, decode, free_kv_tokens=kv, max_num_seqs=seqs, maturity=maturity, joining=joining
+    )
+    late_last = None
+    if lane is not None and prefill[1] > 0:
+        scale = {"same": 1.0, "slower": 0.5, "faster": 2.0}[lane]
+        late_last = OrderContext(
+            prefill_tokens_per_s=scale / prefill[1], decode_step_s=0.01, prefill_base_s=prefill[0] * scale
+        )
+    params = HyperFlexisParams(
+        theta=theta, idle_backfill=idle_backfill, mixed_steps=mixed, tpot_plan=tpot_plan
+    )
+    args = ((item,), [w], now, params, 2.0, late_last, 0, None, None, held)
+
+    def decided() -> object:
+        try:
+            return dispatch(*args)
+        except ValueError as error:  # (a negative predicted prefill: both refuse it alike)
+            return repr(error)
+
+    short = decided()
+    hyperflexis.ALONE_SHORTCUT = False
+    try:
+        whole = decided()
+    finally:
+        hyperflexis.ALONE_SHORTCUT = True
+    assert short == whole
