@@ -515,7 +515,17 @@ def dispatch(
     and ``prefix_max_ratio`` times above the worker that would take it instead.
     """
     if ALONE_SHORTCUT and len(workers) == 1 and isinstance(queue, tuple) and len(queue) == 1:
-        alone = _alone(queue[0], workers[0], now, params, late_last, cached, adapters_held)
+        alone = _alone(
+            queue[0],
+            workers[0],
+            now,
+            params,
+            tightest_ttft_s,
+            late_last,
+            queue_min_need,
+            cached,
+            adapters_held,
+        )
         if alone is not None:
             return alone
     prefix = _QueuePrefix(queue)
@@ -707,18 +717,7 @@ def _fill_worker(
         item = items[i]
         i += 1
         if budget_left is None:
-            # eq.(5) with the tightest targets among what runs here, the fleet and this candidate
-            tpot = min(shadow.min_tpot, item.tpot_slo) * params.tpot_plan
-            ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
-            # a turn's prefill must also amortise within the longest hold (its maturity time is
-            # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
-            # that max_hold_s then cut short, and running streams' TPOT paid for it
-            horizon = min(ttft, params.max_hold_s)
-            fixed = coeffs[0]
-            if params.mixed_steps and shadow.count > shadow.waiting:
-                # (an idle worker's first prefill runs alone and pays its fixed cost itself)
-                fixed = max(0.0, fixed - worker.decode_coeffs[0])
-            budget_left = token_budget(horizon, tpot, decode_s, fixed, coeffs[1]) - shadow.prefill_taken
+            budget_left = _budget_left(worker, shadow, item, decode_s, tightest_ttft_s, params)
             done = budget_left <= 0 and took
         view = item.view
         if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
@@ -981,8 +980,31 @@ def shortened_maturity(
     return min(maturity, max(turn_at + params.recheck_s, scaled, now))
 
 
-#: :func:`dispatch` decides one arrival for one idle worker by :func:`_alone` (tests compare it
-#: with the whole algorithm by turning this off)
+def _budget_left(
+    worker: WorkerView,
+    shadow: _Shadow,
+    item: QueuedRequest,
+    decode_s: float,
+    tightest_ttft_s: float,
+    params: HyperFlexisParams,
+) -> int:
+    """Eq.(5)'s prompt tokens for the worker's turn, less what the turn took already, with the
+    tightest targets among what runs there, the fleet and the turn's first candidate."""
+    tpot = min(shadow.min_tpot, item.tpot_slo) * params.tpot_plan
+    ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
+    # a turn's prefill must also amortise within the longest hold (its maturity time is
+    # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills
+    # that max_hold_s then cut short, and running streams' TPOT paid for it
+    horizon = min(ttft, params.max_hold_s)
+    fixed, per_token, _ = worker.prefill_coeffs
+    if params.mixed_steps and shadow.count > shadow.waiting:
+        # (an idle worker's first prefill runs alone and pays its fixed cost itself)
+        fixed = max(0.0, fixed - worker.decode_coeffs[0])
+    return token_budget(horizon, tpot, decode_s, fixed, per_token) - shadow.prefill_taken
+
+
+#: :func:`dispatch` decides one arrival for one worker by :func:`_alone` (tests compare it with
+#: the whole algorithm by turning this off)
 ALONE_SHORTCUT = True
 
 
@@ -991,60 +1013,90 @@ def _alone(
     worker: WorkerView,
     now: float,
     params: HyperFlexisParams,
+    tightest_ttft_s: float,
     late_last: OrderContext | None,
+    queue_min_need: int,
     cached: PrefixLookup | None,
     adapters_held: frozenset[str],
 ) -> HyperFlexisDecision | None:
-    """:func:`dispatch`'s decision for one request and one mature, idle worker, without the
-    machinery of a turn over a queue: at low load every arrival is this case (an engine that
-    finished its work is mature at once). ``None`` where the case is not this simple (a prefix
-    lookup, a LoRA adapter held somewhere, a worker joining a hold, one that takes nothing): the
-    whole algorithm then decides. The same comparisons in the same order as :func:`_fill_worker`
-    and :func:`dispatch` (tests/policies/test_hyperflexis.py holds the two equal)."""
+    """:func:`dispatch`'s decision for one request and one mature worker when the worker takes
+    it, without the machinery of a turn over a queue: at low load every arrival is this case (an
+    idle engine, or one whose hold the arrival joins). ``None`` where the case is not this simple
+    (a prefix lookup, a LoRA adapter held somewhere, TPOT classes to keep apart, a worker that
+    would take nothing): the whole algorithm then decides. The same comparisons in the same
+    order as :func:`_fill_worker` and :func:`dispatch` (tests/policies/test_hyperflexis.py holds
+    the two equal)."""
     view = item.view
     prompt = view.prompt_tokens
     if (
         worker.maturity > now
-        or worker.joining is not None
-        or worker.max_num_seqs < 1
         or (cached is not None and params.prefix_preference)
         or (adapters_held and view.lora is not None)
-        or _requests(worker) != 0
-        or worker.free_kv_tokens <= 0
-        or prompt < 0
     ):
         return None
+    shadow = _Shadow(worker)
     a, b, c = worker.prefill_coeffs
     deadline = view.arrival + item.ttft_slo
     need_kv = prompt + view.max_output_tokens
     late_rejected = params.theta >= 0.5
-    prefill = a + b * prompt + c * (prompt * prompt)
-    feasible = True
-    lane = late_last
-    if (
-        lane is not None
-        and late_rejected
-        and c >= 0.0
-        and a >= lane.prefill_base_s * (1.0 - 1e-9)
-        and b * lane.prefill_tokens_per_s >= 1.0 - 1e-9
-        and now > deadline - (lane.prefill_base_s + (prompt if prompt > 0 else 0) / lane.prefill_tokens_per_s)
+    decode_s = shadow.decode_step(worker.decode_coeffs)
+    kv_left = worker.free_kv_tokens
+    took = worker.joining is not None
+    if shadow.count and kv_left < queue_min_need:
+        return None  # (it takes nothing)
+    feasible = False
+    if not (
+        worker.max_num_seqs - shadow.count <= 0
+        or kv_left <= 0
+        or (took and (kv_left < queue_min_need or params.scan_after_admit <= 0))
     ):
-        feasible = False  # late on the lane's estimate
-    elif need_kv > worker.free_kv_tokens or (
-        late_rejected and deadline < now + a + b * prompt + c * prompt * prompt
-    ):
-        feasible = False
-    else:
-        expected = a + b * prompt + c * (prompt * prompt)
-        p = admission_probability(view.arrival, item.ttft_slo, now, expected, 0.0, params.slack_scale)
-        feasible = not p < params.theta  # (as _fill_worker tests it: a NaN p is admitted)
-    if not feasible and not (params.idle_backfill and prompt < worker.free_kv_tokens):
-        return None
-    shadow = _Shadow(worker)
+        # the first candidate of _fill_worker's scan
+        budget_left = _budget_left(worker, shadow, item, decode_s, tightest_ttft_s, params)
+        lane = late_last
+        if (
+            params.tpot_segregation
+            and shadow.count > 0
+            and (
+                shadow.max_tpot > params.segregate_ratio * shadow.min_tpot
+                or item.tpot_slo > params.segregate_ratio * shadow.min_tpot
+                or shadow.max_tpot > params.segregate_ratio * item.tpot_slo
+            )
+        ):
+            return None  # (whether it is left to an engine of its class: the whole turn says)
+        elif (
+            lane is not None
+            and late_rejected
+            and c >= 0.0
+            and a >= lane.prefill_base_s * (1.0 - 1e-9)
+            and b * lane.prefill_tokens_per_s >= 1.0 - 1e-9
+            and now
+            > deadline - (lane.prefill_base_s + (prompt if prompt > 0 else 0) / lane.prefill_tokens_per_s)
+        ):
+            pass  # late on the lane's estimate
+        elif (
+            (prompt > budget_left and took)
+            or need_kv > kv_left
+            or (late_rejected and deadline < now + a + b * prompt + c * prompt * prompt)
+        ):
+            pass  # no room in the turn's budget or KV; or late even on an idle worker
+        else:
+            expected = (
+                a + b * (shadow.waiting_tokens + prompt) + c * (shadow.waiting_squares + prompt * prompt)
+            )
+            utilization = shadow.count / max(1, worker.max_num_seqs)
+            p = admission_probability(
+                view.arrival, item.ttft_slo, now, expected, utilization, params.slack_scale
+            )
+            feasible = not p < params.theta  # (as _fill_worker tests it: a NaN p is admitted)
+    late = False
+    if not feasible:
+        # an idle worker's backfill of the head (_fill_worker's last step)
+        if shadow.count or not params.idle_backfill or not prompt < worker.free_kv_tokens:
+            return None
+        late = deadline < now + (a + b * prompt + c * (prompt * prompt))
     shadow.add(prompt, item.tpot_slo, need_kv)
     at, e_p = _next_maturity(worker, shadow, now, True, math.inf, params)
     engine_id = worker.engine_id
-    late = not feasible and deadline < now + prefill
     return HyperFlexisDecision(
         (Assignment(view.request_id, engine_id, feasible, 0, 0, late),),
         {engine_id: at},

@@ -569,17 +569,24 @@ def test_a_request_late_on_its_whole_prompt_but_on_time_on_its_uncached_part_is_
         ]
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=2500, deadline=None)
 @given(
-    prompt=st.integers(0, 5000),
-    out=st.integers(0, 4000),
+    prompt=st.integers(0, 3000),
+    out=st.integers(0, 2000),
     arrival=st.floats(0.0, 2.0),
-    ttft=st.sampled_from([0.01, 0.05, 0.3, 1.0, 5.0, math.inf]),
+    ttft=st.sampled_from([0.01, 0.05, 0.3, 1.0, 5.0, 30.0, math.inf]),
     tpot=st.sampled_from([0.005, 0.02, 0.1, 1.0]),
     now=st.floats(0.0, 3.0),
-    maturity=st.floats(-1.0, 3.5),
-    kv=st.integers(-10, 9000),
-    seqs=st.integers(0, 3),
+    # (mostly mature, with room: the cases the shortcut takes; the rest it must leave alike)
+    ago=st.floats(-0.5, 2.0),
+    kv=st.sampled_from([-10, 0, 300, 6000, 1 << 20]),
+    seqs=st.sampled_from([0, 1, 2, 4, 256]),
+    running=st.lists(
+        st.tuples(
+            st.integers(0, 2000), st.integers(0, 300), st.sampled_from([0.005, 0.02, 0.1]), st.booleans()
+        ),
+        max_size=3,
+    ),
     prefill=st.tuples(
         st.floats(0.0, 0.05), st.sampled_from([0.0, 1e-5, 1e-4, 3e-4]), st.sampled_from([0.0, 1e-8, -1e-9])
     ),
@@ -587,42 +594,55 @@ def test_a_request_late_on_its_whole_prompt_but_on_time_on_its_uncached_part_is_
     theta=st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]),
     idle_backfill=st.booleans(),
     mixed=st.booleans(),
+    segregation=st.booleans(),
     tpot_plan=st.sampled_from([1.0, 0.9]),
+    tightest=st.sampled_from([0.05, 2.0, math.inf]),
+    min_need=st.sampled_from([0, 100, 5000]),
     lane=st.sampled_from([None, "same", "slower", "faster"]),
     lora=st.sampled_from([None, "x"]),
     held=st.sampled_from([frozenset(), frozenset({"x"})]),
-    joining=st.sampled_from([None, 0, 100]),
+    joining=st.sampled_from([None, 0, 100, 4000]),
 )
-def test_one_arrival_for_one_idle_worker_is_decided_as_the_whole_algorithm_decides(
+def test_one_arrival_for_one_worker_is_decided_as_the_whole_algorithm_decides(
     prompt: int,
     out: int,
     arrival: float,
     ttft: float,
     tpot: float,
     now: float,
-    maturity: float,
+    ago: float,
     kv: int,
     seqs: int,
+    running: list[tuple[int, int, float, bool]],
     prefill: tuple[float, float, float],
     decode: tuple[float, float, float],
     theta: float,
     idle_backfill: bool,
     mixed: bool,
+    segregation: bool,
     tpot_plan: float,
+    tightest: float,
+    min_need: int,
     lane: str | None,
     lora: str | None,
     held: frozenset[str],
     joining: int | None,
 ) -> None:
-    """The shortcut for an arrival to an empty queue with one idle worker (every request at low
-    load) must decide exactly what dispatch's whole turn does: same assignment, flags, maturity,
-    prefill time and budget, or leave the case to it."""
-    from policies import hyperflexis
+    """The shortcut for an arrival to an empty queue with one worker (every request at low load:
+    an idle engine, or one whose hold it joins) must decide exactly what dispatch's whole turn
+    does: same assignment, flags, maturity, prefill time and budget, or leave the case to it."""
 
     view = RequestView("r", "m", prompt, out, arrival=arrival, lora=lora)
     item = QueuedRequest(view=view, ttft_slo=ttft, tpot_slo=tpot, seq=1)
     w = WorkerView(
-        "w", prefill, decode, free_kv_tokens=kv, max_num_seqs=seqs, maturity=maturity, joining=joining
+        "w",
+        prefill,
+        decode,
+        running=tuple(RunningRequest(p, g, t, done) for p, g, t, done in running),
+        free_kv_tokens=kv,
+        max_num_seqs=seqs,
+        maturity=now - ago,
+        joining=joining,
     )
     late_last = None
     if lane is not None and prefill[1] > 0:
@@ -631,9 +651,30 @@ def test_one_arrival_for_one_idle_worker_is_decided_as_the_whole_algorithm_decid
             prefill_tokens_per_s=scale / prefill[1], decode_step_s=0.01, prefill_base_s=prefill[0] * scale
         )
     params = HyperFlexisParams(
-        theta=theta, idle_backfill=idle_backfill, mixed_steps=mixed, tpot_plan=tpot_plan
+        theta=theta,
+        idle_backfill=idle_backfill,
+        mixed_steps=mixed,
+        tpot_plan=tpot_plan,
+        tpot_segregation=segregation,
     )
-    args = ((item,), [w], now, params, 2.0, late_last, 0, None, None, held)
+    _decided_alike(item, w, now, params, tightest, late_last, min_need, held)
+
+
+def _decided_alike(
+    item: QueuedRequest,
+    w: WorkerView,
+    now: float,
+    params: HyperFlexisParams,
+    tightest: float,
+    late_last: OrderContext | None,
+    min_need: int,
+    held: frozenset[str] = frozenset(),
+) -> object:
+    """dispatch's decision with and without the one-worker shortcut, which must be the same."""
+    from policies import hyperflexis
+
+    classes = {"w": (0.1, 1 << 20), "other": (0.005, 1 << 20)}
+    args = ((item,), [w], now, params, tightest, late_last, min_need, None, None, held, lambda: classes)
 
     def decided() -> object:
         try:
@@ -648,3 +689,76 @@ def test_one_arrival_for_one_idle_worker_is_decided_as_the_whole_algorithm_decid
     finally:
         hyperflexis.ALONE_SHORTCUT = True
     assert short == whole
+    return short
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    prompt=st.integers(1, 3000),
+    # (a share of the TTFT target: near its end the admission probability decides)
+    waited=st.floats(0.0, 1.1),
+    ttft=st.sampled_from([1.0, 5.0, 30.0]),
+    tpot=st.sampled_from([0.02, 0.1]),
+    running=st.lists(
+        st.tuples(st.integers(10, 3000), st.integers(0, 300), st.booleans()), min_size=1, max_size=6
+    ),
+    prefill=st.tuples(
+        st.floats(0.005, 0.05), st.sampled_from([1e-5, 1e-4, 3e-4]), st.sampled_from([0.0, 1e-8])
+    ),
+    decode=st.tuples(st.floats(0.005, 0.03), st.floats(0.0, 1e-6), st.floats(0.0, 3e-4)),
+    theta=st.floats(0.0, 1.0),
+    mixed=st.booleans(),
+    tightest=st.sampled_from([0.5, 2.0, 30.0]),
+    joining=st.sampled_from([None, 0, 100, 2000]),
+    seqs=st.sampled_from([4, 8, 256]),
+)
+def test_one_arrival_joining_a_busy_worker_is_decided_as_the_whole_algorithm_decides(
+    prompt: int,
+    waited: float,
+    ttft: float,
+    tpot: float,
+    running: list[tuple[int, int, bool]],
+    prefill: tuple[float, float, float],
+    decode: tuple[float, float, float],
+    theta: float,
+    mixed: bool,
+    tightest: float,
+    joining: int | None,
+    seqs: int,
+) -> None:
+    """The busy worker's cases the shortcut takes (one TPOT class, room, time left): budget,
+    admission probability and hold as the whole turn computes them."""
+    now = 10.0
+    view = RequestView("r", "m", prompt, 100, arrival=now - waited * ttft)
+    item = QueuedRequest(view=view, ttft_slo=ttft, tpot_slo=tpot, seq=1)
+    w = WorkerView(
+        "w",
+        prefill,
+        decode,
+        running=tuple(RunningRequest(p, g, tpot, done) for p, g, done in running),
+        free_kv_tokens=1 << 20,
+        max_num_seqs=seqs,
+        maturity=now,
+        joining=joining,
+    )
+    params = HyperFlexisParams(theta=theta, mixed_steps=mixed, tpot_segregation=True)
+    _decided_alike(item, w, now, params, tightest, None, 0)
+
+
+def test_the_shortcut_takes_the_common_cases_of_low_load() -> None:
+    """An idle engine, and one whose hold the arrival joins, are decided without a whole turn
+    (the cases every request meets at low load; the property tests above hold them exact)."""
+    from policies.hyperflexis import _alone
+
+    now = 10.0
+    item = QueuedRequest(
+        view=RequestView("r", "m", 500, 100, arrival=now - 0.05), ttft_slo=5.0, tpot_slo=0.1, seq=1
+    )
+    params = HyperFlexisParams(theta=0.5, mixed_steps=True, tpot_segregation=True)
+    idle = WorkerView("w", PREFILL, DECODE, maturity=now)
+    running = tuple(RunningRequest(300, 10, 0.1, True) for _ in range(5))
+    joined = WorkerView("w", PREFILL, DECODE, running=running, maturity=now, joining=100)
+    for w in (idle, joined):
+        decision = _alone(item, w, now, params, 2.0, None, 0, None, frozenset())
+        assert decision is not None and decision == _decided_alike(item, w, now, params, 2.0, None, 0)
+        assert [(a.request_id, a.feasible) for a in decision.assignments] == [("r", True)]
