@@ -1029,7 +1029,7 @@ def _alone(
     view = item.view
     prompt = view.prompt_tokens
     if (
-        worker.maturity > now
+        not worker.maturity <= now  # (as dispatch's turn order reads it: NaN is not mature)
         or (cached is not None and params.prefix_preference)
         or (adapters_held and view.lora is not None)
     ):
@@ -1093,7 +1093,10 @@ def _alone(
         # an idle worker's backfill of the head (_fill_worker's last step)
         if shadow.count or not params.idle_backfill or not prompt < worker.free_kv_tokens:
             return None
-        late = deadline < now + (a + b * prompt + c * (prompt * prompt))
+        end = now + (a + b * prompt + c * (prompt * prompt))
+        if not (deadline < end or deadline >= end):
+            return None  # (NaN: late backfill and idle backfill would read it differently)
+        late = deadline < end
     shadow.add(prompt, item.tpot_slo, need_kv)
     at, e_p = _next_maturity(worker, shadow, now, True, math.inf, params)
     engine_id = worker.engine_id
