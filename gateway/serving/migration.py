@@ -809,17 +809,21 @@ class Migrator:
             totals["prompt_tokens_details"] = {"cached_tokens": max(0, min(prompt, cached))}
         record_usage(call, totals)
         tail = b""
+        events = 1  # ([DONE])
         if finish:
             tail += state.shape.chunk("", None, finish)
             call.content_events += 1
+            events += 1
         if call.request.client_wants_usage:
             tail += state.shape.usage(totals)
+            events += 1
         idle_s = self.flow.settings.idle_timeout_s
         await send_bounded(
             call.send,
             {"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False},
             idle_s,
         )
+        metrics.SSE_EVENTS.inc(events)  # (as the first engine's relay counts its end)
         return 200
 
     async def _end_whole(self, call: Call) -> int:
@@ -832,6 +836,7 @@ class Migrator:
             {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False},
             self.flow.settings.idle_timeout_s,
         )
+        metrics.SSE_EVENTS.inc()
         return 200
 
     async def _give_up(self, call: Call, error: GatewayError | None, why: str) -> int:

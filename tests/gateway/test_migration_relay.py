@@ -137,8 +137,10 @@ def test_a_continuation_echoing_a_long_prompts_ids_is_relayed() -> None:
     with _engine(echo + b"data: [DONE]\n\n") as engine:
         outcome, tokens, sent = asyncio.run(_relay_once(engine.url, prompt_ids=prompt_ids))
     assert outcome == 200 and tokens == [7, 8, 9]
-    # counted as the first engine's events are (the continuation's went uncounted)
-    assert (metrics.REGISTRY.get_sample_value("slogate_sse_events_relayed_total") or 0.0) > relayed
+    # counted as the first engine's events are: every event the client got, its end included
+    # (the continuation's went uncounted, then its finish, usage and [DONE])
+    counted = (metrics.REGISTRY.get_sample_value("slogate_sse_events_relayed_total") or 0.0) - relayed
+    assert counted == sent.count(b"data: ") == 2
     assert b" nine" in sent and sent.endswith(b"data: [DONE]\n\n") and b'"error"' not in sent
 
 
