@@ -319,16 +319,19 @@ def test_an_over_long_trace_context_is_ignored_quietly(
 
 
 def test_no_attribute_can_be_huge(engine: HeaderEngine, caplog: pytest.LogCaptureFixture) -> None:
-    """A 200 KB model name (client text that reaches the dispatch span) is cut to
-    MAX_ATTRIBUTE_LENGTH in every span by the tracer provider's limits, without a log line each."""
+    """A 200 KB model name (client text) reaches no span whole: refused at the front door, its
+    request span names it "(unknown)"; and any attribute is cut to MAX_ATTRIBUTE_LENGTH by the
+    tracer provider's limits, without a log line each."""
     exporter = InMemorySpanExporter()
     huge = "m" * 200_000
     caplog.set_level(logging.WARNING)
     with traced_gateway(exporter, engine.entry("e0")) as gw:
         r = httpx.post(gw.url + "/v1/chat/completions", json={**CHAT, "model": huge}, timeout=10)
         assert r.status_code == 404
-        spans = spans_of(exporter, 2)
-    assert named(spans, SPAN_DISPATCH)  # the path the model name takes today
+        spans = spans_of(exporter, 1)
+    (request,) = named(spans, SPAN_REQUEST)
+    assert attrs(request)["gen_ai.request.model"] == "(unknown)"
+    assert not named(spans, SPAN_DISPATCH)  # (never placed)
     for span in spans:
         for value in attrs(span).values():
             assert len(str(value)) <= MAX_ATTRIBUTE_LENGTH, (span.name, len(str(value)))
