@@ -574,6 +574,8 @@ def test_bodies_held_at_once_are_bounded_and_ordinary_requests_still_get_through
     }
     with run_gateway(engines=[engine_entry(sim_engine, name="e0")], **settings) as gw:
         host, port = gw.url.removeprefix("http://").split(":")
+        # (the registry is the process's: earlier gateways in it may have counted refusals)
+        refusals = metric(gw, "slogate_body_budget_refusals_total")
         # (bulk the engine does not count as prompt tokens: its context is small)
         body = orjson.dumps({**chat(), "user": "x" * 149_000})
         assert len(body) <= 150_000
@@ -602,7 +604,7 @@ def test_bodies_held_at_once_are_bounded_and_ordinary_requests_still_get_through
             answer = _answer_of(holder)
             assert answer.startswith(b"HTTP/1.1 200"), answer
         assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == 0, timeout=10)
-        assert metric(gw, "slogate_body_budget_refusals_total") == 2
+        assert metric(gw, "slogate_body_budget_refusals_total") - refusals == 2
         # and the upload that was refused is served once the budget has room
         assert httpx.post(gw.url + CHAT, content=body, timeout=20).status_code == 200
         assert wait_until(lambda: metric(gw, "slogate_request_body_bytes") == 0, timeout=10)
