@@ -376,7 +376,7 @@ PARSE_WORKER_FAILURES = Counter(
 )
 BODY_BYTES = Gauge(
     "slogate_request_body_bytes",
-    "Bytes of request bodies the gateway holds now (received or declared, requests not yet ended)",
+    "Bytes of request bodies the gateway holds now (received, of requests not yet ended)",
     registry=REGISTRY,
 )
 BODY_BUDGET_REFUSALS = Counter(

@@ -1052,7 +1052,6 @@ def _alone(
     ):
         # the first candidate of _fill_worker's scan
         budget_left = _budget_left(worker, shadow, item, decode_s, tightest_ttft_s, params)
-        lane = late_last
         if (
             params.tpot_segregation
             and shadow.count > 0
@@ -1064,13 +1063,14 @@ def _alone(
         ):
             return None  # (whether it is left to an engine of its class: the whole turn says)
         elif (
-            lane is not None
+            late_last is not None
             and late_rejected
             and c >= 0.0
-            and a >= lane.prefill_base_s * (1.0 - 1e-9)
-            and b * lane.prefill_tokens_per_s >= 1.0 - 1e-9
+            and a >= late_last.prefill_base_s * (1.0 - 1e-9)
+            and b * late_last.prefill_tokens_per_s >= 1.0 - 1e-9
             and now
-            > deadline - (lane.prefill_base_s + (prompt if prompt > 0 else 0) / lane.prefill_tokens_per_s)
+            > deadline
+            - (late_last.prefill_base_s + (prompt if prompt > 0 else 0) / late_last.prefill_tokens_per_s)
         ):
             pass  # late on the lane's estimate
         elif (
