@@ -35,6 +35,7 @@ from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.serving.relay import count_usage, end_with_error
+from gateway.serving.watchdog import Watchdog, time_limit
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
 from policies.plugins.affinity import affinity_key
@@ -188,9 +189,9 @@ class Proxy:
         span_start = now_ns() if tracing.tracer is not None else 0
         span: Span | None = None
         lease = self.bodies.lease()
-        handler = asyncio.current_task()
-        if handler is not None:
-            self._receiving[rid] = handler
+        watchdog = Watchdog()
+        handler = watchdog.task
+        self._receiving[rid] = handler
         served = False
         try:
             identity = self.auth.client(headers)
@@ -226,7 +227,7 @@ class Proxy:
             try:
                 # a client that declares a body and stops sending it would hold the handler and its
                 # connection for good (uvicorn bounds no body read)
-                async with asyncio.timeout(self.settings.body_timeout_s):
+                async with time_limit(watchdog, self.settings.body_timeout_s):
                     raw = await read_body(receive, self.settings.max_body_bytes, lease)
             except TimeoutError:
                 error = GatewayError(
@@ -287,6 +288,7 @@ class Proxy:
                 slo_batch=header_text(headers, b"x-slo-batch"),
                 waited_s=body_s,
                 span=span,
+                watchdog=watchdog,
             )
             if self.prefix is not None:
                 await self._attach(call, headers)
@@ -302,14 +304,14 @@ class Proxy:
         except GatewayError as error:
             self._receiving.pop(rid, None)  # (answering: not a request a cut should end)
             status, early_overhead_s = await self._answer_error(
-                send, error, call, arrival, body_s, client_rid
+                send, error, call, arrival, body_s, client_rid, watchdog
             )
             error_code = error.code or str(error.status)
             if error.code == NO_HEALTHY_ENGINE:
                 # (here, where the request is answered: not every attempt's, which another may mend)
                 metrics.NO_ENGINE.labels(model).inc()
         except asyncio.CancelledError:
-            if not self.cut or handler is None or served:
+            if not self.cut or served:
                 raise  # (_serve answers what it serves; nothing else cancels a handler)
             # Stopping while the request was still arriving or being parsed: cut at the grace's
             # end (cut_open) or by uvicorn's backstop. A 503 that says so, not uvicorn's bare
@@ -318,7 +320,7 @@ class Proxy:
             handler.uncancel()
             refused = _shutting_down()
             status, early_overhead_s = await self._answer_error(
-                send, refused, call, arrival, body_s, client_rid
+                send, refused, call, arrival, body_s, client_rid, watchdog
             )
             error_code = refused.code
         except ClientGone:
@@ -338,6 +340,7 @@ class Proxy:
                 async with asyncio.timeout(_ERROR_SEND_S):  # (a client taking nothing is gone)
                     await send_error(send, internal, extra)
         finally:
+            watchdog.close()
             lease.release()
             self._receiving.pop(rid, None)
             if self.prefix is not None:
@@ -388,6 +391,7 @@ class Proxy:
         arrival: float,
         body_s: float,
         client_rid: bytes,
+        watchdog: Watchdog | None = None,
     ) -> tuple[int, float]:
         """Send ``error`` as the answer; returns the status to count (499 for a client that took
         not even that) and the overhead the answer stated when the request had no Call yet."""
@@ -395,7 +399,7 @@ class Proxy:
         header, early_overhead_s = self._overhead(call, arrival, body_s)
         extra = ((b"x-request-id", client_rid), header)
         try:
-            async with asyncio.timeout(_ERROR_SEND_S):
+            async with time_limit(watchdog, _ERROR_SEND_S):
                 await send_error(send, error, extra)
         except (OSError, RuntimeError):
             pass

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.api.request_parse import ParsedRequest
 from gateway.fleet.registry import RunningEntry
+from gateway.serving.watchdog import Watchdog
 from policies.slo import SloTarget
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class Call:
     ledger: StreamLedger | None = None
     #: the router's latest decision for it, when the client asked (``x-slogate-debug: 1``)
     decision: Decision | None = None
+    #: the handler task's time limits on one timer (None: each limit makes its own)
+    watchdog: Watchdog | None = None
 
     @property
     def tpot_s(self) -> float | None:

@@ -42,6 +42,7 @@ from gateway.serving.call import Call, ClientGone
 from gateway.serving.migration import Migrator
 from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
 from gateway.serving.stream_state import Cut
+from gateway.serving.watchdog import time_limit_at
 from gateway.settings import Settings
 from gateway.tracing import (
     SPAN_DISPATCH,
@@ -404,7 +405,7 @@ class CollocatedFlow:
         try:
             for fresh in (False, True):
                 try:
-                    async with asyncio.timeout_at(headers_at):
+                    async with time_limit_at(call.watchdog, headers_at):
                         # (never redirects: the engine's key would go with the request elsewhere)
                         response = await (self.fresh_session if fresh else self.session).post(
                             url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
@@ -521,7 +522,7 @@ class CollocatedFlow:
                 )
             read_at = time.monotonic()
             try:
-                async with asyncio.timeout_at(first_token_at):
+                async with time_limit_at(call.watchdog, first_token_at):
                     body = await read_plain(call, response)
             except TimeoutError:
                 metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
@@ -599,7 +600,7 @@ async def error_body(
     ``count_wait`` is False (a request sent beside another, whose wait is counted once)."""
     read_at = time.monotonic()
     try:
-        async with asyncio.timeout_at(max(deadline, asyncio.get_running_loop().time() + 1.0)):
+        async with time_limit_at(call.watchdog, max(deadline, asyncio.get_running_loop().time() + 1.0)):
             return await response.read()
     except (TimeoutError, aiohttp.ClientError):
         return b""

@@ -61,6 +61,7 @@ from gateway.serving.collocated import (
     out_of_time,
 )
 from gateway.serving.relay import end_with_error
+from gateway.serving.watchdog import time_limit_at
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import EngineSnapshot, Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
@@ -345,7 +346,7 @@ class DisaggregatedFlow:
                 return await self.collocated.engine_refused(call, record, response, finish_at, count_wait)
             started = time.monotonic()  # (post counted the wait for the headers)
             try:
-                async with asyncio.timeout_at(finish_at):
+                async with time_limit_at(call.watchdog, finish_at):
                     return await response.read()
             except TimeoutError:
                 metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()

@@ -43,6 +43,7 @@ from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.relay import event_limit, record_usage, role_only, send_bounded
 from gateway.serving.stream_state import PARSED_KEYS, PARSED_OUTPUT, Cut, StreamLedger, valid_token_ids
+from gateway.serving.watchdog import time_limit_at
 from gateway.sse import OversizedEvent, SseFramer, sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN, EVENT_MIGRATION, Span, fail, now_ns
 from policies.api import RequestView, Role
@@ -655,7 +656,7 @@ class Migrator:
         prompt = len(state.prompt_ids) + base if state is not None else call.request.prompt_tokens
         framer = SseFramer(event_limit(prompt))
         try:
-            async with asyncio.timeout_at(first_at) as deadline:
+            async with time_limit_at(call.watchdog, first_at) as deadline:
                 read = response.content.readany
                 while chunk := await read():
                     complete = framer.feed(chunk)
@@ -819,7 +820,7 @@ class Migrator:
             events += 1
         idle_s = self.flow.settings.idle_timeout_s
         await send_bounded(
-            call.send,
+            call,
             {"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False},
             idle_s,
         )
@@ -832,7 +833,7 @@ class Migrator:
             call.watcher.cancel()
         call.finished_at = time.monotonic()
         await send_bounded(
-            call.send,
+            call,
             {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False},
             self.flow.settings.idle_timeout_s,
         )
@@ -853,7 +854,7 @@ class Migrator:
         event = final.sse_event() + b"data: [DONE]\n\n"
         if call.watcher is not None:  # (the response ends here: see end_with_error)
             call.watcher.cancel()
-        await send_bounded(call.send, {"type": "http.response.body", "body": event, "more_body": False}, 1.0)
+        await send_bounded(call, {"type": "http.response.body", "body": event, "more_body": False}, 1.0)
         return final.status
 
 

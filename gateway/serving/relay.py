@@ -26,8 +26,9 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet
-from gateway.serving.call import Call, ClientGone, Send, overhead_header
+from gateway.serving.call import Call, ClientGone, overhead_header
 from gateway.serving.stream_state import Cut, StreamLedger
+from gateway.serving.watchdog import time_limit, time_limit_at
 from gateway.sse import OversizedEvent, SseFramer, sse_data
 from gateway.tracing import EVENT_FIRST_TOKEN
 from policies.migration import MigrationReason
@@ -138,17 +139,17 @@ async def answer_plain(call: Call, status: int, body: bytes, idle_s: float) -> i
         "status": status,
         "headers": [JSON_HEADER, *call.reply_headers, (b"x-slogate-engine", engine), overhead],
     }
-    await send_bounded(call.send, start, idle_s)
+    await send_bounded(call, start, idle_s)
     call.started = True
-    await send_bounded(call.send, {"type": "http.response.body", "body": body}, idle_s)
+    await send_bounded(call, {"type": "http.response.body", "body": body}, idle_s)
     return status
 
 
-async def send_bounded(send: Send, message: dict[str, Any], seconds: float) -> None:
-    """``send`` that gives up on a client that has not taken anything for ``seconds``."""
+async def send_bounded(call: Call, message: dict[str, Any], seconds: float) -> None:
+    """``call.send`` that gives up on a client that has not taken anything for ``seconds``."""
     try:
-        async with asyncio.timeout(seconds):
-            await send(message)
+        async with time_limit(call.watchdog, seconds):
+            await call.send(message)
     except TimeoutError:
         metrics.SLOW_CLIENTS.inc()
         raise ClientGone() from None
@@ -179,7 +180,7 @@ async def relay_stream(
     # bounded like every later send: behind a large answer on the same connection (HTTP/1.1
     # pipelining) that the client is not reading, even the headers wait for the socket to drain
     await send_bounded(
-        send,
+        call,
         {
             "type": "http.response.start",
             "status": response.status,
@@ -201,7 +202,7 @@ async def relay_stream(
     moved: Cut | None = None
     errored = False  # the engine reported a failure in band (relayed as it came: no ledger)
     try:
-        async with asyncio.timeout_at(first_token_at) as deadline:
+        async with time_limit_at(call.watchdog, first_token_at) as deadline:
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany
@@ -333,7 +334,7 @@ async def relay_stream(
     fleet.release(engine_id, call.rid)
     # (an engine's error event went out already: [DONE] after it if the engine closed without)
     last = b"" if done else b"data: [DONE]\n\n"
-    await send_bounded(send, {"type": "http.response.body", "body": last, "more_body": False}, idle_s)
+    await send_bounded(call, {"type": "http.response.body", "body": last, "more_body": False}, idle_s)
     return 502 if errored else response.status
 
 
@@ -469,7 +470,7 @@ async def end_with_error(call: Call, error: GatewayError) -> None:
         # handler's clean-up after this was cancelled and the error counted as the client's
         call.watcher.cancel()
     try:
-        async with asyncio.timeout(_LAST_WORDS_S):
+        async with time_limit(call.watchdog, _LAST_WORDS_S):
             await call.send(
                 {
                     "type": "http.response.body",

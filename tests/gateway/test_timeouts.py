@@ -644,3 +644,42 @@ def test_a_plain_request_that_waited_its_whole_time_in_the_queue_never_reaches_a
         assert response.json()["error"]["code"] == "request_timeout"
         assert len(engine.received) == 1  # the stream only
         assert metric(gw, "slogate_upstream_errors_total", engine="e", kind="timeout") == 0.0
+
+
+# -- one timer per request ----------------------------------------------------------------------
+
+
+def test_a_served_request_makes_no_timer_per_limit(
+    sim_engine: ChildProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limits a request passes through (its body, the engine's headers, its answer or events,
+    each send to the client) share the handler task's one timer (gateway.serving.watchdog):
+    asyncio.timeout made and cancelled a loop timer for each, about 8 µs apiece. Counted here: the
+    asyncio.timeout / timeout_at calls gateway code makes while plain and streamed requests are
+    served (aiohttp's own are not the gateway's)."""
+    import asyncio
+    import sys
+
+    made: dict[str, int] = {}
+    real_timeout, real_timeout_at = asyncio.timeout, asyncio.timeout_at
+
+    def counted(real: Any) -> Any:
+        def make(when: float | None) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("gateway."):
+                made[caller] = made.get(caller, 0) + 1
+            return real(when)
+
+        return make
+
+    with run_gateway(engines=[engine_entry(sim_engine)], **QUIET_MONITOR) as gw:
+        for stream in (False, True):  # (a first request of each kind before counting)
+            assert httpx.post(gw.url + CHAT, json=chat(stream=stream), timeout=30).status_code == 200
+        monkeypatch.setattr(asyncio, "timeout", counted(real_timeout))
+        monkeypatch.setattr(asyncio, "timeout_at", counted(real_timeout_at))
+        for _ in range(5):
+            for stream in (False, True):
+                response = httpx.post(gw.url + CHAT, json=chat(stream=stream), timeout=30)
+                assert response.status_code == 200, response.text
+        # (and a limit that runs out still answers as before: see the tests above)
+    assert made == {}, f"timers made per limit by gateway code: {made}"
