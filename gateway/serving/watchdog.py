@@ -41,7 +41,7 @@ class Limit(Protocol):
 class Watchdog:
     """Time limits of one task (loop time), one at a time, on one loop timer."""
 
-    __slots__ = ("_at", "_cancelling", "_expired", "_handle", "_handle_at", "_loop", "task")
+    __slots__ = ("_at", "_busy", "_cancelling", "_expired", "_handle", "_handle_at", "_loop", "task")
 
     def __init__(self) -> None:
         task = asyncio.current_task()
@@ -49,7 +49,8 @@ class Watchdog:
             raise RuntimeError("a watchdog belongs to a task")
         self.task = task
         self._loop = asyncio.get_running_loop()
-        self._at = _INF  # the active limit's deadline; inf: none active
+        self._at = _INF  # the active limit's deadline (inf: none, or one without a deadline)
+        self._busy = False  # a limit is active (asked for and not yet left)
         self._handle: asyncio.TimerHandle | None = None
         self._handle_at = _INF
         self._expired = False
@@ -57,19 +58,26 @@ class Watchdog:
 
     @property
     def active(self) -> bool:
-        return self._at != _INF
+        return self._busy
 
     def until(self, at: float) -> Watchdog:
         """A limit at loop time ``at``, to enter with ``async with``."""
-        if self._at != _INF:
+        if self._busy:
             raise RuntimeError("a watchdog's limits do not nest")
+        self._busy = True
         self._at = at
         if at < self._handle_at:
             self._arm(at)
         return self
 
     def reschedule(self, when: float | None) -> None:
-        """Move the active limit to ``when`` (None: no limit), as ``asyncio.Timeout`` does."""
+        """Move the active limit to ``when`` (None: no limit), as ``asyncio.Timeout`` does; like
+        it, refused for a limit that is not active or has run out (set again, the timer would
+        cancel the task a second time, or outside any limit)."""
+        if not self._busy:
+            raise RuntimeError("no active limit to reschedule")
+        if self._expired:
+            raise RuntimeError("the limit has run out")
         at = _INF if when is None else when
         self._at = at
         if at < self._handle_at:
@@ -83,6 +91,7 @@ class Watchdog:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         self._at = _INF  # (the timer stays: the next limit, sooner or later, reuses it)
+        self._busy = False
         if self._expired:
             self._expired = False
             if self.task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
@@ -92,6 +101,7 @@ class Watchdog:
     def close(self) -> None:
         """Drop the timer (the task's work is done; a limit still active is abandoned)."""
         self._at = _INF
+        self._busy = False
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
@@ -123,7 +133,7 @@ class Watchdog:
 def time_limit_at(dog: Watchdog | None, at: float) -> Limit:
     """A time limit at loop time ``at`` for the running task: on ``dog`` when it is that task's
     and free, else a timer of its own."""
-    if dog is None or dog._at != _INF or asyncio.current_task() is not dog.task:
+    if dog is None or dog._busy or asyncio.current_task() is not dog.task:
         return asyncio.timeout_at(at)
     return dog.until(at)
 

@@ -36,7 +36,9 @@ async def test_a_limit_that_runs_out_raises_timeout_in_its_block() -> None:
     with pytest.raises(TimeoutError):
         async with time_limit(dog, 0.02):
             await asyncio.sleep(5)
-    # the task is not left cancelled: it goes on, and the next limit works
+    # the task is not left cancelled: its count is back to zero, and the next limit works
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
     await asyncio.sleep(0)
     async with time_limit(dog, 1.0):
         await asyncio.sleep(0.01)
@@ -73,28 +75,80 @@ async def test_a_timer_set_for_an_ended_limit_waits_for_the_active_one() -> None
     dog = Watchdog()
     async with time_limit(dog, 0.02):
         await asyncio.sleep(0)
-    # the timer still stands at 20 ms; this limit is at 150 ms and must not end at 20
+    # the timer still stands at 20 ms; this limit is at 1 s and must not end at 20 ms
     started = asyncio.get_running_loop().time()
-    async with time_limit(dog, 0.15):
-        await asyncio.sleep(0.08)
+    async with time_limit(dog, 1.0):
+        await asyncio.sleep(0.1)
     with pytest.raises(TimeoutError):
         async with time_limit(dog, 0.1):
             await asyncio.sleep(5)
-    assert asyncio.get_running_loop().time() - started >= 0.17
+    assert asyncio.get_running_loop().time() - started >= 0.19
     dog.close()
 
 
 async def test_reschedule_later_and_earlier() -> None:
     dog = Watchdog()
     loop = asyncio.get_running_loop()
-    async with time_limit(dog, 0.05) as limit:
-        await asyncio.sleep(0.03)
-        limit.reschedule(loop.time() + 0.1)  # moved on, as the relay does per event
-        await asyncio.sleep(0.05)  # past the first deadline: not cut
+    async with time_limit(dog, 0.1) as limit:
+        limit.reschedule(loop.time() + 1.0)  # moved on, as the relay does per event
+        await asyncio.sleep(0.2)  # past the first deadline: not cut
     with pytest.raises(TimeoutError):
         async with time_limit(dog, 5.0) as limit:
             limit.reschedule(loop.time() + 0.02)
             await asyncio.sleep(5)
+    dog.close()
+
+
+async def test_running_out_and_a_cancellation_at_once_is_the_cancellation() -> None:
+    """The limit runs out in the same turn as the task is cancelled from elsewhere (a client
+    that left): the cancellation wins, as with asyncio.timeout, never a TimeoutError."""
+    dogs: list[Watchdog] = []
+    inside = asyncio.Event()
+
+    async def worker() -> None:
+        dog = Watchdog()
+        dogs.append(dog)
+        try:
+            async with time_limit(dog, 10.0):
+                inside.set()
+                await asyncio.sleep(20)
+        finally:
+            dog.close()
+
+    task = asyncio.create_task(worker())
+    await inside.wait()
+    task.cancel()  # the client left...
+    dogs[0]._fire()  # ...and in the same turn the limit's timer comes due
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+
+
+async def test_reschedule_needs_an_active_limit_that_has_not_run_out() -> None:
+    dog = Watchdog()
+    loop = asyncio.get_running_loop()
+    async with time_limit(dog, 1.0) as limit:
+        pass
+    with pytest.raises(RuntimeError):
+        limit.reschedule(loop.time() + 1.0)  # (left: it would cut the task outside any limit)
+    with pytest.raises(TimeoutError):
+        async with time_limit(dog, 0.01) as limit:
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                with pytest.raises(RuntimeError):
+                    limit.reschedule(loop.time() + 1.0)  # (ran out: set again it cuts twice)
+                raise
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    dog.close()
+
+
+async def test_a_limit_without_deadline_still_holds_the_watchdog() -> None:
+    dog = Watchdog()
+    async with time_limit(dog, 1.0) as limit:
+        limit.reschedule(None)
+        assert time_limit(dog, 0.5) is not dog  # (nested: a timer of its own, as ever)
     dog.close()
 
 
