@@ -20,6 +20,7 @@ from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import EngineSnapshot, Filter, Picker, PolicyConfigError, RequestView, Scorer
 from policies.pipeline import RoutingPipeline, WeightedScorer, compile_profile
+from policies.plugins.load import LeastLoad
 from policies.plugins.lora import NAME as LORA
 from policies.plugins.lora import LoraAffinity, with_adapter
 from policies.plugins.pickers import MaxScore
@@ -172,7 +173,8 @@ class Router:
         key = pipeline.rank_key()
         self._ranked = key is not None and all(r.adapter.config.weight == 1.0 for r in fleet.records.values())
         if key is not None and self._ranked:
-            fleet.rank_by(key)
+            # (with unit weights least load's key is the entry's load: kept current as reserved)
+            fleet.rank_by(key, by_load=key is LeastLoad.rank_key)
         # a ranked choice calls no plugin; it is timed whole, under the scorer it stands for
         self._ranked_hist: Any = (
             metrics.deferred(metrics.POLICY_CALL, f"ranked:{pipeline.scorers[0].name}")
@@ -192,13 +194,13 @@ class Router:
         now = time.monotonic() if now is None else now
         if self._ranked and not exclude and request.lora is None:
             t0 = time.perf_counter()
-            routable, slots = self.fleet.least_ranked(request.model, now)
-            if not slots or (max_load is not None and routable[slots[0]].load >= max_load):
+            routable, slots, least = self.fleet.least_ranked(request.model, now)
+            if not slots or (max_load is not None and least >= max_load):
                 # no engine, or the least loaded engine is full, so every engine is
                 self._ranked_hist.observe(time.perf_counter() - t0)
                 return None
             index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
-            record = self.fleet.records[routable[slots[index]].engine_id]
+            record = routable[slots[index]]
             self._ranked_hist.observe(time.perf_counter() - t0)
             if self._explain:
                 self._decided(request, self.fleet.candidates(request.model, now), record.engine_id, now)

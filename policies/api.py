@@ -184,11 +184,15 @@ def estimated_load(engine: EngineSnapshot) -> float:
     flight when it was scraped; replace those with the current shadow count so dispatches made
     since the scrape are visible at once. Falls back to the shadow count without fresh metrics.
     """
-    state = engine.state
-    if state is None or engine.stale:
-        return float(engine.in_flight)
+    return load_of(engine.in_flight, engine.state, engine.stale, engine.in_flight_at_scrape)
+
+
+def load_of(in_flight: int, state: EngineState | None, stale: bool, in_flight_at_scrape: int) -> float:
+    """:func:`estimated_load` from its parts (what a snapshot entry holds of them)."""
+    if state is None or stale:
+        return float(in_flight)
     reported = state.num_running + state.num_waiting
-    return float(max(engine.in_flight, reported - engine.in_flight_at_scrape + engine.in_flight))
+    return float(max(in_flight, reported - in_flight_at_scrape + in_flight))
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ dispatch loop's time under saturation.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 
@@ -41,7 +42,10 @@ class RankIndex:
                 group.append(slot)  # slots come in ascending order here
 
     def update(self, slot: int, snap: EngineSnapshot) -> None:
-        new = self.key(snap)
+        self.move(slot, self.key(snap))
+
+    def move(self, slot: int, new: float) -> None:
+        """The slot's key is now ``new`` (what ``key`` gives for its current entry)."""
         old = self._slot_key[slot]
         if new == old:
             return
@@ -61,3 +65,7 @@ class RankIndex:
     def least(self) -> list[int]:
         """Slots of the smallest key, in fleet order; empty when there are no engines."""
         return self._members[self._keys[0]] if self._keys else []
+
+    def least_key(self) -> float:
+        """The smallest key (inf when there are no engines)."""
+        return self._keys[0] if self._keys else math.inf

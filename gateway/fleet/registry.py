@@ -23,7 +23,7 @@ from typing import Protocol
 
 from gateway.engines import EngineAdapter
 from gateway.fleet.rank_index import RankIndex, RankKey
-from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role
+from policies.api import EngineSnapshot, EngineState, FleetSnapshot, Role, load_of
 from policies.stall import is_stalled
 
 log = logging.getLogger("slogate.fleet")
@@ -266,15 +266,23 @@ class Fleet:
                 self._prefill_engines[record.model] += 1
         self._engine_snaps: list[EngineSnapshot | None] = [None] * len(self._by_index)
         self._dirty: set[int] = set(range(len(self._by_index)))
+        #: dirty engines whose key in the ranked index may be out of date too: all of them but
+        #: those only reserved on or released from since, when the index ranks by load (their
+        #: key was moved then; see _rank_load)
+        self._unranked: set[int] = set(self._dirty)
         self._snapshot: FleetSnapshot | None = None
         self._built_at = 0.0
         #: per model, the routable engines' snapshots (healthy, collocated) in a list whose slots
         #: are patched as entries are rebuilt; its membership is redone only when health changes
         self._routable: dict[str, list[EngineSnapshot]] = {m: [] for m in self.served_models}
+        #: the same engines' records, slot for slot (what the ranked choice returns)
+        self._routable_records: dict[str, list[EngineRecord]] = {m: [] for m in self.served_models}
         self._routable_slot: dict[int, int] = {}
         self._routable_stale: set[str] = set(self.served_models)
         #: per model, the routable engines grouped by the router's ranking key (see rank_by)
         self._ranked: dict[str, RankIndex] = {}
+        #: the ranking key is the engine's load (see rank_by)
+        self._ranked_by_load = False
         self.listeners: list[ChangeListener] = []
         #: told of every streamed token before it is counted (None: nobody watches)
         self.token_observer: TokenObserver | None = None
@@ -358,6 +366,7 @@ class Fleet:
                 if ranked is not None and record.model not in self._routable_stale:
                     ranked.update(slot, snap)  # (a stale model's index is rebuilt on its next read)
         self._dirty.clear()
+        self._unranked.clear()
         self._snapshot = None
         self._built_at = now
 
@@ -367,21 +376,48 @@ class Fleet:
         copy of a patched list) unless health changed since the last call."""
         return tuple(self._routable_of(model, now))
 
-    def rank_by(self, key: RankKey) -> None:
+    def rank_by(self, key: RankKey, by_load: bool = False) -> None:
         """Keep every model's routable engines grouped by ``key`` from now on (see
-        :meth:`least_ranked`); costs O(log engines) per snapshot entry rebuilt."""
+        :meth:`least_ranked`); costs O(log engines) per snapshot entry rebuilt. ``by_load``: the
+        key is the entry's ``load`` (:func:`policies.api.estimated_load`); a reservation or a
+        release then moves the engine in the index at once, from its record, and its snapshot
+        entry is rebuilt only when something reads it (a placement made none)."""
         self._ranked = {m: RankIndex(key) for m in self.served_models}
+        self._ranked_by_load = by_load
         self._routable_stale.update(self.served_models)
 
-    def least_ranked(self, model: str, now: float | None = None) -> tuple[list[EngineSnapshot], list[int]]:
-        """The routable engines of ``model`` and the slots among them with the smallest ranking
-        key, in fleet order (both empty when none is routable). Only after :meth:`rank_by`; the
-        slot list is the index's own: read it, never change it."""
-        routable = self._routable_of(model, now)
+    def least_ranked(
+        self, model: str, now: float | None = None
+    ) -> tuple[list[EngineRecord], list[int], float]:
+        """The routable engines of ``model``, the slots among them with the smallest ranking key
+        (in fleet order) and that key (empty, empty and inf when none is routable). Only after
+        :meth:`rank_by`; the lists are the fleet's own: read them, never change them."""
+        if self._unranked or model in self._routable_stale:
+            self._routable_of(model, now)
         ranked = self._ranked.get(model)
         if ranked is None:
             raise RuntimeError(f"no ranking index for model {model!r}: call rank_by first")
-        return routable, ranked.least()
+        return self._routable_records[model], ranked.least(), ranked.least_key()
+
+    def _rank_load(self, record: EngineRecord) -> None:
+        """After a reservation or a release (only the engine's in-flight counts moved): move it
+        in a by-load index now, from its record and its entry's staleness (re-read when the entry
+        is next rebuilt, as the monitor has it at least every check); otherwise the index waits
+        for the entry's rebuild."""
+        index = record.index
+        slot = self._routable_slot.get(index)
+        snap = self._engine_snaps[index]
+        if (
+            not self._ranked_by_load
+            or slot is None
+            or snap is None
+            or index in self._unranked
+            or record.model in self._routable_stale
+        ):
+            self._unranked.add(index)
+            return
+        load = load_of(record.in_flight, record.state, snap.stale, record.in_flight_at_scrape)
+        self._ranked[record.model].move(slot, load)
 
     def _routable_of(self, model: str, now: float | None) -> list[EngineSnapshot]:
         if self._dirty:
@@ -389,6 +425,7 @@ class Fleet:
         if model in self._routable_stale:
             self._routable_stale.discard(model)
             routable: list[EngineSnapshot] = []
+            records: list[EngineRecord] = []
             for record in self.engines_of.get(model, ()):
                 self._routable_slot.pop(record.index, None)
                 snap = self._engine_snaps[record.index]
@@ -401,7 +438,9 @@ class Fleet:
                 ):
                     self._routable_slot[record.index] = len(routable)
                     routable.append(snap)
+                    records.append(record)
             self._routable[model] = routable
+            self._routable_records[model] = records
             ranked = self._ranked.get(model)
             if ranked is not None:
                 ranked.reset(routable)
@@ -438,10 +477,13 @@ class Fleet:
 
     def touch(self, engine_id: str) -> None:
         """Rebuild this engine's snapshot entry on the next read (e.g. to re-evaluate staleness)."""
-        self._dirty.add(self.records[engine_id].index)
+        index = self.records[engine_id].index
+        self._dirty.add(index)
+        self._unranked.add(index)
 
     def invalidate(self) -> None:
         self._dirty.update(range(len(self._by_index)))
+        self._unranked.update(self._dirty)
 
     def _notify(self, engine_id: str, what: str) -> None:
         for listener in self.listeners:
@@ -474,6 +516,7 @@ class Fleet:
                 max(entry.cached_tokens, 0), entry.prompt_tokens
             )
         self._dirty.add(record.index)
+        self._rank_load(record)
 
     def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
         """Undo :meth:`reserve`; idempotent (a second release of the same id does nothing)."""
@@ -491,6 +534,7 @@ class Fleet:
             else:
                 del record.tpot_counts[entry.tpot_slo]
             self._dirty.add(record.index)
+            self._rank_load(record)
             self._notify(engine_id, "release")
         return entry
 
@@ -549,6 +593,7 @@ class Fleet:
         record.in_flight_at_scrape = in_flight
         record.in_flight_tokens_at_scrape = tokens
         self._dirty.add(record.index)
+        self._unranked.add(record.index)
         self._notify(engine_id, "state")
 
     def set_adapters(self, engine_id: str, adapters: frozenset[str]) -> bool:
@@ -574,6 +619,7 @@ class Fleet:
                     )
         self.adapter_bases = bases
         self._dirty.add(record.index)
+        self._unranked.add(record.index)
         self._restore_needed(record.model)  # (an adapter unloaded: a stalled engine may hold the last)
         self._notify(engine_id, "adapters")
         return True
@@ -625,6 +671,7 @@ class Fleet:
             self._healthy_per_model[record.model] += 1 if now_in_front else -1
         self._routable_stale.add(record.model)
         self._dirty.add(record.index)
+        self._unranked.add(record.index)
         self._restore_needed(record.model)
 
     def _restore_needed(self, model: str) -> None:

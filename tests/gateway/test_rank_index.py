@@ -25,6 +25,8 @@ op = st.one_of(
     st.tuples(st.just("scrape"), st.integers(0, 15), st.integers(0, 6), st.integers(0, 6)),
     st.tuples(st.just("health"), st.integers(0, 15), st.booleans()),
     st.tuples(st.just("choose"), st.integers(1, 4), st.booleans()),
+    # time passes (scraped states may go stale) and the monitor's check touches every engine
+    st.tuples(st.just("tick"), st.integers(0, 15), st.floats(0.0, 5.0)),
 )
 
 
@@ -41,6 +43,9 @@ def _apply(fleet: Fleet, step: tuple[object, ...], seq: int, now: float) -> None
         fleet.record_state(engine, EngineState(num_running=int(step[2]), num_waiting=int(step[3])), now)  # type: ignore[call-overload]
     elif kind == "health":
         fleet.record_health(engine, bool(step[2]), 1, 1)
+    elif kind == "tick":
+        for other in ids:
+            fleet.touch(other)
 
 
 @settings(max_examples=200, deadline=None)
@@ -51,8 +56,10 @@ def test_ranked_choice_equals_the_full_pass(engines: int, ops: list[tuple[object
     full = Router(full_fleet, compile_profile(LEAST_LOAD))
     full._ranked = False  # the reference: score every candidate
     assert fast._ranked
+    clock = 0.0
     for seq, step in enumerate(ops):
-        now = seq * 0.01
+        clock += float(step[2]) if step[0] == "tick" else 0.01  # type: ignore[arg-type]
+        now = clock
         if step[0] == "choose":
             view = RequestView(f"q{seq}", "m", 10, 10)
             max_load = float(step[1]) if step[2] else None  # type: ignore[arg-type]
@@ -145,3 +152,57 @@ def test_a_snapshot_entry_carries_each_field_of_its_engine() -> None:
     assert fleet.engine_snapshot("e", now=100.0).stale is False  # (not dirty: the entry stands)
     fleet.touch("e")
     assert fleet.engine_snapshot("e", now=100.0).stale is True
+
+
+def test_a_saturated_placement_makes_no_snapshot_entry() -> None:
+    """Ranked by load, a release and the placement it lets through move the engines in the index
+    from their records: no snapshot entry is made for them until something reads entries (each
+    made two per placement, most of a saturated placement's cost at 256 engines)."""
+    fleet = offline_fleet({"m": 8})
+    router = Router(fleet, compile_profile(LEAST_LOAD))
+    built = 0
+    build = fleet._build
+
+    def counting(record: object, now: float) -> EngineSnapshot:
+        nonlocal built
+        built += 1
+        return build(record, now)  # type: ignore[arg-type]
+
+    fleet._build = counting  # type: ignore[method-assign]
+    placed: list[tuple[str, str]] = []
+    for i in range(16):  # two per engine: every engine full at max_load 2
+        record = router.choose(RequestView(f"r{i}", "m", 10, 10), max_load=2.0, now=0.0)
+        assert record is not None
+        fleet.reserve(record.engine_id, f"r{i}", RunningEntry(10, 10, 0.1, 0.0))
+        placed.append((record.engine_id, f"r{i}"))
+    assert router.choose(RequestView("full", "m", 10, 10), max_load=2.0, now=0.0) is None
+    built = 0
+    for i, (engine_id, rid) in enumerate(placed):
+        fleet.release(engine_id, rid)
+        record = router.choose(RequestView(f"n{i}", "m", 10, 10), max_load=2.0, now=0.1)
+        assert record is not None and record.engine_id == engine_id  # (the one slot free)
+        fleet.reserve(engine_id, f"n{i}", RunningEntry(10, 10, 0.1, 0.1))
+        assert router.choose(RequestView(f"x{i}", "m", 10, 10), max_load=2.0, now=0.1) is None
+    assert built == 0
+    # a reader of entries gets them current
+    assert [e.in_flight for e in fleet.candidates("m", 0.2)] == [2] * 8
+    assert built == 8
+
+
+def test_a_reservation_on_a_stale_engine_ranks_it_by_its_own_count() -> None:
+    """An engine whose scraped state went stale is ranked by the gateway's count alone, also
+    when a reservation moves it in the index without a snapshot entry."""
+    fleet = offline_fleet({"m": 2})  # (stale after 3 s)
+    router = Router(fleet, compile_profile(LEAST_LOAD))
+    fleet.record_state("m-0", EngineState(num_running=5), 0.0)  # busy with others' work, then
+    for i in range(2):
+        fleet.reserve("m-1", f"b{i}", RunningEntry(10, 10, 0.1, 0.0))
+    chosen = router.choose(RequestView("q0", "m", 10, 10), now=0.1)
+    assert chosen is not None and chosen.engine_id == "m-1"  # 2 < 5
+    for engine_id in fleet.records:  # the monitor's check, 4 s on: its state is stale now
+        fleet.touch(engine_id)
+    chosen = router.choose(RequestView("q1", "m", 10, 10), now=4.0)
+    assert chosen is not None and chosen.engine_id == "m-0"  # 0 < 2
+    fleet.reserve("m-0", "a0", RunningEntry(10, 10, 0.1, 4.0))
+    chosen = router.choose(RequestView("q2", "m", 10, 10), now=4.1)
+    assert chosen is not None and chosen.engine_id == "m-0"  # 1 < 2: its stale report counts not
