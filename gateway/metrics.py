@@ -92,9 +92,11 @@ class DeferredGauge:
 _deferred: list[DeferredHistogram | DeferredGauge] = []
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.cache  # (label sets come from configuration: models, engines, classes, routes; one
+# evicted and made again would leave its old child in _deferred, which would grow for good)
 def deferred(metric: Any, *labels: str) -> Any:
-    """The deferred child of a histogram or gauge for ``labels`` (one per label set)."""
+    """The deferred child of a histogram, gauge or counter for ``labels`` (one per label set; a
+    counter's only goes up)."""
     target = metric.labels(*labels)
     made = DeferredHistogram(target) if isinstance(metric, Histogram) else DeferredGauge(target)
     _deferred.append(made)

@@ -347,16 +347,17 @@ class Proxy:
                 self.prefix.detach(rid)
             if self.router is not None:
                 self.router.forget(rid)
-            metrics.child(metrics.REQUESTS, kind, model, slo_class, _status_class(status)).inc()
+            metrics.deferred(metrics.REQUESTS, kind, model, slo_class, _status_class(status)).inc()
             if status < 400:
-                metrics.child(metrics.REQUEST_LATENCY, model, slo_class).observe(time.monotonic() - arrival)
+                latency = time.monotonic() - arrival
+                metrics.deferred(metrics.REQUEST_LATENCY, model, slo_class).observe(latency)
             outcome = None
             if call is not None:
                 count_usage(call)
                 outcome = self.slo.account(call, status)
                 _observe(call, kind, model, status)
             elif early_overhead_s >= 0.0:  # every answer's header figure reaches the metric
-                metrics.child(metrics.OVERHEAD, kind).observe(early_overhead_s)
+                metrics.deferred(metrics.OVERHEAD, kind).observe(early_overhead_s)
             if span is not None:
                 _end_request_span(span, call, model, status, outcome, error_code)
             if self.settings.log_requests:
@@ -495,12 +496,13 @@ async def _watch_disconnect(receive: Receive, relay: asyncio.Task[Any]) -> bool:
 
 
 def _observe(call: Call, route: str, model: str, status: int) -> None:
-    """Per-request histograms that need the whole request: once per request, never per token."""
+    """Per-request histograms that need the whole request: once per request, never per token
+    (deferred, as every per-request series: folded in when the registry is collected)."""
     if call.overhead_s >= 0.0:
-        metrics.child(metrics.OVERHEAD, route).observe(call.overhead_s)
+        metrics.deferred(metrics.OVERHEAD, route).observe(call.overhead_s)
     tpot = call.tpot_s if status == 200 else None
     if tpot is not None:
-        metrics.child(metrics.TPOT, model, call.target.slo_class).observe(tpot)
+        metrics.deferred(metrics.TPOT, model, call.target.slo_class).observe(tpot)
 
 
 def _end_request_span(

@@ -102,6 +102,7 @@ class Attainment:
 
 def _samples(metric: Any, *labels: str, suffix: str = "_total") -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = {}
+    metrics.flush_deferred()  # (the request path's updates wait for a collection: this is one)
     for family in metric.collect():
         for sample in family.samples:
             if sample.name.endswith(suffix):

@@ -207,7 +207,7 @@ class SloService:
         (``None`` for a client mistake, which is no SLO miss)."""
         outcome = self._outcome(call, status)
         if outcome is not None:
-            metrics.child(metrics.SLO_REQUESTS, call.target.slo_class, outcome).inc()
+            metrics.deferred(metrics.SLO_REQUESTS, call.target.slo_class, outcome).inc()
         if status == 200 and call.request.stream and call.first_at:
             ttft = call.first_at - call.arrival
             tpot = call.tpot_s
@@ -248,9 +248,9 @@ class SloService:
         cls = target.slo_class
         ttft_ok = ttft_s <= target.ttft_s
         tpot_ok = tpot_s is None or tpot_s <= target.tpot_s
-        metrics.child(metrics.SLO_OUTCOMES, cls, "ttft", "met" if ttft_ok else "missed").inc()
-        metrics.child(metrics.SLO_OUTCOMES, cls, "tpot", "met" if tpot_ok else "missed").inc()
-        metrics.child(metrics.SLO_OUTCOMES, cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
+        metrics.deferred(metrics.SLO_OUTCOMES, cls, "ttft", "met" if ttft_ok else "missed").inc()
+        metrics.deferred(metrics.SLO_OUTCOMES, cls, "tpot", "met" if tpot_ok else "missed").inc()
+        metrics.deferred(metrics.SLO_OUTCOMES, cls, "both", "met" if ttft_ok and tpot_ok else "missed").inc()
 
     def learn(self, priority: int | None, queue_s: float, ttft_s: float, tpot_s: float | None) -> None:
         """Feed the priority mapper's windows with one streamed request that was served: its time

@@ -339,7 +339,7 @@ class CollocatedFlow:
         call.dispatched_at = entry.dispatched_at = time.monotonic()
         call.engine_id = engine_id
         call.entry = entry
-        metrics.child(metrics.DISPATCHES, engine_id).inc()
+        metrics.deferred(metrics.DISPATCHES, engine_id).inc()
         loop = asyncio.get_running_loop()
         settings = self.settings
         if deadline is None:

@@ -300,7 +300,7 @@ class DisaggregatedFlow:
         entry.alone_since = alone_since(record)
         if not call.prefill_dispatched_at:
             call.prefill_dispatched_at = entry.dispatched_at
-        metrics.child(metrics.DISPATCHES, engine_id).inc()
+        metrics.deferred(metrics.DISPATCHES, engine_id).inc()
         up = collocated.upstream_span(call, record, url, headers) if call.span is not None else None
         outcome: bytes | GatewayError | BaseException = GatewayError(502, "prefill did not run")
         try:

@@ -573,7 +573,7 @@ class Migrator:
         call.engine_id = record.engine_id
         call.entry = entry
         entry.dispatched_at = time.monotonic()
-        metrics.child(metrics.DISPATCHES, record.engine_id).inc()
+        metrics.deferred(metrics.DISPATCHES, record.engine_id).inc()
         loop = asyncio.get_running_loop()
         first_at = loop.time() + settings.first_token_timeout_s
         headers_at = min(first_at, loop.time() + settings.headers_timeout_s)
@@ -732,7 +732,7 @@ class Migrator:
                             fleet.mark_prefilled(engine_id, call.rid)
                             if not call.first_at:  # a restart: the client's first token comes now
                                 call.first_at = now
-                                metrics.child(
+                                metrics.deferred(
                                     metrics.TTFT, call.request.model, call.target.slo_class
                                 ).observe(now - call.arrival)
                             if call.upstream_span is not None:

@@ -94,11 +94,11 @@ def count_usage(call: Call) -> None:
     if usage is None:
         return
     model = call.request.model
-    metrics.child(metrics.TOKENS, model, "prompt").inc(_count(usage.get("prompt_tokens")))
-    metrics.child(metrics.TOKENS, model, "completion").inc(_count(usage.get("completion_tokens")))
+    metrics.deferred(metrics.TOKENS, model, "prompt").inc(_count(usage.get("prompt_tokens")))
+    metrics.deferred(metrics.TOKENS, model, "completion").inc(_count(usage.get("completion_tokens")))
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict):
-        metrics.child(metrics.TOKENS, model, "cached").inc(_count(details.get("cached_tokens")))
+        metrics.deferred(metrics.TOKENS, model, "cached").inc(_count(details.get("cached_tokens")))
 
 
 def _count(value: Any) -> int:
@@ -236,7 +236,7 @@ async def relay_stream(
                 if not call.first_at and (content or (done and failed_at < 0)):
                     call.first_at = now
                     fleet.mark_prefilled(engine_id, call.rid)
-                    metrics.child(metrics.TTFT, request.model, call.target.slo_class).observe(
+                    metrics.deferred(metrics.TTFT, request.model, call.target.slo_class).observe(
                         now - call.arrival
                     )
                     if call.upstream_span is not None:

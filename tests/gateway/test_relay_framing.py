@@ -247,6 +247,7 @@ async def test_running_usage_in_every_chunk_is_counted_once_with_its_final_total
         )
 
     def counted(kind: str) -> float:
+        metrics.flush_deferred()  # (as a collection does)
         return float(metrics.child(metrics.TOKENS, "a", kind)._value.get())
 
     before = counted("prompt"), counted("completion")
