@@ -405,15 +405,14 @@ class Fleet:
         is next rebuilt, as the monitor has it at least every check); otherwise the index waits
         for the entry's rebuild."""
         index = record.index
+        if not self._ranked_by_load or index in self._unranked or record.model in self._routable_stale:
+            self._unranked.add(index)
+            return
         slot = self._routable_slot.get(index)
+        if slot is None:
+            return  # not in the index (out of rotation, or a decode engine): nothing to move
         snap = self._engine_snaps[index]
-        if (
-            not self._ranked_by_load
-            or slot is None
-            or snap is None
-            or index in self._unranked
-            or record.model in self._routable_stale
-        ):
+        if snap is None:
             self._unranked.add(index)
             return
         load = load_of(record.in_flight, record.state, snap.stale, record.in_flight_at_scrape)

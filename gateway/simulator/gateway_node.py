@@ -164,6 +164,8 @@ class SimGateway:
             return
         if self._disturbed("stale-scrapes") is None:
             self._scrape(engine_id)
+        else:
+            self.fleet.touch(engine_id)  # (as the live monitor's tick: its staleness is re-read)
         self.clock.at(
             self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id, daemon=True
         )

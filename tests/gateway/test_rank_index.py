@@ -58,7 +58,10 @@ def test_ranked_choice_equals_the_full_pass(engines: int, ops: list[tuple[object
     assert fast._ranked
     clock = 0.0
     for seq, step in enumerate(ops):
-        clock += float(step[2]) if step[0] == "tick" else 0.01  # type: ignore[arg-type]
+        # time passes only with the monitor's tick (which touches every engine), as live: the ranked
+        # index re-reads an entry's staleness when it is rebuilt, at least once per tick
+        if step[0] == "tick":
+            clock += float(step[2])  # type: ignore[arg-type]
         now = clock
         if step[0] == "choose":
             view = RequestView(f"q{seq}", "m", 10, 10)
@@ -168,7 +171,7 @@ def test_a_saturated_placement_makes_no_snapshot_entry() -> None:
         built += 1
         return build(record, now)  # type: ignore[arg-type]
 
-    fleet._build = counting  # type: ignore[method-assign]
+    fleet._build = counting  # type: ignore[method-assign,assignment]
     placed: list[tuple[str, str]] = []
     for i in range(16):  # two per engine: every engine full at max_load 2
         record = router.choose(RequestView(f"r{i}", "m", 10, 10), max_load=2.0, now=0.0)
@@ -206,3 +209,29 @@ def test_a_reservation_on_a_stale_engine_ranks_it_by_its_own_count() -> None:
     fleet.reserve("m-0", "a0", RunningEntry(10, 10, 0.1, 4.0))
     chosen = router.choose(RequestView("q2", "m", 10, 10), now=4.1)
     assert chosen is not None and chosen.engine_id == "m-0"  # 1 < 2: its stale report counts not
+
+
+def test_a_scrape_moves_the_engine_in_the_index() -> None:
+    """A scraped state reaches the ranked choice at the next placement (the engine is rebuilt),
+    though nothing else read the fleet's entries in between."""
+    fleet = offline_fleet({"m": 2})
+    router = Router(fleet, compile_profile(LEAST_LOAD))
+    first = router.choose(RequestView("q0", "m", 10, 10), now=0.0)
+    assert first is not None and first.engine_id == "m-0"  # (ties: fleet order)
+    fleet.record_state("m-0", EngineState(num_running=5), 0.1)
+    for i in range(3):  # m-0 carries 5 of others' requests now: m-1 until it has as many
+        chosen = router.choose(RequestView(f"q{i + 1}", "m", 10, 10), now=0.2)
+        assert chosen is not None and chosen.engine_id == "m-1"
+        fleet.reserve("m-1", f"q{i + 1}", RunningEntry(10, 10, 0.1, 0.2))
+
+
+def test_engines_out_of_rotation_leave_the_index_alone() -> None:
+    """Reserving on or releasing from an engine that is not routable (draining here) does not
+    send the next placement through a rebuild of the entries."""
+    fleet = offline_fleet({"m": 3})
+    router = Router(fleet, compile_profile(LEAST_LOAD))
+    fleet.reserve("m-2", "held", RunningEntry(10, 10, 0.1, 0.0))
+    fleet.set_draining("m-2", True)
+    assert router.choose(RequestView("q0", "m", 10, 10), now=0.0) is not None  # (membership redone)
+    fleet.release("m-2", "held")
+    assert not fleet._unranked
