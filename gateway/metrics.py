@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+_log = logging.getLogger("slogate.metrics")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -32,7 +34,11 @@ def child(metric: Any, *labels: str) -> Any:
 # histogram) walking its buckets in Python. A deferred child gathers them in plain Python numbers
 # and folds them into its Prometheus child when the registry is collected (a scrape, a test's
 # read): the same series with the same counts and sums, paid once per scrape instead of once per
-# update. Deferred children are for the event-loop thread only.
+# update. Deferred children are updated on the event-loop thread only; a collection may come from
+# another thread (a test reading the registry of a gateway it runs in a thread). So a flush first
+# takes what has gathered and resets it with no call in between (nothing can switch threads
+# there in CPython), then folds it in, and an update reads its slot with no call in between: an
+# update lands either in what a flush took or in what the next one takes, never in neither.
 
 
 class DeferredHistogram:
@@ -50,22 +56,24 @@ class DeferredHistogram:
     def observe(self, amount: float) -> None:
         if amount == amount:  # (NaN lands in no bucket, as in the child)
             # the first bucket whose upper bound is >= amount, as Histogram.observe picks it
-            self._counts[bisect.bisect_left(self._bounds, amount)] += 1
+            # (found before the counts are read: see the note above)
+            i = bisect.bisect_left(self._bounds, amount)
+            self._counts[i] += 1
         self._sum += amount
         self._pending = True
 
     def flush(self) -> None:
         if not self._pending:
             return
+        self._pending = False  # (first: an update from here on is flushed next time)
+        fresh = [0] * len(self._bounds)
+        counts, self._counts = self._counts, fresh
+        total, self._sum = self._sum, 0.0
         buckets = self._child._buckets
-        counts = self._counts
         for i, count in enumerate(counts):
             if count:
                 buckets[i].inc(count)
-                counts[i] = 0
-        self._child._sum.inc(self._sum)
-        self._sum = 0.0
-        self._pending = False
+        self._child._sum.inc(total)
 
 
 class DeferredGauge:
@@ -84,9 +92,9 @@ class DeferredGauge:
         self._delta -= amount
 
     def flush(self) -> None:
-        if self._delta:
-            self._child.inc(self._delta)
-            self._delta = 0.0
+        delta, self._delta = self._delta, 0.0
+        if delta:
+            self._child.inc(delta)
 
 
 _deferred: list[DeferredHistogram | DeferredGauge] = []
@@ -104,9 +112,14 @@ def deferred(metric: Any, *labels: str) -> Any:
 
 
 def flush_deferred() -> None:
-    """Fold every deferred update into its child (done before each collection of REGISTRY)."""
+    """Fold every deferred update into its child (done before each collection of REGISTRY). One
+    child's failure (a bug: say a counter given a negative move) drops what it had gathered and
+    is logged; the others and the collection go on, rather than every scrape failing from then."""
     for pending in _deferred:
-        pending.flush()
+        try:
+            pending.flush()
+        except Exception:
+            _log.exception("a deferred metric update could not be folded in")
 
 
 _collect_registry = REGISTRY.collect
