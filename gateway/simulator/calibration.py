@@ -46,11 +46,21 @@ class Comparison:
         return self.attainment_gap <= TOLERANCE and self.e2e_p50_gap <= TOLERANCE
 
 
-def calibration_scenario(policy: str, qps: float = 25.0, requests: int = 300, seed: int = 3) -> Scenario:
-    """``policy``: a routing profile, ``+prio`` for deadline scheduling on the engines."""
+def calibration_scenario(
+    policy: str, qps: float = 25.0, requests: int = 300, seed: int = 3, output_bound: str = "exact"
+) -> Scenario:
+    """``policy``: a routing profile, ``+prio`` for deadline scheduling on the engines;
+    ``output_bound``: the max_tokens the replayed clients send (live and offline alike)."""
     profile, prio = split_prio(policy)
     return Scenario(
-        str(WORKLOAD), qps=qps, policy=profile, engines=2, requests=requests, seed=seed, engine_priority=prio
+        str(WORKLOAD),
+        qps=qps,
+        policy=profile,
+        engines=2,
+        requests=requests,
+        seed=seed,
+        engine_priority=prio,
+        output_bound=output_bound,
     )
 
 

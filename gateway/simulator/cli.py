@@ -260,7 +260,10 @@ def calibrate_main(args: argparse.Namespace) -> int:
     comparisons = []
     for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
         print(f"[simulate] calibration: {policy}, live (real time) and offline", file=sys.stderr, flush=True)
-        comparisons.append(compare(calibration_scenario(policy, seed=3 if args.seed is None else args.seed)))
+        scenario = calibration_scenario(
+            policy, seed=3 if args.seed is None else args.seed, output_bound=args.output_bound
+        )
+        comparisons.append(compare(scenario))
     text = render(comparisons)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

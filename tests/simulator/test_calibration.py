@@ -33,3 +33,34 @@ def test_a_prio_policy_is_a_profile_with_deadline_scheduling_on_the_engines() ->
     assert scenario.policy == "least-load" and scenario.engine_priority
     plain = calibration_scenario("hyperflexis", seed=0)
     assert plain.policy == "hyperflexis" and not plain.engine_priority and plain.seed == 0
+
+
+def test_calibrate_replays_with_the_output_bound_asked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """`slogate simulate --calibrate --output-bound task-p99` compares live and offline with the
+    task's 99th-percentile max_tokens; the option was ignored (every replay sent exact bounds)."""
+    import argparse
+
+    from gateway.simulator import calibration, cli
+    from gateway.simulator.scenario import workload_for
+
+    parser = argparse.ArgumentParser()
+    cli.add_simulate_arguments(parser)
+    args = parser.parse_args(
+        ["--calibrate", "--policies", "least-load", "--output-bound", "task-p99", "--out", str(tmp_path)]
+    )
+    seen: list[object] = []
+
+    def fake_compare(scenario: object) -> calibration.Comparison:
+        seen.append(scenario)
+        raise SystemExit(0)  # (the live replay is another test's: the scenario is what matters)
+
+    monkeypatch.setattr(calibration, "compare", fake_compare)
+    with pytest.raises(SystemExit):
+        cli.calibrate_main(args)
+    (scenario,) = seen
+    assert scenario.output_bound == "task-p99"  # type: ignore[attr-defined]
+    exact = workload_for(calibration_scenario("least-load"))
+    bounded = workload_for(scenario)  # type: ignore[arg-type]
+    assert [s.max_tokens for s in bounded] != [s.max_tokens for s in exact]
