@@ -282,6 +282,14 @@ def simulate_main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"slogate simulate: {exc}") from None
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    runs = [(split_prio(p)[0], split_prio(p)[1] or args.engine_priority) for p in policies]
+    if len(set(runs)) != len(runs):
+        # (their results would be filed under one label, one run's over the other's)
+        why = " (--engine-priority gives every policy deadline scheduling: drop '+prio')"
+        raise SystemExit(
+            f"slogate simulate: --policies {args.policies!r} names the same run twice"
+            + (why if args.engine_priority else "")
+        )
     rates = parse_rates(args.qps)
     first = 0 if args.seed is None else args.seed
     seeds = range(first, first + args.repeat)

@@ -253,3 +253,14 @@ def test_prefill_engines_learn_their_latency_model_from_the_prefill_stages() -> 
         learnt, prior = (predict_prefill(c, [prompt]) for c in (model.prefill, model.prior_prefill))
         # what it learnt is the engine's own speed, twice the prior's time
         assert learnt == pytest.approx(2 * prior, rel=0.15), (engine, model.prefill, model.prior_prefill)
+
+
+def test_simulate_refuses_two_policies_that_are_one_run() -> None:
+    """With --engine-priority every policy gets deadline scheduling on its engines, so
+    'least-load' and 'least-load+prio' are one run: their results were filed under one label."""
+    with pytest.raises(SystemExit) as refused:
+        main(["simulate", "--policies", "least-load,least-load+prio", "--engine-priority"])
+    assert "same run twice" in str(refused.value) and "+prio" in str(refused.value)
+    with pytest.raises(SystemExit) as refused:
+        main(["simulate", "--policies", "hyperflexis,hyperflexis"])
+    assert "same run twice" in str(refused.value)
