@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from gateway import metrics
 from gateway.engines.vllm import parse_vllm_metrics
 from gateway.procs import ChildProcess, spawn_sim_engine
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
@@ -130,6 +131,15 @@ def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) 
         def running() -> int:
             return parse_vllm_metrics(probe.get(one_engine.url + "/metrics").text).num_running
 
+        def left() -> float:  # requests counted as the client's leaving (status 499)
+            return sum(
+                sample.value
+                for family in metrics.REGISTRY.collect()
+                for sample in family.samples
+                if sample.name == "slogate_requests_total" and sample.labels["status"] == "499"
+            )
+
+        left_before = left()
         abort_times: list[float] = []
         while len(abort_times) < 3 and not (abort_times and min(abort_times) < 0.1):
             with http.stream("POST", gw.url + "/v1/chat/completions", json=body) as r:
@@ -147,6 +157,8 @@ def test_client_disconnect_mid_stream_aborts_upstream(one_engine: ChildProcess) 
         # the bound (measured 37-62 ms with both cores busy), on the best of up to 3 tries: a
         # stall of this 2-core VM can hold any one of them past it
         assert min(abort_times) < 0.1, abort_times
+        # each counted as a client that left, not as a client's mistake (4xx)
+        assert wait_until(lambda: left() - left_before == len(abort_times), timeout=2)
 
 
 def test_engine_crash_mid_stream_ends_with_an_error_event(one_engine: ChildProcess) -> None:

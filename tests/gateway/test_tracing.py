@@ -151,7 +151,10 @@ def test_a_queued_request_has_a_queue_wait_span(engine: HeaderEngine) -> None:
     waited_ms = attrs(queued[0])["slogate.queue_wait_ms"]
     assert waited_ms >= 150
     assert wait.start_time == queued[0].start_time and wait.end_time == queued[0].end_time
-    assert float(second_answer[0].headers["x-slogate-overhead-ms"]) < waited_ms / 10
+    # the 200 ms wait is not in it: half of it is a bound a stall of the test's own process (a
+    # collection of the session's objects; the gateway runs in a thread of it) cannot reach, where
+    # a tenth of it was reached once (42 ms) in a full run on two busy cores
+    assert float(second_answer[0].headers["x-slogate-overhead-ms"]) < waited_ms / 2
 
 
 def test_a_failover_is_two_dispatches_and_two_upstream_calls(engine: HeaderEngine) -> None:
