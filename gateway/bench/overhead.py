@@ -418,6 +418,9 @@ class PacedResult:
     #: the part of ``cpu_us_per_sse_event`` spent in the kernel (the socket read and write and
     #: the epoll wake of each event), from /proc's clock ticks
     kernel_us_per_sse_event: float = 0.0
+    #: connections the client opened during the measured waves: 0 when the warm-up opened every
+    #: one they use (otherwise each one's set-up is counted as per-request CPU)
+    connections_opened: int = 0
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         where = f"{self.streams} streams, {self.token_gap_ms:g} ms apart"
@@ -612,7 +615,15 @@ async def _measure_paced(
     idle_s: float = 1.0,
 ) -> PacedResult:
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    opened = 0
+
+    async def on_opened(*_: object) -> None:
+        nonlocal opened
+        opened += 1
+
+    tracing = aiohttp.TraceConfig()
+    tracing.on_connection_create_end.append(on_opened)
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[tracing]) as session:
         url = gateway.url + "/v1/chat/completions"
         await wait_until_served(session, gateway.url, model)
 
@@ -628,11 +639,16 @@ async def _measure_paced(
             )
             return body, {"Content-Type": "application/json", "X-Sim-Output-Len": str(length)}
 
-        progress(f"paced: warm-up, {min(streams, 20)} streams")
+        # a wave as wide as the measured ones: every connection the waves use (client to relay,
+        # relay to engine) is open and pooled before the meter starts. Warmed by 20 streams, the
+        # first measured wave opened the other 180 of each, and that one-off cost (about 0.1 ms
+        # per short stream) was counted as per-request CPU and taken off the per-event slope
+        progress(f"paced: warm-up, a wave of {streams} streams")
         body, headers = request(tokens[0])
-        await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(min(streams, 20))))
+        await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(streams)))
         idle, idle_kernel = await idle_rates(gateway.pid, idle_s)
 
+        opened_before = opened
         cpu = [0.0, 0.0]
         kernel = [0.0, 0.0]
         traces: list[list[StreamTrace]] = [[], []]
@@ -652,6 +668,7 @@ async def _measure_paced(
         cpu_per_stream = [cpu[i] / len(traces[i]) for i in (0, 1)]
         events_per_stream = [sum(t.events for t in traces[i]) / len(traces[i]) for i in (0, 1)]
         max_gap = max((g for wave in traces for t in wave for _, g in t.gaps()), default=0.0)
+        opened_measured = opened - opened_before
 
     more_events = events_per_stream[1] - events_per_stream[0]
     per_event = (cpu_per_stream[1] - cpu_per_stream[0]) / more_events
@@ -667,6 +684,7 @@ async def _measure_paced(
         max_gap_ms=max_gap * 1e3,
         idle_cpu_ms_per_s=idle * 1e3,
         kernel_us_per_sse_event=kernel_per_event * 1e6,
+        connections_opened=opened_measured,
     )
 
 
@@ -773,8 +791,10 @@ def render_table(result: OverheadResult) -> str:
         paced = result.paced
         lines.append(
             f"(paced: streams of {paced.tokens[0]} and {paced.tokens[1]} tokens; largest gap between "
-            f"chunks {paced.max_gap_ms:.1f} ms; idle gateway CPU "
-            f"{paced.idle_cpu_ms_per_s:.2f} ms/s subtracted)"
+            f"chunks {paced.max_gap_ms:.1f} ms"
+            + (f", the bare relay's {paced.floor.max_gap_ms:.1f} ms" if paced.floor is not None else "")
+            + f"; idle gateway CPU {paced.idle_cpu_ms_per_s:.2f} ms/s subtracted; connections opened "
+            f"while measured: {paced.connections_opened}, after a warm-up wave as wide as the others)"
         )
         if len(paced.runs_us_per_event) > 1:
             floor = paced.floor.runs_us_per_event if paced.floor is not None else ()

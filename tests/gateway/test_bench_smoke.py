@@ -24,7 +24,7 @@ def test_overhead_benchmark_smoke() -> None:
     result = run_overhead(
         n=24,
         stream_tokens=8,
-        paced_streams=6,
+        paced_streams=24,  # (more than a few: the warm-up must open as many connections as a wave uses)
         paced_tokens=(4, 16),
         paced_waves=1,
         paced_repeats=2,
@@ -48,6 +48,8 @@ def test_overhead_benchmark_smoke() -> None:
     assert math.isfinite(paced.kernel_us_per_sse_event)
     # tokens 20 ms apart: were the engine not pacing, streams of 16 tokens would end in a few ms
     assert paced.max_gap_ms >= 15
+    # the measured waves reuse the warm-up's connections: no set-up counted as per-request CPU
+    assert paced.connections_opened == 0
 
     # the bare relay on the same stack sees the same engine's streams, event for event
     floor = paced.floor
@@ -58,6 +60,7 @@ def test_overhead_benchmark_smoke() -> None:
     assert floor.events_per_stream == paced.events_per_stream
     assert math.isfinite(floor.kernel_us_per_sse_event)
     assert math.isfinite(floor.cpu_us_per_sse_event) and floor.max_gap_ms >= 15
+    assert floor.connections_opened == 0
     checks = "\n".join(row[0] for row in paced.checks())
     assert "a bare relay on the same stack" in checks and "above the floor" in checks
     assert "in the kernel" in checks
@@ -74,7 +77,7 @@ def test_overhead_benchmark_smoke() -> None:
     assert "CPU per relayed SSE event" in table and "idle RSS" in table
     assert "hyperflexis over least-load, added p50 (c=1)" in table
     assert "hyperflexis gateway CPU per request vs least-load" in table
-    assert "paced: CPU per relayed SSE event (6 streams, 20 ms apart)" in table
+    assert "paced: CPU per relayed SSE event (24 streams, 20 ms apart)" in table
 
 
 def test_large_body_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
