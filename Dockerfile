@@ -14,10 +14,11 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY policies ./policies
 COPY profiles ./profiles
-# A wheel of the package and wheels of its dependencies (with the OTLP trace exporter); the
-# runtime stage installs from these only.
+# A wheel of the package and wheels of its dependencies, with what settings may ask for: the
+# OTLP trace exporter and Hugging Face tokenizers (engine_tokenizers); the runtime stage installs
+# from these only.
 RUN pip install --no-cache-dir --upgrade pip \
- && pip wheel --no-cache-dir --wheel-dir /wheels ".[otlp]"
+ && pip wheel --no-cache-dir --wheel-dir /wheels ".[otlp,hf-tokenizer]"
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -26,7 +27,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SLOGATE_HOST=0.0.0.0 \
     SLOGATE_PORT=8000
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links=/wheels "slogate[otlp]" \
+    pip install --no-index --find-links=/wheels "slogate[otlp,hf-tokenizer]" \
  && useradd --system --uid 10001 --user-group --home-dir /home/slogate --create-home slogate \
  && mkdir -p /etc/slogate \
  && printf 'engines: []\n' > /etc/slogate/gateway.yaml

@@ -39,6 +39,8 @@ class Image:
     healthcheck: tuple[str, ...]
     base: str
     copies: tuple[str, ...]
+    #: the extras of slogate the final stage installs (``slogate[a,b]`` in its RUN commands)
+    extras: frozenset[str] = frozenset()
 
 
 def read_dockerfile(path: Path = DOCKERFILE) -> Image:
@@ -76,7 +78,14 @@ def read_dockerfile(path: Path = DOCKERFILE) -> Image:
         for source in command.value[:-1]
     )
     base = final[0].value[0]
-    return Image(entrypoint, cmd, env, user, healthcheck, base, copies)
+    extras = frozenset(
+        extra.strip()
+        for command in final
+        if command.cmd == "RUN"
+        for listed in re.findall(r"slogate\[([^\]]*)\]", " ".join(command.value))
+        for extra in listed.split(",")
+    )
+    return Image(entrypoint, cmd, env, user, healthcheck, base, copies, extras)
 
 
 @dataclass

@@ -107,6 +107,18 @@ def test_dockerfile_builds_a_slim_non_root_image_with_a_healthcheck() -> None:
         assert package.rstrip("*") in image.copies, f"package {package} is not copied into the image"
 
 
+def test_the_image_serves_every_setting_the_chart_offers() -> None:
+    # the chart lets a deployment set engine tokenizers and an OTLP endpoint: the image must carry
+    # what they load (an image without them failed at start-up, or exported no traces)
+    image = read_dockerfile()
+    chart = json.loads((REPO / "helm" / "slogate" / "values.schema.json").read_text())
+    assert "engine_tokenizers" in json.dumps(chart)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("hf-tokenizer", "otlp"):
+        assert extra in extras
+        assert extra in image.extras, f"the image does not install slogate[{extra}]"
+
+
 def test_compose_gateway_settings_load() -> None:
     """The gateway's config file in the compose setup is valid for the gateway's settings code, and
     names exactly the compose file's engine services."""
