@@ -404,7 +404,7 @@ def test_the_deadline_heap_holds_about_what_is_queued() -> None:
     for i in range(1, 30_000):
         queue.push(req(i, arrival=float(i), deadline=1e6 + i), float(i), CTX)
         assert queue.pop(float(i), CTX) is not None
-    assert len(queue) == 1 and len(queue._deadlines) <= 64 + 2 * 2
+    assert len(queue) == 1 and len(queue._deadlines) + len(queue._deadline_run) <= 64 + 2 * 2
     assert queue.next_expiry() == 1.0
 
 
@@ -435,6 +435,58 @@ def test_every_read_of_the_queue_matches_a_brute_force_sort_under_any_operations
     other tests here use one of each, so strict_priority and slo_tpot reduce to FCFS and
     demotion is never set): pop, head, iter_in_order, the counts and min_need against a brute
     force sort of what is queued, after every operation."""
+    _check_every_read(name, ops, in_order=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(sorted(ORDERS) + ["late:" + n for n in sorted(ORDERS)]), ops=_OPS)
+def test_every_read_matches_a_brute_force_sort_when_arrivals_mostly_come_in_order(
+    name: str, ops: list[tuple[str, int, int, int]]
+) -> None:
+    """As above, with most requests pushed as they arrive (their arrival is now, their queue
+    deadline a fixed timeout on), as a gateway pushes them, and one in four older: the pushes in
+    key order go to the sorted run, the others to the heap, and every read merges the two."""
+    _check_every_read(name, ops, in_order=True)
+    queue = AdmissionQueue(make_order("fcfs"))
+    for i in range(100):
+        queue.push(req(i, arrival=float(i), deadline=1e3 + i), float(i), CTX)
+    # (in order: all of them in the run, none in the heaps)
+    assert len(queue._run) == 100 and not queue._heap and not queue._deadlines
+
+
+def test_expiry_reads_the_sorted_run_and_the_heap_together() -> None:
+    # deadlines 5 and 20 come in order (the run), 8 does not (the heap): the earliest is in the
+    # run while the heap's is later, and a due one in the run must not wait behind it
+    queue = AdmissionQueue(make_order("fcfs"))
+    for i, deadline in enumerate((5.0, 20.0, 8.0)):
+        queue.push(req(i, arrival=float(i), deadline=deadline), 0.0, CTX)
+    assert queue.next_expiry() == 5.0
+    assert [i.queue_deadline for i in queue.expire(6.0)] == [5.0]
+    assert queue.next_expiry() == 8.0
+    assert [i.queue_deadline for i in queue.expire(30.0)] == [8.0, 20.0]
+    assert len(queue) == 0 and queue.next_expiry() == math.inf
+
+
+def test_a_walk_starts_past_the_dead_entries_at_the_front() -> None:
+    # requests that left from the front of the run (or were re-keyed into a late lane) leave dead
+    # entries there until compaction (dead outnumbering live): a walk drops them first instead of
+    # reading past all of them every time
+    for read in ("scan", "head"):
+        queue = AdmissionQueue(make_order("fcfs"))
+        for i in range(1000):
+            queue.push(req(i, arrival=float(i)), float(i), CTX)
+        for i in range(400):
+            assert queue.remove(f"r{i}") is not None
+        assert len(queue._run) == 1000  # (400 dead, fewer than the live: no compaction)
+        if read == "scan":
+            first = list(queue.iter_in_order(1000.0, CTX, 3))
+        else:
+            first = list(queue.head(1000.0, CTX, 3))
+        assert [i.seq for i in first] == [400, 401, 402]
+        assert len(queue._run) == 600
+
+
+def _check_every_read(name: str, ops: list[tuple[str, int, int, int]], in_order: bool) -> None:
     order = make_order(name.removeprefix("late:"))
     if name.startswith("late:"):
         order = LateLast(order)
@@ -450,10 +502,11 @@ def test_every_read_of_the_queue_matches_a_brute_force_sort_under_any_operations
     for op, arg, t, p in ops:
         if op == "push":
             seq += 1
-            v = RequestView(f"r{seq}", "m", arg * 7, 8, arrival=now - arg / 300, tenant=f"t{t}", priority=p)
-            it = QueuedRequest(
-                v, 0.2 + arg / 80, [0.02, 0.05, 0.1][p], seq, queue_deadline=now + 0.5 + arg / 50
-            )
+            late_push = not in_order or arg % 4 == 0
+            arrival = now - arg / 300 if late_push else now
+            v = RequestView(f"r{seq}", "m", arg * 7, 8, arrival=arrival, tenant=f"t{t}", priority=p)
+            timeout = 0.5 + arg / 50 if late_push else 0.5
+            it = QueuedRequest(v, 0.2 + arg / 80, [0.02, 0.05, 0.1][p], seq, queue_deadline=now + timeout)
             q.push(it, now, ctx)
             pushed.append(v.request_id)
         elif op == "pop":
@@ -468,7 +521,10 @@ def test_every_read_of_the_queue_matches_a_brute_force_sort_under_any_operations
             if r:
                 left.append(r.view.request_id)
         elif op == "expire":
-            left += [i.view.request_id for i in q.expire(now)]
+            due = sorted(i.queue_deadline for i in q.items() if i.queue_deadline <= now)
+            gone = q.expire(now)
+            assert [i.queue_deadline for i in gone] == due  # every due one, earliest first
+            left += [i.view.request_id for i in gone]
         elif op == "tick":
             now += arg / 400
         elif op in ("demote", "undemote") and seq:
