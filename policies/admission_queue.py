@@ -36,7 +36,7 @@ import bisect
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, KeysView
+from collections.abc import Callable, Iterable, Iterator, KeysView
 from typing import Any
 
 from policies.flow_control import FlowRounds
@@ -55,15 +55,76 @@ _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n
 
 def _live(heap: list[tuple[Any, int, _Slot]]) -> list[tuple[Any, int, _Slot]]:
     """``heap`` without the entries of items that left: those surface only when they are the
-    least, so a side heap (deadlines, KV needs) would otherwise hold every item ever queued."""
-    kept = [entry for entry in heap if entry[2].entry is not None]
+    least, so a side heap (KV needs) would otherwise hold every item ever queued."""
+    kept = [entry for entry in heap if _queued(entry)]
     heapq.heapify(kept)
     return kept
 
 
-def _live_run(run: deque[tuple[float, int, _Slot]]) -> deque[tuple[float, int, _Slot]]:
-    """A sorted run without the entries of items that left (still sorted)."""
-    return deque(entry for entry in run if entry[2].entry is not None)
+class _RunHeap:
+    """Tuples, least first: each one pushed at or after the last pushed one is appended to a
+    sorted run, any other goes to a binary heap, and the least is the lesser of the two fronts.
+    Pushes that mostly come in order (arrivals) then cost O(1) to push and to pop instead of
+    O(log n) comparisons in a large heap, whose sifts also touch memory all over it. Entries leave
+    from the front; the owner marks an entry dead and drops it when it surfaces, or keeps only
+    the live ones (:meth:`kept`)."""
+
+    __slots__ = ("heap", "run")
+
+    def __init__(self, entries: Iterable[tuple[Any, ...]] = ()) -> None:
+        self.heap: list[tuple[Any, ...]] = list(entries)
+        heapq.heapify(self.heap)
+        self.run: deque[tuple[Any, ...]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.heap) + len(self.run)
+
+    def push(self, entry: tuple[Any, ...]) -> None:
+        run = self.run
+        if not run or not entry < run[-1]:
+            run.append(entry)
+        else:
+            heapq.heappush(self.heap, entry)
+
+    def push_to_heap(self, entry: tuple[Any, ...]) -> None:
+        """Push ``entry`` into the heap whatever its place (a re-keyed request: one that sorts
+        after the arrivals would end the run they keep appending to)."""
+        heapq.heappush(self.heap, entry)
+
+    def first(self) -> tuple[Any, ...] | None:
+        heap, run = self.heap, self.run
+        if heap:
+            return run[0] if run and run[0] < heap[0] else heap[0]
+        return run[0] if run else None
+
+    def pop_first(self) -> tuple[Any, ...]:
+        """Remove and return the least entry (there is one)."""
+        heap, run = self.heap, self.run
+        if heap and (not run or heap[0] < run[0]):
+            return heapq.heappop(heap)
+        return run.popleft()
+
+    def kept(self, live: Callable[[tuple[Any, ...]], bool]) -> _RunHeap:
+        """A copy holding only the entries ``live`` keeps: O(n)."""
+        fresh = _RunHeap(entry for entry in self.heap if live(entry))
+        fresh.run = deque(entry for entry in self.run if live(entry))
+        return fresh
+
+
+def _queued(entry: tuple[Any, ...]) -> bool:
+    """Whether a deadline or KV-need entry ``(value, generation, slot)`` is of a queued item."""
+    return entry[2].entry is not None
+
+
+def _current_order(entry: tuple[Any, ...]) -> bool:
+    """Whether an order entry is its item's current one (not re-keyed, not left)."""
+    return entry[-1].entry is entry
+
+
+def _current_rekey(entry: tuple[Any, ...]) -> bool:
+    """Whether a re-key entry ``(valid until, generation, slot)`` is of its item's current key."""
+    current = entry[2].entry
+    return current is not None and current[-2] == entry[1]
 
 
 def _item_of(entry: tuple[Any, ...]) -> QueuedRequest:
@@ -118,12 +179,12 @@ class AdmissionQueue:
         self._tolerance = context_tolerance
         self._ctx: OrderContext | None = None
         self._seen_ctx: OrderContext | None = None  # last object passed in, to skip the comparison
-        self._heap: list[tuple[Any, ...]] = []
-        #: entries pushed in order, sorted (see the module's notes): the heap holds the others
-        self._run: deque[tuple[Any, ...]] = deque()
-        self._rekeys: list[tuple[float, int, _Slot]] = []
-        self._deadlines: list[tuple[float, int, _Slot]] = []
-        self._deadline_run: deque[tuple[float, int, _Slot]] = deque()
+        #: the order's entries (``sort_key + (generation, slot)``)
+        self._order = _RunHeap()
+        #: (valid until, generation, slot): when each item's key is recomputed
+        self._rekeys = _RunHeap()
+        #: (queue deadline, generation, slot)
+        self._deadlines = _RunHeap()
         #: (prompt + output bound, generation, slot) of each item, kept from the first
         #: :meth:`min_need` on (HyperFlexis reads it; a queue nobody asks keeps no such heap)
         self._needs: list[tuple[int, int, _Slot]] | None = None
@@ -203,28 +264,18 @@ class AdmissionQueue:
         slot.entry = entry
         slots[request_id] = slot
         self._queued_prompt_tokens += item.view.prompt_tokens
-        run = self._run
-        if not run or not entry < run[-1]:
-            run.append(entry)
-        else:
-            heapq.heappush(self._heap, entry)
+        self._order.push(entry)
         if self._head_valid:
             self._head_insert(entry)
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
-            heapq.heappush(self._rekeys, (valid_until, generation, slot))
+            self._rekeys.push((valid_until, generation, slot))
         deadline = item.queue_deadline
         if deadline != _INF:
-            timed = (deadline, generation, slot)
-            deadline_run = self._deadline_run
-            if not deadline_run or not timed < deadline_run[-1]:
-                deadline_run.append(timed)
-            else:
-                heapq.heappush(self._deadlines, timed)
-            if len(self._deadlines) + len(deadline_run) > 64 + 2 * len(slots):
-                self._deadlines = _live(self._deadlines)
-                self._deadline_run = _live_run(deadline_run)
+            self._deadlines.push((deadline, generation, slot))
+            if len(self._deadlines) > 64 + 2 * len(slots):
+                self._deadlines = self._deadlines.kept(_queued)
         needs = self._needs
         if needs is not None:
             heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
@@ -243,11 +294,7 @@ class AdmissionQueue:
         self._structure_version += 1
         if entry is None:
             return None
-        heap = self._heap
-        if heap and heap[0] is entry:
-            heapq.heappop(heap)
-        else:
-            self._run.popleft()
+        self._order.pop_first()
         slot: _Slot = entry[-1]
         self._forget(slot)
         return slot.item
@@ -284,16 +331,10 @@ class AdmissionQueue:
         O(k log n) for k expired items. Like :meth:`remove`, safe while iterating.
         """
         expired: list[QueuedRequest] = []
-        deadlines, run = self._deadlines, self._deadline_run
-        while True:
-            if deadlines and (not run or deadlines[0] < run[0]):
-                if deadlines[0][0] > now:
-                    break
-                slot = heapq.heappop(deadlines)[2]
-            elif run and run[0][0] <= now:
-                slot = run.popleft()[2]
-            else:
-                break
+        deadlines = self._deadlines
+        while (first := deadlines.first()) is not None and first[0] <= now:
+            deadlines.pop_first()
+            slot: _Slot = first[2]
             if slot.entry is not None:
                 self._forget(slot)
                 self._dead_in_heap += 1
@@ -302,14 +343,10 @@ class AdmissionQueue:
 
     def next_expiry(self) -> float:
         """Earliest ``queue_deadline`` of a queued item (``inf`` if none): when to wake for :meth:`expire`."""
-        deadlines, run = self._deadlines, self._deadline_run
-        while deadlines and deadlines[0][2].entry is None:
-            heapq.heappop(deadlines)
-        while run and run[0][2].entry is None:
-            run.popleft()
-        if deadlines:
-            return deadlines[0][0] if not run or deadlines[0][0] < run[0][0] else run[0][0]
-        return run[0][0] if run else _INF
+        deadlines = self._deadlines
+        while (first := deadlines.first()) is not None and first[2].entry is None:
+            deadlines.pop_first()
+        return _INF if first is None else float(first[0])
 
     def min_need(self) -> int:
         """The least KV any queued item needs (prompt tokens + output bound); 0 when empty.
@@ -338,18 +375,12 @@ class AdmissionQueue:
     def _front(self) -> tuple[Any, ...] | None:
         """The first live entry in order (the lesser of the heap's and the run's fronts), dropping
         dead entries from either front on the way."""
-        heap, run = self._heap, self._run
-        while heap and heap[0][-1].entry is not heap[0]:
-            heapq.heappop(heap)
+        order = self._order
+        while (entry := order.first()) is not None and entry[-1].entry is not entry:
+            order.pop_first()
             self._dead_in_heap -= 1
             self._structure_version += 1
-        while run and run[0][-1].entry is not run[0]:
-            run.popleft()
-            self._dead_in_heap -= 1
-            self._structure_version += 1
-        if heap:
-            return run[0] if run and run[0] < heap[0] else heap[0]
-        return run[0] if run else None
+        return entry
 
     def iter_in_order(self, now: float, ctx: OrderContext, limit: int) -> Iterator[QueuedRequest]:
         """The first ``limit`` items in order at ``now``, lazily, without removing them.
@@ -403,11 +434,11 @@ class AdmissionQueue:
         with the sorted run. Callers drop dead entries at the fronts first (:meth:`_front`): a
         request re-keyed by a late lane leaves its old entry at the run's front, and every walk
         from there would read past all of them."""
-        heap = self._heap
+        heap = self._order.heap
         version = self._structure_version
         frontier: list[tuple[tuple[Any, ...], int]] = [(heap[0], 0)] if heap and limit else []
         size = len(heap)
-        run = iter(self._run)
+        run = iter(self._order.run)
         ran = next(run, None) if limit else None
         produced = 0
         while (frontier or ran is not None) and produced < limit:
@@ -443,7 +474,7 @@ class AdmissionQueue:
         entry = (*key, generation, slot)
         old = slot.entry
         slot.entry = entry
-        heapq.heappush(self._heap, entry)
+        self._order.push_to_heap(entry)
         if self._head_valid:
             # the cached head stays a prefix of the order: the old entry leaves it, the new one
             # joins it only if it sorts inside it (orders that re-key every request once, like
@@ -457,7 +488,7 @@ class AdmissionQueue:
         if valid_until != _INF:
             if not valid_until > now:  # an order broke the contract; re-key at the next read instead
                 valid_until = math.nextafter(now, _INF)
-            heapq.heappush(self._rekeys, (valid_until, generation, slot))
+            self._rekeys.push((valid_until, generation, slot))
 
     def _restamp(self, rounds: list[tuple[str, float]], now: float, ctx: OrderContext) -> None:
         """Give queued requests their new ``flow_round`` and re-key them (ids that left since
@@ -511,15 +542,18 @@ class AdmissionQueue:
             self._promoted = []
             self._structure_version += 1
         rekeys = self._rekeys
-        if rekeys and rekeys[0][0] <= now:
+        first = rekeys.first() if rekeys.heap or rekeys.run else None
+        if first is not None and first[0] <= now:
             changed = False
-            while rekeys and rekeys[0][0] <= now:
-                _, generation, slot = heapq.heappop(rekeys)
+            while first is not None and first[0] <= now:
+                rekeys.pop_first()
+                _, generation, slot = first
                 entry = slot.entry
                 if entry is not None and entry[-2] == generation:
                     self._insert(slot, now, ctx)
                     self._dead_in_heap += 1
                     changed = True
+                first = rekeys.first()
             if changed:
                 self._structure_version += 1
         if self._dead_in_heap > _COMPACT_MIN and self._dead_in_heap > len(self._slots):
@@ -529,9 +563,8 @@ class AdmissionQueue:
         """Recompute every key (context change): O(n)."""
         self._head_valid = False
         slots = list(self._slots.values())
-        self._heap = []
-        self._run = deque()
-        self._rekeys = []
+        entries: list[tuple[Any, ...]] = []
+        rekeys: list[tuple[Any, ...]] = []
         self._dead_in_heap = 0
         self._structure_version += 1
         key = self._key
@@ -540,22 +573,18 @@ class AdmissionQueue:
             self._generation += 1
             entry = (*sort_key, self._generation, slot)
             slot.entry = entry
-            self._heap.append(entry)
+            entries.append(entry)
             if valid_until != _INF:
-                self._rekeys.append((max(valid_until, math.nextafter(now, _INF)), self._generation, slot))
-        heapq.heapify(self._heap)
-        heapq.heapify(self._rekeys)
+                rekeys.append((max(valid_until, math.nextafter(now, _INF)), self._generation, slot))
+        self._order = _RunHeap(entries)
+        self._rekeys = _RunHeap(rekeys)
 
     def _compact(self) -> None:
         """Drop dead entries from all three heaps and the runs: O(n), run when dead entries
         outnumber live ones."""
-        self._heap = [entry for entry in self._heap if entry[-1].entry is entry]
-        heapq.heapify(self._heap)
-        self._run = deque(entry for entry in self._run if entry[-1].entry is entry)
-        self._rekeys = [r for r in self._rekeys if r[2].entry is not None and r[2].entry[-2] == r[1]]
-        heapq.heapify(self._rekeys)
-        self._deadlines = _live(self._deadlines)
-        self._deadline_run = _live_run(self._deadline_run)
+        self._order = self._order.kept(_current_order)
+        self._rekeys = self._rekeys.kept(_current_rekey)
+        self._deadlines = self._deadlines.kept(_queued)
         if self._needs is not None:
             self._needs = _live(self._needs)
         self._dead_in_heap = 0

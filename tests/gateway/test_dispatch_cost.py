@@ -345,7 +345,7 @@ def test_an_arrival_placed_at_once_is_counted_as_a_zero_wait_and_never_queued() 
     view = RequestView("r-1", "a", 100, 50, arrival=0.0)
     record = core.submit(core.ticket(view, 1.0, 0.1, "c-at-once", RunningEntry(100, 50, 0.1, 0.0), 0.0), 0.0)
     assert record is not None and "r-1" in record.running
-    assert core.queued() == 0 and len(core.queues["a"]._heap) == 0  # never went through the queue
+    assert core.queued() == 0 and len(core.queues["a"]._order) == 0  # never went through the queue
     assert core.queued_per_class[("a", "c-at-once")] == 0
     assert waits() == (1.0, 1.0)
 

@@ -152,7 +152,7 @@ def test_compaction_bounds_dead_entries() -> None:
     for seq in range(1000, 1200):
         queue.push(req(seq, arrival=1.0), 1.0, CTX)
     queue.peek(6.0, CTX)  # every request ages: one dead entry each
-    assert len(queue._heap) <= 2 * len(queue) + 64
+    assert len(queue._order) <= 2 * len(queue) + 64
     assert len(drain(queue, 6.0)) == 700
 
 
@@ -404,7 +404,7 @@ def test_the_deadline_heap_holds_about_what_is_queued() -> None:
     for i in range(1, 30_000):
         queue.push(req(i, arrival=float(i), deadline=1e6 + i), float(i), CTX)
         assert queue.pop(float(i), CTX) is not None
-    assert len(queue) == 1 and len(queue._deadlines) + len(queue._deadline_run) <= 64 + 2 * 2
+    assert len(queue) == 1 and len(queue._deadlines) <= 64 + 2 * 2
     assert queue.next_expiry() == 1.0
 
 
@@ -451,7 +451,7 @@ def test_every_read_matches_a_brute_force_sort_when_arrivals_mostly_come_in_orde
     for i in range(100):
         queue.push(req(i, arrival=float(i), deadline=1e3 + i), float(i), CTX)
     # (in order: all of them in the run, none in the heaps)
-    assert len(queue._run) == 100 and not queue._heap and not queue._deadlines
+    assert len(queue._order.run) == 100 and not queue._order.heap and not queue._deadlines.heap
 
 
 def test_expiry_reads_the_sorted_run_and_the_heap_together() -> None:
@@ -477,13 +477,13 @@ def test_a_walk_starts_past_the_dead_entries_at_the_front() -> None:
             queue.push(req(i, arrival=float(i)), float(i), CTX)
         for i in range(400):
             assert queue.remove(f"r{i}") is not None
-        assert len(queue._run) == 1000  # (400 dead, fewer than the live: no compaction)
+        assert len(queue._order.run) == 1000  # (400 dead, fewer than the live: no compaction)
         if read == "scan":
             first = list(queue.iter_in_order(1000.0, CTX, 3))
         else:
             first = list(queue.head(1000.0, CTX, 3))
         assert [i.seq for i in first] == [400, 401, 402]
-        assert len(queue._run) == 600
+        assert len(queue._order.run) == 600
 
 
 def _check_every_read(name: str, ops: list[tuple[str, int, int, int]], in_order: bool) -> None:
