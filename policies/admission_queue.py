@@ -388,8 +388,9 @@ class AdmissionQueue:
         Costs O(k log k) for the k items actually consumed (a best-first walk of the heap tree,
         merged with the sorted run).
         :meth:`remove` and :meth:`expire` may be called while iterating (removed items are then
-        skipped); :meth:`push` or :meth:`pop` during iteration make the next step raise
-        ``RuntimeError``.
+        skipped); :meth:`push`, :meth:`pop`, or a read that drops dead entries at the front
+        (:meth:`peek`, another :meth:`iter_in_order`, a :meth:`head` that rebuilds its cache)
+        during iteration may make the next step raise ``RuntimeError``.
         """
         self._refresh(now, ctx)
         self._front()  # (now, not at the iterator's first step: see _walk_entries)

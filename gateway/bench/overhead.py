@@ -78,6 +78,8 @@ class OverheadResult:
     cpu_ratio_c256_vs_c1: float
     idle_rss_mb: float
     stream_tokens: int
+    #: connections the client opened while the c=256 CPU was measured (0: a warm pool's figure)
+    connections_opened_c256: int = 0
     paced: PacedResult | None = None
     dispatchers: DispatcherLatency | None = None
     tracing: TracingCost | None = None
@@ -418,8 +420,9 @@ class PacedResult:
     #: the part of ``cpu_us_per_sse_event`` spent in the kernel (the socket read and write and
     #: the epoll wake of each event), from /proc's clock ticks
     kernel_us_per_sse_event: float = 0.0
-    #: connections the client opened during the measured waves: 0 when the warm-up opened every
-    #: one they use (otherwise each one's set-up is counted as per-request CPU)
+    #: connections the client opened to the gateway during the measured waves: 0 when the warm-up
+    #: opened every one they use (otherwise each one's set-up is counted as per-request CPU). The
+    #: gateway's own to the engine are not seen from here: they follow the same waves
     connections_opened: int = 0
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
@@ -536,9 +539,23 @@ class LoadGenerator:
         return latencies, time.perf_counter() - t0
 
 
+class _ConnectionsOpened:
+    """Counts the connections a client session opens (``trace`` goes to the session): a figure
+    measured on a warm pool must open none, or their set-up is counted in it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.trace = aiohttp.TraceConfig()
+        self.trace.on_connection_create_end.append(self._opened)
+
+    async def _opened(self, *_: object) -> None:
+        self.count += 1
+
+
 async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_tokens: int) -> OverheadResult:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    opened = _ConnectionsOpened()
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[opened.trace]) as session:
         load = LoadGenerator(session, stream_tokens)
         gw_pid = gateway.pid
         idle_rss = rss_mb(gw_pid)
@@ -582,9 +599,11 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
         progress(f"CPU per request at c=256 ({n * 2} requests)")
         # (its connections opened first: the figure is a warm pool's, as the c=1 one is)
         await load.run_plain(gateway.url, 256, 256)
+        opened_before = opened.count
         c0 = cpu_seconds(gw_pid)
         await load.run_plain(gateway.url, n * 2, 256)
         cpu_c256 = (cpu_seconds(gw_pid) - c0) / (n * 2)
+        opened_c256 = opened.count - opened_before
 
     d50, d99 = percentile(direct, 0.5), percentile(direct, 0.99)
     g50, g99 = percentile(via, 0.5), percentile(via, 0.99)
@@ -602,6 +621,7 @@ async def _measure(engine: ChildProcess, gateway: ChildProcess, n: int, stream_t
         cpu_ms_per_request_c1=cpu_c1 * 1e3,
         cpu_ms_per_request_c256=cpu_c256 * 1e3,
         cpu_ratio_c256_vs_c1=cpu_c256 / cpu_c1 if cpu_c1 else float("inf"),
+        connections_opened_c256=opened_c256,
         idle_rss_mb=idle_rss,
         stream_tokens=stream_tokens,
     )
@@ -617,17 +637,11 @@ async def _measure_paced(
     idle_s: float = 1.0,
 ) -> PacedResult:
     connector = aiohttp.TCPConnector(limit=0)
-    opened = 0
-
-    async def on_opened(*_: object) -> None:
-        nonlocal opened
-        opened += 1
-
-    tracing = aiohttp.TraceConfig()
-    tracing.on_connection_create_end.append(on_opened)
-    async with aiohttp.ClientSession(connector=connector, trace_configs=[tracing]) as session:
+    opened = _ConnectionsOpened()
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[opened.trace]) as session:
         url = gateway.url + "/v1/chat/completions"
         await wait_until_served(session, gateway.url, model)
+        idle, idle_kernel = await idle_rates(gateway.pid, idle_s)
 
         def request(length: int) -> tuple[bytes, dict[str, str]]:
             body = orjson.dumps(
@@ -641,16 +655,16 @@ async def _measure_paced(
             )
             return body, {"Content-Type": "application/json", "X-Sim-Output-Len": str(length)}
 
-        # a wave as wide as the measured ones: every connection the waves use (client to relay,
-        # relay to engine) is open and pooled before the meter starts. Warmed by 20 streams, the
-        # first measured wave opened the other 180 of each, and that one-off cost (about 0.1 ms
-        # per short stream) was counted as per-request CPU and taken off the per-event slope
+        # a wave as wide as the measured ones, right before them (the gateway's pool keeps an
+        # idle connection 4 s): every connection the waves use (client to relay, relay to engine)
+        # is open and pooled before the meter starts. Warmed by 20 streams, the first measured
+        # wave opened the other 180 of each, and that one-off cost (about 0.1 ms per short
+        # stream) was counted as per-request CPU and taken off the per-event slope
         progress(f"paced: warm-up, a wave of {streams} streams")
         body, headers = request(tokens[0])
         await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(streams)))
-        idle, idle_kernel = await idle_rates(gateway.pid, idle_s)
 
-        opened_before = opened
+        opened_before = opened.count
         cpu = [0.0, 0.0]
         kernel = [0.0, 0.0]
         traces: list[list[StreamTrace]] = [[], []]
@@ -670,7 +684,7 @@ async def _measure_paced(
         cpu_per_stream = [cpu[i] / len(traces[i]) for i in (0, 1)]
         events_per_stream = [sum(t.events for t in traces[i]) / len(traces[i]) for i in (0, 1)]
         max_gap = max((g for wave in traces for t in wave for _, g in t.gaps()), default=0.0)
-        opened_measured = opened - opened_before
+        opened_measured = opened.count - opened_before
 
     more_events = events_per_stream[1] - events_per_stream[0]
     per_event = (cpu_per_stream[1] - cpu_per_stream[0]) / more_events
@@ -782,7 +796,8 @@ def render_table(result: OverheadResult) -> str:
     lines.append(
         f"(direct p50/p99 {result.direct_p50_ms:.3f}/{result.direct_p99_ms:.3f} ms, "
         f"gateway p50/p99 {result.gateway_p50_ms:.3f}/{result.gateway_p99_ms:.3f} ms; "
-        f"streams of {result.stream_tokens} tokens)"
+        f"streams of {result.stream_tokens} tokens; connections opened while the c=256 CPU was "
+        f"measured: {result.connections_opened_c256})"
     )
     if result.tracing:
         lines.append(

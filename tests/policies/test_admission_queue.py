@@ -467,6 +467,27 @@ def test_expiry_reads_the_sorted_run_and_the_heap_together() -> None:
     assert len(queue) == 0 and queue.next_expiry() == math.inf
 
 
+def test_compaction_keeps_the_order_of_the_run_and_the_heap() -> None:
+    # arrivals in order (the run) and out of order (the heap), most of them removed: compaction
+    # drops the dead entries of both, and what is left still comes out in order
+    queue = AdmissionQueue(make_order("fcfs"))
+    arrivals = [float(i) for i in range(600)] + [i + 0.5 for i in range(0, 600, 3)]
+    for seq, arrival in enumerate(arrivals):
+        queue.push(req(seq, arrival=arrival), 700.0, CTX)
+    assert queue._order.run and queue._order.heap
+    kept = set(range(0, len(arrivals), 7))
+    for seq in range(len(arrivals)):
+        if seq not in kept:
+            assert queue.remove(f"r{seq}") is not None
+    assert queue._dead_in_heap == len(queue._order) - len(queue)
+    queue.peek(700.0, CTX)  # (a read compacts: the dead outnumber the live)
+    assert len(queue._order) == len(queue) == len(kept) and queue._dead_in_heap == 0
+    popped = []
+    while (item := queue.pop(700.0, CTX)) is not None:
+        popped.append(item.view.arrival)
+    assert popped == sorted(arrivals[seq] for seq in kept)
+
+
 def test_a_walk_starts_past_the_dead_entries_at_the_front() -> None:
     # requests that left from the front of the run (or were re-keyed into a late lane) leave dead
     # entries there until compaction (dead outnumbering live): a walk drops them first instead of
@@ -541,6 +562,9 @@ def _check_every_read(name: str, ops: list[tuple[str, int, int, int]], in_order:
                 i.seq for i in brute()[: 1 + arg % 70]
             ]
         assert len(q) == len(pushed) - len(left)
+        # (every entry of the order is a queued item's current one or counted dead: what
+        # compaction goes by)
+        assert q._dead_in_heap == len(q._order) - len(q)
         assert q.queued_prompt_tokens == sum(i.view.prompt_tokens for i in q.items())
         assert q.min_need() == min((i.view.prompt_tokens + 8 for i in q.items()), default=0)
         if q._flows is not None:
