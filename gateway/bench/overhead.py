@@ -641,7 +641,6 @@ async def _measure_paced(
     async with aiohttp.ClientSession(connector=connector, trace_configs=[opened.trace]) as session:
         url = gateway.url + "/v1/chat/completions"
         await wait_until_served(session, gateway.url, model)
-        idle, idle_kernel = await idle_rates(gateway.pid, idle_s)
 
         def request(length: int) -> tuple[bytes, dict[str, str]]:
             body = orjson.dumps(
@@ -660,8 +659,11 @@ async def _measure_paced(
         # is open and pooled before the meter starts. Warmed by 20 streams, the first measured
         # wave opened the other 180 of each, and that one-off cost (about 0.1 ms per short
         # stream) was counted as per-request CPU and taken off the per-event slope
-        progress(f"paced: warm-up, a wave of {streams} streams")
+        progress(f"paced: warm-up, {min(streams, 20)} streams, the gateway at rest, a wave of {streams}")
         body, headers = request(tokens[0])
+        # (first requests pay one-off costs; then the settled gateway's CPU at rest)
+        await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(min(streams, 20))))
+        idle, idle_kernel = await idle_rates(gateway.pid, idle_s)
         await asyncio.gather(*(traced_stream(session, url, body, headers) for _ in range(streams)))
 
         opened_before = opened.count
