@@ -38,6 +38,7 @@ root them (a LoRA adapter is served under its own model name, which is the model
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -55,8 +56,9 @@ MAX_PROMPT_CHARS = 4_000_000
 #: UTF-8 byte), whose 750K blocks took 0.3 s of the event loop to hash and record, and were more
 #: than the index's whole budget, so recording them evicted everything the engine held
 MAX_PROMPT_TOKENS = 1 << 18
-#: bytes of token arrays the per-message cache keeps (ids kept as uint16, 2 bytes a token: 16M tokens)
-MESSAGE_CACHE_BYTES = 32 << 20
+#: bytes the per-message cache keeps: the token arrays (ids kept as uint16, 2 bytes a token) and
+#: the message texts that key them (1 to 4 bytes a character, as CPython stores the string)
+MESSAGE_CACHE_BYTES = 64 << 20
 #: messages shorter than this are encoded each time (a dict entry costs more than the encoding)
 _CACHE_MIN_CHARS = 256
 
@@ -374,7 +376,9 @@ def _content_text(content: Any) -> tuple[str, bool]:
 
 class MessageTokens:
     """Rendered ChatML tokens per (role, content), least recently used first out, under a byte
-    budget. One per process (the front door's, the parse worker's). Ids are kept as uint16."""
+    budget that counts each entry's token array and its key's text (the text is the larger: a
+    budget of token bytes alone held 3 to 9 times as much). One per process (the front door's,
+    the parse worker's). Ids are kept as uint16."""
 
     def __init__(self, budget_bytes: int = MESSAGE_CACHE_BYTES) -> None:
         self.budget_bytes = budget_bytes
@@ -395,12 +399,13 @@ class MessageTokens:
             return tokens
         self.misses += 1
         tokens = self._render(role, content)
-        if tokens.nbytes <= self.budget_bytes // 4:
+        size = _entry_bytes(content, tokens)
+        if size <= self.budget_bytes // 4:
             self._entries[key] = tokens
-            self.bytes += tokens.nbytes
+            self.bytes += size
             while self.bytes > self.budget_bytes:
-                _, old = self._entries.popitem(last=False)
-                self.bytes -= old.nbytes
+                (_, text), old = self._entries.popitem(last=False)
+                self.bytes -= _entry_bytes(text, old)
         return tokens
 
     @staticmethod
@@ -410,6 +415,12 @@ class MessageTokens:
         _encode_text(parts, f"{role}\n{content}")
         parts.append(_IM_END_NL)
         return np.concatenate(parts)
+
+
+def _entry_bytes(content: str, tokens: U16Array) -> int:
+    """What one cache entry holds: its token ids and its key's text (the role is a short,
+    shared string)."""
+    return tokens.nbytes + sys.getsizeof(content)
 
 
 _MESSAGES = MessageTokens()

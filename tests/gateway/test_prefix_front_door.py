@@ -6,6 +6,7 @@ history, and says so in ``x-slogate-decision`` when asked."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Iterator
 
@@ -83,6 +84,19 @@ def test_the_cache_stays_within_its_budget() -> None:
     for i in range(50):
         chat_token_ids([{"role": "user", "content": english_text(2_000, seed=i)}], cache)
     assert 0 < cache.bytes <= 64_000
+
+
+def test_the_cache_budget_counts_the_texts_that_key_it() -> None:
+    # the key (the message's text) is most of what an entry holds: 1 byte a character for ASCII,
+    # 2 for CJK, against about half a byte a character of uint16 token ids. Counting the token
+    # arrays alone, the cache held several times its budget
+    for text in (english_text(3_000, seed=1), "漢字かな交じり文の例です。" * 300):
+        cache = MessageTokens(budget_bytes=200_000)
+        for i in range(100):
+            chat_token_ids([{"role": "user", "content": f"{i} {text}"}], cache)
+        held = sum(tokens.nbytes + sys.getsizeof(content) for (_, content), tokens in cache._entries.items())
+        assert 0 < held <= 200_000
+        assert cache.bytes == held
 
 
 def test_prompt_ids_of_each_request_kind() -> None:
