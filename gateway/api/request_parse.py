@@ -21,6 +21,7 @@ from typing import Any, Literal
 import orjson
 
 from gateway.api.errors import GatewayError, bad_request
+from gateway.fleet.prompt_key import truncation
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
 from policies.migration import batched_prompts, more_than_one
 
@@ -254,6 +255,11 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
     if kind == "embeddings":
         return ParsedRequest(kind, raw, body, model, False, False, 0, _embedding_input_tokens(body), priority)
     prompt_tokens = _chat_prompt_tokens(body) if kind == "chat" else _completion_prompt_tokens(body)
+    prompts = batched_prompts(body.get("prompt")) if kind == "completions" else 1
+    keep = truncation(body)
+    if keep is not None:
+        # the engine keeps only each prompt's last ``keep`` tokens: that is what it prefills
+        prompt_tokens = min(prompt_tokens, keep * max(1, prompts))
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     if max_tokens is None and kind == "completions":
         # a completion without a bound gets the API's default, not the gateway's (placement,
@@ -272,6 +278,6 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         priority,
         user=_text_field(body, "user"),
         cache_salt=_text_field(body, "cache_salt"),
-        prompts=batched_prompts(body.get("prompt")) if kind == "completions" else 1,
+        prompts=prompts,
         n=_count(body.get("n")),
     )

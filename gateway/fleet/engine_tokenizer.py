@@ -62,7 +62,7 @@ import numpy as np
 
 from gateway import metrics
 from gateway.fleet.block_hash import U64Array
-from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, prompt_token_ids
+from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, left_truncated, prompt_token_ids
 
 log = logging.getLogger("slogate.fleet")
 
@@ -355,7 +355,7 @@ class EngineTokenizer:
                     "engine tokenizer %s panicked (%s); the request is not keyed", self.directory, exc
                 )
             return None
-        return tokens if tokens is not None and len(tokens) else None
+        return left_truncated(tokens, body) if tokens is not None and len(tokens) else None
 
 
 def _message(message: Any, openai_format: bool, developer: bool) -> dict[str, Any]:

@@ -467,24 +467,42 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
     return _joined(parts)
 
 
+def truncation(body: Mapping[str, Any]) -> int | None:
+    """The body's ``truncate_prompt_tokens`` when it asks the engine to keep only the last k >= 1
+    tokens of the prompt (vLLM's left truncation), else None (absent, -1 for the model's own
+    limit, which the gateway does not know, or not a count: the engine judges that)."""
+    k = body.get("truncate_prompt_tokens")
+    return k if type(k) is int and k >= 1 else None
+
+
+def left_truncated(tokens: U64Array | None, body: Mapping[str, Any]) -> U64Array | None:
+    """``tokens`` as the engine keeps them under the body's ``truncate_prompt_tokens``: its
+    cache then holds blocks of the last k tokens, not of the prompt's start."""
+    k = truncation(body)
+    if tokens is None or k is None or len(tokens) <= k:
+        return tokens
+    return tokens[len(tokens) - k :]
+
+
 def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
     """Token ids of a chat or completions request's prompt (the first prompt of a batch of
-    them); None for other requests or a prompt the gateway cannot tokenize."""
+    them), as the engine keeps them (:func:`left_truncated`); None for other requests or a
+    prompt the gateway cannot tokenize."""
     try:
         if kind == "chat":
             messages = body.get("messages")
             if isinstance(messages, list) and messages:
                 tokens = chat_token_ids(messages)
-                return tokens if len(tokens) else None
+                return left_truncated(tokens, body) if len(tokens) else None
             return None
         if kind == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return encode_array(prompt[:MAX_PROMPT_CHARS]) if prompt else None
+                return left_truncated(encode_array(prompt[:MAX_PROMPT_CHARS]), body) if prompt else None
             if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt[:4]):
-                return np.array(prompt, dtype=np.uint64)
+                return left_truncated(np.array(prompt, dtype=np.uint64), body)
     except (UnicodeEncodeError, ValueError, TypeError, OverflowError):
         return None
     return None

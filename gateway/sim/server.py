@@ -447,6 +447,11 @@ class SimServer:
         if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         prompts = self._prompts(kind, body)
+        keep = body.get("truncate_prompt_tokens")
+        if keep is not None:
+            # left truncation, as vLLM: the last k tokens are what is prefilled and cached
+            keep = self.profile.max_model_len if keep == -1 else keep
+            prompts = [prompt[-keep:] if keep > 0 else prompt for prompt in prompts]
         max_tokens = [self._limits(kind, body, len(prompt)) for prompt in prompts]
         for prompt in prompts:  # (after the lengths, as vLLM)
             if not 0 <= min(prompt) <= max(prompt) < VOCAB_SIZE:

@@ -232,6 +232,8 @@ _SAMPLING: dict[str, Check] = {
     "ignore_eos": boolean,
     "return_token_ids": boolean,
     "user": string,
+    # keep only the prompt's last k tokens (-1: the model's own limit), as vLLM does
+    "truncate_prompt_tokens": integer(-1),
 }
 
 FIELDS: Mapping[str, Mapping[str, Check]] = {

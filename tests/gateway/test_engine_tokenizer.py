@@ -180,6 +180,14 @@ def test_completions_prompts(chatml_dir: Path) -> None:
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [text, "other"]})) == with_bos
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [[8, 9], [1]]})) == [8, 9]
+    # truncate_prompt_tokens: the engine keeps the last k tokens, and so does the key
+    assert (
+        _ids(tok.prompt_token_ids("completions", {"prompt": text, "truncate_prompt_tokens": 5}))
+        == with_bos[-5:]
+    )
+    chat = {"messages": [{"role": "user", "content": text}]}
+    whole = _ids(tok.prompt_token_ids("chat", chat))
+    assert _ids(tok.prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 9})) == whole[-9:]
 
 
 # -- what it does not reproduce ----------------------------------------------------------------

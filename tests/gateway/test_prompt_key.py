@@ -255,3 +255,23 @@ def test_a_chat_with_an_image_is_not_keyed() -> None:
     keyed = prompt_token_ids("chat", text)
     plain = prompt_token_ids("chat", {"messages": [{"role": "user", "content": "hi there"}]})
     assert keyed is not None and plain is not None and keyed.tolist() == plain.tolist()
+
+
+def test_a_truncated_prompt_is_keyed_by_the_tokens_the_engine_keeps() -> None:
+    # vLLM's truncate_prompt_tokens keeps a prompt's last k tokens: the blocks it caches are of
+    # those, and a key of the whole prompt would match none of them
+    chat = {"messages": [{"role": "user", "content": "a long enough prompt " * 40}]}
+    whole = prompt_token_ids("chat", chat)
+    assert whole is not None and len(whole) > 20
+    kept = prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 20})
+    assert kept is not None and kept.tolist() == whole.tolist()[-20:]
+    last = prompt_token_ids("completions", {"prompt": list(range(1, 50)), "truncate_prompt_tokens": 3})
+    assert last is not None and last.tolist() == [47, 48, 49]
+    text = {"prompt": "once upon a time " * 30, "truncate_prompt_tokens": 4}
+    full = prompt_token_ids("completions", {"prompt": text["prompt"]})
+    tail = prompt_token_ids("completions", text)
+    assert full is not None and tail is not None and tail.tolist() == full.tolist()[-4:]
+    # -1 (the model's own limit, unknown here), 0, a string, a bool, or more than the prompt: as is
+    for value in (-1, 0, "20", True, 10_000):
+        same = prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": value})
+        assert same is not None and same.tolist() == whole.tolist()

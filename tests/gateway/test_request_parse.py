@@ -257,3 +257,20 @@ def test_a_long_prompt_array_with_an_element_of_another_type_is_a_400_or_counted
         assert error.status == 400 and error.param == "prompt"
     else:
         assert parsed.prompt_tokens >= 1
+
+
+def test_a_truncated_prompt_is_estimated_as_the_tokens_the_engine_keeps() -> None:
+    # the engine prefills only the last truncate_prompt_tokens tokens of each prompt: placement
+    # and the latency models must not plan for the whole prompt
+    long_text = "word " * 4_000
+    chat = {"model": "m", "messages": [{"role": "user", "content": long_text}]}
+    whole = parse_request("chat", orjson.dumps(chat), 16).prompt_tokens
+    assert whole > 1_000
+    assert (
+        parse_request("chat", orjson.dumps({**chat, "truncate_prompt_tokens": 100}), 16).prompt_tokens == 100
+    )
+    batch = {"model": "m", "prompt": [long_text, long_text], "truncate_prompt_tokens": 50}
+    assert parse_request("completions", orjson.dumps(batch), 16).prompt_tokens == 100
+    for value in (-1, 0, "100", None):
+        same = parse_request("chat", orjson.dumps({**chat, "truncate_prompt_tokens": value}), 16)
+        assert same.prompt_tokens == whole

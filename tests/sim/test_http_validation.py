@@ -100,6 +100,8 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         {"messages": USER, "stream": True, "stream_options": {"include_usage": "yes"}},
         "stream_options",
     ),
+    ("chat", {"messages": USER, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("completion", {"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
 ]
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
@@ -201,3 +203,17 @@ async def test_the_side_routes_answer_bad_input_with_a_400(engine: SimProcess, p
         status, answer = r.status, await r.json(content_type=None)
     assert status == 400, answer
     assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(engine: SimProcess) -> None:
+    # as vLLM: the last k tokens are prefilled (usage counts them); -1 is the model's own limit
+    long = [{"role": "user", "content": "a prompt of many words " * 20}]
+    status, whole = await post(engine.url + ROUTES["chat"], {"max_tokens": 2, "messages": long})
+    assert status == 200 and whole["usage"]["prompt_tokens"] > 10
+    for keep, expected in ((7, 7), (-1, whole["usage"]["prompt_tokens"])):
+        body = {"max_tokens": 2, "messages": long, "truncate_prompt_tokens": keep}
+        status, answer = await post(engine.url + ROUTES["chat"], body)
+        assert status == 200 and answer["usage"]["prompt_tokens"] == expected, answer
+    body = {"max_tokens": 2, "prompt": list(range(1, 40)), "truncate_prompt_tokens": 5}
+    status, answer = await post(engine.url + ROUTES["completion"], body)
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 5, answer
