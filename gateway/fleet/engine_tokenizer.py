@@ -309,8 +309,15 @@ class EngineTokenizer:
             raise Unkeyable("a request's own chat template or a continued final message")
         add_generation_prompt = body.get("add_generation_prompt", True)
         kwargs = body.get("chat_template_kwargs")
-        if not isinstance(add_generation_prompt, bool) or not isinstance(kwargs, Mapping | None):
-            raise Unkeyable("add_generation_prompt or chat_template_kwargs of the wrong type")
+        # (vLLM's chat default: the template carries the special tokens; true adds the
+        # tokenizer's own, a BOS on top of the template's, as the engine then does)
+        add_special = body.get("add_special_tokens", False)
+        if (
+            not isinstance(add_generation_prompt, bool)
+            or not isinstance(kwargs, Mapping | None)
+            or not isinstance(add_special, bool)
+        ):
+            raise Unkeyable("add_generation_prompt, add_special_tokens or chat_template_kwargs: wrong type")
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -318,7 +325,7 @@ class EngineTokenizer:
             documents=body.get("documents"),
             template_kwargs=kwargs,
         )
-        return self.encode(text[:MAX_PROMPT_CHARS], add_special_tokens=False)
+        return self.encode(text[:MAX_PROMPT_CHARS], add_special_tokens=add_special)
 
     def completion_token_ids(self, body: Mapping[str, Any]) -> U64Array | None:
         prompt = body.get("prompt")

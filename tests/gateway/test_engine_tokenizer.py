@@ -188,6 +188,12 @@ def test_completions_prompts(chatml_dir: Path) -> None:
     chat = {"messages": [{"role": "user", "content": text}]}
     whole = _ids(tok.prompt_token_ids("chat", chat))
     assert _ids(tok.prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 9})) == whole[-9:]
+    # a chat's add_special_tokens (false by default in vLLM's chat API): true adds the BOS the
+    # tokenizer's post-processor puts first, on top of the template's tokens
+    bos = Tokenizer.from_file(str(chatml_dir / "tokenizer.json")).token_to_id("<s>")
+    assert _ids(tok.prompt_token_ids("chat", {**chat, "add_special_tokens": True})) == [bos, *whole]
+    assert _ids(tok.prompt_token_ids("chat", {**chat, "add_special_tokens": False})) == whole
+    assert tok.prompt_token_ids("chat", {**chat, "add_special_tokens": "yes"}) is None
 
 
 # -- what it does not reproduce ----------------------------------------------------------------
