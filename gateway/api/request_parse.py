@@ -21,7 +21,6 @@ from typing import Any, Literal
 import orjson
 
 from gateway.api.errors import GatewayError, bad_request
-from gateway.fleet.prompt_key import truncation
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
 from policies.migration import batched_prompts, more_than_one
 
@@ -126,6 +125,17 @@ def parse_summary(
 
         summary.prompt_ids = engine_prompt_token_ids(kind, request.body, request.model, engine_tokenizers)
     return summary
+
+
+def truncation(body: Mapping[str, Any]) -> int | None:
+    """The body's ``truncate_prompt_tokens`` when it asks the engine to keep only each prompt's
+    last k >= 1 tokens (vLLM's left truncation; a whole float counts, as the engine's JSON model
+    reads it), else None: absent, -1 for the model's own limit (which the gateway does not know),
+    or not a count (the engine judges that)."""
+    k = body.get("truncate_prompt_tokens")
+    if isinstance(k, float) and k.is_integer():
+        k = int(k)
+    return k if type(k) is int and k >= 1 else None
 
 
 def _text_field(body: dict[str, Any], key: str) -> str | None:

@@ -47,6 +47,7 @@ other error: the request is routed without a prefix match.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from gateway import metrics
+from gateway.api.request_parse import truncation
 from gateway.fleet.block_hash import U64Array
 from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, left_truncated, prompt_token_ids
 
@@ -300,7 +302,7 @@ class EngineTokenizer:
 
     # -- a request's prompt ----------------------------------------------------------------------
 
-    def chat_token_ids(self, body: Mapping[str, Any]) -> U64Array:
+    def chat_token_ids(self, body: Mapping[str, Any]) -> U64Array | None:
         """The chat's prompt ids as vLLM computes them (raises for what it cannot reproduce)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -325,7 +327,7 @@ class EngineTokenizer:
             documents=body.get("documents"),
             template_kwargs=kwargs,
         )
-        return self.encode(text[:MAX_PROMPT_CHARS], add_special_tokens=add_special)
+        return self._truncated(text, add_special, body)
 
     def completion_token_ids(self, body: Mapping[str, Any]) -> U64Array | None:
         prompt = body.get("prompt")
@@ -335,10 +337,29 @@ class EngineTokenizer:
             add_special = body.get("add_special_tokens", True)
             if not isinstance(add_special, bool):
                 raise Unkeyable("add_special_tokens must be a boolean")
-            return self.encode(prompt[:MAX_PROMPT_CHARS], add_special_tokens=add_special) if prompt else None
+            return self._truncated(prompt, add_special, body) if prompt else None
         if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt[:4]):
-            return np.array(prompt, dtype=np.uint64)
+            return left_truncated(np.array(prompt, dtype=np.uint64), body)
         return None
+
+    def _truncated(self, text: str, add_special: bool, body: Mapping[str, Any]) -> U64Array | None:
+        """``text`` encoded as the engine keeps it under the body's ``truncate_prompt_tokens``.
+        vLLM truncates inside the tokenizer call, the special tokens it adds (a BOS) counted in
+        the k and kept: the last k tokens of the encoding are not that, so such a prompt is not
+        keyed; nor is one keyed by its start only (past :data:`MAX_PROMPT_CHARS`)."""
+        tokens = self.encode(text[:MAX_PROMPT_CHARS], add_special_tokens=add_special)
+        if truncation(body) is None:
+            return tokens
+        if add_special and self.adds_special_tokens:
+            raise Unkeyable("truncate_prompt_tokens with special tokens the tokenizer adds")
+        return left_truncated(tokens, body, capped=len(text) > MAX_PROMPT_CHARS)
+
+    @functools.cached_property
+    def adds_special_tokens(self) -> bool:
+        """Whether encoding with special tokens adds any (a BOS, an EOS) to a text's own."""
+        return len(self.encode("a", add_special_tokens=True)) != len(
+            self.encode("a", add_special_tokens=False)
+        )
 
     def prompt_token_ids(self, kind: str, body: Mapping[str, Any]) -> U64Array | None:
         """Token ids of a chat or completions request's prompt as vLLM tokenizes it; None for
@@ -362,7 +383,7 @@ class EngineTokenizer:
                     "engine tokenizer %s panicked (%s); the request is not keyed", self.directory, exc
                 )
             return None
-        return left_truncated(tokens, body) if tokens is not None and len(tokens) else None
+        return tokens if tokens is not None and len(tokens) else None
 
 
 def _message(message: Any, openai_format: bool, developer: bool) -> dict[str, Any]:

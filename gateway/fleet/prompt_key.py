@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gateway.api.request_parse import truncation
 from gateway.fleet.block_hash import PromptBlocks, U64Array, root_key
 from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode
 
@@ -385,27 +386,30 @@ class MessageTokens:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[tuple[str, str], U16Array] = OrderedDict()
+        #: (role, content) -> (token ids, the bytes the entry was counted at)
+        self._entries: OrderedDict[tuple[str, str], tuple[U16Array, int]] = OrderedDict()
 
     def message(self, role: str, content: str) -> U16Array:
         """``<|im_start|>role\\ncontent<|im_end|>\\n`` as token ids."""
         if len(content) < _CACHE_MIN_CHARS:
             return self._render(role, content)
         key = (role, content)
-        tokens = self._entries.get(key)
-        if tokens is not None:
+        held = self._entries.get(key)
+        if held is not None:
             self.hits += 1
             self._entries.move_to_end(key)
-            return tokens
+            return held[0]
         self.misses += 1
         tokens = self._render(role, content)
-        size = _entry_bytes(content, tokens)
+        # (counted now and taken back as counted: a string's size grows once something asks for
+        # its UTF-8 form, as orjson does when the body is sent on)
+        size = tokens.nbytes + sys.getsizeof(content)
         if size <= self.budget_bytes // 4:
-            self._entries[key] = tokens
+            self._entries[key] = (tokens, size)
             self.bytes += size
             while self.bytes > self.budget_bytes:
-                (_, text), old = self._entries.popitem(last=False)
-                self.bytes -= _entry_bytes(text, old)
+                _, (_, old_size) = self._entries.popitem(last=False)
+                self.bytes -= old_size
         return tokens
 
     @staticmethod
@@ -415,12 +419,6 @@ class MessageTokens:
         _encode_text(parts, f"{role}\n{content}")
         parts.append(_IM_END_NL)
         return np.concatenate(parts)
-
-
-def _entry_bytes(content: str, tokens: U16Array) -> int:
-    """What one cache entry holds: its token ids and its key's text (the role is a short,
-    shared string)."""
-    return tokens.nbytes + sys.getsizeof(content)
 
 
 _MESSAGES = MessageTokens()
@@ -467,21 +465,29 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
     return _joined(parts)
 
 
-def truncation(body: Mapping[str, Any]) -> int | None:
-    """The body's ``truncate_prompt_tokens`` when it asks the engine to keep only the last k >= 1
-    tokens of the prompt (vLLM's left truncation), else None (absent, -1 for the model's own
-    limit, which the gateway does not know, or not a count: the engine judges that)."""
-    k = body.get("truncate_prompt_tokens")
-    return k if type(k) is int and k >= 1 else None
-
-
-def left_truncated(tokens: U64Array | None, body: Mapping[str, Any]) -> U64Array | None:
+def left_truncated(tokens: U64Array | None, body: Mapping[str, Any], capped: bool = False) -> U64Array | None:
     """``tokens`` as the engine keeps them under the body's ``truncate_prompt_tokens``: its
-    cache then holds blocks of the last k tokens, not of the prompt's start."""
+    cache then holds blocks of the last k tokens, not of the prompt's start. None when the
+    prompt was ``capped`` (keyed by its first :data:`MAX_PROMPT_CHARS` characters only): the
+    tokens the engine keeps are not among those."""
     k = truncation(body)
-    if tokens is None or k is None or len(tokens) <= k:
+    if tokens is None or k is None:
         return tokens
-    return tokens[len(tokens) - k :]
+    if capped:
+        return None
+    return tokens if len(tokens) <= k else tokens[len(tokens) - k :]
+
+
+def _chat_capped(messages: Sequence[Any], body: Mapping[str, Any]) -> bool:
+    """Whether the chat's text passes :data:`MAX_PROMPT_CHARS` (keyed by its start only); read
+    only when the body asks for truncation."""
+    if truncation(body) is None:
+        return False
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        total += len(content) if isinstance(content, str) else len(str(content))
+    return total > MAX_PROMPT_CHARS
 
 
 def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
@@ -493,14 +499,17 @@ def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
             messages = body.get("messages")
             if isinstance(messages, list) and messages:
                 tokens = chat_token_ids(messages)
-                return left_truncated(tokens, body) if len(tokens) else None
+                return left_truncated(tokens, body, _chat_capped(messages, body)) if len(tokens) else None
             return None
         if kind == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return left_truncated(encode_array(prompt[:MAX_PROMPT_CHARS]), body) if prompt else None
+                capped = len(prompt) > MAX_PROMPT_CHARS
+                return (
+                    left_truncated(encode_array(prompt[:MAX_PROMPT_CHARS]), body, capped) if prompt else None
+                )
             if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt[:4]):
                 return left_truncated(np.array(prompt, dtype=np.uint64), body)
     except (UnicodeEncodeError, ValueError, TypeError, OverflowError):

@@ -450,7 +450,15 @@ class SimServer:
         keep = body.get("truncate_prompt_tokens")
         if keep is not None:
             # left truncation, as vLLM: the last k tokens are what is prefilled and cached
-            keep = self.profile.max_model_len if keep == -1 else keep
+            max_len = self.profile.max_model_len
+            if keep > max_len:
+                raise BadRequest(
+                    400,
+                    f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_len}). "
+                    "Please request a smaller truncation size.",
+                    "truncate_prompt_tokens",
+                )
+            keep = max_len if keep == -1 else keep
             prompts = [prompt[-keep:] if keep > 0 else prompt for prompt in prompts]
         max_tokens = [self._limits(kind, body, len(prompt)) for prompt in prompts]
         for prompt in prompts:  # (after the lengths, as vLLM)

@@ -175,16 +175,20 @@ def test_completions_prompts(chatml_dir: Path) -> None:
     assert with_bos == _encode(chatml_dir, text, special=True)
     assert with_bos[0] == Tokenizer.from_file(str(chatml_dir / "tokenizer.json")).token_to_id("<s>")
     plain = {"prompt": text, "add_special_tokens": False}
-    assert _ids(tok.prompt_token_ids("completions", plain)) == _encode(chatml_dir, text)
+    plain_ids = _encode(chatml_dir, text)
+    assert _ids(tok.prompt_token_ids("completions", plain)) == plain_ids
     # a batch is keyed by its first prompt; token ids are taken as they are
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [text, "other"]})) == with_bos
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [5, 6, 7]})) == [5, 6, 7]
     assert _ids(tok.prompt_token_ids("completions", {"prompt": [[8, 9], [1]]})) == [8, 9]
-    # truncate_prompt_tokens: the engine keeps the last k tokens, and so does the key
-    assert (
-        _ids(tok.prompt_token_ids("completions", {"prompt": text, "truncate_prompt_tokens": 5}))
-        == with_bos[-5:]
-    )
+    # truncate_prompt_tokens: the engine keeps the last k tokens, and so does the key; vLLM
+    # truncates inside the tokenizer, its BOS counted in the k and kept, which the last k of
+    # the encoding are not: such a prompt is not keyed
+    cut = {"prompt": text, "truncate_prompt_tokens": 5}
+    assert tok.prompt_token_ids("completions", cut) is None
+    assert _ids(tok.prompt_token_ids("completions", {**cut, "add_special_tokens": False})) == plain_ids[-5:]
+    ids = {"prompt": list(range(1, 9)), "truncate_prompt_tokens": 2}
+    assert _ids(tok.prompt_token_ids("completions", ids)) == [7, 8]
     chat = {"messages": [{"role": "user", "content": text}]}
     whole = _ids(tok.prompt_token_ids("chat", chat))
     assert _ids(tok.prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 9})) == whole[-9:]
@@ -194,6 +198,8 @@ def test_completions_prompts(chatml_dir: Path) -> None:
     assert _ids(tok.prompt_token_ids("chat", {**chat, "add_special_tokens": True})) == [bos, *whole]
     assert _ids(tok.prompt_token_ids("chat", {**chat, "add_special_tokens": False})) == whole
     assert tok.prompt_token_ids("chat", {**chat, "add_special_tokens": "yes"}) is None
+    cut_chat = {**chat, "add_special_tokens": True, "truncate_prompt_tokens": 9}
+    assert tok.prompt_token_ids("chat", cut_chat) is None
 
 
 # -- what it does not reproduce ----------------------------------------------------------------

@@ -275,3 +275,12 @@ def test_a_truncated_prompt_is_keyed_by_the_tokens_the_engine_keeps() -> None:
     for value in (-1, 0, "20", True, 10_000):
         same = prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": value})
         assert same is not None and same.tolist() == whole.tolist()
+    # a whole float is a count, as the engine's JSON model reads it
+    floated = prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 20.0})
+    assert floated is not None and floated.tolist() == whole.tolist()[-20:]
+    # a prompt keyed by its start only (past MAX_PROMPT_CHARS) is not keyed when truncated: the
+    # engine keeps its end, which the key never read
+    with mock.patch.object(prompt_key, "MAX_PROMPT_CHARS", 50):
+        assert prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 20}) is None
+        assert prompt_token_ids("completions", {"prompt": "x " * 60, "truncate_prompt_tokens": 5}) is None
+        assert prompt_token_ids("completions", {"prompt": "x " * 60}) is not None

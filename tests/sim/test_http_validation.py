@@ -101,7 +101,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
         "stream_options",
     ),
     ("chat", {"messages": USER, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
-    ("completion", {"prompt": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ("completion", {"prompt": "x", "truncate_prompt_tokens": 10**9}, "truncate_prompt_tokens"),
 ]
 
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
