@@ -269,7 +269,12 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
     keep = truncation(body)
     if keep is not None:
         # the engine keeps only each prompt's last ``keep`` tokens: that is what it prefills
-        prompt_tokens = min(prompt_tokens, keep * max(1, prompts))
+        # (exact for a batch of token-id lists, whose lengths are known; a bound otherwise)
+        prompt = body.get("prompt")
+        if kind == "completions" and isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt_tokens = sum(min(len(p), keep) for p in prompt)
+        else:
+            prompt_tokens = min(prompt_tokens, keep * max(1, prompts))
     max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     if max_tokens is None and kind == "completions":
         # a completion without a bound gets the API's default, not the gateway's (placement,

@@ -271,6 +271,8 @@ def test_a_truncated_prompt_is_estimated_as_the_tokens_the_engine_keeps() -> Non
     )
     batch = {"model": "m", "prompt": [long_text, long_text], "truncate_prompt_tokens": 50}
     assert parse_request("completions", orjson.dumps(batch), 16).prompt_tokens == 100
+    ids = {"model": "m", "prompt": [list(range(1, 1000)), [1, 2, 3]], "truncate_prompt_tokens": 50}
+    assert parse_request("completions", orjson.dumps(ids), 16).prompt_tokens == 53  # (50 + 3)
     for value in (-1, 0, "100", None):
         same = parse_request("chat", orjson.dumps({**chat, "truncate_prompt_tokens": value}), 16)
         assert same.prompt_tokens == whole
