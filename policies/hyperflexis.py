@@ -710,10 +710,42 @@ def _fill_worker(
     # only when a candidate is admitted or missed or the budget is first set, so it is evaluated
     # there and tested before the next candidate: most candidates are turned down for slack.
     done = free_seqs <= 0 or kv_left <= 0 or (took and (kv_left < queue_min_need or scan_after_admit <= 0))
+    # Under saturation most candidates a look reads are capacity misses (their KV or prompt does
+    # not fit what is left): with no adapters and no prefix lookup those are skipped by a tight
+    # loop that makes only the tests the full ones below make before the capacity test (classes,
+    # the lane), in the same order and with the same arithmetic; anything else goes to the full
+    # tests. (A worker running more than one TPOT class reads every candidate's class.)
+    mixed_classes = segregate and tpot_hi > ratio * tpot_lo
+    tight = TIGHT_SCAN and not adapters_held and cached is None and not mixed_classes
+    lo = ratio * tpot_lo
     i = 0
     while i < len(items) or grow():
         if done:
             break  # nothing more can fit this turn: the rest of the scan would be wasted
+        if tight and budget_left is not None:
+            end = len(items)
+            while i < end:
+                item = items[i]
+                view = item.view
+                prompt = view.prompt_tokens
+                if not ((prompt > budget_left and took) or prompt + view.max_output_tokens > kv_left):
+                    break
+                its_tpot = item.tpot_slo
+                if segregate and (its_tpot > lo or tpot_hi > ratio * its_tpot):
+                    break
+                if lane is not None and now > view.arrival + item.ttft_slo - (
+                    lane_base + (prompt if prompt > 0 else 0) / lane_rate
+                ):
+                    break
+                i += 1
+                misses += 1
+                if took and misses >= scan_after_admit:
+                    done = True
+                    break
+            if done:
+                break
+            if i == end:
+                continue  # (the next chunk, if any)
         item = items[i]
         i += 1
         if budget_left is None:
@@ -1006,6 +1038,9 @@ def _budget_left(
 #: :func:`dispatch` decides one arrival for one worker by :func:`_alone` (tests compare it with
 #: the whole algorithm by turning this off)
 ALONE_SHORTCUT = True
+#: :func:`_fill_worker` skips capacity misses by its tight loop (tests compare it with the full
+#: tests by turning this off)
+TIGHT_SCAN = True
 
 
 def _alone(

@@ -972,11 +972,19 @@ class DispatchCore:
 
     def _drained(self, item: QueuedRequest, now: float) -> None:
         """A request leaves the queue for an engine: its band's drain rate counts its service."""
-        rates = self._band_rates.get(item.view.model)
-        if rates is not None:
-            view = item.view
+        view = item.view
+        rates = self._band_rates.get(view.model)
+        if rates is None:
+            return
+        ctx = self.context(view.model, now)
+        # the plan's row of it has both, under a standing queue (its last use: dropped here)
+        rows = self._plan_rows.get(view.model)
+        row = None if rows is None else rows.pop(view.request_id, None)
+        if row is not None and row[0] == item.seq and row[2] is ctx:
+            rates.dispatched(row[1], row[3][2])
+        else:
             band = band_of(view.priority, item.ttft_slo, item.tpot_slo)
-            rates.dispatched(band, marginal_service_s(view, self.context(view.model, now)))
+            rates.dispatched(band, marginal_service_s(view, ctx))
 
     def _adapters_held(self, model: str) -> frozenset[str]:
         """The model's LoRA adapters loaded on an engine in rotation, when the profile sends an

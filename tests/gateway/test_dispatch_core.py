@@ -1279,6 +1279,29 @@ def test_a_sliced_demotion_plan_forgets_requests_that_left_and_a_failed_one_is_d
     assert "a" not in core._demote_plans
 
 
+def test_a_dispatched_request_drains_its_band_alike_from_its_plan_row_or_without() -> None:
+    """A request leaving the queue credits its band's drain with its engine time: read from the
+    row the plans kept of it (and the row dropped), or computed afresh, the same figures."""
+    from policies.demotion import band_of
+
+    with_rows, *_ = _overload_demotion_run()
+    without, *_ = _overload_demotion_run()
+    without._plan_rows.clear()
+    leaving = [item.view.request_id for item in with_rows.queues["a"].items()][:40]
+    assert all(rid in with_rows._plan_rows["a"] for rid in leaving)
+    for core in (with_rows, without):
+        rates = core._band_rates["a"]
+        items = [core.queues["a"].get(rid) for rid in leaving]
+        rates._waiting = frozenset(band_of(i.view.priority, i.ttft_slo, i.tpot_slo) for i in items if i)
+        rates._served = {}
+        for item in items:
+            assert item is not None
+            core._drained(item, 8.0)
+    served = with_rows._band_rates["a"]._served
+    assert served and served == without._band_rates["a"]._served
+    assert not any(rid in with_rows._plan_rows["a"] for rid in leaving)  # (read from the rows)
+
+
 def test_a_plan_reuses_what_it_computed_for_each_waiting_request_and_decides_the_same(monkeypatch) -> None:
     """What does not change while a request waits (its band, rank, last feasible start and engine
     time under one context) is computed once (at 10,000 queued that was most of every plan): rows

@@ -790,3 +790,103 @@ def test_the_shortcut_takes_the_common_cases_of_low_load() -> None:
         decision = _alone(item, w, now, params, 2.0, None, 0, None, frozenset())
         assert decision is not None and decision == _decided_alike(item, w, now, params, 2.0, None, 0)
         assert [(a.request_id, a.feasible) for a in decision.assignments] == [("r", True)]
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    queue=st.lists(
+        st.tuples(
+            st.integers(0, 600),  # prompt
+            st.sampled_from([0, 50, 400]),  # output bound
+            st.floats(0.0, 1.5),  # waited, as a share of its TTFT target
+            st.sampled_from([0.02, 0.1, 0.5]),  # TPOT target
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    workers=st.lists(
+        st.tuples(
+            st.sampled_from([0, 150, 400, 900, 1 << 20]),  # free KV
+            st.sampled_from([1, 2, 8, 256]),  # seats
+            st.lists(
+                st.tuples(st.integers(10, 600), st.sampled_from([0.02, 0.1, 0.5]), st.booleans()), max_size=4
+            ),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    theta=st.sampled_from([0.0, 0.5, 0.9]),
+    segregation=st.booleans(),
+    lane=st.booleans(),
+    scan_after=st.sampled_from([0, 1, 4, 16]),
+    min_need=st.sampled_from([0, 100, 300]),
+    tightest=st.sampled_from([0.2, 5.0, math.inf]),
+)
+def test_the_tight_scan_decides_as_the_full_tests(
+    queue: list[tuple[int, int, float, float]],
+    workers: list[tuple[int, int, list[tuple[int, float, bool]]]],
+    theta: float,
+    segregation: bool,
+    lane: bool,
+    scan_after: int,
+    min_need: int,
+    tightest: float,
+) -> None:
+    """The tight loop that skips capacity misses must leave every decision as the full tests
+    make it: assignments, maturity, the workers it calls full, wake time, prefill and budget."""
+    from policies import hyperflexis
+
+    now = 100.0
+    ttft = 1.0
+    items = [
+        QueuedRequest(
+            view=RequestView(f"r{i}", "m", prompt, out, arrival=now - waited * ttft),
+            ttft_slo=ttft,
+            tpot_slo=tpot,
+            seq=i,
+        )
+        for i, (prompt, out, waited, tpot) in enumerate(queue)
+    ]
+    prefill = (0.01, 2e-4, 1e-8)
+    views = [
+        WorkerView(
+            f"w{i}",
+            prefill,
+            (0.01, 1e-6, 1e-4),
+            running=tuple(RunningRequest(p, 5, t, done) for p, t, done in running),
+            free_kv_tokens=kv,
+            max_num_seqs=seats,
+            maturity=now - 0.01 * i,
+        )
+        for i, (kv, seats, running) in enumerate(workers)
+    ]
+    params = HyperFlexisParams(theta=theta, tpot_segregation=segregation, scan_after_admit=scan_after)
+    late_last = (
+        OrderContext(prefill_tokens_per_s=1 / 2e-4, decode_step_s=0.01, prefill_base_s=0.01) if lane else None
+    )
+    classes = {"w0": (0.1, 1 << 20), "w1": (0.02, 1 << 20), "other": (0.5, 1 << 20)}
+
+    def decided() -> str:
+        return repr(
+            dispatch(
+                list(items),
+                views,
+                now,
+                params,
+                tightest,
+                late_last,
+                min_need,
+                None,
+                None,
+                frozenset(),
+                lambda: classes,
+            )
+        )
+
+    tight = decided()
+    hyperflexis.TIGHT_SCAN = False
+    try:
+        full = decided()
+    finally:
+        hyperflexis.TIGHT_SCAN = True
+    assert tight == full
