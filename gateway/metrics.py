@@ -251,7 +251,8 @@ PD_REQUESTS = Counter(
     "slogate_pd_requests",
     "Requests of models served by prefill and decode engines, by path: disaggregated (prefill "
     "engine, then decode engine), collocated (whole on a collocated engine of the front pool), "
-    "whole_on_decode (short prompt, n > 1, embeddings, or mode never), fallback (every prefill "
+    "whole_on_prefill (embeddings in mode always), whole_on_decode (short prompt, n > 1, "
+    "embeddings, or mode never), fallback (every prefill "
     "attempt failed: served whole on a decode engine), failed (refused, or failed before a prefill "
     "ended) or cancelled (the client left before a prefill ended)",
     ["model", "path"],

@@ -156,6 +156,11 @@ class DisaggregatedFlow:
                 code="n_not_supported" if several else "batch_not_supported",
             )
         several = several or batch
+        if request.kind == "embeddings" and always:
+            # an embedding is a prefill and nothing else: whole on the front pool (a prefill
+            # engine), as 'always' keeps every prompt off the decode engines
+            metrics.child(metrics.PD_REQUESTS, model, "whole_on_prefill").inc()
+            return await self.collocated.serve(call)
         if request.kind == "embeddings" or several:
             metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
             return await self._whole_on_decode(call, None)

@@ -219,6 +219,32 @@ def test_always_never_prefills_on_a_decode_engine(fleet: dict[str, ChildProcess]
         assert all(kept(e) > before[e] for e in set(engines)), (engines, before, outcomes)
 
 
+@pytest.mark.parametrize("mode", ["always", "conditional"])
+def test_embeddings_never_run_on_a_decode_engine_under_always(
+    fleet: dict[str, ChildProcess], tmp_path: Path, mode: str
+) -> None:
+    """An embedding is a prefill and nothing else: under 'always' it runs whole on a prefill
+    engine (before, it ran on a decode engine, which 'always' promises never to prefill); under
+    'conditional' on a decode engine, as documented (docs/pd.md)."""
+    from gateway import metrics
+
+    def counted(path: str) -> float:
+        labels = {"model": MODEL, "path": path}
+        return metrics.REGISTRY.get_sample_value("slogate_pd_requests_total", labels) or 0.0
+
+    expected = ("p0", "p1") if mode == "always" else ("d0", "d1")
+    path = "whole_on_prefill" if mode == "always" else "whole_on_decode"
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, mode))) as gw:
+        before = counted(path)
+        for text in (SHORT, LONG, [SHORT, LONG]):
+            response = httpx.post(gw.url + "/v1/embeddings", json={"model": MODEL, "input": text}, timeout=60)
+            assert response.status_code == 200, response.text
+            inputs = 2 if isinstance(text, list) else 1
+            assert len(response.json()["data"]) == inputs
+            assert response.headers["x-slogate-engine"] in expected
+        assert counted(path) == before + 3
+
+
 def test_each_stage_s_upstream_span_carries_its_engine_s_status(
     fleet: dict[str, ChildProcess], tmp_path: Path
 ) -> None:
