@@ -186,6 +186,27 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _aged_level(priority: int, arrival: float, now: float, aging_s: float | None) -> tuple[float, float]:
+    """The priority level a request waits at (lower goes first) and until when: with ``aging_s``,
+    one level more urgent for each ``aging_s`` seconds it has waited, down to level 0 (a level
+    already below 0 stays as it is). Strict levels starve the lower ones for as long as the higher
+    ones keep coming; this bounds the wait of each level above 0 at ``level x aging_s`` plus what
+    level 0 has queued then."""
+    if aging_s is None or priority <= 0:
+        return float(priority), _INF
+    steps = math.floor(max(0.0, now - arrival) / aging_s)
+    if steps >= priority:
+        return 0.0, _INF
+    return float(priority - steps), _after(arrival + (steps + 1) * aging_s, now)
+
+
+def _check_aging(aging_s: float | None) -> None:
+    _require(
+        aging_s is None or (_is_number(aging_s) and aging_s > 0),
+        f"aging_s must be a finite number of seconds > 0 (or absent: strict levels), got {aging_s!r}",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Fcfs:
     """First come, first served: ``(arrival, seq)``. Never changes; ignores the context."""
@@ -201,15 +222,22 @@ class Fcfs:
 class StrictPriority:
     """Strict priority, lower ``view.priority`` first, FCFS within a level: ``(priority, arrival, seq)``.
 
-    Static. A steady stream of high-priority work starves lower levels by design; combine with a
-    ``queue_deadline`` so nothing waits forever.
+    Static without ``aging_s``: a steady stream of high-priority work starves lower levels for as
+    long as it lasts (each request waits until its ``queue_deadline``). With ``aging_s``, a waiting
+    request rises one level per ``aging_s`` seconds, down to level 0 (:func:`_aged_level`).
     """
 
+    aging_s: float | None = None
     name: str = field(default="strict_priority", init=False)
     context_sensitive: bool = field(default=False, init=False)
 
+    def __post_init__(self) -> None:
+        _check_aging(self.aging_s)
+
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
-        return (float(item.view.priority), item.view.arrival, item.seq), _INF
+        view = item.view
+        level, valid_until = _aged_level(view.priority, view.arrival, now, self.aging_s)
+        return (level, view.arrival, item.seq), valid_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,16 +250,25 @@ class SloTpot:
     comes first because mapped targets can collide: while no P0 traffic runs, Algorithm 2 relaxes
     lower levels' floors down to P0's, and when P0 joins it would queue behind that backlog on
     equal TPOT (measured: 35 % of P0 on time in the join window of Experiment B, against 95-100 %
-    with the level first).
+    with the level first). ``aging_s``: a waiting request rises one level per ``aging_s`` seconds,
+    down to level 0, as in :class:`StrictPriority`.
     """
 
+    aging_s: float | None = None
     name: str = field(default="slo_tpot", init=False)
     context_sensitive: bool = field(default=False, init=False)
     uses_demotion: bool = field(default=True, init=False)
 
+    def __post_init__(self) -> None:
+        _check_aging(self.aging_s)
+
     def key(self, item: QueuedRequest, now: float, ctx: OrderContext) -> KeyResult:
+        view = item.view
         demoted = 1.0 if item.demoted else 0.0
-        return (float(item.view.priority), demoted, item.tpot_slo, item.view.arrival, item.seq), _INF
+        if self.aging_s is None:  # (the hot path of HyperFlexis's arrivals: no call)
+            return (float(view.priority), demoted, item.tpot_slo, view.arrival, item.seq), _INF
+        level, valid_until = _aged_level(view.priority, view.arrival, now, self.aging_s)
+        return (level, demoted, item.tpot_slo, view.arrival, item.seq), valid_until
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,6 +585,9 @@ class FlowControl:
     forever) and ignores the context: re-keys come only from the stamps, at most two per arrival
     (the arrival displaces its flow's head, which is parked) and one per departure (the flow's
     next request becomes its head, one round later).
+
+    Bands are strict, as llm-d's: no aging (the fair-queueing rounds are counted per band, and a
+    request aged into another band would carry a round of its own band's count).
     """
 
     name: str = field(default="flow_control", init=False)

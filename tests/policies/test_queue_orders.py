@@ -391,6 +391,10 @@ def test_a_member_joining_re_queues_its_batch() -> None:
         ("kairos", {"rel_precision": 0}, "rel_precision must be"),
         ("kairos", {"min_step_s": -0.1}, "it accepts: rel_precision=0.25, min_step_s=0.01"),
         ("red", {"scavenger": "yes"}, "scavenger must be true or false"),
+        ("strict_priority", {"aging_s": 0}, "aging_s must be"),
+        ("strict_priority", {"aging_s": True}, "aging_s must be"),
+        ("slo_tpot", {"aging_s": math.inf}, "aging_s must be"),
+        ("slo_tpot", {"aging_s": "10"}, "aging_s must be"),
     ],
 )
 def test_make_order_errors(name: str, params: dict[str, Any] | None, fragment: str) -> None:
@@ -461,3 +465,47 @@ def test_a_requests_engine_time_is_its_prefill_and_its_share_of_the_steps_it_dec
     assert marginal_service_s(long_prompt, ctx) > marginal_service_s(long_answer, ctx)
     # a whole step per output token says the opposite
     assert predicted_service_s(long_prompt, ctx) < predicted_service_s(long_answer, ctx)
+
+
+@pytest.mark.parametrize("name", ["strict_priority", "slo_tpot"])
+def test_aging_raises_a_waiting_request_one_level_per_period_down_to_level_0(name: str) -> None:
+    """Strict levels starve the lower ones while the higher keep coming: with ``aging_s`` a
+    request waits at one level more urgent per period, re-keyed exactly when it rises, never
+    past level 0 (a negative level stays)."""
+    order = make_order(name, {"aging_s": 10.0})
+    low = req(1, arrival=100.0, priority=3)
+    steps = [
+        (100.0, 3.0, 110.0),
+        (109.999, 3.0, 110.0),
+        (110.0, 2.0, 120.0),
+        (125.0, 1.0, 130.0),
+        (130.0, 0.0, math.inf),
+        (1000.0, 0.0, math.inf),
+    ]
+    for now, level, until in steps:
+        key, valid_until = order.key(low, now, CTX)
+        assert (key[0], valid_until) == (level, until), now
+    for priority in (0, -2):
+        key, valid_until = order.key(req(2, arrival=0.0, priority=priority), 500.0, CTX)
+        assert (key[0], valid_until) == (float(priority), math.inf)
+    # off (the default): strict, static
+    assert make_order(name).key(low, 1000.0, CTX) == (make_order(name).key(low, 100.0, CTX)[0], math.inf)
+    # aged to level 0, the older request goes before the level-0 ones that came after it
+    fresh = req(3, arrival=140.0, priority=0)
+    assert order_at(order, [fresh, low], 140.0) == [1, 3]
+    assert order_at(make_order(name), [fresh, low], 140.0) == [3, 1]
+
+
+def test_an_aging_request_overtakes_newer_higher_levels_in_the_admission_queue() -> None:
+    """The queue re-keys a request at the moment it rises (the order says when): at 2.5 periods a
+    level-2 request is at level 0 and first, ahead of the level-0 arrivals that came after it,
+    and behind those that came before it."""
+    queue = AdmissionQueue(make_order("strict_priority", {"aging_s": 1.0}))
+    queue.push(req(0, arrival=0.0, priority=0), 0.0, CTX)
+    queue.push(req(1, arrival=0.1, priority=2), 0.1, CTX)
+    for seq in range(2, 8):
+        queue.push(req(seq, arrival=0.2 * seq, priority=0), 0.2 * seq, CTX)
+    assert [i.seq for i in queue.head(0.9, CTX, 10)] == [0, 2, 3, 4, 5, 6, 7, 1]
+    assert [i.seq for i in queue.head(1.5, CTX, 10)] == [0, 2, 3, 4, 5, 6, 7, 1]  # (level 1)
+    assert [i.seq for i in queue.head(2.1, CTX, 10)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [queue.pop(2.2, CTX).seq for _ in range(2)] == [0, 1]  # type: ignore[union-attr]
