@@ -86,6 +86,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.simulator_scale import bench_simulator_main
 
         return bench_simulator_main(args)
+    if args.bench == "rate":
+        from gateway.bench.sustained_rate import bench_rate_main
+
+        return bench_rate_main(args)
     if args.bench == "prefix-memory":
         from gateway.bench.prefix_memory import bench_prefix_memory_main
 
@@ -232,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_sub.add_parser(
             "prefix-memory", help="the prefix index's memory against its budget, 1,000,000 blocks"
         )
+    )
+    from gateway.bench.sustained_rate import add_rate_arguments
+
+    add_rate_arguments(
+        bench_sub.add_parser("rate", help="added latency under a sustained open-loop request rate, over time")
     )
     p.set_defaults(func=_bench)
 
