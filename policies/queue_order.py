@@ -194,16 +194,22 @@ def _aged_level(priority: int, arrival: float, now: float, aging_s: float | None
     level 0 has queued then."""
     if aging_s is None or priority <= 0:
         return float(priority), _INF
-    steps = math.floor(max(0.0, now - arrival) / aging_s)
-    if steps >= priority:
+    waited = now - arrival
+    if waited >= priority * aging_s:
         return 0.0, _INF
+    steps = math.floor(max(0.0, waited) / aging_s)
     return float(priority - steps), _after(arrival + (steps + 1) * aging_s, now)
+
+
+#: the shortest aging period: each step re-keys the request in the queue
+MIN_AGING_S = 0.1
 
 
 def _check_aging(aging_s: float | None) -> None:
     _require(
-        aging_s is None or (_is_number(aging_s) and aging_s > 0),
-        f"aging_s must be a finite number of seconds > 0 (or absent: strict levels), got {aging_s!r}",
+        aging_s is None or (_is_number(aging_s) and aging_s >= MIN_AGING_S),
+        f"aging_s must be a finite number of seconds >= {MIN_AGING_S} (or absent: strict levels), "
+        f"got {aging_s!r}",
     )
 
 

@@ -347,7 +347,8 @@ class Algorithm3:
             if pending >= p.max_pending:
                 continue
             serving = len(view.serving(role))
-            if p.cover_pending and pending and m.value * serving <= p.eps_out * (serving + pending):
+            covered = serving and m.value * serving <= p.eps_out * (serving + pending)
+            if p.cover_pending and pending and covered:
                 # the engines on their way cover the excess the metric shows (it falls about as
                 # the pool grows): another one now would start for a need already met
                 continue

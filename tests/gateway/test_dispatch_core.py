@@ -1289,7 +1289,9 @@ def test_a_dispatched_request_drains_its_band_alike_from_its_plan_row_or_without
     without, *_ = _overload_demotion_run()
     without._plan_rows.clear()
     leaving = [item.view.request_id for item in with_rows.queues["a"].items()][:40]
-    assert all(rid in with_rows._plan_rows["a"] for rid in leaving)
+    ctx = with_rows.context("a", 8.0)
+    # (rows of this very context: the rows' path is the one taken, not the fallback)
+    assert all(with_rows._plan_rows["a"][rid][2] is ctx for rid in leaving)
     for core in (with_rows, without):
         rates = core._band_rates["a"]
         items = [core.queues["a"].get(rid) for rid in leaving]

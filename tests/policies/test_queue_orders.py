@@ -392,6 +392,7 @@ def test_a_member_joining_re_queues_its_batch() -> None:
         ("kairos", {"min_step_s": -0.1}, "it accepts: rel_precision=0.25, min_step_s=0.01"),
         ("red", {"scavenger": "yes"}, "scavenger must be true or false"),
         ("strict_priority", {"aging_s": 0}, "aging_s must be"),
+        ("strict_priority", {"aging_s": 1e-310}, "aging_s must be"),
         ("strict_priority", {"aging_s": True}, "aging_s must be"),
         ("slo_tpot", {"aging_s": math.inf}, "aging_s must be"),
         ("slo_tpot", {"aging_s": "10"}, "aging_s must be"),
@@ -485,6 +486,8 @@ def test_aging_raises_a_waiting_request_one_level_per_period_down_to_level_0(nam
     for now, level, until in steps:
         key, valid_until = order.key(low, now, CTX)
         assert (key[0], valid_until) == (level, until), now
+    # a level far past what any wait undoes stays finite (no float overflow)
+    assert order.key(req(4, arrival=0.0, priority=10**9), 3600.0, CTX)[0][0] == 10**9 - 360
     for priority in (0, -2):
         key, valid_until = order.key(req(2, arrival=0.0, priority=priority), 500.0, CTX)
         assert (key[0], valid_until) == (float(priority), math.inf)
