@@ -7,10 +7,10 @@ closed-loop concurrency; this one sends open-loop arrivals (Poisson, at a fixed 
 answers do) for a while, first straight to a zero-latency simulated engine, then through a gateway
 in front of it on the same arrival schedule, and compares the two window by window.
 
-Reported per rate: whether the client kept its schedule, errors, added latency p50 / p99, the p99
-through the gateway over the run's first and second halves (the second must not be worse than the
-first: latency that climbs shows there), the gateway's CPU per request at that rate and its
-resident memory before and after.
+Reported per rate: whether the client kept its schedule, errors, added latency p50 / p99, the
+median and p99 through the gateway over the run's first and second halves (the second half's
+median must not be worse than the first's: latency that climbs shows there), the gateway's CPU per
+request at that rate and its resident memory before and after.
 A plot shows p50 and p99 per window, direct and through the gateway.
 """
 
@@ -44,13 +44,13 @@ from gateway.bench.harness import (
 from gateway.procs import ChildProcess
 
 MODEL = "bench-rate"
-#: how much worse the second half's p99 through the gateway may be than the first's before its
-#: latency "climbs": this share of the first half's, and at least this many ms (a p99 of a few
-#: hundred answers that take a couple of milliseconds moves by a millisecond from one half to the
-#: other on a shared machine). Judged on the gateway's own latency, not on the difference of two
-#: p99s (the engine's and the gateway's), which is noisier than either.
+#: how much worse the second half's median through the gateway may be than the first's before its
+#: latency "climbs": this share of the first half's, and at least this many ms. Judged on the
+#: median: a latency that grows with what the proxy has served moves all of it, while the p99 of a
+#: half moves by several milliseconds with one episode of the machine's noise (at 300/s one run in
+#: four had three windows at 13-33 ms, in the engine-alone run as much); the p99s are reported.
 CLIMB_RATIO = 0.5
-CLIMB_SLACK_MS = 2.0
+CLIMB_SLACK_MS = 1.0
 #: the client kept its schedule when its sends were at most this late (p99, ms); later, it sent
 #: bursts and the run says nothing of the rate
 SEND_LAG_MS = 10.0
@@ -88,7 +88,9 @@ class RatePoint:
     direct_errors: int
     added_p50_ms: float
     added_p99_ms: float
-    #: p99 through the gateway over the run's first and second halves
+    #: the median and p99 through the gateway over the run's first and second halves
+    first_half_p50_ms: float
+    second_half_p50_ms: float
     first_half_p99_ms: float
     second_half_p99_ms: float
     #: the gateway's CPU while the run lasted, less what it spends idle (its monitor), per request
@@ -102,8 +104,8 @@ class RatePoint:
 
     @property
     def climbs(self) -> bool:
-        allowed = self.first_half_p99_ms * (1 + CLIMB_RATIO)
-        return self.second_half_p99_ms > max(allowed, self.first_half_p99_ms + CLIMB_SLACK_MS)
+        allowed = self.first_half_p50_ms * (1 + CLIMB_RATIO)
+        return self.second_half_p50_ms > max(allowed, self.first_half_p50_ms + CLIMB_SLACK_MS)
 
     def checks(self) -> list[tuple[str, str, str, bool]]:
         at = f" at {self.rate:g}/s"
@@ -121,10 +123,16 @@ class RatePoint:
                 self.errors == 0 and self.direct_errors == 0,
             ),
             (
-                f"p99 through the gateway, second half vs first{at}",
-                f"{self.second_half_p99_ms:.2f} vs {self.first_half_p99_ms:.2f} ms",
+                f"p50 through the gateway, second half vs first{at}",
+                f"{self.second_half_p50_ms:.2f} vs {self.first_half_p50_ms:.2f} ms",
                 f"no more than +{CLIMB_RATIO:.0%} (or +{CLIMB_SLACK_MS:g} ms)",
                 not self.climbs,
+            ),
+            (
+                f"p99 through the gateway, second half vs first{at}",
+                f"{self.second_half_p99_ms:.2f} vs {self.first_half_p99_ms:.2f} ms",
+                "(reported)",
+                True,
             ),
             (
                 f"added p50 / p99{at}",
@@ -242,6 +250,8 @@ async def _measure(
         direct_errors=sum(not s.ok for s in direct),
         added_p50_ms=added(0.5),
         added_p99_ms=added(0.99),
+        first_half_p50_ms=_ms(ok(via, 0.0, half), 0.5),
+        second_half_p50_ms=_ms(ok(via, half, seconds), 0.5),
         first_half_p99_ms=_ms(ok(via, 0.0, half), 0.99),
         second_half_p99_ms=_ms(ok(via, half, seconds), 0.99),
         cpu_ms_per_request=cpu / max(1, len(via)) * 1e3,
@@ -267,8 +277,8 @@ def run_rate_bench(
             point = asyncio.run(_measure(engine, gateway, rate, seconds, window_s, seed + i))
         report(
             f"[{i + 1}/{len(rates)}] {rate:g}/s: added p50/p99 "
-            f"{point.added_p50_ms:.2f}/{point.added_p99_ms:.2f} ms, gateway p99 by half "
-            f"{point.first_half_p99_ms:.2f} -> {point.second_half_p99_ms:.2f} ms, "
+            f"{point.added_p50_ms:.2f}/{point.added_p99_ms:.2f} ms, gateway p50 by half "
+            f"{point.first_half_p50_ms:.2f} -> {point.second_half_p50_ms:.2f} ms, "
             f"{point.errors} errors"
         )
         points.append(point)
