@@ -61,3 +61,15 @@ def test_the_measurement_starts_once_the_standing_queue_has_turned_over() -> Non
     # a short queue turns over at once: the fleet's fill sets the warm-up
     assert steady_state_after(40, 400.0, 0.4) == pytest.approx(0.2)
     assert steady_state_after(1000, 1000.0, 3.0) == pytest.approx(1.5)
+
+
+def test_bench_dispatch_repeats_keep_the_median_run_whole(tmp_path: Path) -> None:
+    """With --repeats each point is its median run, whole, with every run's figure beside it."""
+    out = tmp_path / "bench"
+    argv = ["bench", "dispatch", "--engines", "4", "--queued", "40", "--seconds", "0.3", "--rate", "400"]
+    assert main([*argv, "--dispatchers", "floor", "--repeats", "3", "--out", str(out)]) == 0
+    (point,) = json.loads((out / "points.json").read_text())
+    runs = point["runs_us"]
+    assert len(runs) == 3 and point["us_per_placement"] == sorted(runs)[1]
+    assert " (runs " in (out / "table.md").read_text()
+    assert main([*argv, "--repeats", "0", "--out", str(out)]) == 2
