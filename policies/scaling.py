@@ -282,7 +282,8 @@ class Algorithm3Params:
     #: excess: LoadMetric x serving <= eps_out x (serving + pending). Off, a pool adds one per
     #: decision up to max_pending whatever is already starting (offline, cold starts: 8 % and
     #: 22 % more engine-seconds on the step burst and the Gamma arrivals, 0.6 points more
-    #: attainment on the step burst)
+    #: attainment on the step burst). A pool with no engine serving has no excess to weigh (its
+    #: metric has no serving count): it adds up to max_pending, as without the rule.
     cover_pending: bool = True
 
 

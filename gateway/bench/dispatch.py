@@ -325,7 +325,8 @@ def run_dispatch_bench(
 ) -> list[DispatchPoint]:
     """Every (dispatcher, engines, queued) point; the service time is set so the saturated fleet
     completes about ``rate`` requests a second whatever its size. With ``repeats``, each point is
-    run that many times and the run with the median µs per placement is kept whole (its other
+    run that many times and the run with the median µs per placement (the lower of the middle two
+    for an even count) is kept whole (its other
     figures are that run's, not a mix), every run's figure beside it: on a shared machine one run
     moves by 20 %."""
     if repeats < 1:
@@ -352,7 +353,7 @@ def run_dispatch_bench(
                         for _ in range(repeats)
                     ]
                     ranked = sorted(runs, key=lambda r: r.us_per_placement)
-                    point = ranked[len(ranked) // 2]
+                    point = ranked[(len(ranked) - 1) // 2]  # (the lower middle of an even count)
                     if repeats > 1:
                         point = replace(point, runs_us=tuple(r.us_per_placement for r in runs))
                     points.append(point)

@@ -56,11 +56,14 @@ CLIMB_SLACK_MS = 1.0
 SEND_LAG_MS = 10.0
 #: a request not answered within this long counts as an error (the run goes on)
 REQUEST_TIMEOUT_S = 30.0
+#: requests a rate's run may schedule (rate x seconds)
+MIN_REQUESTS = 20
+MAX_REQUESTS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    #: seconds from the phase's start at which the request was sent
+    #: seconds from the phase's start at which the request was due (its scheduled moment)
     sent_s: float
     latency_s: float
     ok: bool
@@ -104,6 +107,10 @@ class RatePoint:
 
     @property
     def climbs(self) -> bool:
+        """Whether the median rose from the first half to the second (also when a half has no
+        answered request to tell by: NaN)."""
+        if not (math.isfinite(self.first_half_p50_ms) and math.isfinite(self.second_half_p50_ms)):
+            return True
         allowed = self.first_half_p50_ms * (1 + CLIMB_RATIO)
         return self.second_half_p50_ms > max(allowed, self.first_half_p50_ms + CLIMB_SLACK_MS)
 
@@ -344,6 +351,13 @@ def bench_rate_main(args: argparse.Namespace) -> int:
         print(
             "slogate bench rate: rates and --seconds must be finite and > 0, --window-s between 0.1 "
             "and --seconds",
+            file=sys.stderr,
+        )
+        return 2
+    # (a run of a handful of requests says nothing; one of millions would hold them all at once)
+    if not all(MIN_REQUESTS <= rate * args.seconds <= MAX_REQUESTS for rate in rates):
+        print(
+            f"slogate bench rate: each rate x --seconds must be {MIN_REQUESTS} to {MAX_REQUESTS:,} requests",
             file=sys.stderr,
         )
         return 2

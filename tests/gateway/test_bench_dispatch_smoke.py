@@ -73,3 +73,25 @@ def test_bench_dispatch_repeats_keep_the_median_run_whole(tmp_path: Path) -> Non
     assert len(runs) == 3 and point["us_per_placement"] == sorted(runs)[1]
     assert " (runs " in (out / "table.md").read_text()
     assert main([*argv, "--repeats", "0", "--out", str(out)]) == 2
+
+
+def test_the_median_run_is_kept_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each point is one run's figures, all of them (not a mix of runs), with every run's µs."""
+    from dataclasses import replace
+
+    from gateway.bench import dispatch as bench
+
+    base = bench.DispatchPoint("floor", 4, 40, 100, 100.0, 0.0, 0.01, 40.0, 1.0)
+    figures = iter([(30.0, 3.0), (10.0, 1.0), (20.0, 2.0), (40.0, 4.0), (60.0, 6.0), (50.0, 5.0)])
+
+    async def fake_run(*_args: object) -> bench.DispatchPoint:
+        us, longest = next(figures)
+        return replace(base, us_per_placement=us, max_call_ms=longest)
+
+    monkeypatch.setattr(bench, "_run_point", fake_run)
+    (point,) = bench.run_dispatch_bench([4], [40], ["floor"], seconds=0.1, repeats=3)
+    assert (point.us_per_placement, point.max_call_ms, point.runs_us) == (20.0, 2.0, (30.0, 10.0, 20.0))
+    (single,) = bench.run_dispatch_bench([4], [40], ["floor"], seconds=0.1, repeats=1)
+    assert single.us_per_placement == 40.0 and single.runs_us == ()
+    (even,) = bench.run_dispatch_bench([4], [40], ["floor"], seconds=0.1, repeats=2)
+    assert (even.us_per_placement, even.max_call_ms) == (50.0, 5.0)  # (the lower middle)

@@ -211,6 +211,8 @@ def test_rate_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["bench", "rate", "--rates", "fast", "--out", str(tmp_path)]) == 2
     assert main(["bench", "rate", "--rates", "inf", "--out", str(tmp_path)]) == 2
     assert main(["bench", "rate", "--window-s", "0.001", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "rate", "--rates", "0.001", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "rate", "--rates", "1e8", "--out", str(tmp_path)]) == 2
 
 
 def test_rate_schedule_and_the_climb_rule() -> None:
@@ -229,3 +231,4 @@ def test_rate_schedule_and_the_climb_rule() -> None:
     assert not point(10.0, 14.9).climbs  # (within half)
     assert point(10.0, 15.1).climbs and point(1.0, 2.1).climbs
     assert [ok for *_, ok in point(1.0, 2.1).checks()][2] is False
+    assert point(math.nan, 1.0).climbs and point(1.0, math.nan).climbs  # (nothing to tell by)

@@ -486,8 +486,12 @@ def test_aging_raises_a_waiting_request_one_level_per_period_down_to_level_0(nam
     for now, level, until in steps:
         key, valid_until = order.key(low, now, CTX)
         assert (key[0], valid_until) == (level, until), now
-    # a level far past what any wait undoes stays finite (no float overflow)
+    # a level far above what a wait undoes; and past its level's time no division at all (with
+    # a period too short for the profile check, the wait / period overflowed floor())
     assert order.key(req(4, arrival=0.0, priority=10**9), 3600.0, CTX)[0][0] == 10**9 - 360
+    from policies.queue_order import _aged_level
+
+    assert _aged_level(3, 0.0, 1.0, 1e-310) == (0.0, math.inf)
     for priority in (0, -2):
         key, valid_until = order.key(req(2, arrival=0.0, priority=priority), 500.0, CTX)
         assert (key[0], valid_until) == (float(priority), math.inf)

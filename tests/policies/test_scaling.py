@@ -96,19 +96,24 @@ def test_algorithm3_scale_out(
         (1.5, None, False, [("wake", "w", "collocated")]),
         # at 2.5x one loading engine is not enough: another one starts
         (2.5, None, True, [("wake", "w", "collocated")]),
+        # no engine serving yet: nothing to weigh the loading one against, up to max_pending
+        (None, None, True, [("wake", "w", "collocated")]),
         # an SLO signal counts the same way (wait ratio 1.8x its target: covered; 3x: not)
         (0.5, 0.9, True, []),
         (0.5, 1.5, True, [("wake", "w", "collocated")]),
     ],
 )
 def test_algorithm3_counts_the_engines_on_their_way(
-    load: float, wait: float | None, cover: bool, expected: list[tuple[str, str, str]]
+    load: float | None, wait: float | None, cover: bool, expected: list[tuple[str, str, str]]
 ) -> None:
     """An autoscaler that adds engines while new ones are still starting over-provisions during
     every cold start (a peer's users' complaint): a pool whose loading engines already cover what
     its LoadMetric asks for adds none."""
-    engines = [e("a", load=FULL * load), e("b", phase=L), e("w", phase=W)]
+    serving = [] if load is None else [e("a", load=FULL * load)]
+    engines = [*serving, e("b", phase=L), e("w", phase=W)]
     signals = PoolSignals(C) if wait is None else PoolSignals(C, wait_ratios=(wait,) * 10)
+    if load is None:  # (demand queued for a pool with no engine serving yet)
+        signals = PoolSignals(C, queued=5)
     decision = Algorithm3(Algorithm3Params(cover_pending=cover)).decide(
         view(engines, signals), ScalingState(), BOUNDS
     )
