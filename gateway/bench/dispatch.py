@@ -37,6 +37,7 @@ from typing import Any
 
 from gateway.api.errors import GatewayError
 from gateway.bench.dispatch_floor import FloorLoop
+from gateway.bench.harness import median_run
 from gateway.dispatch.build import RoutingProfile
 from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
@@ -325,10 +326,9 @@ def run_dispatch_bench(
 ) -> list[DispatchPoint]:
     """Every (dispatcher, engines, queued) point; the service time is set so the saturated fleet
     completes about ``rate`` requests a second whatever its size. With ``repeats``, each point is
-    run that many times and the run with the median µs per placement (the lower of the middle two
-    for an even count) is kept whole (its other
-    figures are that run's, not a mix), every run's figure beside it: on a shared machine one run
-    moves by 20 %."""
+    run that many times and the run with the median µs per placement is kept whole
+    (:func:`~gateway.bench.harness.median_run`), every run's figure beside it: on a shared machine
+    one run moves by 20 %."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     try:
@@ -346,14 +346,9 @@ def run_dispatch_bench(
                 for q in queued:
                     service_s = n * slots / rate
                     warmup_s = steady_state_after(q, rate, seconds)
-                    runs = [
-                        runner(
-                            _run_point(dispatcher, n, q, slots, service_s, seconds, n + q, warmup_s, pauses)
-                        )
-                        for _ in range(repeats)
-                    ]
-                    ranked = sorted(runs, key=lambda r: r.us_per_placement)
-                    point = ranked[(len(ranked) - 1) // 2]  # (the lower middle of an even count)
+                    args = (dispatcher, n, q, slots, service_s, seconds, n + q, warmup_s, pauses)
+                    runs = [runner(_run_point(*args)) for _ in range(repeats)]
+                    point = median_run(runs, lambda r: r.us_per_placement)
                     if repeats > 1:
                         point = replace(point, runs_us=tuple(r.us_per_placement for r in runs))
                     points.append(point)
@@ -453,7 +448,7 @@ def add_dispatch_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="runs per point; the median run is reported (with every run's figure)",
+        help="runs per point; the median run is reported whole, with every run's figure",
     )
     parser.add_argument("--out", type=Path, default=Path("results/bench-dispatch"))
 

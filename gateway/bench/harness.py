@@ -13,9 +13,10 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import yaml
@@ -175,3 +176,12 @@ def checks_table(checks: Sequence[tuple[str, str, str, bool]]) -> list[str]:
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return lines
+
+
+_Run = TypeVar("_Run")
+
+
+def median_run(runs: Sequence[_Run], figure: Callable[[_Run], float]) -> _Run:
+    """The run whose ``figure`` is the median (the higher middle of an even count), kept whole:
+    a benchmark repeated on a shared machine reports one run's figures, not a mix of runs."""
+    return sorted(runs, key=figure)[len(runs) // 2]

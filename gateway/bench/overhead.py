@@ -43,6 +43,7 @@ from gateway.bench.harness import (
     engine_entry,
     idle_rates,
     kernel_seconds,
+    median_run,
     paced_profile,
     percentile,
     progress,
@@ -757,8 +758,7 @@ def run_paced(
 def _median_run(runs: list[PacedResult]) -> PacedResult:
     """The run with the median CPU per event (the higher middle of an even count), with every
     run's figure in ``runs_us_per_event``."""
-    ranked = sorted(runs, key=lambda r: r.cpu_us_per_sse_event)
-    median = ranked[len(ranked) // 2]
+    median = median_run(runs, lambda r: r.cpu_us_per_sse_event)
     median.runs_us_per_event = tuple(r.cpu_us_per_sse_event for r in runs)
     return median
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -24,6 +25,8 @@ from policies.hyperflexis import (
     shortened_maturity,
 )
 from policies.queue_order import LateLast, OrderContext, QueuedRequest, make_order
+
+_T = TypeVar("_T")
 
 PREFILL = (0.02, 1e-4, 0.0)  # 20 ms + 0.1 ms per prompt token
 DECODE = (0.01, 1e-6, 1e-4)  # 10 ms per step + context + batch terms
@@ -688,6 +691,16 @@ def test_one_arrival_for_one_worker_is_decided_as_the_whole_algorithm_decides(
     _decided_alike(item, w, now, params, tightest, late_last, min_need, held)
 
 
+def _without(module: object, flag: str, decide: Callable[[], _T]) -> _T:
+    """``decide()`` with the module's shortcut ``flag`` off (set back on whatever happens): the
+    whole algorithm's answer, to compare the shortcut's with."""
+    setattr(module, flag, False)
+    try:
+        return decide()
+    finally:
+        setattr(module, flag, True)
+
+
 def _decided_alike(
     item: QueuedRequest,
     w: WorkerView,
@@ -711,11 +724,7 @@ def _decided_alike(
             return repr(error)
 
     short = decided()
-    hyperflexis.ALONE_SHORTCUT = False
-    try:
-        whole = decided()
-    finally:
-        hyperflexis.ALONE_SHORTCUT = True
+    whole = _without(hyperflexis, "ALONE_SHORTCUT", decided)
     assert repr(short) == repr(whole)  # (repr: a NaN in both is the same decision)
     return short
 
@@ -884,9 +893,5 @@ def test_the_tight_scan_decides_as_the_full_tests(
         )
 
     tight = decided()
-    hyperflexis.TIGHT_SCAN = False
-    try:
-        full = decided()
-    finally:
-        hyperflexis.TIGHT_SCAN = True
+    full = _without(hyperflexis, "TIGHT_SCAN", decided)
     assert tight == full
