@@ -48,6 +48,8 @@ from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import Settings, without_credentials
+from gateway.state.redis_store import RedisStore
+from gateway.state.replica_load import ReplicaLoad
 from gateway.tracing import Tracing
 from policies.api import Role
 
@@ -84,6 +86,7 @@ class Gateway:
         self.kv_events: KVEventFeed | None = None
         self.proxy: Proxy | None = None
         self.flow: DisaggregatedFlow | None = None
+        self.replicas: ReplicaLoad | None = None
         self.started_at = time.time()
         #: set when stopping begins (the server stopped accepting): /ready turns 503 at once
         self.stopping = False
@@ -153,6 +156,13 @@ class Gateway:
             stall_after_s=s.stall_after_s,
         )
         self.monitor.start()
+        if s.state_store == "redis":
+            assert s.redis_url is not None
+            store = RedisStore(s.redis_url, s.state_store_timeout_s)
+            self.replicas = ReplicaLoad(self.fleet, store, s.replica_id, s.replica_sync_interval_s)
+            self.replicas.start()
+        else:
+            metrics.REPLICAS.set(1)
         # Serve with real health information rather than guessing: wait for one round of checks.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.monitor.first_round.wait(), s.health_timeout_s + 1.0)
@@ -228,6 +238,8 @@ class Gateway:
             await self.dispatch.stop()
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.replicas is not None:
+            await self.replicas.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.session is not None:
@@ -488,6 +500,8 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "role_unsure": r.role_unsure,  # (a failed flip left its role unknown)
                     "stalled": r.stalled,  # (work held, no progress: out of rotation)
                     "in_flight": r.in_flight,
+                    # (other gateway replicas' requests there, as last exchanged: docs/replicas.md)
+                    "other_replicas_in_flight": r.remote_in_flight,
                     "last_error": r.last_error or None,
                     "state": asdict(r.state) if r.state else None,
                     "state_age_s": round(time.monotonic() - r.state_at, 3) if r.state else None,

@@ -320,6 +320,17 @@ POLICY_CALL = Histogram(
     buckets=_FAST_BUCKETS,
     registry=REGISTRY,
 )
+REPLICAS = Gauge(
+    "slogate_replicas",
+    "Gateway replicas whose requests this one counts on the engines, itself included (1 without a "
+    "shared state store, or while the store is out of reach past its time to live)",
+    registry=REGISTRY,
+)
+STATE_STORE_ERRORS = Counter(
+    "slogate_state_store_errors_total",
+    "Rounds of the replicas' load exchange that failed: the state store was out of reach or late",
+    registry=REGISTRY,
+)
 ENGINE_HEALTHY = Gauge(
     "slogate_engine_healthy", "1 when the engine is in rotation", ["engine"], registry=REGISTRY
 )

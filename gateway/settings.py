@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import os
 import re
+import socket
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
@@ -38,7 +39,15 @@ KvTransfer = Literal["nixl", "bootstrap", "shared"]
 
 #: settings whose values (or, for mappings, whose keys) are API keys: never printed
 SECRET_FIELDS = frozenset(
-    {"api_keys", "admin_api_keys", "api_key_policies", "api_key_tasks", "api_key_tenants", "otlp_headers"}
+    {
+        "api_keys",
+        "admin_api_keys",
+        "api_key_policies",
+        "api_key_tasks",
+        "api_key_tenants",
+        "otlp_headers",
+        "redis_url",  # (may carry the server's password)
+    }
 )
 
 
@@ -455,6 +464,33 @@ class Settings(BaseSettings):
     )
     tracing_service_name: str = Field(default="slogate", min_length=1)
 
+    state_store: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="what gateway replicas share: memory (one replica; the default) or redis (several "
+        "replicas count each other's requests on every engine, for routing and max_engine_load)",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="the Redis server for state_store: redis (redis://[:password@]host:port/db, "
+        "rediss:// for TLS, unix:///path.sock); never printed",
+    )
+    replica_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9._:@-]+$",
+        description="this replica's name in the state store (default: host name and process id; a "
+        "Kubernetes pod's host name is its name)",
+    )
+    replica_sync_interval_s: float = Field(
+        default=0.1,
+        ge=0.01,
+        le=10.0,
+        description="how often replicas exchange their in-flight counts: what they share is at most "
+        "this old, so two replicas may both take an engine's last seat within it",
+    )
+    state_store_timeout_s: float = Field(default=0.5, gt=0, le=30.0, description="per state store call")
+
     dashboard_public: bool = Field(
         default=False, description="/dashboard needs no key even when keys are set (as metrics_public)"
     )
@@ -565,6 +601,15 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _store_reachable_by_url(self) -> Settings:
+        if self.state_store == "redis":
+            if not self.redis_url:
+                raise ValueError("redis_url: state_store: redis needs the server's URL (redis://host:6379/0)")
+            if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError("redis_url: must start with redis://, rediss:// or unix://")
+        return self
+
+    @model_validator(mode="after")
     def _engine_tokenizers_load(self) -> Settings:
         if not self.engine_tokenizers:
             return self
@@ -633,7 +678,7 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         # Keys never reach a repr (and so never a log line or a traceback's locals).
         for name, value in super().__repr_args__():
-            if name in SECRET_FIELDS:
+            if name in SECRET_FIELDS and value is not None:
                 yield name, f"<{len(value)} redacted>"
             else:
                 yield name, value

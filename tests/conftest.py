@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-#: the directories and modules that provision with apt-get or into ~/.cache/slogate
-PROVISIONING = (HERE / "realengines", HERE / "deploy", HERE / "gateway" / "test_dashboard.py")
+#: the directories and modules that provision with apt-get (redis-server, Chromium, Prometheus) or
+#: into ~/.cache/slogate
+PROVISIONING = (HERE / "realengines", HERE / "deploy", HERE / "state", HERE / "gateway" / "test_dashboard.py")
 PROVISIONING_GROUP = "provisioning"
 
 

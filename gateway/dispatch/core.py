@@ -888,7 +888,7 @@ class DispatchCore:
         """When the engine, running what it just took, has no seat (-1) or less KV than a request
         needing ``need`` (the queue's least) takes, what it has: its turn would take nothing
         until an event on it or an arrival that fits. ``None`` when it has room."""
-        if len(record.running) >= (self.max_engine_load or MAX_NUM_SEQS):
+        if record.seats_taken() >= (self.max_engine_load or MAX_NUM_SEQS):
             return -1
         free_kv = record.free_kv_tokens()
         return free_kv if free_kv is not None and free_kv < need else None

@@ -341,7 +341,7 @@ class LatencyLearner:
         stage_steps = max(1, -(-uncached // chunk)) if chunk else 1
         steps.seen_tokens += 1
         alone = (
-            len(record.running) == 1 and entry.alone_since >= 0 and record.reservations == entry.alone_since
+            record.seats_taken() == 1 and entry.alone_since >= 0 and record.reservations == entry.alone_since
         )
         if not (alone and timed):
             # (beside other requests its steps may be theirs too: as many steps, or none, more)

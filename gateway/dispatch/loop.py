@@ -24,6 +24,7 @@ from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
 from gateway.fleet.registry import EngineRecord, RunningEntry
+from gateway.tasks import cancel_and_wait
 from policies.api import RequestView
 
 log = logging.getLogger("slogate.dispatch")
@@ -66,10 +67,7 @@ class DispatchLoop:
         self._task = asyncio.create_task(self._run(), name="dispatch-loop")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         if self._timer is not None:
             self._timer.cancel()
         self.core.closed = True

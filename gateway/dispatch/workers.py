@@ -311,7 +311,7 @@ class HyperFlexisWorkers:
                 self.unpark(model, engine_id, -math.inf)
             return False
         at = self.maturity[engine_id]
-        if what in ("release", "state") and engine_id in self._kv_wait[model]:
+        if what in ("release", "state", "remote") and engine_id in self._kv_wait[model]:
             self._timer_back(model, engine_id)  # its KV may have freed
         full = at == math.inf and engine_id not in self._parked[model]
         if (at == math.inf and not (full and what == "prefilled")) or (
@@ -325,8 +325,10 @@ class HyperFlexisWorkers:
         # token total, the prompts still waiting for prefill): no object per running request
         waiting = record.unprefilled.values()
         load = RunningLoad(
-            len(record.running),
-            record.running_tokens,
+            # (other gateway replicas' requests there count in its batch and its seats; their
+            # prompts' prefill and TPOT targets are not exchanged: the engine's scrape has them)
+            record.seats_taken(),
+            record.running_tokens + record.remote_running_tokens,
             len(waiting),
             sum(waiting),
             sum(map(mul, waiting, waiting)),

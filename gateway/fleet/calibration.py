@@ -23,7 +23,6 @@ a client request reaches that engine. The task stops with the gateway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
@@ -42,6 +41,7 @@ from gateway.dispatch.latency_learner import LatencyLearner
 from gateway.experiments.prompts import derive_seed, segment_tokens
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.sse import sse_data
+from gateway.tasks import cancel_and_wait
 from gateway.tokenizer import decode
 from policies.api import Role
 from policies.latency_fit import DecodeSample, PrefillSample
@@ -121,11 +121,8 @@ class Calibrator:
         self._task = asyncio.create_task(self._loop(), name="calibration")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     def _on_change(self, engine_id: str, what: str) -> None:
         if what in ("release", "prefilled"):

@@ -33,7 +33,6 @@ Everything runs on the event loop (``zmq.asyncio``), which owns the index.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
@@ -48,6 +47,7 @@ import zmq.asyncio
 
 from gateway.fleet.block_hash import external_hash
 from gateway.fleet.prefix_index import PrefixIndex
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("slogate.fleet")
 
@@ -290,10 +290,7 @@ class KVEventSubscriber:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         self._close()
 
     async def _run(self) -> None:

@@ -33,6 +33,7 @@ import aiohttp
 
 from gateway import metrics
 from gateway.fleet.registry import EngineRecord, Fleet
+from gateway.tasks import cancel_and_wait
 
 _T = TypeVar("_T")
 
@@ -97,11 +98,7 @@ class FleetMonitor:
             )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks.clear()
 
     async def check_once(self, record: EngineRecord) -> None:

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -86,6 +86,15 @@ class EngineRecord:
     in_flight_tokens_at_scrape: int = 0
     in_flight: int = 0
     in_flight_tokens: int = 0
+    #: the other gateway replicas' requests on the engine as last exchanged through the state
+    #: store (:mod:`gateway.state.replica_load`): how many, their reserved tokens (prompt and
+    #: output budget) and their running tokens; all zero where this gateway is the only one
+    remote_in_flight: int = 0
+    remote_tokens: int = 0
+    remote_running_tokens: int = 0
+    #: the first two as of the last scrape: what of theirs the engine's report holds
+    remote_at_scrape: int = 0
+    remote_tokens_at_scrape: int = 0
     last_error: str = ""
     running: dict[str, RunningEntry] = field(default_factory=dict)
     #: prompt tokens of running requests whose first token has not come yet (less what the
@@ -169,8 +178,14 @@ class EngineRecord:
             return None
         capacity = state.num_gpu_blocks * state.block_size
         reported = int(capacity * state.kv_usage)
-        used = max(self.in_flight_tokens, reported - self.in_flight_tokens_at_scrape + self.in_flight_tokens)
+        tokens = self.in_flight_tokens + self.remote_tokens
+        used = max(tokens, reported - self.in_flight_tokens_at_scrape - self.remote_tokens_at_scrape + tokens)
         return max(0, capacity - used)
+
+    def seats_taken(self) -> int:
+        """Requests on the engine from every gateway replica (this one's, the others' as last
+        exchanged): what ``max_engine_load`` bounds."""
+        return len(self.running) + self.remote_in_flight
 
 
 #: the roles that take a request from the admission queue: a collocated engine serves it whole, a
@@ -178,7 +193,7 @@ class EngineRecord:
 FRONT_ROLES = frozenset((Role.COLLOCATED, Role.PREFILL))
 
 #: called with (engine id, what changed): "release", "prefilled", "state", "health", "role",
-#: "adapters" (the LoRA adapters it has loaded)
+#: "adapters" (the LoRA adapters it has loaded), "remote" (other replicas' requests there ended)
 ChangeListener = Callable[[str, str], None]
 
 
@@ -232,7 +247,7 @@ def bounded_state(state: EngineState) -> EngineState:
 def alone_since(record: EngineRecord) -> int:
     """The engine's reservation count if the request just reserved there is its only one (what a
     later read compares to see that none came since), else -1."""
-    return record.reservations if len(record.running) == 1 else -1
+    return record.reservations if record.seats_taken() == 1 else -1
 
 
 def _counter(value: float) -> float:
@@ -241,6 +256,9 @@ def _counter(value: float) -> float:
 
 def _block(value: int | None) -> int | None:
     return value if value is not None and 0 < value <= MAX_REPORTED else None
+
+
+_NONE_REMOTE = (0, 0, 0)
 
 
 class Fleet:
@@ -415,7 +433,12 @@ class Fleet:
         if snap is None:
             self._unranked.add(index)
             return
-        load = load_of(record.in_flight, record.state, snap.stale, record.in_flight_at_scrape)
+        load = load_of(
+            record.in_flight + record.remote_in_flight,
+            record.state,
+            snap.stale,
+            record.in_flight_at_scrape + record.remote_at_scrape,
+        )
         self._ranked[record.model].move(slot, load)
 
     def _routable_of(self, model: str, now: float | None) -> list[EngineSnapshot]:
@@ -465,12 +488,13 @@ class Fleet:
             r.healthy,
             state is None or now - r.state_at > self.stale_after_s,
             r.weight,
-            r.in_flight,
-            r.in_flight_tokens,
-            r.in_flight_at_scrape,
+            # (every replica's: the others' as last exchanged, zero where there are none)
+            r.in_flight + r.remote_in_flight,
+            r.in_flight_tokens + r.remote_tokens,
+            r.in_flight_at_scrape + r.remote_at_scrape,
             state,
             r.accepts_priority,
-            r.running_tokens,
+            r.running_tokens + r.remote_running_tokens,
             r.adapters,
         )
 
@@ -537,6 +561,26 @@ class Fleet:
             self._notify(engine_id, "release")
         return entry
 
+    def set_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
+        """The other gateway replicas' requests per engine id, as just exchanged (count, reserved
+        tokens, running tokens; an engine not named has none of theirs). An engine where theirs
+        went down is announced (``"remote"``): a request queued here may fit there now."""
+        for record in self._by_index:
+            count, tokens, running = loads.get(record.engine_id, _NONE_REMOTE)
+            if (
+                count == record.remote_in_flight
+                and tokens == record.remote_tokens
+                and running == record.remote_running_tokens
+            ):
+                continue
+            fell = count < record.remote_in_flight or tokens < record.remote_tokens
+            record.remote_in_flight, record.remote_tokens = count, tokens
+            record.remote_running_tokens = running
+            self._dirty.add(record.index)
+            self._rank_load(record)
+            if fell:
+                self._notify(record.engine_id, "remote")
+
     def mark_prefilled(self, engine_id: str, request_id: str) -> None:
         """The request's first token arrived: its prompt no longer waits for prefill there."""
         record = self.records[engine_id]
@@ -591,6 +635,8 @@ class Fleet:
             in_flight, tokens = min(in_flight, in_flight_at_send[0]), min(tokens, in_flight_at_send[1])
         record.in_flight_at_scrape = in_flight
         record.in_flight_tokens_at_scrape = tokens
+        record.remote_at_scrape = record.remote_in_flight
+        record.remote_tokens_at_scrape = record.remote_tokens
         self._dirty.add(record.index)
         self._unranked.add(record.index)
         self._notify(engine_id, "state")

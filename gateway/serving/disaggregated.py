@@ -38,7 +38,6 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -62,6 +61,7 @@ from gateway.serving.collocated import (
 )
 from gateway.serving.relay import end_with_error
 from gateway.serving.watchdog import time_limit_at
+from gateway.tasks import cancel_and_wait
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import EngineSnapshot, Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
@@ -641,7 +641,7 @@ class DisaggregatedFlow:
                     # the decode would wait for KV that is not coming: close it now, whether or
                     # not its stream's headers already reached the client
                     started = call.started and call.request.stream
-                    await _cancel(decode_task)
+                    await cancel_and_wait(decode_task)
                     overloaded = isinstance(failed, GatewayError) and failed.code == OVERLOADED
                     if started and overloaded:
                         assert isinstance(failed, GatewayError)
@@ -703,19 +703,6 @@ def _prefill_engine_header(call: Call, engine_id: str | None) -> None:
     an earlier attempt's; the reply's other headers (the routing decision's) stay."""
     kept = tuple(h for h in call.reply_headers if h[0] != PREFILL_ENGINE_HEADER)
     call.reply_headers = kept if engine_id is None else (*kept, (PREFILL_ENGINE_HEADER, engine_id.encode()))
-
-
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait for it; a cancellation of the caller itself still propagates."""
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-    except Exception:
-        pass
 
 
 def _end_prefill_span(span: Span, call: Call, outcome: bytes | GatewayError | BaseException) -> None:

@@ -45,6 +45,9 @@ CHART_MANAGED = {
     "api_key_tenants": "superseded by api_key_policies (key -> tenant), which the Secret carries",
     "profiles_dir": "the image's profiles; extra ones through profiles.*",
     "otlp_headers": "Secret (otlpHeaders.headers / existingSecret): the collector's credentials",
+    "state_store": "SLOGATE_STATE_STORE env from stateStore.mode (auto: redis with more than one replica)",
+    "redis_url": "SLOGATE_REDIS_URL env: stateStore.redis.url / existingSecret, or the chart's own Redis",
+    "replica_id": "SLOGATE_REPLICA_ID env: the pod's name",
 }
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -98,6 +101,19 @@ def _notes(helm: HelmCall, values: dict[str, Any]) -> str:
 
 def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def _component(docs: list[dict[str, Any]], kind: str, component: str) -> list[dict[str, Any]]:
+    return [
+        d
+        for d in _by_kind(docs, kind)
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+
+
+def _gateway_env(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    (gateway,) = _component(docs, "Deployment", "gateway")
+    return {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 # --- values and schema -----------------------------------------------------------------------
@@ -158,6 +174,10 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
         ),
         ({"simEngines": {"role": "both"}}, "simEngines/role"),
         ({"apiKeys": {"clientKeys": ["has space"]}}, "apiKeys/clientKeys/0"),
+        # a password in the URL would be written to the pod spec: it goes in existingSecret
+        ({"stateStore": {"redis": {"url": "redis://:pw@r:6379/0"}}}, "stateStore/redis/url"),
+        ({"stateStore": {"mode": "etcd"}}, "stateStore/mode"),
+        ({"gateway": {"config": {"replica_sync_interval_s": 0}}}, "gateway/config/replica_sync_interval_s"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm: HelmCall, override: dict[str, Any], where: str) -> None:
@@ -241,13 +261,15 @@ def test_default_values_gateway_shape(helm: HelmCall) -> None:
         [
             "ConfigMap",
             "Deployment",
+            "Deployment",  # (the replicas' Redis: the HPA may run up to 10)
             "HorizontalPodAutoscaler",
             "PodDisruptionBudget",
+            "Service",
             "Service",
             "ServiceAccount",
         ]
     )
-    (deploy,) = _by_kind(docs, "Deployment")
+    (deploy,) = _component(docs, "Deployment", "gateway")
     spec = deploy["spec"]
     assert "replicas" not in spec, "the HPA owns the replica count"
     pod = spec["template"]["spec"]
@@ -268,7 +290,7 @@ def test_default_values_gateway_shape(helm: HelmCall) -> None:
     (pdb,) = _by_kind(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
-    (svc,) = _by_kind(docs, "Service")
+    (svc,) = _component(docs, "Service", "gateway")
     assert svc["spec"]["selector"] == spec["selector"]["matchLabels"]
     assert "WARNING: no engines" in _notes(helm, {})
 
@@ -747,3 +769,54 @@ def test_simulated_engines_of_one_half_of_a_pair_alone_fail_the_render(helm: Hel
     same = [{**others[1], "model": "qwen-7b"}]
     values = _coalesce(_values("demo"), {"simEngines": {"role": "prefill"}, "gateway": {"engines": same}})
     assert helm("render", values)["ok"]
+
+
+# --- the replicas' shared state ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gateway", "shared"),
+    [
+        ({}, True),  # the HPA may run 10
+        ({"autoscaling": {"enabled": False}, "replicas": 2}, True),
+        ({"autoscaling": {"enabled": False}, "replicas": 1}, False),
+        ({"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}, False),
+    ],
+)
+def test_replicas_share_their_load_through_the_charts_redis_when_there_may_be_several(
+    helm: HelmCall, gateway: dict[str, Any], shared: bool
+) -> None:
+    docs = _render(helm, {"gateway": gateway})
+    env = _gateway_env(docs)
+    redis = _component(docs, "Deployment", "state-store")
+    if not shared:
+        assert not redis and "SLOGATE_STATE_STORE" not in env and "SLOGATE_REDIS_URL" not in env
+        return
+    (deploy,) = redis
+    (service,) = _component(docs, "Service", "state-store")
+    assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"] == deploy["spec"]["template"]["metadata"]["labels"]
+    assert env["SLOGATE_STATE_STORE"]["value"] == "redis"
+    assert env["SLOGATE_REDIS_URL"]["value"] == f"redis://{service['metadata']['name']}:6379/0"
+    # each replica by its pod's name: a restarted pod is a new replica, a gone one expires
+    assert env["SLOGATE_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    # what the gateway reads from these is a valid configuration
+    settings = load_settings(engines=[], state_store="redis", redis_url=env["SLOGATE_REDIS_URL"]["value"])
+    assert settings.redis_url == env["SLOGATE_REDIS_URL"]["value"]
+
+
+def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
+    docs = _render(helm, {"stateStore": {"redis": {"url": "redis://shared-redis.infra:6379/3"}}})
+    assert not _component(docs, "Deployment", "state-store")
+    assert _gateway_env(docs)["SLOGATE_REDIS_URL"]["value"] == "redis://shared-redis.infra:6379/3"
+    docs = _render(helm, {"stateStore": {"redis": {"existingSecret": "redis-auth"}}})
+    assert not _component(docs, "Deployment", "state-store")
+    ref = _gateway_env(docs)["SLOGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "redis-auth", "key": "redis-url"}
+    docs = _render(helm, {"stateStore": {"mode": "memory"}})
+    assert not _component(docs, "Deployment", "state-store") and "SLOGATE_STATE_STORE" not in _gateway_env(
+        docs
+    )

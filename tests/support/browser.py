@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
-import os
 import shutil
 import socket
 import subprocess
@@ -28,13 +26,10 @@ from typing import Any, Self
 
 import httpx
 
-from gateway.realengines.progress import heartbeat, last_log_line, progress
+from tests.support import debian
 
 PACKAGES = ("chromium", "chromium-driver")
-_LOCK = Path(tempfile.gettempdir()) / "slogate-chromium-install.lock"
-#: the longest an apt-get run (update, or install) may take; tests that may install give their
-#: setup this much beyond pytest's default timeout
-INSTALL_TIMEOUT_S = 900
+INSTALL_TIMEOUT_S = debian.INSTALL_TIMEOUT_S
 
 
 class BrowserUnavailable(Exception):
@@ -51,50 +46,12 @@ def _found() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-def _apt(*args: str, log: Path) -> bool:
-    """apt-get ``args``, its output to ``log``; a progress line every so often with its last line."""
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    progress(f"apt-get {' '.join(args)} (log: {log})")
-    deadline = time.monotonic() + INSTALL_TIMEOUT_S
-    with log.open("ab") as out:
-        proc = subprocess.Popen(["apt-get", *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise subprocess.TimeoutExpired(proc.args, INSTALL_TIMEOUT_S)
-            heartbeat(last_log_line(log))
-            time.sleep(1.0)
-    return proc.returncode == 0
-
-
 def chromium_paths() -> tuple[str, str]:
     """(chromium, chromedriver), installing Debian's packages first when they are missing."""
-    found = _found()
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        raise BrowserUnavailable("chromium/chromedriver are not installed and this machine has no apt-get")
-    if os.geteuid() != 0:
-        raise BrowserUnavailable("chromium/chromedriver are not installed and apt-get needs root")
-    log = Path(tempfile.gettempdir()) / "slogate-chromium-install.log"
-    with _LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another test process may be installing right now
-        found = _found()
-        if found:
-            return found
-        try:
-            # a fresh machine's package lists may be missing or stale: update once, then retry
-            if not _apt("install", "-y", "-q", *PACKAGES, log=log):
-                _apt("update", "-q", log=log)
-                _apt("install", "-y", "-q", *PACKAGES, log=log)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BrowserUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {exc!r}") from None
-    found = _found()
-    if not found:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        raise BrowserUnavailable(f"apt-get could not install {' '.join(PACKAGES)}: {' | '.join(tail)}")
-    return found
+    try:
+        return debian.installed(PACKAGES, _found)
+    except debian.PackageUnavailable as exc:
+        raise BrowserUnavailable(str(exc)) from None
 
 
 def _free_port() -> int:

@@ -180,3 +180,24 @@ fleet the gateway refuses at start-up (pods crash-looping instead of a failed in
       {{- end }}
       {{- end }}
 {{- end }}
+
+{{/* "redis" when the gateway replicas share their load through Redis, else "memory". */}}
+{{- define "slogate.stateStore" -}}
+{{- $s := .Values.stateStore -}}
+{{- $g := .Values.gateway -}}
+{{- if eq $s.mode "auto" -}}
+{{- if or (and (not $g.autoscaling.enabled) (gt (int $g.replicas) 1)) (and $g.autoscaling.enabled (gt (int $g.autoscaling.maxReplicas) 1)) -}}
+redis
+{{- else -}}
+memory
+{{- end -}}
+{{- else -}}
+{{ $s.mode }}
+{{- end -}}
+{{- end }}
+
+{{/* The chart runs its own Redis: the replicas share through Redis and none is named. */}}
+{{- define "slogate.redisInChart" -}}
+{{- $r := .Values.stateStore.redis -}}
+{{- if and (eq (include "slogate.stateStore" .) "redis") (not $r.url) (not $r.existingSecret) }}true{{ end }}
+{{- end }}

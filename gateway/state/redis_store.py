@@ -1,0 +1,80 @@
+"""The Redis state store: what gateway replicas in a cluster share (see :mod:`gateway.state.store`).
+
+Every call is one command with a deadline: a store that does not answer within ``timeout_s``
+raises :class:`StoreError` and the caller goes on with what it has (sharing load is best effort;
+the engines' own metrics still show every replica's requests at each scrape). Keys the callers
+build carry one hash tag, so they all live in one slot and a multi-key read works on Redis Cluster
+too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Collection, Sequence
+from typing import Any, TypeVar
+
+from gateway.settings import without_credentials
+from gateway.state.store import StoreError, check_ttl
+
+T = TypeVar("T")
+
+
+class RedisStore:
+    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+        # (imported here: only a gateway configured for Redis loads the client)
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        self._errors = (OSError, TimeoutError, RedisError)
+
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client: Any = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            # a connection the server or a proxy closed while idle is found before it is used
+            health_check_interval=30,
+            # one attempt: the caller's next round is the retry
+            retry_on_timeout=False,
+        )
+
+    def __repr__(self) -> str:
+        return f"RedisStore({without_credentials(self.url)!r})"
+
+    async def _call(self, what: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(what, self.timeout_s)
+        except self._errors as exc:  # (connection, timeout, protocol, auth, READONLY replica)
+            why = str(exc) or type(exc).__name__
+            raise StoreError(f"redis at {without_credentials(self.url)}: {why}") from exc
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        milliseconds = max(1, round(check_ttl(ttl_s) * 1000))
+        await self._call(self._client.set(key, value, px=milliseconds))
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = await self._call(self._client.mget(list(keys)))
+        return list(values)
+
+    async def delete(self, key: str) -> None:
+        await self._call(self._client.delete(key))
+
+    async def join(self, group: str, member: str) -> None:
+        await self._call(self._client.sadd(group, member))
+
+    async def members(self, group: str) -> set[str]:
+        found = await self._call(self._client.smembers(group))
+        return {m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m) for m in found}
+
+    async def leave(self, group: str, members: Collection[str]) -> None:
+        if members:
+            await self._call(self._client.srem(group, *members))
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self._client.aclose(), self.timeout_s)
+        except Exception:  # (closing what may already be broken: nothing left to tell)
+            return

@@ -1,0 +1,92 @@
+"""The state store seam: what gateway replicas share, and the embedded in-memory default.
+
+A store keeps byte values under string keys, each with a time to live, and named groups of
+members (sets). That is all that sharing load across replicas needs (:mod:`gateway.state.replica_load`):
+each replica writes its own key often and reads the others', and a replica that dies without a
+word drops out when its key expires. :class:`MemoryStore` serves one process (the default, and
+several replicas in one test); :class:`gateway.state.redis_store.RedisStore` serves replicas in a
+cluster. Both pass the same contract tests (``tests/gateway/test_state_store.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """The store could not be reached or did not answer in time; what was asked may or may not
+    have been done (the caller retries on its next round)."""
+
+
+class StateStore(Protocol):
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Set ``key`` to ``value``, gone after ``ttl_s`` seconds unless put again."""
+        ...
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys``, in order; None for a key that is absent or expired."""
+        ...
+
+    async def delete(self, key: str) -> None: ...
+
+    async def join(self, group: str, member: str) -> None:
+        """Add ``member`` to the set ``group`` (no expiry: members are dropped by :meth:`leave`)."""
+        ...
+
+    async def members(self, group: str) -> set[str]: ...
+
+    async def leave(self, group: str, members: Collection[str]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def check_ttl(ttl_s: float) -> float:
+    if not (math.isfinite(ttl_s) and ttl_s > 0):
+        raise ValueError(f"a time to live must be a positive number of seconds, not {ttl_s!r}")
+    return ttl_s
+
+
+class MemoryStore:
+    """The store of one process: the embedded default, where there is one replica. Expiry is
+    judged when a key is read, by ``clock`` (monotonic seconds)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._values: dict[str, tuple[bytes, float]] = {}
+        self._groups: dict[str, set[str]] = {}
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        self._values[key] = (bytes(value), self.clock() + check_ttl(ttl_s))
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        now = self.clock()
+        found: list[bytes | None] = []
+        for key in keys:
+            held = self._values.get(key)
+            if held is not None and held[1] <= now:
+                del self._values[key]
+                held = None
+            found.append(None if held is None else held[0])
+        return found
+
+    async def delete(self, key: str) -> None:
+        self._values.pop(key, None)
+
+    async def join(self, group: str, member: str) -> None:
+        self._groups.setdefault(group, set()).add(member)
+
+    async def members(self, group: str) -> set[str]:
+        return set(self._groups.get(group, ()))
+
+    async def leave(self, group: str, members: Collection[str]) -> None:
+        held = self._groups.get(group)
+        if held is not None:
+            held.difference_update(members)
+            if not held:
+                del self._groups[group]
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,218 @@
+"""Gateway replicas count each other's requests: two fleets (two replicas) exchange their in-flight
+counts through one store, and routing, ``max_engine_load`` and HyperFlexis's seats count both."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.dispatch.offline import offline_core, offline_fleet
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.state.replica_load import ReplicaLoad, decode, encode
+from gateway.state.store import MemoryStore, StoreError
+from policies.api import EngineState, estimated_load
+from tests.gateway.test_dispatch_core import ticket
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FlakyStore(MemoryStore):
+    """A memory store that can be made unreachable."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.down = False
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        if self.down:
+            raise StoreError("down")
+        await super().put(key, value, ttl_s)
+
+
+def replicas(
+    store: MemoryStore, clock: Clock, n: int = 2, engines: int = 2
+) -> list[tuple[Fleet, ReplicaLoad]]:
+    made = []
+    for i in range(n):
+        fleet = offline_fleet({"a": engines})
+        made.append((fleet, ReplicaLoad(fleet, store, f"r{i}", interval_s=0.1, clock=clock)))
+    return made
+
+
+async def exchange(*loads: ReplicaLoad) -> None:
+    for load in loads:
+        await load.round()
+    for load in loads:  # (a second pass: each has read what the others wrote last)
+        await load.round()
+
+
+def remote(fleet: Fleet) -> dict[str, int]:
+    return {e: r.remote_in_flight for e, r in fleet.records.items()}
+
+
+def entry(prompt: int = 100, output: int = 10) -> RunningEntry:
+    return RunningEntry(prompt, output, 0.1, 0.0)
+
+
+async def test_each_replica_sees_the_others_requests_and_not_its_own_twice() -> None:
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock)
+    fa.reserve("a-0", "x1", entry())
+    fa.reserve("a-0", "x2", entry())
+    fb.reserve("a-1", "y1", entry(50, 5))
+    await exchange(la, lb)
+    assert remote(fb) == {"a-0": 2, "a-1": 0}
+    assert remote(fa) == {"a-0": 0, "a-1": 1}
+    snap = fb.engine_snapshot("a-0")
+    assert snap.in_flight == 2 and snap.in_flight_tokens == 220 and snap.running_tokens == 200
+    assert fb.engine_snapshot("a-1").in_flight == 1  # (its own, once)
+    assert fb.records["a-0"].seats_taken() == 2
+    assert la.peers == ("r1",) and lb.peers == ("r0",)
+
+
+async def test_least_load_routing_counts_the_other_replicas_requests() -> None:
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock)
+    core_a, core_b = offline_core(fa), offline_core(fb)
+    first = core_a.submit(ticket("r-1"), 0.0)
+    assert first is not None and first.engine_id == "a-0"
+    await exchange(la, lb)
+    # (alone, B would take the first of two engines it sees idle: the one A just loaded)
+    placed = core_b.submit(ticket("r-2"), 0.0)
+    assert placed is not None and placed.engine_id == "a-1"
+
+
+async def test_max_engine_load_counts_the_other_replicas_requests() -> None:
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock)
+    core_a = offline_core(fa, max_engine_load=1)
+    core_b = offline_core(fb, max_engine_load=1)
+    assert core_a.submit(ticket("r-1"), 0.0) is not None
+    assert core_a.submit(ticket("r-2"), 0.0) is not None
+    await exchange(la, lb)
+    # replica B has nothing of its own on either engine, yet both are full
+    assert core_b.submit(ticket("r-3"), 0.0) is None
+    core_b.step(0.0)
+    assert core_b.outbox == []
+    # one of A's requests ends: once B hears of it, its queued request takes that seat
+    done = next(iter(fa.records["a-1"].running))
+    fa.release("a-1", done)
+    await exchange(la, lb)
+    core_b.step(0.1)
+    assert [(rid, rec.engine_id) for rid, rec in core_b.outbox] == [("r-3", "a-1")]
+
+
+async def test_hyperflexis_counts_the_other_replicas_requests_as_taken_seats() -> None:
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock, engines=1)
+    for i in range(2):
+        fa.reserve("a-0", f"x{i}", entry())
+    await exchange(la, lb)
+    core_b = offline_core(fb, dispatcher="hyperflexis", order="slo_tpot", max_engine_load=2)
+    assert core_b.submit(ticket("r-1"), 10.0) is None
+    view = core_b.workers._view(fb.records["a-0"], 0.0)
+    assert view.load[0] == 2 and view.load[1] == 200
+    fa.release("a-0", "x0")
+    await exchange(la, lb)
+    core_b.step(10.1)
+    assert [(rid, rec.engine_id) for rid, rec in core_b.outbox] == [("r-1", "a-0")]
+
+
+async def test_a_scrape_holds_the_other_replicas_requests_once() -> None:
+    """The engine's report counts every replica's requests: the estimate adds only what came
+    since the scrape, from any replica."""
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock, engines=1)
+    fa.reserve("a-0", "x1", entry())
+    await exchange(la, lb)
+    state = EngineState(num_running=1, num_waiting=0, kv_usage=0.5, num_gpu_blocks=100, block_size=10)
+    fb.record_state("a-0", state, 0.0)
+    assert estimated_load(fb.engine_snapshot("a-0", 0.0)) == 1  # (not 2: the report has it)
+    fa.reserve("a-0", "x2", entry())
+    await exchange(la, lb)
+    assert estimated_load(fb.engine_snapshot("a-0", 0.0)) == 2
+    # KV: 500 of 1,000 tokens used at the scrape (x1's 110 among them), x2's 110 since
+    assert fb.records["a-0"].free_kv_tokens() == 1000 - 500 - 110
+
+
+async def test_a_replica_that_stops_withdraws_at_once_and_one_that_dies_expires() -> None:
+    clock = Clock()
+    store = MemoryStore(clock)
+    (fa, la), (fb, lb), (fc, lc) = replicas(store, clock, n=3)
+    fa.reserve("a-0", "x", entry())
+    fb.reserve("a-0", "y", entry())
+    await exchange(la, lb, lc)
+    assert remote(fc)["a-0"] == 2
+    await la.stop()
+    await lc.round()
+    assert remote(fc)["a-0"] == 1
+    # b dies without a word: its count is kept until its key expires, then it leaves the group
+    clock.now += lb.ttl_s - 0.01
+    await lc.round()
+    assert remote(fc)["a-0"] == 1
+    clock.now += 0.02
+    await lc.round()
+    assert remote(fc)["a-0"] == 0 and lc.peers == ()
+    assert await store.members(lc.group) == {"r2"}
+
+
+async def test_an_unreachable_store_keeps_the_others_counts_for_the_ttl_then_drops_them() -> None:
+    clock = Clock()
+    store = FlakyStore(clock)
+    (fa, la), (fb, lb) = replicas(store, clock)
+    fa.reserve("a-1", "x", entry())
+    await exchange(la, lb)
+    store.down = True
+    clock.now += 1.0
+    await lb.round()
+    assert remote(fb)["a-1"] == 1 and lb.errors == 1
+    clock.now += lb.ttl_s
+    await lb.round()
+    assert remote(fb)["a-1"] == 0 and lb.errors == 2
+    store.down = False
+    await exchange(la, lb)  # (A's key expired meanwhile: it is back once A writes again)
+    assert remote(fb)["a-1"] == 1
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"not json",
+        b"[]",
+        orjson.dumps({"v": 2, "engines": {}}),
+        orjson.dumps({"v": 1, "engines": []}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [1, 2]}}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [-1, 0, 0]}}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [True, 0, 0]}}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [1.5, 0, 0]}}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [2_000_000, 0, 0]}}),
+        orjson.dumps({"v": 1, "engines": {"a-0": [1, 1 << 60, 0]}}),
+    ],
+)
+def test_a_value_this_version_does_not_write_is_not_read(value: bytes) -> None:
+    assert decode(value, {"a-0"}) is None
+
+
+def test_engines_this_fleet_does_not_know_are_left_out() -> None:
+    fleet = offline_fleet({"a": 1})
+    fleet.reserve("a-0", "x", entry())
+    value = orjson.dumps({"v": 1, "engines": {"a-0": [1, 110, 100], "elsewhere": [5, 5, 5]}})
+    assert decode(value, set(fleet.records)) == {"a-0": (1, 110, 100)}
+    assert decode(encode(fleet), set(fleet.records)) == {"a-0": (1, 110, 100)}
+
+
+async def test_a_store_value_from_a_stranger_is_skipped_not_fatal() -> None:
+    clock = Clock()
+    store = MemoryStore(clock)
+    (fa, la), (fb, lb) = replicas(store, clock)
+    fa.reserve("a-0", "x", entry())
+    await store.join(lb.group, "stranger")
+    await store.put(lb.key("stranger"), b"\xff garbage", 10)
+    await exchange(la, lb)
+    assert remote(fb)["a-0"] == 1 and lb.peers == ("r0",) and lb.errors == 0

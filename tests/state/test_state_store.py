@@ -1,0 +1,90 @@
+"""One contract for every state store: the in-memory default and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from gateway.state.redis_store import RedisStore
+from gateway.state.store import MemoryStore, StateStore, StoreError
+from tests.support.redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+    made: StateStore = MemoryStore() if request.param == "memory" else RedisStore(redis_server.url)
+    if isinstance(made, RedisStore):
+        await made._client.flushdb()
+    yield made
+    await made.close()
+
+
+async def test_put_then_get_many_in_order_with_none_for_absent(store: StateStore) -> None:
+    await store.put("{t}:a", b"one", 10)
+    await store.put("{t}:b", b"\x00\xff binary", 10)
+    assert await store.get_many(["{t}:b", "{t}:missing", "{t}:a"]) == [b"\x00\xff binary", None, b"one"]
+    assert await store.get_many([]) == []
+
+
+async def test_put_replaces_and_delete_removes(store: StateStore) -> None:
+    await store.put("{t}:k", b"old", 10)
+    await store.put("{t}:k", b"new", 10)
+    assert await store.get_many(["{t}:k"]) == [b"new"]
+    await store.delete("{t}:k")
+    await store.delete("{t}:k")  # (twice: nothing to delete is not an error)
+    assert await store.get_many(["{t}:k"]) == [None]
+
+
+async def test_a_value_expires_after_its_ttl_unless_put_again(store: StateStore) -> None:
+    await store.put("{t}:short", b"x", 0.15)
+    await store.put("{t}:kept", b"y", 0.15)
+    await asyncio.sleep(0.1)
+    await store.put("{t}:kept", b"y", 0.15)
+    await asyncio.sleep(0.1)
+    assert await store.get_many(["{t}:short", "{t}:kept"]) == [None, b"y"]
+
+
+async def test_groups_join_list_and_leave(store: StateStore) -> None:
+    assert await store.members("{t}:g") == set()
+    await store.join("{t}:g", "a")
+    await store.join("{t}:g", "b")
+    await store.join("{t}:g", "a")
+    assert await store.members("{t}:g") == {"a", "b"}
+    await store.leave("{t}:g", ["a", "absent"])
+    await store.leave("{t}:g", [])
+    assert await store.members("{t}:g") == {"b"}
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("inf"), float("nan")])
+async def test_a_ttl_must_be_positive_and_finite(store: StateStore, ttl: float) -> None:
+    with pytest.raises(ValueError):
+        await store.put("{t}:k", b"x", ttl)
+
+
+async def test_an_unreachable_redis_raises_store_error_within_its_timeout() -> None:
+    server = RedisServer()  # (never started: nothing listens on its port)
+    store = RedisStore(server.url, timeout_s=0.3)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(StoreError) as caught:
+        await store.get_many(["{t}:k"])
+    assert asyncio.get_running_loop().time() - started < 2.0
+    assert str(server.port) in str(caught.value)
+    await store.close()
+
+
+async def test_a_redis_password_never_shows_in_errors_or_repr() -> None:
+    server = RedisServer()
+    store = RedisStore(f"redis://:hunter2secret@127.0.0.1:{server.port}/0", timeout_s=0.3)
+    with pytest.raises(StoreError) as caught:
+        await store.put("{t}:k", b"x", 1)
+    assert "hunter2secret" not in str(caught.value)
+    assert "hunter2secret" not in repr(store)
+    await store.close()
