@@ -159,7 +159,9 @@ class Gateway:
         if s.state_store == "redis":
             assert s.redis_url is not None
             store = RedisStore(s.redis_url, s.state_store_timeout_s)
-            self.replicas = ReplicaLoad(self.fleet, store, s.replica_id, s.replica_sync_interval_s)
+            self.replicas = ReplicaLoad(
+                self.fleet, store, s.replica_id, s.replica_sync_interval_s, s.replica_push_delay_s
+            )
             self.replicas.start()
         else:
             metrics.REPLICAS.set(1)

@@ -90,6 +90,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gateway.bench.sustained_rate import bench_rate_main
 
         return bench_rate_main(args)
+    if args.bench == "replicas":
+        from gateway.bench.replicas import bench_replicas_main
+
+        return bench_replicas_main(args)
     if args.bench == "prefix-memory":
         from gateway.bench.prefix_memory import bench_prefix_memory_main
 
@@ -241,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_rate_arguments(
         bench_sub.add_parser("rate", help="added latency under a sustained open-loop request rate, over time")
+    )
+    from gateway.bench.replicas import add_replica_arguments
+
+    add_replica_arguments(
+        bench_sub.add_parser(
+            "replicas",
+            help="gateway replicas over the same engines, counting their own or every replica's load",
+        )
     )
     p.set_defaults(func=_bench)
 

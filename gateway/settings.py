@@ -483,11 +483,19 @@ class Settings(BaseSettings):
         "Kubernetes pod's host name is its name)",
     )
     replica_sync_interval_s: float = Field(
-        default=0.1,
+        default=0.5,
         ge=0.01,
         le=10.0,
-        description="how often replicas exchange their in-flight counts: what they share is at most "
-        "this old, so two replicas may both take an engine's last seat within it",
+        description="how often a replica writes its in-flight counts and reads every other "
+        "replica's in full (what the pushed changes missed; replicas gone)",
+    )
+    replica_push_delay_s: float = Field(
+        default=0.002,
+        ge=0.0,
+        le=1.0,
+        description="a replica's placements and completions are pushed to the others within this "
+        "long, several in one message: two replicas may both take an engine's last seat within it "
+        "(and a round trip to the store)",
     )
     state_store_timeout_s: float = Field(default=0.5, gt=0, le=30.0, description="per state store call")
 

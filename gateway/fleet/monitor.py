@@ -183,12 +183,13 @@ class FleetMonitor:
         if record.adapter.metrics_path is None:
             return False  # nothing to scrape: the state stays None, which policies treat as stale
         sent_at, at_send = time.monotonic(), (record.in_flight, record.in_flight_tokens)
+        remote_at_send = (record.remote_in_flight, record.remote_tokens)
         ok, state = await self._read(
             engine_id, record.adapter.scrape, self.scrape_errors, "metrics scrape", "its state will go stale"
         )
         if not ok:
             return False
-        self.fleet.record_state(engine_id, state, time.monotonic(), sent_at, at_send)
+        self.fleet.record_state(engine_id, state, time.monotonic(), sent_at, at_send, remote_at_send)
         if self.scrape_errors.pop(engine_id, None) is not None:
             log.info("metrics scrape of %s recovered", engine_id, extra={"engine": engine_id})
         self._out_if_not_serving(record)

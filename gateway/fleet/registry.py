@@ -306,6 +306,8 @@ class Fleet:
         self.token_observer: TokenObserver | None = None
         #: LoRA adapter -> the served model it is loaded on, over every engine (see set_adapters)
         self.adapter_bases: dict[str, str] = {}
+        #: told after every reservation and release (None: nobody shares this fleet's load)
+        self.load_listener: Callable[[], None] | None = None
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -540,6 +542,8 @@ class Fleet:
             )
         self._dirty.add(record.index)
         self._rank_load(record)
+        if self.load_listener is not None:
+            self.load_listener()
 
     def release(self, engine_id: str, request_id: str) -> RunningEntry | None:
         """Undo :meth:`reserve`; idempotent (a second release of the same id does nothing)."""
@@ -558,16 +562,25 @@ class Fleet:
                 del record.tpot_counts[entry.tpot_slo]
             self._dirty.add(record.index)
             self._rank_load(record)
+            if self.load_listener is not None:
+                self.load_listener()
             self._notify(engine_id, "release")
         return entry
 
     def set_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
-        """The other gateway replicas' requests per engine id, as just exchanged (count, reserved
-        tokens, running tokens; an engine not named has none of theirs). An engine where theirs
-        went down is announced (``"remote"``): a request queued here may fit there now."""
-        for record in self._by_index:
-            count, tokens, running = loads.get(record.engine_id, _NONE_REMOTE)
-            if (
+        """The other gateway replicas' requests per engine id, all of them (an engine not named
+        has none of theirs): :meth:`update_remote` of every engine."""
+        self.update_remote({r.engine_id: loads.get(r.engine_id, _NONE_REMOTE) for r in self._by_index})
+
+    def update_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
+        """The other gateway replicas' requests on the engines named, as just heard (count,
+        reserved tokens, running tokens); engines this fleet does not know are skipped. An engine
+        where theirs went down is announced (``"remote"``): a request queued here may fit there
+        now."""
+        records = self.records
+        for engine_id, (count, tokens, running) in loads.items():
+            record = records.get(engine_id)
+            if record is None or (
                 count == record.remote_in_flight
                 and tokens == record.remote_tokens
                 and running == record.remote_running_tokens
@@ -616,6 +629,7 @@ class Fleet:
         now: float,
         sent_at: float | None = None,
         in_flight_at_send: tuple[int, int] | None = None,
+        remote_at_send: tuple[int, int] | None = None,
     ) -> None:
         """The engine's state as a scrape read it at ``now``; ``sent_at``: when the scrape was
         sent, with what was in flight then. The engine rendered its metrics somewhere between,
@@ -635,8 +649,12 @@ class Fleet:
             in_flight, tokens = min(in_flight, in_flight_at_send[0]), min(tokens, in_flight_at_send[1])
         record.in_flight_at_scrape = in_flight
         record.in_flight_tokens_at_scrape = tokens
-        record.remote_at_scrape = record.remote_in_flight
-        record.remote_tokens_at_scrape = record.remote_tokens
+        # (the other replicas' likewise: what they had at the send, if less than now)
+        remote, remote_tokens = record.remote_in_flight, record.remote_tokens
+        if remote_at_send is not None:
+            remote, remote_tokens = min(remote, remote_at_send[0]), min(remote_tokens, remote_at_send[1])
+        record.remote_at_scrape = remote
+        record.remote_tokens_at_scrape = remote_tokens
         self._dirty.add(record.index)
         self._unranked.add(record.index)
         self._notify(engine_id, "state")

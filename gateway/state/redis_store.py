@@ -10,7 +10,8 @@ too.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Collection, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from typing import Any, TypeVar
 
 from gateway.settings import without_credentials
@@ -44,8 +45,15 @@ class RedisStore:
 
     async def _call(self, what: Awaitable[T]) -> T:
         try:
-            return await asyncio.wait_for(what, self.timeout_s)
+            # (a deadline on this task, not wait_for's task per command: a third of its cost)
+            async with asyncio.timeout(self.timeout_s):
+                return await what
         except self._errors as exc:  # (connection, timeout, protocol, auth, READONLY replica)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # the client turned the caller's cancellation into an error of its own (a read cut
+                # short): a stop must not read as a store outage, and the caller's loop must end
+                raise asyncio.CancelledError from exc
             why = str(exc) or type(exc).__name__
             raise StoreError(f"redis at {without_credentials(self.url)}: {why}") from exc
 
@@ -72,6 +80,26 @@ class RedisStore:
     async def leave(self, group: str, members: Collection[str]) -> None:
         if members:
             await self._call(self._client.srem(group, *members))
+
+    async def publish(self, channel: str, message: bytes) -> None:
+        await self._call(self._client.publish(channel, message))
+
+    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await self._call(pubsub.subscribe(channel))
+            while True:
+                # (a bounded wait, not listen(): a read past socket_timeout is an error there,
+                # and a quiet channel is not one)
+                message = await self._call(
+                    pubsub.get_message(ignore_subscribe_messages=True, timeout=self.timeout_s / 2)
+                )
+                if message is not None and message.get("type") == "message":
+                    data = message["data"]
+                    yield data if isinstance(data, bytes) else str(data).encode()
+        finally:
+            with contextlib.suppress(Exception):  # (closing what may already be broken)
+                await asyncio.wait_for(pubsub.aclose(), self.timeout_s)
 
     async def close(self) -> None:
         try:

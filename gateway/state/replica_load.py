@@ -3,20 +3,29 @@
 Replicas behind one Service each see only their own requests between two scrapes of an engine's
 metrics: two replicas under ``max_engine_load: 2`` put four requests on an engine, and least-load
 routing sent both replicas' bursts to the same engine (the peers' "load counted per replica"
-complaint). Here each replica writes its in-flight counts per engine under its own key every
-``interval_s`` and reads the others'; the fleet adds theirs to its own (:meth:`Fleet.set_remote`),
-so routing, ``max_engine_load`` and HyperFlexis's seats count every replica's requests.
+complaint). Here each replica tells the others its in-flight counts per engine as they change,
+and the fleet adds theirs to its own (:meth:`Fleet.update_remote`), so routing, ``max_engine_load``
+and HyperFlexis's seats count every replica's requests.
 
-What is shared is at most one round old: two replicas placing on one engine within one interval
-can still both take its last seat (the limit is exact per replica, and across replicas up to what
-the others placed in the last ``interval_s``). A replica that stops deletes its key; one that dies
-drops out when its key expires (``ttl_s``). When the store cannot be reached the others' counts
-are kept for ``ttl_s``, then dropped: the engines' scrapes still count every replica's requests.
+Two paths, one message. A reservation or a release here schedules a push within ``push_delay_s``
+(what changed meanwhile goes in one message): the replica's counts are written under its own key
+and published on a channel every replica subscribes to, so the others hear of a placement within
+about a round trip. Every ``interval_s`` a full round writes them again and reads every replica's
+key: what a lost subscription missed, and replicas that died (their key expired) or stopped (they
+delete it), are put right there. Messages carry a sequence number per replica, so an old message
+never undoes a newer read.
+
+What a replica knows of the others is at most a push (``push_delay_s`` plus a round trip) old
+while the subscription holds, at most ``interval_s`` old when it does not: two replicas placing on
+one engine within that window can both take its last seat (the limit is exact per replica). When
+the store cannot be reached the others' counts are kept for ``ttl_s``, then dropped: the engines'
+scrapes still count every replica's requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -40,27 +49,36 @@ MAX_TOKENS = 1 << 50
 Loads = dict[str, tuple[int, int, int]]
 
 
-def encode(fleet: Fleet) -> bytes:
-    """This replica's requests on each engine that has any: count, reserved and running tokens."""
-    engines = {
-        r.engine_id: (r.in_flight, r.in_flight_tokens, r.running_tokens)
-        for r in fleet.records.values()
-        if r.in_flight > 0
-    }
-    return orjson.dumps({"v": FORMAT, "engines": engines})
+def encode(fleet: Fleet | None, replica_id: str, seq: int) -> bytes:
+    """What a replica says of itself: its requests on each engine that has any (count, reserved
+    and running tokens; none for ``fleet`` None: it is leaving), numbered ``seq``."""
+    engines = (
+        {}
+        if fleet is None
+        else {
+            r.engine_id: (r.in_flight, r.in_flight_tokens, r.running_tokens)
+            for r in fleet.records.values()
+            if r.in_flight > 0
+        }
+    )
+    return orjson.dumps({"v": FORMAT, "r": replica_id, "seq": seq, "engines": engines})
 
 
-def decode(value: bytes, known: frozenset[str] | set[str]) -> Loads | None:
-    """Another replica's counts, for the engines this fleet knows; None when the value is not one
-    this version writes (an engine id, count or token total out of bounds makes all of it so)."""
+def decode(value: bytes, known: frozenset[str] | set[str]) -> tuple[str, int, Loads] | None:
+    """Who said it, its number, and its counts for the engines this fleet knows; None when the
+    value is not one this version writes (a count or token total out of bounds makes all of it
+    so)."""
     try:
         doc = orjson.loads(value)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(doc, dict) or doc.get("v") != FORMAT or not isinstance(doc.get("engines"), dict):
+    if not isinstance(doc, dict) or doc.get("v") != FORMAT:
+        return None
+    replica, seq, engines = doc.get("r"), doc.get("seq"), doc.get("engines")
+    if not (isinstance(replica, str) and type(seq) is int and isinstance(engines, dict)):
         return None
     loads: Loads = {}
-    for engine_id, entry in doc["engines"].items():
+    for engine_id, entry in engines.items():
         if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
             return None
         count, tokens, running = entry
@@ -68,17 +86,7 @@ def decode(value: bytes, known: frozenset[str] | set[str]) -> Loads | None:
             return None
         if engine_id in known:
             loads[engine_id] = (count, tokens, running)
-    return loads
-
-
-def add(total: Loads, more: Loads) -> None:
-    for engine_id, (count, tokens, running) in more.items():
-        held = total.get(engine_id)
-        total[engine_id] = (
-            (count, tokens, running)
-            if held is None
-            else (held[0] + count, held[1] + tokens, held[2] + running)
-        )
+    return replica, seq, loads
 
 
 class ReplicaLoad:
@@ -87,7 +95,8 @@ class ReplicaLoad:
         fleet: Fleet,
         store: StateStore,
         replica_id: str,
-        interval_s: float = 0.1,
+        interval_s: float = 0.5,
+        push_delay_s: float = 0.002,
         ttl_s: float | None = None,
         namespace: str = "slogate",
         clock: Callable[[], float] = time.monotonic,
@@ -96,66 +105,121 @@ class ReplicaLoad:
         self.store = store
         self.replica_id = replica_id
         self.interval_s = interval_s
+        self.push_delay_s = push_delay_s
         #: long enough that a replica busy for a few rounds is not taken for gone
         self.ttl_s = ttl_s if ttl_s is not None else max(2.0, 5 * interval_s)
         # (one hash tag for every key: one slot on Redis Cluster, so a multi-key read works)
         self.group = f"{{{namespace}}}:replicas"
+        self.channel = f"{{{namespace}}}:load-changes"
         self._prefix = f"{{{namespace}}}:load:"
-        #: the other replicas whose counts were read in the last round
+        #: the other replicas whose counts are counted
         self.peers: tuple[str, ...] = ()
         self.errors = 0
-        self._known = set(fleet.records)
         self.clock = clock
+        self._known = set(fleet.records)
+        #: what each other replica last said, and the sequence number it said it with
+        self._others: dict[str, tuple[int, Loads]] = {}
+        self._total: Loads = {}
+        # (from the wall clock: a replica restarted under the same name, as a Kubernetes pod's
+        # container is, numbers its messages above those of its earlier life)
+        self._seq = time.time_ns()
         self._ok_at = clock()
         self._failing = False
-        self._task: asyncio.Task[None] | None = None
+        self._push_due = False
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
 
     def key(self, replica_id: str) -> str:
         return self._prefix + replica_id
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="replica-load")
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.fleet.load_listener = self._changed
+        self._tasks = [
+            loop.create_task(self._run(), name="replica-load"),
+            loop.create_task(self._listen(), name="replica-load-listen"),
+        ]
 
     async def stop(self) -> None:
         """Stop exchanging and withdraw this replica's counts (the others drop them at once)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        tasks, self._tasks = self._tasks, []
+        # (the loops end on this too, should a cancellation be swallowed on the way)
+        self._stopping = True
+        if self.fleet.load_listener == self._changed:
+            self.fleet.load_listener = None
+        await cancel_and_wait(*tasks)
         try:
             await self.store.delete(self.key(self.replica_id))
             await self.store.leave(self.group, [self.replica_id])
+            self._seq += 1
+            await self.store.publish(self.channel, encode(None, self.replica_id, self._seq))
         except StoreError as exc:
             log.warning("could not withdraw this replica's load from the state store: %s", exc)
         finally:
             await self.store.close()
 
-    async def _run(self) -> None:
-        while True:
-            started = self.clock()
-            await self.round()
-            await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+    # -- this replica's counts out --------------------------------------------------------------
 
-    async def round(self) -> None:
-        """One exchange: write this replica's counts, read the others', hand them to the fleet.
-        Never raises but for cancellation: a failure is counted, logged once per outage, and the
-        next round is the retry."""
+    def _changed(self) -> None:
+        """A reservation or a release here (the fleet calls this on the request's path: a flag and
+        at most one timer per push)."""
+        if not self._push_due and self._wake is not None:
+            self._push_due = True
+            asyncio.get_running_loop().call_later(self.push_delay_s, self._wake.set)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        next_full = self.clock()
+        while not self._stopping:
+            wait = next_full - self.clock()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
+            self._push_due = False
+            full = self.clock() >= next_full
+            if full:
+                next_full = self.clock() + self.interval_s
+            await self.round(full)
+
+    async def round(self, full: bool = True) -> None:
+        """Push this replica's counts; with ``full``, read every replica's too. Never raises but
+        for cancellation: a failure is counted, logged once per outage, and the next round is the
+        retry."""
         try:
-            await self._exchange()
+            await self._push(full)
+            if full:
+                await self._read_all()
         except StoreError as exc:
             self._failed(str(exc))
         except Exception as exc:  # (a bug here must not end the exchange for good)
             log.exception("replica load exchange failed")
             self._failed(f"{type(exc).__name__}: {exc}")
         else:
-            if self._failing:
-                log.warning("state store reachable again: sharing load with %d replicas", len(self.peers))
-            self._failing = False
-            self._ok_at = self.clock()
+            if full:
+                if self._failing:
+                    log.warning("state store reachable again: sharing load with %d replicas", len(self.peers))
+                self._failing = False
+                self._ok_at = self.clock()
         metrics.REPLICAS.set(len(self.peers) + 1)
 
-    async def _exchange(self) -> None:
+    async def _push(self, full: bool) -> None:
+        """Publish this replica's counts; on a full round, write them under its key as well (the
+        key is what a replica that missed a message, or starts, reads: at most a round old)."""
+        self._seq += 1
+        value = encode(self.fleet, self.replica_id, self._seq)
+        if full:
+            await self.store.put(self.key(self.replica_id), value, self.ttl_s)
+        await self.store.publish(self.channel, value)
+
+    # -- the others' counts in ------------------------------------------------------------------
+
+    async def _read_all(self) -> None:
         store = self.store
-        await store.put(self.key(self.replica_id), encode(self.fleet), self.ttl_s)
         # (every round: a store that restarted, or others that took this replica for gone while
         # it was stalled, learn of it again)
         await store.join(self.group, self.replica_id)
@@ -164,19 +228,59 @@ class ReplicaLoad:
         gone = [m for m, v in zip(others, values, strict=True) if v is None]
         if gone:
             await store.leave(self.group, gone)
-        total: Loads = {}
-        peers = []
+        heard: dict[str, tuple[int, Loads]] = {}
         for member, value in zip(others, values, strict=True):
-            if value is None:
-                continue
-            loads = decode(value, self._known)
-            if loads is None:
-                log.debug("replica %r wrote a load this version does not read", member)
-                continue
-            peers.append(member)
-            add(total, loads)
-        self.peers = tuple(peers)
-        self.fleet.set_remote(total)
+            said = None if value is None else decode(value, self._known)
+            if said is not None and said[0] == member:
+                held = self._others.get(member)
+                # (a message newer than the key read may have come in meanwhile)
+                heard[member] = held if held is not None and held[0] > said[1] else (said[1], said[2])
+        self._others = heard
+        self._apply(set(self._total).union(*(loads for _, loads in heard.values())))
+
+    async def _listen(self) -> None:
+        while not self._stopping:
+            try:
+                async for message in self.store.subscribe(self.channel):
+                    if self._stopping:
+                        return
+                    self._heard(message)
+            except StoreError as exc:
+                log.debug("replica load subscription lost (%s); the full rounds go on", exc)
+            except Exception:
+                log.exception("replica load subscription failed")
+            await asyncio.sleep(min(1.0, self.interval_s))
+
+    def _heard(self, message: bytes) -> None:
+        said = decode(message, self._known)
+        if said is None or said[0] == self.replica_id:
+            return
+        member, seq, loads = said
+        held = self._others.get(member)
+        if held is not None and held[0] >= seq:
+            return
+        self._others[member] = (seq, loads)
+        self._apply(set(loads) | (set(held[1]) if held is not None else set()))
+
+    def _apply(self, engines: set[str]) -> None:
+        """Recount the others' requests on ``engines`` (those some replica's news named) and hand
+        what changed to the fleet."""
+        changes: Loads = {}
+        for engine_id in engines:
+            total = (0, 0, 0)
+            for _, loads in self._others.values():
+                held = loads.get(engine_id)
+                if held is not None:
+                    total = (total[0] + held[0], total[1] + held[1], total[2] + held[2])
+            if self._total.get(engine_id, (0, 0, 0)) != total:
+                changes[engine_id] = total
+                if total == (0, 0, 0):
+                    self._total.pop(engine_id, None)
+                else:
+                    self._total[engine_id] = total
+        self.peers = tuple(sorted(self._others))
+        if changes:
+            self.fleet.update_remote(changes)
 
     def _failed(self, why: str) -> None:
         self.errors += 1
@@ -184,7 +288,8 @@ class ReplicaLoad:
         if not self._failing:
             log.warning("state store unreachable (%s): other replicas' load kept for %g s", why, self.ttl_s)
             self._failing = True
-        if self.clock() - self._ok_at > self.ttl_s:
+        if self.clock() - self._ok_at > self.ttl_s and self._others:
             # too old to count on: the engines' scrapes still show the others' requests
+            self._others = {}
+            self._apply(set(self._total))
             self.peers = ()
-            self.fleet.set_remote({})

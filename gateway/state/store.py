@@ -1,18 +1,20 @@
 """The state store seam: what gateway replicas share, and the embedded in-memory default.
 
-A store keeps byte values under string keys, each with a time to live, and named groups of
-members (sets). That is all that sharing load across replicas needs (:mod:`gateway.state.replica_load`):
-each replica writes its own key often and reads the others', and a replica that dies without a
-word drops out when its key expires. :class:`MemoryStore` serves one process (the default, and
+A store keeps byte values under string keys, each with a time to live, named groups of members
+(sets), and channels that deliver what is published to every subscriber at that moment. That is
+all that sharing load across replicas needs (:mod:`gateway.state.replica_load`): each replica
+publishes its counts as they change and writes them under its own key, and a replica that dies
+without a word drops out when its key expires. :class:`MemoryStore` serves one process (the default, and
 several replicas in one test); :class:`gateway.state.redis_store.RedisStore` serves replicas in a
 cluster. Both pass the same contract tests (``tests/gateway/test_state_store.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Protocol
 
 
@@ -40,6 +42,16 @@ class StateStore(Protocol):
 
     async def leave(self, group: str, members: Collection[str]) -> None: ...
 
+    async def publish(self, channel: str, message: bytes) -> None:
+        """Deliver ``message`` to every subscriber of ``channel`` now (none: it is gone)."""
+        ...
+
+    def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        """Messages published to ``channel`` from the moment of subscribing, in order; raises
+        :class:`StoreError` when the subscription is lost (subscribe again: what was published
+        meanwhile is gone)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -57,6 +69,7 @@ class MemoryStore:
         self.clock = clock
         self._values: dict[str, tuple[bytes, float]] = {}
         self._groups: dict[str, set[str]] = {}
+        self._subscribers: dict[str, set[asyncio.Queue[bytes]]] = {}
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
         self._values[key] = (bytes(value), self.clock() + check_ttl(ttl_s))
@@ -87,6 +100,19 @@ class MemoryStore:
             held.difference_update(members)
             if not held:
                 del self._groups[group]
+
+    async def publish(self, channel: str, message: bytes) -> None:
+        for queue in self._subscribers.get(channel, ()):
+            queue.put_nowait(bytes(message))
+
+    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._subscribers.setdefault(channel, set()).add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._subscribers[channel].discard(queue)
 
     async def close(self) -> None:
         return None

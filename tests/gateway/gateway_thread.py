@@ -5,8 +5,11 @@ A thread rather than the test's own loop, so the synchronous OpenAI client can c
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +57,14 @@ def run_gateway(
     finally:
         server.should_exit = True
         thread.join(15)
+        if thread.is_alive():  # (what it is stuck on, for the failure's report)
+            frame = sys._current_frames().get(thread.ident or 0)
+            if frame is not None:
+                print("gateway thread stuck at:\n" + "".join(traceback.format_stack(frame)))
+            loop = server._loop
+            for task in asyncio.all_tasks(loop) if loop is not None else ():
+                print("pending task:", task)
+                task.print_stack()
         assert not thread.is_alive(), "gateway thread did not stop"
 
 

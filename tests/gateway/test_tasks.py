@@ -29,6 +29,25 @@ async def test_every_task_ends_whatever_it_ended_with() -> None:
     assert all(t.done() for t in tasks)
 
 
+async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:
+    swallowed = 0
+
+    async def retry_loop() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # (what a client library turning it into its own error amounts to)
+
+    task = asyncio.create_task(retry_loop())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(task), 5.0)
+    assert task.cancelled() and swallowed == 1
+
+
 async def test_the_callers_own_cancellation_propagates() -> None:
     async def slow_to_end() -> None:
         try:

@@ -3,6 +3,10 @@ counts through one store, and routing, ``max_engine_load`` and HyperFlexis's sea
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
 import orjson
 import pytest
 
@@ -180,19 +184,26 @@ async def test_an_unreachable_store_keeps_the_others_counts_for_the_ttl_then_dro
     assert remote(fb)["a-1"] == 1
 
 
+def _said(engines: object, replica: object = "r9", seq: object = 1, v: object = 1) -> bytes:
+    return orjson.dumps({"v": v, "r": replica, "seq": seq, "engines": engines})
+
+
 @pytest.mark.parametrize(
     "value",
     [
         b"not json",
         b"[]",
-        orjson.dumps({"v": 2, "engines": {}}),
-        orjson.dumps({"v": 1, "engines": []}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [1, 2]}}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [-1, 0, 0]}}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [True, 0, 0]}}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [1.5, 0, 0]}}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [2_000_000, 0, 0]}}),
-        orjson.dumps({"v": 1, "engines": {"a-0": [1, 1 << 60, 0]}}),
+        _said({}, v=2),
+        _said({}, replica=5),
+        _said({}, seq="1"),
+        _said({}, seq=True),
+        _said([]),
+        _said({"a-0": [1, 2]}),
+        _said({"a-0": [-1, 0, 0]}),
+        _said({"a-0": [True, 0, 0]}),
+        _said({"a-0": [1.5, 0, 0]}),
+        _said({"a-0": [2_000_000, 0, 0]}),
+        _said({"a-0": [1, 1 << 60, 0]}),
     ],
 )
 def test_a_value_this_version_does_not_write_is_not_read(value: bytes) -> None:
@@ -202,9 +213,10 @@ def test_a_value_this_version_does_not_write_is_not_read(value: bytes) -> None:
 def test_engines_this_fleet_does_not_know_are_left_out() -> None:
     fleet = offline_fleet({"a": 1})
     fleet.reserve("a-0", "x", entry())
-    value = orjson.dumps({"v": 1, "engines": {"a-0": [1, 110, 100], "elsewhere": [5, 5, 5]}})
-    assert decode(value, set(fleet.records)) == {"a-0": (1, 110, 100)}
-    assert decode(encode(fleet), set(fleet.records)) == {"a-0": (1, 110, 100)}
+    value = _said({"a-0": [1, 110, 100], "elsewhere": [5, 5, 5]}, seq=7)
+    assert decode(value, set(fleet.records)) == ("r9", 7, {"a-0": (1, 110, 100)})
+    assert decode(encode(fleet, "me", 3), set(fleet.records)) == ("me", 3, {"a-0": (1, 110, 100)})
+    assert decode(encode(None, "me", 4), set(fleet.records)) == ("me", 4, {})
 
 
 async def test_a_store_value_from_a_stranger_is_skipped_not_fatal() -> None:
@@ -216,3 +228,87 @@ async def test_a_store_value_from_a_stranger_is_skipped_not_fatal() -> None:
     await store.put(lb.key("stranger"), b"\xff garbage", 10)
     await exchange(la, lb)
     assert remote(fb)["a-0"] == 1 and lb.peers == ("r0",) and lb.errors == 0
+
+
+# -- pushed changes ------------------------------------------------------------------------------
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> float:
+    """Seconds until ``predicate`` holds (fails past ``timeout``)."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "not within the timeout"
+        await asyncio.sleep(0.002)
+    return time.monotonic() - started
+
+
+async def test_a_placement_reaches_the_others_by_push_not_at_the_next_full_round() -> None:
+    store = MemoryStore()
+    fa, fb = offline_fleet({"a": 2}), offline_fleet({"a": 2})
+    # (full rounds an hour apart: after the first, only pushes can tell)
+    la = ReplicaLoad(fa, store, "ra", interval_s=3600, push_delay_s=0.001)
+    lb = ReplicaLoad(fb, store, "rb", interval_s=3600, push_delay_s=0.001)
+    la.start()
+    lb.start()
+    try:
+        await until(lambda: lb.peers == ("ra",) or la.peers == ("rb",))
+        fa.reserve("a-1", "x", entry())
+        fa.reserve("a-1", "y", entry())
+        assert await until(lambda: remote(fb)["a-1"] == 2) < 1.0
+        fa.release("a-1", "x")
+        await until(lambda: remote(fb)["a-1"] == 1)
+        # leaving, A says so: B drops A's requests without waiting for A's key to expire
+        await la.stop()
+        await until(lambda: remote(fb)["a-1"] == 0)
+    finally:
+        await lb.stop()
+        await la.stop()
+
+
+async def test_an_older_message_never_undoes_a_newer_one_and_a_restart_counts_anew() -> None:
+    fb = offline_fleet({"a": 1})
+    lb = ReplicaLoad(fb, MemoryStore(), "rb")
+    lb._heard(_said({"a-0": [3, 30, 30]}, replica="ra", seq=10))
+    lb._heard(_said({"a-0": [1, 10, 10]}, replica="ra", seq=9))
+    assert remote(fb)["a-0"] == 3
+    lb._heard(_said({"a-0": [4, 40, 40]}, replica="ra", seq=11))
+    lb._heard(_said({"a-0": [2, 20, 20]}, replica="rc", seq=1))
+    assert remote(fb)["a-0"] == 6 and lb.peers == ("ra", "rc")
+    lb._heard(_said({}, replica="rc", seq=2))
+    assert remote(fb)["a-0"] == 4
+    # a replica restarted under its old name numbers its messages from the wall clock
+    first = ReplicaLoad(offline_fleet({"a": 1}), MemoryStore(), "rx")
+    await asyncio.sleep(0.001)
+    again = ReplicaLoad(offline_fleet({"a": 1}), MemoryStore(), "rx")
+    assert again._seq > first._seq + 1_000_000
+
+
+class LosesItsSubscription(MemoryStore):
+    """A memory store whose first subscription fails at once (a dropped connection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subscriptions = 0
+
+    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+        self.subscriptions += 1
+        if self.subscriptions == 1:
+            raise StoreError("connection reset")
+        async for message in super().subscribe(channel):
+            yield message
+
+
+async def test_a_lost_subscription_is_taken_again_and_the_full_rounds_go_on() -> None:
+    store = LosesItsSubscription()
+    fa, fb = offline_fleet({"a": 1}), offline_fleet({"a": 1})
+    la = ReplicaLoad(fa, store, "ra", interval_s=0.05, push_delay_s=0.001)
+    lb = ReplicaLoad(fb, store, "rb", interval_s=0.05, push_delay_s=0.001)
+    la.start()
+    lb.start()
+    try:
+        fa.reserve("a-0", "x", entry())
+        await until(lambda: remote(fb)["a-0"] == 1)
+        await until(lambda: store.subscriptions >= 3, timeout=3.0)  # (both listening again)
+    finally:
+        await la.stop()
+        await lb.stop()
