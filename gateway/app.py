@@ -160,7 +160,12 @@ class Gateway:
             assert s.redis_url is not None
             store = RedisStore(s.redis_url, s.state_store_timeout_s)
             self.replicas = ReplicaLoad(
-                self.fleet, store, s.replica_id, s.replica_sync_interval_s, s.replica_push_delay_s
+                self.fleet,
+                store,
+                s.replica_id,
+                s.replica_sync_interval_s,
+                s.replica_push_delay_s,
+                s.state_store_timeout_s,
             )
             self.replicas.start()
         else:

@@ -12,11 +12,13 @@ import difflib
 import hashlib
 import os
 import re
+import secrets
 import socket
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -475,12 +477,13 @@ class Settings(BaseSettings):
         "rediss:// for TLS, unix:///path.sock); never printed",
     )
     replica_id: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        # (a random part too: containers on the host's network share its name, and each is pid 1)
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
         min_length=1,
         max_length=200,
         pattern=r"^[A-Za-z0-9._:@-]+$",
-        description="this replica's name in the state store (default: host name and process id; a "
-        "Kubernetes pod's host name is its name)",
+        description="this replica's name in the state store, its own (default: host name, process id "
+        "and a random part; the Helm chart gives each pod its name)",
     )
     replica_sync_interval_s: float = Field(
         default=0.5,
@@ -615,6 +618,13 @@ class Settings(BaseSettings):
                 raise ValueError("redis_url: state_store: redis needs the server's URL (redis://host:6379/0)")
             if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError("redis_url: must start with redis://, rediss:// or unix://")
+            try:
+                parts = urlsplit(self.redis_url)
+                _ = parts.port  # (a port that is not a number raises here, not at start-up)
+            except ValueError:
+                raise ValueError("redis_url: not a URL of a server (host, port, database)") from None
+            if not (parts.hostname or parts.path):
+                raise ValueError("redis_url: names no server")
         return self
 
     @model_validator(mode="after")

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
-#: how long a cancelled task gets before it is cancelled again
-RECANCEL_S = 0.5
+log = logging.getLogger(__name__)
+
+#: how long a cancelled task gets to end (its own bounded clean-up) before it is cancelled again
+RECANCEL_S = 2.0
 
 
-async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
-    """Cancel ``tasks`` and wait until each has ended, whatever it ended with (a stop must not
-    fail on a task's own error). A task that swallows its cancellation (a client library that
-    turns it into an error of its own, caught by a retry loop) is cancelled again every
-    ``RECANCEL_S``: a stop never hangs on it. A cancellation of the caller itself propagates."""
+async def cancel_and_wait(*tasks: asyncio.Task[Any] | None, report: bool = True) -> None:
+    """Cancel ``tasks`` and wait until each has ended. A task that swallows its cancellation (a
+    client library that turns it into an error of its own, caught by a retry loop) is cancelled
+    again every ``RECANCEL_S``: a stop never hangs on it. A task that had ended with an error of
+    its own (a background loop's bug) is logged (``report``), never raised: a stop must not fail
+    on it. A cancellation of the caller itself propagates."""
     given = [t for t in tasks if t is not None]
     pending = {t for t in given if not t.done()}
     while pending:
@@ -21,5 +25,8 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
             running.cancel()
         _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
     for ended in given:
-        if not ended.cancelled():
-            ended.exception()  # (retrieved: no "exception was never retrieved" at exit)
+        if ended.cancelled():
+            continue
+        error = ended.exception()
+        if error is not None and report:
+            log.error("task %s had ended with an error", ended.get_name(), exc_info=error)

@@ -768,7 +768,7 @@ class DispatchCore:
         workers.extend(self.workers.take_mature(model, holders, now, early))
         records = self.fleet.records
         soon = {
-            e: (at, records[e].in_flight)
+            e: (at, records[e].seats_taken())
             for e in holders
             if now + early < (at := maturity[e]) < math.inf and self.fleet.in_front(records[e])
         }

@@ -258,9 +258,6 @@ def _block(value: int | None) -> int | None:
     return value if value is not None and 0 < value <= MAX_REPORTED else None
 
 
-_NONE_REMOTE = (0, 0, 0)
-
-
 class Fleet:
     """Registry of engines keyed by engine id."""
 
@@ -567,11 +564,6 @@ class Fleet:
             self._notify(engine_id, "release")
         return entry
 
-    def set_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
-        """The other gateway replicas' requests per engine id, all of them (an engine not named
-        has none of theirs): :meth:`update_remote` of every engine."""
-        self.update_remote({r.engine_id: loads.get(r.engine_id, _NONE_REMOTE) for r in self._by_index})
-
     def update_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
         """The other gateway replicas' requests on the engines named, as just heard (count,
         reserved tokens, running tokens); engines this fleet does not know are skipped. An engine
@@ -589,6 +581,10 @@ class Fleet:
             fell = count < record.remote_in_flight or tokens < record.remote_tokens
             record.remote_in_flight, record.remote_tokens = count, tokens
             record.remote_running_tokens = running
+            # (theirs that ended may have ended before the engine's report, heard only after it:
+            # no more of theirs is subtracted than they have now, erring towards counting twice)
+            record.remote_at_scrape = min(record.remote_at_scrape, count)
+            record.remote_tokens_at_scrape = min(record.remote_tokens_at_scrape, tokens)
             self._dirty.add(record.index)
             self._rank_load(record)
             if fell:

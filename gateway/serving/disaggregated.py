@@ -641,7 +641,7 @@ class DisaggregatedFlow:
                     # the decode would wait for KV that is not coming: close it now, whether or
                     # not its stream's headers already reached the client
                     started = call.started and call.request.stream
-                    await cancel_and_wait(decode_task)
+                    await cancel_and_wait(decode_task, report=False)  # (its outcome is the caller's)
                     overloaded = isinstance(failed, GatewayError) and failed.code == OVERLOADED
                     if started and overloaded:
                         assert isinstance(failed, GatewayError)

@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Collection, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-from gateway.settings import without_credentials
 from gateway.state.store import StoreError, check_ttl
 
 T = TypeVar("T")
+
+
+def server_of(url: str) -> str:
+    """``url`` without its credentials and query: scheme, host, port and database, or the socket's
+    path."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 class RedisStore:
@@ -29,6 +40,9 @@ class RedisStore:
         self._errors = (OSError, TimeoutError, RedisError)
 
         self.url = url
+        #: the server as messages name it: no user, password or query (redis-py takes a password
+        #: as ?password= too)
+        self.where = server_of(url)
         self.timeout_s = timeout_s
         self._client: Any = aioredis.Redis.from_url(
             url,
@@ -41,10 +55,13 @@ class RedisStore:
         )
 
     def __repr__(self) -> str:
-        return f"RedisStore({without_credentials(self.url)!r})"
+        return f"RedisStore({self.where!r})"
 
-    async def _call(self, what: Awaitable[T]) -> T:
+    async def _call(self, what: Awaitable[T], bounded: bool = False) -> T:
+        """``what``, within ``timeout_s`` (``bounded``: it has a shorter bound of its own)."""
         try:
+            if bounded:
+                return await what
             # (a deadline on this task, not wait_for's task per command: a third of its cost)
             async with asyncio.timeout(self.timeout_s):
                 return await what
@@ -55,7 +72,7 @@ class RedisStore:
                 # short): a stop must not read as a store outage, and the caller's loop must end
                 raise asyncio.CancelledError from exc
             why = str(exc) or type(exc).__name__
-            raise StoreError(f"redis at {without_credentials(self.url)}: {why}") from exc
+            raise StoreError(f"redis at {self.where}: {why}") from exc
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
         milliseconds = max(1, round(check_ttl(ttl_s) * 1000))
@@ -84,15 +101,17 @@ class RedisStore:
     async def publish(self, channel: str, message: bytes) -> None:
         await self._call(self._client.publish(channel, message))
 
-    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+    async def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
         pubsub = self._client.pubsub(ignore_subscribe_messages=True)
         try:
             await self._call(pubsub.subscribe(channel))
             while True:
                 # (a bounded wait, not listen(): a read past socket_timeout is an error there,
                 # and a quiet channel is not one)
+                # (bounded by its own timeout: no deadline of ours around each read, a timer fewer)
                 message = await self._call(
-                    pubsub.get_message(ignore_subscribe_messages=True, timeout=self.timeout_s / 2)
+                    pubsub.get_message(ignore_subscribe_messages=True, timeout=self.timeout_s / 2),
+                    bounded=True,
                 )
                 if message is not None and message.get("type") == "message":
                     data = message["data"]

@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
@@ -49,9 +51,20 @@ MAX_TOKENS = 1 << 50
 Loads = dict[str, tuple[int, int, int]]
 
 
-def encode(fleet: Fleet | None, replica_id: str, seq: int) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Said:
+    """One replica's message: who, which life of it (a random id per process), its number in that
+    life, and its counts for the engines this fleet knows."""
+
+    replica: str
+    life: str
+    seq: int
+    loads: Loads
+
+
+def encode(fleet: Fleet | None, replica_id: str, life: str, seq: int) -> bytes:
     """What a replica says of itself: its requests on each engine that has any (count, reserved
-    and running tokens; none for ``fleet`` None: it is leaving), numbered ``seq``."""
+    and running tokens; none for ``fleet`` None: it is leaving), numbered ``seq`` in its ``life``."""
     engines = (
         {}
         if fleet is None
@@ -61,21 +74,22 @@ def encode(fleet: Fleet | None, replica_id: str, seq: int) -> bytes:
             if r.in_flight > 0
         }
     )
-    return orjson.dumps({"v": FORMAT, "r": replica_id, "seq": seq, "engines": engines})
+    return orjson.dumps({"v": FORMAT, "r": replica_id, "i": life, "seq": seq, "engines": engines})
 
 
-def decode(value: bytes, known: frozenset[str] | set[str]) -> tuple[str, int, Loads] | None:
-    """Who said it, its number, and its counts for the engines this fleet knows; None when the
-    value is not one this version writes (a count or token total out of bounds makes all of it
-    so)."""
+def decode(value: bytes, known: frozenset[str] | set[str]) -> Said | None:
+    """The message, with its counts for the engines this fleet knows; None when the value is not
+    one this version writes (a count or token total out of bounds makes all of it so)."""
     try:
         doc = orjson.loads(value)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(doc, dict) or doc.get("v") != FORMAT:
         return None
-    replica, seq, engines = doc.get("r"), doc.get("seq"), doc.get("engines")
-    if not (isinstance(replica, str) and type(seq) is int and isinstance(engines, dict)):
+    replica, life, seq, engines = doc.get("r"), doc.get("i"), doc.get("seq"), doc.get("engines")
+    if not (
+        isinstance(replica, str) and isinstance(life, str) and type(seq) is int and isinstance(engines, dict)
+    ):
         return None
     loads: Loads = {}
     for engine_id, entry in engines.items():
@@ -86,7 +100,7 @@ def decode(value: bytes, known: frozenset[str] | set[str]) -> tuple[str, int, Lo
             return None
         if engine_id in known:
             loads[engine_id] = (count, tokens, running)
-    return replica, seq, loads
+    return Said(replica, life, seq, loads)
 
 
 class ReplicaLoad:
@@ -97,7 +111,7 @@ class ReplicaLoad:
         replica_id: str,
         interval_s: float = 0.5,
         push_delay_s: float = 0.002,
-        ttl_s: float | None = None,
+        store_timeout_s: float = 0.5,
         namespace: str = "slogate",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -106,23 +120,29 @@ class ReplicaLoad:
         self.replica_id = replica_id
         self.interval_s = interval_s
         self.push_delay_s = push_delay_s
-        #: long enough that a replica busy for a few rounds is not taken for gone
-        self.ttl_s = ttl_s if ttl_s is not None else max(2.0, 5 * interval_s)
+        #: long enough that a replica busy for a few rounds, or whose store is slow (a full round
+        #: is six commands, each up to ``store_timeout_s``), is not taken for gone
+        self.ttl_s = max(2.0, 5 * interval_s, 8 * store_timeout_s)
         # (one hash tag for every key: one slot on Redis Cluster, so a multi-key read works)
         self.group = f"{{{namespace}}}:replicas"
         self.channel = f"{{{namespace}}}:load-changes"
         self._prefix = f"{{{namespace}}}:load:"
+        self.life = secrets.token_hex(8)
+        # (how its own messages begin: encode writes these keys first, in this order)
+        self._own = orjson.dumps({"v": FORMAT, "r": replica_id, "i": self.life})[:-1] + b","
         #: the other replicas whose counts are counted
         self.peers: tuple[str, ...] = ()
         self.errors = 0
         self.clock = clock
         self._known = set(fleet.records)
-        #: what each other replica last said, and the sequence number it said it with
-        self._others: dict[str, tuple[int, Loads]] = {}
+        #: what each other replica last said
+        self._others: dict[str, Said] = {}
         self._total: Loads = {}
-        # (from the wall clock: a replica restarted under the same name, as a Kubernetes pod's
-        # container is, numbers its messages above those of its earlier life)
-        self._seq = time.time_ns()
+        #: this process's life: messages are ordered by number within a life; a message of
+        #: another life of a replica (restarted under its name, as a pod's container is) is newer
+        #: than what was held when it comes
+        self._seq = 0
+        self._twin_warned = False
         self._ok_at = clock()
         self._failing = False
         self._push_due = False
@@ -156,7 +176,7 @@ class ReplicaLoad:
             await self.store.delete(self.key(self.replica_id))
             await self.store.leave(self.group, [self.replica_id])
             self._seq += 1
-            await self.store.publish(self.channel, encode(None, self.replica_id, self._seq))
+            await self.store.publish(self.channel, encode(None, self.replica_id, self.life, self._seq))
         except StoreError as exc:
             log.warning("could not withdraw this replica's load from the state store: %s", exc)
         finally:
@@ -178,7 +198,8 @@ class ReplicaLoad:
             wait = next_full - self.clock()
             if wait > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                    async with asyncio.timeout(wait):  # (no task per wait, as wait_for makes)
+                        await self._wake.wait()
             self._wake.clear()
             self._push_due = False
             full = self.clock() >= next_full
@@ -211,7 +232,7 @@ class ReplicaLoad:
         """Publish this replica's counts; on a full round, write them under its key as well (the
         key is what a replica that missed a message, or starts, reads: at most a round old)."""
         self._seq += 1
-        value = encode(self.fleet, self.replica_id, self._seq)
+        value = encode(self.fleet, self.replica_id, self.life, self._seq)
         if full:
             await self.store.put(self.key(self.replica_id), value, self.ttl_s)
         await self.store.publish(self.channel, value)
@@ -228,23 +249,30 @@ class ReplicaLoad:
         gone = [m for m, v in zip(others, values, strict=True) if v is None]
         if gone:
             await store.leave(self.group, gone)
-        heard: dict[str, tuple[int, Loads]] = {}
+        heard: dict[str, Said] = {}
         for member, value in zip(others, values, strict=True):
             said = None if value is None else decode(value, self._known)
-            if said is not None and said[0] == member:
-                held = self._others.get(member)
-                # (a message newer than the key read may have come in meanwhile)
-                heard[member] = held if held is not None and held[0] > said[1] else (said[1], said[2])
+            if said is None or said.replica != member:
+                continue
+            held = self._others.get(member)
+            # a message of the key's life numbered past it is newer (pushes are not written to
+            # the key); one of another life is not: a replica writes its key first thing in a
+            # life, so the key holds its latest life, and a message claiming another is old or
+            # not its own
+            heard[member] = (
+                held if held is not None and held.life == said.life and held.seq > said.seq else said
+            )
         self._others = heard
-        self._apply(set(self._total).union(*(loads for _, loads in heard.values())))
+        self._apply(set(self._total).union(*(said.loads for said in heard.values())))
 
     async def _listen(self) -> None:
         while not self._stopping:
             try:
-                async for message in self.store.subscribe(self.channel):
-                    if self._stopping:
-                        return
-                    self._heard(message)
+                async with contextlib.aclosing(self.store.subscribe(self.channel)) as messages:
+                    async for message in messages:
+                        if self._stopping:
+                            return
+                        self._heard(message)
             except StoreError as exc:
                 log.debug("replica load subscription lost (%s); the full rounds go on", exc)
             except Exception:
@@ -252,15 +280,25 @@ class ReplicaLoad:
             await asyncio.sleep(min(1.0, self.interval_s))
 
     def _heard(self, message: bytes) -> None:
+        if message.startswith(self._own):
+            return  # (every replica hears its own messages too: not parsed)
         said = decode(message, self._known)
-        if said is None or said[0] == self.replica_id:
+        if said is None:
             return
-        member, seq, loads = said
-        held = self._others.get(member)
-        if held is not None and held[0] >= seq:
+        if said.replica == self.replica_id:
+            if not self._twin_warned:
+                self._twin_warned = True
+                log.warning(
+                    "another gateway process calls itself %r too: their loads cannot be told apart; "
+                    "give each replica its own replica_id",
+                    self.replica_id,
+                )
             return
-        self._others[member] = (seq, loads)
-        self._apply(set(loads) | (set(held[1]) if held is not None else set()))
+        held = self._others.get(said.replica)
+        if held is not None and held.life == said.life and held.seq >= said.seq:
+            return  # (an older message of the same life)
+        self._others[said.replica] = said
+        self._apply(set(said.loads) | (set(held.loads) if held is not None else set()))
 
     def _apply(self, engines: set[str]) -> None:
         """Recount the others' requests on ``engines`` (those some replica's news named) and hand
@@ -268,8 +306,8 @@ class ReplicaLoad:
         changes: Loads = {}
         for engine_id in engines:
             total = (0, 0, 0)
-            for _, loads in self._others.values():
-                held = loads.get(engine_id)
+            for said in self._others.values():
+                held = said.loads.get(engine_id)
                 if held is not None:
                     total = (total[0] + held[0], total[1] + held[1], total[2] + held[2])
             if self._total.get(engine_id, (0, 0, 0)) != total:

@@ -6,7 +6,7 @@ all that sharing load across replicas needs (:mod:`gateway.state.replica_load`):
 publishes its counts as they change and writes them under its own key, and a replica that dies
 without a word drops out when its key expires. :class:`MemoryStore` serves one process (the default, and
 several replicas in one test); :class:`gateway.state.redis_store.RedisStore` serves replicas in a
-cluster. Both pass the same contract tests (``tests/gateway/test_state_store.py``).
+cluster. Both pass the same contract tests (``tests/state/test_state_store.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Protocol
 
 
@@ -46,7 +46,7 @@ class StateStore(Protocol):
         """Deliver ``message`` to every subscriber of ``channel`` now (none: it is gone)."""
         ...
 
-    def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+    def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
         """Messages published to ``channel`` from the moment of subscribing, in order; raises
         :class:`StoreError` when the subscription is lost (subscribe again: what was published
         meanwhile is gone)."""
@@ -105,7 +105,7 @@ class MemoryStore:
         for queue in self._subscribers.get(channel, ()):
             queue.put_nowait(bytes(message))
 
-    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+    async def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._subscribers.setdefault(channel, set()).add(queue)
         try:

@@ -103,7 +103,8 @@ def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
-def _component(docs: list[dict[str, Any]], kind: str, component: str) -> list[dict[str, Any]]:
+def _component(docs: list[dict[str, Any]], kind: str, component: str | None) -> list[dict[str, Any]]:
+    """The ``kind`` objects of one component (None: those of none, such as the API keys' Secret)."""
     return [
         d
         for d in _by_kind(docs, kind)
@@ -176,6 +177,7 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
         ({"apiKeys": {"clientKeys": ["has space"]}}, "apiKeys/clientKeys/0"),
         # a password in the URL would be written to the pod spec: it goes in existingSecret
         ({"stateStore": {"redis": {"url": "redis://:pw@r:6379/0"}}}, "stateStore/redis/url"),
+        ({"stateStore": {"redis": {"url": "redis://r:6379/0?password=pw"}}}, "stateStore/redis/url"),
         ({"stateStore": {"mode": "etcd"}}, "stateStore/mode"),
         ({"gateway": {"config": {"replica_sync_interval_s": 0}}}, "gateway/config/replica_sync_interval_s"),
     ],
@@ -264,6 +266,7 @@ def test_default_values_gateway_shape(helm: HelmCall) -> None:
             "Deployment",  # (the replicas' Redis: the HPA may run up to 10)
             "HorizontalPodAutoscaler",
             "PodDisruptionBudget",
+            "Secret",  # (its password)
             "Service",
             "Service",
             "ServiceAccount",
@@ -360,7 +363,7 @@ def test_pd_values_register_roles_and_keys(
         # (the collocated one too: an admin may flip it into either pool, see below)
         assert "--kv-transfer-config" in container["args"], name
         assert container["args"][container["args"].index("--served-model-name") + 1] == "qwen-7b"
-    (secret,) = _by_kind(docs, "Secret")
+    (secret,) = _component(docs, "Secret", None)
     gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "rel-slogate")
     env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     # the keys reach the gateway as the pod gets them: environment variables from the Secret
@@ -397,7 +400,7 @@ def test_pd_values_ship_no_key_and_require_them(helm: HelmCall) -> None:
 
 def test_existing_secret_is_referenced_not_created(helm: HelmCall) -> None:
     docs = _render(helm, {"apiKeys": {"existingSecret": "team-keys"}})
-    assert not _by_kind(docs, "Secret")
+    assert not _component(docs, "Secret", None)
     gateway = _by_kind(docs, "Deployment")[0]
     env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     for name in ("SLOGATE_API_KEYS", "SLOGATE_ADMIN_API_KEYS", "SLOGATE_API_KEY_POLICIES"):
@@ -418,7 +421,7 @@ def test_tracing_settings_and_otlp_headers(
     settings = _gateway_config(docs, tmp_path)
     assert settings.tracing and settings.otlp_endpoint == "http://collector:4318/v1/traces"
     assert not any("collector-token" in json.dumps(d) for d in _by_kind(docs, "ConfigMap"))
-    (secret,) = _by_kind(docs, "Secret")
+    (secret,) = _component(docs, "Secret", None)
     gateway = _by_kind(docs, "Deployment")[0]
     env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     ref = env["SLOGATE_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"]
@@ -797,15 +800,31 @@ def test_replicas_share_their_load_through_the_charts_redis_when_there_may_be_se
     assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
     assert service["spec"]["selector"] == deploy["spec"]["template"]["metadata"]["labels"]
     assert env["SLOGATE_STATE_STORE"]["value"] == "redis"
-    assert env["SLOGATE_REDIS_URL"]["value"] == f"redis://{service['metadata']['name']}:6379/0"
+    # only clients with the password it made get in: any pod writing there could make every
+    # engine look full to every replica
+    (secret,) = _component(docs, "Secret", "state-store")
+    password = secret["stringData"]["password"]
+    assert len(password) == 32 and password.isalnum()
+    redis_env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = {"name": secret["metadata"]["name"], "key": "password"}
+    assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    # (Kubernetes expands $(REDIS_PASSWORD), defined before it, in the URL)
+    names = list(env)
+    assert names.index("REDIS_PASSWORD") < names.index("SLOGATE_REDIS_URL")
+    url = env["SLOGATE_REDIS_URL"]["value"]
+    assert url == f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}:6379/0"
     # each replica by its pod's name: a restarted pod is a new replica, a gone one expires
     assert env["SLOGATE_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
-    # what the gateway reads from these is a valid configuration
-    settings = load_settings(engines=[], state_store="redis", redis_url=env["SLOGATE_REDIS_URL"]["value"])
-    assert settings.redis_url == env["SLOGATE_REDIS_URL"]["value"]
+    # what the gateway reads from these, expanded, is a valid configuration
+    expanded = url.replace("$(REDIS_PASSWORD)", password)
+    settings = load_settings(engines=[], state_store="redis", redis_url=expanded)
+    assert settings.redis_url == expanded
 
 
 def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
@@ -816,6 +835,7 @@ def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
     assert not _component(docs, "Deployment", "state-store")
     ref = _gateway_env(docs)["SLOGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "redis-auth", "key": "redis-url"}
+    assert "REDIS_PASSWORD" not in _gateway_env(docs) and not _component(docs, "Secret", "state-store")
     docs = _render(helm, {"stateStore": {"mode": "memory"}})
     assert not _component(docs, "Deployment", "state-store") and "SLOGATE_STATE_STORE" not in _gateway_env(
         docs

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import orjson
 import pytest
 
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import Fleet, RunningEntry
-from gateway.state.replica_load import ReplicaLoad, decode, encode
+from gateway.state.replica_load import ReplicaLoad, Said, decode, encode
 from gateway.state.store import MemoryStore, StoreError
 from policies.api import EngineState, estimated_load
 from tests.gateway.test_dispatch_core import ticket
@@ -104,10 +104,14 @@ async def test_max_engine_load_counts_the_other_replicas_requests() -> None:
     assert core_b.submit(ticket("r-3"), 0.0) is None
     core_b.step(0.0)
     assert core_b.outbox == []
-    # one of A's requests ends: once B hears of it, its queued request takes that seat
+    # one of A's requests ends: once B hears of it, B's loop is woken and its queued request takes
+    # that seat
+    woken: list[int] = []
+    core_b.wake = lambda: woken.append(1)
     done = next(iter(fa.records["a-1"].running))
     fa.release("a-1", done)
     await exchange(la, lb)
+    assert woken
     core_b.step(0.1)
     assert [(rid, rec.engine_id) for rid, rec in core_b.outbox] == [("r-3", "a-1")]
 
@@ -184,8 +188,10 @@ async def test_an_unreachable_store_keeps_the_others_counts_for_the_ttl_then_dro
     assert remote(fb)["a-1"] == 1
 
 
-def _said(engines: object, replica: object = "r9", seq: object = 1, v: object = 1) -> bytes:
-    return orjson.dumps({"v": v, "r": replica, "seq": seq, "engines": engines})
+def _said(
+    engines: object, replica: object = "r9", seq: object = 1, v: object = 1, life: object = "l1"
+) -> bytes:
+    return orjson.dumps({"v": v, "r": replica, "i": life, "seq": seq, "engines": engines})
 
 
 @pytest.mark.parametrize(
@@ -197,6 +203,7 @@ def _said(engines: object, replica: object = "r9", seq: object = 1, v: object = 
         _said({}, replica=5),
         _said({}, seq="1"),
         _said({}, seq=True),
+        _said({}, life=None),
         _said([]),
         _said({"a-0": [1, 2]}),
         _said({"a-0": [-1, 0, 0]}),
@@ -214,9 +221,10 @@ def test_engines_this_fleet_does_not_know_are_left_out() -> None:
     fleet = offline_fleet({"a": 1})
     fleet.reserve("a-0", "x", entry())
     value = _said({"a-0": [1, 110, 100], "elsewhere": [5, 5, 5]}, seq=7)
-    assert decode(value, set(fleet.records)) == ("r9", 7, {"a-0": (1, 110, 100)})
-    assert decode(encode(fleet, "me", 3), set(fleet.records)) == ("me", 3, {"a-0": (1, 110, 100)})
-    assert decode(encode(None, "me", 4), set(fleet.records)) == ("me", 4, {})
+    assert decode(value, set(fleet.records)) == Said("r9", "l1", 7, {"a-0": (1, 110, 100)})
+    known = set(fleet.records)
+    assert decode(encode(fleet, "me", "x", 3), known) == Said("me", "x", 3, {"a-0": (1, 110, 100)})
+    assert decode(encode(None, "me", "x", 4), known) == Said("me", "x", 4, {})
 
 
 async def test_a_store_value_from_a_stranger_is_skipped_not_fatal() -> None:
@@ -276,11 +284,58 @@ async def test_an_older_message_never_undoes_a_newer_one_and_a_restart_counts_an
     assert remote(fb)["a-0"] == 6 and lb.peers == ("ra", "rc")
     lb._heard(_said({}, replica="rc", seq=2))
     assert remote(fb)["a-0"] == 4
-    # a replica restarted under its old name numbers its messages from the wall clock
-    first = ReplicaLoad(offline_fleet({"a": 1}), MemoryStore(), "rx")
-    await asyncio.sleep(0.001)
-    again = ReplicaLoad(offline_fleet({"a": 1}), MemoryStore(), "rx")
-    assert again._seq > first._seq + 1_000_000
+    # ra restarted under its name: its new life numbers from 1 again, and is heard
+    lb._heard(_said({"a-0": [1, 10, 10]}, replica="ra", seq=1, life="l2"))
+    assert remote(fb)["a-0"] == 1
+
+
+async def test_a_full_round_trusts_the_key_over_a_message_of_another_life() -> None:
+    """A message claiming a huge number (forged, or of a life gone) is undone by the next full
+    round: within a life a later message beats the key, across lives the key wins."""
+    store = MemoryStore()
+    fa, fb = offline_fleet({"a": 1}), offline_fleet({"a": 1})
+    la, lb = ReplicaLoad(fa, store, "ra"), ReplicaLoad(fb, store, "rb")
+    fa.reserve("a-0", "x", entry())
+    await exchange(la, lb)
+    assert remote(fb)["a-0"] == 1
+    lb._heard(_said({"a-0": [1_000_000, 0, 0]}, replica="ra", seq=2**62, life="forged"))
+    assert remote(fb)["a-0"] == 1_000_000
+    await lb.round()
+    assert remote(fb)["a-0"] == 1
+    # a push of the key's own life, numbered past it, is newer than the key: kept
+    lb._heard(encode(fa, "ra", la.life, la._seq + 5).replace(b"[1,", b"[2,"))
+    await lb.round()
+    assert remote(fb)["a-0"] == 2
+
+
+async def test_a_twin_with_the_same_replica_id_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    lb = ReplicaLoad(offline_fleet({"a": 1}), MemoryStore(), "rb")
+    lb._heard(_said({"a-0": [1, 1, 1]}, replica="rb", life="someone-else"))
+    lb._heard(_said({"a-0": [1, 1, 1]}, replica="rb", life="someone-else", seq=2))
+    assert [r.message for r in caplog.records].count(
+        "another gateway process calls itself 'rb' too: their loads cannot be told apart; give each "
+        "replica its own replica_id"
+    ) == 1
+    assert remote(lb.fleet)["a-0"] == 0
+
+
+async def test_a_late_release_is_not_subtracted_from_the_engines_report() -> None:
+    """Another replica's request ended before the engine's report, heard only after it: the
+    report no longer has it, so no more of theirs is subtracted than they have now."""
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock, engines=1)
+    fa.reserve("a-0", "x1", entry())
+    fa.reserve("a-0", "x2", entry())
+    await exchange(la, lb)
+    # the engine's report, rendered after x2 ended there, reaches B before A's news does; it also
+    # runs two requests no gateway sent (x1's 110 KV tokens and their 390)
+    state = EngineState(num_running=3, num_waiting=0, kv_usage=0.5, num_gpu_blocks=100, block_size=10)
+    fb.record_state("a-0", state, 0.0)
+    fa.release("a-0", "x2")
+    await exchange(la, lb)
+    # three run there, as the report says (subtracting x2 from it, gone from it already, said two)
+    assert estimated_load(fb.engine_snapshot("a-0", 0.0)) == 3
+    assert fb.records["a-0"].free_kv_tokens() == 1000 - 500
 
 
 class LosesItsSubscription(MemoryStore):
@@ -290,7 +345,7 @@ class LosesItsSubscription(MemoryStore):
         super().__init__()
         self.subscriptions = 0
 
-    async def subscribe(self, channel: str) -> AsyncIterator[bytes]:
+    async def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
         self.subscriptions += 1
         if self.subscriptions == 1:
             raise StoreError("connection reset")

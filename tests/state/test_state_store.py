@@ -19,9 +19,12 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
-    made: StateStore = MemoryStore() if request.param == "memory" else RedisStore(redis_server.url)
-    if isinstance(made, RedisStore):
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    made: StateStore
+    if request.param == "memory":
+        made = MemoryStore()
+    else:  # (the server only for these: the memory cases run without one)
+        made = RedisStore(request.getfixturevalue("redis_server").url)
         await made._client.flushdb()
     yield made
     await made.close()
@@ -88,3 +91,32 @@ async def test_a_redis_password_never_shows_in_errors_or_repr() -> None:
     assert "hunter2secret" not in str(caught.value)
     assert "hunter2secret" not in repr(store)
     await store.close()
+
+
+async def _next(messages: AsyncIterator[bytes]) -> bytes:
+    return await asyncio.wait_for(anext(messages), 2.0)
+
+
+async def test_a_subscriber_gets_what_is_published_after_it_subscribed_in_order(store: StateStore) -> None:
+    await store.publish("{t}:ch", b"before anyone listens")
+    messages = store.subscribe("{t}:ch")
+    first = asyncio.ensure_future(_next(messages))
+    await asyncio.sleep(0.1)  # (subscribed by now)
+    for i in range(3):
+        await store.publish("{t}:ch", b"m%d \x00\xff" % i)
+    await store.publish("{t}:other", b"elsewhere")
+    assert await first == b"m0 \x00\xff"
+    assert [await _next(messages) for _ in range(2)] == [b"m1 \x00\xff", b"m2 \x00\xff"]
+    await messages.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_subscription_lost_with_its_server_raises_store_error() -> None:
+    with RedisServer() as server:
+        store = RedisStore(server.url, timeout_s=0.3)
+        messages = store.subscribe("{t}:ch")
+        waiting = asyncio.ensure_future(anext(messages))
+        await asyncio.sleep(0.2)
+        server.stop()
+        with pytest.raises(StoreError):
+            await asyncio.wait_for(waiting, 5.0)
+        await store.close()

@@ -201,3 +201,8 @@ memory
 {{- $r := .Values.stateStore.redis -}}
 {{- if and (eq (include "slogate.stateStore" .) "redis") (not $r.url) (not $r.existingSecret) }}true{{ end }}
 {{- end }}
+
+{{/* The chart's Redis: its Deployment, Service and password Secret (63 characters at most). */}}
+{{- define "slogate.redisName" -}}
+{{- printf "%s-redis" (include "slogate.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
