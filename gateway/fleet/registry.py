@@ -258,6 +258,12 @@ def _block(value: int | None) -> int | None:
     return value if value is not None and 0 < value <= MAX_REPORTED else None
 
 
+#: how late another replica's news of a request may come after the request ended, as pushed
+#: (push delay, the store's round trip, each loop's own lateness): news of a release heard this
+#: soon after a scrape may concern a request already out of the engine's report
+REMOTE_NEWS_LAG_S = 0.05
+
+
 class Fleet:
     """Registry of engines keyed by engine id."""
 
@@ -564,7 +570,7 @@ class Fleet:
             self._notify(engine_id, "release")
         return entry
 
-    def update_remote(self, loads: Mapping[str, tuple[int, int, int]]) -> None:
+    def update_remote(self, loads: Mapping[str, tuple[int, int, int]], now: float) -> None:
         """The other gateway replicas' requests on the engines named, as just heard (count,
         reserved tokens, running tokens); engines this fleet does not know are skipped. An engine
         where theirs went down is announced (``"remote"``): a request queued here may fit there
@@ -581,10 +587,13 @@ class Fleet:
             fell = count < record.remote_in_flight or tokens < record.remote_tokens
             record.remote_in_flight, record.remote_tokens = count, tokens
             record.remote_running_tokens = running
-            # (theirs that ended may have ended before the engine's report, heard only after it:
-            # no more of theirs is subtracted than they have now, erring towards counting twice)
-            record.remote_at_scrape = min(record.remote_at_scrape, count)
-            record.remote_tokens_at_scrape = min(record.remote_tokens_at_scrape, tokens)
+            if now - record.state_at <= REMOTE_NEWS_LAG_S:
+                # theirs that ended just as the engine rendered its report, heard only after it,
+                # may be out of it already: no more of theirs is subtracted than they have now,
+                # erring towards counting twice (for longer, a release is one after the report:
+                # clamping on every one undercounted nothing but overcounted all of them)
+                record.remote_at_scrape = min(record.remote_at_scrape, count)
+                record.remote_tokens_at_scrape = min(record.remote_tokens_at_scrape, tokens)
             self._dirty.add(record.index)
             self._rank_load(record)
             if fell:

@@ -318,7 +318,7 @@ class ReplicaLoad:
                     self._total[engine_id] = total
         self.peers = tuple(sorted(self._others))
         if changes:
-            self.fleet.update_remote(changes)
+            self.fleet.update_remote(changes, self.clock())
 
     def _failed(self, why: str) -> None:
         self.errors += 1

@@ -336,6 +336,13 @@ async def test_a_late_release_is_not_subtracted_from_the_engines_report() -> Non
     # three run there, as the report says (subtracting x2 from it, gone from it already, said two)
     assert estimated_load(fb.engine_snapshot("a-0", 0.0)) == 3
     assert fb.records["a-0"].free_kv_tokens() == 1000 - 500
+    # a second later x1 ends: an end after the report, taken out of it (clamping again, as on
+    # every release, held x1's seat until the next scrape)
+    clock.now += 1.0
+    fa.release("a-0", "x1")
+    await exchange(la, lb)
+    assert estimated_load(fb.engine_snapshot("a-0", 0.0)) == 2
+    assert fb.records["a-0"].free_kv_tokens() == 1000 - 390
 
 
 class LosesItsSubscription(MemoryStore):
