@@ -59,6 +59,8 @@ class RedisStore:
 
     async def _call(self, what: Awaitable[T], bounded: bool = False) -> T:
         """``what``, within ``timeout_s`` (``bounded``: it has a shorter bound of its own)."""
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
         try:
             if bounded:
                 return await what
@@ -66,8 +68,9 @@ class RedisStore:
             async with asyncio.timeout(self.timeout_s):
                 return await what
         except self._errors as exc:  # (connection, timeout, protocol, auth, READONLY replica)
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            # (a cancellation asked during this call, not one a task consumed earlier: a stop
+            # that runs in a task whose start was cancelled still meets store errors as such)
+            if task is not None and task.cancelling() > cancelling:
                 # the client turned the caller's cancellation into an error of its own (a read cut
                 # short): a stop must not read as a store outage, and the caller's loop must end
                 raise asyncio.CancelledError from exc

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 #: the version of what a replica writes; a value of another version is not read (replicas of two
 #: releases side by side during a rolling update then only miss each other's counts)
 FORMAT = 1
+#: how far past its key a replica's pushes may be numbered by the next full round (one push per
+#: push delay at most): a message numbered further is not believed over the key
+MAX_SEQ_AHEAD = 1_000_000
 #: bounds on what another replica may claim, per engine
 MAX_COUNT = 1_000_000
 MAX_TOKENS = 1 << 50
@@ -255,13 +258,18 @@ class ReplicaLoad:
             if said is None or said.replica != member:
                 continue
             held = self._others.get(member)
-            # a message of the key's life numbered past it is newer (pushes are not written to
-            # the key); one of another life is not: a replica writes its key first thing in a
-            # life, so the key holds its latest life, and a message claiming another is old or
-            # not its own
-            heard[member] = (
-                held if held is not None and held.life == said.life and held.seq > said.seq else said
-            )
+            # a message of the key's life numbered past it (not implausibly far) is newer: pushes
+            # are not written to the key; one of another life is not: a replica writes its key
+            # first thing in a life, so the key holds its latest life, and a message claiming
+            # another is old or not its own
+            if (
+                held is not None
+                and held.life == said.life
+                and said.seq < held.seq <= said.seq + MAX_SEQ_AHEAD
+            ):
+                heard[member] = held
+            else:
+                heard[member] = said
         self._others = heard
         self._apply(set(self._total).union(*(said.loads for said in heard.values())))
 

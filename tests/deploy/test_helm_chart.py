@@ -836,6 +836,15 @@ def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
     ref = _gateway_env(docs)["SLOGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "redis-auth", "key": "redis-url"}
     assert "REDIS_PASSWORD" not in _gateway_env(docs) and not _component(docs, "Secret", "state-store")
+    # the chart's own Redis with a password kept outside the chart (helm template, GitOps)
+    docs = _render(helm, {"stateStore": {"redis": {"passwordSecret": "redis-pass"}}})
+    assert not _component(docs, "Secret", "state-store")
+    (deploy,) = _component(docs, "Deployment", "state-store")
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    redis_env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = {"name": "redis-pass", "key": "password"}
+    assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
+    assert _gateway_env(docs)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
     docs = _render(helm, {"stateStore": {"mode": "memory"}})
     assert not _component(docs, "Deployment", "state-store") and "SLOGATE_STATE_STORE" not in _gateway_env(
         docs

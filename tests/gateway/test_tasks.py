@@ -65,3 +65,20 @@ async def test_the_callers_own_cancellation_propagates() -> None:
     inner.cancel()
     with pytest.raises(asyncio.CancelledError):
         await inner
+
+
+async def test_a_tasks_own_error_is_logged_not_raised_unless_told_not_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def fails() -> None:
+        raise RuntimeError("its own bug")
+
+    for report in (True, False):
+        caplog.clear()
+        task = asyncio.create_task(fails(), name="the-loop")
+        await asyncio.sleep(0)
+        await cancel_and_wait(task, report=report)
+        logged = [r for r in caplog.records if "the-loop had ended with an error" in r.getMessage()]
+        assert len(logged) == (1 if report else 0)
+        if report:
+            assert logged[0].exc_info is not None and "its own bug" in str(logged[0].exc_info[1])

@@ -302,6 +302,11 @@ async def test_a_full_round_trusts_the_key_over_a_message_of_another_life() -> N
     assert remote(fb)["a-0"] == 1_000_000
     await lb.round()
     assert remote(fb)["a-0"] == 1
+    # the same with ra's own life (read off the channel), numbered implausibly far past its key
+    lb._heard(_said({"a-0": [1_000_000, 0, 0]}, replica="ra", seq=2**62, life=la.life))
+    assert remote(fb)["a-0"] == 1_000_000
+    await lb.round()
+    assert remote(fb)["a-0"] == 1
     # a push of the key's own life, numbered past it, is newer than the key: kept
     lb._heard(encode(fa, "ra", la.life, la._seq + 5).replace(b"[1,", b"[2,"))
     await lb.round()

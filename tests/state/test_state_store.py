@@ -100,13 +100,21 @@ async def _next(messages: AsyncIterator[bytes]) -> bytes:
 async def test_a_subscriber_gets_what_is_published_after_it_subscribed_in_order(store: StateStore) -> None:
     await store.publish("{t}:ch", b"before anyone listens")
     messages = store.subscribe("{t}:ch")
-    first = asyncio.ensure_future(_next(messages))
-    await asyncio.sleep(0.1)  # (subscribed by now)
+    probe = asyncio.ensure_future(_next(messages))
+    # (subscribed once a probe comes through: no sleep to guess it by)
+    for _ in range(200):
+        await store.publish("{t}:ch", b"probe")
+        await asyncio.sleep(0.01)
+        if probe.done():
+            break
+    assert await probe == b"probe"
+    await store.publish("{t}:ch", b"ready")
+    while (message := await _next(messages)) != b"ready":  # (the probes published meanwhile)
+        assert message == b"probe"
+    await store.publish("{t}:other", b"elsewhere")
     for i in range(3):
         await store.publish("{t}:ch", b"m%d \x00\xff" % i)
-    await store.publish("{t}:other", b"elsewhere")
-    assert await first == b"m0 \x00\xff"
-    assert [await _next(messages) for _ in range(2)] == [b"m1 \x00\xff", b"m2 \x00\xff"]
+    assert [await _next(messages) for _ in range(3)] == [b"m0 \x00\xff", b"m1 \x00\xff", b"m2 \x00\xff"]
     await messages.aclose()  # type: ignore[attr-defined]
 
 

@@ -206,3 +206,8 @@ memory
 {{- define "slogate.redisName" -}}
 {{- printf "%s-redis" (include "slogate.fullname" . | trunc 57 | trimSuffix "-") }}
 {{- end }}
+
+{{/* The Secret holding the chart's Redis password (key password): given, or the chart's own. */}}
+{{- define "slogate.redisPasswordSecret" -}}
+{{- default (include "slogate.redisName" .) .Values.stateStore.redis.passwordSecret }}
+{{- end }}
