@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -180,6 +181,9 @@ class Gateway:
         if self.kv_events is not None:
             self.kv_events.start()
         self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing, self.prefix))
+        if self.replicas is not None:
+            # (replicas break ties between equally loaded engines in different orders)
+            self.dispatch.core.router.offset_ties(zlib.crc32(s.replica_id.encode()))
         self.dispatch.start()
         collocated = CollocatedFlow(
             s,

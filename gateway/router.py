@@ -182,6 +182,15 @@ class Router:
             else None
         )
 
+    def offset_ties(self, offset: int) -> None:
+        """Start the rotation among equally good engines ``offset`` places on. Gateway replicas in
+        front of the same engines see the same loads (shared through the state store): with the
+        same rotation, arrivals at two replicas at once went to the same one of several equally
+        loaded engines, and took its last seat twice."""
+        state = self._picker_state
+        if isinstance(state, int) and not isinstance(state, bool):
+            self._picker_state = state + offset
+
     def choose(
         self,
         request: RequestView,

@@ -379,3 +379,17 @@ async def test_a_lost_subscription_is_taken_again_and_the_full_rounds_go_on() ->
     finally:
         await la.stop()
         await lb.stop()
+
+
+def test_replicas_break_ties_between_equally_loaded_engines_in_different_orders() -> None:
+    """Replicas see the same loads: with the same rotation, simultaneous arrivals at two replicas
+    went to the same one of several equally loaded engines."""
+    same = [offline_core(offline_fleet({"a": 4})) for _ in range(2)]
+    first = [core.submit(ticket(f"r-{i}"), 0.0) for i, core in enumerate(same)]
+    assert first[0] is not None and first[1] is not None
+    assert first[0].engine_id == first[1].engine_id  # (the premise: the same order)
+    offset = [offline_core(offline_fleet({"a": 4})) for _ in range(2)]
+    offset[1].router.offset_ties(1)
+    first = [core.submit(ticket(f"r-{i}"), 0.0) for i, core in enumerate(offset)]
+    assert first[0] is not None and first[1] is not None
+    assert first[0].engine_id != first[1].engine_id
