@@ -126,10 +126,14 @@ class ReplicaLoad:
         #: long enough that a replica busy for a few rounds, or whose store is slow (a full round
         #: is six commands, each up to ``store_timeout_s``), is not taken for gone
         self.ttl_s = max(2.0, 5 * interval_s, 8 * store_timeout_s)
-        # (one hash tag for every key: one slot on Redis Cluster, so a multi-key read works)
+        # (one hash tag for every key: a cluster client would need them in one slot for a multi-key
+        # read; Redis Cluster itself is not supported)
         self.group = f"{{{namespace}}}:replicas"
         self.channel = f"{{{namespace}}}:load-changes"
         self._prefix = f"{{{namespace}}}:load:"
+        #: this process's life: messages are ordered by number within a life; a message of
+        #: another life of a replica (restarted under its name, as a pod's container is) is newer
+        #: than what was held when it comes, and a full round's key wins over any other life
         self.life = secrets.token_hex(8)
         # (how its own messages begin: encode writes these keys first, in this order)
         self._own = orjson.dumps({"v": FORMAT, "r": replica_id, "i": self.life})[:-1] + b","
@@ -141,9 +145,6 @@ class ReplicaLoad:
         #: what each other replica last said
         self._others: dict[str, Said] = {}
         self._total: Loads = {}
-        #: this process's life: messages are ordered by number within a life; a message of
-        #: another life of a replica (restarted under its name, as a pod's container is) is newer
-        #: than what was held when it comes
         self._seq = 0
         self._twin_warned = False
         self._ok_at = clock()
