@@ -187,9 +187,12 @@ class Router:
         front of the same engines see the same loads (shared through the state store): with the
         same rotation, arrivals at two replicas at once went to the same one of several equally
         loaded engines, and took its last seat twice."""
-        state = self._picker_state
-        if isinstance(state, int) and not isinstance(state, bool):
-            self._picker_state = state + offset
+        # (max_score's state is that rotation's counter; other pickers' states are seeds or
+        # structures, which an offset would reseed or miss: left as they are)
+        picker = self.pipeline.picker
+        inner = picker.inner if isinstance(picker, _TimedPicker) else picker
+        if (self._ranked or type(inner) is MaxScore) and isinstance(self._picker_state, int):
+            self._picker_state += offset
 
     def choose(
         self,

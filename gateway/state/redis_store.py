@@ -2,9 +2,8 @@
 
 Every call is one command with a deadline: a store that does not answer within ``timeout_s``
 raises :class:`StoreError` and the caller goes on with what it has (sharing load is best effort;
-the engines' own metrics still show every replica's requests at each scrape). Keys the callers
-build carry one hash tag, so they all live in one slot and a multi-key read works on Redis Cluster
-too.
+the engines' own metrics still show every replica's requests at each scrape). One server (or a
+primary): the client is not a Redis Cluster one.
 """
 
 from __future__ import annotations
@@ -67,6 +66,14 @@ class RedisStore:
             # (a deadline on this task, not wait_for's task per command: a third of its cost)
             async with asyncio.timeout(self.timeout_s):
                 return await what
+        except asyncio.CancelledError as exc:
+            # In a task whose cancellation was consumed earlier (a stop after a cancelled start),
+            # the timeouts of early Python 3.11 releases end in CancelledError rather than
+            # TimeoutError (3.11.7's compare with the count at entry): a cancellation nobody asked
+            # for during this call is the store's delay.
+            if task is None or task.cancelling() > cancelling:
+                raise
+            raise StoreError(f"redis at {self.where}: no answer within {self.timeout_s:g} s") from exc
         except self._errors as exc:  # (connection, timeout, protocol, auth, READONLY replica)
             # (a cancellation asked during this call, not one a task consumed earlier: a stop
             # that runs in a task whose start was cancelled still meets store errors as such)

@@ -840,7 +840,9 @@ def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
     docs = _render(helm, {"stateStore": {"redis": {"passwordSecret": "redis-pass"}}})
     assert not _component(docs, "Secret", "state-store")
     (deploy,) = _component(docs, "Deployment", "state-store")
-    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert deploy["spec"]["strategy"]["type"] == "Recreate" and not deploy["spec"]["strategy"].get(
+        "rollingUpdate"
+    )
     redis_env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
     ref = {"name": "redis-pass", "key": "password"}
     assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref

@@ -12,9 +12,11 @@ import pytest
 
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.router import Router
 from gateway.state.replica_load import ReplicaLoad, Said, decode, encode
 from gateway.state.store import MemoryStore, StoreError
 from policies.api import EngineState, estimated_load
+from policies.pipeline import compile_profile
 from tests.gateway.test_dispatch_core import ticket
 
 
@@ -393,3 +395,15 @@ def test_replicas_break_ties_between_equally_loaded_engines_in_different_orders(
     first = [core.submit(ticket(f"r-{i}"), 0.0) for i, core in enumerate(offset)]
     assert first[0] is not None and first[1] is not None
     assert first[0].engine_id != first[1].engine_id
+
+
+def test_offset_ties_leaves_a_seeded_pickers_state_alone() -> None:
+    """A seeded random picker's state is its seed: an offset would silently change it."""
+    fleet = offline_fleet({"a": 2})
+    pipeline = compile_profile(
+        {"scorers": [{"name": "least_load"}], "picker": {"name": "max_score_random", "params": {"seed": 5}}}
+    )
+    router = Router(fleet, pipeline)
+    before = router._picker_state
+    router.offset_ties(12345)
+    assert router._picker_state == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -128,3 +129,43 @@ async def test_a_subscription_lost_with_its_server_raises_store_error() -> None:
         with pytest.raises(StoreError):
             await asyncio.wait_for(waiting, 5.0)
         await store.close()
+
+
+async def test_a_store_that_does_not_answer_is_a_store_error_even_in_a_task_cancelled_before() -> None:
+    """A stop runs in a task whose start was cancelled (its cancellation consumed): there, Python
+    3.11's timeouts end in CancelledError. A store that does not answer is still a StoreError;
+    a cancellation asked during the call is still a cancellation."""
+
+    async def answers_all_but_set(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # (a server that takes the connection's set-up and then never answers a SET)
+        while chunk := await reader.read(65536):
+            if b"PING" in chunk.upper():
+                writer.write(b"+PONG\r\n")
+            elif b"SET" not in chunk.upper().replace(b"SETINFO", b""):
+                writer.write(b"+OK\r\n" * chunk.count(b"*"))
+
+    server = await asyncio.start_server(answers_all_but_set, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.2)
+
+    async def stop_after_a_cancelled_start() -> str:
+        with contextlib.suppress(asyncio.CancelledError):  # (consumed: cancelling() stays 1)
+            await asyncio.sleep(10)
+        try:
+            await store.put("{t}:k", b"x", 1)
+        except StoreError:
+            return "store error"
+        return "answered"
+
+    task = asyncio.ensure_future(stop_after_a_cancelled_start())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    assert await asyncio.wait_for(task, 5.0) == "store error"
+
+    asked = asyncio.ensure_future(store.put("{t}:k", b"x", 1))
+    await asyncio.sleep(0.05)
+    asked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asked
+    await store.close()
+    server.close()
