@@ -156,9 +156,10 @@ class Calibrator:
     @staticmethod
     def _idle(record: EngineRecord) -> bool:
         # (a draining engine is about to change role: its probes would meet the flip)
+        # (no request of any gateway replica's there, as last heard: seats_taken counts theirs)
         return (
             record.healthy
-            and not record.running
+            and not record.seats_taken()
             and not record.draining
             and record.adapter.role is Role.COLLOCATED
         )
@@ -196,7 +197,7 @@ class Calibrator:
 
     def _check(self, record: EngineRecord, watch: _Watch) -> None:
         # (a drain began: a role flip is coming, and the probes would meet it)
-        if watch.touched or record.running or record.draining:
+        if watch.touched or record.seats_taken() or record.draining:
             metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "interrupted").inc()
             raise Interrupted(record.engine_id)
 

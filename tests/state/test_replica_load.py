@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.dispatch.offline import offline_core, offline_fleet
+from gateway.fleet.calibration import Calibrator
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router
 from gateway.state.replica_load import ReplicaLoad, Said, decode, encode
@@ -407,3 +408,13 @@ def test_offset_ties_leaves_a_seeded_pickers_state_alone() -> None:
     before = router._picker_state
     router.offset_ties(12345)
     assert router._picker_state == before
+
+
+async def test_calibration_takes_an_engine_with_another_replicas_requests_for_busy() -> None:
+    clock = Clock()
+    (fa, la), (fb, lb) = replicas(MemoryStore(clock), clock, engines=1)
+    record = fb.records["a-0"]
+    assert Calibrator._idle(record)
+    fa.reserve("a-0", "x", entry())
+    await exchange(la, lb)
+    assert not Calibrator._idle(record)
