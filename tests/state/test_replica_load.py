@@ -253,14 +253,21 @@ async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> float:
     return time.monotonic() - started
 
 
-async def test_a_placement_reaches_the_others_by_push_not_at_the_next_full_round() -> None:
-    store = MemoryStore()
-    fa, fb = offline_fleet({"a": 2}), offline_fleet({"a": 2})
-    # (full rounds an hour apart: after the first, only pushes can tell)
-    la = ReplicaLoad(fa, store, "ra", interval_s=3600, push_delay_s=0.001)
-    lb = ReplicaLoad(fb, store, "rb", interval_s=3600, push_delay_s=0.001)
+def started_pair(
+    store: MemoryStore, engines: int, interval_s: float
+) -> tuple[Fleet, ReplicaLoad, Fleet, ReplicaLoad]:
+    """Two replicas ``ra`` and ``rb`` exchanging through ``store``, their tasks running."""
+    fa, fb = offline_fleet({"a": engines}), offline_fleet({"a": engines})
+    la = ReplicaLoad(fa, store, "ra", interval_s=interval_s, push_delay_s=0.001)
+    lb = ReplicaLoad(fb, store, "rb", interval_s=interval_s, push_delay_s=0.001)
     la.start()
     lb.start()
+    return fa, la, fb, lb
+
+
+async def test_a_placement_reaches_the_others_by_push_not_at_the_next_full_round() -> None:
+    # (full rounds an hour apart: after the first, only pushes can tell)
+    fa, la, fb, lb = started_pair(MemoryStore(), engines=2, interval_s=3600)
     try:
         await until(lambda: lb.peers == ("ra",) or la.peers == ("rb",))
         fa.reserve("a-1", "x", entry())
@@ -370,11 +377,7 @@ class LosesItsSubscription(MemoryStore):
 
 async def test_a_lost_subscription_is_taken_again_and_the_full_rounds_go_on() -> None:
     store = LosesItsSubscription()
-    fa, fb = offline_fleet({"a": 1}), offline_fleet({"a": 1})
-    la = ReplicaLoad(fa, store, "ra", interval_s=0.05, push_delay_s=0.001)
-    lb = ReplicaLoad(fb, store, "rb", interval_s=0.05, push_delay_s=0.001)
-    la.start()
-    lb.start()
+    fa, la, fb, lb = started_pair(store, engines=1, interval_s=0.05)
     try:
         fa.reserve("a-0", "x", entry())
         await until(lambda: remote(fb)["a-0"] == 1)
