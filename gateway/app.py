@@ -51,6 +51,7 @@ from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import Settings, without_credentials
 from gateway.state.redis_store import RedisStore
 from gateway.state.replica_load import ReplicaLoad
+from gateway.state.replica_routes import ReplicaRoutes
 from gateway.tracing import Tracing
 from policies.api import Role
 
@@ -88,6 +89,7 @@ class Gateway:
         self.proxy: Proxy | None = None
         self.flow: DisaggregatedFlow | None = None
         self.replicas: ReplicaLoad | None = None
+        self.routes: ReplicaRoutes | None = None
         self.started_at = time.time()
         #: set when stopping begins (the server stopped accepting): /ready turns 503 at once
         self.stopping = False
@@ -178,6 +180,13 @@ class Gateway:
         # engines' KV events keep the index exact from now on
         self.prefix = build_prefix_routing(s, self.fleet, self.routing)
         self.kv_events = kv_event_feed(s, self.prefix)
+        if self.replicas is not None and self.prefix is not None:
+            # every replica's dispatches feed every replica's prefix index and session map
+            replicas = self.replicas
+            self.routes = ReplicaRoutes(
+                self.prefix, replicas.store, s.replica_id, replicas.has_peers, s.replica_push_delay_s
+            )
+            self.routes.start()
         if self.kv_events is not None:
             self.kv_events.start()
         self.dispatch = DispatchLoop(build_core(s, self.fleet, self.slo, self.routing, self.prefix))
@@ -249,8 +258,10 @@ class Gateway:
             await self.dispatch.stop()
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.routes is not None:
+            await self.routes.stop()
         if self.replicas is not None:
-            await self.replicas.stop()
+            await self.replicas.stop()  # (closes the store the routes shared)
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.session is not None:

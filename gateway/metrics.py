@@ -331,6 +331,15 @@ STATE_STORE_ERRORS = Counter(
     "Rounds of the replicas' load exchange that failed: the state store was out of reach or late",
     registry=REGISTRY,
 )
+REPLICA_ROUTES = Counter(
+    "slogate_replica_routes_total",
+    "Dispatches with a prompt or a session shared between gateway replicas: sent (told to the "
+    "others), taken (another replica's, written into this one's prefix index and session map), "
+    "skipped (another replica's, for an engine this one does not have or keys at another block "
+    "size), dropped (not sent: more waited than one message carries)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 ENGINE_HEALTHY = Gauge(
     "slogate_engine_healthy", "1 when the engine is in rotation", ["engine"], registry=REGISTRY
 )

@@ -272,9 +272,20 @@ class PrefixIndex:
         C loops over the prompt's keys only (a 200 KB prompt has ~4,000).
         """
         entries = self._engines.get(engine_id)
-        if entries is None:
-            return
-        keys = blocks.hashes(entries.block_size)
+        if entries is not None:
+            self._record(entries, blocks.hashes(entries.block_size), now)
+
+    def record_keys(self, engine_id: str, block_size: int, keys: Sequence[int], now: float) -> bool:
+        """:meth:`record_dispatch` of a prompt another gateway replica sent to ``engine_id``, by its
+        chained keys at ``block_size``; False (nothing written) when this index keys the engine
+        at another block size or does not know it."""
+        entries = self._engines.get(engine_id)
+        if entries is None or entries.block_size != block_size:
+            return False
+        self._record(entries, keys, now)
+        return True
+
+    def _record(self, entries: _EngineEntries, keys: Sequence[int], now: float) -> None:
         if not keys:
             return
         if entries.precise:

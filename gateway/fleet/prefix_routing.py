@@ -15,7 +15,7 @@ Engines join the index with the fleet (model and, once scraped, block size from 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import takewhile
 
@@ -26,6 +26,10 @@ from gateway.fleet.registry import EngineRecord, Fleet
 from policies.api import Affinity, EngineSnapshot, PrefixMatch, RequestView
 from policies.hyperflexis import Held, PrefixLookup
 from policies.plugins.affinity import AffinityStore
+
+#: what another replica is told of a dispatch here: the engine, the block size the prompt's keys
+#: are chained at and those keys (None without a prompt), and the session key (None without one)
+RouteListener = Callable[[str, int, "list[int] | None", "str | None"], None]
 
 #: requests attached and not yet detached beyond which the oldest are dropped: a front-door path
 #: that forgot to detach must cost a routing hint, never unbounded memory
@@ -57,6 +61,8 @@ class PrefixRouting:
         self.track_in_use = track_in_use and index is not None
         self._in_use: dict[str, Counter[int]] = {}
         self._using: dict[str, tuple[str, list[int]]] = {}  # request id -> (engine, its keys)
+        #: told of every dispatch with a prompt or a session (gateway/state/replica_routes.py)
+        self.route_listener: RouteListener | None = None
         if index is not None:
             for record in fleet.records.values():
                 index.add_engine(record.engine_id, record.model, _scraped_block_size(record))
@@ -171,6 +177,8 @@ class PrefixRouting:
         if attached is None:
             return
         prompt = attached.prompt
+        keys: list[int] | None = None
+        block_size = 0
         if prompt is not None and self.index is not None:
             # what the engine chosen holds of the prompt, as the index knows it before this
             # dispatch writes the whole prompt there: the routing's expected prefix hit
@@ -182,16 +190,37 @@ class PrefixRouting:
             metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "hit").inc(cached)
             metrics.child(metrics.PREFIX_ROUTED_TOKENS, engine_id, "miss").inc(total - cached)
             self.index.record_dispatch(engine_id, prompt, now)
+            block_size = self.index.block_size(engine_id)
+            keys = prompt.hashes(block_size)
             if self.track_in_use:
                 self._stop_using(request_id)  # (a request placed again uses the new engine's blocks)
-                keys = prompt.hashes(self.index.block_size(engine_id))
                 self._in_use.setdefault(engine_id, Counter()).update(keys)
                 self._using[request_id] = (engine_id, keys)
-        if attached.affinity_key is not None and self.affinity is not None:
-            before = self.affinity.get(attached.affinity_key, now)
+        session = attached.affinity_key if self.affinity is not None else None
+        if session is not None and self.affinity is not None:
+            before = self.affinity.get(session, now)
             outcome = "new" if before is None else "kept" if before == engine_id else "moved"
             metrics.child(metrics.AFFINITY_ROUTED, outcome).inc()
-            self.affinity.put(attached.affinity_key, engine_id, now)
+            self.affinity.put(session, engine_id, now)
+        if self.route_listener is not None and (keys or session is not None):
+            self.route_listener(engine_id, block_size, keys or None, session)
+
+    def routed_elsewhere(
+        self, engine_id: str, block_size: int, keys: list[int] | None, session: str | None, now: float
+    ) -> bool:
+        """Another gateway replica sent a request to ``engine_id``: its prompt's ``keys`` (chained
+        at ``block_size``) are cached there as if dispatched here, and its session goes there.
+        False when none of it could be taken (an engine this fleet does not have, or keyed at
+        another block size here, and no session)."""
+        if engine_id not in self.fleet.records:
+            return False
+        taken = False
+        if keys and self.index is not None:
+            taken = self.index.record_keys(engine_id, block_size, keys, now)
+        if session is not None and self.affinity is not None:
+            self.affinity.put(session, engine_id, now)
+            taken = True
+        return taken
 
     def observe(self) -> None:
         """Set the index's gauges (at scrape time: they are not kept up to date per write)."""

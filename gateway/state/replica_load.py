@@ -36,7 +36,7 @@ import orjson
 
 from gateway import metrics
 from gateway.fleet.registry import Fleet
-from gateway.state.store import StateStore, StoreError
+from gateway.state.store import StateStore, StoreError, listen
 from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,11 @@ class ReplicaLoad:
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+
+    def has_peers(self) -> bool:
+        """Whether another replica is known now (what :mod:`gateway.state.replica_routes` asks
+        before it tells anyone of a dispatch)."""
+        return bool(self.peers)
 
     def key(self, replica_id: str) -> str:
         return self._prefix + replica_id
@@ -275,18 +280,14 @@ class ReplicaLoad:
         self._apply(set(self._total).union(*(said.loads for said in heard.values())))
 
     async def _listen(self) -> None:
-        while not self._stopping:
-            try:
-                async with contextlib.aclosing(self.store.subscribe(self.channel)) as messages:
-                    async for message in messages:
-                        if self._stopping:
-                            return
-                        self._heard(message)
-            except StoreError as exc:
-                log.debug("replica load subscription lost (%s); the full rounds go on", exc)
-            except Exception:
-                log.exception("replica load subscription failed")
-            await asyncio.sleep(min(1.0, self.interval_s))
+        await listen(
+            self.store,
+            self.channel,
+            self._heard,
+            lambda: self._stopping,
+            min(1.0, self.interval_s),
+            "replica load",
+        )
 
     def _heard(self, message: bytes) -> None:
         if message.startswith(self._own):

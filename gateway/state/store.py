@@ -12,10 +12,14 @@ cluster. Both pass the same contract tests (``tests/state/test_state_store.py``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -116,3 +120,28 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+
+async def listen(
+    store: StateStore,
+    channel: str,
+    heard: Callable[[bytes], object],
+    stopping: Callable[[], bool],
+    retry_s: float,
+    what: str,
+) -> None:
+    """Hand every message of ``channel`` to ``heard`` until ``stopping()`` (or cancellation):
+    a subscription lost is taken again after ``retry_s`` (what was published meanwhile is gone),
+    and a failure of ``heard`` itself is logged, never the end of listening."""
+    while not stopping():
+        try:
+            async with contextlib.aclosing(store.subscribe(channel)) as messages:
+                async for message in messages:
+                    if stopping():
+                        return
+                    heard(message)
+        except StoreError as exc:
+            log.debug("%s subscription lost (%s); subscribing again", what, exc)
+        except Exception:
+            log.exception("%s subscription failed", what)
+        await asyncio.sleep(retry_s)

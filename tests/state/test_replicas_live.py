@@ -4,7 +4,9 @@ one engine, and the one that waits is placed as soon as the other replica's requ
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,8 @@ import httpx
 import pytest
 
 from gateway.app import Gateway
-from tests.gateway.gateway_thread import run_gateway, wait_until
+from policies.plugins.affinity import affinity_key
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import MODEL, HeaderEngine
 from tests.support.redis_server import RedisServer
 
@@ -23,6 +26,28 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@contextlib.contextmanager
+def two_replicas(
+    redis_server: RedisServer, gates: dict[str, threading.Event], **settings: Any
+) -> Iterator[tuple[HeaderEngine, HeaderEngine, RunningGateway, RunningGateway]]:
+    """Engines ``x`` and ``y`` (each holding its answers until its gate is set) behind replicas
+    ``gw-a`` and ``gw-b`` sharing ``redis_server``."""
+    shared: dict[str, Any] = {
+        "state_store": "redis",
+        "redis_url": redis_server.url,
+        "replica_sync_interval_s": 0.05,
+        # (no scrape or health round within a test: only the exchange can tell a replica)
+        "monitor_interval_s": 60.0,
+    } | settings
+    with (
+        HeaderEngine(gate=gates["x"]) as x,
+        HeaderEngine(gate=gates["y"]) as y,
+        run_gateway(engines=[x.entry("x"), y.entry("y")], replica_id="gw-a", **shared) as a,
+        run_gateway(engines=[x.entry("x"), y.entry("y")], replica_id="gw-b", **shared) as b,
+    ):
+        yield x, y, a, b
 
 
 def remote(gateway: Gateway) -> dict[str, int]:
@@ -42,20 +67,7 @@ def test_two_replicas_never_put_two_requests_on_a_one_seat_engine(redis_server: 
         thread.start()
         return thread
 
-    shared: dict[str, Any] = {
-        "state_store": "redis",
-        "redis_url": redis_server.url,
-        "replica_sync_interval_s": 0.05,
-        "max_engine_load": 1,
-        # (no scrape or health round within the test: only the exchange can tell a replica)
-        "monitor_interval_s": 60.0,
-    }
-    with (
-        HeaderEngine(gate=gates["x"]) as x,
-        HeaderEngine(gate=gates["y"]) as y,
-        run_gateway(engines=[x.entry("x"), y.entry("y")], replica_id="gw-a", **shared) as a,
-        run_gateway(engines=[x.entry("x"), y.entry("y")], replica_id="gw-b", **shared) as b,
-    ):
+    with two_replicas(redis_server, gates, max_engine_load=1) as (x, y, a, b):
         engines = {"x": x, "y": y}
         try:
             threads = [send(a.url)]
@@ -109,3 +121,68 @@ def test_a_gateway_whose_redis_is_down_serves_alone_and_says_so() -> None:
         assert wait_until(lambda: gw.gateway.replicas is not None and gw.gateway.replicas.errors >= 2)
         metrics = httpx.get(gw.url + "/metrics").text
         assert "slogate_state_store_errors_total" in metrics and "slogate_replicas 1.0" in metrics
+
+
+def test_a_sessions_next_turn_through_the_other_replica_goes_to_its_engine(redis_server: RedisServer) -> None:
+    """The peers' "replicas split prefix state": the turns of a conversation land on replicas in
+    turn; the second, through replica B, must go where the first went through A (its prompt is
+    cached there, its session went there), although B alone would pick the other engine: the
+    first turn still runs on that one (B counts it through the load exchange)."""
+    gates = {"x": threading.Event(), "y": threading.Event()}
+    statuses: list[int] = []
+    history = [{"role": "user", "content": "Plan a week of meals around lentils and rice. " * 8}]
+
+    def send(url: str, messages: list[dict[str, str]]) -> threading.Thread:
+        def post() -> None:
+            body = {"model": MODEL, "messages": messages, "stream": True}
+            headers = {"x-session-id": "conversation-1"}
+            statuses.append(
+                httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30).status_code
+            )
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        return thread
+
+    with two_replicas(redis_server, gates, routing_profile="prefix-aware") as (x, y, a, b):
+        engines = {"x": x, "y": y}
+        replicas_b = b.gateway.replicas
+        routes_b = b.gateway.prefix
+        assert a.gateway.routes is not None and routes_b is not None and routes_b.affinity is not None
+        try:
+            # (routes are told only to replicas known: wait until A knows B)
+            assert wait_until(
+                lambda: a.gateway.replicas is not None and a.gateway.replicas.peers == ("gw-b",)
+            )
+            threads = [send(a.url, history)]
+            assert wait_until(lambda: len(x.received) + len(y.received) == 1)
+            first = "x" if x.received else "y"
+            other = "y" if first == "x" else "x"
+            assert replicas_b is not None and wait_until(lambda: remote(b.gateway)[first] == 1)
+            # B hears where the session went (as it routes: by the monotonic clock)
+            session = affinity_key("default", "conversation-1")
+            assert session is not None
+            assert wait_until(
+                lambda: (
+                    routes_b.affinity is not None
+                    and routes_b.affinity.get(session, time.monotonic()) == first
+                )
+            )
+            turn = [
+                *history,
+                {"role": "assistant", "content": "Monday: dal."},
+                {"role": "user", "content": "Tuesday?"},
+            ]
+            threads.append(send(b.url, turn))
+            assert wait_until(lambda: len(x.received) + len(y.received) == 2)
+            assert len(engines[first].received) == 2 and len(engines[other].received) == 0
+            gates["x"].set()
+            gates["y"].set()
+            for thread in threads:
+                thread.join(30)
+            assert statuses == [200, 200]
+            shared_metrics = httpx.get(b.url + "/metrics").text
+            assert 'slogate_replica_routes_total{outcome="taken"}' in shared_metrics
+        finally:
+            for gate in gates.values():
+                gate.set()

@@ -1,0 +1,252 @@
+"""Where every gateway replica sent its requests, shared: the prefix index's dispatch feed and the
+session map, as if each replica had made every replica's dispatches.
+
+Behind a Service, a conversation's turns land on replicas in turn. Each replica learned where a
+prompt is cached and where a session went only from its own dispatches, so the next turn, sent to
+another replica, found neither and went wherever load said: the prompt was prefilled again on a
+cold engine (the peers' "replicas that split prefix state"). Here each dispatch with a prompt or a
+session is told to the other replicas (the engine, the prompt's chained block keys, the session
+key), and each writes it into its own index and session map. The engines' KV events, where they
+are published, reach every replica already (each subscribes); this shares what only the gateway
+knows: its dispatches to engines that publish none, and sessions.
+
+Write-behind, as the load exchange: routing never waits on the store. What was dispatched within
+``push_delay_s`` goes in one message on a channel every replica subscribes to, only while another
+replica is known (:class:`~gateway.state.replica_load.ReplicaLoad` finds them). A message lost
+(a subscription broken, the store out of reach) costs hints, not correctness: the index's entries
+are guesses with a time to live anyway, and the session's next request is routed by load and
+recorded again. A replica that starts learns from the dispatches that follow, not from the past.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from gateway import metrics
+from gateway.fleet.prefix_routing import PrefixRouting
+from gateway.state.store import StateStore, StoreError, listen
+from gateway.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+#: the version of a message; another version's are not read (a rolling update shares nothing
+#: between releases until it is done)
+FORMAT = 1
+#: routes one message carries: more waiting at once are dropped (counted) rather than held
+#: without bound behind a store that does not keep up
+MAX_ROUTES = 1024
+#: a prompt's leading block keys one route carries (a match counts leading blocks: the head of a
+#: longer prompt is what the others can use); 2^16 blocks of 16 tokens is a million tokens
+MAX_KEYS = 1 << 16
+#: the longest session key taken (affinity_key bounds each part to 128 characters)
+MAX_SESSION_CHARS = 1024
+#: the largest block size taken (vLLM's are at most a few hundred tokens)
+MAX_BLOCK_SIZE = 1 << 16
+
+_KEY = np.dtype("<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A dispatch another replica made: the engine, the prompt's leading block keys chained at
+    ``block_size`` (None without a prompt) and the session key (None without one)."""
+
+    engine_id: str
+    block_size: int
+    keys: list[int] | None
+    session: str | None
+
+
+def encode(replica_id: str, routes: list[tuple[str, int, list[int] | None, str | None]]) -> bytes:
+    """One message: the replica and its routes, each key list packed as little-endian 64-bit
+    integers in base64 (a 4,000-block prompt is 43 KB so, 80 KB as JSON numbers)."""
+    return orjson.dumps(
+        {
+            "v": FORMAT,
+            "r": replica_id,
+            "routes": [
+                [
+                    engine_id,
+                    block_size,
+                    None
+                    if not keys
+                    else base64.b64encode(np.asarray(keys[:MAX_KEYS], dtype=_KEY).tobytes()).decode(),
+                    session,
+                ]
+                for engine_id, block_size, keys, session in routes
+            ],
+        }
+    )
+
+
+def decode(message: bytes) -> tuple[str, list[Route]] | None:
+    """The replica and its routes; None when the message is not one this version writes or any
+    route in it is malformed (nothing of it is taken then)."""
+    try:
+        doc = orjson.loads(message)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or doc.get("v") != FORMAT:
+        return None
+    replica, raw = doc.get("r"), doc.get("routes")
+    if not isinstance(replica, str) or not isinstance(raw, list) or len(raw) > MAX_ROUTES:
+        return None
+    routes = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 4):
+            return None
+        engine_id, block_size, packed, session = entry
+        if not (
+            isinstance(engine_id, str)
+            and type(block_size) is int
+            and 1 <= block_size <= MAX_BLOCK_SIZE
+            and (
+                packed is None or (isinstance(packed, str) and len(packed) <= 4 * (MAX_KEYS * 8 + 2) // 3 + 4)
+            )
+            and (session is None or (isinstance(session, str) and 0 < len(session) <= MAX_SESSION_CHARS))
+        ):
+            return None
+        keys = None
+        if packed is not None:
+            try:
+                data = base64.b64decode(packed, validate=True)
+            except (binascii.Error, ValueError):
+                return None
+            if not data or len(data) % 8:
+                return None
+            keys = np.frombuffer(data, dtype=_KEY).tolist()
+        if keys is None and session is None:
+            return None
+        routes.append(Route(engine_id, block_size, keys, session))
+    return replica, routes
+
+
+class ReplicaRoutes:
+    """This replica's dispatches out, the others' in (see the module's docstring)."""
+
+    def __init__(
+        self,
+        routing: PrefixRouting,
+        store: StateStore,
+        replica_id: str,
+        has_peers: Callable[[], bool],
+        push_delay_s: float = 0.002,
+        namespace: str = "slogate",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.routing = routing
+        self.store = store
+        self.replica_id = replica_id
+        self.has_peers = has_peers
+        self.push_delay_s = push_delay_s
+        self.clock = clock
+        self.channel = f"{{{namespace}}}:routes"
+        # (how its own messages begin: encode writes these keys first, in this order)
+        self._own = orjson.dumps({"v": FORMAT, "r": replica_id})[:-1] + b","
+        self._pending: list[tuple[str, int, list[int] | None, str | None]] = []
+        self._push_due = False
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._failing = False
+
+    def start(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self.routing.route_listener = self._routed
+        self._tasks = [
+            loop.create_task(self._run(), name="replica-routes"),
+            loop.create_task(self._listen(), name="replica-routes-listen"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop sharing (what waited to be sent is not: the others route it by load). The store is
+        the load exchange's, closed there."""
+        tasks, self._tasks = self._tasks, []
+        self._stopping = True
+        if self.routing.route_listener == self._routed:
+            self.routing.route_listener = None
+        await cancel_and_wait(*tasks)
+
+    # -- this replica's dispatches out ----------------------------------------------------------
+
+    def _routed(self, engine_id: str, block_size: int, keys: list[int] | None, session: str | None) -> None:
+        """A dispatch here (the router calls this on the request's path: an append and at most one
+        timer per push)."""
+        if self._wake is None or not self.has_peers():
+            return
+        if len(self._pending) >= MAX_ROUTES:
+            metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
+            return
+        self._pending.append((engine_id, block_size, keys, session))
+        if not self._push_due:
+            self._push_due = True
+            asyncio.get_running_loop().call_later(self.push_delay_s, self._wake.set)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while not self._stopping:
+            await self._wake.wait()
+            self._wake.clear()
+            self._push_due = False
+            routes, self._pending = self._pending, []
+            if routes:
+                await self.push(routes)
+
+    async def push(self, routes: list[tuple[str, int, list[int] | None, str | None]]) -> None:
+        """Publish ``routes``; never raises but for cancellation (a failure is counted and logged
+        once per outage: those routes are lost, the next push is not held back)."""
+        try:
+            await self.store.publish(self.channel, encode(self.replica_id, routes))
+        except StoreError as exc:
+            self._failed(str(exc))
+        except Exception as exc:  # (a bug here must not end the sharing for good)
+            log.exception("sharing routes with the other replicas failed")
+            self._failed(f"{type(exc).__name__}: {exc}")
+        else:
+            metrics.child(metrics.REPLICA_ROUTES, "sent").inc(len(routes))
+            if self._failing:
+                log.warning("state store reachable again: sharing routes with the other replicas")
+            self._failing = False
+
+    def _failed(self, why: str) -> None:
+        metrics.STATE_STORE_ERRORS.inc()
+        if not self._failing:
+            log.warning("state store unreachable (%s): routes are not shared meanwhile", why)
+            self._failing = True
+
+    # -- the others' dispatches in --------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        await listen(self.store, self.channel, self.heard, lambda: self._stopping, 0.5, "replica routes")
+
+    def heard(self, message: bytes) -> int:
+        """Take another replica's routes; returns how many were taken."""
+        if message.startswith(self._own):
+            return 0  # (every replica hears its own messages too: not parsed)
+        decoded = decode(message)
+        if decoded is None:
+            return 0
+        now = self.clock()
+        taken = 0
+        for route in decoded[1]:
+            if self.routing.routed_elsewhere(
+                route.engine_id, route.block_size, route.keys, route.session, now
+            ):
+                taken += 1
+        if taken:
+            metrics.child(metrics.REPLICA_ROUTES, "taken").inc(taken)
+        if taken < len(decoded[1]):
+            metrics.child(metrics.REPLICA_ROUTES, "skipped").inc(len(decoded[1]) - taken)
+        return taken

@@ -1,0 +1,283 @@
+"""Gateway replicas share where they sent requests: each one's dispatches feed the others' prefix
+index and session map through the store, so a conversation's next turn, through another replica,
+is routed to the engine holding its prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from gateway import metrics
+from gateway.dispatch.offline import offline_fleet
+from gateway.fleet.block_hash import PromptBlocks, root_key
+from gateway.fleet.prefix_index import PrefixIndex
+from gateway.fleet.prefix_routing import PrefixRouting
+from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.router import Router, load_pipeline
+from gateway.state.replica_routes import MAX_KEYS, MAX_ROUTES, ReplicaRoutes, Route, decode, encode
+from gateway.state.store import MemoryStore, StoreError
+from gateway.tokenizer import apply_chat_template
+from gateway.tokenizer import encode as tokens_of
+from policies.api import RequestView
+from policies.plugins.affinity import MemoryAffinityStore, affinity_key
+
+PROFILES = Path(__file__).resolve().parents[2] / "profiles" / "routing"
+MODEL = "m"
+SESSION = affinity_key("tenant", "conversation-7")
+HISTORY = [{"role": "user", "content": "Plan a week of meals around lentils and rice. " * 10}]
+
+
+def _replica(block_size: int = 16) -> tuple[Fleet, PrefixRouting, Router]:
+    fleet = offline_fleet({MODEL: 2})
+    index = PrefixIndex(1 << 24, 120.0)
+    routing = PrefixRouting(fleet, index, MemoryAffinityStore(ttl_s=300.0))
+    for engine_id in fleet.records:
+        index.set_block_size(engine_id, block_size)
+    return fleet, routing, Router(fleet, load_pipeline(PROFILES / "prefix-aware.yaml"), routing)
+
+
+def _prompt(messages: list[dict[str, str]]) -> PromptBlocks:
+    return PromptBlocks(tokens_of(apply_chat_template(messages)), root_key(MODEL))
+
+
+def _turn(
+    routing: PrefixRouting, router: Router, rid: str, messages: list[dict[str, str]], now: float
+) -> str:
+    routing.attach(rid, _prompt(messages), SESSION)
+    chosen = router.choose(RequestView(rid, MODEL, 200, 20), now=now)
+    assert chosen is not None
+    return chosen.engine_id
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def _pair(store: MemoryStore, peers: list[bool]) -> tuple[tuple[Fleet, PrefixRouting, Router], ...]:
+    a, b = _replica(), _replica()
+    routes_a = ReplicaRoutes(a[1], store, "ra", lambda: peers[0], push_delay_s=0.001)
+    routes_b = ReplicaRoutes(b[1], store, "rb", lambda: peers[0], push_delay_s=0.001)
+    routes_a.start()
+    routes_b.start()
+    return a, b
+
+
+async def _stop(*routings: PrefixRouting) -> None:
+    for routing in routings:
+        listener = routing.route_listener
+        owner = getattr(listener, "__self__", None)
+        if isinstance(owner, ReplicaRoutes):
+            await owner.stop()
+
+
+def _taken() -> float:
+    return metrics.REPLICA_ROUTES.labels("taken")._value.get()
+
+
+async def test_the_next_turn_through_the_other_replica_goes_where_the_first_went() -> None:
+    (_, ra, router_a), (fb, rb, router_b) = _pair(MemoryStore(), [True])
+    try:
+        await asyncio.sleep(0.01)  # (both subscribed)
+        taken = _taken()
+        first = _turn(ra, router_a, "t1", HISTORY, now=1.0)
+        other = next(e for e in fb.records if e != first)
+        assert SESSION is not None
+        await until(lambda: rb.affinity is not None and rb.affinity.get(SESSION, 1.0) == first)
+        assert _taken() == taken + 1
+        # B holds a request of its own on that engine: alone, least load would send the next
+        # turn to the other one
+        fb.reserve(first, "b-own", RunningEntry(100, 10, 0.1, 0.0))
+        turn = [
+            *HISTORY,
+            {"role": "assistant", "content": "Monday: dal."},
+            {"role": "user", "content": "Tuesday?"},
+        ]
+        assert rb.index is not None
+        cached = rb.index.cached_tokens(_prompt(turn), [first, other])
+        assert cached[first] >= len(_prompt(HISTORY)) - 16 and cached[other] == 0
+        assert _turn(rb, router_b, "t2", turn, now=1.5) == first
+    finally:
+        await _stop(ra, rb)
+
+
+async def test_nothing_is_sent_while_no_other_replica_is_known() -> None:
+    store = MemoryStore()
+    peers = [False]
+    (_, ra, router_a), (_, rb, _) = _pair(store, peers)
+    heard: list[bytes] = []
+
+    async def listen() -> None:
+        async for message in store.subscribe("{slogate}:routes"):
+            heard.append(message)
+
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.sleep(0.01)
+        _turn(ra, router_a, "t1", HISTORY, now=1.0)
+        await asyncio.sleep(0.05)
+        assert heard == [] and rb.affinity is not None and SESSION is not None
+        assert rb.affinity.get(SESSION, 1.0) is None
+        peers[0] = True
+        _turn(ra, router_a, "t2", HISTORY, now=2.0)
+        await until(lambda: len(heard) == 1)
+        # (the one message: a request with neither prompt nor session is not a route)
+        routes = decode(heard[0])
+        assert routes is not None and routes[0] == "ra" and [r.session for r in routes[1]] == [SESSION]
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await _stop(ra, rb)
+
+
+async def test_dispatches_within_the_push_delay_go_in_one_message() -> None:
+    store = MemoryStore()
+    _, ra, router_a = _replica()
+    routes = ReplicaRoutes(ra, store, "ra", lambda: True, push_delay_s=0.02)
+    heard: list[bytes] = []
+
+    async def listen() -> None:
+        async for message in store.subscribe(routes.channel):
+            heard.append(message)
+
+    listener = asyncio.create_task(listen())
+    routes.start()
+    try:
+        await asyncio.sleep(0.01)
+        for i in range(5):
+            _turn(ra, router_a, f"t{i}", HISTORY, now=1.0)
+        await until(lambda: len(heard) == 1)
+        await asyncio.sleep(0.05)
+        decoded = decode(heard[0])
+        assert len(heard) == 1 and decoded is not None and len(decoded[1]) == 5
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await routes.stop()
+
+
+def test_a_message_round_trips_every_64_bit_key_and_truncates_at_the_bound() -> None:
+    keys = [0, 1, 2**63, 2**64 - 1, 12345678901234567890]
+    decoded = decode(encode("ra", [("m-0", 16, keys, "s"), ("m-1", 32, None, "t"), ("m-0", 16, keys, None)]))
+    assert decoded == (
+        "ra",
+        [Route("m-0", 16, keys, "s"), Route("m-1", 32, None, "t"), Route("m-0", 16, keys, None)],
+    )
+    long = list(range(MAX_KEYS + 10))
+    decoded = decode(encode("ra", [("m-0", 16, long, None)]))
+    assert decoded is not None and decoded[1][0].keys == long[:MAX_KEYS]
+
+
+def _doc(*routes: object, v: object = 1, r: object = "ra") -> bytes:
+    return orjson.dumps({"v": v, "r": r, "routes": list(routes)})
+
+
+PACKED = base64.b64encode(np.asarray([1, 2], dtype="<u8").tobytes()).decode()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"not json",
+        b"[]",
+        _doc(["m-0", 16, PACKED, None], v=2),
+        _doc(["m-0", 16, PACKED, None], r=5),
+        _doc(["m-0", 16, PACKED]),
+        _doc(["m-0", True, PACKED, None]),
+        _doc(["m-0", 0, PACKED, None]),
+        _doc(["m-0", 16, "not base64!", None]),
+        _doc(["m-0", 16, base64.b64encode(b"\x01\x02\x03").decode(), None]),
+        _doc(["m-0", 16, "", None]),
+        _doc(["m-0", 16, None, None]),
+        _doc(["m-0", 16, None, ""]),
+        _doc(["m-0", 16, None, "x" * 5000]),
+        _doc([7, 16, PACKED, None]),
+        # (one bad route spoils the message: nothing of it is taken)
+        _doc(["m-0", 16, PACKED, "s"], ["m-0", 16, 5, None]),
+        orjson.dumps({"v": 1, "r": "ra", "routes": [["m-0", 16, None, "s"]] * (MAX_ROUTES + 1)}),
+    ],
+)
+def test_a_message_this_version_does_not_write_is_not_read(message: bytes) -> None:
+    assert decode(message) is None
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
+    assert routes.heard(message) == 0
+    assert routing.affinity is not None and len(routing.affinity) == 0  # type: ignore[arg-type]
+
+
+def test_routes_for_an_unknown_engine_or_another_block_size_are_skipped_and_its_own_ignored() -> None:
+    _, routing, _ = _replica(block_size=16)
+    routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
+    keys = _prompt(HISTORY).hashes(16)
+    assert routes.heard(encode("ra", [("elsewhere-0", 16, keys, "s")])) == 0
+    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, _prompt(HISTORY).hashes(32), None)])) == 0
+    assert routing.index is not None and routing.index.entries(f"{MODEL}-0") == 0
+    # a session is taken whatever the block size; keys only at this index's
+    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, keys, "s")])) == 1
+    assert routing.index.entries(f"{MODEL}-0") == 0
+    assert routes.heard(encode("ra", [(f"{MODEL}-1", 16, keys, None)])) == 1
+    assert routing.index.entries(f"{MODEL}-1") == len(keys)
+    # its own messages (every replica hears them) are not taken again
+    assert routes.heard(encode("rb", [(f"{MODEL}-0", 16, keys, None)])) == 0
+    assert routing.index.entries(f"{MODEL}-0") == 0
+
+
+class DownStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+
+    async def publish(self, channel: str, message: bytes) -> None:
+        if self.down:
+            raise StoreError("down")
+        await super().publish(channel, message)
+
+
+async def test_a_store_out_of_reach_loses_those_routes_only(caplog: pytest.LogCaptureFixture) -> None:
+    store = DownStore()
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, store, "ra", lambda: True)
+    errors = metrics.STATE_STORE_ERRORS._value.get()
+    await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
+    await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
+    assert metrics.STATE_STORE_ERRORS._value.get() == errors + 2
+    assert sum("routes are not shared" in r.message for r in caplog.records) == 1  # (once an outage)
+    store.down = False
+    heard: list[bytes] = []
+
+    async def listen() -> None:
+        async for message in store.subscribe(routes.channel):
+            heard.append(message)
+
+    listener = asyncio.create_task(listen())
+    try:
+        await asyncio.sleep(0.01)
+        await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
+        await until(lambda: len(heard) == 1)
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_a_store_that_falls_behind_drops_routes_rather_than_holding_them() -> None:
+    _, routing, router = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "ra", lambda: True, push_delay_s=3600)
+    routes.start()
+    try:
+        dropped = metrics.REPLICA_ROUTES.labels("dropped")._value.get()
+        for i in range(MAX_ROUTES + 3):
+            routing.attach(f"r{i}", None, f"session-{i}")
+            assert router.choose(RequestView(f"r{i}", MODEL, 200, 20), now=1.0) is not None
+        assert len(routes._pending) == MAX_ROUTES
+        assert metrics.REPLICA_ROUTES.labels("dropped")._value.get() == dropped + 3
+    finally:
+        await routes.stop()
+    assert routing.route_listener is None
