@@ -51,6 +51,7 @@ from gateway.bench.harness import (
     spawn_paced_engine,
     wait_until_served,
 )
+from gateway.bench.replica_sessions import SessionFigures, run_sessions
 from gateway.bench.sustained_rate import schedule
 from gateway.procs import ChildProcess
 from gateway.state.local_redis import LocalRedis, RedisUnavailable
@@ -62,6 +63,9 @@ MODEL = "bench-replicas"
 MODES = ("single", "memory", "redis")
 #: the shared mode's target: engine time above the limit, as a share of all engine time
 SHARED_OVER_LIMIT = 0.01
+#: the shared mode's target for conversations: their later turns on their previous engine (the
+#: imbalance guard may move one when its engine is far busier than another)
+SESSIONS_KEPT = 0.9
 #: a request not answered within this long counts as an error (the run goes on)
 REQUEST_TIMEOUT_S = 60.0
 
@@ -98,6 +102,8 @@ class ModePoint:
     store_commands_per_s: float
     #: per engine, (time, requests held) at each change, for the plot
     steps: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    #: the conversations part (gateway/bench/replica_sessions.py); None when not run
+    sessions: SessionFigures | None = None
 
 
 def occupancy(
@@ -243,6 +249,18 @@ async def _measure(
     )
 
 
+async def _conversations(
+    gateways: Sequence[ChildProcess], sessions: int, turns: int, tokens: int, run: str
+) -> SessionFigures:
+    urls = [g.url for g in gateways]
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            await wait_until_served(session, url, MODEL)
+    if len(gateways) > 1:
+        await asyncio.sleep(1.0)  # (the replicas find each other within a round or two)
+    return await run_sessions(MODEL, urls, sessions, turns, tokens, run, REQUEST_TIMEOUT_S)
+
+
 @dataclass
 class ReplicaBench:
     replicas: int
@@ -268,6 +286,17 @@ class ReplicaBench:
                 )
             )
             rows.append((f"{p.mode}: errors", f"{p.errors} of {p.requests}", "0", p.errors == 0))
+            if p.sessions is not None:
+                shared = p.mode == "redis"
+                rows.append(
+                    (
+                        f"{p.mode}: conversations' later turns on their previous engine, prompt cached",
+                        f"{p.sessions.kept:.1%}, {p.sessions.cached:.1%} "
+                        f"({p.sessions.later_turns} turns, {p.sessions.errors} errors)",
+                        f">= {SESSIONS_KEPT:.0%} kept" if shared else "(reported)",
+                        p.sessions.kept >= SESSIONS_KEPT and p.sessions.errors == 0 if shared else True,
+                    )
+                )
             rows.append(
                 (
                     f"{p.mode}: TTFT p50 / p99, engine load spread",
@@ -301,6 +330,8 @@ def run_replica_bench(
     modes: Sequence[str] = MODES,
     seed: int = 0,
     report: Callable[[str], None] = progress,
+    sessions: int = 0,
+    turns: int = 4,
 ) -> ReplicaBench:
     """Blocking. Raises :class:`RedisUnavailable` when a mode needs Redis and there is none."""
     service_s = tokens * token_gap_ms / 1000
@@ -331,14 +362,15 @@ def run_replica_bench(
                 f"{rate:.1f}/s ({load:.0%} of {engines} x {limit} seats) for {seconds:g} s"
             )
             store_url = redis.url if mode == "redis" and redis is not None else None
-            env = {"SLOGATE_MAX_ENGINE_LOAD": str(limit)}
+            store_env: dict[str, str] = {}
             if store_url is not None:
-                env |= {
+                store_env = {
                     "SLOGATE_STATE_STORE": "redis",
                     "SLOGATE_REDIS_URL": store_url,
                     "SLOGATE_REPLICA_SYNC_INTERVAL_S": str(sync_interval_s),
                     "SLOGATE_REPLICA_PUSH_DELAY_S": str(push_delay_s),
                 }
+            env = store_env | {"SLOGATE_MAX_ENGINE_LOAD": str(limit)}
             with ExitStack() as gateways:
                 procs_g = [
                     gateways.enter_context(spawn_gateway(entries, env | {"SLOGATE_REPLICA_ID": f"bench-{j}"}))
@@ -350,6 +382,23 @@ def run_replica_bench(
                 f"{limit}, most held {point.peak}; TTFT p50/p99 {point.ttft_p50_ms:.1f}/"
                 f"{point.ttft_p99_ms:.1f} ms; {point.errors} errors"
             )
+            if sessions:
+                # (gateways of their own: the prefix-aware profile would draw the load part's
+                # identical prompts together), and no max_engine_load: routing alone decides
+                env = store_env | {"SLOGATE_ROUTING_PROFILE": "prefix-aware"}
+                with ExitStack() as gateways:
+                    procs_g = [
+                        gateways.enter_context(
+                            spawn_gateway(entries, env | {"SLOGATE_REPLICA_ID": f"bench-sessions-{j}"})
+                        )
+                        for j in range(count)
+                    ]
+                    point.sessions = asyncio.run(_conversations(procs_g, sessions, turns, tokens, mode))
+                report(
+                    f"[{i + 1}/{len(modes)}] {mode}: {sessions} conversations x {turns} turns: "
+                    f"{point.sessions.kept:.1%} of later turns on their previous engine, "
+                    f"{point.sessions.cached:.1%} of their prompt cached; {point.sessions.errors} errors"
+                )
             points.append(point)
     return ReplicaBench(
         replicas, engines, limit, load, rate, seconds, tokens, token_gap_ms, sync_interval_s, points
@@ -381,6 +430,33 @@ def plot(bench: ReplicaBench, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_sessions(bench: ReplicaBench, path: Path) -> bool:
+    """Kept and cached shares of the conversations' later turns, per mode (False: none ran)."""
+    points = [p for p in bench.points if p.sessions is not None]
+    if not points:
+        return False
+    from gateway.experiments.plotting import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    xs = range(len(points))
+    kept = [100 * p.sessions.kept for p in points if p.sessions is not None]
+    cached = [100 * p.sessions.cached for p in points if p.sessions is not None]
+    ax.bar([x - 0.2 for x in xs], kept, width=0.4, label="on the previous turn's engine")
+    ax.bar([x + 0.2 for x in xs], cached, width=0.4, label="prompt tokens cached")
+    ax.set_xticks(list(xs), [f"state_store: {p.mode}" for p in points])
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("% of later turns / of their prompt")
+    ax.set_title(f"conversations through {bench.replicas} replicas in turn (prefix-aware routing)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def render(bench: ReplicaBench) -> str:
     lines = checks_table(bench.checks())
     lines.append(
@@ -404,6 +480,13 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--push-delay-s", type=float, default=0.002, help="replica_push_delay_s")
     parser.add_argument("--modes", default=",".join(MODES), help="state stores to compare: memory,redis")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=32,
+        help="conversations whose turns go through the replicas in turn (prefix-aware routing); 0: none",
+    )
+    parser.add_argument("--turns", type=int, default=4, help="turns of each conversation")
     parser.add_argument("--out", type=Path, default=Path("results/bench-replicas"))
 
 
@@ -420,11 +503,13 @@ def bench_replicas_main(args: argparse.Namespace) -> int:
         or not all(math.isfinite(v) and v > 0 for v in numbers)
         or not 0.01 <= args.sync_interval_s <= 10
         or not 0 <= args.push_delay_s <= 1
+        or not 0 <= args.sessions <= 1000
+        or not 2 <= args.turns <= 32
     ):
         print(
             "slogate bench replicas: --modes from memory,redis; 1-16 replicas, 1-64 engines, "
             "max_engine_load and tokens 1-4096; --load, --seconds, --token-gap-ms > 0; "
-            "--sync-interval-s 0.01-10, --push-delay-s 0-1",
+            "--sync-interval-s 0.01-10, --push-delay-s 0-1, --sessions 0-1000, --turns 2-32",
             file=sys.stderr,
         )
         return 2
@@ -445,6 +530,8 @@ def bench_replicas_main(args: argparse.Namespace) -> int:
             args.push_delay_s,
             modes,
             args.seed,
+            sessions=args.sessions,
+            turns=args.turns,
         )
     except RedisUnavailable as exc:
         print(f"slogate bench replicas: {exc}; or --modes memory", file=sys.stderr)
@@ -455,5 +542,8 @@ def bench_replicas_main(args: argparse.Namespace) -> int:
     (args.out / "table.md").write_text(table + "\n")
     (args.out / "points.json").write_text(json.dumps(asdict(bench), indent=2))
     plot(bench, args.out / "replicas_occupancy.png")
-    print(f"wrote {args.out / 'table.md'}, {args.out / 'points.json'}, {args.out / 'replicas_occupancy.png'}")
+    wrote = [args.out / "table.md", args.out / "points.json", args.out / "replicas_occupancy.png"]
+    if plot_sessions(bench, args.out / "replicas_sessions.png"):
+        wrote.append(args.out / "replicas_sessions.png")
+    print("wrote " + ", ".join(str(w) for w in wrote))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gateway.bench.replica_sessions import SessionTurn, figures
 from gateway.bench.replicas import Stay, occupancy
 from gateway.cli import main
 from tests.support.redis_server import redis_server_path
@@ -26,6 +27,19 @@ def test_occupancy_counts_engine_time_above_the_limit() -> None:
     assert steps["e0"][-1] == (4.0, 0)
 
 
+def test_session_figures_compare_each_turn_with_the_previous_answered_one() -> None:
+    turns = [
+        SessionTurn(0, 0, "e0", 100, 0),
+        SessionTurn(0, 1, "e0", 120, 96),
+        SessionTurn(0, 2, "e1", 140, 0),
+        SessionTurn(1, 0, "e1", 100, 0),
+        SessionTurn(1, 2, "e1", 140, 112),  # (its turn 1 was not answered: not compared)
+    ]
+    result = figures(turns, errors=1)
+    assert (result.later_turns, result.kept, result.cached, result.errors) == (2, 0.5, 96 / 260, 1)
+    assert figures([], 0).kept == 0.0
+
+
 def test_bench_replicas_smoke(tmp_path: Path) -> None:
     redis_server_path()  # (installs it when missing)
     code = main(
@@ -39,6 +53,8 @@ def test_bench_replicas_smoke(tmp_path: Path) -> None:
             "--token-gap-ms", "10",
             "--seconds", "2",
             "--modes", "single,redis",
+            "--sessions", "4",
+            "--turns", "2",
             "--out", str(tmp_path),
         ]
     )  # fmt: skip
@@ -50,5 +66,9 @@ def test_bench_replicas_smoke(tmp_path: Path) -> None:
         assert point["peak"] >= 1 and set(point["peaks"]) == {"engine-0", "engine-1"}
         assert 0 <= point["over_limit_share"] <= 1 and point["ttft_p50_ms"] > 0
     assert bench["points"][1]["store_commands_per_s"] > 0
+    for point in bench["points"]:
+        sessions = point["sessions"]
+        assert sessions["later_turns"] + sessions["errors"] >= 4 and 0 <= sessions["cached"] <= 1
+    assert (tmp_path / "replicas_sessions.png").stat().st_size > 10_000
     assert (tmp_path / "replicas_occupancy.png").stat().st_size > 10_000
     assert "engine time above max_engine_load" in (tmp_path / "table.md").read_text()
