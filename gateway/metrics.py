@@ -335,8 +335,9 @@ REPLICA_ROUTES = Counter(
     "slogate_replica_routes_total",
     "Dispatches with a prompt or a session shared between gateway replicas: sent (told to the "
     "others), taken (another replica's, written into this one's prefix index and session map), "
-    "skipped (another replica's, for an engine this one does not have or keys at another block "
-    "size), dropped (not sent: more waited than one message carries)",
+    "skipped (another replica's, not all taken: an engine this one does not have, or keys at "
+    "another block size than this one's; the session is taken then), dropped (not sent: more "
+    "waited than one message carries)",
     ["outcome"],
     registry=REGISTRY,
 )

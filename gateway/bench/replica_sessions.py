@@ -2,11 +2,13 @@
 over the replicas as a Service spreads them, still find the engine that holds their history.
 
 Each of ``sessions`` conversations sends ``turns`` turns one after the other (each turn's prompt is
-the whole history so far: a long opening of its own, then each answer and a short question), with
-``x-session-id``, turn k of conversation s through replica (s + k) mod R, so consecutive turns of a
-conversation always meet different replicas. The gateways route with the shipped ``prefix-aware``
-profile (prefix index and session affinity under an imbalance guard, then least load). Measured
-over every turn after a conversation's first:
+the whole history so far: a long opening of its own, then each answer and a short question), turn
+k of conversation s through replica (s + k) mod R, so consecutive turns of a conversation always
+meet different replicas. The even conversations send ``x-session-id`` (session affinity and the
+prefix index draw them); the odd ones send nothing of the kind, as most OpenAI SDK apps (only the
+prefix index can). The gateways route with the shipped ``prefix-aware`` profile (prefix index and
+session affinity under an imbalance guard, then least load). Measured per group over every turn
+after a conversation's first:
 
 - kept: the share that went to the engine of the conversation's previous turn;
 - cached: the share of their prompt tokens the engine reported cached
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-#: what a conversation opens with: long enough that its prefill matters (about 600 tokens)
+#: what a conversation opens with (eight times, after the run and conversation numbers): long
+#: enough that its prefill matters (about 670 tokens as the simulated engine counts them)
 _OPENING = (
     "I am planning meals for a family of four for the next two weeks, on a budget, with one "
     "vegetarian and one child who will not eat anything green. We cook on weekday evenings in "
@@ -47,17 +50,37 @@ class SessionTurn:
 
 
 @dataclass(frozen=True, slots=True)
-class SessionFigures:
-    #: turns after a conversation's first, answered
+class TurnFigures:
+    #: turns after a conversation's first, answered (after an answered turn)
     later_turns: int
     #: of those, the share on the conversation's previous engine
     kept: float
     #: of their prompt tokens, the share the engines reported cached
     cached: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFigures:
+    #: conversations that sent ``x-session-id`` (the even ones)
+    with_session: TurnFigures
+    #: conversations that did not (the odd ones): only the prefix index draws their turns
+    prompt_only: TurnFigures
+    #: turns answered, and their mean prompt (tokens, as the engines counted them)
+    answered: int
+    mean_prompt_tokens: float
+    #: conversations cut short by a failed turn
     errors: int
+    #: the gateways' CPU per answered turn (every replica's, their idle CPU subtracted; set by
+    #: the caller)
+    cpu_ms_per_turn: float = 0.0
+
+    @property
+    def kept(self) -> float:
+        """The lower of the two groups' kept shares."""
+        return min(self.with_session.kept, self.prompt_only.kept)
 
 
-def figures(turns: Sequence[SessionTurn], errors: int) -> SessionFigures:
+def figures(turns: Sequence[SessionTurn]) -> TurnFigures:
     """Kept and cached shares over every answered turn after a conversation's first whose
     previous turn was answered too."""
     by_session: dict[int, dict[int, SessionTurn]] = {}
@@ -73,7 +96,17 @@ def figures(turns: Sequence[SessionTurn], errors: int) -> SessionFigures:
             kept += turn.engine == previous.engine
             prompt += turn.prompt_tokens
             cached += turn.cached_tokens
-    return SessionFigures(later, kept / later if later else 0.0, cached / prompt if prompt else 0.0, errors)
+    return TurnFigures(later, kept / later if later else 0.0, cached / prompt if prompt else 0.0)
+
+
+def session_figures(turns: Sequence[SessionTurn], errors: int) -> SessionFigures:
+    return SessionFigures(
+        figures([t for t in turns if t.session % 2 == 0]),
+        figures([t for t in turns if t.session % 2 == 1]),
+        len(turns),
+        sum(t.prompt_tokens for t in turns) / len(turns) if turns else 0.0,
+        errors,
+    )
 
 
 def _usage(stream: bytes) -> tuple[int, int] | None:
@@ -112,7 +145,11 @@ async def run_sessions(
         async def conversation(s: int) -> None:
             nonlocal errors
             await asyncio.sleep(0.02 * s)  # (staggered, as conversations begin)
-            messages = [{"role": "user", "content": f"Run {run}, conversation {s}. " + _OPENING * 4}]
+            messages = [{"role": "user", "content": f"Run {run}, conversation {s}. " + _OPENING * 8}]
+            # (the even conversations name themselves; the odd ones are matched by prompt alone)
+            headers = {"Content-Type": "application/json"}
+            if s % 2 == 0:
+                headers["x-session-id"] = f"conversation-{s}"
             for k in range(turns):
                 body = {
                     "model": model,
@@ -128,7 +165,7 @@ async def run_sessions(
                     async with http.post(
                         urls[(s + k) % len(urls)] + "/v1/chat/completions",
                         data=orjson.dumps(body),
-                        headers={"Content-Type": "application/json", "x-session-id": f"conversation-{s}"},
+                        headers=headers,
                     ) as response:
                         engine = response.headers.get("x-slogate-engine", "")
                         async for chunk in response.content.iter_any():
@@ -148,4 +185,4 @@ async def run_sessions(
                 ]
 
         await asyncio.gather(*(conversation(s) for s in range(sessions)))
-    return figures(answered, errors)
+    return session_figures(answered, errors)

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -256,9 +256,14 @@ async def _conversations(
     async with aiohttp.ClientSession() as session:
         for url in urls:
             await wait_until_served(session, url, MODEL)
+    pids = [g.pid for g in gateways]
     if len(gateways) > 1:
         await asyncio.sleep(1.0)  # (the replicas find each other within a round or two)
-    return await run_sessions(MODEL, urls, sessions, turns, tokens, run, REQUEST_TIMEOUT_S)
+    idle = await _idle_cpu(pids)
+    cpu0, t0 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
+    result = await run_sessions(MODEL, urls, sessions, turns, tokens, run, REQUEST_TIMEOUT_S)
+    cpu = sum(cpu_seconds(p) for p in pids) - cpu0 - idle * (time.perf_counter() - t0)
+    return replace(result, cpu_ms_per_turn=cpu * 1000 / max(1, result.answered))
 
 
 @dataclass
@@ -288,13 +293,26 @@ class ReplicaBench:
             rows.append((f"{p.mode}: errors", f"{p.errors} of {p.requests}", "0", p.errors == 0))
             if p.sessions is not None:
                 shared = p.mode == "redis"
+                for group, turns in (
+                    ("with x-session-id", p.sessions.with_session),
+                    ("prompt only", p.sessions.prompt_only),
+                ):
+                    rows.append(
+                        (
+                            f"{p.mode}: conversations {group}: later turns on their previous engine, "
+                            "prompt cached",
+                            f"{turns.kept:.1%}, {turns.cached:.1%} ({turns.later_turns} turns)",
+                            f">= {SESSIONS_KEPT:.0%} kept" if shared else "(reported)",
+                            turns.kept >= SESSIONS_KEPT if shared else True,
+                        )
+                    )
                 rows.append(
                     (
-                        f"{p.mode}: conversations' later turns on their previous engine, prompt cached",
-                        f"{p.sessions.kept:.1%}, {p.sessions.cached:.1%} "
-                        f"({p.sessions.later_turns} turns, {p.sessions.errors} errors)",
-                        f">= {SESSIONS_KEPT:.0%} kept" if shared else "(reported)",
-                        p.sessions.kept >= SESSIONS_KEPT and p.sessions.errors == 0 if shared else True,
+                        f"{p.mode}: conversations: errors, mean prompt, gateway CPU per turn",
+                        f"{p.sessions.errors}, {p.sessions.mean_prompt_tokens:.0f} tokens, "
+                        f"{p.sessions.cpu_ms_per_turn:.2f} ms",
+                        "0 errors",
+                        p.sessions.errors == 0,
                     )
                 )
             rows.append(
@@ -394,10 +412,12 @@ def run_replica_bench(
                         for j in range(count)
                     ]
                     point.sessions = asyncio.run(_conversations(procs_g, sessions, turns, tokens, mode))
+                with_session, prompt_only = point.sessions.with_session, point.sessions.prompt_only
                 report(
-                    f"[{i + 1}/{len(modes)}] {mode}: {sessions} conversations x {turns} turns: "
-                    f"{point.sessions.kept:.1%} of later turns on their previous engine, "
-                    f"{point.sessions.cached:.1%} of their prompt cached; {point.sessions.errors} errors"
+                    f"[{i + 1}/{len(modes)}] {mode}: {sessions} conversations x {turns} turns: later "
+                    f"turns on their previous engine {with_session.kept:.1%} with a session id, "
+                    f"{prompt_only.kept:.1%} without; prompt cached {with_session.cached:.1%} / "
+                    f"{prompt_only.cached:.1%}; {point.sessions.errors} errors"
                 )
             points.append(point)
     return ReplicaBench(
@@ -438,18 +458,23 @@ def plot_sessions(bench: ReplicaBench, path: Path) -> bool:
     from gateway.experiments.plotting import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(points))
-    kept = [100 * p.sessions.kept for p in points if p.sessions is not None]
-    cached = [100 * p.sessions.cached for p in points if p.sessions is not None]
-    ax.bar([x - 0.2 for x in xs], kept, width=0.4, label="on the previous turn's engine")
-    ax.bar([x + 0.2 for x in xs], cached, width=0.4, label="prompt tokens cached")
+    groups = [(p.sessions.with_session, p.sessions.prompt_only) for p in points if p.sessions is not None]
+    bars = (
+        ("with a session id: on the previous turn's engine", [100 * w.kept for w, _ in groups]),
+        ("with a session id: prompt tokens cached", [100 * w.cached for w, _ in groups]),
+        ("prompt only: on the previous turn's engine", [100 * o.kept for _, o in groups]),
+        ("prompt only: prompt tokens cached", [100 * o.cached for _, o in groups]),
+    )
+    for i, (label, heights) in enumerate(bars):
+        ax.bar([x - 0.3 + 0.2 * i for x in xs], heights, width=0.2, label=label)
     ax.set_xticks(list(xs), [f"state_store: {p.mode}" for p in points])
     ax.set_ylim(0, 105)
     ax.set_ylabel("% of later turns / of their prompt")
     ax.set_title(f"conversations through {bench.replicas} replicas in turn (prefix-aware routing)")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -210,17 +210,16 @@ class PrefixRouting:
     ) -> bool:
         """Another gateway replica sent a request to ``engine_id``: its prompt's ``keys`` (chained
         at ``block_size``) are cached there as if dispatched here, and its session goes there.
-        False when none of it could be taken (an engine this fleet does not have, or keyed at
-        another block size here, and no session)."""
+        False unless all of it was taken: an engine this fleet does not have (nothing is), or keys
+        at another block size than this index keys the engine at (the session still is)."""
         if engine_id not in self.fleet.records:
             return False
-        taken = False
+        whole = True
         if keys and self.index is not None:
-            taken = self.index.record_keys(engine_id, block_size, keys, now)
+            whole = self.index.record_keys(engine_id, block_size, keys, now)
         if session is not None and self.affinity is not None:
             self.affinity.put(session, engine_id, now)
-            taken = True
-        return taken
+        return whole
 
     def observe(self) -> None:
         """Set the index's gauges (at scrape time: they are not kept up to date per write)."""

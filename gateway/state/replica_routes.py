@@ -6,9 +6,15 @@ prompt is cached and where a session went only from its own dispatches, so the n
 another replica, found neither and went wherever load said: the prompt was prefilled again on a
 cold engine (the peers' "replicas that split prefix state"). Here each dispatch with a prompt or a
 session is told to the other replicas (the engine, the prompt's chained block keys, the session
-key), and each writes it into its own index and session map. The engines' KV events, where they
-are published, reach every replica already (each subscribes); this shares what only the gateway
-knows: its dispatches to engines that publish none, and sessions.
+key), and each writes it into its own index, as a dispatch of its own (an approximate entry with
+the dispatch time to live: what an engine's KV events reported stays precise), and into its
+session map. The engines' KV events, where they are published, reach every replica already (each
+subscribes); what only the gateways know is where a prompt went before the engine says it cached
+it (or for engines that publish no events), and sessions.
+
+Bounded for the replicas that read it: at most ``MAX_KEYS`` leading keys a route and
+``MAX_MESSAGE_KEYS`` a message (routes past that are dropped and counted, never queued), and a
+message longer than ``MAX_MESSAGE_BYTES`` or malformed in any part is not taken at all.
 
 Write-behind, as the load exchange: routing never waits on the store. What was dispatched within
 ``push_delay_s`` goes in one message on a channel every replica subscribes to, only while another
@@ -35,6 +41,7 @@ from gateway import metrics
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.state.store import StateStore, StoreError, listen
 from gateway.tasks import cancel_and_wait
+from policies.plugins.affinity import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +52,22 @@ FORMAT = 1
 #: without bound behind a store that does not keep up
 MAX_ROUTES = 1024
 #: a prompt's leading block keys one route carries (a match counts leading blocks: the head of a
-#: longer prompt is what the others can use); 2^16 blocks of 16 tokens is a million tokens
-MAX_KEYS = 1 << 16
-#: the longest session key taken (affinity_key bounds each part to 128 characters)
-MAX_SESSION_CHARS = 1024
+#: longer prompt is what the others can use); 4,096 blocks of 16 tokens are 65,536 tokens
+MAX_KEYS = 4096
+#: block keys one message carries, all routes together (about 175 KB of base64): a message must
+#: never stall a replica that reads it, nor pass Redis's buffer for a subscriber (32 MB by
+#: default); routes past it wait for no message, they are dropped (counted)
+MAX_MESSAGE_KEYS = 16_384
+#: a message longer than this is not parsed (what the bounds above allow, with room)
+MAX_MESSAGE_BYTES = 1 << 20
+#: the longest session key taken: what affinity_key makes
+MAX_SESSION_CHARS = MAX_KEY_CHARS
 #: the largest block size taken (vLLM's are at most a few hundred tokens)
 MAX_BLOCK_SIZE = 1 << 16
 
 _KEY = np.dtype("<u8")
+#: base64 characters of MAX_KEYS packed keys
+_PACKED_CHARS = 4 * -(-MAX_KEYS * 8 // 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +83,7 @@ class Route:
 
 def encode(replica_id: str, routes: list[tuple[str, int, list[int] | None, str | None]]) -> bytes:
     """One message: the replica and its routes, each key list packed as little-endian 64-bit
-    integers in base64 (a 4,000-block prompt is 43 KB so, 80 KB as JSON numbers)."""
+    integers in base64 (4,000 keys are 43 KB so, 80 KB as JSON numbers)."""
     return orjson.dumps(
         {
             "v": FORMAT,
@@ -89,8 +104,10 @@ def encode(replica_id: str, routes: list[tuple[str, int, list[int] | None, str |
 
 
 def decode(message: bytes) -> tuple[str, list[Route]] | None:
-    """The replica and its routes; None when the message is not one this version writes or any
-    route in it is malformed (nothing of it is taken then)."""
+    """The replica and its routes; None when the message is not one this version writes, is
+    longer than the bounds allow, or any route in it is malformed (nothing of it is taken then)."""
+    if len(message) > MAX_MESSAGE_BYTES:
+        return None
     try:
         doc = orjson.loads(message)
     except orjson.JSONDecodeError:
@@ -101,6 +118,7 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
     if not isinstance(replica, str) or not isinstance(raw, list) or len(raw) > MAX_ROUTES:
         return None
     routes = []
+    keys_in_all = 0
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 4):
             return None
@@ -109,9 +127,7 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
             isinstance(engine_id, str)
             and type(block_size) is int
             and 1 <= block_size <= MAX_BLOCK_SIZE
-            and (
-                packed is None or (isinstance(packed, str) and len(packed) <= 4 * (MAX_KEYS * 8 + 2) // 3 + 4)
-            )
+            and (packed is None or (isinstance(packed, str) and len(packed) <= _PACKED_CHARS))
             and (session is None or (isinstance(session, str) and 0 < len(session) <= MAX_SESSION_CHARS))
         ):
             return None
@@ -122,6 +138,9 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
             except (binascii.Error, ValueError):
                 return None
             if not data or len(data) % 8:
+                return None
+            keys_in_all += len(data) // 8
+            if keys_in_all > MAX_MESSAGE_KEYS:
                 return None
             keys = np.frombuffer(data, dtype=_KEY).tolist()
         if keys is None and session is None:
@@ -153,6 +172,7 @@ class ReplicaRoutes:
         # (how its own messages begin: encode writes these keys first, in this order)
         self._own = orjson.dumps({"v": FORMAT, "r": replica_id})[:-1] + b","
         self._pending: list[tuple[str, int, list[int] | None, str | None]] = []
+        self._pending_keys = 0
         self._push_due = False
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -186,10 +206,14 @@ class ReplicaRoutes:
         timer per push)."""
         if self._wake is None or not self.has_peers():
             return
-        if len(self._pending) >= MAX_ROUTES:
+        if keys is not None and len(keys) > MAX_KEYS:
+            keys = keys[:MAX_KEYS]
+        count = 0 if keys is None else len(keys)
+        if len(self._pending) >= MAX_ROUTES or self._pending_keys + count > MAX_MESSAGE_KEYS:
             metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
             return
         self._pending.append((engine_id, block_size, keys, session))
+        self._pending_keys += count
         if not self._push_due:
             self._push_due = True
             asyncio.get_running_loop().call_later(self.push_delay_s, self._wake.set)
@@ -200,7 +224,7 @@ class ReplicaRoutes:
             await self._wake.wait()
             self._wake.clear()
             self._push_due = False
-            routes, self._pending = self._pending, []
+            routes, self._pending, self._pending_keys = self._pending, [], 0
             if routes:
                 await self.push(routes)
 
@@ -232,7 +256,9 @@ class ReplicaRoutes:
         await listen(self.store, self.channel, self.heard, lambda: self._stopping, 0.5, "replica routes")
 
     def heard(self, message: bytes) -> int:
-        """Take another replica's routes; returns how many were taken."""
+        """Take another replica's routes; returns how many were taken whole (the others were
+        skipped, in part or in whole: an engine this replica does not have, or keys at another
+        block size than this one's index keys that engine at)."""
         if message.startswith(self._own):
             return 0  # (every replica hears its own messages too: not parsed)
         decoded = decode(message)

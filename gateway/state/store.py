@@ -131,15 +131,22 @@ async def listen(
     what: str,
 ) -> None:
     """Hand every message of ``channel`` to ``heard`` until ``stopping()`` (or cancellation):
-    a subscription lost is taken again after ``retry_s`` (what was published meanwhile is gone),
-    and a failure of ``heard`` itself is logged, never the end of listening."""
+    a subscription lost is taken again after ``retry_s`` (what was published meanwhile is gone).
+    A failure of ``heard`` on one message is logged (once per subscription) and the next is
+    read: it must not cost the subscription, nor the messages published while it is taken again."""
     while not stopping():
         try:
             async with contextlib.aclosing(store.subscribe(channel)) as messages:
+                failed = False
                 async for message in messages:
                     if stopping():
                         return
-                    heard(message)
+                    try:
+                        heard(message)
+                    except Exception:
+                        if not failed:
+                            log.exception("%s: a message could not be taken", what)
+                            failed = True
         except StoreError as exc:
             log.debug("%s subscription lost (%s); subscribing again", what, exc)
         except Exception:

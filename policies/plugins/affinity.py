@@ -25,6 +25,8 @@ from policies.registry import register
 
 #: session ids and user names longer than this are keyed by a digest (bounded memory per entry)
 _MAX_KEY_PART = 128
+#: the longest key :func:`affinity_key` makes: tenant, separator, source, session id or user
+MAX_KEY_CHARS = 2 * _MAX_KEY_PART + 3
 
 
 def _part(value: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.bench.replica_sessions import SessionTurn, figures
+from gateway.bench.replica_sessions import SessionTurn, figures, session_figures
 from gateway.bench.replicas import Stay, occupancy
 from gateway.cli import main
 from tests.support.redis_server import redis_server_path
@@ -34,10 +34,17 @@ def test_session_figures_compare_each_turn_with_the_previous_answered_one() -> N
         SessionTurn(0, 2, "e1", 140, 0),
         SessionTurn(1, 0, "e1", 100, 0),
         SessionTurn(1, 2, "e1", 140, 112),  # (its turn 1 was not answered: not compared)
+        SessionTurn(3, 0, "e1", 100, 0),
+        SessionTurn(3, 1, "e1", 120, 96),
     ]
-    result = figures(turns, errors=1)
-    assert (result.later_turns, result.kept, result.cached, result.errors) == (2, 0.5, 96 / 260, 1)
-    assert figures([], 0).kept == 0.0
+    result = figures(turns[:5])
+    assert (result.later_turns, result.kept, result.cached) == (2, 0.5, 96 / 260)
+    assert figures([]).kept == 0.0
+    # even conversations sent a session id, odd ones did not
+    both = session_figures(turns, errors=1)
+    assert both.with_session == figures(turns[:3]) and both.prompt_only == figures(turns[3:])
+    assert (both.answered, both.errors, both.kept) == (7, 1, 0.5)
+    assert both.mean_prompt_tokens == sum(t.prompt_tokens for t in turns) / 7
 
 
 def test_bench_replicas_smoke(tmp_path: Path) -> None:
@@ -68,7 +75,9 @@ def test_bench_replicas_smoke(tmp_path: Path) -> None:
     assert bench["points"][1]["store_commands_per_s"] > 0
     for point in bench["points"]:
         sessions = point["sessions"]
-        assert sessions["later_turns"] + sessions["errors"] >= 4 and 0 <= sessions["cached"] <= 1
+        assert sessions["answered"] + sessions["errors"] >= 4 and sessions["mean_prompt_tokens"] > 100
+        for group in ("with_session", "prompt_only"):
+            assert 0 <= sessions[group]["cached"] <= 1 and 0 <= sessions[group]["kept"] <= 1
     assert (tmp_path / "replicas_sessions.png").stat().st_size > 10_000
     assert (tmp_path / "replicas_occupancy.png").stat().st_size > 10_000
     assert "engine time above max_engine_load" in (tmp_path / "table.md").read_text()

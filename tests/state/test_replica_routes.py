@@ -20,7 +20,16 @@ from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router, load_pipeline
-from gateway.state.replica_routes import MAX_KEYS, MAX_ROUTES, ReplicaRoutes, Route, decode, encode
+from gateway.state.replica_routes import (
+    MAX_KEYS,
+    MAX_MESSAGE_BYTES,
+    MAX_MESSAGE_KEYS,
+    MAX_ROUTES,
+    ReplicaRoutes,
+    Route,
+    decode,
+    encode,
+)
 from gateway.state.store import MemoryStore, StoreError
 from gateway.tokenizer import apply_chat_template
 from gateway.tokenizer import encode as tokens_of
@@ -62,10 +71,14 @@ async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
         await asyncio.sleep(0.002)
 
 
-def _pair(store: MemoryStore, peers: list[bool]) -> tuple[tuple[Fleet, PrefixRouting, Router], ...]:
+def _pair(
+    store: MemoryStore, peers: list[bool], clock: Callable[[], float] = lambda: 1.0
+) -> tuple[tuple[Fleet, PrefixRouting, Router], ...]:
+    """Replicas ``ra`` and ``rb`` sharing routes through ``store`` while ``peers[0]``; what one
+    hears is written at ``clock()`` (the routers' own time is given per call)."""
     a, b = _replica(), _replica()
-    routes_a = ReplicaRoutes(a[1], store, "ra", lambda: peers[0], push_delay_s=0.001)
-    routes_b = ReplicaRoutes(b[1], store, "rb", lambda: peers[0], push_delay_s=0.001)
+    routes_a = ReplicaRoutes(a[1], store, "ra", lambda: peers[0], push_delay_s=0.001, clock=clock)
+    routes_b = ReplicaRoutes(b[1], store, "rb", lambda: peers[0], push_delay_s=0.001, clock=clock)
     routes_a.start()
     routes_b.start()
     return a, b
@@ -105,6 +118,25 @@ async def test_the_next_turn_through_the_other_replica_goes_where_the_first_went
         cached = rb.index.cached_tokens(_prompt(turn), [first, other])
         assert cached[first] >= len(_prompt(HISTORY)) - 16 and cached[other] == 0
         assert _turn(rb, router_b, "t2", turn, now=1.5) == first
+    finally:
+        await _stop(ra, rb)
+
+
+async def test_what_another_replica_routed_expires_as_a_dispatch_of_ones_own() -> None:
+    (_, ra, router_a), (_, rb, _) = _pair(MemoryStore(), [True], clock=lambda: 10.0)
+    try:
+        await asyncio.sleep(0.01)
+        first = _turn(ra, router_a, "t1", HISTORY, now=10.0)
+        assert SESSION is not None and rb.index is not None and rb.affinity is not None
+        await until(lambda: rb.affinity is not None and rb.affinity.get(SESSION, 10.0) == first)
+        prompt = _prompt(HISTORY)
+        assert rb.index.cached_tokens(prompt, [first])[first] > 0
+        # the index's dispatch entries live 120 s (and up to an eighth more), the session 300 s,
+        # from when B heard of them
+        rb.index.expire(10.0 + 120.0 * 1.125 + 1)
+        assert rb.index.cached_tokens(prompt, [first])[first] == 0
+        assert rb.affinity.get(SESSION, 10.0 + 299.0) == first
+        assert rb.affinity.get(SESSION, 10.0 + 301.0) is None
     finally:
         await _stop(ra, rb)
 
@@ -198,7 +230,7 @@ PACKED = base64.b64encode(np.asarray([1, 2], dtype="<u8").tobytes()).decode()
         _doc(["m-0", 16, "", None]),
         _doc(["m-0", 16, None, None]),
         _doc(["m-0", 16, None, ""]),
-        _doc(["m-0", 16, None, "x" * 5000]),
+        _doc(["m-0", 16, None, "x" * 260]),
         _doc([7, 16, PACKED, None]),
         # (one bad route spoils the message: nothing of it is taken)
         _doc(["m-0", 16, PACKED, "s"], ["m-0", 16, 5, None]),
@@ -213,6 +245,32 @@ def test_a_message_this_version_does_not_write_is_not_read(message: bytes) -> No
     assert routing.affinity is not None and len(routing.affinity) == 0  # type: ignore[arg-type]
 
 
+def test_a_message_past_its_bounds_is_not_read() -> None:
+    per_route = [[f"{MODEL}-0", 16, base64.b64encode(bytes(8 * MAX_KEYS)).decode(), None]]
+    assert decode(_doc(*per_route * (MAX_MESSAGE_KEYS // MAX_KEYS))) is not None
+    assert decode(_doc(*per_route * (MAX_MESSAGE_KEYS // MAX_KEYS + 1))) is None
+    too_many_keys = base64.b64encode(bytes(8 * (MAX_KEYS + 1))).decode()
+    assert decode(_doc([f"{MODEL}-0", 16, too_many_keys, None])) is None
+    assert decode(_doc([f"{MODEL}-0", 16, None, "s"]) + b" " * MAX_MESSAGE_BYTES) is None
+
+
+async def test_the_sender_drops_routes_past_a_messages_key_budget() -> None:
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "ra", lambda: True, push_delay_s=3600)
+    routes.start()
+    try:
+        dropped = metrics.REPLICA_ROUTES.labels("dropped")._value.get()
+        long = list(range(MAX_KEYS + 100))
+        for _ in range(MAX_MESSAGE_KEYS // MAX_KEYS + 1):
+            routes._routed(f"{MODEL}-0", 16, long, None)
+        assert [len(r[2] or ()) for r in routes._pending] == [MAX_KEYS] * (MAX_MESSAGE_KEYS // MAX_KEYS)
+        assert metrics.REPLICA_ROUTES.labels("dropped")._value.get() == dropped + 1
+        routes._routed(f"{MODEL}-0", 16, None, "a session costs no key")
+        assert len(routes._pending) == MAX_MESSAGE_KEYS // MAX_KEYS + 1
+    finally:
+        await routes.stop()
+
+
 def test_routes_for_an_unknown_engine_or_another_block_size_are_skipped_and_its_own_ignored() -> None:
     _, routing, _ = _replica(block_size=16)
     routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
@@ -220,9 +278,12 @@ def test_routes_for_an_unknown_engine_or_another_block_size_are_skipped_and_its_
     assert routes.heard(encode("ra", [("elsewhere-0", 16, keys, "s")])) == 0
     assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, _prompt(HISTORY).hashes(32), None)])) == 0
     assert routing.index is not None and routing.index.entries(f"{MODEL}-0") == 0
-    # a session is taken whatever the block size; keys only at this index's
-    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, keys, "s")])) == 1
+    # a session is taken whatever the block size; keys only at this index's (not whole: skipped)
+    skipped = metrics.REPLICA_ROUTES.labels("skipped")._value.get()
+    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, keys, "s")])) == 0
+    assert metrics.REPLICA_ROUTES.labels("skipped")._value.get() == skipped + 1
     assert routing.index.entries(f"{MODEL}-0") == 0
+    assert routing.affinity is not None and routing.affinity.get("s", 1.0) == f"{MODEL}-0"
     assert routes.heard(encode("ra", [(f"{MODEL}-1", 16, keys, None)])) == 1
     assert routing.index.entries(f"{MODEL}-1") == len(keys)
     # its own messages (every replica hears them) are not taken again

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 
 from gateway.state.redis_store import RedisStore
-from gateway.state.store import MemoryStore, StateStore, StoreError
+from gateway.state.store import MemoryStore, StateStore, StoreError, listen
 from tests.support.redis_server import RedisServer
 
 
@@ -169,3 +170,38 @@ async def test_a_store_that_does_not_answer_is_a_store_error_even_in_a_task_canc
         await asked
     await store.close()
     server.close()
+
+
+async def test_listen_keeps_its_subscription_when_one_message_cannot_be_taken(store: StateStore) -> None:
+    taken: list[bytes] = []
+    subscriptions = 0
+    subscribe = store.subscribe
+
+    def counted(channel: str) -> Any:
+        nonlocal subscriptions
+        subscriptions += 1
+        return subscribe(channel)
+
+    store.subscribe = counted  # type: ignore[method-assign]
+
+    def heard(message: bytes) -> None:
+        if message == b"bad":
+            raise ValueError("a message this listener cannot take")
+        taken.append(message)
+
+    stop = False
+    listener = asyncio.create_task(listen(store, "{t}:listen", heard, lambda: stop, 5.0, "test"))
+    try:
+        while subscriptions == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # (subscribed on the server too)
+        for message in (b"one", b"bad", b"two"):
+            await store.publish("{t}:listen", message)
+        async with asyncio.timeout(2):
+            while taken != [b"one", b"two"]:
+                await asyncio.sleep(0.005)
+        assert subscriptions == 1
+    finally:
+        stop = True
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
