@@ -328,7 +328,8 @@ REPLICAS = Gauge(
 )
 STATE_STORE_ERRORS = Counter(
     "slogate_state_store_errors_total",
-    "Rounds of the replicas' load exchange that failed: the state store was out of reach or late",
+    "Exchanges with the state store that failed (a round of the replicas' load exchange, or a "
+    "message of their routes): the store was out of reach or late",
     registry=REGISTRY,
 )
 REPLICA_ROUTES = Counter(
@@ -337,7 +338,8 @@ REPLICA_ROUTES = Counter(
     "others), taken (another replica's, written into this one's prefix index and session map), "
     "skipped (another replica's, not all taken: an engine this one does not have, or keys at "
     "another block size than this one's; the session is taken then), dropped (not sent: more "
-    "waited than one message carries)",
+    "waited than one message carries), rejected (messages, not routes: malformed or past the "
+    "bounds, not taken at all)",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -528,13 +528,13 @@ def bench_replicas_main(args: argparse.Namespace) -> int:
         or not all(math.isfinite(v) and v > 0 for v in numbers)
         or not 0.01 <= args.sync_interval_s <= 10
         or not 0 <= args.push_delay_s <= 1
-        or not 0 <= args.sessions <= 1000
+        or not (args.sessions == 0 or 2 <= args.sessions <= 1000)
         or not 2 <= args.turns <= 32
     ):
         print(
             "slogate bench replicas: --modes from memory,redis; 1-16 replicas, 1-64 engines, "
             "max_engine_load and tokens 1-4096; --load, --seconds, --token-gap-ms > 0; "
-            "--sync-interval-s 0.01-10, --push-delay-s 0-1, --sessions 0-1000, --turns 2-32",
+            "--sync-interval-s 0.01-10, --push-delay-s 0-1, --sessions 0 or 2-1000, --turns 2-32",
             file=sys.stderr,
         )
         return 2

@@ -13,8 +13,9 @@ subscribes); what only the gateways know is where a prompt went before the engin
 it (or for engines that publish no events), and sessions.
 
 Bounded for the replicas that read it: at most ``MAX_KEYS`` leading keys a route and
-``MAX_MESSAGE_KEYS`` a message (routes past that are dropped and counted, never queued), and a
-message longer than ``MAX_MESSAGE_BYTES`` or malformed in any part is not taken at all.
+``MAX_MESSAGE_KEYS`` a message (past that a route goes with its session only, or is dropped and
+counted, never queued), and ``MAX_MESSAGE_BYTES`` (a longer batch is sent in parts); a message
+longer than that or malformed in any part is not taken at all (counted as rejected).
 
 Write-behind, as the load exchange: routing never waits on the store. What was dispatched within
 ``push_delay_s`` goes in one message on a channel every replica subscribes to, only while another
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 #: routes one message carries: more waiting at once are dropped (counted) rather than held
 #: without bound behind a store that does not keep up
-MAX_ROUTES = 1024
+MAX_ROUTES = 256
 #: a prompt's leading block keys one route carries (a match counts leading blocks: the head of a
 #: longer prompt is what the others can use); 4,096 blocks of 16 tokens are 65,536 tokens
 MAX_KEYS = 4096
@@ -126,7 +127,8 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
         if not (
             isinstance(engine_id, str)
             and type(block_size) is int
-            and 1 <= block_size <= MAX_BLOCK_SIZE
+            # (a route without keys says no block size: 0)
+            and (1 if packed is not None else 0) <= block_size <= MAX_BLOCK_SIZE
             and (packed is None or (isinstance(packed, str) and len(packed) <= _PACKED_CHARS))
             and (session is None or (isinstance(session, str) and 0 < len(session) <= MAX_SESSION_CHARS))
         ):
@@ -209,6 +211,8 @@ class ReplicaRoutes:
         if keys is not None and len(keys) > MAX_KEYS:
             keys = keys[:MAX_KEYS]
         count = 0 if keys is None else len(keys)
+        if self._pending_keys + count > MAX_MESSAGE_KEYS and session is not None:
+            keys, count = None, 0  # (the session costs no key: it goes without them)
         if len(self._pending) >= MAX_ROUTES or self._pending_keys + count > MAX_MESSAGE_KEYS:
             metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
             return
@@ -231,8 +235,18 @@ class ReplicaRoutes:
     async def push(self, routes: list[tuple[str, int, list[int] | None, str | None]]) -> None:
         """Publish ``routes``; never raises but for cancellation (a failure is counted and logged
         once per outage: those routes are lost, the next push is not held back)."""
+        message = encode(self.replica_id, routes)
+        if len(message) > MAX_MESSAGE_BYTES:
+            # (long engine ids and sessions that JSON escapes: the receivers would refuse it whole)
+            if len(routes) == 1:
+                metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
+                return
+            half = len(routes) // 2
+            await self.push(routes[:half])
+            await self.push(routes[half:])
+            return
         try:
-            await self.store.publish(self.channel, encode(self.replica_id, routes))
+            await self.store.publish(self.channel, message)
         except StoreError as exc:
             self._failed(str(exc))
         except Exception as exc:  # (a bug here must not end the sharing for good)
@@ -263,6 +277,7 @@ class ReplicaRoutes:
             return 0  # (every replica hears its own messages too: not parsed)
         decoded = decode(message)
         if decoded is None:
+            metrics.child(metrics.REPLICA_ROUTES, "rejected").inc()
             return 0
         now = self.clock()
         taken = 0

@@ -71,6 +71,23 @@ async def until(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
         await asyncio.sleep(0.002)
 
 
+def heard_on(store: MemoryStore, channel: str) -> tuple[list[bytes], asyncio.Task[None]]:
+    """What is published on ``channel`` from now on, as a task collects it (:func:`cancelled` at
+    the end)."""
+    heard: list[bytes] = []
+
+    async def listen() -> None:
+        async for message in store.subscribe(channel):
+            heard.append(message)
+
+    return heard, asyncio.create_task(listen())
+
+
+async def cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def _pair(
     store: MemoryStore, peers: list[bool], clock: Callable[[], float] = lambda: 1.0
 ) -> tuple[tuple[Fleet, PrefixRouting, Router], ...]:
@@ -133,6 +150,8 @@ async def test_what_another_replica_routed_expires_as_a_dispatch_of_ones_own() -
         assert rb.index.cached_tokens(prompt, [first])[first] > 0
         # the index's dispatch entries live 120 s (and up to an eighth more), the session 300 s,
         # from when B heard of them
+        rb.index.expire(10.0 + 119.0)
+        assert rb.index.cached_tokens(prompt, [first])[first] > 0
         rb.index.expire(10.0 + 120.0 * 1.125 + 1)
         assert rb.index.cached_tokens(prompt, [first])[first] == 0
         assert rb.affinity.get(SESSION, 10.0 + 299.0) == first
@@ -141,17 +160,25 @@ async def test_what_another_replica_routed_expires_as_a_dispatch_of_ones_own() -
         await _stop(ra, rb)
 
 
+async def test_a_session_without_a_prompt_is_shared_too() -> None:
+    # (an embeddings request with a user, or a profile reading sessions without a prefix index:
+    # the route names no block size)
+    (_, ra, router_a), (_, rb, _) = _pair(MemoryStore(), [True])
+    try:
+        await asyncio.sleep(0.01)
+        ra.attach("e1", None, SESSION)
+        chosen = router_a.choose(RequestView("e1", MODEL, 200, 20), now=1.0)
+        assert chosen is not None and SESSION is not None
+        await until(lambda: rb.affinity is not None and rb.affinity.get(SESSION, 1.0) == chosen.engine_id)
+    finally:
+        await _stop(ra, rb)
+
+
 async def test_nothing_is_sent_while_no_other_replica_is_known() -> None:
     store = MemoryStore()
     peers = [False]
     (_, ra, router_a), (_, rb, _) = _pair(store, peers)
-    heard: list[bytes] = []
-
-    async def listen() -> None:
-        async for message in store.subscribe("{slogate}:routes"):
-            heard.append(message)
-
-    listener = asyncio.create_task(listen())
+    heard, listener = heard_on(store, "{slogate}:routes")
     try:
         await asyncio.sleep(0.01)
         _turn(ra, router_a, "t1", HISTORY, now=1.0)
@@ -161,12 +188,11 @@ async def test_nothing_is_sent_while_no_other_replica_is_known() -> None:
         peers[0] = True
         _turn(ra, router_a, "t2", HISTORY, now=2.0)
         await until(lambda: len(heard) == 1)
-        # (the one message: a request with neither prompt nor session is not a route)
+        # (the one message: t2's route; t1's was never sent)
         routes = decode(heard[0])
         assert routes is not None and routes[0] == "ra" and [r.session for r in routes[1]] == [SESSION]
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await cancelled(listener)
         await _stop(ra, rb)
 
 
@@ -174,13 +200,7 @@ async def test_dispatches_within_the_push_delay_go_in_one_message() -> None:
     store = MemoryStore()
     _, ra, router_a = _replica()
     routes = ReplicaRoutes(ra, store, "ra", lambda: True, push_delay_s=0.02)
-    heard: list[bytes] = []
-
-    async def listen() -> None:
-        async for message in store.subscribe(routes.channel):
-            heard.append(message)
-
-    listener = asyncio.create_task(listen())
+    heard, listener = heard_on(store, routes.channel)
     routes.start()
     try:
         await asyncio.sleep(0.01)
@@ -191,8 +211,7 @@ async def test_dispatches_within_the_push_delay_go_in_one_message() -> None:
         decoded = decode(heard[0])
         assert len(heard) == 1 and decoded is not None and len(decoded[1]) == 5
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await cancelled(listener)
         await routes.stop()
 
 
@@ -271,6 +290,60 @@ async def test_the_sender_drops_routes_past_a_messages_key_budget() -> None:
         await routes.stop()
 
 
+async def test_the_key_budget_is_a_messages_and_a_session_goes_without_its_keys_past_it() -> None:
+    store = MemoryStore()
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, store, "ra", lambda: True, push_delay_s=0.001)
+    heard, listener = heard_on(store, routes.channel)
+    routes.start()
+    try:
+        await asyncio.sleep(0.01)
+        keys = list(range(MAX_KEYS))
+        for _ in range(2):  # (a full message's worth each time: the budget frees with each push)
+            for _i in range(MAX_MESSAGE_KEYS // MAX_KEYS):
+                routes._routed(f"{MODEL}-0", 16, keys, None)
+            routes._routed(f"{MODEL}-1", 16, keys, "late session")
+            await until(lambda: not routes._pending)
+        await until(lambda: len(heard) == 2)
+        for message in heard:
+            decoded = decode(message)
+            assert decoded is not None
+            assert [len(r.keys or ()) for r in decoded[1]] == [MAX_KEYS] * 4 + [0]
+            assert decoded[1][-1] == Route(f"{MODEL}-1", 16, None, "late session")
+    finally:
+        await cancelled(listener)
+        await routes.stop()
+
+
+async def test_a_batch_too_long_for_the_receivers_goes_in_parts() -> None:
+    store = MemoryStore()
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, store, "ra", lambda: True)
+    heard, listener = heard_on(store, routes.channel)
+    try:
+        await asyncio.sleep(0.01)
+        engine = "e" * 5000  # (engine ids are not bounded: 256 of these pass 1 MiB)
+        sent = metrics.REPLICA_ROUTES.labels("sent")._value.get()
+        await routes.push([(engine, 16, [i], f"session-{i}") for i in range(MAX_ROUTES)])
+        await until(lambda: sum(len(decode(m)[1]) for m in heard if decode(m)) == MAX_ROUTES)  # type: ignore[index]
+        assert len(heard) >= 2 and all(len(m) <= MAX_MESSAGE_BYTES for m in heard)
+        assert metrics.REPLICA_ROUTES.labels("sent")._value.get() == sent + MAX_ROUTES
+        dropped = metrics.REPLICA_ROUTES.labels("dropped")._value.get()
+        await routes.push([("e" * (MAX_MESSAGE_BYTES + 1), 16, [1], None)])
+        assert metrics.REPLICA_ROUTES.labels("dropped")._value.get() == dropped + 1
+    finally:
+        await cancelled(listener)
+
+
+def test_a_message_not_taken_is_counted_as_rejected() -> None:
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
+    rejected = metrics.REPLICA_ROUTES.labels("rejected")._value.get()
+    assert routes.heard(b"not json") == 0
+    assert routes.heard(encode("ra", [(f"{MODEL}-0", 0, None, "s")])) == 1
+    assert metrics.REPLICA_ROUTES.labels("rejected")._value.get() == rejected + 1
+
+
 def test_routes_for_an_unknown_engine_or_another_block_size_are_skipped_and_its_own_ignored() -> None:
     _, routing, _ = _replica(block_size=16)
     routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
@@ -312,20 +385,13 @@ async def test_a_store_out_of_reach_loses_those_routes_only(caplog: pytest.LogCa
     assert metrics.STATE_STORE_ERRORS._value.get() == errors + 2
     assert sum("routes are not shared" in r.message for r in caplog.records) == 1  # (once an outage)
     store.down = False
-    heard: list[bytes] = []
-
-    async def listen() -> None:
-        async for message in store.subscribe(routes.channel):
-            heard.append(message)
-
-    listener = asyncio.create_task(listen())
+    heard, listener = heard_on(store, routes.channel)
     try:
         await asyncio.sleep(0.01)
         await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
         await until(lambda: len(heard) == 1)
     finally:
-        listener.cancel()
-        await asyncio.gather(listener, return_exceptions=True)
+        await cancelled(listener)
 
 
 async def test_a_store_that_falls_behind_drops_routes_rather_than_holding_them() -> None:
