@@ -12,6 +12,10 @@ session map. The engines' KV events, where they are published, reach every repli
 subscribes); what only the gateways know is where a prompt went before the engine says it cached
 it (or for engines that publish no events), and sessions.
 
+Two replicas that dispatch one session at the same moment each hear the other's after their
+own: routes carry their dispatch's wall-clock time, and the later (by time, then replica id) is
+kept on both, whatever their clocks' offset, rather than each taking the other's engine.
+
 Bounded for the replicas that read it: at most ``MAX_KEYS`` leading keys a route and
 ``MAX_MESSAGE_KEYS`` a message (past that a route goes with its session only, or is dropped and
 counted, never queued), and ``MAX_MESSAGE_BYTES`` (a longer batch is sent in parts); a message
@@ -32,7 +36,8 @@ import base64
 import binascii
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +70,13 @@ MAX_MESSAGE_BYTES = 1 << 20
 MAX_SESSION_CHARS = MAX_KEY_CHARS
 #: the largest block size taken (vLLM's are at most a few hundred tokens)
 MAX_BLOCK_SIZE = 1 << 16
+#: the latest time a route may say it was made (seconds since the epoch: the year 5138)
+MAX_STAMP = 1e11
+#: how long (seconds) a session's last dispatch is remembered to order it against another
+#: replica's: two dispatches of one session cross only within about a push of each other
+STAMP_WINDOW_S = 10.0
+#: sessions so remembered at most (whatever the rate)
+MAX_STAMPS = 65_536
 
 _KEY = np.dtype("<u8")
 #: base64 characters of MAX_KEYS packed keys
@@ -73,16 +85,18 @@ _PACKED_CHARS = 4 * -(-MAX_KEYS * 8 // 3)
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """A dispatch another replica made: the engine, the prompt's leading block keys chained at
-    ``block_size`` (None without a prompt) and the session key (None without one)."""
+    """A dispatch: the engine, the prompt's leading block keys chained at ``block_size`` (None
+    without a prompt), the session key (None without one) and when it was made (wall clock of the
+    replica that made it: what orders two replicas' dispatches of one session)."""
 
     engine_id: str
     block_size: int
     keys: list[int] | None
     session: str | None
+    stamp: float = 0.0
 
 
-def encode(replica_id: str, routes: list[tuple[str, int, list[int] | None, str | None]]) -> bytes:
+def encode(replica_id: str, routes: Sequence[Route]) -> bytes:
     """One message: the replica and its routes, each key list packed as little-endian 64-bit
     integers in base64 (4,000 keys are 43 KB so, 80 KB as JSON numbers)."""
     return orjson.dumps(
@@ -91,14 +105,15 @@ def encode(replica_id: str, routes: list[tuple[str, int, list[int] | None, str |
             "r": replica_id,
             "routes": [
                 [
-                    engine_id,
-                    block_size,
+                    r.engine_id,
+                    r.block_size,
                     None
-                    if not keys
-                    else base64.b64encode(np.asarray(keys[:MAX_KEYS], dtype=_KEY).tobytes()).decode(),
-                    session,
+                    if not r.keys
+                    else base64.b64encode(np.asarray(r.keys[:MAX_KEYS], dtype=_KEY).tobytes()).decode(),
+                    r.session,
+                    r.stamp,
                 ]
-                for engine_id, block_size, keys, session in routes
+                for r in routes
             ],
         }
     )
@@ -121,11 +136,13 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
     routes = []
     keys_in_all = 0
     for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 4):
+        if not (isinstance(entry, list) and len(entry) == 5):
             return None
-        engine_id, block_size, packed, session = entry
+        engine_id, block_size, packed, session, stamp = entry
         if not (
-            isinstance(engine_id, str)
+            type(stamp) in (int, float)
+            and 0 <= stamp <= MAX_STAMP
+            and isinstance(engine_id, str)
             and type(block_size) is int
             # (a route without keys says no block size: 0)
             and (1 if packed is not None else 0) <= block_size <= MAX_BLOCK_SIZE
@@ -147,7 +164,7 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
             keys = np.frombuffer(data, dtype=_KEY).tolist()
         if keys is None and session is None:
             return None
-        routes.append(Route(engine_id, block_size, keys, session))
+        routes.append(Route(engine_id, block_size, keys, session, float(stamp)))
     return replica, routes
 
 
@@ -163,6 +180,7 @@ class ReplicaRoutes:
         push_delay_s: float = 0.002,
         namespace: str = "slogate",
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.routing = routing
         self.store = store
@@ -170,11 +188,15 @@ class ReplicaRoutes:
         self.has_peers = has_peers
         self.push_delay_s = push_delay_s
         self.clock = clock
+        self.wall = wall
         self.channel = f"{{{namespace}}}:routes"
         # (how its own messages begin: encode writes these keys first, in this order)
         self._own = orjson.dumps({"v": FORMAT, "r": replica_id})[:-1] + b","
-        self._pending: list[tuple[str, int, list[int] | None, str | None]] = []
+        self._pending: list[Route] = []
         self._pending_keys = 0
+        #: each session's latest dispatch known here, within STAMP_WINDOW_S: (its stamp, the
+        #: replica that made it, when it was noted on ``clock``)
+        self._stamps: OrderedDict[str, tuple[float, str, float]] = OrderedDict()
         self._push_due = False
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -216,7 +238,10 @@ class ReplicaRoutes:
         if len(self._pending) >= MAX_ROUTES or self._pending_keys + count > MAX_MESSAGE_KEYS:
             metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
             return
-        self._pending.append((engine_id, block_size, keys, session))
+        stamp = self.wall()
+        if session is not None:
+            self._note(session, stamp, self.replica_id)
+        self._pending.append(Route(engine_id, block_size, keys, session, stamp))
         self._pending_keys += count
         if not self._push_due:
             self._push_due = True
@@ -232,7 +257,7 @@ class ReplicaRoutes:
             if routes:
                 await self.push(routes)
 
-    async def push(self, routes: list[tuple[str, int, list[int] | None, str | None]]) -> None:
+    async def push(self, routes: list[Route]) -> None:
         """Publish ``routes``; never raises but for cancellation (a failure is counted and logged
         once per outage: those routes are lost, the next push is not held back)."""
         message = encode(self.replica_id, routes)
@@ -258,6 +283,24 @@ class ReplicaRoutes:
                 log.warning("state store reachable again: sharing routes with the other replicas")
             self._failing = False
 
+    def _note(self, session: str, stamp: float, replica: str) -> bool:
+        """Note a dispatch of ``session`` stamped ``stamp`` by ``replica``; False when a later one
+        (by stamp, then replica id) is known: the two replicas that dispatched one session at
+        once compare the same two stamps, so both keep the same engine for it (the later)."""
+        now = self.clock()
+        stamps = self._stamps
+        while stamps:  # (oldest noted first: the window's end, or the bound)
+            first = next(iter(stamps.values()))
+            if first[2] > now - STAMP_WINDOW_S and len(stamps) < MAX_STAMPS:
+                break
+            stamps.popitem(last=False)
+        known = stamps.get(session)
+        if known is not None and (known[0], known[1]) > (stamp, replica):
+            return False
+        stamps[session] = (stamp, replica, now)
+        stamps.move_to_end(session)
+        return True
+
     def _failed(self, why: str) -> None:
         metrics.STATE_STORE_ERRORS.inc()
         if not self._failing:
@@ -280,11 +323,13 @@ class ReplicaRoutes:
             metrics.child(metrics.REPLICA_ROUTES, "rejected").inc()
             return 0
         now = self.clock()
+        replica = decoded[0]
         taken = 0
         for route in decoded[1]:
-            if self.routing.routed_elsewhere(
-                route.engine_id, route.block_size, route.keys, route.session, now
-            ):
+            session = route.session
+            if session is not None and not self._note(session, route.stamp, replica):
+                session = None  # (a later dispatch of the session is known here: it stands)
+            if self.routing.routed_elsewhere(route.engine_id, route.block_size, route.keys, session, now):
                 taken += 1
         if taken:
             metrics.child(metrics.REPLICA_ROUTES, "taken").inc(taken)

@@ -25,6 +25,7 @@ from gateway.state.replica_routes import (
     MAX_MESSAGE_BYTES,
     MAX_MESSAGE_KEYS,
     MAX_ROUTES,
+    STAMP_WINDOW_S,
     ReplicaRoutes,
     Route,
     decode,
@@ -215,15 +216,48 @@ async def test_dispatches_within_the_push_delay_go_in_one_message() -> None:
         await routes.stop()
 
 
+async def test_two_replicas_dispatching_one_session_at_once_keep_the_same_engine() -> None:
+    # A sends the session to m-0 at 1000.001 (wall clock), B to m-1 at 1000.002: each hears the
+    # other's after its own; both must end with the later (m-1), not each with the other's
+    _, ra, _ = _replica()
+    _, rb, _ = _replica()
+    walls = iter([1000.001, 1000.002])
+    routes_a = ReplicaRoutes(
+        ra, MemoryStore(), "ra", lambda: True, clock=lambda: 5.0, wall=lambda: next(walls)
+    )
+    routes_b = ReplicaRoutes(
+        rb, MemoryStore(), "rb", lambda: True, clock=lambda: 5.0, wall=lambda: next(walls)
+    )
+    routes_a.start()
+    routes_b.start()
+    try:
+        assert SESSION is not None and ra.affinity is not None and rb.affinity is not None
+        for routing, engine in ((ra, f"{MODEL}-0"), (rb, f"{MODEL}-1")):
+            routing.attach("same-session", None, SESSION)
+            routing.dispatched("same-session", engine, 5.0)
+        a_said, b_said = encode("ra", routes_a._pending), encode("rb", routes_b._pending)
+        assert routes_a.heard(b_said) == 1 and routes_b.heard(a_said) == 1
+        assert ra.affinity.get(SESSION, 5.0) == rb.affinity.get(SESSION, 5.0) == f"{MODEL}-1"
+        # past the window a dispatch is no longer ordered against: what comes is taken
+        routes_b.clock = lambda: 5.0 + STAMP_WINDOW_S + 1
+        routes_b.heard(encode("ra", [Route(f"{MODEL}-0", 0, None, SESSION, 999.0)]))
+        assert rb.affinity.get(SESSION, 5.0) == f"{MODEL}-0"
+    finally:
+        await routes_a.stop()
+        await routes_b.stop()
+
+
 def test_a_message_round_trips_every_64_bit_key_and_truncates_at_the_bound() -> None:
     keys = [0, 1, 2**63, 2**64 - 1, 12345678901234567890]
-    decoded = decode(encode("ra", [("m-0", 16, keys, "s"), ("m-1", 32, None, "t"), ("m-0", 16, keys, None)]))
-    assert decoded == (
-        "ra",
-        [Route("m-0", 16, keys, "s"), Route("m-1", 32, None, "t"), Route("m-0", 16, keys, None)],
-    )
+    sent = [
+        Route("m-0", 16, keys, "s", 1764912000.25),
+        Route("m-1", 32, None, "t"),
+        Route("m-0", 16, keys, None),
+    ]
+    decoded = decode(encode("ra", sent))
+    assert decoded == ("ra", sent)
     long = list(range(MAX_KEYS + 10))
-    decoded = decode(encode("ra", [("m-0", 16, long, None)]))
+    decoded = decode(encode("ra", [Route("m-0", 16, long, None)]))
     assert decoded is not None and decoded[1][0].keys == long[:MAX_KEYS]
 
 
@@ -239,21 +273,26 @@ PACKED = base64.b64encode(np.asarray([1, 2], dtype="<u8").tobytes()).decode()
     [
         b"not json",
         b"[]",
-        _doc(["m-0", 16, PACKED, None], v=2),
-        _doc(["m-0", 16, PACKED, None], r=5),
+        _doc(["m-0", 16, PACKED, None, 0.0], v=2),
+        _doc(["m-0", 16, PACKED, None, 0.0], r=5),
         _doc(["m-0", 16, PACKED]),
-        _doc(["m-0", True, PACKED, None]),
-        _doc(["m-0", 0, PACKED, None]),
-        _doc(["m-0", 16, "not base64!", None]),
-        _doc(["m-0", 16, base64.b64encode(b"\x01\x02\x03").decode(), None]),
-        _doc(["m-0", 16, "", None]),
-        _doc(["m-0", 16, None, None]),
-        _doc(["m-0", 16, None, ""]),
-        _doc(["m-0", 16, None, "x" * 260]),
-        _doc([7, 16, PACKED, None]),
+        _doc(["m-0", 16, PACKED, None]),  # (no stamp)
+        _doc(["m-0", 16, PACKED, None, "noon"]),
+        _doc(["m-0", 16, PACKED, None, -1.0]),
+        _doc(["m-0", 16, PACKED, None, 1e12]),
+        _doc(["m-0", 16, PACKED, None, True]),
+        _doc(["m-0", True, PACKED, None, 0.0]),
+        _doc(["m-0", 0, PACKED, None, 0.0]),
+        _doc(["m-0", 16, "not base64!", None, 0.0]),
+        _doc(["m-0", 16, base64.b64encode(b"\x01\x02\x03").decode(), None, 0.0]),
+        _doc(["m-0", 16, "", None, 0.0]),
+        _doc(["m-0", 16, None, None, 0.0]),
+        _doc(["m-0", 16, None, "", 0.0]),
+        _doc(["m-0", 16, None, "x" * 260, 0.0]),
+        _doc([7, 16, PACKED, None, 0.0]),
         # (one bad route spoils the message: nothing of it is taken)
-        _doc(["m-0", 16, PACKED, "s"], ["m-0", 16, 5, None]),
-        orjson.dumps({"v": 1, "r": "ra", "routes": [["m-0", 16, None, "s"]] * (MAX_ROUTES + 1)}),
+        _doc(["m-0", 16, PACKED, "s", 0.0], ["m-0", 16, 5, None, 0.0]),
+        orjson.dumps({"v": 1, "r": "ra", "routes": [["m-0", 16, None, "s", 0.0]] * (MAX_ROUTES + 1)}),
     ],
 )
 def test_a_message_this_version_does_not_write_is_not_read(message: bytes) -> None:
@@ -265,12 +304,12 @@ def test_a_message_this_version_does_not_write_is_not_read(message: bytes) -> No
 
 
 def test_a_message_past_its_bounds_is_not_read() -> None:
-    per_route = [[f"{MODEL}-0", 16, base64.b64encode(bytes(8 * MAX_KEYS)).decode(), None]]
+    per_route = [[f"{MODEL}-0", 16, base64.b64encode(bytes(8 * MAX_KEYS)).decode(), None, 0.0]]
     assert decode(_doc(*per_route * (MAX_MESSAGE_KEYS // MAX_KEYS))) is not None
     assert decode(_doc(*per_route * (MAX_MESSAGE_KEYS // MAX_KEYS + 1))) is None
     too_many_keys = base64.b64encode(bytes(8 * (MAX_KEYS + 1))).decode()
-    assert decode(_doc([f"{MODEL}-0", 16, too_many_keys, None])) is None
-    assert decode(_doc([f"{MODEL}-0", 16, None, "s"]) + b" " * MAX_MESSAGE_BYTES) is None
+    assert decode(_doc([f"{MODEL}-0", 16, too_many_keys, None, 0.0])) is None
+    assert decode(_doc([f"{MODEL}-0", 16, None, "s", 0.0]) + b" " * MAX_MESSAGE_BYTES) is None
 
 
 async def test_the_sender_drops_routes_past_a_messages_key_budget() -> None:
@@ -282,7 +321,7 @@ async def test_the_sender_drops_routes_past_a_messages_key_budget() -> None:
         long = list(range(MAX_KEYS + 100))
         for _ in range(MAX_MESSAGE_KEYS // MAX_KEYS + 1):
             routes._routed(f"{MODEL}-0", 16, long, None)
-        assert [len(r[2] or ()) for r in routes._pending] == [MAX_KEYS] * (MAX_MESSAGE_KEYS // MAX_KEYS)
+        assert [len(r.keys or ()) for r in routes._pending] == [MAX_KEYS] * (MAX_MESSAGE_KEYS // MAX_KEYS)
         assert metrics.REPLICA_ROUTES.labels("dropped")._value.get() == dropped + 1
         routes._routed(f"{MODEL}-0", 16, None, "a session costs no key")
         assert len(routes._pending) == MAX_MESSAGE_KEYS // MAX_KEYS + 1
@@ -309,7 +348,8 @@ async def test_the_key_budget_is_a_messages_and_a_session_goes_without_its_keys_
             decoded = decode(message)
             assert decoded is not None
             assert [len(r.keys or ()) for r in decoded[1]] == [MAX_KEYS] * 4 + [0]
-            assert decoded[1][-1] == Route(f"{MODEL}-1", 16, None, "late session")
+            last = decoded[1][-1]
+            assert (last.engine_id, last.keys, last.session) == (f"{MODEL}-1", None, "late session")
     finally:
         await cancelled(listener)
         await routes.stop()
@@ -324,12 +364,12 @@ async def test_a_batch_too_long_for_the_receivers_goes_in_parts() -> None:
         await asyncio.sleep(0.01)
         engine = "e" * 5000  # (engine ids are not bounded: 256 of these pass 1 MiB)
         sent = metrics.REPLICA_ROUTES.labels("sent")._value.get()
-        await routes.push([(engine, 16, [i], f"session-{i}") for i in range(MAX_ROUTES)])
+        await routes.push([Route(engine, 16, [i], f"session-{i}") for i in range(MAX_ROUTES)])
         await until(lambda: sum(len(decode(m)[1]) for m in heard if decode(m)) == MAX_ROUTES)  # type: ignore[index]
         assert len(heard) >= 2 and all(len(m) <= MAX_MESSAGE_BYTES for m in heard)
         assert metrics.REPLICA_ROUTES.labels("sent")._value.get() == sent + MAX_ROUTES
         dropped = metrics.REPLICA_ROUTES.labels("dropped")._value.get()
-        await routes.push([("e" * (MAX_MESSAGE_BYTES + 1), 16, [1], None)])
+        await routes.push([Route("e" * (MAX_MESSAGE_BYTES + 1), 16, [1], None)])
         assert metrics.REPLICA_ROUTES.labels("dropped")._value.get() == dropped + 1
     finally:
         await cancelled(listener)
@@ -340,7 +380,7 @@ def test_a_message_not_taken_is_counted_as_rejected() -> None:
     routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
     rejected = metrics.REPLICA_ROUTES.labels("rejected")._value.get()
     assert routes.heard(b"not json") == 0
-    assert routes.heard(encode("ra", [(f"{MODEL}-0", 0, None, "s")])) == 1
+    assert routes.heard(encode("ra", [Route(f"{MODEL}-0", 0, None, "s")])) == 1
     assert metrics.REPLICA_ROUTES.labels("rejected")._value.get() == rejected + 1
 
 
@@ -348,19 +388,19 @@ def test_routes_for_an_unknown_engine_or_another_block_size_are_skipped_and_its_
     _, routing, _ = _replica(block_size=16)
     routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True)
     keys = _prompt(HISTORY).hashes(16)
-    assert routes.heard(encode("ra", [("elsewhere-0", 16, keys, "s")])) == 0
-    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, _prompt(HISTORY).hashes(32), None)])) == 0
+    assert routes.heard(encode("ra", [Route("elsewhere-0", 16, keys, "s")])) == 0
+    assert routes.heard(encode("ra", [Route(f"{MODEL}-0", 32, _prompt(HISTORY).hashes(32), None)])) == 0
     assert routing.index is not None and routing.index.entries(f"{MODEL}-0") == 0
     # a session is taken whatever the block size; keys only at this index's (not whole: skipped)
     skipped = metrics.REPLICA_ROUTES.labels("skipped")._value.get()
-    assert routes.heard(encode("ra", [(f"{MODEL}-0", 32, keys, "s")])) == 0
+    assert routes.heard(encode("ra", [Route(f"{MODEL}-0", 32, keys, "s")])) == 0
     assert metrics.REPLICA_ROUTES.labels("skipped")._value.get() == skipped + 1
     assert routing.index.entries(f"{MODEL}-0") == 0
     assert routing.affinity is not None and routing.affinity.get("s", 1.0) == f"{MODEL}-0"
-    assert routes.heard(encode("ra", [(f"{MODEL}-1", 16, keys, None)])) == 1
+    assert routes.heard(encode("ra", [Route(f"{MODEL}-1", 16, keys, None)])) == 1
     assert routing.index.entries(f"{MODEL}-1") == len(keys)
     # its own messages (every replica hears them) are not taken again
-    assert routes.heard(encode("rb", [(f"{MODEL}-0", 16, keys, None)])) == 0
+    assert routes.heard(encode("rb", [Route(f"{MODEL}-0", 16, keys, None)])) == 0
     assert routing.index.entries(f"{MODEL}-0") == 0
 
 
@@ -380,15 +420,15 @@ async def test_a_store_out_of_reach_loses_those_routes_only(caplog: pytest.LogCa
     _, routing, _ = _replica()
     routes = ReplicaRoutes(routing, store, "ra", lambda: True)
     errors = metrics.STATE_STORE_ERRORS._value.get()
-    await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
-    await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
+    await routes.push([Route(f"{MODEL}-0", 16, [1, 2], "s")])
+    await routes.push([Route(f"{MODEL}-0", 16, [1, 2], "s")])
     assert metrics.STATE_STORE_ERRORS._value.get() == errors + 2
     assert sum("routes are not shared" in r.message for r in caplog.records) == 1  # (once an outage)
     store.down = False
     heard, listener = heard_on(store, routes.channel)
     try:
         await asyncio.sleep(0.01)
-        await routes.push([(f"{MODEL}-0", 16, [1, 2], "s")])
+        await routes.push([Route(f"{MODEL}-0", 16, [1, 2], "s")])
         await until(lambda: len(heard) == 1)
     finally:
         await cancelled(listener)
