@@ -336,8 +336,9 @@ REPLICA_ROUTES = Counter(
     "slogate_replica_routes_total",
     "Dispatches with a prompt or a session shared between gateway replicas: sent (told to the "
     "others), taken (another replica's, written into this one's prefix index and session map), "
-    "skipped (another replica's, not all taken: an engine this one does not have, or keys at "
-    "another block size than this one's; the session is taken then), dropped (not sent: more "
+    "skipped (another replica's, not all taken: an engine this one does not have, keys at "
+    "another block size than this one's, or a session a later dispatch of which is known here), "
+    "dropped (not sent: more "
     "waited than one message carries), rejected (messages, not routes: malformed or past the "
     "bounds, not taken at all)",
     ["outcome"],

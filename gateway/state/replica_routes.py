@@ -14,7 +14,10 @@ it (or for engines that publish no events), and sessions.
 
 Two replicas that dispatch one session at the same moment each hear the other's after their
 own: routes carry their dispatch's wall-clock time, and the later (by time, then replica id) is
-kept on both, whatever their clocks' offset, rather than each taking the other's engine.
+kept on both, rather than each taking the other's engine. A replica stamps its own dispatch of a
+session past any it knows of (a hybrid logical clock), so a decision made after hearing another
+replica's wins everywhere even when its clock is behind; a stamp far ahead of the receiver's
+clock orders nothing.
 
 Bounded for the replicas that read it: at most ``MAX_KEYS`` leading keys a route and
 ``MAX_MESSAGE_KEYS`` a message (past that a route goes with its session only, or is dropped and
@@ -35,6 +38,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 
 #: the version of a message; another version's are not read (a rolling update shares nothing
 #: between releases until it is done)
-FORMAT = 1
+FORMAT = 2
 #: routes one message carries: more waiting at once are dropped (counted) rather than held
 #: without bound behind a store that does not keep up
 MAX_ROUTES = 256
@@ -72,6 +76,13 @@ MAX_SESSION_CHARS = MAX_KEY_CHARS
 MAX_BLOCK_SIZE = 1 << 16
 #: the latest time a route may say it was made (seconds since the epoch: the year 5138)
 MAX_STAMP = 1e11
+#: a route stamped further ahead of this replica's own clock than this (seconds) is taken but
+#: not ordered by: a replica whose clock runs ahead would otherwise win every session it touched
+MAX_AHEAD_S = 1.0
+#: the longest replica id read (the settings allow 200 characters)
+MAX_REPLICA_CHARS = 256
+#: entries dropped from the order's memory per dispatch at most (the rest on the next ones)
+PRUNE_PER_NOTE = 16
 #: how long (seconds) a session's last dispatch is remembered to order it against another
 #: replica's: two dispatches of one session cross only within about a push of each other
 STAMP_WINDOW_S = 10.0
@@ -131,7 +142,12 @@ def decode(message: bytes) -> tuple[str, list[Route]] | None:
     if not isinstance(doc, dict) or doc.get("v") != FORMAT:
         return None
     replica, raw = doc.get("r"), doc.get("routes")
-    if not isinstance(replica, str) or not isinstance(raw, list) or len(raw) > MAX_ROUTES:
+    if not (
+        isinstance(replica, str)
+        and len(replica) <= MAX_REPLICA_CHARS
+        and isinstance(raw, list)
+        and len(raw) <= MAX_ROUTES
+    ):
         return None
     routes = []
     keys_in_all = 0
@@ -197,6 +213,7 @@ class ReplicaRoutes:
         #: each session's latest dispatch known here, within STAMP_WINDOW_S: (its stamp, the
         #: replica that made it, when it was noted on ``clock``)
         self._stamps: OrderedDict[str, tuple[float, str, float]] = OrderedDict()
+        self._warned_ahead: set[str] = set()
         self._push_due = False
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -240,6 +257,11 @@ class ReplicaRoutes:
             return
         stamp = self.wall()
         if session is not None:
+            # later than any dispatch of the session known here, whatever this clock says: what
+            # this replica decides after hearing another's must win on every replica
+            known = self._known(session)
+            if known is not None and known[0] >= stamp:
+                stamp = math.nextafter(known[0], math.inf)
             self._note(session, stamp, self.replica_id)
         self._pending.append(Route(engine_id, block_size, keys, session, stamp))
         self._pending_keys += count
@@ -283,23 +305,42 @@ class ReplicaRoutes:
                 log.warning("state store reachable again: sharing routes with the other replicas")
             self._failing = False
 
+    def _known(self, session: str) -> tuple[float, str, float] | None:
+        """The latest dispatch of ``session`` noted within the window: (stamp, replica, noted at)."""
+        known = self._stamps.get(session)
+        return known if known is not None and known[2] > self.clock() - STAMP_WINDOW_S else None
+
     def _note(self, session: str, stamp: float, replica: str) -> bool:
         """Note a dispatch of ``session`` stamped ``stamp`` by ``replica``; False when a later one
         (by stamp, then replica id) is known: the two replicas that dispatched one session at
         once compare the same two stamps, so both keep the same engine for it (the later)."""
         now = self.clock()
         stamps = self._stamps
-        while stamps:  # (oldest noted first: the window's end, or the bound)
-            first = next(iter(stamps.values()))
-            if first[2] > now - STAMP_WINDOW_S and len(stamps) < MAX_STAMPS:
+        # (noted in order of ``now``: the oldest first, a few per call whatever piled up)
+        for _ in range(PRUNE_PER_NOTE):
+            if not stamps:
                 break
-            stamps.popitem(last=False)
-        known = stamps.get(session)
+            first_session, first = next(iter(stamps.items()))
+            full = len(stamps) >= MAX_STAMPS and session not in stamps
+            if first[2] > now - STAMP_WINDOW_S and not full:
+                break
+            del stamps[first_session]
+        known = self._known(session)
         if known is not None and (known[0], known[1]) > (stamp, replica):
             return False
         stamps[session] = (stamp, replica, now)
         stamps.move_to_end(session)
         return True
+
+    def _warn_ahead(self, replica: str, by_s: float) -> None:
+        if replica not in self._warned_ahead and len(self._warned_ahead) < 64:
+            self._warned_ahead.add(replica)
+            log.warning(
+                "replica %r stamps its routes %.1f s ahead of this replica's clock: its sessions are "
+                "taken but not ordered against the others' (synchronise the clocks)",
+                replica,
+                by_s,
+            )
 
     def _failed(self, why: str) -> None:
         metrics.STATE_STORE_ERRORS.inc()
@@ -324,12 +365,19 @@ class ReplicaRoutes:
             return 0
         now = self.clock()
         replica = decoded[0]
+        ahead = self.wall() + MAX_AHEAD_S
+        known_engines = self.routing.fleet.records
         taken = 0
         for route in decoded[1]:
             session = route.session
-            if session is not None and not self._note(session, route.stamp, replica):
-                session = None  # (a later dispatch of the session is known here: it stands)
-            if self.routing.routed_elsewhere(route.engine_id, route.block_size, route.keys, session, now):
+            superseded = False
+            if session is not None and route.engine_id in known_engines:
+                if route.stamp > ahead:
+                    self._warn_ahead(replica, route.stamp - ahead + MAX_AHEAD_S)
+                elif not self._note(session, route.stamp, replica):
+                    session, superseded = None, True  # (a later dispatch of it is known here)
+            whole = self.routing.routed_elsewhere(route.engine_id, route.block_size, route.keys, session, now)
+            if whole and not superseded:
                 taken += 1
         if taken:
             metrics.child(metrics.REPLICA_ROUTES, "taken").inc(taken)

@@ -20,7 +20,10 @@ from gateway.fleet.prefix_index import PrefixIndex
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.router import Router, load_pipeline
+from gateway.state import replica_routes
 from gateway.state.replica_routes import (
+    FORMAT,
+    MAX_AHEAD_S,
     MAX_KEYS,
     MAX_MESSAGE_BYTES,
     MAX_MESSAGE_KEYS,
@@ -216,27 +219,34 @@ async def test_dispatches_within_the_push_delay_go_in_one_message() -> None:
         await routes.stop()
 
 
+def _clocked(*replicas: tuple[str, float]) -> list[tuple[PrefixRouting, ReplicaRoutes]]:
+    """Replicas whose routes are started (messages are handed between them by the test) and whose
+    wall clocks read the times given; their monotonic clocks read 5.0."""
+    made = []
+    for replica_id, wall in replicas:
+        _, routing, _ = _replica()
+        routes = ReplicaRoutes(
+            routing, MemoryStore(), replica_id, lambda: True, clock=lambda: 5.0, wall=lambda w=wall: w
+        )
+        routes.start()
+        made.append((routing, routes))
+    return made
+
+
 async def test_two_replicas_dispatching_one_session_at_once_keep_the_same_engine() -> None:
     # A sends the session to m-0 at 1000.001 (wall clock), B to m-1 at 1000.002: each hears the
     # other's after its own; both must end with the later (m-1), not each with the other's
-    _, ra, _ = _replica()
-    _, rb, _ = _replica()
-    walls = iter([1000.001, 1000.002])
-    routes_a = ReplicaRoutes(
-        ra, MemoryStore(), "ra", lambda: True, clock=lambda: 5.0, wall=lambda: next(walls)
-    )
-    routes_b = ReplicaRoutes(
-        rb, MemoryStore(), "rb", lambda: True, clock=lambda: 5.0, wall=lambda: next(walls)
-    )
-    routes_a.start()
-    routes_b.start()
+    (ra, routes_a), (rb, routes_b) = _clocked(("ra", 1000.001), ("rb", 1000.002))
     try:
         assert SESSION is not None and ra.affinity is not None and rb.affinity is not None
         for routing, engine in ((ra, f"{MODEL}-0"), (rb, f"{MODEL}-1")):
             routing.attach("same-session", None, SESSION)
             routing.dispatched("same-session", engine, 5.0)
         a_said, b_said = encode("ra", routes_a._pending), encode("rb", routes_b._pending)
-        assert routes_a.heard(b_said) == 1 and routes_b.heard(a_said) == 1
+        skipped = metrics.REPLICA_ROUTES.labels("skipped")._value.get()
+        # (A takes B's later dispatch; B keeps its own: A's earlier one counts as skipped)
+        assert routes_a.heard(b_said) == 1 and routes_b.heard(a_said) == 0
+        assert metrics.REPLICA_ROUTES.labels("skipped")._value.get() == skipped + 1
         assert ra.affinity.get(SESSION, 5.0) == rb.affinity.get(SESSION, 5.0) == f"{MODEL}-1"
         # past the window a dispatch is no longer ordered against: what comes is taken
         routes_b.clock = lambda: 5.0 + STAMP_WINDOW_S + 1
@@ -245,6 +255,61 @@ async def test_two_replicas_dispatching_one_session_at_once_keep_the_same_engine
     finally:
         await routes_a.stop()
         await routes_b.stop()
+
+
+async def test_a_dispatch_made_after_hearing_a_later_stamped_one_wins_everywhere() -> None:
+    # B's clock runs ahead of A's: A hears B's dispatch of the session (stamped 1000.5), then
+    # sends the session elsewhere itself at its own 1000.1. What A decided after hearing B's must
+    # win on B too, or the replicas disagree until the window passes
+    (ra, routes_a), (rb, routes_b) = _clocked(("ra", 1000.1), ("rb", 1000.5))
+    try:
+        assert SESSION is not None and ra.affinity is not None and rb.affinity is not None
+        rb.attach("b1", None, SESSION)
+        rb.dispatched("b1", f"{MODEL}-1", 5.0)
+        assert routes_a.heard(encode("rb", routes_b._pending)) == 1
+        assert ra.affinity.get(SESSION, 5.0) == f"{MODEL}-1"
+        ra.attach("a2", None, SESSION)
+        ra.dispatched("a2", f"{MODEL}-0", 5.0)
+        [said] = routes_a._pending
+        assert said.stamp > 1000.5
+        assert routes_b.heard(encode("ra", [said])) == 1
+        assert ra.affinity.get(SESSION, 5.0) == rb.affinity.get(SESSION, 5.0) == f"{MODEL}-0"
+    finally:
+        await routes_a.stop()
+        await routes_b.stop()
+
+
+def test_a_stamp_far_ahead_is_taken_but_orders_nothing_and_unknown_engines_order_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True, clock=lambda: 5.0, wall=lambda: 1000.0)
+    assert routing.affinity is not None
+    far = Route(f"{MODEL}-0", 0, None, "s", 1000.0 + MAX_AHEAD_S + 60)
+    assert routes.heard(encode("ra", [far])) == 1 and routing.affinity.get("s", 5.0) == f"{MODEL}-0"
+    assert routes.heard(encode("ra", [far])) == 1
+    assert sum("ahead of this replica's clock" in r.message for r in caplog.records) == 1
+    # (not noted: an ordinary later route of the session is taken)
+    assert routes.heard(encode("rc", [Route(f"{MODEL}-1", 0, None, "s", 999.0)])) == 1
+    assert routing.affinity.get("s", 5.0) == f"{MODEL}-1"
+    # a route for an engine this replica lacks orders nothing either
+    routes.heard(encode("rd", [Route("elsewhere-0", 0, None, "t", 999.9)]))
+    assert routes.heard(encode("ra", [Route(f"{MODEL}-0", 0, None, "t", 999.5)])) == 1
+    assert routing.affinity.get("t", 5.0) == f"{MODEL}-0"
+
+
+def test_the_order_remembers_a_bounded_number_of_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_routes, "MAX_STAMPS", 4)
+    _, routing, _ = _replica()
+    routes = ReplicaRoutes(routing, MemoryStore(), "rb", lambda: True, clock=lambda: 5.0, wall=lambda: 1000.0)
+    for i in range(10):
+        routes.heard(encode("ra", [Route(f"{MODEL}-0", 0, None, f"s{i}", 999.0)]))
+        assert len(routes._stamps) <= 4
+    # a session remembered keeps its order however full the memory is, the oldest one too
+    assert list(routes._stamps) == ["s6", "s7", "s8", "s9"]
+    assert routes.heard(encode("rc", [Route(f"{MODEL}-1", 0, None, "s6", 998.0)])) == 0
+    assert "s6" in routes._stamps and routing.affinity is not None
+    assert routing.affinity.get("s6", 5.0) == f"{MODEL}-0"
 
 
 def test_a_message_round_trips_every_64_bit_key_and_truncates_at_the_bound() -> None:
@@ -261,7 +326,7 @@ def test_a_message_round_trips_every_64_bit_key_and_truncates_at_the_bound() -> 
     assert decoded is not None and decoded[1][0].keys == long[:MAX_KEYS]
 
 
-def _doc(*routes: object, v: object = 1, r: object = "ra") -> bytes:
+def _doc(*routes: object, v: object = FORMAT, r: object = "ra") -> bytes:
     return orjson.dumps({"v": v, "r": r, "routes": list(routes)})
 
 
@@ -273,7 +338,8 @@ PACKED = base64.b64encode(np.asarray([1, 2], dtype="<u8").tobytes()).decode()
     [
         b"not json",
         b"[]",
-        _doc(["m-0", 16, PACKED, None, 0.0], v=2),
+        _doc(["m-0", 16, PACKED, None, 0.0], v=1),  # (routes without their dispatch's time)
+        _doc(["m-0", 16, PACKED, None, 0.0], r="r" * 257),
         _doc(["m-0", 16, PACKED, None, 0.0], r=5),
         _doc(["m-0", 16, PACKED]),
         _doc(["m-0", 16, PACKED, None]),  # (no stamp)
@@ -292,7 +358,7 @@ PACKED = base64.b64encode(np.asarray([1, 2], dtype="<u8").tobytes()).decode()
         _doc([7, 16, PACKED, None, 0.0]),
         # (one bad route spoils the message: nothing of it is taken)
         _doc(["m-0", 16, PACKED, "s", 0.0], ["m-0", 16, 5, None, 0.0]),
-        orjson.dumps({"v": 1, "r": "ra", "routes": [["m-0", 16, None, "s", 0.0]] * (MAX_ROUTES + 1)}),
+        orjson.dumps({"v": FORMAT, "r": "ra", "routes": [["m-0", 16, None, "s", 0.0]] * (MAX_ROUTES + 1)}),
     ],
 )
 def test_a_message_this_version_does_not_write_is_not_read(message: bytes) -> None:
