@@ -25,7 +25,6 @@ scrapes still count every replica's requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -37,7 +36,7 @@ import orjson
 from gateway import metrics
 from gateway.fleet.registry import Fleet
 from gateway.state.store import StateStore, StoreError, listen
-from gateway.tasks import cancel_and_wait
+from gateway.tasks import DelayedWake, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +148,7 @@ class ReplicaLoad:
         self._twin_warned = False
         self._ok_at = clock()
         self._failing = False
-        self._push_due = False
-        self._wake: asyncio.Event | None = None
+        self._pushes = DelayedWake(push_delay_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
 
@@ -166,8 +164,7 @@ class ReplicaLoad:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self.fleet.load_listener = self._changed
+        self.fleet.load_listener = self._pushes.poke
         self._tasks = [
             loop.create_task(self._run(), name="replica-load"),
             loop.create_task(self._listen(), name="replica-load-listen"),
@@ -178,7 +175,7 @@ class ReplicaLoad:
         tasks, self._tasks = self._tasks, []
         # (the loops end on this too, should a cancellation be swallowed on the way)
         self._stopping = True
-        if self.fleet.load_listener == self._changed:
+        if self.fleet.load_listener == self._pushes.poke:
             self.fleet.load_listener = None
         await cancel_and_wait(*tasks)
         try:
@@ -193,24 +190,11 @@ class ReplicaLoad:
 
     # -- this replica's counts out --------------------------------------------------------------
 
-    def _changed(self) -> None:
-        """A reservation or a release here (the fleet calls this on the request's path: a flag and
-        at most one timer per push)."""
-        if not self._push_due and self._wake is not None:
-            self._push_due = True
-            asyncio.get_running_loop().call_later(self.push_delay_s, self._wake.set)
-
     async def _run(self) -> None:
-        assert self._wake is not None
         next_full = self.clock()
         while not self._stopping:
-            wait = next_full - self.clock()
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):  # (no task per wait, as wait_for makes)
-                        await self._wake.wait()
-            self._wake.clear()
-            self._push_due = False
+            # (a reservation or a release here pokes: pushed within push_delay_s)
+            await self._pushes.wait(next_full - self.clock())
             full = self.clock() >= next_full
             if full:
                 next_full = self.clock() + self.interval_s

@@ -50,7 +50,7 @@ import orjson
 from gateway import metrics
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.state.store import StateStore, StoreError, listen
-from gateway.tasks import cancel_and_wait
+from gateway.tasks import DelayedWake, cancel_and_wait
 from policies.plugins.affinity import MAX_KEY_CHARS
 
 log = logging.getLogger(__name__)
@@ -214,8 +214,8 @@ class ReplicaRoutes:
         #: replica that made it, when it was noted on ``clock``)
         self._stamps: OrderedDict[str, tuple[float, str, float]] = OrderedDict()
         self._warned_ahead: set[str] = set()
-        self._push_due = False
-        self._wake: asyncio.Event | None = None
+        self._pushes = DelayedWake(push_delay_s)
+        self._started = False
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._failing = False
@@ -224,7 +224,7 @@ class ReplicaRoutes:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
+        self._started = True
         self.routing.route_listener = self._routed
         self._tasks = [
             loop.create_task(self._run(), name="replica-routes"),
@@ -245,7 +245,7 @@ class ReplicaRoutes:
     def _routed(self, engine_id: str, block_size: int, keys: list[int] | None, session: str | None) -> None:
         """A dispatch here (the router calls this on the request's path: an append and at most one
         timer per push)."""
-        if self._wake is None or not self.has_peers():
+        if not self._started or not self.has_peers():
             return
         if keys is not None and len(keys) > MAX_KEYS:
             keys = keys[:MAX_KEYS]
@@ -265,16 +265,11 @@ class ReplicaRoutes:
             self._note(session, stamp, self.replica_id)
         self._pending.append(Route(engine_id, block_size, keys, session, stamp))
         self._pending_keys += count
-        if not self._push_due:
-            self._push_due = True
-            asyncio.get_running_loop().call_later(self.push_delay_s, self._wake.set)
+        self._pushes.poke()
 
     async def _run(self) -> None:
-        assert self._wake is not None
         while not self._stopping:
-            await self._wake.wait()
-            self._wake.clear()
-            self._push_due = False
+            await self._pushes.wait()
             routes, self._pending, self._pending_keys = self._pending, [], 0
             if routes:
                 await self.push(routes)

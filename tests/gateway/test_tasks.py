@@ -1,5 +1,5 @@
-"""Stopping background tasks: every one ends, a task's own error does not fail the stop, and a
-cancellation of the stopping task itself is not swallowed."""
+"""Background tasks: stopping them (every one ends, a task's own error does not fail the stop, and a
+cancellation of the stopping task itself is not swallowed), and delayed wake-ups."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.tasks import cancel_and_wait
+from gateway.tasks import DelayedWake, cancel_and_wait
 
 
 async def test_every_task_ends_whatever_it_ended_with() -> None:
@@ -82,3 +82,21 @@ async def test_a_tasks_own_error_is_logged_not_raised_unless_told_not_to(
         assert len(logged) == (1 if report else 0)
         if report:
             assert logged[0].exc_info is not None and "its own bug" in str(logged[0].exc_info[1])
+
+
+async def test_a_delayed_wake_takes_every_poke_of_its_delay_in_one_turn() -> None:
+    wake = DelayedWake(0.02)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for _ in range(100):
+        wake.poke()
+    await wake.wait()
+    assert loop.time() - started >= 0.015  # (after the delay, not at the first poke)
+    # the pokes before the wait were one turn: nothing is left to wake the next wait
+    started = loop.time()
+    await wake.wait(timeout=0.05)
+    assert loop.time() - started >= 0.04
+    # a poke after a turn schedules the next
+    wake.poke()
+    async with asyncio.timeout(1):
+        await wake.wait()
