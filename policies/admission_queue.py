@@ -18,6 +18,8 @@ How it stays O(log n):
   request can change key (once for aging / S-EDF / RED, a bounded geometric number for Kairos);
 * a third heap on ``queue_deadline`` for :meth:`AdmissionQueue.expire`, with its own sorted run
   (deadlines of one class's arrivals come in order);
+* what a compaction or a re-key of every item replaces is let go of a few entries per arrival
+  and per departure (:class:`_Discards`), not in one call;
 * for orders that rank by fair rounds (``uses_flows``: ``flow_control``), a
   :class:`~policies.flow_control.FlowRounds` stamps each push with its round; the request it
   displaces as its tenant's head is re-keyed at once, the one that becomes a head when a head
@@ -52,6 +54,8 @@ from policies.queue_order import (
 
 _INF = math.inf
 _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
+#: entries a compaction replaced that each arrival and each departure lets go of (see _Discards)
+_DISCARDS_PER_MOVE = 8
 
 
 def _live(heap: list[tuple[Any, int, _Slot]]) -> list[tuple[Any, int, _Slot]]:
@@ -105,11 +109,59 @@ class _RunHeap:
             return heapq.heappop(heap)
         return run.popleft()
 
-    def kept(self, live: Callable[[tuple[Any, ...]], bool]) -> _RunHeap:
-        """A copy holding only the entries ``live`` keeps: O(n)."""
+    def kept(self, live: Callable[[tuple[Any, ...]], bool], discards: _Discards) -> _RunHeap:
+        """A copy holding only the entries ``live`` keeps: O(n). What this one held goes to
+        ``discards``."""
         fresh = _RunHeap(entry for entry in self.heap if live(entry))
         fresh.run = deque(entry for entry in self.run if live(entry))
+        self.discard_into(discards)
         return fresh
+
+    def discard_into(self, discards: _Discards) -> None:
+        """Hand every entry to ``discards``, leaving this one empty."""
+        discards.add(self.heap)
+        discards.add(self.run)
+        self.heap, self.run = [], deque()
+
+
+class _Discards:
+    """What compactions and re-keys replaced, let go of a few entries per arrival and per
+    departure rather than all at once.
+
+    CPython starts a young collection once its count of container allocations, less
+    deallocations, passes a threshold, and that count never goes below zero. Dropping a compacted
+    heap at once freed its 10,000-30,000 dead entries (and the requests only they still held) in
+    one go: far more deallocations than the count could take, so the count kept only the
+    allocations, and each compaction brought on a collection of the whole young generation, 40-70
+    ms at 10,000 queued (a stall of every stream the gateway relays). Freed a few per push, in
+    step with the allocations, they balance. What is held meanwhile is at most what the last
+    compactions replaced (let go of before the next one: a compaction waits for as many dead
+    entries as live ones), and the work is the same O(n) as dropping them at once."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: list[list[Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    def add(self, entries: Iterable[Any]) -> None:
+        """Hold ``entries`` (a replaced heap or run; live entries in it are shared, not copied)."""
+        kept = entries if type(entries) is list else list(entries)
+        if kept:
+            self.held.append(kept)
+
+    def release(self, count: int) -> None:
+        """Let go of up to ``count`` held entries."""
+        held = self.held
+        while count > 0 and held:
+            last = held[-1]
+            if len(last) > count:
+                del last[-count:]
+                return
+            count -= len(last)
+            held.pop()
 
 
 def _queued(entry: tuple[Any, ...]) -> bool:
@@ -195,6 +247,8 @@ class AdmissionQueue:
         #: :meth:`min_need` on (HyperFlexis reads it; a queue nobody asks keeps no such heap)
         self._needs: list[tuple[int, int, _Slot]] | None = None
         self._slots: dict[str, _Slot] = {}
+        #: heaps and runs compactions replaced, let go of a few entries per push
+        self._discards = _Discards()
         self._generation = 0
         self._dead_in_heap = 0
         self._queued_prompt_tokens = 0
@@ -281,12 +335,15 @@ class AdmissionQueue:
         if deadline != _INF:
             self._deadlines.push((deadline, generation, slot))
             if len(self._deadlines) > 64 + 2 * len(slots):
-                self._deadlines = self._deadlines.kept(_queued)
+                self._deadlines = self._deadlines.kept(_queued, self._discards)
         needs = self._needs
         if needs is not None:
             heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
             if len(needs) > 64 + 2 * len(slots):
                 self._needs = _live(needs)
+                self._discards.add(needs)
+        if self._discards:
+            self._discards.release(_DISCARDS_PER_MOVE)
         if moved:
             self._restamp(moved, now, held)  # the flow's head it displaced is parked
         self._structure_version += 1
@@ -522,6 +579,8 @@ class AdmissionQueue:
         slot.entry = None
         item = slot.item
         del self._slots[item.view.request_id]
+        if self._discards:
+            self._discards.release(_DISCARDS_PER_MOVE)
         self._queued_prompt_tokens -= item.view.prompt_tokens
         if self._flows is not None:
             self._promoted.extend(self._flows.leave(item))
@@ -583,16 +642,20 @@ class AdmissionQueue:
             entries.append(entry)
             if valid_until != _INF:
                 rekeys.append((max(valid_until, math.nextafter(now, _INF)), self._generation, slot))
+        self._order.discard_into(self._discards)
+        self._rekeys.discard_into(self._discards)
         self._order = _RunHeap(entries)
         self._rekeys = _RunHeap(rekeys)
 
     def _compact(self) -> None:
         """Drop dead entries from all three heaps and the runs: O(n), run when dead entries
         outnumber live ones."""
-        self._order = self._order.kept(_current_order)
-        self._rekeys = self._rekeys.kept(_current_rekey)
-        self._deadlines = self._deadlines.kept(_queued)
+        discards = self._discards
+        self._order = self._order.kept(_current_order, discards)
+        self._rekeys = self._rekeys.kept(_current_rekey, discards)
+        self._deadlines = self._deadlines.kept(_queued, discards)
         if self._needs is not None:
+            discards.add(self._needs)
             self._needs = _live(self._needs)
         self._dead_in_heap = 0
         self._structure_version += 1
