@@ -143,9 +143,6 @@ class _Discards:
     def __init__(self) -> None:
         self.held: list[list[Any]] = []
 
-    def __bool__(self) -> bool:
-        return bool(self.held)
-
     def add(self, entries: Iterable[Any]) -> None:
         """Hold ``entries`` (a replaced heap or run; live entries in it are shared, not copied)."""
         kept = entries if type(entries) is list else list(entries)
@@ -342,7 +339,7 @@ class AdmissionQueue:
             if len(needs) > 64 + 2 * len(slots):
                 self._needs = _live(needs)
                 self._discards.add(needs)
-        if self._discards:
+        if self._discards.held:  # (an attribute, not a call: every arrival and departure asks)
             self._discards.release(_DISCARDS_PER_MOVE)
         if moved:
             self._restamp(moved, now, held)  # the flow's head it displaced is parked
@@ -579,7 +576,7 @@ class AdmissionQueue:
         slot.entry = None
         item = slot.item
         del self._slots[item.view.request_id]
-        if self._discards:
+        if self._discards.held:  # (an attribute, not a call: every arrival and departure asks)
             self._discards.release(_DISCARDS_PER_MOVE)
         self._queued_prompt_tokens -= item.view.prompt_tokens
         if self._flows is not None:
