@@ -52,6 +52,14 @@ def run_gateway(
             raise RuntimeError("gateway did not start")
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
+    # The gateway serves after one round of health checks or a few seconds, whichever comes
+    # first (gateway.app); on a loaded machine the round took longer, and a test's first request
+    # met an engine whose first check had not come back (a 503: no engine in rotation). Each
+    # check ends within its timeout, failed or not, so the round ends.
+    monitor = app.gateway.monitor
+    deadline = time.monotonic() + 30
+    while monitor is not None and not monitor.first_round.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         yield RunningGateway(f"http://127.0.0.1:{port}", app, server)
     finally:
