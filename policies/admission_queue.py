@@ -56,6 +56,9 @@ _INF = math.inf
 _COMPACT_MIN = 64  # below this many dead entries compaction is not worth an O(n) pass
 #: entries a compaction replaced that each arrival and each departure lets go of (see _Discards)
 _DISCARDS_PER_MOVE = 8
+#: what the discards may hold: this many entries per queued item (a compaction replaces about two
+#: per item in each of four heaps), and this many more
+_DISCARDS_PER_ITEM, _DISCARDS_SLACK = 8, 4096
 
 
 def _live(heap: list[tuple[Any, int, _Slot]]) -> list[tuple[Any, int, _Slot]]:
@@ -134,20 +137,33 @@ class _Discards:
     one go: far more deallocations than the count could take, so the count kept only the
     allocations, and each compaction brought on a collection of the whole young generation, 40-70
     ms at 10,000 queued (a stall of every stream the gateway relays). Freed a few per push, in
-    step with the allocations, they balance. What is held meanwhile is at most what the last
-    compactions replaced (let go of before the next one: a compaction waits for as many dead
-    entries as live ones), and the work is the same O(n) as dropping them at once."""
+    step with the allocations, they balance. The work is the same O(n) as dropping them at once.
 
-    __slots__ = ("held",)
+    Bounded all the same: past :meth:`trim`'s bound (a few times what is queued) the excess goes
+    at once. A context that moved re-keys every item and replaces two whole heaps without waiting
+    for dead entries to build up; flapping, it replaced them faster than moves let go of them."""
+
+    __slots__ = ("count", "held")
 
     def __init__(self) -> None:
         self.held: list[list[Any]] = []
+        #: entries held, all lists together
+        self.count = 0
 
     def add(self, entries: Iterable[Any]) -> None:
         """Hold ``entries`` (a replaced heap or run; live entries in it are shared, not copied)."""
         kept = entries if type(entries) is list else list(entries)
         if kept:
             self.held.append(kept)
+            self.count += len(kept)
+
+    def trim(self, most: int) -> None:
+        """Hold no more than ``most`` entries."""
+        if self.count > most:
+            self.release(self.count - most)
+
+    def clear(self) -> None:
+        self.held, self.count = [], 0
 
     def release(self, count: int) -> None:
         """Let go of up to ``count`` held entries."""
@@ -156,8 +172,10 @@ class _Discards:
             last = held[-1]
             if len(last) > count:
                 del last[-count:]
+                self.count -= count
                 return
             count -= len(last)
+            self.count -= len(last)
             held.pop()
 
 
@@ -333,12 +351,14 @@ class AdmissionQueue:
             self._deadlines.push((deadline, generation, slot))
             if len(self._deadlines) > 64 + 2 * len(slots):
                 self._deadlines = self._deadlines.kept(_queued, self._discards)
+                self._trim_discards()
         needs = self._needs
         if needs is not None:
             heapq.heappush(needs, (item.view.prompt_tokens + item.view.max_output_tokens, generation, slot))
             if len(needs) > 64 + 2 * len(slots):
                 self._needs = _live(needs)
                 self._discards.add(needs)
+                self._trim_discards()
         if self._discards.held:  # (an attribute, not a call: every arrival and departure asks)
             self._discards.release(_DISCARDS_PER_MOVE)
         if moved:
@@ -577,7 +597,10 @@ class AdmissionQueue:
         item = slot.item
         del self._slots[item.view.request_id]
         if self._discards.held:  # (an attribute, not a call: every arrival and departure asks)
-            self._discards.release(_DISCARDS_PER_MOVE)
+            if self._slots:
+                self._discards.release(_DISCARDS_PER_MOVE)
+            else:
+                self._discards.clear()  # (nothing queued: no allocations to keep pace with)
         self._queued_prompt_tokens -= item.view.prompt_tokens
         if self._flows is not None:
             self._promoted.extend(self._flows.leave(item))
@@ -643,6 +666,7 @@ class AdmissionQueue:
         self._rekeys.discard_into(self._discards)
         self._order = _RunHeap(entries)
         self._rekeys = _RunHeap(rekeys)
+        self._trim_discards()
 
     def _compact(self) -> None:
         """Drop dead entries from all three heaps and the runs: O(n), run when dead entries
@@ -656,3 +680,7 @@ class AdmissionQueue:
             self._needs = _live(self._needs)
         self._dead_in_heap = 0
         self._structure_version += 1
+        self._trim_discards()
+
+    def _trim_discards(self) -> None:
+        self._discards.trim(_DISCARDS_PER_ITEM * len(self._slots) + _DISCARDS_SLACK)

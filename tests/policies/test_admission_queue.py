@@ -648,3 +648,25 @@ def test_what_compactions_replaced_stays_bounded_and_is_let_go_of() -> None:
     while queue.pop(1e6, CTX) is not None:
         pass
     assert not queue._discards.held
+
+
+def test_what_re_keys_replace_stays_bounded_when_the_context_flaps() -> None:
+    """A context that moves past the tolerance re-keys every item and replaces two whole heaps
+    at once; alternating (an engine flapping in and out of rotation), it replaced them faster
+    than arrivals and departures let go of them, and what the queue held grew for as long as the
+    backlog lasted."""
+    queue = AdmissionQueue(make_order("kairos"))
+    contexts = [OrderContext(1000.0, 0.02), OrderContext(2000.0, 0.02)]
+    for seq in range(1_000):
+        queue.push(req(seq, arrival=0.0, prompt=50 + seq % 97), 0.0, contexts[0])
+    held_most = 0
+    for i in range(20_000):
+        ctx = contexts[(i // 10) % 2]
+        now = 1.0 + i * 1e-3
+        queue.push(req(1_000 + i, arrival=now, prompt=50 + i % 97), now, ctx)
+        assert queue.pop(now, ctx) is not None
+        discards = queue._discards
+        assert discards.count == sum(len(entries) for entries in discards.held)
+        held_most = max(held_most, discards.count)
+    assert held_most > 4 * 1_000  # (re-keys replaced heaps: something was held)
+    assert held_most <= 8 * 1_001 + 4096
