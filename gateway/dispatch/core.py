@@ -74,6 +74,9 @@ LAG_MIN_S = 0.005
 PREFIX_HOLDERS_SCAN = 8
 #: earliest-deadline requests of a full class examined for the queue-full prune
 PRUNE_SCAN = 8
+#: the prune's deadlines of a class with a queue limit below this are kept while it empties (at
+#: most a few hundred entries); a larger class's are dropped once it is half empty
+PRUNE_KEEP_BELOW = 64
 #: batch members stamped together when one joins (bounds the cost of a client's huge batch)
 MAX_BATCH = 64
 
@@ -1217,9 +1220,12 @@ class DispatchCore:
         if (
             self._class_deadlines
             and bucket in self._class_deadlines
-            and 2 * in_class < self.limits(ticket.slo_class).max_queued
+            and PRUNE_KEEP_BELOW <= self.limits(ticket.slo_class).max_queued > 2 * in_class
         ):
-            del self._class_deadlines[bucket]  # (half empty: the prune is far off again)
+            # half empty: the prune is far off again. (Not for a small class: dropped, it was
+            # made again from every queued ticket of every class the next time it filled, an
+            # O(all queued) pass on nearly every arrival of a class of one or two)
+            del self._class_deadlines[bucket]
         if now is not None and now > ticket.enqueued_at:  # (queued and taken in one call: no wait)
             self._waited_at[ticket.item.view.model] = now
         if self.shedding is not None:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api.errors import GatewayError
-from gateway.dispatch.core import ClassLimits, DispatchCore, Ticket
+from gateway.dispatch.core import PRUNE_KEEP_BELOW, ClassLimits, DispatchCore, Ticket
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_core, offline_fleet
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
@@ -163,24 +163,50 @@ def test_the_prune_keeps_its_deadlines_only_while_the_class_is_full_or_nearly() 
     """The deadlines heap the prune reads is made when the class is first full and dropped once
     it is half empty: kept for every class, its O(n) clean-ups held the loop 10-60 ms at
     10,000 queued, for a prune that a class never full never runs."""
+    limit = PRUNE_KEEP_BELOW
     fleet = offline_fleet({"a": 1})
-    core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(max_queued=4))
+    core = offline_core(fleet, max_engine_load=1, limits=ClassLimits(max_queued=limit))
     core.submit(ticket("r-0"), 0.0)
-    for i in range(1, 5):
-        core.submit(ticket(f"r-{i}", now=float(i)), float(i))
+    core.submit(ticket("r-1", now=1.0), 1.0)  # (due at 2.0)
+    for i in range(2, limit + 1):
+        core.submit(ticket(f"r-{i}", now=3.0), 3.0)  # (due at 4.0)
     assert core._class_deadlines == {}  # (full, but no arrival has needed the prune yet)
-    assert core.submit(ticket("r-5", now=3.5), 3.5) is None  # r-1 (due at 2.0) shed for it
+    assert core.submit(ticket(f"r-{limit + 1}", now=3.5), 3.5) is None  # r-1 shed for it
     assert [rid for rid, _ in core.outbox] == ["r-1"]
     heap = core._class_deadlines[("a", "c")]
-    assert sorted(e[2] for e in heap if e[2] in core.tickets) == ["r-2", "r-3", "r-4", "r-5"]
-    assert core.cancel("r-5", 3.6) and ("a", "c") in core._class_deadlines  # 3 of 4: kept
-    assert core.cancel("r-4", 3.6) and ("a", "c") in core._class_deadlines  # 2 of 4: kept
-    assert core.cancel("r-3", 3.6) and core._class_deadlines == {}  # 1 of 4: half empty
-    for i in range(6, 9):
-        core.submit(ticket(f"r-{i}", now=3.7), 3.7)
-    # full again: the heap is made anew from what is queued, r-2 (due at 3.0) shed
-    assert core.submit(ticket("r-9", now=3.7), 3.7) is None
-    assert [rid for rid, _ in core.outbox] == ["r-1", "r-2"]
+    assert len([e for e in heap if e[2] in core.tickets]) == limit
+    for i in range(limit + 1, limit // 2 + 1, -1):
+        assert core.cancel(f"r-{i}", 3.6) and ("a", "c") in core._class_deadlines  # kept
+    assert core.cancel(f"r-{limit // 2 + 1}", 3.6) and core._class_deadlines == {}  # half empty
+    core.submit(ticket("r-900", now=1.7), 3.6)  # (due at 2.7)
+    while core.queued("a") < limit:
+        core.submit(ticket(f"r-{1000 + core.queued('a')}", now=3.7), 3.7)
+    # full again: the heap is made anew from what is queued, r-900 (due at 2.7) shed
+    assert core.submit(ticket("r-2000", now=3.7), 3.7) is None
+    assert [rid for rid, _ in core.outbox] == ["r-1", "r-900"]
+
+
+def test_a_small_class_keeps_its_deadlines_while_it_empties_and_fills() -> None:
+    """Dropped when a class of two was half empty, the heap was made again from every queued
+    ticket (of every class) the next time the class filled: a pass over 2,000 queued requests of
+    another class on nearly every arrival of the small one."""
+    fleet = offline_fleet({"a": 1})
+    core = offline_core(fleet, max_engine_load=1)
+    core.limits = lambda c: ClassLimits(max_queued=2 if c == "tiny" else 100_000)  # type: ignore[method-assign]
+    core.submit(ticket("r-0"), 0.0)
+    for i in range(1, 2001):
+        core.submit(ticket(f"r-{i}", now=5.0, timeout=60.0, slo_class="big"), 5.0)
+    heaps = []  # (the lists themselves: an id may be reused once a list is freed)
+    for n in range(20):
+        first, second = 3000 + 3 * n, 3001 + 3 * n
+        core.submit(ticket(f"r-{first}", now=5.0, slo_class="tiny"), 5.0)
+        core.submit(ticket(f"r-{second}", now=5.0, slo_class="tiny"), 5.0)
+        with pytest.raises(GatewayError):  # full, and nothing in it infeasible yet
+            core.submit(ticket(f"r-{3002 + 3 * n}", now=5.0, slo_class="tiny"), 5.0)
+        heaps.append(core._class_deadlines[("a", "tiny")])
+        assert core.cancel(f"r-{first}", 5.0) and core.cancel(f"r-{second}", 5.0)
+    assert all(heap is heaps[0] for heap in heaps)  # made once
+    assert len(core._class_deadlines[("a", "tiny")]) <= 64 + 2 * 2  # (and kept small)
 
 
 def test_hyperflexis_places_on_an_idle_engine_within_the_arrival_call() -> None:
