@@ -276,7 +276,8 @@ MIGRATIONS = Counter(
 MIGRATIONS_REFUSED = Counter(
     "slogate_migrations_refused",
     "Streams cut mid-answer that were ended with an error instead of migrated: unsupported (guided "
-    "decoding, n > 1, log-probabilities, stop strings, an engine without token ids), limit "
+    "decoding, n > 1, log-probabilities, stop strings, images or audio in the prompt, an engine "
+    "without token ids), limit "
     "(migration_limit reached), no_token_ids (nothing relayed to resume from), no_engine",
     ["why"],
     registry=REGISTRY,

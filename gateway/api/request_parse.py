@@ -74,6 +74,8 @@ class ParsedRequest:
     prompts: int = 1
     #: the body's ``n`` (sequences per prompt), 1 when absent or not a count above 1
     n: int = 1
+    #: chat: a message has a part other than text (an image, audio, a file)
+    media: bool = False
 
     @property
     def body(self) -> dict[str, Any]:
@@ -105,6 +107,7 @@ class ParsedRequest:
             cache_salt=self.cache_salt,
             prompts=self.prompts,
             n=self.n,
+            media=self.media,
         )
 
 
@@ -160,11 +163,14 @@ def _only(values: list[Any], kinds: frozenset[type]) -> bool:
     return set(map(type, values)) <= kinds
 
 
-def _chat_prompt_tokens(body: dict[str, Any]) -> int:
+def _chat_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
+    """The prompt's estimated tokens, and whether any message has a part other than text (an
+    image, audio, a file)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array of message objects", "messages")
     texts: list[str] = []
+    media = False
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
@@ -172,8 +178,10 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
         if isinstance(content, str):
             texts.append(content)
         elif isinstance(content, list):
-            texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return chat_prompt_estimate(len(messages), estimate_total_tokens(texts))
+            text = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            texts.extend(text)
+            media = media or len(text) < len(content)
+    return chat_prompt_estimate(len(messages), estimate_total_tokens(texts)), media
 
 
 def chat_prompt_estimate(messages: int, content_tokens: int) -> int:
@@ -264,7 +272,11 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
 
     if kind == "embeddings":
         return ParsedRequest(kind, raw, body, model, False, False, 0, _embedding_input_tokens(body), priority)
-    prompt_tokens = _chat_prompt_tokens(body) if kind == "chat" else _completion_prompt_tokens(body)
+    media = False
+    if kind == "chat":
+        prompt_tokens, media = _chat_prompt_tokens(body)
+    else:
+        prompt_tokens = _completion_prompt_tokens(body)
     prompts = batched_prompts(body.get("prompt")) if kind == "completions" else 1
     keep = truncation(body)
     if keep is not None:
@@ -295,4 +307,5 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         cache_salt=_text_field(body, "cache_salt"),
         prompts=prompts,
         n=_count(body.get("n")),
+        media=media,
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,16 @@ _CARRIED = (
 _NOT_REPEATED = frozenset(("x-sim-fault", "x-sim-output-len"))
 
 
+def _scalar(value: Any) -> str | int | float | None:
+    """An engine's identifying field as the client's chunks repeat it: a string or a number
+    (64-bit), else nothing (a deeply nested value could not be written again)."""
+    if isinstance(value, str) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < 1 << 64:
+        return value
+    return None
+
+
 class _Shape:
     """Chunks in the client's shape under the first engine's id, ``created`` and model."""
 
@@ -107,10 +118,10 @@ class _Shape:
     def __init__(self, kind: str, first: dict[str, Any]) -> None:
         self.chat = kind == "chat"
         ident = {
-            "id": first.get("id"),
+            "id": _scalar(first.get("id")),
             "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": first.get("created"),
-            "model": first.get("model"),
+            "created": _scalar(first.get("created")),
+            "model": _scalar(first.get("model")),
         }
         self.head = b"data: " + orjson.dumps(ident)[:-1]
 
@@ -206,6 +217,9 @@ class Migrator:
         request = call.request
         if request.prompts > 1:  # (known from the parse: a body parsed elsewhere stays undecoded)
             return batch_reason(request.prompts)
+        if request.media:
+            # (a continuation sends the prompt as token ids: an image's placeholders, no image)
+            return "a prompt with images, audio or files"
         keys = request.keys if request.parsed is None else request.parsed.keys()
         if not any(key in _POLICY_FIELDS for key in keys):
             return None
@@ -679,7 +693,11 @@ class Migrator:
                                 done = True
                                 break
                             message = orjson.loads(payload)
-                            if not isinstance(message, dict) or "error" in message:
+                            if (
+                                not isinstance(message, dict)
+                                or "error" in message
+                                or message.get("object") == "error"  # (as older vLLM wrote one)
+                            ):
                                 raise _Failed(f"an error event: {payload[:200]!r}")
                             choices = message.get("choices")
                             if not choices:
@@ -699,6 +717,8 @@ class Migrator:
                             if ids is not None and not valid_token_ids(ids):
                                 raise _Failed(f"malformed token ids: {payload[:200]!r}")
                             finish = choice.get("finish_reason")
+                            if finish is not None and not isinstance(finish, str):
+                                raise _Failed(f"a malformed finish reason: {payload[:200]!r}")
                             delta = choice.get("delta")
                             if isinstance(delta, dict) and any(delta.get(k) for k in PARSED_KEYS):
                                 # a restart on an engine that parses reasoning or tool calls: its

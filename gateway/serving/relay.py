@@ -71,7 +71,9 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
         if isinstance(data, dict):
             nested = data.get("error")
             inner: dict[str, Any] = nested if isinstance(nested, dict) else data
-            message = str(inner.get("message") or inner.get("detail") or message)
+            said = inner.get("message") or inner.get("detail")
+            # (a string only: str() of an engine's deeply nested value passed the recursion limit)
+            message = said[:2000] if isinstance(said, str) and said else message
             code = inner.get("code") if isinstance(inner.get("code"), str) else None
     return GatewayError(status, message, code=code)
 
@@ -460,7 +462,8 @@ def _error_message(event: bytes) -> str:
         return repr(payload[:200])
     inner = data.get("error", data) if isinstance(data, dict) else data
     message = inner.get("message") if isinstance(inner, dict) else None
-    return str(message)[:500] if message is not None else repr(payload[:200])
+    # (a string only: str() of an engine's deeply nested value passed the recursion limit)
+    return message[:500] if isinstance(message, str) else repr(payload[:200])
 
 
 async def end_with_error(call: Call, error: GatewayError) -> None:

@@ -46,6 +46,8 @@ HELD_LEASE_S = 30.0
 COMPLETION_MAX_TOKENS = 16
 #: the most prompts one completions batch may hold (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
 MAX_COMPLETION_PROMPTS = 1024
+#: the longest natural output a workload may set (sim_output_len, X-Sim-Output-Len)
+MAX_SIM_OUTPUT_LEN = (1 << 31) - 1
 #: on stop, requests in progress may finish for this long before their connections are cut
 DRAIN_S = 10.0
 
@@ -418,8 +420,10 @@ class SimServer:
                 value = int(digits)  # (isdigit() alone took "²", which int() refuses: a 500)
             else:
                 raise BadRequest(400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len")
-            if value < 1:
-                raise BadRequest(400, f"sim_output_len must be >= 1, got {value}", "sim_output_len")
+            if not 1 <= value <= MAX_SIM_OUTPUT_LEN:
+                # (the upper bound: a gateway resuming the stream writes it into a JSON body again)
+                why = f"sim_output_len must be between 1 and {MAX_SIM_OUTPUT_LEN}, got {value}"
+                raise BadRequest(400, why, "sim_output_len")
             lengths.append(value)
         return min(lengths) if lengths else None
 

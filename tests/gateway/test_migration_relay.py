@@ -212,8 +212,23 @@ def test_a_stream_whose_output_the_engine_parses_stops_being_recorded_and_cannot
         b"data: [1,2]\n\n",
         b'data: {"choices":[{"index":0,"text":" ten","token_ids":["10"]}]}\n\n',
         b'data: {"choices":[{"index":0,"text":5,"token_ids":[10]}]}\n\n',
+        # an error as older vLLM wrote one, then its [DONE]: ended as a whole answer, cut short
+        b'data: {"object":"error","message":"out of memory","code":500}\n\ndata: [DONE]\n\n',
+        # a finish reason nested past what the chunk could be written with again (a TypeError)
+        b'data: {"choices":[{"index":0,"text":" ten","token_ids":[10],"finish_reason":'
+        + b"[" * 300
+        + b"]" * 300
+        + b"}]}\n\n",
     ],
-    ids=["choice-not-object", "choices-not-list", "not-object", "ids-not-ints", "text-not-string"],
+    ids=[
+        "choice-not-object",
+        "choices-not-list",
+        "not-object",
+        "ids-not-ints",
+        "text-not-string",
+        "older-error-shape",
+        "nested-finish",
+    ],
 )
 def test_a_malformed_continuation_event_is_a_cut_after_what_came_before(bad: bytes) -> None:
     """A continuation event that is JSON but not a completion chunk raised past the relay's
@@ -472,3 +487,32 @@ def test_a_chat_restart_s_role_announcement_is_relayed_but_no_token() -> None:
     assert outcome == 200 and ids == [9, 10]
     assert sent.count(b"data: {") == 3  # the role event goes out all the same
     assert calls[0].content_events == 2
+
+
+def test_a_first_event_s_nested_names_are_not_repeated() -> None:
+    """The client's chunks repeat the first engine's id, created and model: nested past orjson's
+    depth, writing them raised past every handler (the stream dropped, a 500 logged)."""
+    deep: object = []
+    for _ in range(300):
+        deep = [deep]
+    shape = _Shape("chat", {"id": deep, "created": 2**70, "model": "m"})
+    chunk = orjson.loads(shape.chunk("hi", [1], None, True)[len(b"data: ") :])
+    assert chunk["id"] is None and chunk["created"] is None and chunk["model"] == "m"
+
+
+def test_a_chat_prompt_with_an_image_is_not_migrated() -> None:
+    """A continuation sends the prompt as token ids: an image's placeholder tokens, no image
+    (vLLM refuses it, or continues without having seen the image)."""
+    flow = _Flow()
+    migrator = Migrator(flow)  # type: ignore[arg-type]
+    record = next(iter(flow.fleet.records.values()))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "what is it"}, image]}]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "what is it"}]}]
+    call = _call(_ignore, "chat")
+    assert migrator._blocked(call, record) is None
+    for messages, blocked in ((with_image, True), (text_only, False)):
+        raw = orjson.dumps({"model": "m", "messages": messages, "stream": True})
+        call.request = parse_request("chat", raw, 16)
+        assert (migrator._blocked(call, record) is not None) is blocked
+        assert call.request.summary().media is blocked  # (as a parsing worker sends it back)

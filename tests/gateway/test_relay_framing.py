@@ -15,7 +15,7 @@ from gateway.api.request_parse import parse_request
 from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call
-from gateway.serving.relay import MAX_EVENT_BYTES, relay_stream
+from gateway.serving.relay import MAX_EVENT_BYTES, relay_stream, upstream_error
 from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.sse import SseFramer
 from policies.slo import SloSource, SloTarget
@@ -358,8 +358,10 @@ async def test_an_error_after_a_comment_is_no_first_token_and_comments_mixed_wit
     outcome, _, call, _ = await relay_on([ping + ENGINE_ERROR], ledger)
     assert isinstance(outcome, Cut) and not call.first_at
     mixed_error = b": ping\n" + ENGINE_ERROR
-    outcome, _, call, _ = await relay_on([TOKEN_EVENT, mixed_error], StreamLedger())
-    assert isinstance(outcome, Cut) and outcome.error is not None
+    outcome, sent, call, _ = await relay_on([TOKEN_EVENT, mixed_error], StreamLedger())
+    # (relayed as content, the error went out and the stream then ended incomplete: a Cut too)
+    assert isinstance(outcome, Cut) and outcome.error is not None and sent == TOKEN_EVENT
+    assert "EngineCore encountered an issue" in outcome.error.message
     status, out, call = await relay([content("a"), b": ping\ndata: [DONE]\n\n"])
     assert status == 200 and b'"error"' not in out and call.content_events == 1
 
@@ -527,3 +529,18 @@ async def test_the_role_announcement_opening_a_chat_stream_is_no_token(together:
         [event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}), tokens]
     )
     assert status == 200 and call.content_events == 4
+
+
+async def test_an_error_event_with_a_deeply_nested_message_is_a_failure_not_a_crash() -> None:
+    """str() of a message nested past the recursion limit raised past the relay's handlers."""
+    nested = b"[" * 1000 + b"]" * 1000
+    event = b'data: {"error":{"message":' + nested + b',"code":500}}\n\n'
+    outcome, sent, _, _ = await relay_on([TOKEN_EVENT, event + b"data: [DONE]\n\n"], StreamLedger())
+    assert isinstance(outcome, Cut) and outcome.error is not None and sent == TOKEN_EVENT
+    assert len(outcome.error.message) < 1000
+
+
+def test_an_error_response_with_a_deeply_nested_message_keeps_its_status() -> None:
+    nested = b"[" * 1000 + b"]" * 1000
+    error = upstream_error(503, b'{"error":{"message":' + nested + b',"code":"busy"}}')
+    assert error.status == 503 and error.code == "busy" and len(error.message) <= 2000
