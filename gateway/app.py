@@ -184,7 +184,12 @@ class Gateway:
             # every replica's dispatches feed every replica's prefix index and session map
             replicas = self.replicas
             self.routes = ReplicaRoutes(
-                self.prefix, replicas.store, s.replica_id, replicas.has_peers, s.replica_push_delay_s
+                self.prefix,
+                replicas.store,
+                s.replica_id,
+                replicas.has_peers,
+                s.replica_push_delay_s,
+                sessions_ttl_s=s.affinity_ttl_s,
             )
             self.routes.start()
         if self.kv_events is not None:

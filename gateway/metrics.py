@@ -341,7 +341,8 @@ REPLICA_ROUTES = Counter(
     "another block size than this one's, or a session a later dispatch of which is known here), "
     "dropped (not sent: more "
     "waited than one message carries), rejected (messages, not routes: malformed or past the "
-    "bounds, not taken at all)",
+    "bounds, not taken at all; or a stored session malformed), recovered (sessions dispatched "
+    "before this replica started, read from the store at its start)",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -94,6 +94,30 @@ class RedisStore:
         values = await self._call(self._client.mget(list(keys)))
         return list(values)
 
+    async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float) -> None:
+        if not items:
+            return
+        milliseconds = max(1, round(check_ttl(ttl_s) * 1000))
+        pipe = self._client.pipeline(transaction=False)
+        for key, value in items:
+            pipe.set(key, value, px=milliseconds)
+        await self._call(pipe.execute())
+
+    async def scan(self, prefix: str, batch: int = 512) -> AsyncGenerator[list[tuple[str, bytes]], None]:
+        # (the prefix as a pattern: its glob characters escaped, so it matches only itself)
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        cursor: Any = 0
+        while True:
+            cursor, keys = await self._call(self._client.scan(cursor, match=pattern, count=batch))
+            if keys:
+                names = [k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k) for k in keys]
+                values = await self._call(self._client.mget(keys))
+                found = [(k, v) for k, v in zip(names, values, strict=True) if v is not None]
+                if found:
+                    yield found
+            if not int(cursor):
+                return
+
     async def delete(self, key: str) -> None:
         await self._call(self._client.delete(key))
 

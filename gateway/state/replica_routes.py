@@ -29,7 +29,15 @@ Write-behind, as the load exchange: routing never waits on the store. What was d
 replica is known (:class:`~gateway.state.replica_load.ReplicaLoad` finds them). A message lost
 (a subscription broken, the store out of reach) costs hints, not correctness: the index's entries
 are guesses with a time to live anyway, and the session's next request is routed by load and
-recorded again. A replica that starts learns from the dispatches that follow, not from the past.
+recorded again.
+
+A replica that starts (a scale-out, every replica of a rolling update) also learns the sessions
+dispatched before it: each dispatch of a session is also written under its own key with the
+session map's time to live (write-behind, in the same push; also with no other replica running,
+for the one that replaces it), and a starting replica reads them all once, in batches, into its
+session map (each aged by its dispatch's time; a session it already routed or heard of is left as
+it is). The prefix index is not recovered so: its entries are two-minute guesses, and the
+engines' KV events say what they hold.
 """
 
 from __future__ import annotations
@@ -88,6 +96,11 @@ PRUNE_PER_NOTE = 16
 STAMP_WINDOW_S = 10.0
 #: sessions so remembered at most (whatever the rate)
 MAX_STAMPS = 65_536
+#: sessions waiting to be written for replicas that start later: more at once are not written
+#: (those sessions route by load on a replica started meanwhile)
+MAX_PENDING_SESSIONS = 4096
+#: sessions a starting replica reads at most
+MAX_RECOVERED = 100_000
 
 _KEY = np.dtype("<u8")
 #: base64 characters of MAX_KEYS packed keys
@@ -197,6 +210,7 @@ class ReplicaRoutes:
         namespace: str = "slogate",
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        sessions_ttl_s: float = 600.0,
     ) -> None:
         self.routing = routing
         self.store = store
@@ -206,6 +220,11 @@ class ReplicaRoutes:
         self.clock = clock
         self.wall = wall
         self.channel = f"{{{namespace}}}:routes"
+        #: where each session's last dispatch is written, for the replicas that start later
+        self.session_prefix = f"{{{namespace}}}:session:"
+        self.sessions_ttl_s = sessions_ttl_s
+        #: sessions dispatched here since the last push: (engine, stamp)
+        self._sessions: dict[str, tuple[str, float]] = {}
         # (how its own messages begin: encode writes these keys first, in this order)
         self._own = orjson.dumps({"v": FORMAT, "r": replica_id})[:-1] + b","
         self._pending: list[Route] = []
@@ -216,7 +235,7 @@ class ReplicaRoutes:
         self._warned_ahead: set[str] = set()
         self._pushes = DelayedWake(push_delay_s)
         self._started = False
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[object]] = []
         self._stopping = False
         self._failing = False
 
@@ -230,6 +249,8 @@ class ReplicaRoutes:
             loop.create_task(self._run(), name="replica-routes"),
             loop.create_task(self._listen(), name="replica-routes-listen"),
         ]
+        if self.routing.affinity is not None:
+            self._tasks.append(loop.create_task(self.recover_sessions(), name="replica-routes-recover"))
 
     async def stop(self) -> None:
         """Stop sharing (what waited to be sent is not: the others route it by load). The store is
@@ -245,15 +266,18 @@ class ReplicaRoutes:
     def _routed(self, engine_id: str, block_size: int, keys: list[int] | None, session: str | None) -> None:
         """A dispatch here (the router calls this on the request's path: an append and at most one
         timer per push)."""
-        if not self._started or not self.has_peers():
+        if not self._started:
             return
+        peers = self.has_peers()
         if keys is not None and len(keys) > MAX_KEYS:
             keys = keys[:MAX_KEYS]
         count = 0 if keys is None else len(keys)
         if self._pending_keys + count > MAX_MESSAGE_KEYS and session is not None:
             keys, count = None, 0  # (the session costs no key: it goes without them)
-        if len(self._pending) >= MAX_ROUTES or self._pending_keys + count > MAX_MESSAGE_KEYS:
+        told = peers and len(self._pending) < MAX_ROUTES and self._pending_keys + count <= MAX_MESSAGE_KEYS
+        if peers and not told:
             metrics.child(metrics.REPLICA_ROUTES, "dropped").inc()
+        if not told and session is None:
             return
         stamp = self.wall()
         if session is not None:
@@ -263,16 +287,22 @@ class ReplicaRoutes:
             if known is not None and known[0] >= stamp:
                 stamp = math.nextafter(known[0], math.inf)
             self._note(session, stamp, self.replica_id)
-        self._pending.append(Route(engine_id, block_size, keys, session, stamp))
-        self._pending_keys += count
+            if len(self._sessions) < MAX_PENDING_SESSIONS or session in self._sessions:
+                self._sessions[session] = (engine_id, stamp)
+        if told:
+            self._pending.append(Route(engine_id, block_size, keys, session, stamp))
+            self._pending_keys += count
         self._pushes.poke()
 
     async def _run(self) -> None:
         while not self._stopping:
             await self._pushes.wait()
             routes, self._pending, self._pending_keys = self._pending, [], 0
+            sessions, self._sessions = self._sessions, {}
             if routes:
                 await self.push(routes)
+            if sessions:
+                await self.write_sessions(sessions)
 
     async def push(self, routes: list[Route]) -> None:
         """Publish ``routes``; never raises but for cancellation (a failure is counted and logged
@@ -299,6 +329,67 @@ class ReplicaRoutes:
             if self._failing:
                 log.warning("state store reachable again: sharing routes with the other replicas")
             self._failing = False
+
+    async def write_sessions(self, sessions: dict[str, tuple[str, float]]) -> None:
+        """Write each session's last dispatch here under its own key, for replicas that start
+        later; never raises but for cancellation (a failure is counted and logged once per
+        outage: those sessions route by load on a replica started meanwhile)."""
+        items = [
+            (self.session_prefix + session, orjson.dumps([engine_id, stamp, self.replica_id]))
+            for session, (engine_id, stamp) in sessions.items()
+        ]
+        try:
+            await self.store.put_many(items, self.sessions_ttl_s)
+        except StoreError as exc:
+            self._failed(str(exc))
+        except Exception as exc:  # (a bug here must not end the sharing for good)
+            log.exception("writing sessions for the replicas that start later failed")
+            self._failed(f"{type(exc).__name__}: {exc}")
+
+    async def recover_sessions(self) -> int:
+        """Read the sessions other replicas (or this one's predecessor) dispatched into this
+        one's session map, once, at start; returns how many were taken. A session this replica
+        already routed or heard of is left as it is; one whose engine this replica lacks, or
+        whose time to live is over, is skipped; a malformed entry is skipped (counted as
+        rejected). Never raises but for cancellation (the store out of reach: nothing is)."""
+        affinity = self.routing.affinity
+        if affinity is None:
+            return 0
+        taken = 0
+        records = self.routing.fleet.records
+        prefix = len(self.session_prefix)
+        try:
+            async for batch in self.store.scan(self.session_prefix):
+                now, wall = self.clock(), self.wall()
+                for key, value in batch:
+                    session = key[prefix:]
+                    route = _stored_session(value)
+                    if route is None or not 0 < len(session) <= MAX_SESSION_CHARS:
+                        metrics.child(metrics.REPLICA_ROUTES, "rejected").inc()
+                        continue
+                    engine_id, stamp, replica = route
+                    age = max(0.0, wall - stamp)
+                    if (
+                        engine_id not in records
+                        or age >= self.sessions_ttl_s
+                        or affinity.get(session, now) is not None
+                        or not self._note(session, stamp, replica)
+                    ):
+                        continue
+                    self.routing.routed_elsewhere(engine_id, 0, None, session, now - age)
+                    taken += 1
+                    if taken >= MAX_RECOVERED:
+                        break
+                if taken >= MAX_RECOVERED:
+                    break
+        except StoreError as exc:
+            log.warning("sessions dispatched before this replica started were not read (%s)", exc)
+        except Exception:  # (a bug: the replica serves all the same, its sessions routed by load)
+            log.exception("reading the sessions dispatched before this replica started failed")
+        if taken:
+            metrics.child(metrics.REPLICA_ROUTES, "recovered").inc(taken)
+            log.info("%d sessions dispatched before this replica started were taken", taken)
+        return taken
 
     def _known(self, session: str) -> tuple[float, str, float] | None:
         """The latest dispatch of ``session`` noted within the window: (stamp, replica, noted at)."""
@@ -379,3 +470,26 @@ class ReplicaRoutes:
         if taken < len(decoded[1]):
             metrics.child(metrics.REPLICA_ROUTES, "skipped").inc(len(decoded[1]) - taken)
         return taken
+
+
+def _stored_session(value: bytes) -> tuple[str, float, str] | None:
+    """A session's stored dispatch: (engine, stamp, replica); None when it is not one this
+    version writes."""
+    if len(value) > 4 * (MAX_REPLICA_CHARS + MAX_SESSION_CHARS):
+        return None
+    try:
+        doc = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if not (isinstance(doc, list) and len(doc) == 3):
+        return None
+    engine_id, stamp, replica = doc
+    if not (
+        isinstance(engine_id, str)
+        and type(stamp) in (int, float)
+        and 0 <= stamp <= MAX_STAMP
+        and isinstance(replica, str)
+        and len(replica) <= MAX_REPLICA_CHARS
+    ):
+        return None
+    return engine_id, float(stamp), replica

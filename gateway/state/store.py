@@ -36,6 +36,15 @@ class StateStore(Protocol):
         """The values of ``keys``, in order; None for a key that is absent or expired."""
         ...
 
+    async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float) -> None:
+        """:meth:`put` of each ``(key, value)``, all in one exchange with the store."""
+        ...
+
+    def scan(self, prefix: str, batch: int = 512) -> AsyncGenerator[list[tuple[str, bytes]], None]:
+        """Every live key that starts with ``prefix``, with its value, a batch of about ``batch``
+        at a time (a key put or expiring meanwhile may or may not be in it)."""
+        ...
+
     async def delete(self, key: str) -> None: ...
 
     async def join(self, group: str, member: str) -> None:
@@ -88,6 +97,18 @@ class MemoryStore:
                 held = None
             found.append(None if held is None else held[0])
         return found
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float) -> None:
+        for key, value in items:
+            await self.put(key, value, ttl_s)
+
+    async def scan(self, prefix: str, batch: int = 512) -> AsyncGenerator[list[tuple[str, bytes]], None]:
+        keys = [key for key in self._values if key.startswith(prefix)]
+        for start in range(0, len(keys), batch):
+            part = keys[start : start + batch]
+            found = [(k, v) for k, v in zip(part, await self.get_many(part), strict=True) if v is not None]
+            if found:
+                yield found
 
     async def delete(self, key: str) -> None:
         self._values.pop(key, None)

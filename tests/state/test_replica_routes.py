@@ -514,3 +514,119 @@ async def test_a_store_that_falls_behind_drops_routes_rather_than_holding_them()
     finally:
         await routes.stop()
     assert routing.route_listener is None
+
+
+# -- a replica that starts later learns the sessions dispatched before it -----------------------
+
+
+def _started(
+    store: MemoryStore, replica: str, peers: bool, clock: Callable[[], float], wall: Callable[[], float]
+) -> tuple[Fleet, PrefixRouting, Router, ReplicaRoutes]:
+    fleet, routing, router = _replica()
+    routes = ReplicaRoutes(
+        routing,
+        store,
+        replica,
+        lambda: peers,
+        push_delay_s=0.001,
+        clock=clock,
+        wall=wall,
+        sessions_ttl_s=300.0,
+    )
+    routes.start()
+    return fleet, routing, router, routes
+
+
+async def test_a_replica_started_later_learns_the_sessions_dispatched_before_it() -> None:
+    """A conversation whose turns came through replica A before B started (a scale-out, or B
+    replacing A in a rolling update) went by load on B: its history prefilled again on a cold
+    engine. A writes each session's dispatch under its own key (with no other replica running
+    too), and B reads them all at its start, each aged by when it was dispatched."""
+    store = MemoryStore()
+    now = [100.0]
+    wall = [5_000.0]
+    _, ra, router_a, routes_a = _started(store, "ra", False, lambda: now[0], lambda: wall[0])
+    try:
+        first = _turn(ra, router_a, "t1", HISTORY, now=100.0)
+        ra.attach("e1", None, "other-session")
+        other = router_a.choose(RequestView("e1", MODEL, 200, 20), now=100.0)
+        assert other is not None
+        await until(lambda: len([k for k in store._values if k.startswith(routes_a.session_prefix)]) == 2)
+    finally:
+        await routes_a.stop()
+    now[0], wall[0] = 500.0, 5_060.0  # B starts a minute later (its own monotonic clock)
+    fb, rb, router_b, routes_b = _started(store, "rb", False, lambda: now[0], lambda: wall[0])
+    try:
+        assert SESSION is not None and rb.affinity is not None
+        await until(lambda: rb.affinity is not None and rb.affinity.get(SESSION, 500.0) == first)
+        assert rb.affinity.get("other-session", 500.0) == other.engine_id
+        # B's own request holds that engine: alone, least load would send the turn elsewhere
+        fb.reserve(first, "b-own", RunningEntry(100, 10, 0.1, 0.0))
+        rb.attach("t2", None, SESSION)
+        chosen = router_b.choose(RequestView("t2", MODEL, 200, 20), now=500.5)
+        assert chosen is not None and chosen.engine_id == first
+        # aged by its dispatch: the session map's 300 s run from a minute before B heard of it
+        # (read last: an expired entry is dropped as it is read)
+        assert rb.affinity.get("other-session", 500.0 + 239.0) == other.engine_id
+        assert rb.affinity.get("other-session", 500.0 + 241.0) is None
+    finally:
+        await routes_b.stop()
+
+
+async def test_recovery_skips_what_it_should_and_keeps_what_the_replica_knows() -> None:
+    store = MemoryStore()
+    now, wall = (lambda: 10.0), (lambda: 1_000.0)
+    fleet, routing, _, routes = _started(store, "rb", False, now, wall)
+    await routes.stop()  # (recovery is driven by hand below)
+    assert routing.affinity is not None
+    engine, other = list(fleet.records)
+    prefix = routes.session_prefix
+    routing.affinity.put("known-here", other, 9.0)
+    await store.put_many(
+        [
+            (prefix + "fresh", orjson.dumps([engine, 990.0, "ra"])),
+            (prefix + "expired", orjson.dumps([engine, 1_000.0 - 300.0, "ra"])),
+            (prefix + "unknown-engine", orjson.dumps(["elsewhere-0", 990.0, "ra"])),
+            (prefix + "known-here", orjson.dumps([engine, 995.0, "ra"])),
+            (prefix + "malformed", b"[1, 2"),
+            (prefix + "wrong-shape", orjson.dumps({"engine": engine})),
+            (prefix + "bad-stamp", orjson.dumps([engine, -1.0, "ra"])),
+            ("{slogate}:sessionless", orjson.dumps([engine, 990.0, "ra"])),
+        ],
+        600.0,
+    )
+    rejected = metrics.REPLICA_ROUTES.labels("rejected")._value.get()
+    assert await routes.recover_sessions() == 1
+    assert metrics.REPLICA_ROUTES.labels("rejected")._value.get() == rejected + 3
+    assert routing.affinity.get("fresh", 10.0) == engine
+    assert routing.affinity.get("known-here", 10.0) == other  # (not overwritten)
+    for absent in ("expired", "unknown-engine", "malformed", "wrong-shape", "bad-stamp", "less"):
+        assert routing.affinity.get(absent, 10.0) is None
+
+
+async def test_a_store_out_of_reach_at_start_recovers_nothing_and_raises_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Unreachable(MemoryStore):
+        async def scan(self, prefix: str, batch: int = 512):  # type: ignore[no-untyped-def,override]
+            raise StoreError("redis at redis://nowhere: refused")
+            yield []
+
+    _, _, _, routes = _started(Unreachable(), "rb", False, lambda: 1.0, lambda: 1.0)
+    await routes.stop()
+    assert await routes.recover_sessions() == 0
+    assert "were not read" in caplog.text
+
+
+async def test_sessions_waiting_to_be_written_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_routes, "MAX_PENDING_SESSIONS", 3)
+    store = MemoryStore()
+    _, routing, router, routes = _started(store, "ra", False, lambda: 1.0, lambda: 1.0)
+    await routes.stop()  # (nothing pushes: what waits stays)
+    routes._started, routing.route_listener = True, routes._routed
+    for i in range(10):
+        routing.attach(f"r{i}", None, f"s{i}")
+        assert router.choose(RequestView(f"r{i}", MODEL, 200, 20), now=1.0) is not None
+    routing.attach("again", None, "s0")
+    assert router.choose(RequestView("again", MODEL, 200, 20), now=1.0) is not None
+    assert sorted(routes._sessions) == ["s0", "s1", "s2"]

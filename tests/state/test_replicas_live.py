@@ -192,3 +192,73 @@ def test_a_sessions_next_turn_through_the_other_replica_goes_to_its_engine(redis
         finally:
             for gate in gates.values():
                 gate.set()
+
+
+def test_a_replica_started_after_a_sessions_turn_sends_the_next_one_to_its_engine(
+    redis_server: RedisServer,
+) -> None:
+    """A rolling update: replica A served a conversation's turn and is replaced by B. B knew
+    nothing of the session and sent the next turn where load said (its history prefilled again
+    on a cold engine); now B reads the sessions A wrote as it starts."""
+    gates = {"x": threading.Event(), "y": threading.Event()}
+    for gate in gates.values():
+        gate.set()
+    settings: dict[str, Any] = {
+        "state_store": "redis",
+        "redis_url": redis_server.url,
+        "monitor_interval_s": 60.0,
+        "routing_profile": "prefix-aware",
+    }
+    headers = {"x-session-id": "conversation-2"}
+    turn = {"model": MODEL, "messages": [{"role": "user", "content": "Which spices go with dal? " * 8}]}
+    with HeaderEngine(gate=gates["x"]) as x, HeaderEngine(gate=gates["y"]) as y:
+        engines = {"x": x, "y": y}
+        entries = [x.entry("x"), y.entry("y")]
+        with run_gateway(engines=entries, replica_id="gw-a", **settings) as a:
+            assert httpx.post(a.url + "/v1/chat/completions", json=turn, headers=headers).status_code == 200
+        first = "x" if x.received else "y"
+        other = "y" if first == "x" else "x"
+        threads: list[threading.Thread] = []
+        try:
+            with run_gateway(engines=entries, replica_id="gw-b", **settings) as b:
+                routes_b = b.gateway.prefix
+                session = affinity_key("default", "conversation-2")
+                assert routes_b is not None and session is not None
+                assert wait_until(
+                    lambda: (
+                        routes_b.affinity is not None
+                        and routes_b.affinity.get(session, time.monotonic()) == first
+                    )
+                )
+                # B holds a request of its own on that engine (the other answers at once): by
+                # load alone the next turn would go to the other one
+                gates[first].clear()
+                while len(engines[first].received) < 2:
+                    seen = len(engines[first].received) + len(engines[other].received)
+                    thread = threading.Thread(
+                        target=httpx.post,
+                        args=(b.url + "/v1/chat/completions",),
+                        kwargs={"json": CHAT, "timeout": 30},
+                    )
+                    thread.start()
+                    threads.append(thread)
+                    assert wait_until(
+                        lambda seen=seen: len(engines[first].received) + len(engines[other].received) > seen
+                    )
+                held_other = len(engines[other].received)
+                follow = {**turn, "messages": [*turn["messages"], {"role": "assistant", "content": "Cumin."}]}
+                sent = threading.Thread(
+                    target=httpx.post,
+                    args=(b.url + "/v1/chat/completions",),
+                    kwargs={"json": follow, "headers": headers, "timeout": 30},
+                )
+                sent.start()
+                threads.append(sent)
+                assert wait_until(lambda: len(engines[first].received) == 3)
+                assert len(engines[other].received) == held_other
+                gates[first].set()
+                for thread in threads:
+                    thread.join(30)
+        finally:
+            for gate in gates.values():
+                gate.set()

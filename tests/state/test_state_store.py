@@ -68,6 +68,31 @@ async def test_groups_join_list_and_leave(store: StateStore) -> None:
     assert await store.members("{t}:g") == {"b"}
 
 
+async def test_put_many_then_scan_finds_every_live_key_of_the_prefix_and_only_those(
+    store: StateStore,
+) -> None:
+    items = [(f"{{t}}:s:{i}", f"v{i}".encode()) for i in range(1200)]
+    items.append(("{t}:s:odd*[key]?\\", b"glob characters in the name"))
+    await store.put_many(items, 10)
+    await store.put_many([], 10)
+    await store.put("{t}:other", b"not in the prefix", 10)
+    await store.put("{t}:s*", b"a prefix's glob read as a pattern would take it", 10)
+    await store.put_many([("{t}:s:gone", b"x")], 0.05)
+    await asyncio.sleep(0.1)
+    found: dict[str, bytes] = {}
+    batches = 0
+    async for batch in store.scan("{t}:s:", batch=100):
+        batches += 1
+        for key, value in batch:
+            assert key not in found  # (each key once)
+            found[key] = value
+    assert found == dict(items) and batches > 1
+    assert [b async for b in store.scan("{t}:s*")] == [
+        [("{t}:s*", b"a prefix's glob read as a pattern would take it")]
+    ]
+    assert [b async for b in store.scan("{t}:none:")] == []
+
+
 @pytest.mark.parametrize("ttl", [0.0, -1.0, float("inf"), float("nan")])
 async def test_a_ttl_must_be_positive_and_finite(store: StateStore, ttl: float) -> None:
     with pytest.raises(ValueError):
