@@ -142,7 +142,13 @@ def batch_reason(prompts: int) -> str:
 
 
 def more_than_one(value: Any) -> bool:
-    """A count field (``n``, ``best_of``) asking for several: an engine's JSON model takes 2.0 as 2."""
+    """A count field (``n``, ``best_of``) asking for several: an engine's JSON model (pydantic,
+    lax) takes 2.0 as 2, and "2" too."""
+    if isinstance(value, str) and len(value) <= 64:
+        try:
+            value = float(value)
+        except ValueError:
+            return False
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 1
 
 

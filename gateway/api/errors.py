@@ -102,3 +102,30 @@ def _rebuild(cls: type[GatewayError], message: str) -> GatewayError:
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     return error
+
+
+def described(value: object) -> str:
+    """A client's value as an error message may show it: a number, a boolean or null as JSON
+    says it, a string's first characters, anything else by its JSON type only (a whole value
+    echoed back was up to 2.5x the body again, and repr() of one nested 1,000 deep raised)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, int | float):
+        text = repr(value)
+        return text if len(text) <= 40 else f"a number of {len(text)} digits"
+    if isinstance(value, str):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    if isinstance(value, dict):
+        return "an object"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
+def encode_body(body: object) -> bytes:
+    """``body`` (a client's, edited for an engine) as JSON again; a 400 when it nests deeper
+    than orjson writes (254 levels; it reads up to 1,024)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # (orjson.JSONEncodeError is one)
+        raise bad_request(
+            "the request body nests too deeply to be forwarded (more than 254 levels)"
+        ) from None

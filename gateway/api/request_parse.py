@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.api.errors import GatewayError, bad_request
+from gateway.api.errors import GatewayError, bad_request, described
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
 from policies.migration import batched_prompts, more_than_one
 
@@ -151,7 +151,7 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_request(f"'{key}' must be an integer >= 1, got {value!r}", key)
+        raise bad_request(f"'{key}' must be an integer >= 1, got {described(value)}", key)
     return value
 
 

@@ -31,7 +31,7 @@ import aiohttp
 import orjson
 
 from gateway import metrics
-from gateway.api.errors import GatewayError
+from gateway.api.errors import GatewayError, encode_body
 from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
@@ -301,14 +301,14 @@ class CollocatedFlow:
         if smuggled:
             remove = (*remove, *smuggled)
         if not extra and not remove:
-            return orjson.dumps(request.body) if request.body_edited else request.raw
+            return encode_body(request.body) if request.body_edited else request.raw
         if overrides or remove or request.body_edited or any(key in keys for key in extra):
             body = request.body
             if "stream_options" in extra:
                 extra["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             # a copy: what goes to this engine (its priority, token ids a migration needs) must
             # not reach a retry's, which may be of a kind that refuses it
-            return orjson.dumps({**{k: v for k, v in body.items() if k not in remove}, **extra})
+            return encode_body({**{k: v for k, v in body.items() if k not in remove}, **extra})
         # parse_request accepted a JSON object with a "model": it opens with "{" and has a member
         at = request.raw.index(b"{") + 1
         return b"".join((request.raw[:at], orjson.dumps(extra)[1:-1], b",", request.raw[at:]))

@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 
 from gateway import metrics
-from gateway.api.errors import GatewayError
+from gateway.api.errors import GatewayError, encode_body
 from gateway.api.request_parse import COMPLETION_DEFAULT_MAX_TOKENS
 from gateway.fleet.registry import EngineRecord, RunningEntry
 from gateway.serving.call import Call, ClientGone
@@ -564,7 +564,7 @@ class Migrator:
         # late lane has nothing left to protect)
         if adapter.accepts_priority:
             body["priority"] = adapter.deadline_priority(call.arrival + call.target.ttft_s - self.flow._epoch)
-        return orjson.dumps(body)
+        return encode_body(body)
 
     def _headers(self, call: Call, record: EngineRecord) -> dict[str, str]:
         adapter = record.adapter
@@ -582,7 +582,10 @@ class Migrator:
         settings = flow.settings
         entry = record.running.get(call.rid) or RunningEntry(0, 0, call.target.tpot_s, 0.0)
         url = record.adapter.url(COMPLETIONS if state is not None else PATHS[call.request.kind])
-        payload = self._body(call, record, ledger, state, entry.late)
+        try:
+            payload = self._body(call, record, ledger, state, entry.late)
+        except GatewayError as exc:
+            return exc  # (a body that cannot be written again: no engine would get it)
         headers = self._headers(call, record)
         call.engine_id = record.engine_id
         call.entry = entry

@@ -27,6 +27,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from gateway.api.errors import described
 from gateway.sim import embeddings as emb
 from gateway.sim.admin import AdminRoutes
 from gateway.sim.engine import EngineModel, Phase, SimRequest
@@ -419,7 +420,8 @@ class SimServer:
             ):
                 value = int(digits)  # (isdigit() alone took "²", which int() refuses: a 500)
             else:
-                raise BadRequest(400, f"sim_output_len must be an integer, got {extra!r}", "sim_output_len")
+                why = f"sim_output_len must be an integer, got {described(extra)}"
+                raise BadRequest(400, why, "sim_output_len")
             if not 1 <= value <= MAX_SIM_OUTPUT_LEN:
                 # (the upper bound: a gateway resuming the stream writes it into a JSON body again)
                 why = f"sim_output_len must be between 1 and {MAX_SIM_OUTPUT_LEN}, got {value}"
@@ -559,7 +561,7 @@ class SimServer:
             raise BadRequest(400, f"The model `{self.config.model}` does not support Embeddings API", "model")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise BadRequest(400, f"model must be a string, got {model!r}", "model")
+            raise BadRequest(400, f"model must be a string, got {described(model)}", "model")
         if model is not None and not self.loras.serves(model):
             raise BadRequest(404, f"The model `{model}` does not exist.", "model")
         dim = self.profile.embedding_dim

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gateway.api.errors import described
 from gateway.tokenizer import VOCAB_SIZE
 
 #: returns None when ``value`` is acceptable for field ``name``, else the error message
@@ -31,7 +32,9 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    if isinstance(value, list | dict):
+        return described(value)  # (repr() of one nested 1,000 deep raised: a 500)
+    text = repr(value[:60] if isinstance(value, str) else value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

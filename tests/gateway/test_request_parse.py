@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api.errors import GatewayError
-from gateway.api.request_parse import RouteKind, parse_request
+from gateway.api.request_parse import COMPLETION_DEFAULT_MAX_TOKENS, RouteKind, parse_request
 from gateway.bench.texts import english_text, mixed_text, non_ascii_text
 from gateway.tokenizer import count_tokens
 
@@ -159,12 +159,15 @@ def test_any_json_either_parses_or_is_a_clean_400(data: dict[str, Any], kind: Ro
     except GatewayError as error:
         assert error.status == 400
         return
+    data = orjson.loads(orjson.dumps(data))  # (what the gateway read: orjson writes inf as null)
     assert parsed.model == data["model"] and parsed.priority == data.get("priority")
     if kind == "embeddings":
         assert (parsed.stream, parsed.max_tokens) == (False, 0)
     else:
         assert parsed.stream == data.get("stream", False)
-        assert parsed.max_tokens == (data.get("max_tokens") or 10)
+        # a completion without a bound gets the API's 16, a chat the gateway's (10 here)
+        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completions" else 10
+        assert parsed.max_tokens == (data.get("max_tokens") or default)
     # the generated texts are small, so the estimate is the exact count: compare with a reference
     assert parsed.prompt_tokens == _reference_prompt_tokens(kind, data)
 
@@ -276,3 +279,30 @@ def test_a_truncated_prompt_is_estimated_as_the_tokens_the_engine_keeps() -> Non
     for value in (-1, 0, "100", None):
         same = parse_request("chat", orjson.dumps({**chat, "truncate_prompt_tokens": value}), 16)
         assert same.prompt_tokens == whole
+
+
+def test_a_completion_without_a_bound_and_an_infinite_one_parse_as_the_engine_reads_them() -> None:
+    """Examples the property above must cover (its expected bound was the chat default)."""
+    assert parse_request("completions", b'{"model":"0","prompt":""}', 10).max_tokens == 16
+    assert (
+        parse_request(
+            "chat",
+            orjson.dumps({"model": "m", "messages": [{"role": "user"}], "max_tokens": float("inf")}),
+            10,
+        ).max_tokens
+        == 10
+    )
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_deeply_nested_bound_is_a_400_that_does_not_echo_it(field: str) -> None:
+    """repr() of a value nested 1,000 deep raised past the parse (a 500), and a long value was
+    echoed back whole in the error."""
+    head = b'{"model":"m","messages":' + orjson.dumps(HI) + b',"' + field.encode() + b'":'
+    for value in (b"[" * 1000 + b"]" * 1000, b'"' + b"9" * 100_000 + b'"', b'{"a":1}'):
+        with pytest.raises(GatewayError) as info:
+            parse_request("chat", head + value + b"}", 10)
+        assert info.value.status == 400 and len(info.value.message) < 200

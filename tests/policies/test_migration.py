@@ -44,6 +44,10 @@ ON = MigrationSettings(limit=2, slack=True, slack_bound_s=1.0, min_remaining_tok
         ({"n": 3}, "n = 3"),
         ({"n": 2.0}, "n = 2.0"),  # (an engine's JSON model takes 2.0 as 2)
         ({"n": 1.0}, None),
+        ({"n": "2"}, "n = 2"),  # (an engine's pydantic model reads it as 2)
+        ({"n": " 3 "}, "n = "),
+        ({"n": "1"}, None),
+        ({"n": "two"}, None),
         ({"best_of": 2.0}, "best_of"),
         ({"best_of": 2}, "best_of"),
         ({"use_beam_search": True}, "beam search"),

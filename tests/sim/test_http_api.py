@@ -381,3 +381,20 @@ async def test_a_stop_string_in_the_last_allowed_token_is_a_stop_with_its_reason
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
     _, plain = await post(chat, {**base, "max_tokens": 2})
     assert plain["choices"][0]["stop_reason"] is None and plain["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_deeply_nested_value_where_a_number_or_a_name_goes_is_a_400(engine: SimProcess) -> None:
+    """The error message showed the value with repr(), which raised at this depth (a 500)."""
+    nested = b"[" * 1000 + b"]" * 1000
+    for body in (
+        b'{"prompt":"x","max_tokens":5,"sim_output_len":' + nested + b"}",
+        b'{"prompt":"x","max_tokens":5,"model":' + nested + b"}",
+    ):
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                engine.url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+            ) as r,
+        ):
+            answer = await r.json(content_type=None)
+            assert r.status == 400 and len(answer["error"]["message"]) < 200, answer
