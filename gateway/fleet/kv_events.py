@@ -341,8 +341,15 @@ class KVEventSubscriber:
         else:
             sub.connect(self.source.endpoint)
         self.connected.set()
+        taken = 0
         while True:
             frames = await sub.recv_multipart()
+            taken += 1
+            if taken % REPLAY_SLICE == 0:
+                # a frame already queued is received without yielding: a backlog (batches published
+                # during a replay or a busy spell, up to RCVHWM) was applied in one go, a stall of
+                # every stream the gateway relays
+                await asyncio.sleep(0)
             self._backoff.reset()
             if len(frames) == 3:
                 _topic, seq_bytes, payload = frames

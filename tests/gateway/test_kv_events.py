@@ -653,3 +653,35 @@ def test_sglang_s_page_size_is_read_from_its_events_not_its_scrape(kind: str, in
     events = decode_batch(msgpack.packb([time.time(), [stored_map(tokens)], 0], use_bin_type=True))
     apply_events(index, "e0", events, time.monotonic())  # (page size 16: BS)
     assert _hits(index, tokens) == indexed
+
+
+async def test_a_backlog_of_live_batches_does_not_hold_the_event_loop(ctx: zmq.asyncio.Context) -> None:
+    """A frame already queued is received without yielding: batches published while the
+    subscriber was busy (a replay, a busy spell of the gateway) were applied back to back, a
+    stall of every stream the gateway relays."""
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    try:
+        async with subscribed(engine, index) as sub:
+            engine.publish([stored_map(_prompt(300, 1))])
+            await until(lambda: sub.last_seq == 0)
+            turns = 0
+            stop = asyncio.Event()
+
+            async def other_work() -> None:
+                nonlocal turns
+                while not stop.is_set():
+                    await asyncio.sleep(0)
+                    turns += 0 < sub.last_seq < 2_000
+
+            task = asyncio.create_task(other_work())
+            for i in range(2_000):  # (no await between: all queued before the subscriber reads)
+                engine.publish([stored_map(_prompt(10_000 + i * BS, 1))])
+            await until(lambda: sub.last_seq == 2_000)
+            stop.set()
+            await task
+            assert _hits(index, _prompt(10_000 + 1_999 * BS, 1)) == 1
+            # one turn per slice of REPLAY_SLICE batches, whatever the machine's speed
+            assert turns >= 2_000 // 32 - 2, turns
+    finally:
+        await engine.close()
