@@ -58,6 +58,14 @@ def vllm_timing(samples: prom_text.Samples) -> EngineTiming | None:
     )
 
 
+def _label_count(value: str | None, otherwise: int | None) -> int | None:
+    """A count an info series gives as a label; ``otherwise`` when it is not one (a label of odd
+    digits, "¹⁶" or thousands of them, failed the whole scrape: the engine's load went stale)."""
+    if value is None or not value.isascii() or not value.isdigit() or len(value) > 18:
+        return otherwise
+    return int(value)
+
+
 def parse_vllm_metrics(text: str) -> EngineState:
     """Map vLLM's ``/metrics`` onto EngineState, summing over data-parallel ``engine`` labels."""
     samples = prom_text.parse(text, _WANTED)
@@ -68,10 +76,8 @@ def parse_vllm_metrics(text: str) -> EngineState:
     # each rank's line reports: any line is the engine's whole capacity)
     num_blocks: int | None = None
     for labels, _ in samples.get(_CACHE_INFO, []):
-        if labels.get("block_size", "").isdigit():
-            block_size = int(labels["block_size"])
-        if labels.get("num_gpu_blocks", "").isdigit():
-            num_blocks = int(labels["num_gpu_blocks"])
+        block_size = _label_count(labels.get("block_size"), block_size)
+        num_blocks = _label_count(labels.get("num_gpu_blocks"), num_blocks)
     sleeping = any(
         labels.get("sleep_state") not in (None, "awake") and value > 0
         for labels, value in samples.get(_SLEEP, [])

@@ -193,10 +193,13 @@ class FleetMonitor:
         if self.scrape_errors.pop(engine_id, None) is not None:
             log.info("metrics scrape of %s recovered", engine_id, extra={"engine": engine_id})
         self._out_if_not_serving(record)
-        if state is not None and record.healthy:
-            metrics.ENGINE_WAITING.labels(engine_id).set(state.num_waiting)
-            metrics.ENGINE_RUNNING.labels(engine_id).set(state.num_running)
-            metrics.ENGINE_KV_USAGE.labels(engine_id).set(state.kv_usage)
+        # (what the fleet kept: bounded, where the engine's own report may say -5 running or a
+        # KV use of 7, which dashboards and alerts then showed)
+        kept = record.state
+        if state is not None and kept is not None and record.healthy:
+            metrics.ENGINE_WAITING.labels(engine_id).set(kept.num_waiting)
+            metrics.ENGINE_RUNNING.labels(engine_id).set(kept.num_running)
+            metrics.ENGINE_KV_USAGE.labels(engine_id).set(kept.kv_usage)
         return True
 
     async def read_adapters(self, record: EngineRecord) -> bool:

@@ -49,6 +49,8 @@ class FakeEngine(ThreadedApp):
         self.sleeping = False
         #: the metrics lack the running and waiting gauges (an engine with its stats off)
         self.no_load_gauges = False
+        #: more lines for /metrics
+        self.extra_metrics = ""
         self.health_hits = 0
         self.metrics_hits = 0
         self._release = asyncio.Event()
@@ -82,7 +84,7 @@ class FakeEngine(ThreadedApp):
                 text = "vllm:kv_cache_usage_perc 0.5\n"
             state = "weights_offloaded" if self.sleeping else "awake"
             text += f'vllm:engine_sleep_state{{sleep_state="{state}"}} 1\n'
-            return web.Response(text=text)
+            return web.Response(text=text + self.extra_metrics)
 
         async def models(_: web.Request) -> web.Response:
             if self.models is None:
@@ -462,3 +464,22 @@ async def test_metrics_without_the_load_gauges_are_a_failed_scrape_not_an_idle_e
     assert await monitor.check_health(record) and record.healthy  # (a failed scrape ejects nothing)
     engine.no_load_gauges = False
     assert await monitor.scrape_once(record) and record.state is not None and record.state.num_running == 3
+
+
+async def test_what_an_engine_reports_past_any_bound_is_published_bounded_and_an_odd_label_is_skipped(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """The engine gauges were set from the report as it came (dashboards showed -5 running and a
+    KV use of 7), and a cache-info label of odd digits failed the whole scrape, for good: the
+    engine's load went stale."""
+    monitor, _, record = make_monitor(engine, session)
+    engine.running = -5
+    engine.extra_metrics = (
+        "vllm:kv_cache_usage_perc 7\n"
+        f'vllm:cache_config_info{{block_size="\u00b9\u2076",num_gpu_blocks="{"9" * 5000}"}} 1\n'
+    )
+    await monitor.check_once(record)
+    assert await monitor.scrape_once(record)
+    assert _reported_running() == 0.0
+    assert metrics.REGISTRY.get_sample_value("slogate_engine_kv_usage", {"engine": "e"}) == 1.0
+    assert record.state is not None and record.state.block_size is None
