@@ -62,6 +62,8 @@ PRECISE_OBJECT_BYTES = 40 + 40
 #: generations per engine at its share of the budget: eviction drops about 1/16 of an engine's
 #: entries at a time, and only the newest generation ever resizes (its transient copy is small)
 GENERATIONS = 16
+#: the largest block size an engine's event may set (vLLM's are at most a few hundred tokens)
+MAX_EVENT_BLOCK_SIZE = 1 << 16
 #: the largest table a generation holds per entry: a dict grown by appends has at most three
 #: slots per entry (it doubles when two thirds are used), each an index (4 bytes) and two thirds
 #: of a 24-byte entry; used only to size generations, never to count memory
@@ -121,6 +123,8 @@ class _EngineEntries:
     block_size: int
     #: the engine reported ``block_size`` (else it is the default, until a scrape or an event says)
     reported: bool = False
+    #: ...and it was an event that said it (an engine restarted or reset may say another)
+    from_event: bool = False
     approx: list[_ApproxGen] = field(default_factory=list)
     precise: list[_PreciseGen] = field(default_factory=list)
     bytes: int = 0
@@ -207,7 +211,7 @@ class PrefixIndex:
         entries = self._engines[engine_id]
         if block_size < 1:
             return
-        entries.reported = True
+        entries.reported, entries.from_event = True, False
         if block_size == entries.block_size:
             return
         entries.block_size = block_size
@@ -349,12 +353,14 @@ class PrefixIndex:
         if entries is None:
             return 0
         if block_size != entries.block_size:
-            if entries.reported or block_size < 1:
+            if entries.reported or not 1 <= block_size <= MAX_EVENT_BLOCK_SIZE:
                 self.stats.block_size_mismatch += 1
                 return 0
             # events can come before the first scrape says the engine's block size (the replay of
-            # its cache at subscription does): the event's own size is the engine's
+            # its cache at subscription does), and SGLang's scrape never says its page size: the
+            # event's own size is the engine's
             self.set_block_size(engine_id, block_size)
+            entries.from_event = True
         if parent_engine_hash is None:
             parent: int | None = root_key(entries.model, lora, cache_salt)
         else:
@@ -415,6 +421,10 @@ class PrefixIndex:
         if entries is not None:
             self.stats.cleared += 1
             self._reset(entries, precise_only=False)
+            if entries.from_event:
+                # (an engine restarted with another page size said so only in its events: kept,
+                # the old size refused every event from then on)
+                entries.reported = entries.from_event = False
 
     def drop_precise(self, engine_id: str) -> None:
         """Forget what the engine's events said (a sequence gap: some of it is now wrong); the

@@ -685,3 +685,27 @@ async def test_a_backlog_of_live_batches_does_not_hold_the_event_loop(ctx: zmq.a
             assert turns >= 2_000 // 32 - 2, turns
     finally:
         await engine.close()
+
+
+def test_a_page_size_only_events_said_is_learnt_again_after_a_restart_and_is_bounded() -> None:
+    """SGLang's scrape never says its page size: the first event's was kept for good, so an
+    engine restarted with another page size had every event refused (counted as mismatches)
+    until the gateway restarted; and one event claiming 2**40 did the same at once."""
+    tokens = _prompt(300, 4)
+    index = PrefixIndex(1 << 24, 60.0)
+    index.add_engine("e0", MODEL)  # (no size known: the default until something says)
+    assert index.stored("e0", prefix_hashes(tokens, 1)[:4], None, tokens[:4], 1, 0.0) == 4
+    assert index.block_size("e0") == 1
+    assert index.stored("e0", prefix_hashes(tokens, BS), None, tokens, BS, 0.0) == 0  # (a mismatch)
+    index.cleared("e0")  # the engine restarted (its numbering began again) with pages of BS
+    assert index.stored("e0", prefix_hashes(tokens, BS), None, tokens, BS, 0.0) == 4
+    assert index.block_size("e0") == BS and _hits(index, tokens) == 4
+    # a size the scrape said stays whatever is cleared
+    scraped = PrefixIndex(1 << 24, 60.0)
+    scraped.add_engine("e0", MODEL, BS)
+    scraped.cleared("e0")
+    assert scraped.stored("e0", prefix_hashes(tokens, 1)[:4], None, tokens[:4], 1, 0.0) == 0
+    # no size past any engine's is taken from an event
+    odd = PrefixIndex(1 << 24, 60.0)
+    odd.add_engine("e0", MODEL)
+    assert odd.stored("e0", [1], None, tokens, 2**40, 0.0) == 0 and odd.block_size("e0") == 16
