@@ -631,9 +631,13 @@ class DisaggregatedFlow:
             if prefill_task.done():
                 self.collocated.dispatch.release(prefill.engine_id, call.rid)
                 failed = prefill_task.exception()
+                # what the exchange answers (rather than raises) another prefill engine may take
+                # on, as in the NIXL path: a 404 for an adapter unloaded since, a 503
+                retryable = False
                 if failed is None:
                     answer = prefill_task.result()
                     failed = answer if isinstance(answer, GatewayError) else None
+                    retryable = failed is not None
                 decode_entry.ready_at = time.monotonic()
                 # the KV arrived if the decode streamed a token, or (not streamed) began its answer
                 kv_arrived = bool(call.first_at) if call.request.stream else call.upstream_answered
@@ -663,7 +667,9 @@ class DisaggregatedFlow:
                     progress.decode_tried.remove(decode.engine_id)
                     if overloaded:
                         raise failed  # (every pair would need a socket the gateway has not got)
-                    if isinstance(failed, GatewayError) and (failed.status >= 500 or failed.status == 429):
+                    if isinstance(failed, GatewayError) and (
+                        retryable or failed.status >= 500 or failed.status == 429
+                    ):
                         return failed
                     raise failed
                 progress.prefilled = failed is None

@@ -652,3 +652,33 @@ def test_an_adapter_no_decode_engine_has_is_refused_before_its_prefill(tmp_path:
             body = {"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
             assert response.status_code == 200 and response.headers["x-slogate-engine"] == "lc", response.text
+
+
+def test_a_bootstrap_prefill_whose_adapter_was_unloaded_is_retried_on_another(tmp_path: Path) -> None:
+    """As in the NIXL path, a prefill engine's 404 for an adapter unloaded since its model list
+    was read is another prefill engine's to take: in the bootstrap path it was the client's
+    answer, a 404 'does not exist' that clients take as final."""
+    path = profile(tmp_path, "always")
+    path.write_text(path.read_text().replace("filters: []", "filters:\n  - name: lora_affinity"))
+    lora = ("--lora-modules", "sql=/adapters/sql")
+    with (
+        spawn_sim_engine(*SIM_ARGS, *lora, "--role", "prefill", name="bp0") as p0,
+        spawn_sim_engine(*SIM_ARGS, *lora, "--role", "prefill", name="bp1") as p1,
+        spawn_sim_engine(*SIM_ARGS, *lora, "--role", "decode", name="bd0") as d0,
+    ):
+        engines = [
+            engine_entry(p0, role="prefill", kv_transfer="bootstrap"),
+            engine_entry(p1, role="prefill", kv_transfer="bootstrap"),
+            engine_entry(d0, role="decode", kv_transfer="bootstrap"),
+        ]
+        with run_gateway(engines=engines, routing_profile=str(path), monitor_interval_s=30.0) as gw:
+            fleet = gw.gateway.fleet
+            assert wait_until(lambda: all("sql" in r.adapters for r in fleet.records.values()), timeout=10)
+            httpx.post(p0.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).raise_for_status()
+            body = {"model": "sql", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8}
+            prefilled = []
+            for _ in range(4):
+                response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+                assert response.status_code == 200, response.text
+                prefilled.append(response.headers["x-slogate-prefill-engine"])
+            assert set(prefilled) == {"bp1"} and "sql" not in fleet.records["bp0"].adapters
