@@ -88,6 +88,21 @@ PREFILL_REMOVES = ("stream_options", "min_tokens", "min_completion_tokens")
 _MIN_TRANSFER_TURN_S = 0.05
 
 
+class _TransferWaitOver(Exception):
+    """The wait for a KV transfer's turn ran out: the request's own time (``deadline``), or the
+    prefill's KV lease."""
+
+    def __init__(self, deadline: bool) -> None:
+        super().__init__("the wait for a KV transfer's turn ran out")
+        self.deadline = deadline
+
+
+#: the longest a prefilled request waits for its KV transfer's turn: the prefill engine keeps the
+#: KV for a lease (vLLM's kv_lease_duration, 30 s by default), and a decode engine told to read it
+#: after that finds it freed
+TRANSFER_WAIT_LIMIT_S = 20.0
+
+
 @dataclass(slots=True)
 class _Progress:
     """One disaggregated request's progress across the placement loop's attempts."""
@@ -468,7 +483,18 @@ class DisaggregatedFlow:
             entry = self._reserve(call, record, remote_kv=True, late=late)
             end_transfer: Callable[[], None] | None = None
             try:
-                end_transfer = await self._transfer_turn(call, record, entry, choice)
+                try:
+                    end_transfer = await self._transfer_turn(call, record, entry, choice, deadline=deadline)
+                except _TransferWaitOver as over:
+                    if over.deadline:
+                        return out_of_time(self.settings.request_timeout_s, "a decode engine")
+                    return GatewayError(
+                        503,
+                        f"the KV transfers into decode engine {record.engine_id} were busy past "
+                        f"{TRANSFER_WAIT_LIMIT_S:g} s, longer than the prefill keeps its KV; retry",
+                        code="transfer_wait_exceeded",
+                        retry_after_s=1.0,
+                    )
                 if deadline is not None and time.monotonic() >= deadline:
                     # its time ran out waiting for its transfer's turn
                     return out_of_time(self.settings.request_timeout_s, "a decode engine")
@@ -493,6 +519,7 @@ class DisaggregatedFlow:
         entry: RunningEntry,
         choice: DecodeChoice,
         gated: bool = True,
+        deadline: float | None = None,
     ) -> Callable[[], None]:
         """The request's KV transfer into ``record``: wait for its turn at the gate (if the
         profile gates transfers), count it as arriving there, and return what ends it (idempotent).
@@ -500,7 +527,10 @@ class DisaggregatedFlow:
         It ends at the decode engine's first token (the KV had to arrive first), or when the
         predicted transfer time has passed twice over, so that a non-streamed answer (which
         shows no first token) or an engine queue does not hold the link's turn for a whole
-        generation; at the latest when the decode stage ends (the caller)."""
+        generation; at the latest when the decode stage ends (the caller). The wait for the turn
+        raises :class:`_TransferWaitOver` past ``deadline`` (monotonic; a non-streamed
+        request's) or TRANSFER_WAIT_LIMIT_S (the prefill's KV lease), leaving no trace at the
+        gate."""
         gate = self.gate if gated else None
         engine_id = record.engine_id
         rid = call.rid
@@ -508,8 +538,15 @@ class DisaggregatedFlow:
             # the KV has to arrive before the TTFT deadline (monotonic, as the gate's clock)
             request = TransferRequest(rid, call.request.prompt_tokens, call.arrival + call.target.ttft_s)
             waited_from = time.monotonic()
-            await gate.admit(engine_id, request)
-            call.waited_s += time.monotonic() - waited_from
+            by_deadline = deadline is not None and deadline - waited_from < TRANSFER_WAIT_LIMIT_S
+            limit = deadline - waited_from if deadline is not None and by_deadline else TRANSFER_WAIT_LIMIT_S
+            try:
+                async with asyncio.timeout(max(0.0, limit)):
+                    await gate.admit(engine_id, request)
+            except TimeoutError:
+                raise _TransferWaitOver(by_deadline) from None
+            finally:
+                call.waited_s += time.monotonic() - waited_from
         arriving = self._arriving
         arriving[engine_id] = arriving.get(engine_id, 0) + 1
         ended = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.serving import disaggregated
 from tests.gateway.gateway_thread import run_gateway, wait_until
 from tests.gateway.stub_engines import StubEngine, chunk_event, completion_body, status_after
 from tests.gateway.test_pd_review import chat_body, engines, entry, nixl_prefill, profile
@@ -145,9 +147,43 @@ def test_a_request_whose_time_ran_out_before_its_decode_engine_is_not_sent_there
             holder.start()
             busy = pre if held == "prefill engine" else dec
             assert wait_until(lambda: len(busy.received) == 1, timeout=10)
+            sent = time.monotonic()
             response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(False), timeout=20)
+            waited = time.monotonic() - sent
             holder.join()
             error = response.json()["error"]
             assert response.status_code == 504 and error["code"] == "request_timeout", error
+            if held == "kv transfer":  # (the wait for the turn itself ends with its time: not ~2 s)
+                assert waited < 1.5, waited
             assert _timeout_blamed_on(gw.url, "d0") == 0.0
             assert [r for r in dec.received if not r.get("stream")] == []
+
+
+def test_a_stream_waits_for_its_kv_transfer_no_longer_than_the_prefill_keeps_the_kv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for a KV transfer's turn had no bound: behind slow transfers a prefilled stream
+    was sent to its decode engine after the prefill engine's KV lease (30 s in vLLM) had run out,
+    telling it to read KV that was freed. It ends with a 503 (Retry-After) past the limit now."""
+    monkeypatch.setattr(disaggregated, "TRANSFER_WAIT_LIMIT_S", 0.4)
+    with engines(nixl_prefill, _decode_answers) as (pre, dec):
+        config = [entry(pre, "p0", "prefill"), entry(dec, "d0", "decode")]
+        gating = (
+            "kv_transfer: {order: fifo, max_per_engine: 1}\ndecode_placement: {transfer_tokens_per_s: 50.0}\n"
+        )
+        routing = profile(tmp_path, mode="conditional", extra=gating)
+        with run_gateway(engines=config, routing_profile=routing, monitor_interval_s=60.0) as gw:
+            holder = threading.Thread(
+                target=httpx.post,
+                args=(gw.url + "/v1/chat/completions",),
+                kwargs={"json": chat_body(True, max_tokens=8), "timeout": 20},
+            )
+            holder.start()
+            assert wait_until(lambda: len(dec.received) == 1, timeout=10)
+            sent = time.monotonic()
+            response = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(True), timeout=20)
+            waited = time.monotonic() - sent
+            holder.join()
+            assert response.status_code == 503 and response.headers.get("retry-after"), response.text
+            assert response.json()["error"]["code"] == "transfer_wait_exceeded" and waited < 1.5, waited
+            assert len(dec.received) == 1  # (never sent to read KV that may be gone)
