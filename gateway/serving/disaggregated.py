@@ -38,6 +38,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -185,6 +186,10 @@ class DisaggregatedFlow:
         if not self.fleet.decode_pool(model):
             metrics.child(metrics.PD_REQUESTS, model, "failed").inc()
             raise self._no_decode_engine(model)  # a prefill now would only strand its KV
+        refused = self._decode_refusal(call)
+        if refused is not None:
+            metrics.child(metrics.PD_REQUESTS, model, "failed").inc()
+            raise refused
         if not always and not self.fleet.has_healthy(model):
             # no prefill engine in rotation: whole on a decode engine at once (a prefill attempt
             # would only fail first, and count the request as refused for want of an engine)
@@ -442,6 +447,34 @@ class DisaggregatedFlow:
             attributes["slogate.decode.predicted_transfer_ms"] = round(choice.predicted_transfer_s * 1000, 3)
         span = self.tracing.child(call.span, SPAN_DISPATCH, attributes)
         span.end()
+
+    def _decode_refusal(self, call: Call) -> GatewayError | None:
+        """What every decode engine would refuse the request for, known before its prefill: the
+        prefill is sent with max_tokens 1 and without min_tokens, so it succeeds, and the decode
+        engine's 400 then left the prefill's KV held for its whole lease (30 s in vLLM)."""
+        body = call.request.body
+        bound = _count_field(body, "max_completion_tokens") or _count_field(body, "max_tokens")
+        least = _count_field(body, "min_completion_tokens") or _count_field(body, "min_tokens")
+        if bound is not None and least is not None and least > bound:
+            return GatewayError(
+                400,
+                f"min_tokens={least} must be at most max_tokens={bound}",
+                param="min_tokens",
+                code="invalid_request",
+            )
+        contexts = [
+            length
+            for snap in self.fleet.decode_pool(call.request.model)
+            if (length := self.fleet.records[snap.engine_id].max_model_len) is not None
+        ]
+        if bound is not None and contexts and bound > max(contexts):
+            return GatewayError(
+                400,
+                f"max_tokens={bound} cannot be greater than max_model_len={max(contexts)}",
+                param="max_tokens",
+                code="invalid_request",
+            )
+        return None
 
     def _no_decode_engine(self, model: str) -> GatewayError:
         """The 503 for a model with no decode engine in rotation."""
@@ -750,3 +783,9 @@ def _prefill_engine_header(call: Call, engine_id: str | None) -> None:
 
 def _end_prefill_span(span: Span, call: Call, outcome: bytes | GatewayError | BaseException) -> None:
     end_upstream(span, call, 200 if isinstance(outcome, bytes) else outcome)
+
+
+def _count_field(body: dict[str, Any], name: str) -> int | None:
+    """The body's ``name`` when it is a count (an integer, not a boolean), else None."""
+    value = body.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -682,3 +682,26 @@ def test_a_bootstrap_prefill_whose_adapter_was_unloaded_is_retried_on_another(tm
                 assert response.status_code == 200, response.text
                 prefilled.append(response.headers["x-slogate-prefill-engine"])
             assert set(prefilled) == {"bp1"} and "sql" not in fleet.records["bp0"].adapters
+
+
+def test_what_every_decode_engine_would_refuse_is_refused_before_its_prefill(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """The prefill goes with max_tokens 1 and without min_tokens, so it succeeded; the decode
+    engine's 400 then came after a whole prefill, whose KV the prefill engine held for its lease."""
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        fleet_ = gw.gateway.fleet
+        assert wait_until(lambda: all(r.max_model_len for r in fleet_.records.values()), timeout=10)
+        before = requests_served(fleet["p0"]) + requests_served(fleet["p1"])
+        message = [{"role": "user", "content": LONG}]
+        for fields, param in (
+            ({"max_tokens": 8, "min_tokens": 50}, "min_tokens"),
+            ({"max_completion_tokens": 10**9}, "max_tokens"),
+        ):
+            body = {"model": MODEL, "messages": message, **fields}
+            response = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert requests_served(fleet["p0"]) + requests_served(fleet["p1"]) == before
+        # within bounds it is served as before
+        ok = {"model": MODEL, "messages": message, "max_tokens": 8, "min_tokens": 4}
+        assert httpx.post(gw.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
