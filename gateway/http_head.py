@@ -11,11 +11,10 @@ client trickling headers, or sending nothing, held its connection for good.
 Here what the parser is still gathering (a head, a trailer) may not pass ``max_head_bytes``: a 431.
 A request's head must arrive whole within ``head_timeout_s`` of its first byte: a 408. A new
 connection that sends nothing is closed as an idle kept-alive one is. Both answers are
-OpenAI-shaped and end the connection, after a moment in which what the client still sends is read
-and dropped (closed at once, its unread bytes would reset the connection and could take the
-answer with them). The body is not affected: its size and time are the front door's
-(``max_body_bytes``, ``body_timeout_s``).
-"""
+OpenAI-shaped and end the connection, as does the 400 for what is not HTTP at all (uvicorn's is plain
+text), after a moment in which what the client still sends is read and dropped (closed at once, its
+unread bytes would reset the connection and could take the answer with them). The body is not
+affected: its size and time are the front door's (``max_body_bytes``, ``body_timeout_s``)."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ HEAD_TIMEOUT_S = 10.0
 LINGER_S = 2.0
 #: what the request line holds besides its target (the longest method, spaces, version, CRLF)
 _REQUEST_LINE_BYTES = len(b"OPTIONS  HTTP/1.1\r\n")
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
@@ -120,8 +119,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        if not self._refused:  # (a refused head's read may hold more: its answer went out)
-            super().send_400_response(msg)
+        # (uvicorn's is plain text; a refused head's read may hold more: its answer went out)
+        if not self._refused:
+            self._refuse(GatewayError(400, f"the request is not valid HTTP/1.1 ({msg})", code="invalid_http"))
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (a refused head leaves no request to upgrade)

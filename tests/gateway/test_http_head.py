@@ -239,3 +239,23 @@ def test_a_body_past_the_high_water_still_pauses_reading(recorder_url: str) -> N
     sizes = httpx.post(recorder_url, content=body, timeout=10).json()
     assert sum(sizes) == len(body)
     assert sizes[0] < len(body) and max(sizes) <= BODY_HIGH_WATER + 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["control-byte", "length-past-64-bits", "not-http"],
+)
+def test_what_is_not_http_gets_an_openai_shaped_400(gw: RunningGateway, head: bytes) -> None:
+    """uvicorn answers a request httptools cannot parse with a plain-text 400."""
+    with _connect(gw) as sock:
+        sock.sendall(head)
+        status, fields, body = _answer(sock)
+    assert status == 400 and fields["connection"] == "close" and fields["content-type"] == "application/json"
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http"
+    assert httpx.get(gw.url + "/health").status_code == 200  # (and the server goes on)
