@@ -683,4 +683,7 @@ class AdmissionQueue:
         self._trim_discards()
 
     def _trim_discards(self) -> None:
-        self._discards.trim(_DISCARDS_PER_ITEM * len(self._slots) + _DISCARDS_SLACK)
+        if not self._slots:
+            self._discards.clear()  # (nothing queued: what a compaction of an emptied queue parked)
+        else:
+            self._discards.trim(_DISCARDS_PER_ITEM * len(self._slots) + _DISCARDS_SLACK)

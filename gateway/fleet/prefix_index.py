@@ -361,6 +361,10 @@ class PrefixIndex:
             # event's own size is the engine's
             self.set_block_size(engine_id, block_size)
             entries.from_event = True
+        elif not entries.reported:
+            # an event that says the size assumed so far settles it as well (after a clear, one
+            # of another size would otherwise have switched it and dropped every key)
+            entries.reported = entries.from_event = True
         if parent_engine_hash is None:
             parent: int | None = root_key(entries.model, lora, cache_salt)
         else:

@@ -452,9 +452,12 @@ class DisaggregatedFlow:
         """What every decode engine would refuse the request for, known before its prefill: the
         prefill is sent with max_tokens 1 and without min_tokens, so it succeeds, and the decode
         engine's 400 then left the prefill's KV held for its whole lease (30 s in vLLM)."""
-        body = call.request.body
-        bound = _count_field(body, "max_completion_tokens") or _count_field(body, "max_tokens")
-        least = _count_field(body, "min_completion_tokens") or _count_field(body, "min_tokens")
+        request = call.request
+        body = request.body
+        bound = _count_field(body, "max_tokens")
+        if request.kind == "chat":  # (max_completion_tokens is chat's, and wins: completions ignore it)
+            bound = _count_field(body, "max_completion_tokens") or bound
+        least = _count_field(body, "min_tokens")
         if bound is not None and least is not None and least > bound:
             return GatewayError(
                 400,
@@ -462,10 +465,14 @@ class DisaggregatedFlow:
                 param="min_tokens",
                 code="invalid_request",
             )
+        fleet = self.fleet
+        engines = fleet.engines_of.get(request.model, ())
+        if any(r.adapter.role is Role.COLLOCATED and fleet.in_front(r) for r in engines):
+            return None  # (a collocated engine of the front pool may serve it whole, on its own context)
         contexts = [
             length
-            for snap in self.fleet.decode_pool(call.request.model)
-            if (length := self.fleet.records[snap.engine_id].max_model_len) is not None
+            for snap in fleet.decode_pool(request.model)
+            if (length := fleet.records[snap.engine_id].max_model_len) is not None
         ]
         if bound is not None and contexts and bound > max(contexts):
             return GatewayError(
@@ -507,6 +514,8 @@ class DisaggregatedFlow:
         400 "no KV held", blamed on the client). ``late``: the prefill's mark."""
         _prefill_engine_header(call, prefill.engine_id)
         outcome: int | GatewayError = self._no_decode_engine(call.request.model)
+        # the prefill just answered: its KV is held from now on, whichever decode engine reads it
+        kv_until = time.monotonic() + TRANSFER_WAIT_LIMIT_S
         for _ in range(self.settings.dispatch_attempts):
             choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
             if choice is None:
@@ -517,7 +526,9 @@ class DisaggregatedFlow:
             end_transfer: Callable[[], None] | None = None
             try:
                 try:
-                    end_transfer = await self._transfer_turn(call, record, entry, choice, deadline=deadline)
+                    end_transfer = await self._transfer_turn(
+                        call, record, entry, choice, deadline=deadline, kv_until=kv_until
+                    )
                 except _TransferWaitOver as over:
                     if over.deadline:
                         return out_of_time(self.settings.request_timeout_s, "a decode engine")
@@ -553,6 +564,7 @@ class DisaggregatedFlow:
         choice: DecodeChoice,
         gated: bool = True,
         deadline: float | None = None,
+        kv_until: float = math.inf,
     ) -> Callable[[], None]:
         """The request's KV transfer into ``record``: wait for its turn at the gate (if the
         profile gates transfers), count it as arriving there, and return what ends it (idempotent).
@@ -562,8 +574,8 @@ class DisaggregatedFlow:
         shows no first token) or an engine queue does not hold the link's turn for a whole
         generation; at the latest when the decode stage ends (the caller). The wait for the turn
         raises :class:`_TransferWaitOver` past ``deadline`` (monotonic; a non-streamed
-        request's) or TRANSFER_WAIT_LIMIT_S (the prefill's KV lease), leaving no trace at the
-        gate."""
+        request's) or ``kv_until`` (TRANSFER_WAIT_LIMIT_S after the prefill answered, within its
+        KV lease, whatever decode engines were tried since), leaving no trace at the gate."""
         gate = self.gate if gated else None
         engine_id = record.engine_id
         rid = call.rid
@@ -571,8 +583,8 @@ class DisaggregatedFlow:
             # the KV has to arrive before the TTFT deadline (monotonic, as the gate's clock)
             request = TransferRequest(rid, call.request.prompt_tokens, call.arrival + call.target.ttft_s)
             waited_from = time.monotonic()
-            by_deadline = deadline is not None and deadline - waited_from < TRANSFER_WAIT_LIMIT_S
-            limit = deadline - waited_from if deadline is not None and by_deadline else TRANSFER_WAIT_LIMIT_S
+            by_deadline = deadline is not None and deadline < kv_until
+            limit = (deadline if deadline is not None and by_deadline else kv_until) - waited_from
             try:
                 async with asyncio.timeout(max(0.0, limit)):
                     await gate.admit(engine_id, request)

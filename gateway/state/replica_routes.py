@@ -238,6 +238,8 @@ class ReplicaRoutes:
         self._tasks: list[asyncio.Task[object]] = []
         self._stopping = False
         self._failing = False
+        #: the session writes' own (a store may take PUBLISH and refuse SET: full, or an ACL)
+        self._sessions_failing = False
 
     def start(self) -> None:
         if self._tasks:
@@ -340,11 +342,21 @@ class ReplicaRoutes:
         ]
         try:
             await self.store.put_many(items, self.sessions_ttl_s)
-        except StoreError as exc:
-            self._failed(str(exc))
-        except Exception as exc:  # (a bug here must not end the sharing for good)
-            log.exception("writing sessions for the replicas that start later failed")
-            self._failed(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # (a store error; or a bug, which must not end the sharing)
+            metrics.STATE_STORE_ERRORS.inc()
+            if not isinstance(exc, StoreError):
+                log.exception("writing sessions for the replicas that start later failed")
+            elif not self._sessions_failing:
+                log.warning(
+                    "sessions are not written for the replicas that start later (%s): those route "
+                    "their sessions by load",
+                    exc,
+                )
+            self._sessions_failing = True
+        else:
+            if self._sessions_failing:
+                log.warning("sessions are written for the replicas that start later again")
+            self._sessions_failing = False
 
     async def recover_sessions(self) -> int:
         """Read the sessions other replicas (or this one's predecessor) dispatched into this
@@ -358,6 +370,9 @@ class ReplicaRoutes:
         taken = 0
         records = self.routing.fleet.records
         prefix = len(self.session_prefix)
+        # at most half the session map: the sessions this replica routes meanwhile (its own, the
+        # freshest) must not be pushed out of it by older ones read from the store
+        most = min(MAX_RECOVERED, getattr(affinity, "max_entries", MAX_RECOVERED) // 2)
         try:
             async for batch in self.store.scan(self.session_prefix):
                 now, wall = self.clock(), self.wall()
@@ -369,18 +384,16 @@ class ReplicaRoutes:
                         continue
                     engine_id, stamp, replica = route
                     age = max(0.0, wall - stamp)
-                    if (
-                        engine_id not in records
-                        or age >= self.sessions_ttl_s
-                        or affinity.get(session, now) is not None
-                        or not self._note(session, stamp, replica)
-                    ):
+                    if engine_id not in records or age >= self.sessions_ttl_s or affinity.get(session, now):
+                        continue
+                    # (a stamp far ahead of this clock is taken but orders nothing, as when heard)
+                    if stamp <= wall + MAX_AHEAD_S and not self._note(session, stamp, replica):
                         continue
                     self.routing.routed_elsewhere(engine_id, 0, None, session, now - age)
                     taken += 1
-                    if taken >= MAX_RECOVERED:
+                    if taken >= most:
                         break
-                if taken >= MAX_RECOVERED:
+                if taken >= most:
                     break
         except StoreError as exc:
             log.warning("sessions dispatched before this replica started were not read (%s)", exc)

@@ -705,6 +705,12 @@ def test_a_page_size_only_events_said_is_learnt_again_after_a_restart_and_is_bou
     scraped.add_engine("e0", MODEL, BS)
     scraped.cleared("e0")
     assert scraped.stored("e0", prefix_hashes(tokens, 1)[:4], None, tokens[:4], 1, 0.0) == 0
+    # after a clear (a cache reset), an event of the size held settles it again: one of another
+    # size after it is a mismatch, not a switch that drops every key
+    index.cleared("e0")
+    assert index.stored("e0", prefix_hashes(tokens, BS), None, tokens, BS, 0.0) == 4
+    assert index.stored("e0", prefix_hashes(tokens, 1)[:4], None, tokens[:4], 1, 0.0) == 0
+    assert index.block_size("e0") == BS and _hits(index, tokens) == 4
     # no size past any engine's is taken from an event
     odd = PrefixIndex(1 << 24, 60.0)
     odd.add_engine("e0", MODEL)

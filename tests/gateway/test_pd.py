@@ -705,3 +705,41 @@ def test_what_every_decode_engine_would_refuse_is_refused_before_its_prefill(
         # within bounds it is served as before
         ok = {"model": MODEL, "messages": message, "max_tokens": 8, "min_tokens": 4}
         assert httpx.post(gw.url + "/v1/chat/completions", json=ok, timeout=30).status_code == 200
+
+
+def test_only_what_every_engine_that_may_serve_it_would_refuse_is_refused_up_front(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """A collocated engine of the front pool may serve a request whole on its own context, and
+    a completion's engine ignores max_completion_tokens (chat's field): neither is refused for
+    what the decode engines would say."""
+    from gateway.api.request_parse import parse_request
+    from gateway.serving.call import Call
+    from policies.slo import SloSource, SloTarget
+
+    def call(kind: str, **fields: object) -> Call:
+        body = {"model": MODEL, "stream": False, **fields}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+        request = parse_request(kind, json.dumps(body).encode(), 16)  # type: ignore[arg-type]
+        return Call(request, "r", "r", 0.0, None, SloTarget(1.0, 0.1, "c", SloSource.DEFAULT), None, (), {})  # type: ignore[arg-type]
+
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+        flow = gw.gateway.flow
+        assert flow is not None and wait_until(
+            lambda: all(r.max_model_len for r in flow.fleet.records.values())
+        )
+        assert flow._decode_refusal(call("chat", max_completion_tokens=10**9)) is not None
+        assert flow._decode_refusal(call("completions", max_tokens=8, max_completion_tokens=10**9)) is None
+        assert flow._decode_refusal(call("completions", max_tokens=10**9)) is not None
+    with run_gateway(
+        engines=[*pd_entries(fleet), engine_entry(fleet["c0"])],
+        routing_profile=str(profile(tmp_path, "conditional")),
+    ) as gw:
+        flow = gw.gateway.flow
+        assert flow is not None and wait_until(
+            lambda: all(r.max_model_len for r in flow.fleet.records.values())
+        )
+        assert flow._decode_refusal(call("chat", max_tokens=10**9)) is None  # (c0 may serve it whole)
+        assert (
+            flow._decode_refusal(call("chat", max_tokens=8, min_tokens=9)) is not None
+        )  # (no engine takes it)

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api.request_parse import parse_request
 from gateway.serving import disaggregated
 from tests.gateway.gateway_thread import run_gateway, wait_until
 from tests.gateway.stub_engines import StubEngine, chunk_event, completion_body, status_after
@@ -187,3 +189,52 @@ def test_a_stream_waits_for_its_kv_transfer_no_longer_than_the_prefill_keeps_the
             assert response.status_code == 503 and response.headers.get("retry-after"), response.text
             assert response.json()["error"]["code"] == "transfer_wait_exceeded" and waited < 1.5, waited
             assert len(dec.received) == 1  # (never sent to read KV that may be gone)
+
+
+def test_the_wait_for_a_transfer_turn_counts_from_the_prefill_s_answer_not_each_attempt(
+    tmp_path: Path,
+) -> None:
+    """After a decode engine that refused slowly, the next attempt waited another whole limit
+    for its turn: past the prefill's KV lease in all."""
+    from gateway.fleet.registry import RunningEntry
+    from gateway.serving.call import Call
+    from policies.decode_placement import DecodeChoice
+    from policies.slo import SloSource, SloTarget
+
+    with engines(nixl_prefill, _decode_answers) as (pre, dec):
+        config = [entry(pre, "p0", "prefill"), entry(dec, "d0", "decode")]
+        gating = "kv_transfer: {order: fifo, max_per_engine: 1}\n"
+        routing = profile(tmp_path, mode="conditional", extra=gating)
+        with run_gateway(engines=config, routing_profile=routing, monitor_interval_s=60.0) as gw:
+            flow = gw.gateway.flow
+            assert flow is not None and flow.gate is not None
+            request = parse_request("chat", orjson.dumps(chat_body(True)), 16)
+            call = Call(
+                request, "r", "r", 0.0, None, SloTarget(1.0, 0.1, "c", SloSource.DEFAULT), None, (), {}
+            )  # type: ignore[arg-type]
+            record = flow.fleet.records["d0"]
+            choice = DecodeChoice("d0", 0.01, 0.01, True)
+
+            async def attempt() -> str:
+                held = await flow._transfer_turn(call, record, RunningEntry(1, 1, 0.1, 0.0), choice)
+                try:  # (the one turn taken: the next attempt waits)
+                    waited_from = time.monotonic()
+                    try:
+                        await flow._transfer_turn(
+                            call,
+                            record,
+                            RunningEntry(1, 1, 0.1, 0.0),
+                            choice,
+                            kv_until=time.monotonic() - 1.0,
+                        )
+                    except disaggregated._TransferWaitOver as over:
+                        return f"over deadline={over.deadline} after {time.monotonic() - waited_from:.2f} s"
+                    return "admitted"
+                finally:
+                    held()
+
+            loop = gw.server._loop
+            assert loop is not None
+            outcome = asyncio.run_coroutine_threadsafe(attempt(), loop).result(10)
+            assert outcome.startswith("over deadline=False after 0.0"), outcome
+            assert flow.gate.waiting("d0") == 0  # (no trace left at the gate)

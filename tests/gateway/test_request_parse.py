@@ -281,8 +281,9 @@ def test_a_truncated_prompt_is_estimated_as_the_tokens_the_engine_keeps() -> Non
         assert same.prompt_tokens == whole
 
 
-def test_a_completion_without_a_bound_and_an_infinite_one_parse_as_the_engine_reads_them() -> None:
-    """Examples the property above must cover (its expected bound was the chat default)."""
+def test_a_completion_without_a_bound_and_a_null_one_parse_as_the_engine_reads_them() -> None:
+    """Examples the property above must cover (its expected bound was the chat default; an
+    infinite bound reaches the parse only as null: orjson writes it so, and reads none)."""
     assert parse_request("completions", b'{"model":"0","prompt":""}', 10).max_tokens == 16
     assert (
         parse_request(

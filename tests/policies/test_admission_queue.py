@@ -670,3 +670,16 @@ def test_what_re_keys_replace_stays_bounded_when_the_context_flaps() -> None:
         held_most = max(held_most, discards.count)
     assert held_most > 4 * 1_000  # (re-keys replaced heaps: something was held)
     assert held_most <= 8 * 1_001 + 4096
+
+
+def test_a_queue_emptied_by_removals_holds_nothing_after_its_next_read() -> None:
+    """Emptied through remove(), a queue still counted its dead entries: the next read compacted
+    and parked them in the discards while nothing was queued."""
+    queue = AdmissionQueue(make_order("sjf_aging", {"theta_age_s": 5.0}))
+    for seq in range(1_000):
+        queue.push(req(seq, arrival=0.0, prompt=seq % 97, deadline=1e9), 0.0, CTX)
+    for seq in range(1_000):
+        queue.remove(f"r{seq}")
+    assert len(queue) == 0
+    assert queue.peek(1.0, CTX) is None
+    assert queue._discards.count == 0 and not queue._discards.held

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -600,7 +600,7 @@ async def test_recovery_skips_what_it_should_and_keeps_what_the_replica_knows() 
     assert metrics.REPLICA_ROUTES.labels("rejected")._value.get() == rejected + 3
     assert routing.affinity.get("fresh", 10.0) == engine
     assert routing.affinity.get("known-here", 10.0) == other  # (not overwritten)
-    for absent in ("expired", "unknown-engine", "malformed", "wrong-shape", "bad-stamp", "less"):
+    for absent in ("expired", "unknown-engine", "malformed", "wrong-shape", "bad-stamp"):
         assert routing.affinity.get(absent, 10.0) is None
 
 
@@ -630,3 +630,54 @@ async def test_sessions_waiting_to_be_written_are_bounded(monkeypatch: pytest.Mo
     routing.attach("again", None, "s0")
     assert router.choose(RequestView("again", MODEL, 200, 20), now=1.0) is not None
     assert sorted(routes._sessions) == ["s0", "s1", "s2"]
+
+
+async def test_recovery_takes_at_most_half_the_session_map_and_a_stamp_ahead_orders_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read in the store's order into a least-recently-used map, recovered sessions pushed out
+    the ones the replica routed itself meanwhile (the freshest); and a stamp far ahead of this
+    replica's clock was noted, beating honest routes for the window, where one heard is not."""
+    store = MemoryStore()
+    fleet, _, _ = _replica()
+    engine = next(iter(fleet.records))
+    routing = PrefixRouting(
+        fleet, PrefixIndex(1 << 24, 120.0), MemoryAffinityStore(ttl_s=300.0, max_entries=10)
+    )
+    routes = ReplicaRoutes(routing, store, "rb", lambda: False, clock=lambda: 10.0, wall=lambda: 1_000.0)
+    prefix = routes.session_prefix
+    await store.put_many([(prefix + f"s{i}", orjson.dumps([engine, 990.0, "ra"])) for i in range(30)], 600.0)
+    await store.put_many([(prefix + "ahead", orjson.dumps([engine, 1_000.0 + 60.0, "ra"]))], 600.0)
+    assert await routes.recover_sessions() == 5
+    assert routing.affinity is not None and len(routing.affinity) == 5
+    ahead = PrefixRouting(fleet, PrefixIndex(1 << 24, 120.0), MemoryAffinityStore(ttl_s=300.0))
+    late = ReplicaRoutes(ahead, store, "rc", lambda: False, clock=lambda: 10.0, wall=lambda: 1_000.0)
+    assert await late.recover_sessions() == 31
+    assert ahead.affinity is not None and ahead.affinity.get("ahead", 10.0) == engine
+    assert late._known("ahead") is None  # (taken, but orders nothing)
+
+
+async def test_session_writes_failing_alone_are_told_apart_from_the_routes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that takes PUBLISH and refuses SET (full with noeviction, or an ACL without the
+    session keys): the routes and the sessions shared one flag, and each push logged the store
+    unreachable, then reachable again."""
+
+    class NoWrites(MemoryStore):
+        async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float) -> None:
+            raise StoreError("OOM command not allowed when used memory > 'maxmemory'")
+
+    store = NoWrites()
+    (_, ra, router_a), (_, rb, _) = _pair(store, [True])
+    try:
+        await asyncio.sleep(0.01)
+        for i in range(5):
+            _turn(ra, router_a, f"t{i}", HISTORY, now=1.0 + i)
+            await asyncio.sleep(0.02)
+        assert rb.affinity is not None and SESSION is not None and rb.affinity.get(SESSION, 5.0) is not None
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert sum("sessions are not written" in w for w in warnings) == 1, warnings
+        assert not any("unreachable" in w or "reachable again" in w for w in warnings), warnings
+    finally:
+        await _stop(ra, rb)

@@ -84,8 +84,8 @@ async def test_put_many_then_scan_finds_every_live_key_of_the_prefix_and_only_th
     async for batch in store.scan("{t}:s:", batch=100):
         batches += 1
         for key, value in batch:
-            assert key not in found  # (each key once)
-            found[key] = value
+            # (SCAN may return a key twice when the table resizes meanwhile: the same value)
+            assert found.setdefault(key, value) == value
     assert found == dict(items) and batches > 1
     assert [b async for b in store.scan("{t}:s*")] == [
         [("{t}:s*", b"a prefix's glob read as a pattern would take it")]
