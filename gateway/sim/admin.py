@@ -207,15 +207,22 @@ class AdminRoutes:
     async def kv_pull(self, http: web.Request) -> web.Response:
         s = self.server
         body = await _body(http)
-        key = str(body["request_id"]) if body.get("request_id") else f"room:{body.get('room')}"
+        rid, room = body.get("request_id"), body.get("room")
+        if rid is not None and not isinstance(rid, str):
+            return _bad("request_id must be a string", "request_id")
+        if room is not None and (isinstance(room, bool) or not isinstance(room, int | str)):
+            return _bad("room must be an integer (or its digits)", "room")
+        key = rid if rid else f"room:{room}"
         wait_s = body.get("wait_s", 0)
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s < math.inf:
             return _bad("wait_s must be a number of seconds >= 0", "wait_s")
         if key.startswith("room:") and key not in s.model.held:
             event = s.rooms.setdefault(key, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), float(wait_s))
-            s.rooms.pop(key, None)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), float(wait_s))
+            finally:  # (a puller that left: the room's event must not stay for good)
+                s.rooms.pop(key, None)
         held = s.model.release_held(key)
         if held is None:
             return _bad(

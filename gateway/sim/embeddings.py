@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.api.errors import described
 from gateway.tokenizer import VOCAB_SIZE, encode
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ def _is_token(value: Any) -> bool:
 def _token_ids(tokens: list[Any], where: str) -> list[int]:
     bad = next((t for t in tokens if not _is_token(t) or not 0 <= t < VOCAB_SIZE), None)
     if bad is not None:
-        raise EmbeddingInputError(f"{where}: token id {bad!r} is not in the vocabulary (0..{VOCAB_SIZE - 1})")
+        raise EmbeddingInputError(
+            f"{where}: token id {described(bad)} is not in the vocabulary (0..{VOCAB_SIZE - 1})"
+        )
     return tokens
 
 
@@ -51,7 +54,7 @@ def parse_input(value: Any) -> list[list[int]]:
     elif not isinstance(value, list) or not value:
         raise EmbeddingInputError(
             "input must be a string, a list of strings, a list of token ids or a list of token-id "
-            f"lists, and not empty; got {str(value)[:60]!r}"
+            f"lists, and not empty; got {described(value)}"
         )
     elif all(isinstance(v, str) for v in value):
         prompts = [encode(v) for v in value]
@@ -76,13 +79,13 @@ def parse_options(body: dict[str, Any], full_dim: int) -> tuple[str, int | None]
         encoding = "float"
     if encoding not in ENCODINGS:
         raise EmbeddingInputError(
-            f"encoding_format must be one of {list(ENCODINGS)}, got {encoding!r}", "encoding_format"
+            f"encoding_format must be one of {list(ENCODINGS)}, got {described(encoding)}", "encoding_format"
         )
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_token(dimensions) or not 1 <= dimensions <= full_dim):
         raise EmbeddingInputError(
             f"dimensions must be an integer in [1, {full_dim}] (the model's embedding size), "
-            f"got {dimensions!r}",
+            f"got {described(dimensions)}",
             "dimensions",
         )
     return encoding, dimensions

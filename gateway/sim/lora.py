@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.api.errors import described
 from gateway.sim.responses import error_body
 
 
@@ -100,7 +101,9 @@ class LoraAdapters:
         if isinstance(body, web.Response):
             return body
         name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.loaded:
+        if not isinstance(name, str):
+            return _error(400, f"lora_name must be a string, got {described(name)}", "lora_name")
+        if name not in self.loaded:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
         del self.loaded[name]
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")

@@ -37,14 +37,12 @@ from gateway.sim.metrics import SimMetrics
 from gateway.sim.output import sequence_state
 from gateway.sim.profiles import EngineProfile
 from gateway.sim.responses import OutputState, ResponseFormat, batch_deltas, error_body, usage_of
+from gateway.sim.validation import COMPLETION_MAX_TOKENS, validate
 from gateway.sim.validation import messages as check_messages
-from gateway.sim.validation import validate
 from gateway.tokenizer import VOCAB_SIZE, apply_chat_template, decode, encode
 
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 HELD_LEASE_S = 30.0
-#: a completion's output bound when the client gives none (vLLM's CompletionRequest default)
-COMPLETION_MAX_TOKENS = 16
 #: the most prompts one completions batch may hold (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
 MAX_COMPLETION_PROMPTS = 1024
 #: the longest natural output a workload may set (sim_output_len, X-Sim-Output-Len)
@@ -442,7 +440,15 @@ class SimServer:
     @staticmethod
     def _request_ids(http: web.Request, body: dict[str, Any]) -> tuple[str, str]:
         """The client-visible id and the engine-unique request id built on it."""
-        base_id = http.headers.get("X-Request-Id") or str(body.get("request_id") or os.urandom(8).hex())
+        given = body.get("request_id")
+        if given is not None and not isinstance(given, str):
+            raise BadRequest(400, f"request_id must be a string, got {described(given)}", "request_id")
+        # (a header's bytes that are not UTF-8 come as surrogates, which no JSON answer can carry:
+        # vLLM reads headers as latin-1 and answers; so does this engine, with those bytes escaped)
+        header = http.headers.get("X-Request-Id")
+        if header:
+            header = header.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        base_id = header or given or os.urandom(8).hex()
         return base_id, f"{base_id}-{os.urandom(4).hex()}"
 
     async def _run(self, http: web.Request, kind: str, body: dict[str, Any]) -> web.StreamResponse:
@@ -481,6 +487,7 @@ class SimServer:
         base_id, rid = self._request_ids(http, body)
         params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
         room = body.get("bootstrap_room")
+        _check_handover(params, room, body)
         if n > 1 and (params is not None or room is not None):
             raise BadRequest(400, "n > 1 cannot be combined with KV transfer (P/D) in the sim", "n")
         if len(prompts) > 1 and (params is not None or room is not None):
@@ -931,3 +938,23 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
         sum(len(c.out.token_ids) for c in choices),
         sum(sim.cached_tokens for sim in prompts),
     )
+
+
+def _check_handover(params: dict[str, Any] | None, room: object, body: dict[str, Any]) -> None:
+    """A 400 for handover fields of the wrong type (a value nested 1,000 deep, written into the
+    pull's URL or body, raised past every handler: a 500, after the request had run)."""
+    fields: list[tuple[str, object, type | tuple[type, ...]]] = [("bootstrap_room", room, int)]
+    if params is not None:
+        fields += [
+            ("kv_transfer_params.remote_host", params.get("remote_host"), str),
+            ("kv_transfer_params.remote_port", params.get("remote_port"), (int, str)),
+            ("kv_transfer_params.remote_request_id", params.get("remote_request_id"), str),
+        ]
+    if room is not None:
+        fields += [
+            ("bootstrap_host", body.get("bootstrap_host"), str),
+            ("bootstrap_port", body.get("bootstrap_port"), (int, str)),
+        ]
+    for name, value, kinds in fields:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise BadRequest(400, f"{name} has the wrong type: {described(value)}", name.split(".")[0])

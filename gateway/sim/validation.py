@@ -29,6 +29,7 @@ INT64 = (-(2**63), 2**63 - 1)
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 GREEDY_EPS = 1e-5  # below this temperature vLLM samples greedily
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+COMPLETION_MAX_TOKENS = 16  # a completion's bound when its body gives none (vLLM's default)
 
 
 def _show(value: Any) -> str:
@@ -276,6 +277,8 @@ def validate(kind: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
     min_tokens = body.get("min_tokens")
     limit = body.get("max_completion_tokens") if kind == "chat" else None
     limit = limit if limit is not None else body.get("max_tokens")
+    if limit is None and kind == "completion":
+        limit = COMPLETION_MAX_TOKENS  # (vLLM's default bound, which min_tokens is held to as well)
     if min_tokens is not None and limit is not None and min_tokens > limit:
         return f"min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}.", "min_tokens"
     top = body.get("top_logprobs")

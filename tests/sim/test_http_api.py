@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from gateway.tokenizer import decode, encode
+from tests.gateway.test_fuzz_requests import Wire, raw_http
 from tests.sim.helpers import MODEL, write_profile
 from tests.support.sim_process import SimProcess, start_sim_engine
 
@@ -398,3 +399,32 @@ async def test_a_deeply_nested_value_where_a_number_or_a_name_goes_is_a_400(engi
         ):
             answer = await r.json(content_type=None)
             assert r.status == 400 and len(answer["error"]["message"]) < 200, answer
+
+
+async def test_ids_and_handover_fields_of_the_wrong_type_are_a_400_and_an_odd_header_id_is_answered(
+    engine: SimProcess,
+) -> None:
+    """str() of a request_id nested 1,000 deep, or of a handover field written into the pull,
+    raised past every handler (a 500); vLLM wants a string there. A header id whose bytes are not
+    UTF-8 could not be written into the JSON answer (a 500); vLLM reads it as latin-1 and answers."""
+    nested = b"[" * 1000 + b"]" * 1000
+    url = engine.url + "/v1/completions"
+    for field in (b"request_id", b"bootstrap_room"):
+        body = b'{"prompt":"x","max_tokens":2,"' + field + b'":' + nested + b"}"
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url, data=body, headers={"content-type": "application/json"}) as r,
+        ):
+            answer = await r.json(content_type=None)
+            assert r.status == 400 and len(answer["error"]["message"]) < 200, (field, answer)
+    status, answer = await post(url, {"prompt": "x", "max_tokens": 2, "request_id": 5})
+    assert status == 400 and answer["error"]["param"] == "request_id"
+    raw = orjson.dumps({"prompt": "x", "max_tokens": 2})
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", b"a\xffb")]
+    answer = raw_http(engine.url, Wire("POST", "/v1/completions", headers, [raw]))
+    assert answer.status == 200, answer.body[:300]
+    # a completion's default bound (16) holds min_tokens too, as vLLM's does
+    status, answer = await post(url, {"prompt": "x", "min_tokens": 20})
+    assert status == 400 and answer["error"]["param"] == "min_tokens"
+    status, answer = await post(engine.url + "/v1/unload_lora_adapter", {"lora_name": [[1]]})
+    assert status == 400
