@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, get_args
@@ -792,6 +793,9 @@ def test_replicas_share_their_load_through_the_charts_redis_when_there_may_be_se
     docs = _render(helm, {"gateway": gateway})
     env = _gateway_env(docs)
     redis = _component(docs, "Deployment", "state-store")
+    notes = " ".join(_notes(helm, {"gateway": gateway}).split())
+    # (the notes said "no shared state yet" after the chart ran a Redis for the replicas)
+    assert ("share their load on every engine" in notes) is shared and "no shared state" not in notes
     if not shared:
         assert not redis and "SLOGATE_STATE_STORE" not in env and "SLOGATE_REDIS_URL" not in env
         return
@@ -808,8 +812,14 @@ def test_replicas_share_their_load_through_the_charts_redis_when_there_may_be_se
     redis_env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
     ref = {"name": secret["metadata"]["name"], "key": "password"}
     assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
-    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert redis_env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == ref
+    # the password is on no command line (Kubernetes expands $(VAR) into the arguments, which
+    # process lists and exec audits show): the server reads it on its input, the probe's client
+    # from REDISCLI_AUTH
+    for part in [*container["command"], *container["args"], *container["readinessProbe"]["exec"]["command"]]:
+        assert "$(REDIS_PASSWORD)" not in part and " -a " not in part, part
+    _serves_with_the_password_alone(container)
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref
     # (Kubernetes expands $(REDIS_PASSWORD), defined before it, in the URL)
     names = list(env)
@@ -851,3 +861,45 @@ def test_an_external_redis_is_used_as_given(helm: HelmCall) -> None:
     assert not _component(docs, "Deployment", "state-store") and "SLOGATE_STATE_STORE" not in _gateway_env(
         docs
     )
+
+
+def _serves_with_the_password_alone(container: dict[str, Any]) -> None:
+    """The chart's Redis command, run here with a password JSON and a shell would mangle: it
+    serves only clients that give it, keeps the load keys past 64 MB, and nothing in the process
+    list holds the password."""
+    import subprocess
+    import time as clock
+
+    from gateway.state.local_redis import free_port
+    from tests.support.redis_server import redis_server_path
+
+    redis_server_path()  # (installed with apt-get when missing, as for the other Redis tests)
+    port = free_port()
+    password = 'p"w \\x'
+    shell = container["command"] + [
+        container["args"][0].replace("redis-server -", f"redis-server - --port {port} --bind 127.0.0.1")
+    ]
+    server = subprocess.Popen(shell, env={"PATH": os.environ["PATH"], "REDIS_PASSWORD": password})
+    try:
+        auth = {"PATH": os.environ["PATH"], "REDISCLI_AUTH": password}
+
+        def cli(*args: str, env: dict[str, str] | None = None) -> str:
+            done = subprocess.run(
+                ["redis-cli", "-p", str(port), *args], env=env, capture_output=True, text=True
+            )
+            return done.stdout.strip()
+
+        deadline = clock.monotonic() + 10
+        while cli("ping", env=auth) != "PONG":
+            assert clock.monotonic() < deadline and server.poll() is None, "the chart's Redis did not start"
+            clock.sleep(0.05)
+        assert cli("ping", env={"PATH": os.environ["PATH"]}).startswith("NOAUTH")
+        assert cli("config", "get", "maxmemory-policy", env=auth).split() == [
+            "maxmemory-policy",
+            "volatile-lru",
+        ]
+        listing = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert password not in listing
+    finally:
+        server.terminate()
+        server.wait(10)
