@@ -40,6 +40,10 @@ EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
 KvTransfer = Literal["nixl", "bootstrap", "shared"]
 
 #: settings whose values (or, for mappings, whose keys) are API keys: never printed
+#: the keep-alive of the engines' servers (vLLM's and SGLang's uvicorn: 5 s): the gateway's pool
+#: closes an idle connection before an engine does, never reusing one the engine is closing
+ENGINE_KEEPALIVE_S = 5.0
+
 SECRET_FIELDS = frozenset(
     {
         "api_keys",
@@ -340,6 +344,7 @@ class Settings(BaseSettings):
     upstream_keepalive_s: float = Field(
         default=4.0,
         gt=0,
+        lt=ENGINE_KEEPALIVE_S,
         allow_inf_nan=False,
         description="idle upstream connections are closed after this; keep it below the engines' own "
         "keep-alive (vLLM/uvicorn: 5 s) so the gateway never reuses a connection the engine is closing",
@@ -625,6 +630,7 @@ class Settings(BaseSettings):
                 raise ValueError("redis_url: not a URL of a server (host, port, database)") from None
             if not (parts.hostname or parts.path):
                 raise ValueError("redis_url: names no server")
+            _check_redis_url(self.redis_url)
         return self
 
     @model_validator(mode="after")
@@ -711,6 +717,10 @@ def _read_yaml(config_file: Path | None) -> dict[str, Any]:
     data = yaml.safe_load(config_file.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{config_file}: the top level must be a mapping of settings")
+    for key in data:
+        if not isinstance(key, str):
+            # (YAML reads yes, on, null and 8000 as other things than names: a traceback followed)
+            raise ValueError(f"{config_file}: {key!r} is not a setting's name (quote it if it is one)")
     return data
 
 
@@ -838,3 +848,22 @@ def load_settings_or_exit(
         print(f"slogate: invalid configuration: {unknown}", file=sys.stderr)
         raise SystemExit(2)
     return settings
+
+
+def _check_redis_url(url: str) -> None:
+    """What the Redis client makes of ``url``, checked now: a query parameter it does not take
+    failed every store call (a traceback every round, the replicas never sharing), and a database
+    that is not a number was dropped for database 0 without a word."""
+    parts = urlsplit(url)
+    if parts.scheme != "unix":
+        database = parts.path.lstrip("/")
+        if database and not database.isdigit():
+            raise ValueError(f"redis_url: the database must be a number, not {database[:20]!r}")
+    try:
+        import redis.asyncio as aioredis
+    except ImportError:  # (the client comes with the package: nothing to check against)
+        return
+    try:
+        aioredis.ConnectionPool.from_url(url).make_connection()  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"redis_url: the Redis client refuses it ({exc})") from None

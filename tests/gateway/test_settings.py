@@ -194,9 +194,11 @@ def test_a_malformed_profile_file_exits_2_with_one_line(
     assert "Traceback" not in err and fragment in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_keepalive_must_be_positive() -> None:
+def test_keepalive_must_be_positive_and_below_the_engines() -> None:
     assert load_settings().upstream_keepalive_s == 4.0
-    for bad in (0, -1, float("inf")):
+    # (at or past the engines' own 5 s the pool reuses connections the engine is closing: the
+    # health checks' pool has no fresh-connection retry, and engines were ejected for it)
+    for bad in (0, -1, float("inf"), 5.0, 30):
         with pytest.raises(ValidationError) as info:
             load_settings(upstream_keepalive_s=bad)
         assert describe_error(info.value).startswith("upstream_keepalive_s")
@@ -397,3 +399,28 @@ def test_the_body_budget_must_hold_one_largest_body() -> None:
         load_settings(None, max_body_bytes=150_001, max_body_memory_bytes=200_000)
     # bodies of 64 KiB or less may use the whole budget
     assert load_settings(None, max_body_bytes=65_536, max_body_memory_bytes=65_536)
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("redis://h:6379/0?ssl=true", "the Redis client refuses it"),  # (every store call raised)
+        ("redis://h:6379/abc", "the database must be a number"),  # (database 0, without a word)
+    ],
+)
+def test_a_redis_url_the_client_cannot_use_is_refused_at_load(url: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        load_settings(engines=[], state_store="redis", redis_url=url)
+    assert fragment in describe_error(info.value)
+    for good in ("redis://:pw@h:6379/0?socket_timeout=2", "rediss://h:6380/1", "unix:///run/redis.sock?db=1"):
+        assert load_settings(engines=[], state_store="redis", redis_url=good).redis_url == good
+
+
+@pytest.mark.parametrize("key", ["yes", "on", "null", "8000"])
+def test_a_yaml_key_that_is_not_a_name_is_one_clear_error(key: str, tmp_path: Path) -> None:
+    """YAML reads yes, on, null and 8000 as a boolean, none and a number: the settings took them
+    as keyword names, a TypeError and a traceback."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(f"{key}: 1\n")
+    with pytest.raises(ValueError, match="is not a setting's name"):
+        load_settings(path)
