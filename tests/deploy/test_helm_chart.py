@@ -630,6 +630,10 @@ def test_a_stopping_gateway_ends_what_is_open_before_the_kill(helm: HelmCall) ->
     assert _grace_env(helm, {"terminationGracePeriodSeconds": 12, "preStopSleepSeconds": 5}) == "0"
     # given in the gateway's settings, it is not overridden (the environment would win)
     assert _grace_env(helm, {"config": {"shutdown_grace_s": 50}}) is None
+    # ... but one the pod's kill would cut short is refused (it rendered, and streams were cut)
+    answer = helm("render", {"gateway": {"config": {"shutdown_grace_s": 300}}})
+    assert not answer["ok"] and "shutdown_grace_s" in answer["error"], answer
+    assert _grace_env(helm, {"config": {"shutdown_grace_s": 115}}) is None  # (120 - 5: just fits)
 
 
 def test_vllm_pods_are_locked_down_and_request_resources(helm: HelmCall) -> None:

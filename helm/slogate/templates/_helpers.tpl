@@ -161,6 +161,12 @@ fleet the gateway refuses at start-up (pods crash-looping instead of a failed in
 {{- if and (gt (int $g.preStopSleepSeconds) 0) (ge (int $g.preStopSleepSeconds) (int $g.terminationGracePeriodSeconds)) -}}
 {{- fail (printf "gateway.terminationGracePeriodSeconds (%d) must be above gateway.preStopSleepSeconds (%d): the grace period counts from the start of the preStop sleep" (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
 {{- end -}}
+{{- /* a gateway grace the pod's kill cuts short: open streams were cut instead of ended with an
+answer saying so */ -}}
+{{- $grace := (($g.config | default dict).shutdown_grace_s) -}}
+{{- if and (not (kindIs "invalid" $grace)) (gt (float64 $grace) (float64 (sub (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)))) -}}
+{{- fail (printf "gateway.config.shutdown_grace_s (%v) must end before the pod is killed: at most gateway.terminationGracePeriodSeconds (%d) less gateway.preStopSleepSeconds (%d)" $grace (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
+{{- end -}}
 {{- end }}
 
 {{/* Volumes for custom profiles (gateway and simulated engines). */}}
