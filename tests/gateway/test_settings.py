@@ -179,7 +179,7 @@ def test_a_malformed_profile_file_exits_2_with_one_line(
     from gateway import server
 
     monkeypatch.setattr(server, "setup_logging", lambda level: None)
-    monkeypatch.setattr(server, "_AnnouncingServer", None)  # (never reached: nothing may listen)
+    monkeypatch.setattr(server, "_AnnouncingGateway", None)  # (never reached: nothing may listen)
     profile = tmp_path / "profile.yaml"
     profile.write_text(text)
     engine: dict[str, object] = {"url": "http://127.0.0.1:9", "model": "m"}
