@@ -197,3 +197,17 @@ def test_choices_of_unequal_length_are_judged_by_the_longest() -> None:
     call.choice_events = {0: 10, 1: 100}
     assert call.tpot_s == pytest.approx(0.06)
     assert SloService(load_settings(None)).account(call, 200) == "met"
+
+
+def test_a_non_streamed_answer_of_several_choices_is_allowed_one_choice_s_time() -> None:
+    """The choices are generated side by side; the allowance counted the tokens of all of them:
+    n = 4 of 10 tokens each was allowed 39 steps, and an answer four times too slow was met."""
+    slo = SloService(load_settings(None))
+    body = b'{"model":"m","prompt":"hi","max_tokens":10,"n":4}'
+    call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
+    call.engine_id = "e0"
+    # 40 tokens in all, 10 a choice: TTFT + 9 x TPOT = 1.9 s
+    call.completion_tokens, call.finished_at = 40, 102.5
+    assert slo.account(call, 200) == "missed_latency"
+    call.finished_at = 101.8
+    assert slo.account(call, 200) == "met"
