@@ -276,7 +276,12 @@ def fit_prefill(
     tokens = design[:, 1]
     with_tokens = tokens >= FLOOR_MIN_TOKENS
     if not with_tokens.any():
-        return fitted
+        # Only short prompts: they say nothing of a long one's per-token cost, and the fit could
+        # set it to 0 (a 4,000-token prompt then predicted at its fixed cost, eq.(5)'s budget
+        # unbounded). The prior's, at the level the samples run at against the prior, holds.
+        predicted = design @ np.asarray(prior, dtype=np.float64)
+        level = float(np.median(target / predicted)) if bool((predicted > 0).all()) else 1.0
+        return (a, max(b, prior[1] * level), c)
     slopes = target[with_tokens] / tokens[with_tokens]
     return (a, max(b, TOKEN_COST_FLOOR * float(np.median(slopes))), c)
 

@@ -340,3 +340,20 @@ def test_maturity_time(now: float, e_p: float, e_d: float, min_tpot: float, expe
 def test_maturity_time_rejects_negative_durations() -> None:
     with pytest.raises(ValueError):
         maturity_time(0.0, -0.1, 0.0, 0.1)
+
+
+def test_short_prompts_alone_leave_the_prior_s_per_token_cost_at_their_level() -> None:
+    """Prompts of 1-15 tokens only: nothing to floor the per-token cost by, and the fit set it to
+    0 in some draws; a 4,000-token prompt was then predicted at its fixed cost and the eq.(5)
+    budget was unbounded. The prior's slope holds, at the level the samples run at against it."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        samples = []
+        for _ in range(64):
+            n = rng.randint(1, 15)
+            samples.append(PrefillSample((n,), (0.025 + 1e-4 * n) * rng.uniform(0.95, 1.05)))
+        a, b, _ = fit_prefill(samples, TRUE_PREFILL)
+        assert b >= TRUE_PREFILL[1], (seed, b)  # (the prior's, at a level above 1 here)
+        assert token_budget(1.0, 0.1, 0.02, a, b) < UNBOUNDED_TOKENS
+    constant = [PrefillSample((n,), 0.03) for n in range(1, 16)] * 4
+    assert fit_prefill(constant, TRUE_PREFILL)[1] > 0
