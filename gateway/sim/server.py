@@ -395,6 +395,17 @@ class SimServer:
                 "Please request fewer output tokens.",
                 field,
             )
+        cache = self.model.cache
+        if cache.blocks_needed(prompt_len + 1) > cache.num_blocks:
+            # (vLLM refuses to start with a cache smaller than its context; this engine can be
+            # given one, and such a prompt waited at the head of the queue for good, and all
+            # behind it)
+            raise BadRequest(
+                400,
+                f"the prompt's {prompt_len} tokens do not fit this engine's KV cache "
+                f"({cache.num_blocks} blocks of {cache.block_size} tokens)",
+                "messages",
+            )
         room = max_len - prompt_len
         return room if limit is None else min(limit, room)
 

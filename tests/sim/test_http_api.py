@@ -428,3 +428,16 @@ async def test_ids_and_handover_fields_of_the_wrong_type_are_a_400_and_an_odd_he
     assert status == 400 and answer["error"]["param"] == "min_tokens"
     status, answer = await post(engine.url + "/v1/unload_lora_adapter", {"lora_name": [[1]]})
     assert status == 400
+
+
+async def test_a_prompt_the_whole_kv_cache_cannot_hold_is_refused_not_left_at_the_head() -> None:
+    """With a cache smaller than the context (vLLM would not start so; this engine can be given
+    one), such a prompt never started, and it held every request behind it at the head of the
+    queue, with no timeout."""
+    with start_sim_engine(
+        "--profile", "qwen-7b", "--model", MODEL, "--num-gpu-blocks", "4", "--time-scale", "10"
+    ) as proc:
+        status, body = await post(proc.url + "/v1/completions", {"prompt": [1] * 100, "max_tokens": 2})
+        assert status == 400 and "KV cache" in body["error"]["message"], body
+        status, body = await post(proc.url + "/v1/completions", {"prompt": [1] * 30, "max_tokens": 2})
+        assert status == 200, body  # (and the next one is served)
