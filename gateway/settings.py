@@ -18,7 +18,7 @@ import sys
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import yaml
 from pydantic import (
@@ -856,7 +856,8 @@ def _check_redis_url(url: str) -> None:
     that is not a number was dropped for database 0 without a word."""
     parts = urlsplit(url)
     if parts.scheme != "unix":
-        database = parts.path.lstrip("/")
+        # (as the client reads it: unquoted, its slashes dropped; "/0/" and "/%31" are databases)
+        database = unquote(parts.path).replace("/", "")
         if database and not database.isdigit():
             raise ValueError(f"redis_url: the database must be a number, not {database[:20]!r}")
     try:
@@ -865,5 +866,5 @@ def _check_redis_url(url: str) -> None:
         return
     try:
         aioredis.ConnectionPool.from_url(url).make_connection()  # type: ignore[no-untyped-call]
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # (TypeError, ValueError, the client's own RedisError: any refusal)
         raise ValueError(f"redis_url: the Redis client refuses it ({exc})") from None

@@ -240,10 +240,12 @@ class SloService:
         # Non-streamed: no token timing, so the whole answer is held to the time a stream meeting
         # both targets would have taken to deliver the same number of tokens.
         tokens = call.completion_tokens if call.completion_tokens is not None else call.request.max_tokens
-        if call.completion_tokens is not None:
-            # the choices are generated side by side: the answer takes as long as one of them
+        choices = call.request.choices
+        if call.completion_tokens is not None and choices > 1:
+            # the choices are generated side by side: the answer takes as long as its longest,
+            # which the total bounds (each other choice has a token at least) as does max_tokens
             # (n = 4 of 100 tokens each was allowed 399 steps, four times what it should)
-            tokens = -(-tokens // max(1, call.request.choices))
+            tokens = min(tokens - (choices - 1), call.request.max_tokens)
         allowed = target.ttft_s + target.tpot_s * max(0, tokens - 1)
         end = call.finished_at or call.arrival
         return "met" if end - call.arrival <= allowed else "missed_latency"

@@ -954,7 +954,8 @@ def _usage(choices: list[Choice]) -> dict[str, Any]:
 def _check_handover(params: dict[str, Any] | None, room: object, body: dict[str, Any]) -> None:
     """A 400 for handover fields of the wrong type (a value nested 1,000 deep, written into the
     pull's URL or body, raised past every handler: a 500, after the request had run)."""
-    fields: list[tuple[str, object, type | tuple[type, ...]]] = [("bootstrap_room", room, int)]
+    # (a room as its digits too: SGLang's model reads "123" as 123)
+    fields: list[tuple[str, object, type | tuple[type, ...]]] = [("bootstrap_room", room, (int, str))]
     if params is not None:
         fields += [
             ("kv_transfer_params.remote_host", params.get("remote_host"), str),

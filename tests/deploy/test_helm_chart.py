@@ -898,6 +898,10 @@ def _serves_with_the_password_alone(container: dict[str, Any]) -> None:
             assert clock.monotonic() < deadline and server.poll() is None, "the chart's Redis did not start"
             clock.sleep(0.05)
         assert cli("ping", env={"PATH": os.environ["PATH"]}).startswith("NOAUTH")
+        # the shell execs the server: it is the container's PID 1 and gets the kubelet's SIGTERM
+        # (behind a pipe the shell stayed PID 1, ignored it, and Redis waited for the SIGKILL)
+        with open(f"/proc/{server.pid}/comm") as comm:
+            assert comm.read().strip() == "redis-server"
         assert cli("config", "get", "maxmemory-policy", env=auth).split() == [
             "maxmemory-policy",
             "volatile-lru",

@@ -406,13 +406,20 @@ def test_the_body_budget_must_hold_one_largest_body() -> None:
     [
         ("redis://h:6379/0?ssl=true", "the Redis client refuses it"),  # (every store call raised)
         ("redis://h:6379/abc", "the database must be a number"),  # (database 0, without a word)
+        ("rediss://h/0?ssl_cert_reqs=bogus", "the Redis client refuses it"),  # (its own error type)
     ],
 )
 def test_a_redis_url_the_client_cannot_use_is_refused_at_load(url: str, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:
         load_settings(engines=[], state_store="redis", redis_url=url)
     assert fragment in describe_error(info.value)
-    for good in ("redis://:pw@h:6379/0?socket_timeout=2", "rediss://h:6380/1", "unix:///run/redis.sock?db=1"):
+    for good in (
+        "redis://:pw@h:6379/0?socket_timeout=2",
+        "rediss://h:6380/1?ssl_cert_reqs=none",
+        "unix:///run/redis.sock?db=1",
+        "redis://h:6379/0/",  # (as the client reads them: database 0, and 1)
+        "redis://h/%31",
+    ):
         assert load_settings(engines=[], state_store="redis", redis_url=good).redis_url == good
 
 

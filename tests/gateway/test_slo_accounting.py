@@ -206,8 +206,12 @@ def test_a_non_streamed_answer_of_several_choices_is_allowed_one_choice_s_time()
     body = b'{"model":"m","prompt":"hi","max_tokens":10,"n":4}'
     call = Call(parse_request("completions", body, 16), "sg-1", "c-1", 100.0, _noop, TARGET, None, (), {})
     call.engine_id = "e0"
-    # 40 tokens in all, 10 a choice: TTFT + 9 x TPOT = 1.9 s
+    # 40 tokens in all, 10 a choice at most (max_tokens): TTFT + 9 x TPOT = 1.9 s
     call.completion_tokens, call.finished_at = 40, 102.5
     assert slo.account(call, 200) == "missed_latency"
     call.finished_at = 101.8
+    assert slo.account(call, 200) == "met"
+    # choices of unequal length (sampling): 13 tokens in all may be one of 10 and three of 1,
+    # and the answer takes as long as its longest; judged so, as a stream of them is
+    call.completion_tokens, call.finished_at = 13, 101.8
     assert slo.account(call, 200) == "met"

@@ -419,6 +419,9 @@ async def test_ids_and_handover_fields_of_the_wrong_type_are_a_400_and_an_odd_he
             assert r.status == 400 and len(answer["error"]["message"]) < 200, (field, answer)
     status, answer = await post(url, {"prompt": "x", "max_tokens": 2, "request_id": 5})
     assert status == 400 and answer["error"]["param"] == "request_id"
+    # a room as its digits is a room (SGLang's model reads "123" as 123): a prefill holds its KV
+    status, answer = await post(url, {"prompt": "x", "max_tokens": 2, "bootstrap_room": "123"})
+    assert status == 200, answer
     raw = orjson.dumps({"prompt": "x", "max_tokens": 2})
     headers = [(b"content-type", b"application/json"), (b"x-request-id", b"a\xffb")]
     answer = raw_http(engine.url, Wire("POST", "/v1/completions", headers, [raw]))
