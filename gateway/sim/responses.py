@@ -106,7 +106,10 @@ class ResponseFormat:
         finish_reason: str | None,
         first: bool = False,
         prompt_token_ids: Sequence[int] | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> bytes:
+        """One choice's chunk; ``usage``: the counts so far, on every chunk of a stream asking
+        for them (``stream_options.continuous_usage_stats``, as vLLM writes them)."""
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             body: dict[str, Any] = {"delta": delta}
@@ -121,6 +124,8 @@ class ResponseFormat:
         tail = b"]"
         if self.return_token_ids and prompt_token_ids is not None and self.kind == "chat":
             tail += b',"prompt_token_ids":' + orjson.dumps(list(prompt_token_ids))
+        if usage is not None:
+            tail += b',"usage":' + orjson.dumps(usage)
         return self._chunk_head + orjson.dumps(body)[1:] + tail + b"}\n\n"
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:

@@ -556,10 +556,12 @@ class SimServer:
             self.model.add(choice.sim)
         self.wake_driver()
         include_usage = bool(options.get("include_usage"))
+        # (vLLM: usage on every chunk when both are asked for)
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
         try:
             if stream and single:
                 c = choices[0]
-                return await self._stream(http, c.sim, fmt, c.out, c.channel, include_usage, room)
+                return await self._stream(http, c.sim, fmt, c.out, c.channel, include_usage, room, continuous)
             if stream:
                 return await self._stream_choices(http, choices, fmt, include_usage)
             return await self._complete(choices, fmt, room)
@@ -745,6 +747,7 @@ class SimServer:
         channel: Channel,
         include_usage: bool,
         room: object,
+        continuous: bool = False,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE)
         await resp.prepare(http)
@@ -767,6 +770,11 @@ class SimServer:
                         self.model.complete(sim, "stop")
                         channel.done = True
                     if text or ids or not first_sent:
+                        so_far = (
+                            usage_of(len(sim.prompt), len(out.token_ids), sim.cached_tokens)
+                            if continuous
+                            else None
+                        )
                         parts.append(
                             fmt.chunk(
                                 text,
@@ -774,6 +782,7 @@ class SimServer:
                                 None,
                                 first=not first_sent,
                                 prompt_token_ids=None if first_sent else sim.prompt,
+                                usage=so_far,
                             )
                         )
                         first_sent = True

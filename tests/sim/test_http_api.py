@@ -444,3 +444,24 @@ async def test_a_prompt_the_whole_kv_cache_cannot_hold_is_refused_not_left_at_th
         assert status == 400 and "KV cache" in body["error"]["message"], body
         status, body = await post(proc.url + "/v1/completions", {"prompt": [1] * 30, "max_tokens": 2})
         assert status == 200, body  # (and the next one is served)
+
+
+async def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(engine: SimProcess) -> None:
+    """vLLM writes usage on every chunk when a stream asks for it with include_usage; the engine
+    validated continuous_usage_stats and ignored it."""
+    url = engine.url + "/v1/completions"
+    body = {
+        "prompt": "x y z",
+        "max_tokens": 6,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    events, _, _ = await stream(url, body)
+    content = [e for e in events if e.get("choices") and e["choices"][0].get("text")]
+    assert content and all("usage" in e for e in content)
+    counts = [e["usage"]["completion_tokens"] for e in content]
+    assert (
+        counts == sorted(counts) and counts[-1] >= len(content) and content[0]["usage"]["prompt_tokens"] > 0
+    )
+    assert events[-2]["usage"]["completion_tokens"] == 6  # (and the usage chunk at the end)
+    plain, _, _ = await stream(url, {**body, "stream_options": {"include_usage": True}})
+    assert not any("usage" in e for e in plain if e.get("choices"))
