@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -16,7 +17,7 @@ import uvicorn
 
 from gateway.app import FrontDoor, create_app
 from gateway.http_head import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_head_protocol
-from gateway.logs import setup_logging
+from gateway.logs import quiet_repeats, setup_logging
 from gateway.open_files import raise_open_files_limit
 from gateway.runtime import tune_gc
 from gateway.settings import Settings
@@ -49,6 +50,7 @@ def serving_config(
 ) -> uvicorn.Config:
     """How every server of ours is served: uvicorn with httptools (each request's head bounded in
     size and time: :mod:`gateway.http_head`) and uvloop, no access log."""
+    quiet_repeats(logging.getLogger("uvicorn.error"), INVALID_HTTP_WARNING)
     return uvicorn.Config(
         app,
         host=host,
@@ -61,6 +63,10 @@ def serving_config(
         timeout_keep_alive=30,
         backlog=4096,
     )
+
+
+#: what uvicorn warns of, once per request, for one that is not HTTP (answered 400 by http_head)
+INVALID_HTTP_WARNING = "Invalid HTTP request received."
 
 
 class GatewayServer(uvicorn.Server):

@@ -259,3 +259,43 @@ def test_what_is_not_http_gets_an_openai_shaped_400(gw: RunningGateway, head: by
     error = orjson.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http"
     assert httpx.get(gw.url + "/health").status_code == 200  # (and the server goes on)
+
+
+def test_what_is_not_http_is_logged_once_a_minute_not_once_a_request(gw: RunningGateway) -> None:
+    """uvicorn warns of every such request: a client sending garbage flooded the log, a line
+    each. Held back past the first, counted in the next one that goes out."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("uvicorn.error")
+    keep = Keep()
+    logger.addHandler(keep)
+    try:
+        for _ in range(5):
+            with _connect(gw) as sock:
+                sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                assert _answer(sock)[0] == 400
+    finally:
+        logger.removeHandler(keep)
+    assert sum("Invalid HTTP request" in m for m in seen) <= 1, seen
+
+
+def test_a_repeated_message_goes_out_once_an_interval_with_the_count_held_back() -> None:
+    import logging
+
+    from gateway.logs import Repeated
+
+    repeated = Repeated("same", every_s=3600.0)
+    records = [
+        logging.LogRecord("x", logging.WARNING, "", 0, msg, (), None)
+        for msg in ("same", "other", "same", "same")
+    ]
+    assert [repeated.filter(r) for r in records] == [True, True, False, False]
+    repeated._last -= 3600.0
+    later = logging.LogRecord("x", logging.WARNING, "", 0, "same", (), None)
+    assert repeated.filter(later) and later.getMessage() == "same (2 more since the last said so)"
