@@ -48,7 +48,7 @@ from gateway.runtime import LoopLagProbe, export_gc_pauses
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.serving.disaggregated import DisaggregatedFlow
-from gateway.settings import Settings, without_credentials
+from gateway.settings import Settings, settings_warnings, without_credentials
 from gateway.state.redis_store import RedisStore
 from gateway.state.replica_load import ReplicaLoad
 from gateway.state.replica_routes import ReplicaRoutes
@@ -601,5 +601,7 @@ def build_api(gateway: Gateway) -> FastAPI:
 
 def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> FrontDoor:
     """The ASGI app for ``settings``; engines are contacted only when the lifespan starts."""
+    for warning in settings_warnings(settings):
+        log.warning("%s", warning)
     gateway = Gateway(settings, span_exporter)
     return FrontDoor(gateway, build_api(gateway))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -35,6 +36,8 @@ from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSett
 
 from policies.api import Role
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
+
+_log = logging.getLogger("slogate.settings")
 
 EngineKind = Literal["vllm", "sglang", "sim", "openai", "llamacpp"]
 KvTransfer = Literal["nixl", "bootstrap", "shared"]
@@ -747,6 +750,13 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     """Build settings from overrides, the environment and an optional YAML file (lowest priority)."""
     _refuse_lowercased_keys()
     file_values = _read_yaml(config_file)
+    environment = {name.upper() for name in os.environ}
+    for key in sorted(file_values):
+        if f"SLOGATE_{key.upper()}" in environment and key not in overrides:
+            # (an image's SLOGATE_HOST / SLOGATE_PORT silently beat a mounted file's host and port)
+            _log.warning(
+                "%s in %s is not used: the environment's SLOGATE_%s is", key, config_file, key.upper()
+            )
 
     class _WithFile(Settings):
         @classmethod
@@ -868,3 +878,15 @@ def _check_redis_url(url: str) -> None:
         aioredis.ConnectionPool.from_url(url).make_connection()  # type: ignore[no-untyped-call]
     except Exception as exc:  # (TypeError, ValueError, the client's own RedisError: any refusal)
         raise ValueError(f"redis_url: the Redis client refuses it ({exc})") from None
+
+
+def settings_warnings(settings: Settings) -> list[str]:
+    """Settings that are valid each alone but defeat each other (logged at start-up)."""
+    warnings: list[str] = []
+    if settings.stale_after_s <= settings.monitor_interval_s:
+        warnings.append(
+            f"stale_after_s ({settings.stale_after_s:g}) is not above monitor_interval_s "
+            f"({settings.monitor_interval_s:g}): each engine's scraped state goes stale before the next "
+            "scrape, and routing reads only the gateway's own counts"
+        )
+    return warnings

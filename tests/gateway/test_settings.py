@@ -431,3 +431,26 @@ def test_a_yaml_key_that_is_not_a_name_is_one_clear_error(key: str, tmp_path: Pa
     path.write_text(f"{key}: 1\n")
     with pytest.raises(ValueError, match="is not a setting's name"):
         load_settings(path)
+
+
+def test_a_file_setting_the_environment_overrides_is_said_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The image sets SLOGATE_HOST and SLOGATE_PORT: a mounted file's host and port were not
+    used, and nothing said so."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text("port: 9000\nlog_level: info\n")
+    monkeypatch.setenv("SLOGATE_PORT", "9001")
+    with caplog.at_level("WARNING", logger="slogate.settings"):
+        settings = load_settings(path)
+    assert settings.port == 9001 and settings.log_level.lower() == "info"
+    said = [r.getMessage() for r in caplog.records if r.name == "slogate.settings"]
+    assert said == [f"port in {path} is not used: the environment's SLOGATE_PORT is"], said
+
+
+def test_settings_that_defeat_each_other_are_warned_of() -> None:
+    from gateway.settings import settings_warnings
+
+    assert settings_warnings(load_settings(engines=[])) == []
+    (warning,) = settings_warnings(load_settings(engines=[], monitor_interval_s=10, stale_after_s=0.5))
+    assert warning.startswith("stale_after_s (0.5) is not above monitor_interval_s (10)")
