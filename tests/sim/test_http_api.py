@@ -246,9 +246,14 @@ async def test_throughput_rises_until_the_batch_limit(profiles_dir: Path) -> Non
         rates = [await burst(n, await metric(proc.url, steps)) for n in (1, 2, 4)]
         assert rates[1] > 1.6 * rates[0] and rates[2] > 1.6 * rates[1], rates
         over = asyncio.create_task(burst(8, await metric(proc.url, steps)))
-        await asyncio.sleep(0.1)
-        waiting = await metric(proc.url, "vllm:num_requests_waiting")
-        running = await metric(proc.url, "vllm:num_requests_running")
+        # (until all eight have arrived: under load, a fixed 0.1 s found one of them in)
+        running = waiting = 0.0
+        for _ in range(100):
+            waiting = await metric(proc.url, "vllm:num_requests_waiting")
+            running = await metric(proc.url, "vllm:num_requests_running")
+            if running + waiting >= 8 or over.done():
+                break
+            await asyncio.sleep(0.01)
         rate8 = await over
         assert running == 4 and waiting == 4
         assert rate8 < 1.25 * rates[2], (rates, rate8)  # beyond the batch limit it stops rising
