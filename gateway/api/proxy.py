@@ -265,7 +265,9 @@ class Proxy:
                         )
             # label by served model only, so arbitrary client strings cannot grow the metric set
             model = request.model if request.model in self.fleet.served_models else "(unknown)"
-            target, priority = self.slo.classify(headers, request.priority, policy, request.model)
+            target, priority = self.slo.classify(
+                headers, request.priority, policy, request.model, request.model in self.fleet.served_models
+            )
             slo_class = target.slo_class
             if request.model not in self.fleet.served_models:
                 # refused here, before its prompt is keyed (a bad SLO header still says so

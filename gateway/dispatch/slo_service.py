@@ -124,6 +124,7 @@ class SloService:
         body_priority: int | None,
         policy: ApiKeyPolicy = OPEN_POLICY,
         model: str = "",
+        record: bool = True,
     ) -> tuple[SloTarget, int | None]:
         """The request's targets and its effective priority, within what its key allows.
 
@@ -132,6 +133,10 @@ class SloService:
         caps the claims (:func:`clamp_hints`) and the resulting targets (:func:`clamp_target`).
         With a priority profile the priority is clamped into the profile's levels, so every later
         use (queue order, pending counts, the mapper's windows) sees the level the targets came from.
+        ``record``: the request will be served, so the mapper's state moves with its assignment
+        (False for one refused anyway, an unknown model say: it is classified only so that its
+        malformed claims are still the error it gets, and must not move the next request's spike
+        correction).
         """
         priority = header_priority(headers.get(b"x-priority"))
         if priority is None and body_priority is not None:
@@ -155,7 +160,9 @@ class SloService:
             def backlog() -> bool:
                 return clock is not None and self.backlog(model, clock())
 
-            target, self.mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
+            target, mapping = classify_mapped(hints, self.profile, self.mapping, backlog)
+            if record:
+                self.mapping = mapping
         floor = self._level_floor(policy)
         if floor is None:
             return clamp_target(target, policy), priority

@@ -215,3 +215,21 @@ def test_a_non_streamed_answer_of_several_choices_is_allowed_one_choice_s_time()
     # and the answer takes as long as its longest; judged so, as a stream of them is
     call.completion_tokens, call.finished_at = 13, 101.8
     assert slo.account(call, 200) == "met"
+
+
+def test_a_request_refused_anyway_does_not_move_the_priority_mapper() -> None:
+    """The mapper's spike correction reads the reference queue time of the last request it
+    assigned at a level: one for a model nobody serves (classified only so that a bad SLO header
+    is still its error) must not stand in for it, or unknown-model requests would hide spikes."""
+    from policies.priority_mapping import observe_completion
+
+    slo = SloService(load_settings(slo_profile="hyperflexis-4task"))
+    assert slo.mapping is not None
+    slo.mapping = observe_completion(slo.mapping, 1, 0.3, 0.05, 0.2)
+    before = slo.mapping
+    p1 = {b"x-priority": b"1"}
+    refused = slo.classify(p1, None, model="nobody-serves-this", record=False)[0]
+    assert slo.mapping is before
+    served = slo.classify(p1, None, model="m")[0]
+    assert served == refused  # the same answer: only what it remembers differs
+    assert slo.mapping is not before and slo.mapping.last_queue_time[1] == 0.2

@@ -82,6 +82,11 @@ def test_priority_reaches_the_mapper_and_pending_counts_return_to_zero(engine: C
         assert slo.mapping is not None and slo.mapping.pending == (0, 0, 0, 0)
         # the one streamed completion (P2) is the only one in the windows, counted for P2
         assert slo.mapping.size == 1 and slo.mapping.counts == (0, 0, 1, 0)
+        # a request refused for its model moves nothing the next P2's targets are read from
+        before = slo.mapping
+        unknown = {**BODY, "model": "nobody-serves-this"}
+        r = httpx.post(gw.url + "/v1/chat/completions", json=unknown, headers={"x-priority": "2"})
+        assert r.status_code == 404 and slo.mapping is before
 
 
 def _tight_profile(tmp_path: Path) -> Path:
