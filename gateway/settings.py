@@ -233,6 +233,16 @@ class EngineConfig(BaseModel):
         return url
 
     @model_validator(mode="after")
+    def _kv_event_endpoints(self) -> EngineConfig:
+        # checked here: a ZMQ socket refuses a bad address only when the subscriber starts, and
+        # it then retried and logged forever while the prefix index heard nothing
+        if self.kv_events_endpoint is not None:
+            _check_zmq_endpoint("kv_events_endpoint", self.kv_events_endpoint, self.kv_events_bind)
+        if self.kv_events_replay_endpoint is not None:
+            _check_zmq_endpoint("kv_events_replay_endpoint", self.kv_events_replay_endpoint, False)
+        return self
+
+    @model_validator(mode="after")
     def _key_from_env(self) -> EngineConfig:
         # before _one_credential (validators run in order), which must see a key from here too
         if self.api_key_env is None:
@@ -858,6 +868,27 @@ def load_settings_or_exit(
         print(f"slogate: invalid configuration: {unknown}", file=sys.stderr)
         raise SystemExit(2)
     return settings
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):(\d{1,5})")
+
+
+def _check_zmq_endpoint(field: str, endpoint: str, bind: bool) -> None:
+    """A ZMQ address the gateway can connect to (or, with ``bind``, bind): ``tcp://host:port`` or
+    ``ipc://path``."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://") and not endpoint[6:].isspace():
+        return
+    match = _TCP_ENDPOINT.fullmatch(endpoint)
+    if match is None:
+        raise ValueError(f"{field}: give tcp://host:port or ipc://path, got {endpoint[:200]!r}")
+    host, port = match.group(1), int(match.group(2))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{field}: port {port} is not in 1-65535")
+    if host == "*" and not bind:
+        raise ValueError(
+            f"{field}: * is the address an engine binds; give the host the gateway reaches it "
+            "at (or set kv_events_bind: the gateway binds and the engine connects)"
+        )
 
 
 def _check_redis_url(url: str) -> None:

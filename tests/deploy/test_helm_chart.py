@@ -181,6 +181,14 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
         ({"stateStore": {"redis": {"url": "redis://r:6379/0?password=pw"}}}, "stateStore/redis/url"),
         ({"stateStore": {"mode": "etcd"}}, "stateStore/mode"),
         ({"gateway": {"config": {"replica_sync_interval_s": 0}}}, "gateway/config/replica_sync_interval_s"),
+        (  # not a ZMQ address: the subscriber retried it forever
+            {
+                "gateway": {
+                    "engines": [{"url": "http://e:8000", "model": "m", "kv_events_endpoint": "e:5557"}]
+                }
+            },
+            "gateway/engines/0/kv_events_endpoint",
+        ),
     ],
 )
 def test_values_schema_refuses_bad_values(helm: HelmCall, override: dict[str, Any], where: str) -> None:

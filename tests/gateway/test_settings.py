@@ -454,3 +454,36 @@ def test_settings_that_defeat_each_other_are_warned_of() -> None:
     assert settings_warnings(load_settings(engines=[])) == []
     (warning,) = settings_warnings(load_settings(engines=[], monitor_interval_s=10, stale_after_s=0.5))
     assert warning.startswith("stale_after_s (0.5) is not above monitor_interval_s (10)")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind", "fragment"),
+    [
+        ("engine:5557", False, "give tcp://host:port or ipc://path"),
+        ("http://engine:5557", False, "give tcp://host:port or ipc://path"),
+        ("tcp://engine", False, "give tcp://host:port or ipc://path"),
+        ("tcp://engine:5557/x", False, "give tcp://host:port or ipc://path"),
+        ("tcp://engine:99999", False, "port 99999 is not in 1-65535"),
+        ("tcp://*:5557", False, "* is the address an engine binds"),  # (vLLM's own example value)
+        ("ipc://", False, "give tcp://host:port or ipc://path"),
+    ],
+)
+def test_a_kv_event_endpoint_zmq_cannot_use_is_refused_at_load(
+    endpoint: str, bind: bool, fragment: str
+) -> None:
+    """A ZMQ socket refuses a bad address only when the subscriber starts: it then retried and
+    logged forever, and the prefix index never heard an event."""
+    engine = {"url": "http://127.0.0.1:8001", "model": "m"}
+    for field in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        with pytest.raises(ValidationError) as info:
+            load_settings(engines=[{**engine, field: endpoint, "kv_events_bind": bind}])
+        assert fragment in describe_error(info.value), field
+    for good, bind in (
+        ("tcp://engine-0.ns.svc:5557", False),
+        ("tcp://10.0.0.7:5557", False),
+        ("tcp://[::1]:5557", False),
+        ("tcp://*:5557", True),  # the gateway binds; the engine connects
+        ("ipc:///run/vllm/kv-events", False),
+    ):
+        settings = load_settings(engines=[{**engine, "kv_events_endpoint": good, "kv_events_bind": bind}])
+        assert settings.engines[0].kv_events_endpoint == good
