@@ -26,6 +26,8 @@ One :class:`KVEventSubscriber` per engine keeps the index in step:
   still buffers, so a gateway started after its engines learns what they already hold.
 - Socket errors close the sockets and reconnect after an exponential backoff (ZMQ also
   reconnects its TCP transport on its own, with the same bounds); heartbeats find a dead peer.
+  A message over ``MAX_MESSAGE_BYTES`` makes ZMQ drop the connection and never make it again,
+  so a lost connection also replaces the socket (the batch is then a gap like any other).
 
 Everything runs on the event loop (``zmq.asyncio``), which owns the index.
 """
@@ -33,6 +35,7 @@ Everything runs on the event loop (``zmq.asyncio``), which owns the index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import random
@@ -55,6 +58,10 @@ log = logging.getLogger("slogate.fleet")
 END_SEQ = b"\xff" * 8
 #: replayed batches applied between two yields to the event loop
 REPLAY_SLICE = 32
+#: the largest message a KV-event socket takes, bytes: a batch is one engine step's events, and
+#: a step that stores a 128k-token prompt is about 1 MB of msgpack (its token ids); without a
+#: bound, one frame could take all the gateway's memory
+MAX_MESSAGE_BYTES = 32 << 20
 _GPU_MEDIA = (None, "GPU")
 
 
@@ -257,8 +264,10 @@ class KVEventSubscriber:
         backoff_s: tuple[float, float] = (0.1, 5.0),
         clock: Callable[[], float] = time.monotonic,
         refused_at: Callable[[], float] = lambda: 0.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.source = source
+        self.max_message_bytes = max_message_bytes
         self.index = index
         self.context = context
         self.replay_timeout_s = replay_timeout_s
@@ -273,6 +282,9 @@ class KVEventSubscriber:
         self._backoff = _Backoff(*backoff_s)
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
+        #: the SUB socket's monitor, and what closes the SUB socket when its connection is lost
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
         #: set once the SUB socket is connected (tests wait for it; ZMQ drops what a subscriber
         #: misses before its subscription reaches the publisher)
@@ -315,10 +327,16 @@ class KVEventSubscriber:
         )
 
     def _close(self) -> None:
-        for sock in (self._sub, self._replay):
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self._sub is not None and self._monitor is not None and not self._sub.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for sock in (self._sub, self._replay, self._monitor):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._replay = None
+        self._sub = self._replay = self._monitor = None
         self.connected.clear()
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -330,6 +348,7 @@ class KVEventSubscriber:
         # ZMTP heartbeats: a publisher that vanished without closing is noticed within seconds
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         return sock
 
     async def _session(self) -> None:
@@ -337,8 +356,11 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         if self.source.bind:
+            # (a connection this side drops is the engine's to make again, and it does)
             sub.bind(self.source.endpoint)
         else:
+            monitor = self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._watcher = asyncio.create_task(self._watch(sub, monitor), name=f"kv-watch:{self.engine_id}")
             sub.connect(self.source.endpoint)
         self.connected.set()
         taken = 0
@@ -362,6 +384,16 @@ class KVEventSubscriber:
                 self.stats.decode_errors += 1
                 continue
             await self.on_batch(int.from_bytes(seq_bytes, "big"), payload)
+
+    async def _watch(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Close ``sub`` when its connection is lost: its pending receive ends and the session is
+        made again. After an oversized message ZMQ never reconnects, and the feed went silent."""
+        try:
+            await monitor.recv_multipart()
+        except zmq.ZMQError:
+            return  # (the monitor closed: the session is ending anyway)
+        if not sub.closed:
+            sub.close(linger=0)
 
     # -- sequence numbers, replay, resync --------------------------------------------------------
 

@@ -715,3 +715,27 @@ def test_a_page_size_only_events_said_is_learnt_again_after_a_restart_and_is_bou
     odd = PrefixIndex(1 << 24, 60.0)
     odd.add_engine("e0", MODEL)
     assert odd.stored("e0", [1], None, tokens, 2**40, 0.0) == 0 and odd.block_size("e0") == 16
+
+
+async def test_an_oversized_message_loses_one_batch_not_the_feed(ctx: zmq.asyncio.Context) -> None:
+    """A frame over the subscriber's bound is not taken into memory; ZMQ then drops the
+    connection and never makes it again, so the subscriber makes a new one: the batches after
+    it arrive, and the lost one is a gap like any other (filled from the replay buffer, or a
+    resync)."""
+    engine = FakeEngine(ctx, replay=False)
+    index = _index()
+    a, b = _prompt(300, 2), _prompt(5000, 2)
+    try:
+        async with subscribed(engine, index, backoff_s=(0.01, 0.05), max_message_bytes=4096) as sub:
+            engine.publish([stored_map(a)])
+            await until(lambda: _hits(index, a) == 2)
+            assert engine.pub is not None
+            engine.pub.send_multipart([engine.topic, (1).to_bytes(8, "big"), b"\x00" * 10_000])
+            engine.seq = 2
+            await until(lambda: sub.stats.reconnects == 1 and sub.connected.is_set())
+            await asyncio.sleep(0.3)  # (the new subscription reaches the publisher)
+            engine.publish([stored_map(b)])
+            await until(lambda: _hits(index, b) == 2)
+            assert sub.stats.resyncs == 1 and _hits(index, a) == 0 and sub.last_seq == 2
+    finally:
+        await engine.close()
