@@ -28,6 +28,8 @@ RouteKind = Literal["chat", "completions", "embeddings"]
 #: a completion's output bound when its body gives none (the OpenAI API's default, and vLLM's)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
+#: the longest message role taken (the roles templates know are words: user, assistant, tool...)
+MAX_ROLE_CHARS = 64
 #: per-message framing tokens of a ChatML-style template (role header and end marker)
 _MESSAGE_OVERHEAD_TOKENS = 4
 #: arrays longer than this have their element types checked on an even sample of this many
@@ -155,9 +157,12 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _only(values: list[Any], kinds: frozenset[type]) -> bool:
-    """Whether every element of ``values`` has one of these exact types; on a long array an even
-    sample of :data:`_TYPE_CHECK_LIMIT` elements and the last one stand for the rest."""
+def _only(values: Any, kinds: frozenset[type]) -> bool:
+    """Whether ``values`` is an array every element of which has one of these exact types; on a
+    long array an even sample of :data:`_TYPE_CHECK_LIMIT` elements and the last one stand for
+    the rest."""
+    if type(values) is not list:
+        return False  # (slicing an object asks it for a key: KeyError, where slices hash)
     if len(values) > _TYPE_CHECK_LIMIT:
         values = [*values[:: len(values) // _TYPE_CHECK_LIMIT + 1], values[-1]]
     return set(map(type, values)) <= kinds
@@ -172,13 +177,25 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
     texts: list[str] = []
     media = False
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict) or not isinstance(role := message.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        if len(role) > MAX_ROLE_CHARS:
+            # (a role is a word; a long one was counted as none of the prompt's tokens, and keyed
+            # token by token on the event loop)
+            raise bad_request(
+                f"messages[{i}].role must be at most {MAX_ROLE_CHARS} characters", f"messages[{i}].role"
+            )
         content = message.get("content")
         if isinstance(content, str):
             texts.append(content)
         elif isinstance(content, list):
-            text = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            # a part is text by its type (or no type), not by having a "text": an image part
+            # carrying one is still an image, and a prompt with one is not to be resent as text
+            text = [
+                p["text"]
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type", "text") == "text"
+            ]
             texts.extend(text)
             media = media or len(text) < len(content)
     return chat_prompt_estimate(len(messages), estimate_total_tokens(texts)), media

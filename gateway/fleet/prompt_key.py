@@ -48,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.api.request_parse import truncation
-from gateway.fleet.block_hash import PromptBlocks, U64Array, root_key
+from gateway.fleet.block_hash import PromptBlocks, U64Array, as_tokens, root_key
 from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode
 
 #: characters of a prompt hashed at most (a 15 MB prompt is keyed by its first 4 MB)
@@ -485,8 +485,9 @@ def _chat_capped(messages: Sequence[Any], body: Mapping[str, Any]) -> bool:
         return False
     total = 0
     for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        total += len(content) if isinstance(content, str) else len(str(content))
+        # (the text chat_token_ids keys, measured as it reads it: the repr of a content that is
+        # not text was both wrong and, nested deep enough, a RecursionError)
+        total += len(_content_text(message.get("content") if isinstance(message, Mapping) else None)[0])
     return total > MAX_PROMPT_CHARS
 
 
@@ -511,8 +512,13 @@ def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
                     left_truncated(encode_array(prompt[:MAX_PROMPT_CHARS]), body, capped) if prompt else None
                 )
             if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt[:4]):
-                return left_truncated(np.array(prompt, dtype=np.uint64), body)
-    except (UnicodeEncodeError, ValueError, TypeError, OverflowError):
+                # keyed by its leading part only, as a long text is: the whole array was built,
+                # sent back from the parse worker and held for the request (64 MB for a 16 MB
+                # body); as_tokens refuses what is not a token id (a float, a string past the
+                # sample the body's check read), which np.array cast to one the engine never saw
+                capped = len(prompt) > MAX_PROMPT_TOKENS
+                return left_truncated(as_tokens(prompt[:MAX_PROMPT_TOKENS]), body, capped)
+    except (UnicodeEncodeError, ValueError, TypeError, OverflowError, RecursionError):
         return None
     return None
 

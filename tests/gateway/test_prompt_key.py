@@ -93,8 +93,8 @@ def _same(text: str) -> None:
     assert encode_array(text).tolist() == expected, repr(text)
     for gather_below in (0.0, 2.0):
         with (
-            mock.patch.object(prompt_key, "_SMALL_CHARS", 0, create=True),
-            mock.patch.object(prompt_key, "_GATHER_BELOW", gather_below, create=True),
+            mock.patch.object(prompt_key, "_SMALL_CHARS", 0),
+            mock.patch.object(prompt_key, "_GATHER_BELOW", gather_below),
         ):
             assert encode_array(text).tolist() == expected, (repr(text), gather_below)
 
@@ -284,3 +284,38 @@ def test_a_truncated_prompt_is_keyed_by_the_tokens_the_engine_keeps() -> None:
         assert prompt_token_ids("chat", {**chat, "truncate_prompt_tokens": 20}) is None
         assert prompt_token_ids("completions", {"prompt": "x " * 60, "truncate_prompt_tokens": 5}) is None
         assert prompt_token_ids("completions", {"prompt": "x " * 60}) is not None
+
+
+def test_a_prompt_of_token_ids_is_keyed_from_ids_alone_and_its_start_only() -> None:
+    """np.array cast what is not a token id (a float, a string, past the few the check reads)
+    to one the engine never saw, and built the whole array of a 16 MB body (64 MB sent back from
+    the parse worker and held for the request) where only its first MAX_PROMPT_TOKENS are keyed."""
+    assert prompt_token_ids("completions", {"prompt": [1, 2, 3, 4, 1.5, 6]}) is None
+    assert prompt_token_ids("completions", {"prompt": [1, 2, 3, 4, "7"]}) is None
+    with mock.patch.object(prompt_key, "MAX_PROMPT_TOKENS", 8):
+        ids = prompt_token_ids("completions", {"prompt": list(range(1, 100))})
+        assert ids is not None and ids.tolist() == list(range(1, 9))
+        assert ids.nbytes == 8 * 8 and (
+            ids.base is None or memoryview(ids.base).nbytes == 8 * 8
+        )  # (no view of them all)
+        # truncated, the engine keeps the end, which the key never read
+        assert (
+            prompt_token_ids("completions", {"prompt": list(range(1, 100)), "truncate_prompt_tokens": 4})
+            is None
+        )
+
+
+def test_content_that_is_not_text_nested_deep_is_not_keyed_rather_than_a_500() -> None:
+    """A truncated chat measured a content that is not text by its repr: wrong for a list of
+    parts, and nested deep enough a RecursionError that reached the client as a 500."""
+    deep: list[object] = []
+    for _ in range(1200):
+        deep = [deep]
+    body = {"truncate_prompt_tokens": 5, "messages": [{"role": "user", "content": {"a": deep}}]}
+    assert prompt_token_ids("chat", body) is not None  # (a message with nothing to say: its template)
+    parts = [{"type": "text", "text": "a caption " * 10}]
+    whole = prompt_token_ids("chat", {"messages": [{"role": "user", "content": parts}]})
+    kept = prompt_token_ids(
+        "chat", {"messages": [{"role": "user", "content": parts}], "truncate_prompt_tokens": 5}
+    )
+    assert whole is not None and kept is not None and kept.tolist() == whole.tolist()[-5:]

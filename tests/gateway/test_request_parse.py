@@ -143,33 +143,99 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    st.dictionaries(
-        st.sampled_from(
-            ["model", "messages", "prompt", "stream", "max_tokens", "stream_options", "priority", "x"]
-        ),
-        json_values,
-    ),
-    st.sampled_from(["chat", "completions", "embeddings"]),
+def _mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``valid`` three times in four, any JSON value otherwise."""
+    return st.one_of(valid, valid, valid, json_values)
+
+
+_texts = st.text(max_size=20)
+_ids = st.lists(st.integers(0, 2**31), min_size=1, max_size=6)
+#: a prompt or input: mostly well-formed (a string, token ids, a batch of either), sometimes anything
+_prompts = st.one_of(
+    _texts, _ids, st.lists(_texts, min_size=1, max_size=3), st.lists(_ids, min_size=1, max_size=3)
 )
-def test_any_json_either_parses_or_is_a_clean_400(data: dict[str, Any], kind: RouteKind) -> None:
-    try:
-        parsed = parse_request(kind, orjson.dumps(data), 10)
-    except GatewayError as error:
-        assert error.status == 400
-        return
-    data = orjson.loads(orjson.dumps(data))  # (what the gateway read: orjson writes inf as null)
-    assert parsed.model == data["model"] and parsed.priority == data.get("priority")
-    if kind == "embeddings":
-        assert (parsed.stream, parsed.max_tokens) == (False, 0)
+_parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url"]), "text": _texts | json_values},
+    optional={"image_url": st.just({"url": "data:,"})},
+)
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": _mostly(st.sampled_from(["system", "user", "assistant"]) | st.text(max_size=70))},
+        optional={"content": _mostly(_texts | st.lists(_mostly(_parts), max_size=3))},
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _bodies(kind: RouteKind) -> st.SearchStrategy[dict[str, Any]]:
+    """A body of ``kind``: a valid skeleton whose fields are often right, sometimes anything, plus
+    optional fields of any JSON (random dictionaries alone were a 400 every time: the comparison
+    with the reference never ran)."""
+    required: dict[str, st.SearchStrategy[Any]] = {"model": st.text(min_size=1, max_size=8)}
+    if kind == "chat":
+        required["messages"] = _mostly(_messages)
     else:
-        assert parsed.stream == data.get("stream", False)
-        # a completion without a bound gets the API's 16, a chat the gateway's (10 here)
-        default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completions" else 10
-        assert parsed.max_tokens == (data.get("max_tokens") or default)
-    # the generated texts are small, so the estimate is the exact count: compare with a reference
-    assert parsed.prompt_tokens == _reference_prompt_tokens(kind, data)
+        required["prompt" if kind == "completions" else "input"] = _mostly(_prompts)
+    optional = {
+        "stream": _mostly(st.booleans()),
+        "max_tokens": _mostly(st.integers(1, 1000)),
+        "priority": _mostly(st.integers(-5, 5)),
+        "stream_options": _mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "x": json_values,
+    }
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+def test_any_json_either_parses_or_is_a_clean_400() -> None:
+    parsed_bodies = 0
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(
+        st.sampled_from(["chat", "completions", "embeddings"]).flatmap(
+            lambda k: st.tuples(st.just(k), _bodies(k))
+        )
+    )
+    def check(case: tuple[RouteKind, dict[str, Any]]) -> None:
+        nonlocal parsed_bodies
+        kind, data = case
+        try:
+            parsed = parse_request(kind, orjson.dumps(data), 10)
+        except GatewayError as error:
+            assert error.status == 400
+            return
+        parsed_bodies += 1
+        data = orjson.loads(orjson.dumps(data))  # (what the gateway read: orjson writes inf as null)
+        assert parsed.model == data["model"] and parsed.priority == data.get("priority")
+        if kind == "embeddings":
+            assert (parsed.stream, parsed.max_tokens) == (False, 0)
+        else:
+            assert parsed.stream == data.get("stream", False)
+            # a completion without a bound gets the API's 16, a chat the gateway's (10 here)
+            default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completions" else 10
+            assert parsed.max_tokens == (data.get("max_tokens") or default)
+        # the generated texts are small, so the estimate is the exact count: compare with a reference
+        assert parsed.prompt_tokens == _reference_prompt_tokens(kind, data)
+        if kind == "chat":
+            assert parsed.media == _reference_media(data)
+
+    check()
+    # (most bodies must get as far as the comparison for it to say anything)
+    assert parsed_bodies >= 40, parsed_bodies
+
+
+def _reference_media(data: dict[str, Any]) -> bool:
+    """A message part that is not text (by its type: an image part may carry a "text" too)."""
+    for message in data["messages"]:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            if not (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                return True
+    return False
 
 
 def _is_ids(values: object) -> bool:
@@ -183,7 +249,11 @@ def _reference_prompt_tokens(kind: RouteKind, data: dict[str, Any]) -> int:
         for message in data["messages"]:
             content = message.get("content")
             parts = content if isinstance(content, list) else [{"text": content}]
-            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            texts = [
+                p["text"]
+                for p in parts
+                if isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type", "text") == "text"
+            ]
             total += 4 + sum(count_tokens(t) for t in texts)
         return total
     value = data["prompt"] if kind == "completions" else data["input"]
@@ -307,3 +377,37 @@ def test_a_deeply_nested_bound_is_a_400_that_does_not_echo_it(field: str) -> Non
         with pytest.raises(GatewayError) as info:
             parse_request("chat", head + value + b"}", 10)
         assert info.value.status == 400 and len(info.value.message) < 200
+
+
+def test_a_role_is_a_word_and_an_image_part_with_a_text_is_still_an_image() -> None:
+    """A 100 KB role was counted as no tokens at all (and keyed token by token on the event
+    loop); an image part carrying a "text" was read as text, so a prompt with an image could be
+    resent as its text alone by a migration."""
+    with pytest.raises(GatewayError) as info:
+        parse_request("chat", body(messages=[{"role": "1" * 100_000, "content": "hi"}]), 100)
+    assert info.value.status == 400 and info.value.param == "messages[0].role"
+    assert parse_request("chat", body(messages=[{"role": "x" * 64, "content": "hi"}]), 100).prompt_tokens > 0
+    parts = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:,"}, "text": "a caption"},
+    ]
+    parsed = parse_request("chat", body(messages=[{"role": "user", "content": parts}]), 100)
+    assert parsed.media and parsed.prompt_tokens == 4 + 1 + count_tokens("what is this")
+
+
+def test_a_batch_whose_unsampled_element_is_an_object_is_a_400() -> None:
+    """A long batch's element types are sampled; an object among the unsampled ones must be a
+    400 (on Python 3.12+, where slices hash, slicing it was a KeyError: a 500)."""
+    prompt: list[Any] = [[1]] * 8193
+    prompt[1] = {str(i): i for i in range(5000)}
+    with pytest.raises(GatewayError) as info:
+        parse_request("completions", orjson.dumps({"model": "m", "prompt": prompt}), 16)
+    assert info.value.param == "prompt"
+
+
+def test_only_arrays_are_arrays_of_a_type() -> None:
+    from gateway.api.request_parse import _only
+
+    big = {str(i): str(i) for i in range(5000)}  # (its keys are strings: read as a sequence, it passed)
+    assert not _only(big, frozenset((str,))) and not _only("abc", frozenset((str,)))
+    assert _only(["a"] * 5000, frozenset((str,)))
