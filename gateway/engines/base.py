@@ -30,6 +30,10 @@ LATE_URGENCY_MS = 1_000_000_000
 #: per-adapter histograms are a few hundred KB. Beyond, the read fails (a broken or hostile
 #: engine streaming without end would hold the gateway's memory for the whole scrape timeout)
 MAX_CONTROL_BODY = 16 << 20
+#: ...and a metrics page: it is parsed on the event loop every scrape interval (5 to 40 ms a MB
+#: here, by how short its lines are; vLLM's is 50-200 KB), so one past this fails the scrape (the
+#: engine's state goes stale) rather than stall every stream for most of a second, every second
+MAX_METRICS_BODY = 2 << 20
 
 
 class ControlBodyTooLarge(aiohttp.ClientPayloadError):
@@ -216,7 +220,8 @@ class EngineAdapter:
             allow_redirects=False,
         ) as resp:
             resp.raise_for_status()
-            text = (await read_control(resp)).decode(errors="replace")  # (the text format is UTF-8)
+            # (the text format is UTF-8)
+            text = (await read_control(resp, MAX_METRICS_BODY)).decode(errors="replace")
         return self.parse_metrics(text)
 
     async def read_model_list(self) -> ModelList | None:

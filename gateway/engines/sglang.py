@@ -41,10 +41,15 @@ def parse_sglang_metrics(text: str) -> EngineState:
     samples = prom_text.parse(text, _WANTED)
     max_tokens = prom_text.total(samples, "sglang:max_total_num_tokens")
     running, waiting = load_gauges(samples, "sglang:num_running_reqs", "sglang:num_queue_reqs")
+    # a share per series (one per data-parallel rank): the fullest one, as vLLM's is read (their
+    # sum read two ranks 60 % full as a full engine)
+    usage = [v for _, v in samples.get("sglang:token_usage", ())]
+    if not usage:
+        max_tokens = None  # (no use reported: its free KV is unknown, not all of it)
     return EngineState(
         num_running=running,
         num_waiting=waiting,
-        kv_usage=gauge(samples, "sglang:token_usage"),
+        kv_usage=max(usage, default=0.0),
         prefix_queries=gauge(samples, "sglang:prompt_tokens_total"),
         prefix_hits=gauge(samples, "sglang:cached_tokens_total"),
         block_size=1,  # SGLang's radix cache works at token granularity

@@ -78,6 +78,8 @@ def parse_vllm_metrics(text: str) -> EngineState:
     for labels, _ in samples.get(_CACHE_INFO, []):
         block_size = _label_count(labels.get("block_size"), block_size)
         num_blocks = _label_count(labels.get("num_gpu_blocks"), num_blocks)
+    if not kv_samples:
+        num_blocks = None  # (no use reported: its free KV is unknown, not all of it)
     sleeping = any(
         labels.get("sleep_state") not in (None, "awake") and value > 0
         for labels, value in samples.get(_SLEEP, [])

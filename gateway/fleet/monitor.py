@@ -188,6 +188,7 @@ class FleetMonitor:
             engine_id, record.adapter.scrape, self.scrape_errors, "metrics scrape", "its state will go stale"
         )
         if not ok:
+            self.fleet.scrape_failed(engine_id, time.monotonic())
             return False
         self.fleet.record_state(engine_id, state, time.monotonic(), sent_at, at_send, remote_at_send)
         if self.scrape_errors.pop(engine_id, None) is not None:

@@ -82,6 +82,9 @@ class EngineRecord:
     consecutive_successes: int = 0
     state: EngineState | None = None
     state_at: float = 0.0
+    #: scrapes have failed for longer than the fleet's ``stale_after_s``: the KV use ``state``
+    #: reports is too old to place by (free KV then counts only what gateways have in flight)
+    state_stale: bool = False
     in_flight_at_scrape: int = 0
     in_flight_tokens_at_scrape: int = 0
     in_flight: int = 0
@@ -177,8 +180,12 @@ class EngineRecord:
         if state is None or not state.num_gpu_blocks or not state.block_size:
             return None
         capacity = state.num_gpu_blocks * state.block_size
-        reported = int(capacity * state.kv_usage)
         tokens = self.in_flight_tokens + self.remote_tokens
+        if self.state_stale:
+            # (a busy engine's slow /metrics kept its last, high, reading in every placement: the
+            # engine parked as full for as long as its scrapes failed)
+            return max(0, capacity - tokens)
+        reported = int(capacity * state.kv_usage)
         used = max(tokens, reported - self.in_flight_tokens_at_scrape - self.remote_tokens_at_scrape + tokens)
         return max(0, capacity - used)
 
@@ -648,6 +655,7 @@ class Fleet:
         if _worked(before, record.state):
             record.progress += 1
         record.state_at = now
+        record.state_stale = False
         record.scrape_sent_at = now if sent_at is None else sent_at
         in_flight, tokens = record.in_flight, record.in_flight_tokens
         if in_flight_at_send is not None:
@@ -663,6 +671,18 @@ class Fleet:
         self._dirty.add(record.index)
         self._unranked.add(record.index)
         self._notify(engine_id, "state")
+
+    def scrape_failed(self, engine_id: str, now: float) -> None:
+        """A scrape of the engine failed at ``now``: once its last reading is older than
+        ``stale_after_s``, placements stop reading its KV use (:meth:`EngineRecord.free_kv_tokens`),
+        as snapshots stop reading its load."""
+        record = self.records[engine_id]
+        if record.state is None or record.state_stale or now - record.state_at <= self.stale_after_s:
+            return
+        record.state_stale = True
+        self._dirty.add(record.index)
+        self._unranked.add(record.index)
+        self._notify(engine_id, "state")  # (KV it was thought to lack may be free: a look)
 
     def set_adapters(self, engine_id: str, adapters: frozenset[str]) -> bool:
         """The LoRA adapters the engine has loaded now (the monitor's read of its ``/v1/models``);
@@ -781,8 +801,9 @@ class Fleet:
         state = record.state
         timing = None if state is None else state.timing
         # A non-streamed request shows progress only when it ends: on an engine without a step
-        # counter (an OpenAI-compatible server, SGLang) it says nothing until then
-        counted = timing is not None and timing.steps is not None
+        # counter (an OpenAI-compatible server, SGLang) it says nothing until then; nor on one
+        # whose scrapes fail (its counter is read by them: a busy engine's slow /metrics is no stall)
+        counted = timing is not None and timing.steps is not None and now - record.state_at < after_s
         sent = [
             max(e.dispatched_at, e.ready_at)
             for e in record.running.values()

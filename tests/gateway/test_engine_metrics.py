@@ -169,6 +169,44 @@ def test_parser_tolerates_junk_escapes_and_nan() -> None:
     assert prom_text.total(samples, "missing", "b") == 3.0
 
 
+def test_parser_reads_escapes_and_exemplars_and_bounds_what_it_reads() -> None:
+    """A label value was read a character at a time on the event loop (a 16 MB one from a broken
+    or hostile engine, every scrape); an exemplar's value was taken for the sample's."""
+    text = (
+        'a{x="back\\\\slash\\nnewline}",y="2",} 5 # {trace_id="abc"} 99 123\n'
+        + 'a{x="'
+        + "v" * prom_text.MAX_LINE_CHARS
+        + '"} 6\n'  # too long: skipped
+        + "a{"
+        + ",".join(f'l{i}="1"' for i in range(prom_text.MAX_LABELS + 1))
+        + "} 7\n"  # too many labels
+        + 'a{x="unterminated} 8\n'
+    )
+    samples = prom_text.parse(text, ["a"])
+    assert samples["a"] == [({"x": "back\\slash\nnewline}", "y": "2"}, 5.0)]
+    many = "".join(f'b{{rank="{i}"}} 1\n' for i in range(prom_text.MAX_SAMPLES + 10))
+    assert len(prom_text.parse(many, ["b"])["b"]) == prom_text.MAX_SAMPLES
+
+
+def test_a_kv_use_is_the_fullest_rank_s_and_none_reported_is_unknown() -> None:
+    text = """\
+sglang:num_running_reqs{model_name="m",dp="0"} 1
+sglang:token_usage{model_name="m",dp="0"} 0.6
+sglang:token_usage{model_name="m",dp="1"} 0.5
+sglang:max_total_num_tokens{model_name="m",dp="0"} 1000
+sglang:max_total_num_tokens{model_name="m",dp="1"} 1000
+"""
+    state = parse_sglang_metrics(text)
+    assert (state.kv_usage, state.num_gpu_blocks) == (0.6, 2000)
+    # without a KV gauge (a renamed metric, stats off): the capacity is not all free, it is unknown
+    no_use = parse_sglang_metrics("sglang:num_running_reqs 50\nsglang:max_total_num_tokens 1000\n")
+    assert no_use.num_gpu_blocks is None
+    vllm = parse_vllm_metrics(
+        'vllm:num_requests_running 50\nvllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1\n'
+    )
+    assert vllm.num_gpu_blocks is None and vllm.block_size == 16
+
+
 # -- the engines' own timing (latency learning) -------------------------------------------------------
 
 #: vLLM 0.33's timing series as it exposes them (two data-parallel ranks; buckets elided where
@@ -351,7 +389,7 @@ async def test_a_llamacpp_scrape_keeps_its_metrics_when_slots_are_junk_or_slow()
         state = await adapter.scrape()  # junk slots: the metrics reading stands
         assert state is not None and state.num_running == 2
         slots["body"] = [{"n_ctx": 1000, "is_processing": True, "n_prompt_tokens": float("inf")}]
-        state = await adapter.scrape()  # (aiohttp reads Infinity: no int of it)
+        state = await adapter.scrape()  # (Infinity is no JSON: junk, as above)
         assert state is not None and state.num_running == 2
         slots["body"], slots["delay"] = [], 5.0
         started = asyncio.get_running_loop().time()

@@ -160,6 +160,7 @@ async def test_hanging_scrape_makes_state_stale_but_never_ejects(
         assert snap.healthy and record.consecutive_failures == 0
         assert snap.state is not None and snap.state.num_running == 3  # last good reading kept
         assert estimated_load(snap) == 0.0  # routing falls back on the gateway's own shadow
+        assert await until(lambda: record.state_stale)  # ...and so does its free KV
         assert await until(lambda: monitor.scrape_errors.get("e") == "timed out")
         assert fleet.engine_snapshot("e").healthy and record.consecutive_failures == 0
 
@@ -168,6 +169,7 @@ async def test_hanging_scrape_makes_state_stale_but_never_ejects(
         assert await until(lambda: not fleet.engine_snapshot("e").stale)
         snap = fleet.engine_snapshot("e")
         assert snap.state is not None and snap.state.num_running == 7 and "e" not in monitor.scrape_errors
+        assert not record.state_stale
     finally:
         await monitor.stop()
 

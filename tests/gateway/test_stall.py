@@ -128,6 +128,38 @@ def test_a_non_streamed_request_on_an_engine_without_a_step_counter_is_no_sign()
     assert fleet.check_stall("m-0", 60.0, AFTER) and fleet.records["m-0"].stalled
 
 
+def test_a_non_streamed_request_is_no_sign_while_the_engine_s_scrapes_fail() -> None:
+    """Its only sign of progress is the step counter the scrapes read: a busy engine whose
+    /metrics times out for the stall window showed none, and left rotation."""
+    fleet = offline_fleet({MODEL: 2})
+    timing = EngineTiming(steps=5.0, generation_tokens=50.0)
+    fleet.record_state("m-0", EngineState(num_running=1, timing=timing), 1.0)
+    _hold(fleet, "m-0", "r1", sent=1.0).stream = False
+    assert not fleet.check_stall("m-0", 30.0, AFTER)  # (no scrape since 1.0: nothing is known)
+    fleet.record_state("m-0", EngineState(num_running=1, timing=timing), 31.0)
+    assert fleet.check_stall("m-0", 31.0, AFTER)  # a fresh reading whose counter did not move
+
+
+def test_free_kv_of_an_engine_whose_scrapes_fail_counts_what_gateways_placed_only() -> None:
+    """Its last reading (a busy moment: 90 % used) kept it parked as full in every placement for
+    as long as its /metrics timed out."""
+    fleet = offline_fleet({MODEL: 1})  # (stale after 3 s)
+    fleet.record_state("m-0", EngineState(kv_usage=0.9, block_size=16, num_gpu_blocks=100), 1.0)
+    _hold(fleet, "m-0", "r1", sent=1.0)  # 110 tokens, placed since the reading
+    record = fleet.records["m-0"]
+    assert record.free_kv_tokens() == 1600 - 1440 - 110
+    changes: list[str] = []
+    fleet.listeners.append(lambda engine_id, what: changes.append(what))
+    fleet.scrape_failed("m-0", 3.5)  # (not stale yet)
+    assert record.free_kv_tokens() == 1600 - 1440 - 110 and changes == []
+    fleet.scrape_failed("m-0", 4.5)
+    assert record.free_kv_tokens() == 1600 - 110 and changes == ["state"]  # (a look for the freed KV)
+    fleet.scrape_failed("m-0", 5.5)
+    assert changes == ["state"]
+    fleet.record_state("m-0", EngineState(kv_usage=0.5, block_size=16, num_gpu_blocks=100), 6.0)
+    assert record.free_kv_tokens() == 1600 - 800 and not record.state_stale
+
+
 def test_the_only_engine_with_an_adapter_is_never_marked() -> None:
     """Out of rotation, its adapter's requests would be refused (503), not moved."""
     fleet = offline_fleet({MODEL: 3})
