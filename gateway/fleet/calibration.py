@@ -38,6 +38,7 @@ import orjson
 
 from gateway import metrics
 from gateway.dispatch.latency_learner import LatencyLearner
+from gateway.engines.base import read_control
 from gateway.experiments.prompts import derive_seed, segment_tokens
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.sse import sse_data
@@ -196,8 +197,9 @@ class Calibrator:
         return len(samples)
 
     def _check(self, record: EngineRecord, watch: _Watch) -> None:
-        # (a drain began: a role flip is coming, and the probes would meet it)
-        if watch.touched or record.seats_taken() or record.draining:
+        # (a drain began: a role flip is coming, and the probes would meet it; ejected: each
+        # probe left would wait out its timeout while every other engine waits for its turn)
+        if watch.touched or record.seats_taken() or record.draining or not record.healthy:
             metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "interrupted").inc()
             raise Interrupted(record.engine_id)
 
@@ -227,7 +229,7 @@ class Calibrator:
             async with self.session.post(
                 url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
             ) as resp:
-                data = await resp.read()
+                data = await read_control(resp)
                 ok = resp.status == 200
         except _ERRORS:
             ok, data = False, b""
@@ -288,13 +290,14 @@ class Calibrator:
                 url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
             ) as resp:
                 if resp.status != 200:
-                    await resp.read()
-                    return False
+                    return False  # (its body unread: the connection is closed, not reused)
                 pending = b""
                 async for chunk in resp.content.iter_any():
                     now = self.clock()
                     pending += chunk
                     *events, pending = pending.split(b"\n\n")
+                    if len(pending) > MAX_EVENT_BYTES or len(stream.times) + len(events) > MAX_STREAM_EVENTS:
+                        return False  # (an engine streaming without end, or one endless event)
                     for event in events:
                         payload = sse_data(event)
                         if not event.startswith(b"data:") or payload.strip() == b"[DONE]":
@@ -313,6 +316,12 @@ class Calibrator:
 #: how far an engine's count of a probe's prompt may be from the gateway's before it is not
 #: believed (tokenizers differ, by far less than this)
 COUNT_FACTOR = 4
+
+
+#: a probe stream's events: those it asks for (one a token, and the usage), with room to spare;
+#: an engine streaming without end or one event without end fails the probe, not the memory
+MAX_STREAM_EVENTS = 4 * DECODE_TOKENS
+MAX_EVENT_BYTES = 1 << 20
 
 
 def _prompt_tokens(body: bytes, sent: int) -> int | None:

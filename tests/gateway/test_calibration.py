@@ -4,6 +4,7 @@ are never client traffic, and give way to client requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -213,3 +214,53 @@ async def test_a_drain_interrupts_a_calibration_run(engine: SimProcess) -> None:
                 await calibrator.calibrate(record)
         finally:
             fleet.set_draining("e0", False)
+
+
+async def test_a_probe_of_an_engine_streaming_without_end_fails_bounded() -> None:
+    """A probe stream read every event (and an event without end whole) into memory for as long
+    as the probe's timeout; an ejected engine's run went on, each probe waiting out its timeout
+    while every other engine waited for its turn."""
+    from aiohttp import web
+
+    from gateway.fleet.calibration import MAX_EVENT_BYTES, MAX_STREAM_EVENTS, _Stream
+
+    mode = {"one_event": False, "sent": 0}
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = b"x" * 65536 if mode["one_event"] else b'data: {"choices":[{"text":"a"}]}\n\n'
+        with contextlib.suppress(ConnectionError):
+            while True:  # (until the prober lets go)
+                await response.write(chunk)
+                mode["sent"] += len(chunk)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            engines = [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "e0"}]
+            settings = load_settings(None, engines=engines)
+            fleet = Fleet([adapter_for(e, session, 2.0) for e in settings.engines], settings.stale_after_s)
+            fleet.record_health("e0", True, 1, 1)
+            calibrator = Calibrator(fleet, SloService(settings).latency, session, interval_s=600.0)
+            record = fleet.records["e0"]
+            stream = _Stream(16)
+            async with asyncio.timeout(10):
+                assert not await calibrator._stream(record, stream)
+            assert len(stream.times) <= MAX_STREAM_EVENTS
+            mode["one_event"], mode["sent"] = True, 0
+            async with asyncio.timeout(10):
+                assert not await calibrator._stream(record, _Stream(16))
+            assert MAX_EVENT_BYTES < mode["sent"] < 64 * MAX_EVENT_BYTES
+            fleet.record_health("e0", False, 1, 1)  # ejected: the run stops at its next probe
+            with pytest.raises(Interrupted):
+                await calibrator.calibrate(record)
+    finally:
+        await runner.cleanup()
