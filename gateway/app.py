@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from gateway import metrics
 from gateway.api.auth import Authenticator, AuthError
-from gateway.api.errors import GatewayError, send_error
+from gateway.api.errors import GatewayError, described, send_error
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dashboard.decisions import DecisionLog
@@ -454,7 +454,9 @@ def build_api(gateway: Gateway) -> FastAPI:
         if base is not None:
             return _json({**card, "parent": base})
         return _error_response(
-            GatewayError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+            GatewayError(
+                404, f"The model {described(model)} does not exist", param="model", code="model_not_found"
+            )
         )
 
     @get("/health")

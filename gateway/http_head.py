@@ -59,6 +59,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         #: a head was refused: the connection is ending, what it still brings is dropped
         self._refused = False
         self._linger: asyncio.TimerHandle | None = None
+        #: closes a connection whose body still arrives after its request was answered
+        self._discard_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -106,6 +108,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return
         self._unparsed = 0
         cycle = self.cycle
+        if cycle.response_complete and self._discard_timer is None:
+            # Answered before its body was read (a 401, a 405, a 413): what is left of the body
+            # is dropped as it comes, but uvicorn stops its keep-alive timer at any byte, so a
+            # client that sent one more and then nothing held the connection for good. The rest
+            # must come within the head's time; then the connection ends.
+            self._discard_timer = self.loop.call_later(self.head_timeout_s, self.transport.close)
         if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
             return
         cycle.body += body  # (a bytearray since uvicorn 0.42: appends are amortised)
@@ -114,6 +122,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         cycle.message_event.set()
 
     def on_message_complete(self) -> None:
+        if self._discard_timer is not None:
+            # the rest came: the connection may serve the next request, idle as long as a
+            # kept-alive one (its keep-alive timer was stopped by the body's bytes)
+            self._discard_timer.cancel()
+            self._discard_timer = None
+            if not self.pipeline and self.timeout_keep_alive_task is None and not self._refused:
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
         if not self._refused:
             self._unparsed = 0
             super().on_message_complete()
@@ -129,6 +146,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._discard_timer is not None:
+            self._discard_timer.cancel()
+            self._discard_timer = None
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None

@@ -50,7 +50,8 @@ def serving_config(
 ) -> uvicorn.Config:
     """How every server of ours is served: uvicorn with httptools (each request's head bounded in
     size and time: :mod:`gateway.http_head`) and uvloop, no access log."""
-    quiet_repeats(logging.getLogger("uvicorn.error"), INVALID_HTTP_WARNING)
+    for warning in (INVALID_HTTP_WARNING, UNSUPPORTED_UPGRADE_WARNING):
+        quiet_repeats(logging.getLogger("uvicorn.error"), warning)
     return uvicorn.Config(
         app,
         host=host,
@@ -67,6 +68,8 @@ def serving_config(
 
 #: what uvicorn warns of, once per request, for one that is not HTTP (answered 400 by http_head)
 INVALID_HTTP_WARNING = "Invalid HTTP request received."
+#: ...and for each upgrade to a protocol it does not serve (h2c, say: answered as plain HTTP)
+UNSUPPORTED_UPGRADE_WARNING = "Unsupported upgrade request."
 
 
 class GatewayServer(uvicorn.Server):

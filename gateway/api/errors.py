@@ -15,6 +15,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",
+    409: "invalid_request_error",  # (a conflict with the gateway's state: the caller's to resolve)
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",

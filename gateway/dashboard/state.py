@@ -23,7 +23,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from gateway import metrics
-from gateway.api.errors import GatewayError, bad_request
+from gateway.api.errors import GatewayError, bad_request, described
 from gateway.serving.collocated import dispatcher_name
 
 if TYPE_CHECKING:
@@ -69,7 +69,9 @@ def parse_state_query(query: Mapping[str, str], limit: int) -> int:
     most what the log keeps); a bad or unknown parameter is a 400."""
     unknown = sorted(set(query) - {"decisions"})
     if unknown:
-        raise bad_request(f"unknown query parameter {unknown[0]!r}; accepted: decisions", unknown[0])
+        raise bad_request(
+            f"unknown query parameter {described(unknown[0])}; accepted: decisions", unknown[0][:64]
+        )
     raw = query.get("decisions")
     if raw is None:
         return min(50, limit)

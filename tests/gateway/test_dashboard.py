@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.dashboard.state import PAGE
+from gateway.api.errors import GatewayError
+from gateway.dashboard.state import PAGE, parse_state_query
 from gateway.procs import ChildProcess
 from gateway.realengines.progress import progress_to, terminal_sink
 from tests.gateway.conftest import MODEL, engine_entry
@@ -98,6 +99,13 @@ def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> Non
     assert all(d["engine"] in ("e0", "e1") and d["refused"] is None and d["attempt"] == 1 for d in latest)
     assert len(state(gateway, "?decisions=2").json()["decisions"]) == 2
     assert len(state(gateway, "?decisions=1000").json()["decisions"]) <= 40
+    # (the log holds 40 at most: the query's own cap is what bounds an answer below the log's)
+    assert (
+        parse_state_query({"decisions": "1000"}, 40) == 40 and parse_state_query({"decisions": "7"}, 40) == 7
+    )
+    with pytest.raises(GatewayError) as info:
+        parse_state_query({"x" * 10_000: "1"}, 40)
+    assert len(info.value.message) < 200  # (an unknown parameter's name is not echoed whole)
     assert state(gateway, "?decisions=0").json()["decisions"] == []
 
 

@@ -285,6 +285,34 @@ def test_what_is_not_http_is_logged_once_a_minute_not_once_a_request(gw: Running
     assert sum("Invalid HTTP request" in m for m in seen) <= 1, seen
 
 
+def test_an_upgrade_to_what_is_not_served_is_logged_once_a_minute_not_once_a_request(
+    gw: RunningGateway,
+) -> None:
+    """uvicorn warns of each (an h2c upgrade, say): the same flood as garbage, by a valid request."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("uvicorn.error")
+    keep = Keep()
+    logger.addHandler(keep)
+    try:
+        for _ in range(5):
+            with _connect(gw) as sock:
+                sock.sendall(
+                    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+                )
+                assert _one_answer(sock)[0] == 200
+    finally:
+        logger.removeHandler(keep)
+    assert any("Unsupported upgrade" in m for m in seen), seen  # (uvicorn still says so, once)
+    assert sum("Unsupported upgrade" in m for m in seen) == 1, seen
+
+
 def test_a_repeated_message_goes_out_once_an_interval_with_the_count_held_back() -> None:
     import logging
 
@@ -299,3 +327,49 @@ def test_a_repeated_message_goes_out_once_an_interval_with_the_count_held_back()
     repeated._last -= 3600.0
     later = logging.LogRecord("x", logging.WARNING, "", 0, "same", (), None)
     assert repeated.filter(later) and later.getMessage() == "same (2 more since the last said so)"
+
+
+def _one_answer(sock: socket.socket) -> tuple[int, bytes]:
+    """Read one answer (by its length) from a connection that stays open: status, body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_a_body_still_arriving_after_its_answer_must_end_within_the_head_time(gw: RunningGateway) -> None:
+    """Answered before its body was read (here a 405), a request's body bytes are dropped as
+    they come; uvicorn stops its keep-alive timer at any byte, so a client that sent one more
+    and then nothing held the connection (and a file descriptor) for good, without a key."""
+    with _connect(gw) as sock:
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        status, _ = _one_answer(sock)
+        assert status == 405
+        started = time.monotonic()
+        sock.sendall(b"{")  # ...and nothing more
+        assert sock.recv(65536) == b""
+    assert 0.4 <= time.monotonic() - started < 5.0  # (the head's time, 0.5 s)
+    # a body that does arrive whole after its answer leaves the connection serving the next
+    # request, and idle, it is closed as a kept-alive one is (1 s here)
+    with _connect(gw) as sock:
+        for _ in range(2):
+            sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+            assert _one_answer(sock)[0] == 405
+            sock.sendall(b"{}{}")
+            time.sleep(0.7)  # (past the head's time: no timer of the body's left running)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _one_answer(sock)[0] == 200
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        assert _one_answer(sock)[0] == 405
+        started = time.monotonic()
+        sock.sendall(b"{}{}")
+        assert sock.recv(65536) == b""
+    assert 0.8 <= time.monotonic() - started < 6.0

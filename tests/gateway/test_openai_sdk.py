@@ -48,6 +48,9 @@ def test_models_retrieve_finds_a_served_model_and_names_one_that_is_not(client: 
         client.models.retrieve("no-such/model")
     assert missing.value.body["code"] == "model_not_found" and "no-such/model" in missing.value.message  # type: ignore[index]
     assert client.get("/models/", cast_to=object)["data"][0]["id"] == MODEL  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as long_name:  # (a name is not echoed whole)
+        client.models.retrieve("a" * 60_000)
+    assert len(long_name.value.message) < 300
 
 
 def test_every_get_route_answers_head_and_a_405_names_the_allowed_methods(gw: RunningGateway) -> None:

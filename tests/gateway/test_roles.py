@@ -26,6 +26,7 @@ def test_the_only_front_engine_flips_only_when_the_gap_is_accepted() -> None:
     with pytest.raises(GatewayError) as info:
         check_flip(fleet, "e0", Role.PREFILL)
     assert info.value.status == 409 and "allow_gap" in info.value.message
+    assert info.value.payload()["error"]["type"] == "invalid_request_error"  # type: ignore[index]  # (not a server error)
     check_flip(fleet, "e0", Role.PREFILL, allow_gap=True)
     # another front engine in rotation takes the requests meanwhile
     check_flip(_fleet("collocated", "collocated"), "e0", Role.DECODE)
