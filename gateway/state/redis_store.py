@@ -30,6 +30,12 @@ def server_of(url: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+#: a subscription pings its server this often while it hears nothing else, and is lost when it
+#: hears nothing at all (not even the pings' answers) for this long
+SUBSCRIPTION_PING_S = 5.0
+SUBSCRIPTION_SILENT_S = 3 * SUBSCRIPTION_PING_S
+
+
 class RedisStore:
     def __init__(self, url: str, timeout_s: float = 1.0) -> None:
         # (imported here: only a gateway configured for Redis loads the client)
@@ -49,6 +55,8 @@ class RedisStore:
             socket_connect_timeout=timeout_s,
             # a connection the server or a proxy closed while idle is found before it is used
             health_check_interval=30,
+            # (and one gone half-open is found by the kernel, not only by a command's timeout)
+            socket_keepalive=True,
             # one attempt: the caller's next round is the retry
             retry_on_timeout=False,
         )
@@ -137,8 +145,10 @@ class RedisStore:
 
     async def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
         pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        loop = asyncio.get_running_loop()
         try:
             await self._call(pubsub.subscribe(channel))
+            heard_at = next_ping = loop.time()
             while True:
                 # (a bounded wait, not listen(): a read past socket_timeout is an error there,
                 # and a quiet channel is not one)
@@ -147,9 +157,25 @@ class RedisStore:
                     pubsub.get_message(ignore_subscribe_messages=True, timeout=self.timeout_s / 2),
                     bounded=True,
                 )
-                if message is not None and message.get("type") == "message":
-                    data = message["data"]
-                    yield data if isinstance(data, bytes) else str(data).encode()
+                now = loop.time()
+                if message is not None:
+                    heard_at = now
+                    if message.get("type") == "message":
+                        data = message["data"]
+                        yield data if isinstance(data, bytes) else str(data).encode()
+                        continue
+                # A connection gone half-open (its server moved, packets dropped) reads as a quiet
+                # channel, and redis-py's own health check sends a PING without waiting for its
+                # answer: the subscription went silent until the kernel gave up, many minutes
+                # later. Our pings' answers, or any message, say it lives.
+                if now - heard_at > SUBSCRIPTION_SILENT_S:
+                    raise StoreError(
+                        f"the subscription to {channel} at {self.where} answered nothing for "
+                        f"{SUBSCRIPTION_SILENT_S:g} s"
+                    )
+                if now >= next_ping:
+                    next_ping = now + SUBSCRIPTION_PING_S
+                    await self._call(pubsub.ping(b"slogate"))
         finally:
             with contextlib.suppress(Exception):  # (closing what may already be broken)
                 await asyncio.wait_for(pubsub.aclose(), self.timeout_s)

@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Protocol
 
+from gateway import metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -155,6 +157,7 @@ async def listen(
     a subscription lost is taken again after ``retry_s`` (what was published meanwhile is gone).
     A failure of ``heard`` on one message is logged (once per subscription) and the next is
     read: it must not cost the subscription, nor the messages published while it is taken again."""
+    outage = False  # (the subscription has failed since it last delivered a message)
     while not stopping():
         try:
             async with contextlib.aclosing(store.subscribe(channel)) as messages:
@@ -162,6 +165,9 @@ async def listen(
                 async for message in messages:
                     if stopping():
                         return
+                    if outage:
+                        log.info("%s subscription is back", what)
+                        outage = False
                     try:
                         heard(message)
                     except Exception:
@@ -169,7 +175,14 @@ async def listen(
                             log.exception("%s: a message could not be taken", what)
                             failed = True
         except StoreError as exc:
-            log.debug("%s subscription lost (%s); subscribing again", what, exc)
+            # counted every time, said once an outage: a Redis that refuses SUBSCRIBE (an ACL
+            # without pub/sub, a proxy without it) left replicas sharing nothing, unseen
+            metrics.STATE_STORE_ERRORS.inc()
+            if not outage:
+                log.warning("%s subscription lost (%s); subscribing again every %g s", what, exc, retry_s)
+            outage = True
         except Exception:
+            metrics.STATE_STORE_ERRORS.inc()
             log.exception("%s subscription failed", what)
+            outage = True
         await asyncio.sleep(retry_s)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -149,8 +150,20 @@ async def test_a_subscription_lost_with_its_server_raises_store_error() -> None:
     with RedisServer() as server:
         store = RedisStore(server.url, timeout_s=0.3)
         messages = store.subscribe("{t}:ch")
-        waiting = asyncio.ensure_future(anext(messages))
-        await asyncio.sleep(0.2)
+        probe = asyncio.ensure_future(_next(messages))
+        # (subscribed once a probe comes through: a SUBSCRIBE that failed would raise the same)
+        for _ in range(200):
+            await store.publish("{t}:ch", b"probe")
+            await asyncio.sleep(0.01)
+            if probe.done():
+                break
+        assert await probe == b"probe"
+        while True:  # (the probes published meanwhile)
+            waiting = asyncio.ensure_future(anext(messages))
+            await asyncio.sleep(0.05)
+            if not waiting.done():
+                break
+            assert waiting.result() == b"probe"
         server.stop()
         with pytest.raises(StoreError):
             await asyncio.wait_for(waiting, 5.0)
@@ -233,3 +246,82 @@ async def test_listen_keeps_its_subscription_when_one_message_cannot_be_taken(st
         stop = True
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_a_subscription_that_keeps_failing_is_said_once_and_counted_every_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Redis that refuses SUBSCRIBE (an ACL without pub/sub, a proxy without it) left the
+    replicas sharing no route or session, retried forever at debug level: nobody saw it."""
+    from gateway import metrics
+
+    class Refusing(MemoryStore):
+        refusals = 0
+
+        async def subscribe(self, channel: str) -> AsyncGenerator[bytes, None]:
+            self.refusals += 1
+            raise StoreError("NOPERM this user has no permissions to access the channel")
+            yield b""  # (a generator, as the store's)
+
+    store = Refusing()
+    before = metrics.REGISTRY.get_sample_value("slogate_state_store_errors_total") or 0.0
+    caplog.set_level(logging.DEBUG, logger="gateway.state.store")
+    stop = False
+    listener = asyncio.create_task(listen(store, "{t}:ch", lambda m: None, lambda: stop, 0.01, "routes"))
+    try:
+        while store.refusals < 5:
+            await asyncio.sleep(0.01)
+    finally:
+        stop = True
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    warned = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "subscription lost" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "NOPERM" in warned[0].getMessage()
+    after = metrics.REGISTRY.get_sample_value("slogate_state_store_errors_total") or 0.0
+    assert after - before >= 5
+
+
+async def test_a_subscription_whose_server_went_silent_is_lost_not_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection gone half-open read as a quiet channel: redis-py's health check sends a
+    PING without waiting for its answer, so route and session sharing stopped, unseen, until the
+    kernel gave up many minutes later. A frozen server (SIGSTOP) holds its connections open and
+    answers nothing, as a half-open one does."""
+    import os
+    import signal
+    import time
+
+    from gateway.state import redis_store
+
+    monkeypatch.setattr(redis_store, "SUBSCRIPTION_PING_S", 0.1)
+    monkeypatch.setattr(redis_store, "SUBSCRIPTION_SILENT_S", 0.5)
+    with RedisServer() as server:
+        store = RedisStore(server.url, timeout_s=0.3)
+        messages = store.subscribe("{t}:ch")
+        probe = asyncio.ensure_future(_next(messages))
+        for _ in range(200):
+            await store.publish("{t}:ch", b"probe")
+            await asyncio.sleep(0.01)
+            if probe.done():
+                break
+        assert await probe == b"probe"
+        # a quiet channel on a live server stays subscribed: the pings are answered
+        quiet = asyncio.ensure_future(anext(messages))
+        await asyncio.sleep(1.0)
+        while quiet.done():  # (the probes published meanwhile)
+            assert quiet.result() == b"probe"
+            quiet = asyncio.ensure_future(anext(messages))
+            await asyncio.sleep(1.0)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreError, match="answered nothing"):
+                await asyncio.wait_for(quiet, 5.0)
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await store.close()
