@@ -190,6 +190,7 @@ class Gateway:
                 replicas.has_peers,
                 s.replica_push_delay_s,
                 sessions_ttl_s=s.affinity_ttl_s,
+                max_sessions=s.affinity_max_sessions,
             )
             self.routes.start()
         if self.kv_events is not None:

@@ -342,7 +342,9 @@ REPLICA_ROUTES = Counter(
     "dropped (not sent: more "
     "waited than one message carries), rejected (messages, not routes: malformed or past the "
     "bounds, not taken at all; or a stored session malformed), recovered (sessions dispatched "
-    "before this replica started, read from the store at its start)",
+    "before this replica started, read from the store at its start), unwritten (sessions not "
+    "written to the store for later replicas: new ones past its budget, affinity_max_sessions "
+    "each affinity_ttl_s)",
     ["outcome"],
     registry=REGISTRY,
 )

@@ -211,6 +211,7 @@ class ReplicaRoutes:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sessions_ttl_s: float = 600.0,
+        max_sessions: int = 100_000,
     ) -> None:
         self.routing = routing
         self.store = store
@@ -223,6 +224,14 @@ class ReplicaRoutes:
         #: where each session's last dispatch is written, for the replicas that start later
         self.session_prefix = f"{{{namespace}}}:session:"
         self.sessions_ttl_s = sessions_ttl_s
+        #: sessions each replica may add to the store per ``sessions_ttl_s`` (a token bucket; the
+        #: affinity map's own bound): client-chosen session ids sprayed at thousands a second
+        #: made millions of keys, on a Redis that evicts none or that evicted real sessions for them
+        self.max_sessions = max_sessions
+        self._budget = float(max_sessions)
+        self._budget_at = clock()
+        #: sessions this replica wrote within ``sessions_ttl_s`` (rewriting one adds no key)
+        self._written: OrderedDict[str, float] = OrderedDict()
         #: sessions dispatched here since the last push: (engine, stamp)
         self._sessions: dict[str, tuple[str, float]] = {}
         # (how its own messages begin: encode writes these keys first, in this order)
@@ -289,12 +298,32 @@ class ReplicaRoutes:
             if known is not None and known[0] >= stamp:
                 stamp = math.nextafter(known[0], math.inf)
             self._note(session, stamp, self.replica_id)
-            if len(self._sessions) < MAX_PENDING_SESSIONS or session in self._sessions:
+            if (len(self._sessions) < MAX_PENDING_SESSIONS or session in self._sessions) and self._may_write(
+                session
+            ):
                 self._sessions[session] = (engine_id, stamp)
         if told:
             self._pending.append(Route(engine_id, block_size, keys, session, stamp))
             self._pending_keys += count
         self._pushes.poke()
+
+    def _may_write(self, session: str) -> bool:
+        """Whether ``session`` is written to the store: one this replica wrote within its TTL
+        always (its key is there already), a new one while the budget lasts."""
+        now = self.clock()
+        written = self._written.get(session)
+        if written is None or now - written >= self.sessions_ttl_s:
+            refill = (now - self._budget_at) * self.max_sessions / self.sessions_ttl_s
+            self._budget, self._budget_at = min(float(self.max_sessions), self._budget + refill), now
+            if self._budget < 1.0:
+                metrics.child(metrics.REPLICA_ROUTES, "unwritten").inc()
+                return False
+            self._budget -= 1.0
+        self._written[session] = now
+        self._written.move_to_end(session)
+        if len(self._written) > self.max_sessions:
+            self._written.popitem(last=False)
+        return True
 
     async def _run(self) -> None:
         while not self._stopping:

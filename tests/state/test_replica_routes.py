@@ -681,3 +681,35 @@ async def test_session_writes_failing_alone_are_told_apart_from_the_routes(
         assert not any("unreachable" in w or "reachable again" in w for w in warnings), warnings
     finally:
         await _stop(ra, rb)
+
+
+async def test_new_sessions_written_to_the_store_are_budgeted_and_rewrites_are_free() -> None:
+    """Client-chosen session ids sprayed at thousands a second each became a key for the TTL:
+    millions of them, on a Redis that evicts none, or that evicted real sessions for them. A
+    replica adds at most max_sessions keys per TTL (burst included); rewriting one it wrote
+    within the TTL adds none and always goes."""
+    store = MemoryStore()
+    now = [1.0]
+    _, routing, router, routes = _started(store, "ra", False, lambda: now[0], lambda: 1.0)
+    await routes.stop()  # (nothing pushes: what waits stays)
+    routes._started, routing.route_listener = True, routes._routed
+    routes.max_sessions, routes._budget, routes._budget_at = 4, 4.0, now[0]  # (4 per 300 s)
+    unwritten = metrics.REPLICA_ROUTES.labels("unwritten")._value.get()
+
+    def dispatch(session: str) -> None:
+        routing.attach(f"r-{session}-{now[0]}", None, session)
+        assert router.choose(RequestView(f"r-{session}-{now[0]}", MODEL, 200, 20), now=now[0]) is not None
+
+    for i in range(10):
+        dispatch(f"sprayed-{i}")
+    assert sorted(routes._sessions) == [f"sprayed-{i}" for i in range(4)]
+    assert metrics.REPLICA_ROUTES.labels("unwritten")._value.get() == unwritten + 6
+    routes._sessions.clear()
+    dispatch("sprayed-0")  # (its key is there: a rewrite goes, past the budget)
+    assert list(routes._sessions) == ["sprayed-0"]
+    now[0] += 75.0  # a quarter of the TTL: room for one more new key
+    dispatch("new-a")
+    dispatch("new-b")
+    assert sorted(routes._sessions) == ["new-a", "sprayed-0"]
+    # the local map is bounded too: what was written longest ago is forgotten first
+    assert len(routes._written) <= routes.max_sessions
