@@ -49,6 +49,11 @@ MAX_SEQ_AHEAD = 1_000_000
 #: bounds on what another replica may claim, per engine
 MAX_COUNT = 1_000_000
 MAX_TOKENS = 1 << 50
+#: the largest load message taken (one engine's entry is tens of bytes: room for 100,000 busy
+#: engines) and the most replicas a round reads (group members are read back from the store,
+#: which anything with access to it may write: each became a key of one MGET, every round)
+MAX_MESSAGE_BYTES = 8 << 20
+MAX_REPLICAS = 1024
 
 Loads = dict[str, tuple[int, int, int]]
 
@@ -82,6 +87,8 @@ def encode(fleet: Fleet | None, replica_id: str, life: str, seq: int) -> bytes:
 def decode(value: bytes, known: frozenset[str] | set[str]) -> Said | None:
     """The message, with its counts for the engines this fleet knows; None when the value is not
     one this version writes (a count or token total out of bounds makes all of it so)."""
+    if len(value) > MAX_MESSAGE_BYTES:
+        return None
     try:
         doc = orjson.loads(value)
     except orjson.JSONDecodeError:
@@ -237,7 +244,7 @@ class ReplicaLoad:
         # (every round: a store that restarted, or others that took this replica for gone while
         # it was stalled, learn of it again)
         await store.join(self.group, self.replica_id)
-        others = sorted(await store.members(self.group) - {self.replica_id})
+        others = sorted(await store.members(self.group) - {self.replica_id})[:MAX_REPLICAS]
         values = await store.get_many([self.key(m) for m in others])
         gone = [m for m, v in zip(others, values, strict=True) if v is None]
         if gone:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import orjson
 import pytest
@@ -421,3 +421,32 @@ async def test_calibration_takes_an_engine_with_another_replicas_requests_for_bu
     fa.reserve("a-0", "x", entry())
     await exchange(la, lb)
     assert not Calibrator._idle(record)
+
+
+async def test_what_anyone_may_write_to_the_store_is_read_within_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group members and load values are read back from the store, which anything with access
+    to it may write: a million members each became a key of one MGET, every round, and a load
+    message of any size was parsed and walked on the event loop."""
+    from gateway.state import replica_load
+
+    monkeypatch.setattr(replica_load, "MAX_REPLICAS", 3)
+    asked: list[int] = []
+
+    class Counting(MemoryStore):
+        async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+            asked.append(len(keys))
+            return await super().get_many(keys)
+
+    clock = Clock()
+    store = Counting(clock)
+    (_, la), (_, lb) = replicas(store, clock)
+    for i in range(50):
+        await store.join(lb.group, f"stranger-{i}")
+    await exchange(la, lb)
+    assert asked and max(asked) <= 3
+    big = _said({f"e{i}": [1, 1, 1] for i in range(20)})
+    assert decode(big, {"e0"}) is not None
+    monkeypatch.setattr(replica_load, "MAX_MESSAGE_BYTES", len(big) - 1)
+    assert decode(big, {"e0"}) is None
