@@ -169,6 +169,7 @@ class Gateway:
                 s.replica_sync_interval_s,
                 s.replica_push_delay_s,
                 s.state_store_timeout_s,
+                namespace=s.state_namespace,
             )
             self.replicas.start()
         else:
@@ -189,6 +190,7 @@ class Gateway:
                 s.replica_id,
                 replicas.has_peers,
                 s.replica_push_delay_s,
+                namespace=s.state_namespace,
                 sessions_ttl_s=s.affinity_ttl_s,
                 max_sessions=s.affinity_max_sessions,
             )

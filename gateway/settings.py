@@ -503,6 +503,15 @@ class Settings(BaseSettings):
         description="this replica's name in the state store, its own (default: host name, process id "
         "and a random part; the Helm chart gives each pod its name)",
     )
+    state_namespace: str = Field(
+        default="slogate",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._:-]+$",
+        description="what this deployment's keys and channels in the state store begin with: "
+        "deployments sharing one Redis database need their own (the Helm chart gives each release "
+        "its name), or they count each other's requests and take each other's sessions",
+    )
     replica_sync_interval_s: float = Field(
         default=0.5,
         ge=0.01,

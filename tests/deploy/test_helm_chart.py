@@ -49,6 +49,7 @@ CHART_MANAGED = {
     "state_store": "SLOGATE_STATE_STORE env from stateStore.mode (auto: redis with more than one replica)",
     "redis_url": "SLOGATE_REDIS_URL env: stateStore.redis.url / existingSecret, or the chart's own Redis",
     "replica_id": "SLOGATE_REPLICA_ID env: the pod's name",
+    "state_namespace": "SLOGATE_STATE_NAMESPACE env: the release's full name",
 }
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -840,6 +841,8 @@ def test_replicas_share_their_load_through_the_charts_redis_when_there_may_be_se
     assert url == f"redis://:$(REDIS_PASSWORD)@{service['metadata']['name']}:6379/0"
     # each replica by its pod's name: a restarted pod is a new replica, a gone one expires
     assert env["SLOGATE_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # each release's keys apart from another's on the same Redis database
+    assert env["SLOGATE_STATE_NAMESPACE"]["value"] == deploy["metadata"]["name"].removesuffix("-redis")
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True

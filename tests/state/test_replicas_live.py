@@ -108,6 +108,43 @@ def test_two_replicas_never_put_two_requests_on_a_one_seat_engine(redis_server: 
                 gate.set()
 
 
+def test_deployments_sharing_one_redis_database_are_kept_apart_by_their_namespace(
+    redis_server: RedisServer,
+) -> None:
+    """Two deployments on one Redis database with the same engine ids (a staging and a production
+    release, say) counted each other's requests and took each other's sessions: every key and
+    channel began with the same fixed name."""
+    gates = {"x": threading.Event(), "y": threading.Event()}
+    apart = {"state_namespace": "staging"}
+    with (
+        two_replicas(redis_server, gates) as (x, _, a, _b),
+        run_gateway(
+            engines=[x.entry("x")],
+            replica_id="other-release",
+            state_store="redis",
+            redis_url=redis_server.url,
+            replica_sync_interval_s=0.05,
+            monitor_interval_s=60.0,
+            **apart,
+        ) as c,
+    ):
+        try:
+            assert c.gateway.replicas is not None and a.gateway.replicas is not None
+            assert wait_until(lambda: a.gateway.replicas.peers == ("gw-b",))  # type: ignore[union-attr]
+            thread = threading.Thread(
+                target=lambda: httpx.post(c.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            )
+            thread.start()
+            assert wait_until(lambda: len(x.received) == 1)
+            time.sleep(0.3)  # (several rounds of the exchange)
+            assert remote(a.gateway)["x"] == 0 and c.gateway.replicas.peers == ()  # type: ignore[union-attr]
+            assert "other-release" not in a.gateway.replicas.peers  # type: ignore[union-attr]
+        finally:
+            for gate in gates.values():
+                gate.set()
+        thread.join(30)
+
+
 def test_a_gateway_whose_redis_is_down_serves_alone_and_says_so() -> None:
     server = RedisServer()  # (never started: nothing listens on its port)
     with (
