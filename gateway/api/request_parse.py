@@ -198,7 +198,24 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
             ]
             texts.extend(text)
             media = media or len(text) < len(content)
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            texts.append(_rendered(calls))  # (an assistant turn's calls: the template writes them)
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        # the template writes every tool's schema into the prompt: an agent's tools are often
+        # thousands of tokens, and counted as none its prefill was predicted far too short
+        texts.append(_rendered(tools))
     return chat_prompt_estimate(len(messages), estimate_total_tokens(texts)), media
+
+
+def _rendered(value: list[Any]) -> str:
+    """``value`` as JSON text, about as a chat template renders it into the prompt (a value
+    nested too deep to write is counted as nothing: the engine refuses such a body)."""
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return ""
 
 
 def chat_prompt_estimate(messages: int, content_tokens: int) -> int:

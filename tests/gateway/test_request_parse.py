@@ -411,3 +411,34 @@ def test_only_arrays_are_arrays_of_a_type() -> None:
     big = {str(i): str(i) for i in range(5000)}  # (its keys are strings: read as a sequence, it passed)
     assert not _only(big, frozenset((str,))) and not _only("abc", frozenset((str,)))
     assert _only(["a"] * 5000, frozenset((str,)))
+
+
+def test_a_chat_s_tools_and_tool_calls_count_as_prompt() -> None:
+    """The template writes every tool's schema (and an assistant turn's calls) into the prompt:
+    an agent's tools, often thousands of tokens, counted as none, so its prefill and KV were
+    predicted far too small."""
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"tool_{i}", "description": "looks a thing up " * 20, "parameters": {}},
+        }
+        for i in range(20)
+    ]
+    plain = parse_request("chat", body(), 100).prompt_tokens
+    with_tools = parse_request("chat", body(tools=tools), 100).prompt_tokens
+    # (past a few thousand characters the count is an estimate: within a few per cent)
+    assert with_tools - plain == pytest.approx(count_tokens(orjson.dumps(tools).decode()), rel=0.05)
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "tool_1", "arguments": '{"q": "weather"}'}}
+    ]
+    turn = [
+        *MSG,
+        {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    counted = parse_request("chat", body(messages=turn), 100).prompt_tokens
+    assert counted == 4 * 3 + 1 + count_tokens("hello there") + count_tokens("sunny") + count_tokens(
+        orjson.dumps(calls).decode()
+    )
+    deep = body(tools=[])[:-3] + b"[" * 300 + b"]" * 300 + b"}"  # (deeper than JSON is written)
+    assert parse_request("chat", deep, 100).prompt_tokens == plain  # (counted as nothing)
