@@ -32,6 +32,11 @@ log = logging.getLogger("slogate.parse")
 
 #: worker deaths in a row (no body parsed between them) after which bodies are parsed in place
 MAX_DEATHS = 3
+#: bodies the worker keys at once (it parses one body at a time): one keyed with an engine's
+#: tokenizer takes up to seconds, and the bodies queued behind a burst of them waited for every
+#: one before their routing fields came back; past it a body is parsed without its key (routed
+#: without prefix credit, as the front door's keyer does when its queue is full)
+MAX_KEYING = 1
 
 
 def _worker_init(parent: int) -> None:
@@ -69,6 +74,7 @@ class BodyParser:
         self._warm_up: concurrent.futures.Future[int] | None = None
         self._disabled = False
         self._deaths = 0  # in a row, without a body parsed since
+        self._keying = 0  # bodies sent to the worker with their key to compute
 
     async def parse(
         self, kind: RouteKind, raw: bytes, engine_tokenizers: Mapping[str, str] | None = None
@@ -94,13 +100,14 @@ class BodyParser:
             if warm_up is not None and warm_up.exception() is not None:
                 self._died(pool)  # it died starting: the next large body starts another
                 return parse_request(kind, raw, self.default_max_tokens)
+            keyed = self.prompt_ids and self._keying < MAX_KEYING
             future = asyncio.get_running_loop().run_in_executor(
                 pool,
                 parse_summary,
                 kind,
                 raw,
                 self.default_max_tokens,
-                self.prompt_ids,
+                keyed,
                 self.engine_tokenizers if engine_tokenizers is None else engine_tokenizers,
             )
         except BrokenProcessPool:
@@ -111,11 +118,14 @@ class BodyParser:
             log.warning("no worker process for large bodies (%s); parsing them in place", exc)
             self._disabled = True
             return parse_request(kind, raw, self.default_max_tokens)
+        self._keying += keyed
         try:
             summary = await future
         except BrokenProcessPool:
             self._died(pool)
             return parse_request(kind, raw, self.default_max_tokens)
+        finally:
+            self._keying -= keyed
         self._deaths = 0
         summary.raw = raw
         return summary

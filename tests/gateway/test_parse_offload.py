@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from gateway.api import parse_offload as offload
 from gateway.api.errors import GatewayError
 from gateway.api.parse_offload import BodyParser
 from gateway.api.request_parse import parse_request
@@ -122,8 +123,6 @@ async def test_a_worker_that_dies_while_idle_is_replaced_not_given_up() -> None:
 async def test_a_worker_that_keeps_dying_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from concurrent.futures.process import BrokenProcessPool
 
-    import gateway.api.parse_offload as offload
-
     class Broken:
         def __init__(self, *_: object, **__: object) -> None:
             pass
@@ -216,3 +215,28 @@ def test_a_gateway_killed_outright_takes_its_parse_worker_with_it() -> None:
     for pid in left:  # (never leave one behind, whatever the outcome)
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+async def test_a_burst_of_large_bodies_is_keyed_one_at_a_time_and_the_rest_parsed_without() -> None:
+    """The worker parses one body at a time, and keying one with an engine's tokenizer takes up
+    to seconds: the bodies behind a burst waited for every key before their routing fields came
+    back. Past MAX_KEYING at once, a body comes back without its key (routed without prefix
+    credit), soon after the key being computed."""
+    import asyncio
+
+    text = "the quick brown fox jumps over the lazy dog; " * 40_000
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
+    parser = BodyParser(threshold=1024, default_max_tokens=16, prompt_ids=True)
+    try:
+        await parser.parse(
+            "chat", b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 2000 + b'"}]}'
+        )
+        assert await parser.started()
+        burst = await asyncio.gather(*(parser.parse("chat", raw) for _ in range(4)))
+        keyed = [r.prompt_ids is not None for r in burst]
+        assert keyed[0] and keyed.count(True) == offload.MAX_KEYING, keyed
+        assert parser._keying == 0
+        alone = await parser.parse("chat", raw)  # (the burst over: keyed again)
+        assert alone.prompt_ids is not None and len(alone.prompt_ids) > 0
+    finally:
+        parser.close()
