@@ -243,6 +243,9 @@ class ReplicaRoutes:
         self._stamps: OrderedDict[str, tuple[float, str, float]] = OrderedDict()
         self._warned_ahead: set[str] = set()
         self._pushes = DelayedWake(push_delay_s)
+        #: the session writes' own turn: a slow pipeline of writes must not hold the pushes back
+        #: (routes waiting meanwhile passed MAX_ROUTES and were dropped, PUBLISH healthy)
+        self._writes = DelayedWake(push_delay_s)
         self._started = False
         self._tasks: list[asyncio.Task[object]] = []
         self._stopping = False
@@ -258,6 +261,7 @@ class ReplicaRoutes:
         self.routing.route_listener = self._routed
         self._tasks = [
             loop.create_task(self._run(), name="replica-routes"),
+            loop.create_task(self._write(), name="replica-routes-sessions"),
             loop.create_task(self._listen(), name="replica-routes-listen"),
         ]
         if self.routing.affinity is not None:
@@ -302,10 +306,11 @@ class ReplicaRoutes:
                 session
             ):
                 self._sessions[session] = (engine_id, stamp)
+                self._writes.poke()
         if told:
             self._pending.append(Route(engine_id, block_size, keys, session, stamp))
             self._pending_keys += count
-        self._pushes.poke()
+            self._pushes.poke()
 
     def _may_write(self, session: str) -> bool:
         """Whether ``session`` is written to the store: one this replica wrote within its TTL
@@ -329,9 +334,13 @@ class ReplicaRoutes:
         while not self._stopping:
             await self._pushes.wait()
             routes, self._pending, self._pending_keys = self._pending, [], 0
-            sessions, self._sessions = self._sessions, {}
             if routes:
                 await self.push(routes)
+
+    async def _write(self) -> None:
+        while not self._stopping:
+            await self._writes.wait()
+            sessions, self._sessions = self._sessions, {}
             if sessions:
                 await self.write_sessions(sessions)
 

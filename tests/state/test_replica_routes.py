@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -713,3 +714,40 @@ async def test_new_sessions_written_to_the_store_are_budgeted_and_rewrites_are_f
     assert sorted(routes._sessions) == ["new-a", "sprayed-0"]
     # the local map is bounded too: what was written longest ago is forgotten first
     assert len(routes._written) <= routes.max_sessions
+
+
+async def test_slow_session_writes_do_not_hold_back_the_routes() -> None:
+    """Routes and session writes took turns in one task: a pipeline of writes slow to answer held
+    the pushes back, and the routes waiting meanwhile passed MAX_ROUTES and were dropped while
+    PUBLISH itself was healthy."""
+    release = asyncio.Event()
+
+    class SlowWrites(MemoryStore):
+        async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float) -> None:
+            await release.wait()
+            await super().put_many(items, ttl_s)
+
+    store = SlowWrites()
+    _, routing, router, routes = _started(store, "ra", True, time.monotonic, time.time)
+    heard: list[bytes] = []
+    listener = asyncio.create_task(_collect(store, routes.channel, heard))
+    try:
+        await asyncio.sleep(0.05)  # (subscribed)
+        for i in range(3):
+            routing.attach(f"r{i}", None, f"s{i}")
+            assert router.choose(RequestView(f"r{i}", MODEL, 200, 20), now=1.0) is not None
+            await asyncio.sleep(0.02)  # (a push each)
+        await until(lambda: len(heard) >= 2)  # ...while the first session write still waits
+        assert not release.is_set() and not [k for k in store._values if k.startswith(routes.session_prefix)]
+        release.set()
+        await until(lambda: len([k for k in store._values if k.startswith(routes.session_prefix)]) == 3)
+    finally:
+        release.set()
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await routes.stop()
+
+
+async def _collect(store: MemoryStore, channel: str, into: list[bytes]) -> None:
+    async for message in store.subscribe(channel):
+        into.append(message)
