@@ -30,6 +30,24 @@ def answers(port: int) -> bool:
         return False
 
 
+def server_pid(port: int) -> int | None:
+    """The process id of the Redis server answering on ``port`` (None if none says)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"INFO server\r\n")
+            data = b""
+            while b"process_id:" not in data or not data.split(b"process_id:", 1)[1].count(b"\r\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    _, found, rest = data.partition(b"process_id:")
+    digits = rest.split(b"\r\n", 1)[0]
+    return int(digits) if found and digits.isdigit() else None
+
+
 class LocalRedis:
     """One redis-server process; a context manager. :meth:`stop` and :meth:`start` again (same
     port, data gone) play an outage."""
@@ -52,6 +70,18 @@ class LocalRedis:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
+        """Start the server; on another port if another server took this one meanwhile (its port
+        is chosen free, then released for redis-server to bind: a test talking to another
+        process's server would flush its data)."""
+        for attempt in range(3):
+            if self._start_once():
+                return
+            self.stop()
+            if attempt < 2:
+                self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on a port of its own (last tried {self.port})")
+
+    def _start_once(self) -> bool:
         self._proc = subprocess.Popen(
             [
                 self.path,
@@ -65,8 +95,12 @@ class LocalRedis:
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 10
-        while not answers(self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+        while True:
+            if self._proc.poll() is not None:
+                return False  # (its port taken, most likely)
+            if answers(self.port):
+                return server_pid(self.port) == self._proc.pid  # (ours, not another's)
+            if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server did not start on port {self.port}")
             time.sleep(0.02)

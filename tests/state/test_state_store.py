@@ -325,3 +325,20 @@ async def test_a_subscription_whose_server_went_silent_is_lost_not_quiet(
         finally:
             os.kill(server.pid, signal.SIGCONT)
         await store.close()
+
+
+def test_a_local_redis_whose_port_was_taken_meanwhile_starts_on_another() -> None:
+    """Its port is chosen free, then released for redis-server to bind: if another server took it
+    meanwhile, ours failed to bind while the other answered its PING, and tests talked to (and
+    flushed) another process's server."""
+    from gateway.state.local_redis import server_pid
+
+    with RedisServer() as first:
+        second = RedisServer()
+        second.port = first.port  # (taken between the choice and the bind)
+        try:
+            second.start()
+            assert second.port != first.port and second.pid is not None
+            assert server_pid(second.port) == second.pid and server_pid(first.port) == first.pid
+        finally:
+            second.stop()
