@@ -218,7 +218,9 @@ def _ridge_nnls(
     # one robust pass: samples far off the fit (a timing hiccup, a step misread) are left out
     residuals = scaled @ best - rhs
     spread = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
-    keep = np.abs(residuals) <= max(OUTLIER_SIGMAS * spread, OUTLIER_FLOOR * unit)
+    # (around the median residual: a first pass dragged onto one far sample, which 1/y weights
+    # give hundreds of times the pull of the rest, had every residual far from 0 and kept none)
+    keep = np.abs(residuals - np.median(residuals)) <= max(OUTLIER_SIGMAS * spread, OUTLIER_FLOOR * unit)
     if not keep.all() and int(keep.sum()) >= max(min_samples, 3):
         again = _ridge_passes(scaled[keep], rhs[keep], center, max(prior_spread, 1e-12) * unit)
         if again is not None:

@@ -357,3 +357,18 @@ def test_short_prompts_alone_leave_the_prior_s_per_token_cost_at_their_level() -
         assert token_budget(1.0, 0.1, 0.02, a, b) < UNBOUNDED_TOKENS
     constant = [PrefillSample((n,), 0.03) for n in range(1, 16)] * 4
     assert fit_prefill(constant, TRUE_PREFILL)[1] > 0
+
+
+@pytest.mark.parametrize("seconds", [0.0005, 0.002, 0.005])
+def test_one_far_too_fast_sample_is_left_out_not_followed(seconds: float) -> None:
+    """A prompt the engine had cached, or a prefill answered elsewhere, times far below the rest;
+    weighted 1/y, it pulled the first pass onto itself, every residual then sat far from zero,
+    none was kept and the dragged fit stood (a 2,000-token prefill predicted 16x too fast)."""
+    samples = [*prefill_samples(4, 200, noise=0.05), PrefillSample((2000,), seconds)]
+    got = fit_prefill(samples, FAR_PRIOR)
+    assert predict_prefill(got, (2000,)) == pytest.approx(predict_prefill(TRUE_PREFILL, (2000,)), rel=0.1)
+    steps = [*decode_samples(4, 300, noise=0.05), DecodeSample(50_000, 32, seconds)]
+    fitted = fit_decode(steps, FAR_PRIOR)
+    assert predict_decode(fitted, 50_000, 32) == pytest.approx(
+        predict_decode(TRUE_DECODE, 50_000, 32), rel=0.1
+    )
