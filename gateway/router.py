@@ -257,7 +257,13 @@ class Router:
             self._lora_hist = metrics.deferred(metrics.POLICY_CALL, f"filter:{LORA}")
         t0 = time.perf_counter()
         try:
-            return with_adapter(engines, lora)
+            chosen = with_adapter(engines, lora)
+            if chosen is engines and engines and self.fleet.adapter_base(lora) is not None:
+                # none of these has it, but an engine out of rotation lists it (ejected, drained,
+                # stalled: its adapters are kept for its return): any of these would answer 404
+                # "does not exist", which clients take as final; none, so it waits or gets a 503
+                return ()
+            return chosen
         finally:
             self._lora_hist.observe(time.perf_counter() - t0)
 

@@ -261,6 +261,12 @@ def test_every_profile_sends_adapter_requests_to_engines_with_the_adapter(profil
     assert record is not None and record.engine_id == "m-3"
     # no engine has it: any engine (the engine decides; an on-demand loader serves it)
     assert router.choose(_view("z", "a9"), now=0.0) is not None
+    # its holders out of rotation (a connect failure ejects one, a drain, a stall): no engine, not
+    # one without it (a 404 "does not exist" a client takes as final); the request waits or is a 503
+    fleet.record_health("m-1", False, 1, 1)
+    fleet.set_draining("m-3", True)
+    assert router.choose(_view("w", "a1"), now=0.0) is None
+    assert router.choose(_view("w2", "a1"), exclude=("m-0",), now=0.0) is None
 
 
 def test_a_load_on_demand_profile_prefers_but_does_not_require_the_adapter() -> None:
