@@ -165,7 +165,10 @@ class Router:
         self.policy = policy
         #: requests whose decisions are wanted (``x-slogate-debug``): request id -> receiver
         self._explain: dict[str, Callable[[Decision], None]] = {}
-        self._picker_state = self.pipeline.picker.initial_state()
+        #: each model's picker state (its rotation among equal engines, its seed): one shared by
+        #: every model let a client alternating models pin each model's ties to one engine
+        self._picker_states: dict[str, object] = {}
+        self._tie_offset = 0
         # a profile that picks by one key over unit-weight engines (least load, max_score): the
         # fleet keeps engines grouped by that key and a placement takes the best group's next
         # engine in max_score's rotation, without scoring every engine; weights
@@ -189,10 +192,24 @@ class Router:
         loaded engines, and took its last seat twice."""
         # (max_score's state is that rotation's counter; other pickers' states are seeds or
         # structures, which an offset would reseed or miss: left as they are)
+        self._tie_offset += offset
+        for model, state in self._picker_states.items():
+            if self._offsets(state):
+                self._picker_states[model] = state + offset  # type: ignore[operator]
+
+    def _offsets(self, state: object) -> bool:
         picker = self.pipeline.picker
         inner = picker.inner if isinstance(picker, _TimedPicker) else picker
-        if (self._ranked or type(inner) is MaxScore) and isinstance(self._picker_state, int):
-            self._picker_state += offset
+        return (self._ranked or type(inner) is MaxScore) and isinstance(state, int)
+
+    def _picker_state(self, model: str) -> object:
+        state = self._picker_states.get(model)
+        if state is None:
+            state = self.pipeline.picker.initial_state()
+            if self._offsets(state):
+                state += self._tie_offset  # type: ignore[operator]
+            self._picker_states[model] = state
+        return state
 
     def choose(
         self,
@@ -211,7 +228,9 @@ class Router:
                 # no engine, or the least loaded engine is full, so every engine is
                 self._ranked_hist.observe(time.perf_counter() - t0)
                 return None
-            index, self._picker_state = MaxScore.rotate(len(slots), self._picker_state)
+            index, self._picker_states[request.model] = MaxScore.rotate(
+                len(slots), self._picker_state(request.model)
+            )
             record = routable[slots[index]]
             self._ranked_hist.observe(time.perf_counter() - t0)
             if self._explain:
@@ -231,14 +250,15 @@ class Router:
             return None  # every engine is full: the common answer under overload, in one C-level pass
         if self.prefix is not None:
             request = self.prefix.annotate(request, candidates, now)
-        chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
+        before = self._picker_state(request.model)
+        chosen, state = self.pipeline.choose(request, candidates, before, now)
         if chosen is not None and max_load is not None and not chosen.load < max_load:
             # the pipeline's favourite is full; only then pay for the room filter and ask again
             candidates = [e for e in candidates if e.load < max_load]
             if not candidates:
                 return None
-            chosen, state = self.pipeline.choose(request, candidates, self._picker_state, now)
-        self._picker_state = state
+            chosen, state = self.pipeline.choose(request, candidates, before, now)
+        self._picker_states[request.model] = state
         if chosen is None:
             return None
         if self._explain:

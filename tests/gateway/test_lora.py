@@ -493,3 +493,19 @@ def test_an_adapter_whose_engines_are_all_out_of_rotation_is_a_503_not_a_404() -
                 )
             )
             assert served_by(gw, MODEL, 2) == {"plain": 2}  # the base model is served all the same
+
+
+@pytest.mark.parametrize("profile", ["round-robin", "least-load"])
+def test_one_model_s_requests_do_not_move_another_model_s_ties(profile: str) -> None:
+    """The rotation among equally good engines was one counter for every model: a client
+    alternating two models (or calling a one-engine model between calls) advanced it by two each
+    round, and each model's requests all went to the same one of its two engines."""
+    fleet = offline_fleet({"a": 2, "b": 2})
+    router = Router(fleet, load_pipeline(PROFILES / f"{profile}.yaml"))
+    placed: Counter[str] = Counter()
+    for i in range(40):
+        for model in ("a", "b"):
+            record = router.choose(RequestView(f"{model}{i}", model, 100, 10), now=0.0)
+            assert record is not None
+            placed[record.engine_id] += 1  # (nothing reserved: every pick is a tie of idle engines)
+    assert placed == {"a-0": 20, "a-1": 20, "b-0": 20, "b-1": 20}, placed

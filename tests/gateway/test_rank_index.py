@@ -69,7 +69,7 @@ def test_ranked_choice_equals_the_full_pass(engines: int, ops: list[tuple[object
             a = fast.choose(view, max_load=max_load, now=now)
             b = full.choose(view, max_load=max_load, now=now)
             assert (a and a.engine_id) == (b and b.engine_id)
-            assert fast._picker_state == full._picker_state
+            assert fast._picker_states == full._picker_states
             continue
         _apply(fast_fleet, step, seq, now)
         _apply(full_fleet, step, seq, now)

@@ -408,9 +408,12 @@ def test_offset_ties_leaves_a_seeded_pickers_state_alone() -> None:
         {"scorers": [{"name": "least_load"}], "picker": {"name": "max_score_random", "params": {"seed": 5}}}
     )
     router = Router(fleet, pipeline)
-    before = router._picker_state
+    before = router._picker_state("a")
     router.offset_ties(12345)
-    assert router._picker_state == before
+    assert router._picker_state("a") == before
+    fresh = Router(fleet, pipeline)
+    fresh.offset_ties(12345)  # (before any placement: the state made later is not offset either)
+    assert fresh._picker_state("a") == before
 
 
 async def test_calibration_takes_an_engine_with_another_replicas_requests_for_busy() -> None:
