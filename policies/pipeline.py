@@ -121,6 +121,20 @@ class RoutingPipeline:
         return out
 
 
+#: what an entry of a routing profile may say: a misspelt key (``parms``, ``wieght``, a seed
+#: beside ``params``) was ignored, and the plugin ran on its defaults without a word
+_PLUGIN_KEYS = frozenset({"name", "params"})
+_ENTRY_KEYS = frozenset({"name", "params", "weight"})
+
+
+def _known_keys(where: str, entry: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    extra = sorted(map(str, set(entry) - allowed))
+    if extra:
+        raise PolicyConfigError(
+            f"routing profile {where} has unknown keys {extra}; allowed: {sorted(allowed)}"
+        )
+
+
 def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
     """Build a pipeline from a routing profile mapping (already parsed YAML).
 
@@ -152,6 +166,10 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
         value = profile.get(key) or []
         if not isinstance(value, list) or not all(isinstance(v, Mapping) and "name" in v for v in value):
             raise PolicyConfigError(f"routing profile {key!r} must be a list of {{name: ..., params: ...}}")
+        for entry in value:
+            _known_keys(
+                f"{key} entry {entry['name']!r}", entry, _ENTRY_KEYS if key == "scorers" else _PLUGIN_KEYS
+            )
         return value
 
     filters = tuple(
@@ -171,5 +189,6 @@ def compile_profile(profile: Mapping[str, Any]) -> RoutingPipeline:
     picker_entry = profile.get("picker") or {"name": "max_score"}
     if not isinstance(picker_entry, Mapping) or "name" not in picker_entry:
         raise PolicyConfigError("routing profile 'picker' must be {name: ..., params: ...}")
+    _known_keys("picker", picker_entry, _PLUGIN_KEYS)
     picker = cast(Picker, build("picker", str(picker_entry["name"]), picker_entry.get("params")))
     return RoutingPipeline(filters, tuple(scorers), str(picker_entry["name"]), picker)

@@ -92,6 +92,10 @@ def _entry(profile: Mapping[str, Any], key: str, default: str) -> tuple[str, dic
     value = profile.get(key) or {"name": default}
     if not isinstance(value, Mapping) or not isinstance(value.get("name"), str):
         raise PolicyConfigError(f"routing profile {key!r} must be {{name: ..., params: {{...}}}}")
+    extra = sorted(map(str, set(value) - {"name", "params"}))
+    if extra:
+        # (max_engine_load beside params, not in it, left the queue without its cap, unsaid)
+        raise PolicyConfigError(f"routing profile {key!r} has unknown keys {extra}; allowed: name, params")
     params = value.get("params") or {}
     if not isinstance(params, Mapping):
         raise PolicyConfigError(f"routing profile {key}.params must be a mapping")

@@ -10,6 +10,7 @@ the absolute figure, and weights in a profile then mean the same at any load.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,10 +47,11 @@ class ImbalanceGuard:
     max_ratio: float = 1.5
 
     def __post_init__(self) -> None:
-        if self.max_spread < 0:
-            raise ValueError(f"max_spread must be >= 0, got {self.max_spread}")
-        if self.max_ratio < 1:
-            raise ValueError(f"max_ratio must be >= 1, got {self.max_ratio}")
+        # (NaN passed both tests, and then no engine was ever over the bound: the guard was off)
+        if not 0 <= self.max_spread < math.inf:
+            raise ValueError(f"max_spread must be a finite number >= 0, got {self.max_spread}")
+        if not 1 <= self.max_ratio < math.inf:
+            raise ValueError(f"max_ratio must be a finite number >= 1, got {self.max_ratio}")
 
     def over(self, engines: Sequence[EngineSnapshot]) -> list[bool]:
         loads = [_per_weight(e.load, e) for e in engines]

@@ -291,6 +291,8 @@ def test_the_shipped_baseline_profiles() -> None:
         ({"dispatcher": {"name": "pipeline", "params": {"max_engine_load": 0}}}, "max_engine_load must be"),
         ({"dispatcher": {"name": "pipeline", "params": {"theta": 1}}}, "takes only max_engine_load"),
         ({"dispatcher": {"name": "hyperflexis", "params": {"nope": 1}}}, "'max_engine_load'"),
+        # beside params, not in them: the queue ran without its cap, unsaid
+        ({"dispatcher": {"name": "pipeline", "max_engine_load": 256}}, "unknown keys ['max_engine_load']"),
     ],
 )
 def test_bad_profile_keys_say_what_is_accepted(extra: dict[str, Any], fragment: str) -> None:

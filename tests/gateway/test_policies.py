@@ -142,6 +142,20 @@ def test_empty_fleet_has_no_candidates() -> None:
         ({"picker": {"name": "random"}}, "unknown picker plugin 'random'"),
         ({"scorer": []}, "unknown keys ['scorer']"),
         ({"scorers": "least_load"}, "must be a list"),
+        # a misspelt key inside an entry was ignored: the plugin ran on its defaults, unsaid
+        ({"scorers": [{"name": "least_load", "wieght": 5}]}, "unknown keys ['wieght']"),
+        ({"scorers": [{"name": "prefix_match", "parms": {"max_spread": None}}]}, "unknown keys ['parms']"),
+        ({"filters": [{"name": "not_saturated", "weight": 2}]}, "unknown keys ['weight']"),
+        ({"picker": {"name": "max_score_random", "seed": 7}}, "unknown keys ['seed']"),
+        # NaN passed the guard's bounds, and then no engine was ever over it: the guard was off
+        (
+            {"scorers": [{"name": "prefix_match", "params": {"max_spread": float("nan")}}]},
+            "max_spread must be a finite",
+        ),
+        (
+            {"scorers": [{"name": "prefix_match", "params": {"max_ratio": float("inf")}}]},
+            "max_ratio must be a finite",
+        ),
     ],
 )
 def test_bad_profiles_fail_with_a_message_that_says_how_to_fix(
