@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from policies.api import EngineSnapshot
-from policies.latency import LatencyCoefficients, decode_step_time
+from policies.latency import LatencyCoefficients
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +130,16 @@ def predicted_step_s(candidate: DecodeCandidate, demand: DecodeDemand, joining: 
     """Eq.(2) for the candidate's decode batch with the request added (``joining=False``: the
     batch as it is).
 
-    Eq.(2) depends only on the batch's size and its total context, so the batch is given as one
-    length carrying the whole context and ``in_flight`` (or ``in_flight - 1``) empty ones.
+    Eq.(2) depends only on the batch's size and its total context (a list of the batch's lengths
+    cost a list as long as ``in_flight`` per candidate per placement).
     """
     engine = candidate.engine
     context = max(0, engine.running_tokens) + demand.prompt_tokens
     sequences = max(0, engine.in_flight) + (1 if joining else 0)
     if sequences == 0:
         return 0.0
-    lengths = [context, *([0] * (sequences - 1))]
-    return decode_step_time(candidate.coefficients, lengths)
+    coeffs = candidate.coefficients
+    return coeffs.a_d + coeffs.b_d * context + coeffs.c_d * sequences
 
 
 def place_decode(

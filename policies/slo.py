@@ -267,7 +267,10 @@ class _Fallback:
 def _explicit_seconds(ms: float | None) -> float | None:
     if ms is None or not math.isfinite(ms) or ms <= 0:
         return None
-    return ms / 1000.0
+    seconds = ms / 1000.0
+    # (a positive millisecond count can be 0.0 seconds: 5e-324 ms held every worker carrying it
+    # for max_hold_s, as a target of nothing; ignored like any target that is not one)
+    return seconds if seconds > 0.0 else None
 
 
 def _fallback(hints: SloHints, profile: SloProfile) -> _Fallback:

@@ -71,6 +71,8 @@ E, T, P, N, D = SloSource.EXPLICIT, SloSource.TASK, SloSource.PRIORITY, SloSourc
         # unusable explicit values count as absent
         (SloHints(ttft_ms=0, tpot_ms=-5, task="chat"), SloTarget(0.5, 0.05, "chat", T)),
         (SloHints(ttft_ms=math.nan, tpot_ms=math.inf, task="chat"), SloTarget(0.5, 0.05, "chat", T)),
+        # positive in milliseconds, nothing in seconds (5e-324 ms held its worker, a target of 0 s)
+        (SloHints(ttft_ms=5e-324, tpot_ms=5e-324, task="chat"), SloTarget(0.5, 0.05, "chat", T)),
         # 2. task beats priority and tenant
         (SloHints(task="chat", priority=1, tenant="acme"), SloTarget(0.5, 0.05, "chat", T)),
         # unknown task falls through
