@@ -35,6 +35,9 @@ peer P/D routers) and no engine is starved because its latency model is still a 
 (dynamo#7836); ``prefer: most_slack`` ranks by slack alone (better with decode engines of unequal
 speed), ``prefer: best_fit`` takes the least slack, so loose requests fill slow or busy engines and
 leave the fast ones' headroom to tight requests (bin packing by TPOT).
+An engine whose decode model has learnt nothing yet (its prior alone) is judged by the fastest
+model the pool has learnt (:func:`judged_decode`): its prior may be pessimistic, and an engine
+judged infeasible by it would never decode, so never learn (feasibility ranks before load).
 When no engine is feasible the least bad one is chosen: first any engine whose KV holds the
 request, then the most slack; without any KV fit, the smallest KV shortfall. ``None`` only when
 there is no candidate at all. Ties go to the earlier candidate (fleet order), so the choice is
@@ -50,6 +53,7 @@ from dataclasses import dataclass, replace
 
 from policies.api import EngineSnapshot
 from policies.latency import LatencyCoefficients
+from policies.latency_fit import Coeffs
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,16 @@ def predicted_transfer_s(
     speed = params.transfer_tokens_per_s
     per_transfer = demand.prompt_tokens / speed if speed > 0 else 0.0
     return params.transfer_latency_s + per_transfer * (max(0, transfers_in_flight) + 1)
+
+
+def judged_decode(own: Coeffs, learnt: bool, pool_learnt: Sequence[Coeffs], context_tokens: int) -> Coeffs:
+    """The decode coefficients a candidate is judged by: its own once it has learnt them, else
+    (its prior) the pool's learnt model that predicts the fastest step for a batch of one request
+    of ``context_tokens``, when one exists: an engine no faster than its prior is found out by its
+    own first samples, one starved by it never would be."""
+    if learnt or not pool_learnt:
+        return own
+    return min(pool_learnt, key=lambda c: c[0] + c[1] * context_tokens + c[2])
 
 
 def predicted_step_s(candidate: DecodeCandidate, demand: DecodeDemand, joining: bool = True) -> float:

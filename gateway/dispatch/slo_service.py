@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from gateway import metrics
 from gateway.api.auth import CLIENT_SOURCES, OPEN_POLICY, clamp_hints, clamp_target
@@ -24,7 +24,9 @@ from gateway.serving.call import Call
 from gateway.settings import ApiKeyPolicy, Settings, key_fingerprint
 from gateway.sim.profiles import load_profile
 from policies.api import PolicyConfigError
-from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, Coeffs, LatencyModel
+from policies.decode_placement import judged_decode
+from policies.latency import LatencyCoefficients
+from policies.latency_fit import DEFAULT_DECODE, DEFAULT_PREFILL, MIN_SAMPLES, Coeffs, LatencyModel
 from policies.priority_mapping import PriorityMappingState, observe_completion, set_pending
 from policies.slo import (
     SloHints,
@@ -291,3 +293,17 @@ class SloService:
         """The engine's current eq.(1) and eq.(2) coefficients (the defaults for an unknown one)."""
         coefficients = self.latency.coefficients(engine_id)
         return (DEFAULT_PREFILL, DEFAULT_DECODE) if coefficients is None else coefficients
+
+    def decode_judged(self, engine_ids: Sequence[str], context_tokens: int) -> dict[str, LatencyCoefficients]:
+        """Each decode candidate's coefficients as the decode stage judges it: an engine whose
+        decode model has learnt nothing yet by the pool's fastest learnt one
+        (:func:`policies.decode_placement.judged_decode`)."""
+        learner = self.latency
+        learnt = {e: e in learner.models and learner.sample_counts(e)[1] >= MIN_SAMPLES for e in engine_ids}
+        pool = [self.coefficients(e)[1] for e, known in learnt.items() if known]
+        judged = {}
+        for engine_id in engine_ids:
+            prefill, decode = self.coefficients(engine_id)
+            decode = judged_decode(decode, learnt[engine_id], pool, context_tokens)
+            judged[engine_id] = LatencyCoefficients(*prefill, *decode)
+        return judged

@@ -67,7 +67,6 @@ from gateway.tracing import SPAN_DISPATCH, Span, Tracing
 from policies.api import EngineSnapshot, Role
 from policies.decode_placement import DecodeCandidate, DecodeChoice, DecodeDemand, place_decode
 from policies.disaggregation import DisaggregationMode, decide_disaggregation
-from policies.latency import LatencyCoefficients
 from policies.migration import more_than_one
 from policies.transfer_order import LinkParams, TransferRequest, make_transfer_order
 
@@ -406,15 +405,16 @@ class DisaggregatedFlow:
         pool: Sequence[EngineSnapshot] = fleet.decode_pool(call.request.model)
         if call.request.lora is not None:  # (a LoRA adapter's request: engines that have it)
             pool = self.collocated.dispatch.core.router.with_lora(call.request.lora, pool)
+        context = call.request.prompt_tokens if context_tokens is None else context_tokens
+        judged = self.slo.decode_judged([s.engine_id for s in pool], context)
         for snap in pool:
             if snap.engine_id in exclude:
                 continue
             record = fleet.records[snap.engine_id]
-            prefill, decode = self.slo.coefficients(snap.engine_id)
             candidates.append(
                 DecodeCandidate(
                     snap,
-                    LatencyCoefficients(*prefill, *decode),
+                    judged[snap.engine_id],
                     transfers_in_flight=self._arriving.get(snap.engine_id, 0),
                     free_kv_tokens=record.free_kv_tokens(),
                     tightest_running_tpot_s=record.tightest_tpot(),

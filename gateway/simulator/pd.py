@@ -64,7 +64,6 @@ from policies.decode_placement import (
     place_decode,
 )
 from policies.disaggregation import DisaggregationMode, DisaggregationParams, decide_disaggregation
-from policies.latency import LatencyCoefficients
 from policies.transfer_order import (
     LinkParams,
     TransferOrder,
@@ -286,13 +285,14 @@ class PdGateway(SimGateway):
         fleet = self.fleet
         now = self.clock.now
         candidates = []
-        for snap in fleet.decode_pool(self.model, now):
+        pool = fleet.decode_pool(self.model, now)
+        judged = self.slo.decode_judged([s.engine_id for s in pool], flight.entry.prompt_tokens)
+        for snap in pool:
             record = fleet.records[snap.engine_id]
-            prefill, decode = self.slo.coefficients(snap.engine_id)
             candidates.append(
                 DecodeCandidate(
                     snap,
-                    LatencyCoefficients(*prefill, *decode),
+                    judged[snap.engine_id],
                     # a decode engine's requests without a first token are the KV still arriving
                     transfers_in_flight=len(record.unprefilled),
                     free_kv_tokens=record.free_kv_tokens(),

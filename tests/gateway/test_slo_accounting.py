@@ -233,3 +233,28 @@ def test_a_request_refused_anyway_does_not_move_the_priority_mapper() -> None:
     served = slo.classify(p1, None, model="m")[0]
     assert served == refused  # the same answer: only what it remembers differs
     assert slo.mapping is not before and slo.mapping.last_queue_time[1] == 0.2
+
+
+def test_a_decode_engine_with_no_samples_is_judged_by_its_pool_s_learnt_model() -> None:
+    """The decode stage judged a fresh engine by its prior: a pessimistic one left it never
+    chosen while another was feasible, so it never learnt. Until it has samples of its own it is
+    judged by the pool's fastest learnt model (the live flow and the simulator alike)."""
+    from policies.latency_fit import MIN_SAMPLES, DecodeSample
+
+    engines = [{"url": f"http://127.0.0.1:{9000 + i}", "model": "m", "name": f"d{i}"} for i in range(2)]
+    slo = SloService(load_settings(None, engines=engines))
+    truth = (0.004, 2e-7, 5e-4)
+    steps = [
+        DecodeSample(c, b, truth[0] + truth[1] * c + truth[2] * b)
+        for b in (1, 4, 16)
+        for c in (500, 5000, 20000)
+    ]
+    slo.latency.add_samples("d0", steps[: max(MIN_SAMPLES, 9)])
+    learnt = slo.coefficients("d0")[1]
+    assert learnt != slo.coefficients("d1")[1]
+    judged = slo.decode_judged(["d0", "d1"], 1000)
+    assert (judged["d1"].a_d, judged["d1"].b_d, judged["d1"].c_d) == learnt
+    assert (judged["d0"].a_d, judged["d0"].b_d, judged["d0"].c_d) == learnt
+    assert (judged["d1"].a, judged["d1"].b, judged["d1"].c) == slo.coefficients("d1")[
+        0
+    ]  # (its prefill: its own)

@@ -208,3 +208,27 @@ def test_least_load_does_not_starve_an_engine_whose_model_is_still_the_prior() -
         demand(), [learnt, prior], DecodePlacementParams(10_000.0, 0.001, prefer="most_slack")
     )
     assert slack is not None and slack.engine_id == "learnt"
+
+
+def test_an_engine_judged_infeasible_by_its_prior_alone_is_judged_by_the_pool_s_learnt_model() -> None:
+    """Feasibility ranks before load: an engine whose pessimistic prior predicts a step past the
+    target was never chosen while another was feasible, so it never decoded and never learnt
+    (even idle against 150 streams elsewhere). Judged by the pool's learnt model until it has
+    samples of its own, it takes its share; learnt, its own model stands."""
+    from policies.decode_placement import judged_decode
+
+    pessimistic = LatencyCoefficients(0.025, 1e-4, 2e-9, 0.060, 4e-7, 1e-3)
+    tpot = demand(tpot=0.05)
+    busy = cand("learnt", in_flight=150, running_tokens=150 * 1000)
+    as_prior = cand("prior", coeffs=pessimistic)
+    starved = place_decode(tpot, [busy, as_prior], PARAMS)
+    assert starved is not None and starved.engine_id == "learnt"  # (the prior alone: infeasible)
+    own = (pessimistic.a_d, pessimistic.b_d, pessimistic.c_d)
+    learnt = (COEFFS.a_d, COEFFS.b_d, COEFFS.c_d)
+    judged = judged_decode(own, False, [learnt, (0.5, 0.0, 0.0)], 1000)
+    assert judged == learnt  # (the pool's fastest for this request)
+    fair = cand("prior", coeffs=LatencyCoefficients(pessimistic.a, pessimistic.b, pessimistic.c, *judged))
+    chosen = place_decode(tpot, [busy, fair], PARAMS)
+    assert chosen is not None and chosen.engine_id == "prior" and chosen.feasible
+    assert judged_decode(own, True, [learnt], 1000) == own  # its own, once learnt
+    assert judged_decode(own, False, [], 1000) == own  # nothing learnt anywhere: the prior
