@@ -13,6 +13,7 @@ import math
 import signal
 import sys
 
+import zmq
 from pydantic import ValidationError
 
 from gateway.open_files import raise_open_files_limit
@@ -21,12 +22,23 @@ from gateway.sim.profiles import EngineProfile, ProfileError, load_profile
 from gateway.sim.server import SimConfig, SimServer
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (past it the socket took the number modulo 65536, unsaid)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slogate sim-engine", description="simulated vLLM-compatible engine")
     p.add_argument("--profile", default="qwen-7b", help="name in profiles/engines or a YAML path")
     p.add_argument("--model", help="served model name (default: the profile's)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--port", type=_port, default=0, help="0 picks a free port")
     p.add_argument("--role", choices=["collocated", "prefill", "decode"], default="collocated")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated time runs this many times faster")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
@@ -67,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(config: SimConfig) -> int:
-    server = SimServer(config)
+    try:
+        server = SimServer(config)  # (its KV-event socket binds or connects here)
+    except zmq.ZMQError as exc:
+        print(
+            f"slogate sim-engine: --kv-events-endpoint {config.kv_events_endpoint}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2 if exc.errno == zmq.EINVAL else 1
     try:
         url = await server.start()
     except OSError as exc:  # (a busy port: one line, and what start opened is closed)

@@ -137,3 +137,29 @@ def test_the_sim_engine_on_a_busy_port_says_so_in_one_line() -> None:
     line = proc.stderr.strip()
     assert line.startswith(f"slogate sim-engine: cannot listen on 127.0.0.1:{port}: "), line
     assert "already in use" in line and "\n" not in line, line
+
+
+def test_the_sim_engine_refuses_a_bad_port_and_kv_event_endpoint_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A port past 65535 was taken modulo 65536 (70000 listened on 4464, unsaid); a KV-event
+    endpoint ZMQ refused (bad, or a port in use) was a traceback."""
+    import zmq
+
+    from gateway.sim.cli import sim_engine_main
+
+    with pytest.raises(SystemExit) as exited:
+        sim_engine_main(["--port", "70000"])
+    assert exited.value.code == 2 and "a port is 0-65535, got 70000" in capsys.readouterr().err
+    assert sim_engine_main(["--port", "0", "--kv-events-endpoint", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slogate sim-engine: --kv-events-endpoint bogus: ") and err.count("\n") == 1
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    try:
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        assert sim_engine_main(["--port", "0", "--kv-events-endpoint", f"tcp://*:{port}"]) == 1
+        assert "Address already in use" in capsys.readouterr().err
+    finally:
+        taken.close(0)
+        context.term()
