@@ -78,10 +78,16 @@ class ChildProcess:
         self._drain = threading.Thread(target=read, name=f"{self.name}-stdout", daemon=True)
         self._drain.start()
 
+    def signal_stop(self) -> None:
+        """SIGTERM without waiting (stopping several: all told first, then each waited for)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 5.0) -> int:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL. Returns the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.signal_stop()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -89,7 +95,9 @@ class ChildProcess:
                 self.proc.wait()
         if self._drain is not None:
             self._drain.join(1.0)  # (the pipe's writer is gone: it reads to the end)
-        if self.proc.stdout is not None:
+        # (a reader still blocked, the pipe held by a grandchild: closed under it, its next read
+        # could take a reused descriptor's data; it ends with the pipe)
+        if self.proc.stdout is not None and (self._drain is None or not self._drain.is_alive()):
             self.proc.stdout.close()
         return self.proc.returncode
 
@@ -133,23 +141,28 @@ def spawn_listening(
     seen: deque[str] = deque(maxlen=OUTPUT_LINES)
     partial = b""
     deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
-        if ready:
-            data = os.read(fd, 65536)
-            if data:
-                *lines, partial = (partial + data).split(b"\n")
-                for raw in lines:
-                    line = raw.decode(errors="replace").rstrip()
-                    seen.append(line)
-                    match = _LISTENING.search(line)
-                    if match:
-                        child = ChildProcess(proc, match.group(1), name, log_path, seen)
-                        child.drain()  # (what followed the line in the same read is only output)
-                        return child
-                continue
-        if proc.poll() is not None:
-            break
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                data = os.read(fd, 65536)
+                if data:
+                    *lines, partial = (partial + data).split(b"\n")
+                    for raw in lines:
+                        line = raw.decode(errors="replace").rstrip()
+                        seen.append(line)
+                        match = _LISTENING.search(line)
+                        if match:
+                            child = ChildProcess(proc, match.group(1), name, log_path, seen)
+                            child.drain()  # (what followed the line in the same read is only output)
+                            return child
+                    continue
+            if proc.poll() is not None:
+                break
+    except BaseException:
+        # interrupted while it starts (Ctrl-C): the caller has no handle on it yet to stop it
+        ChildProcess(proc, "", name, log_path, seen).stop(1.0)
+        raise
     child = ChildProcess(proc, "", name, log_path, seen)
     child.stop(1.0)
     last = " | ".join(list(seen)[-10:])

@@ -143,19 +143,23 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, listener: socket.socket | None = None) -> None:
-    """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown.
-    ``listener``: a socket already bound (else uvicorn binds ``settings.host:port``).
-
-    A profile that names an unknown plugin or holds a bad value is a configuration error like any
-    other: one line on stderr and exit status 2, before anything listens.
-    """
+def build_app(settings: Settings) -> Any:
+    """The gateway's ASGI app for ``settings``. A profile that names an unknown plugin or holds a
+    bad value is a configuration error like any other: one line on stderr and exit status 2."""
     setup_logging(settings.log_level)
     try:
-        app = create_app(settings)
+        return create_app(settings)
     except (PolicyConfigError, ProfileError) as exc:  # (routing and SLO profiles; engine latency profiles)
         print(f"slogate: invalid profile: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def serve(settings: Settings, listener: socket.socket | None = None, app: Any = None) -> None:
+    """Blocks until SIGINT/SIGTERM; uvicorn drains connections and runs the lifespan shutdown.
+    ``listener``: a socket already bound (else uvicorn binds ``settings.host:port``); ``app``: one
+    :func:`build_app` made (else it is made here, before anything listens)."""
+    if app is None:
+        app = build_app(settings)
     tune_gc()  # modules, settings and profiles live as long as the process (gateway.runtime)
     raise_open_files_limit()  # two sockets a stream
     _AnnouncingGateway(uvicorn_config(settings, app), app).run(None if listener is None else [listener])

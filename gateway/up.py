@@ -10,22 +10,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
+from gateway.dispatch.build import RoutingProfile
+from gateway.dispatch.slo_service import SloService
 from gateway.procs import ChildProcess, spawn_sim_engine
-from gateway.server import listening_socket, serve
+from gateway.server import build_app, listening_socket, serve
 from gateway.settings import load_settings_or_exit
+from gateway.sim.profiles import ProfileError
+from policies.api import PolicyConfigError
 
 
 def run_up(args: argparse.Namespace) -> int:
     engines: list[ChildProcess] = []
     roles: list[str] = []
     stopping = threading.Event()
+    replaced_keys = _replaced_engines(args.config)
+    listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    # the configuration and its profiles checked before any engine starts (a missing file, a
+    # misspelt setting or plugin: one line, not engines started and stopped for nothing)
+    _preflight(args, replaced_keys, listen)
     try:
         if args.pd is not None:
             prefill, decode = args.pd
@@ -43,8 +55,6 @@ def run_up(args: argparse.Namespace) -> int:
             roles.append(role)
             _watch(engines[-1], stopping)
         model = args.model or _served_model(engines[0].url)
-        replaced_keys = _replaced_engines(args.config)
-        listen = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings_or_exit(
             args.config,
             also_named=replaced_keys,
@@ -73,6 +83,7 @@ def run_up(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        app = build_app(settings)  # (a profile refused before the banner says it serves)
         host, port = listener.getsockname()[:2]
         base = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         print(f"slogate gateway on {base}  ({len(engines)} simulated engines, model {model!r})", flush=True)
@@ -84,18 +95,73 @@ def run_up(args: argparse.Namespace) -> int:
             f'"max_tokens": 32}}\'\nCtrl-C stops everything.',
             flush=True,
         )
-        serve(settings, listener)
-        return 0
     except (RuntimeError, OSError) as exc:  # (an engine that did not start, or did not answer)
+        _stop(engines, stopping)
         print(f"slogate up: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C while the engines start: stop them, no traceback
-        print("slogate up: interrupted", file=sys.stderr)
-        return 130
+    except BaseException as exc:
+        _stop(engines, stopping)
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C while the engines start: no traceback
+            print("slogate up: interrupted", file=sys.stderr)
+            return 130
+        raise
+    # (out of the start-up's handler: an error of the running gateway is a traceback, a bug to
+    # read, not one line that looks like an engine that did not start)
+    try:
+        serve(settings, listener, app)
+        return 0
     finally:
-        stopping.set()
+        _stop(engines, stopping)
+
+
+def _stop(engines: list[ChildProcess], stopping: threading.Event) -> None:
+    """Stop every engine, a second Ctrl-C meanwhile included (it skipped the rest, with a
+    traceback): they are told to stop first, then waited for."""
+    stopping.set()
+    with _sigint_ignored():
+        for e in engines:
+            e.signal_stop()
         for e in engines:
             e.stop()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _preflight(args: argparse.Namespace, replaced_keys: set[str], listen: dict[str, object]) -> None:
+    """Exit (2) with the configuration's error, before any engine starts (its warnings are
+    the real load's to give, once)."""
+    quiet = logging.getLogger("slogate.settings")
+    was, quiet.disabled = quiet.disabled, True
+    try:
+        settings = load_settings_or_exit(
+            args.config,
+            also_named=replaced_keys,
+            **listen,
+            engines=[
+                {
+                    "url": "http://127.0.0.1:1",
+                    "kind": "sim",
+                    "model": args.model or "preflight",
+                    "name": "preflight",
+                }
+            ],
+            forward_sim_headers=True,
+        )
+    finally:
+        quiet.disabled = was
+    try:
+        RoutingProfile.load(settings.routing_profile_path())
+        SloService(settings)
+    except (PolicyConfigError, ProfileError) as exc:
+        print(f"slogate: invalid profile: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _watch(engine: ChildProcess, stopping: threading.Event) -> None:

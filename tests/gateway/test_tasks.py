@@ -10,7 +10,7 @@ import pytest
 from gateway.tasks import DelayedWake, cancel_and_wait
 
 
-async def test_every_task_ends_whatever_it_ended_with() -> None:
+async def test_every_task_ends_whatever_it_ended_with(caplog: pytest.LogCaptureFixture) -> None:
     async def forever() -> None:
         await asyncio.Event().wait()
 
@@ -23,10 +23,15 @@ async def test_every_task_ends_whatever_it_ended_with() -> None:
         except asyncio.CancelledError:
             await asyncio.sleep(0.01)  # (cleans up, then ends)
 
-    tasks = [asyncio.create_task(f()) for f in (forever, fails, ignores_one_cancel)]
+    tasks = [asyncio.create_task(f(), name=f.__name__) for f in (forever, fails, ignores_one_cancel)]
     await asyncio.sleep(0)
     await cancel_and_wait(*tasks, None)
-    assert all(t.done() for t in tasks)
+    # (each ended as it would: the waiting one cancelled, the failed one with its own error,
+    # logged and not raised, the one that cleaned up on its cancellation with its own end)
+    assert [t.cancelled() for t in tasks] == [True, False, False]
+    assert isinstance(tasks[1].exception(), RuntimeError) and tasks[2].exception() is None
+    logged = [r for r in caplog.records if "had ended with an error" in r.getMessage()]
+    assert len(logged) == 1 and "fails" in logged[0].getMessage()
 
 
 async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:

@@ -297,3 +297,35 @@ def test_port_0_shows_the_port_it_got() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_a_configuration_or_profile_in_error_is_one_line_before_any_engine_starts(tmp_path: Path) -> None:
+    """A missing file started every engine before it said so; a routing profile naming an
+    unknown plugin printed the "gateway on ... try: curl" banner first, then the error."""
+    profile = tmp_path / "bad.yaml"
+    profile.write_text("scorers:\n  - name: no_such_scorer\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"routing_profile: {profile}\n")
+    for path, message in ((tmp_path / "missing.yaml", "invalid configuration"), (config, "invalid profile")):
+        started = time.monotonic()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "up",
+                "--port",
+                "0",
+                "--engines",
+                "2",
+                "--config",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert "gateway on" not in proc.stdout and "engine" not in proc.stdout, proc.stdout
+        assert time.monotonic() - started < 30
