@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _LISTENING = re.compile(r"listening on (http://\S+)")
@@ -33,13 +34,22 @@ def die_with_parent(parent: int | None = None) -> None:
     ``parent``: the pid that started it. A parent that died before the signal was asked for is
     gone already and will send nothing: the child then exits at once rather than live on,
     adopted by init."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: stop() still cleans up on a normal exit
+    prctl = _prctl()
+    if prctl is None:  # not Linux: stop() still cleans up on a normal exit
         return
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if parent is not None and os.getppid() != parent:
         os._exit(1)
+
+
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, looked up once in the parent: loading a library in a child forked from a
+    process with threads (the gateway's, ``up``'s watchers) may deadlock on the loader's lock."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 #: the child's last lines of standard output kept (for error messages)
@@ -122,6 +132,7 @@ def spawn_listening(
     output if it exits or stays silent past the timeout.
     """
     stderr = open(log_path, "ab") if log_path else None  # noqa: SIM115 (the child owns it)
+    _prctl()  # (found here, before the fork: the child only calls it)
     proc = subprocess.Popen(
         list(argv),
         stdout=subprocess.PIPE,
