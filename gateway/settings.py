@@ -459,7 +459,10 @@ class Settings(BaseSettings):
         description="how long a session keeps its engine after its last request (session affinity)",
     )
     affinity_max_sessions: int = Field(
-        default=100_000, ge=1, description="sessions the affinity store remembers (least recent forgotten)"
+        default=100_000,
+        ge=2,
+        description="sessions the affinity store remembers: half for sessions seen once, half for "
+        "those seen again (least recent forgotten first)",
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"

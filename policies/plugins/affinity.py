@@ -66,40 +66,54 @@ class AffinityStore(Protocol):
 
 
 class MemoryAffinityStore:
-    """Session -> (engine, last use) in LRU order, for one gateway process.
-
-    Bounded: beyond ``max_entries`` the least recently used session is forgotten (it then routes
-    like a new one). An entry expires ``ttl_s`` after the session's last request: an engine's
-    cache turns over in minutes, after which sticking to it buys nothing.
+    """Session -> (engine, last use), for one gateway process, in two least-recently-used
+    segments: a session seen once is on probation (half the bound), one seen again is protected
+    (the other half). Session keys are the clients' own: one client sending every request with
+    a new id pushed every other session out of a single LRU; here it churns only the probation
+    half, and sessions that came back keep their engines. A protected session pushed out goes
+    back on probation, the least recently used of which is forgotten (it then routes like a new
+    one). An entry expires ``ttl_s`` after the session's last request: an engine's cache turns
+    over in minutes, after which sticking to it buys nothing.
     """
 
     def __init__(self, ttl_s: float = 600.0, max_entries: int = 100_000) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_entries < 2:
+            raise ValueError(f"max_entries must be >= 2, got {max_entries}")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._probation_max = max_entries // 2
+        self._protected_max = max_entries - self._probation_max
+        self._probation: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._protected: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._probation) + len(self._protected)
 
     def get(self, key: str, now: float) -> str | None:
-        entry = self._entries.get(key)
+        segment = self._protected if key in self._protected else self._probation
+        entry = segment.get(key)
         if entry is None:
             return None
         engine_id, last = entry
         if now - last > self.ttl_s:
-            del self._entries[key]
+            del segment[key]
             return None
         return engine_id
 
     def put(self, key: str, engine_id: str, now: float) -> None:
-        self._entries[key] = (engine_id, now)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        protected, probation = self._protected, self._probation
+        if key in protected or probation.pop(key, None) is not None:
+            protected[key] = (engine_id, now)
+            protected.move_to_end(key)
+            if len(protected) > self._protected_max:
+                demoted, entry = protected.popitem(last=False)
+                probation[demoted] = entry
+        else:
+            probation[key] = (engine_id, now)
+        while len(probation) > self._probation_max:
+            probation.popitem(last=False)
 
 
 @register("scorer", "session_affinity")

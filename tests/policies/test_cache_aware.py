@@ -145,14 +145,38 @@ def test_affinity_keys() -> None:
 
 
 def test_memory_store_ttl_and_bound() -> None:
-    store = MemoryAffinityStore(ttl_s=10.0, max_entries=2)
+    store = MemoryAffinityStore(ttl_s=10.0, max_entries=4)
     store.put("a", "e1", now=0.0)
     store.put("b", "e2", now=1.0)
     assert store.get("a", now=10.0) == "e1"
     assert store.get("a", now=10.1) is None  # expired: routed like a new session
     store.put("a", "e3", now=11.0)
-    store.put("c", "e1", now=12.0)  # over the bound: b, least recently used, is forgotten
+    store.put("c", "e1", now=12.0)  # over probation's half: b, least recently used, is forgotten
     assert store.get("b", now=12.0) is None and store.get("a", now=12.0) == "e3" and len(store) == 2
+
+
+def test_sessions_that_came_back_outlive_a_flood_of_new_ones() -> None:
+    """One client sending each request with a new session id pushed every other session out of a
+    single LRU: their next turns went by load to cold engines. A session seen twice is protected;
+    the flood churns the probation half only."""
+    store = MemoryAffinityStore(ttl_s=600.0, max_entries=100)
+    for i in range(30):  # conversations: two turns each
+        store.put(f"chat-{i}", f"e{i % 4}", now=0.0)
+        store.put(f"chat-{i}", f"e{i % 4}", now=1.0)
+    for i in range(10_000):
+        store.put(f"spray-{i}", "e0", now=2.0)
+    assert all(store.get(f"chat-{i}", now=3.0) == f"e{i % 4}" for i in range(30))
+    assert len(store) <= 100 and store.get("spray-0", now=3.0) is None
+    assert store.get("spray-9999", now=3.0) == "e0"  # (a new one's first turn is still kept)
+    # past the protected half, the least recent protected session goes back on probation
+    for i in range(60):
+        store.put(f"more-{i}", "e1", now=4.0)
+        store.put(f"more-{i}", "e1", now=4.0)
+    assert len(store) <= 100 and store.get("more-59", now=5.0) == "e1"
+    for i in range(10_000):  # (another flood: what went back on probation goes)
+        store.put(f"spray-again-{i}", "e0", now=6.0)
+    assert not any(store.get(f"chat-{i}", now=7.0) for i in range(30))
+    assert all(store.get(f"more-{i}", now=7.0) == "e1" for i in range(10, 60))  # (the protected half)
 
 
 def test_session_affinity_keeps_the_engine_until_it_is_over_the_bound() -> None:
