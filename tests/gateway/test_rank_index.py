@@ -24,6 +24,9 @@ op = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 15)),
     st.tuples(st.just("scrape"), st.integers(0, 15), st.integers(0, 6), st.integers(0, 6)),
     st.tuples(st.just("health"), st.integers(0, 15), st.booleans()),
+    # out of rotation and back without a health change: a drain (a role flip's), a stall
+    st.tuples(st.just("drain"), st.integers(0, 15), st.booleans()),
+    st.tuples(st.just("stall"), st.integers(0, 15), st.booleans()),
     st.tuples(st.just("choose"), st.integers(1, 4), st.booleans()),
     # time passes (scraped states may go stale) and the monitor's check touches every engine
     st.tuples(st.just("tick"), st.integers(0, 15), st.floats(0.0, 5.0)),
@@ -43,6 +46,10 @@ def _apply(fleet: Fleet, step: tuple[object, ...], seq: int, now: float) -> None
         fleet.record_state(engine, EngineState(num_running=int(step[2]), num_waiting=int(step[3])), now)  # type: ignore[call-overload]
     elif kind == "health":
         fleet.record_health(engine, bool(step[2]), 1, 1)
+    elif kind == "drain":
+        fleet.set_draining(engine, bool(step[2]))
+    elif kind == "stall":
+        fleet.set_stalled(engine, bool(step[2]))
     elif kind == "tick":
         for other in ids:
             fleet.touch(other)
@@ -230,8 +237,13 @@ def test_engines_out_of_rotation_leave_the_index_alone() -> None:
     send the next placement through a rebuild of the entries."""
     fleet = offline_fleet({"m": 3})
     router = Router(fleet, compile_profile(LEAST_LOAD))
+    for engine in ("m-0", "m-1"):  # (m-2 the least loaded: chosen, were it still in rotation)
+        fleet.reserve(engine, f"busy-{engine}", RunningEntry(10, 10, 0.1, 0.0))
     fleet.reserve("m-2", "held", RunningEntry(10, 10, 0.1, 0.0))
     fleet.set_draining("m-2", True)
-    assert router.choose(RequestView("q0", "m", 10, 10), now=0.0) is not None  # (membership redone)
     fleet.release("m-2", "held")
+    chosen = router.choose(RequestView("q0", "m", 10, 10), now=0.0)  # (membership redone)
+    assert chosen is not None and chosen.engine_id != "m-2"
+    fleet.reserve("m-2", "late", RunningEntry(10, 10, 0.1, 0.0))
+    fleet.release("m-2", "late")
     assert not fleet._unranked
