@@ -19,7 +19,6 @@ from policies.api import (
     Picker,
     PolicyConfigError,
     RequestView,
-    Role,
     Scorer,
 )
 from policies.registry import build
@@ -55,12 +54,6 @@ class RoutingPipeline:
             return None
         key = getattr(self.scorers[0].scorer, "rank_key", None)
         return key if callable(key) else None
-
-    def candidates(
-        self, request: RequestView, engines: Sequence[EngineSnapshot], roles: frozenset[Role]
-    ) -> list[EngineSnapshot]:
-        """Engines that serve the model, are healthy and have an acceptable role."""
-        return [e for e in engines if e.healthy and e.model == request.model and e.role in roles]
 
     def choose(
         self,

@@ -91,19 +91,24 @@ def test_max_score_rotates_ties_only() -> None:
     assert only.engine_id == "b"
 
 
-def test_pipeline_least_load_picks_emptiest_and_candidates_filter_role_model_health() -> None:
+def test_pipeline_least_load_picks_emptiest_of_the_fleet_s_candidates() -> None:
+    """The candidates are the fleet's (the router's path): its model's engines in rotation, in
+    a role that takes the request whole or its prefill (a pipeline method of the same name, which
+    nothing but this test called, is gone)."""
+    from gateway.dispatch.offline import offline_fleet
+    from gateway.fleet.registry import RunningEntry
+
+    fleet = offline_fleet({"m": 5, "x": 1})
+    for rid in ("r1", "r2"):
+        fleet.reserve("m-0", rid, RunningEntry(10, 10, 0.1, 0.0))  # busy
+    fleet.record_health("m-2", False, 1, 1)  # sick
+    fleet.set_draining("m-3", True)  # draining
+    fleet.set_role("m-4", Role.DECODE)  # a decode engine takes no request at the front
+    candidates = fleet.candidates("m", 0.0)
+    assert [e.engine_id for e in candidates] == ["m-0", "m-1"]
     pipeline = compile_profile({"scorers": [{"name": "least_load"}], "picker": {"name": "max_score"}})
-    engines = [
-        eng("busy", in_flight=5),
-        eng("idle", in_flight=0),
-        eng("sick", healthy=False),
-        eng("prefill", role=Role.PREFILL),
-        EngineSnapshot("other-model", "x"),
-    ]
-    candidates = pipeline.candidates(REQ, engines, frozenset({Role.COLLOCATED}))
-    assert [e.engine_id for e in candidates] == ["busy", "idle"]
     chosen, _ = pipeline.choose(REQ, candidates, pipeline.picker.initial_state(), 0.0)
-    assert chosen is not None and chosen.engine_id == "idle"
+    assert chosen is not None and chosen.engine_id == "m-1"
 
 
 def test_pipeline_filter_to_nothing_returns_none() -> None:
@@ -114,11 +119,6 @@ def test_pipeline_filter_to_nothing_returns_none() -> None:
     pipeline = compile_profile({"picker": {"name": "round_robin"}})
     pipeline = type(pipeline)((("drop", DropAll()),), (), pipeline.picker_name, pipeline.picker)
     assert pipeline.choose(REQ, [eng("a")], 0, 0.0) == (None, 0)
-
-
-def test_empty_fleet_has_no_candidates() -> None:
-    pipeline = compile_profile({})
-    assert pipeline.candidates(REQ, [], frozenset({Role.COLLOCATED})) == []
 
 
 @pytest.mark.parametrize(
