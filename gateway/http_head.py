@@ -32,6 +32,9 @@ BODY_HIGH_WATER = 1024 * 1024
 #: a head this long is no client's: 64 KiB holds any token or cookie header real clients send
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
+#: ...and what is left of a body the app answered without reading it all must come within this
+#: (the settings' body_timeout_s, which bounds a body the front door reads)
+BODY_TIMEOUT_S = 60.0
 #: how long a refused connection is still read (and dropped) before it is closed
 LINGER_S = 2.0
 #: what the request line holds besides its target (the longest method, spaces, version, CRLF)
@@ -50,6 +53,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
+    body_timeout_s = BODY_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -79,6 +83,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     # -- the parser's callbacks: measured, and ignored once the head is refused ---------------------
 
     def on_message_begin(self) -> None:
+        if self.timeout_keep_alive_task is not None:
+            # (armed when an early-answered body ended, in a read that may hold this request
+            # too: uvicorn cancels it only when a read begins, and it would close this request)
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         if not self._refused:
             self._arm(self.head_timeout_s)  # (at its first byte: not a stray CRLF between requests)
             super().on_message_begin()
@@ -112,8 +121,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             # Answered before its body was read (a 401, a 405, a 413): what is left of the body
             # is dropped as it comes, but uvicorn stops its keep-alive timer at any byte, so a
             # client that sent one more and then nothing held the connection for good. The rest
-            # must come within the head's time; then the connection ends.
-            self._discard_timer = self.loop.call_later(self.head_timeout_s, self.transport.close)
+            # must come within the time a body has (body_timeout_s); then the connection ends.
+            self._discard_timer = self.loop.call_later(self.body_timeout_s, self.transport.close)
         if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
             return
         cycle.body += body  # (a bytearray since uvicorn 0.42: appends are amortised)
@@ -219,10 +228,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._linger = self.loop.call_later(LINGER_S, transport.close)
 
 
-def bounded_head_protocol(max_head_bytes: int, head_timeout_s: float) -> type[BoundedHeadProtocol]:
+def bounded_head_protocol(
+    max_head_bytes: int, head_timeout_s: float, body_timeout_s: float = BODY_TIMEOUT_S
+) -> type[BoundedHeadProtocol]:
     """The protocol class for a server with these limits (uvicorn makes one instance a connection)."""
     return type(
         "BoundedHeadProtocol",
         (BoundedHeadProtocol,),
-        {"max_head_bytes": max_head_bytes, "head_timeout_s": head_timeout_s},
+        {
+            "max_head_bytes": max_head_bytes,
+            "head_timeout_s": head_timeout_s,
+            "body_timeout_s": body_timeout_s,
+        },
     )

@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 
 from gateway.app import FrontDoor, create_app
-from gateway.http_head import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_head_protocol
+from gateway.http_head import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_HEAD_BYTES, bounded_head_protocol
 from gateway.logs import quiet_repeats, setup_logging
 from gateway.open_files import raise_open_files_limit
 from gateway.runtime import tune_gc
@@ -36,6 +36,7 @@ def uvicorn_config(settings: Settings, app: FrontDoor | None = None) -> uvicorn.
         settings.port,
         settings.max_head_bytes,
         settings.head_timeout_s,
+        settings.body_timeout_s,
     )
     config.timeout_graceful_shutdown = round(settings.shutdown_grace_s + SHUTDOWN_BACKSTOP_S)
     return config
@@ -47,6 +48,7 @@ def serving_config(
     port: int,
     max_head_bytes: int = MAX_HEAD_BYTES,
     head_timeout_s: float = HEAD_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> uvicorn.Config:
     """How every server of ours is served: uvicorn with httptools (each request's head bounded in
     size and time: :mod:`gateway.http_head`) and uvloop, no access log."""
@@ -56,7 +58,7 @@ def serving_config(
         app,
         host=host,
         port=port,
-        http=bounded_head_protocol(max_head_bytes, head_timeout_s),
+        http=bounded_head_protocol(max_head_bytes, head_timeout_s, body_timeout_s),
         loop="uvloop",
         lifespan="on",
         access_log=False,
