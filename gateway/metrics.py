@@ -244,7 +244,7 @@ PREFIX_HASH = Histogram(
 PREFIX_KEYS_SKIPPED = Counter(
     "slogate_prefix_keys_skipped",
     "Requests routed without a prefix-index key (by load) because the engine tokenizer's keying "
-    "threads already had a full queue",
+    "threads already had a full queue, or the parse worker was keying another large body with one",
     registry=REGISTRY,
 )
 PD_REQUESTS = Counter(

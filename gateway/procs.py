@@ -34,7 +34,7 @@ def die_with_parent(parent: int | None = None) -> None:
     ``parent``: the pid that started it. A parent that died before the signal was asked for is
     gone already and will send nothing: the child then exits at once rather than live on,
     adopted by init."""
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:  # not Linux: stop() still cleans up on a normal exit
         return
     prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -43,7 +43,7 @@ def die_with_parent(parent: int | None = None) -> None:
 
 
 @functools.cache
-def _prctl() -> Any:
+def libc_prctl() -> Any:
     """libc's prctl, looked up once in the parent: loading a library in a child forked from a
     process with threads (the gateway's, ``up``'s watchers) may deadlock on the loader's lock."""
     try:
@@ -132,7 +132,7 @@ def spawn_listening(
     output if it exits or stays silent past the timeout.
     """
     stderr = open(log_path, "ab") if log_path else None  # noqa: SIM115 (the child owns it)
-    _prctl()  # (found here, before the fork: the child only calls it)
+    libc_prctl()  # (found here, before the fork: the child only calls it)
     proc = subprocess.Popen(
         list(argv),
         stdout=subprocess.PIPE,

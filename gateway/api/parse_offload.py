@@ -32,10 +32,11 @@ log = logging.getLogger("slogate.parse")
 
 #: worker deaths in a row (no body parsed between them) after which bodies are parsed in place
 MAX_DEATHS = 3
-#: bodies the worker keys at once (it parses one body at a time): one keyed with an engine's
-#: tokenizer takes up to seconds, and the bodies queued behind a burst of them waited for every
-#: one before their routing fields came back; past it a body is parsed without its key (routed
-#: without prefix credit, as the front door's keyer does when its queue is full)
+#: bodies the worker keys at once with an engine's tokenizer (it parses one body at a time): one
+#: takes up to seconds, and the bodies queued behind a burst of them waited for every one before
+#: their routing fields came back; past it a body is parsed without its key (routed without
+#: prefix credit and counted, as the front door's keyer does when its queue is full). The
+#: gateway's own encoder takes milliseconds: without engine tokenizers, every body is keyed
 MAX_KEYING = 1
 
 
@@ -100,7 +101,10 @@ class BodyParser:
             if warm_up is not None and warm_up.exception() is not None:
                 self._died(pool)  # it died starting: the next large body starts another
                 return parse_request(kind, raw, self.default_max_tokens)
-            keyed = self.prompt_ids and self._keying < MAX_KEYING
+            tokenizers = self.engine_tokenizers if engine_tokenizers is None else engine_tokenizers
+            keyed = self.prompt_ids and (not tokenizers or self._keying < MAX_KEYING)
+            if self.prompt_ids and not keyed:
+                metrics.PREFIX_KEYS_SKIPPED.inc()
             future = asyncio.get_running_loop().run_in_executor(
                 pool,
                 parse_summary,
@@ -108,7 +112,7 @@ class BodyParser:
                 raw,
                 self.default_max_tokens,
                 keyed,
-                self.engine_tokenizers if engine_tokenizers is None else engine_tokenizers,
+                tokenizers,
             )
         except BrokenProcessPool:
             # (a RuntimeError too: the worker died while idle, and only a submit says so)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import functools
 import json
 import os
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from gateway.procs import libc_prctl
 from gateway.realengines._common import cache_dir, logs_dir, tail_text
 
 EngineKind = Literal["vllm", "llamacpp"]
@@ -267,9 +267,9 @@ def _kill_group_leftovers(pgid: int, timeout: float) -> None:
 
 def _preexec() -> None:  # runs in the child between fork and exec
     os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the thread that started us
+    prctl = libc_prctl()  # (found in the parent before the fork: see _launch)
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the thread that started us
 
 
 def _launch(
@@ -291,6 +291,7 @@ def _launch(
         with log_path.open("wb") as log:
             log.write(f"$ {' '.join(args)}\n".encode())
             log.flush()
+            libc_prctl()  # (looked up here: the child only calls it)
             proc = subprocess.Popen(
                 args,
                 stdin=subprocess.DEVNULL,

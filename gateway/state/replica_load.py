@@ -244,7 +244,11 @@ class ReplicaLoad:
         # (every round: a store that restarted, or others that took this replica for gone while
         # it was stalled, learn of it again)
         await store.join(self.group, self.replica_id)
-        others = sorted(await store.members(self.group) - {self.replica_id})[:MAX_REPLICAS]
+        members = await store.members(self.group) - {self.replica_id}
+        # (past the bound, the peers already heard first: junk members that sort first must not
+        # push real peers out of the read)
+        known = sorted(members.intersection(self._others))
+        others = (known + sorted(members.difference(self._others)))[:MAX_REPLICAS]
         values = await store.get_many([self.key(m) for m in others])
         gone = [m for m, v in zip(others, values, strict=True) if v is None]
         if gone:

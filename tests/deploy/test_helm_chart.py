@@ -49,7 +49,7 @@ CHART_MANAGED = {
     "state_store": "SLOGATE_STATE_STORE env from stateStore.mode (auto: redis with more than one replica)",
     "redis_url": "SLOGATE_REDIS_URL env: stateStore.redis.url / existingSecret, or the chart's own Redis",
     "replica_id": "SLOGATE_REPLICA_ID env: the pod's name",
-    "state_namespace": "SLOGATE_STATE_NAMESPACE env: the release's full name",
+    "state_namespace": "SLOGATE_STATE_NAMESPACE env: stateStore.namespace, else the release's full name",
 }
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -186,6 +186,22 @@ def test_values_files_satisfy_values_schema(name: str) -> None:
             {
                 "gateway": {
                     "engines": [{"url": "http://e:8000", "model": "m", "kv_events_endpoint": "e:5557"}]
+                }
+            },
+            "gateway/engines/0/kv_events_endpoint",
+        ),
+        (  # a port past 65535
+            {
+                "gateway": {
+                    "engines": [{"url": "http://e:8000", "model": "m", "kv_events_endpoint": "tcp://e:99999"}]
+                }
+            },
+            "gateway/engines/0/kv_events_endpoint",
+        ),
+        (  # vLLM's own bind address, where the gateway connects (kv_events_bind not set)
+            {
+                "gateway": {
+                    "engines": [{"url": "http://e:8000", "model": "m", "kv_events_endpoint": "tcp://*:5557"}]
                 }
             },
             "gateway/engines/0/kv_events_endpoint",
@@ -789,6 +805,16 @@ def test_simulated_engines_of_one_half_of_a_pair_alone_fail_the_render(helm: Hel
 
 
 # --- the replicas' shared state ---------------------------------------------------------------
+
+
+def test_a_release_s_state_namespace_is_its_name_unless_set(helm: HelmCall) -> None:
+    """Releases sharing one Redis database keep their keys apart; an upgrade from a chart without
+    the setting may keep the old namespace for its rollout (docs/replicas.md)."""
+    assert _gateway_env(_render(helm, {}))["SLOGATE_STATE_NAMESPACE"]["value"] == "rel-slogate"
+    kept = _gateway_env(_render(helm, {"stateStore": {"namespace": "slogate"}}))
+    assert kept["SLOGATE_STATE_NAMESPACE"]["value"] == "slogate"
+    refused = helm("render", {"stateStore": {"namespace": "{bad}"}})  # (its braces: a hash tag's)
+    assert not refused["ok"] and "schema" in refused["error"]
 
 
 @pytest.mark.parametrize(

@@ -221,22 +221,35 @@ async def test_a_burst_of_large_bodies_is_keyed_one_at_a_time_and_the_rest_parse
     """The worker parses one body at a time, and keying one with an engine's tokenizer takes up
     to seconds: the bodies behind a burst waited for every key before their routing fields came
     back. Past MAX_KEYING at once, a body comes back without its key (routed without prefix
-    credit), soon after the key being computed."""
+    credit, and counted), soon after the key being computed; with the gateway's own encoder (no
+    engine tokenizers), which takes milliseconds, every one is keyed."""
     import asyncio
+
+    from gateway import metrics
 
     text = "the quick brown fox jumps over the lazy dog; " * 40_000
     raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
-    parser = BodyParser(threshold=1024, default_max_tokens=16, prompt_ids=True)
+    # (model x has an engine tokenizer; none is on disk here, and m is keyed with the gateway's
+    # own, by the same path and bound)
+    parser = BodyParser(
+        threshold=1024, default_max_tokens=16, prompt_ids=True, engine_tokenizers={"x": "/none"}
+    )
+    plain = BodyParser(threshold=1024, default_max_tokens=16, prompt_ids=True)
+    small = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 2000 + b'"}]}'
     try:
-        await parser.parse(
-            "chat", b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 2000 + b'"}]}'
-        )
-        assert await parser.started()
+        for each in (parser, plain):
+            await each.parse("chat", small)
+            assert await each.started()
+        skipped = metrics.REGISTRY.get_sample_value("slogate_prefix_keys_skipped_total") or 0.0
         burst = await asyncio.gather(*(parser.parse("chat", raw) for _ in range(4)))
         keyed = [r.prompt_ids is not None for r in burst]
         assert keyed[0] and keyed.count(True) == offload.MAX_KEYING, keyed
+        assert metrics.REGISTRY.get_sample_value("slogate_prefix_keys_skipped_total") == skipped + 3
         assert parser._keying == 0
         alone = await parser.parse("chat", raw)  # (the burst over: keyed again)
         assert alone.prompt_ids is not None and len(alone.prompt_ids) > 0
+        burst = await asyncio.gather(*(plain.parse("chat", raw) for _ in range(4)))
+        assert all(r.prompt_ids is not None for r in burst)
     finally:
         parser.close()
+        plain.close()

@@ -445,10 +445,13 @@ async def test_what_anyone_may_write_to_the_store_is_read_within_bounds(
     clock = Clock()
     store = Counting(clock)
     (_, la), (_, lb) = replicas(store, clock)
+    await exchange(la, lb)  # (each hears the other first)
     for i in range(50):
-        await store.join(lb.group, f"stranger-{i}")
+        await store.join(lb.group, f"0-stranger-{i}")  # (sorting before every real replica)
+    asked.clear()
     await exchange(la, lb)
     assert asked and max(asked) <= 3
+    assert lb.peers == ("r0",)  # (the peer already heard is read first, past the bound)
     big = _said({f"e{i}": [1, 1, 1] for i in range(20)})
     assert decode(big, {"e0"}) is not None
     monkeypatch.setattr(replica_load, "MAX_MESSAGE_BYTES", len(big) - 1)
