@@ -8,6 +8,7 @@ timed out. These tests talk raw HTTP to a real gateway: the ASGI fuzz tests cann
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -263,11 +264,9 @@ def test_what_is_not_http_gets_an_openai_shaped_400(gw: RunningGateway, head: by
     assert httpx.get(gw.url + "/health").status_code == 200  # (and the server goes on)
 
 
-def test_what_is_not_http_is_logged_once_a_minute_not_once_a_request(gw: RunningGateway) -> None:
-    """uvicorn warns of every such request: a client sending garbage flooded the log, a line
-    each. Held back past the first, counted in the next one that goes out."""
-    import logging
-
+@contextlib.contextmanager
+def _uvicorn_warnings() -> Iterator[list[str]]:
+    """What uvicorn's error logger says meanwhile (it does not propagate to the root logger)."""
     seen: list[str] = []
 
     class Keep(logging.Handler):
@@ -278,12 +277,19 @@ def test_what_is_not_http_is_logged_once_a_minute_not_once_a_request(gw: Running
     keep = Keep()
     logger.addHandler(keep)
     try:
+        yield seen
+    finally:
+        logger.removeHandler(keep)
+
+
+def test_what_is_not_http_is_logged_once_a_minute_not_once_a_request(gw: RunningGateway) -> None:
+    """uvicorn warns of every such request: a client sending garbage flooded the log, a line
+    each. Held back past the first, counted in the next one that goes out."""
+    with _uvicorn_warnings() as seen:
         for _ in range(5):
             with _connect(gw) as sock:
                 sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
                 assert _answer(sock)[0] == 400
-    finally:
-        logger.removeHandler(keep)
     assert sum("Invalid HTTP request" in m for m in seen) <= 1, seen
 
 
@@ -291,26 +297,13 @@ def test_an_upgrade_to_what_is_not_served_is_logged_once_a_minute_not_once_a_req
     gw: RunningGateway,
 ) -> None:
     """uvicorn warns of each (an h2c upgrade, say): the same flood as garbage, by a valid request."""
-    import logging
-
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
-
-    logger = logging.getLogger("uvicorn.error")
-    keep = Keep()
-    logger.addHandler(keep)
-    try:
+    with _uvicorn_warnings() as seen:
         for _ in range(5):
             with _connect(gw) as sock:
                 sock.sendall(
                     b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
                 )
                 assert _one_answer(sock)[0] == 200
-    finally:
-        logger.removeHandler(keep)
     assert any("Unsupported upgrade" in m for m in seen), seen  # (uvicorn still says so, once)
     assert sum("Unsupported upgrade" in m for m in seen) == 1, seen
 

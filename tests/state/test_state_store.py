@@ -125,17 +125,23 @@ async def _next(messages: AsyncIterator[bytes]) -> bytes:
     return await asyncio.wait_for(anext(messages), 2.0)
 
 
-async def test_a_subscriber_gets_what_is_published_after_it_subscribed_in_order(store: StateStore) -> None:
-    await store.publish("{t}:ch", b"before anyone listens")
-    messages = store.subscribe("{t}:ch")
+async def _subscribed(store: StateStore, channel: str) -> AsyncIterator[bytes]:
+    """A subscription to ``channel`` once it hears what is published there (a probe, published
+    until one comes through: no sleep to guess it by; later probes may follow)."""
+    messages = store.subscribe(channel)
     probe = asyncio.ensure_future(_next(messages))
-    # (subscribed once a probe comes through: no sleep to guess it by)
     for _ in range(200):
-        await store.publish("{t}:ch", b"probe")
+        await store.publish(channel, b"probe")
         await asyncio.sleep(0.01)
         if probe.done():
             break
     assert await probe == b"probe"
+    return messages
+
+
+async def test_a_subscriber_gets_what_is_published_after_it_subscribed_in_order(store: StateStore) -> None:
+    await store.publish("{t}:ch", b"before anyone listens")
+    messages = await _subscribed(store, "{t}:ch")
     await store.publish("{t}:ch", b"ready")
     while (message := await _next(messages)) != b"ready":  # (the probes published meanwhile)
         assert message == b"probe"
@@ -149,15 +155,8 @@ async def test_a_subscriber_gets_what_is_published_after_it_subscribed_in_order(
 async def test_a_subscription_lost_with_its_server_raises_store_error() -> None:
     with RedisServer() as server:
         store = RedisStore(server.url, timeout_s=0.3)
-        messages = store.subscribe("{t}:ch")
-        probe = asyncio.ensure_future(_next(messages))
-        # (subscribed once a probe comes through: a SUBSCRIBE that failed would raise the same)
-        for _ in range(200):
-            await store.publish("{t}:ch", b"probe")
-            await asyncio.sleep(0.01)
-            if probe.done():
-                break
-        assert await probe == b"probe"
+        # (subscribed for sure: a SUBSCRIBE that failed would raise the same)
+        messages = await _subscribed(store, "{t}:ch")
         while True:  # (the probes published meanwhile)
             waiting = asyncio.ensure_future(anext(messages))
             await asyncio.sleep(0.05)
@@ -300,14 +299,7 @@ async def test_a_subscription_whose_server_went_silent_is_lost_not_quiet(
     monkeypatch.setattr(redis_store, "SUBSCRIPTION_SILENT_S", 0.5)
     with RedisServer() as server:
         store = RedisStore(server.url, timeout_s=0.3)
-        messages = store.subscribe("{t}:ch")
-        probe = asyncio.ensure_future(_next(messages))
-        for _ in range(200):
-            await store.publish("{t}:ch", b"probe")
-            await asyncio.sleep(0.01)
-            if probe.done():
-                break
-        assert await probe == b"probe"
+        messages = await _subscribed(store, "{t}:ch")
         # a quiet channel on a live server stays subscribed: the pings are answered
         quiet = asyncio.ensure_future(anext(messages))
         await asyncio.sleep(1.0)
