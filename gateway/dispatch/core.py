@@ -595,7 +595,16 @@ class DispatchCore:
 
     def cancel(self, request_id: str, now: float) -> bool:
         """Take a queued request out (its client left); False when it is not queued."""
-        return self._forget(request_id, now)
+        ticket = self.tickets.get(request_id)
+        if ticket is None or not self._forget(request_id, now):
+            return False
+        if self.hyperflexis is None and self.fleet.adapter_bases:
+            # a pipeline with LoRA adapters looks a bounded way past a blocked head: one that
+            # left may bring a request engines can take within it now, which waited otherwise
+            # for the model's next engine event
+            self._dirty.add(ticket.item.view.model)
+            self.wake()
+        return True
 
     def reject_all(self, error: GatewayError, now: float) -> None:
         for rid in list(self.tickets):
@@ -614,6 +623,8 @@ class DispatchCore:
         failed: Exception | None = None
         for model, queue in self.queues.items():
             if len(queue) and queue.next_expiry() <= now:
+                if self.hyperflexis is None and self.fleet.adapter_bases:
+                    self._dirty.add(model)  # (as for a cancel: see cancel)
                 try:
                     for item in queue.expire(now):
                         self._expired(item, now)

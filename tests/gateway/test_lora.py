@@ -509,3 +509,35 @@ def test_one_model_s_requests_do_not_move_another_model_s_ties(profile: str) -> 
             assert record is not None
             placed[record.engine_id] += 1  # (nothing reserved: every pick is a tie of idle engines)
     assert placed == {"a-0": 20, "a-1": 20, "b-0": 20, "b-1": 20}, placed
+
+
+def test_a_request_brought_within_the_look_ahead_by_a_cancel_is_placed_at_once() -> None:
+    """The pipeline looks PIPELINE_LOOKAHEAD requests past a head blocked on its adapter's engine;
+    one that a cancel (or an expiry) brought within that was left for the model's next engine
+    event, while an engine that could take it stood idle."""
+    from gateway.dispatch.core import PIPELINE_LOOKAHEAD, Ticket
+    from gateway.dispatch.offline import offline_core
+    from policies.queue_order import QueuedRequest
+
+    fleet = offline_fleet({MODEL: 2})
+    fleet.set_adapters("m-0", frozenset({"a1"}))
+    core = offline_core(fleet, max_engine_load=1)
+    woken: list[bool] = []
+    core.wake = lambda: woken.append(True)  # type: ignore[method-assign]
+
+    def submit(rid: str, lora: str | None, seq: int) -> object:
+        view = RequestView(rid, MODEL, 100, 10, arrival=0.0, lora=lora)
+        item = QueuedRequest(view=view, ttft_slo=1.0, tpot_slo=0.1, seq=seq, queue_deadline=30.0)
+        return core.submit(Ticket(item, "c", RunningEntry(100, 10, 0.1, 0.0), 0.0), 0.0)
+
+    assert submit("busy", "a1", 0) is not None  # m-0, the adapter's engine, is full now
+    fleet.reserve("m-1", "other", RunningEntry(100, 10, 0.1, 0.0))  # and m-1 for a while
+    for i in range(PIPELINE_LOOKAHEAD):
+        assert submit(f"a1-{i}", "a1", i + 1) is None  # the head, and 31 more behind it
+    assert submit("base", None, 100) is None  # 33rd in the queue: past the 32 the pass reads
+    fleet.release("m-1", "other")
+    core.step(1.0)
+    assert "base" in core.tickets  # (still past the look-ahead: m-1 stays idle)
+    core.cancel("a1-5", 2.0)
+    core.step(2.0)
+    assert [rid for rid, _ in core.outbox] == ["base"] and "base" not in core.tickets
