@@ -195,7 +195,8 @@ UPSTREAM_RETRIES = Counter(
 )
 UPSTREAM_ERRORS = Counter(
     "slogate_upstream_errors",
-    "Upstream failures by engine and kind (connect, connect_timeout, protocol, status, stream_cut, timeout)",
+    "Upstream failures by engine and kind (connect, connect_timeout, protocol, status, stream_cut, timeout, "
+    "too_large: a whole answer past what the gateway holds)",
     ["engine", "kind"],
     registry=REGISTRY,
 )

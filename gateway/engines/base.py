@@ -52,6 +52,20 @@ async def read_control(resp: aiohttp.ClientResponse, limit: int = MAX_CONTROL_BO
     return bytes(body)
 
 
+async def read_up_to(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of an answer, and whether that was all of it (what is left is not
+    read: the connection is closed with the response, not reused)."""
+    if resp.content_length is not None and resp.content_length <= limit:
+        return await resp.read(), True
+    body = bytearray()
+    while len(body) <= limit:
+        chunk = await resp.content.read(1 << 16)
+        if not chunk:
+            return bytes(body), True
+        body += chunk
+    return bytes(body[:limit]), False
+
+
 def control_json(body: bytes) -> Any:
     """A control answer's JSON (ValueError when it is none)."""
     return orjson.loads(body)

@@ -35,12 +35,13 @@ from gateway.api.errors import GatewayError, encode_body
 from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
+from gateway.engines.base import read_up_to
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.open_files import out_of_sockets
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.migration import Migrator
-from gateway.serving.relay import answer_plain, read_plain, relay_stream, upstream_error
+from gateway.serving.relay import MAX_ERROR_BYTES, answer_plain, read_plain, relay_stream, upstream_error
 from gateway.serving.stream_state import Cut
 from gateway.serving.watchdog import time_limit_at
 from gateway.settings import Settings
@@ -601,7 +602,7 @@ async def error_body(
     read_at = time.monotonic()
     try:
         async with time_limit_at(call.watchdog, max(deadline, asyncio.get_running_loop().time() + 1.0)):
-            return await response.read()
+            return (await read_up_to(response, MAX_ERROR_BYTES))[0]
     except (TimeoutError, aiohttp.ClientError):
         return b""
     finally:

@@ -24,6 +24,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
+from gateway.engines.base import read_up_to
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, overhead_header
@@ -107,12 +108,19 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+#: the largest whole (non-streamed) answer taken from an engine: an embeddings batch of 2,048
+#: 4,096-dimension vectors as JSON floats is about 100 MB
+MAX_PLAIN_BYTES = 256 << 20
+#: ...and of an error answer (only its first 2,000 characters are shown)
+MAX_ERROR_BYTES = 64 << 10
+
+
 async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | GatewayError:
     """Read a whole JSON answer; a cut while reading it is retryable (the client saw nothing).
     The caller bounds the read with the request's deadline."""
     engine_id = call.engine_id or ""
     try:
-        body = await response.read()
+        body, whole = await read_up_to(response, MAX_PLAIN_BYTES)
     except aiohttp.ClientError as exc:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         log.warning(
@@ -123,6 +131,13 @@ async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | Ga
         )
         reason = describe_failure(exc)
         return GatewayError(502, f"engine {engine_id} failed mid-response: {reason}", code="upstream_failed")
+    if not whole:
+        # (an engine, or a proxy before it, answering without end: held whole it took the
+        # gateway's memory, and every stream with it; another engine would answer the same)
+        metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "too_large").inc()
+        raise GatewayError(
+            502, f"engine {engine_id} answered more than {MAX_PLAIN_BYTES} bytes", code="upstream_too_large"
+        )
     if b'"usage"' in body:
         with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
             record_usage(call, orjson.loads(body).get("usage"))

@@ -683,3 +683,78 @@ def test_a_served_request_makes_no_timer_per_limit(
                 assert response.status_code == 200, response.text
         # (and a limit that runs out still answers as before: see the tests above)
     assert made == {}, f"timers made per limit by gateway code: {made}"
+
+
+def test_a_whole_answer_past_what_the_gateway_holds_is_a_502_and_an_error_body_is_read_in_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streamed answer (and an error answer) was read whole, bounded by time alone: an
+    engine, or a proxy before it, answering without end filled the gateway's memory for up to
+    request_timeout_s (900 s), every stream with it. Past MAX_PLAIN_BYTES it is a 502 at once,
+    not tried again (another engine would answer the same); of an error answer only the first
+    MAX_ERROR_BYTES are read."""
+    import asyncio
+
+    from gateway.serving import relay
+
+    monkeypatch.setattr(relay, "MAX_PLAIN_BYTES", 1 << 20)
+
+    let_go: list[str] = []
+
+    async def endless(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"usage": {"x": "')
+        try:
+            while True:  # (until the gateway lets go)
+                await response.write(b"x" * 65536)
+                await asyncio.sleep(0)
+        except (ConnectionError, asyncio.CancelledError):
+            let_go.append("closed")
+            raise
+
+    with (
+        StubEngine(endless) as a,
+        StubEngine(endless) as b,
+        run_gateway(engines=[a.entry("a"), b.entry("b")], **QUIET_MONITOR) as gw,
+    ):
+        response, elapsed = timed_post(gw, chat())
+        assert_openai_error(response, 502, "upstream_too_large")
+        assert elapsed < 10 and len(a.received) + len(b.received) == 1  # (not tried again)
+        assert wait_until(lambda: let_go == ["closed"])  # (the engine's request closed)
+
+
+async def test_read_up_to_reads_no_more_than_its_limit() -> None:
+    from gateway.engines.base import read_up_to
+
+    async def big(_: web.Request) -> web.StreamResponse:
+        return web.Response(body=b"e" * 500_000)
+
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(8):
+            await response.write(b"c" * 100_000)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/big", big)
+    app.router.add_get("/chunked", chunked)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            for path, size in (("/big", 500_000), ("/chunked", 800_000)):
+                async with session.get(f"http://127.0.0.1:{port}{path}") as resp:
+                    body, whole = await read_up_to(resp, 65_536)
+                    assert len(body) == 65_536 and not whole
+                async with session.get(f"http://127.0.0.1:{port}{path}") as resp:
+                    body, whole = await read_up_to(resp, 1 << 20)
+                    assert len(body) == size and whole
+    finally:
+        await runner.cleanup()
