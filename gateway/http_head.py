@@ -65,6 +65,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._linger: asyncio.TimerHandle | None = None
         #: closes a connection whose body still arrives after its request was answered
         self._discard_timer: asyncio.TimerHandle | None = None
+        #: requests a client pipelined another behind before they were answered (uvicorn's
+        #: current request is the newest: only that one learns the connection is lost)
+        self._superseded: list[Any] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,7 +106,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if too_large:
             self._refuse(self._too_large())
             return
+        existing = self.cycle
         super().on_headers_complete()
+        if existing is not None and not existing.response_complete:
+            # (reading pauses behind a pipelined request: a few at most)
+            self._superseded = [c for c in self._superseded if not c.response_complete]
+            self._superseded.append(existing)
 
     def _head_size(self) -> int:
         """The request line and header fields as parsed (the read that ended them may hold the
@@ -154,6 +162,14 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             super().handle_websocket_upgrade()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        superseded, self._superseded = self._superseded, []
+        for cycle in superseded:
+            if not cycle.response_complete:
+                # (a client that pipelined a request and left: the one being answered heard
+                # nothing, and went on to write to a closed transport, an error that read as a
+                # 500, its engine request running until then)
+                cycle.disconnected = True
+                cycle.message_event.set()
         self._disarm()
         if self._discard_timer is not None:
             self._discard_timer.cancel()

@@ -390,3 +390,34 @@ def test_a_request_after_an_early_answered_body_in_the_same_read_is_not_cut_by_k
         sock.sendall(chat)
         status, body = _one_answer(sock)
     assert status in (400, 404, 503), body  # (answered: its engine is nowhere; not cut)
+
+
+def test_a_client_that_pipelines_a_request_and_leaves_is_a_disconnect_not_a_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """uvicorn's current request is the newest: a client that pipelined a second request behind
+    a stream and closed its socket was never heard to leave by the stream's request, which went
+    on writing to a closed transport (uvloop: RuntimeError, read as a 500 and logged with a
+    traceback) with its engine's request running until then."""
+    from gateway import metrics
+    from tests.gateway.stub_engines import events_every
+
+    caplog.set_level(logging.ERROR, logger="slogate")
+    chat = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = head + b"Content-Length: %d\r\n\r\n" % len(chat) + chat
+    with (
+        StubEngine(events_every(0.2, 100)) as engine,
+        run_gateway(engines=[engine.entry("e0")], monitor_interval_s=30) as gw,
+    ):
+        before = metrics.CLIENT_DISCONNECTS._value.get()
+        with _connect(gw) as sock:
+            sock.sendall(request + request)  # (the second pipelined behind the first, at once)
+            first = sock.recv(65536)
+            assert first.startswith(b"HTTP/1.1 200"), first
+        # (closed: the stream's request hears it, and its engine's request is aborted)
+        assert wait_until(lambda: engine.aborted == 1, timeout=5)
+        assert wait_until(lambda: metrics.CLIENT_DISCONNECTS._value.get() > before, timeout=5)
+        time.sleep(0.5)
+    assert not [r for r in caplog.records if r.getMessage() == "internal error"], caplog.text
+    assert len(engine.received) == 1  # (the second never started: its client had left)
