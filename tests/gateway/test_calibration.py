@@ -20,6 +20,7 @@ from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.settings import load_settings
 from gateway.sim.profiles import load_profile
 from tests.gateway.gateway_thread import run_gateway, wait_until
+from tests.support.local_app import serving
 from tests.support.sim_process import SimProcess, start_sim_engine
 
 MODEL = "m"
@@ -238,29 +239,21 @@ async def test_a_probe_of_an_engine_streaming_without_end_fails_bounded() -> Non
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            engines = [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "e0"}]
-            settings = load_settings(None, engines=engines)
-            fleet = Fleet([adapter_for(e, session, 2.0) for e in settings.engines], settings.stale_after_s)
-            fleet.record_health("e0", True, 1, 1)
-            calibrator = Calibrator(fleet, SloService(settings).latency, session, interval_s=600.0)
-            record = fleet.records["e0"]
-            stream = _Stream(16)
-            async with asyncio.timeout(10):
-                assert not await calibrator._stream(record, stream)
-            assert len(stream.times) <= MAX_STREAM_EVENTS
-            mode["one_event"], mode["sent"] = True, 0
-            async with asyncio.timeout(10):
-                assert not await calibrator._stream(record, _Stream(16))
-            assert MAX_EVENT_BYTES < mode["sent"] < 64 * MAX_EVENT_BYTES
-            fleet.record_health("e0", False, 1, 1)  # ejected: the run stops at its next probe
-            with pytest.raises(Interrupted):
-                await calibrator.calibrate(record)
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession() as session:
+        engines = [{"url": f"http://127.0.0.1:{port}", "model": MODEL, "name": "e0"}]
+        settings = load_settings(None, engines=engines)
+        fleet = Fleet([adapter_for(e, session, 2.0) for e in settings.engines], settings.stale_after_s)
+        fleet.record_health("e0", True, 1, 1)
+        calibrator = Calibrator(fleet, SloService(settings).latency, session, interval_s=600.0)
+        record = fleet.records["e0"]
+        stream = _Stream(16)
+        async with asyncio.timeout(10):
+            assert not await calibrator._stream(record, stream)
+        assert len(stream.times) <= MAX_STREAM_EVENTS
+        mode["one_event"], mode["sent"] = True, 0
+        async with asyncio.timeout(10):
+            assert not await calibrator._stream(record, _Stream(16))
+        assert MAX_EVENT_BYTES < mode["sent"] < 64 * MAX_EVENT_BYTES
+        fleet.record_health("e0", False, 1, 1)  # ejected: the run stops at its next probe
+        with pytest.raises(Interrupted):
+            await calibrator.calibrate(record)

@@ -9,6 +9,7 @@ from gateway.dispatch.offline import fleet_of
 from gateway.fleet.roles import check_flip
 from gateway.settings import EngineConfig
 from policies.api import Role
+from tests.support.local_app import serving
 
 
 def _fleet(*roles: str):  # type: ignore[no-untyped-def]
@@ -137,34 +138,26 @@ async def test_a_refused_role_change_never_shows_the_engine_s_key(caplog: pytest
 
     app = web.Application()
     app.router.add_post("/sim/role", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            adapters = [
-                adapter_for(
-                    EngineConfig(
-                        url=f"http://127.0.0.1:{port}",
-                        kind="sim",
-                        model="m",
-                        name=f"e{i}",
-                        api_key="sk-ENGINE-SECRET",
-                    ),  # type: ignore[arg-type]
-                    session,
-                    2.0,
-                )
-                for i in range(2)
-            ]
-            fleet = Fleet(adapters, 3.0)
-            for name in fleet.records:
-                fleet.record_health(name, True, 1, 1)
-            with pytest.raises(GatewayError) as info:
-                await flip_role(fleet, "e1", Role.DECODE, 1.0)
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession() as session:
+        adapters = [
+            adapter_for(
+                EngineConfig(
+                    url=f"http://127.0.0.1:{port}",
+                    kind="sim",
+                    model="m",
+                    name=f"e{i}",
+                    api_key="sk-ENGINE-SECRET",
+                ),  # type: ignore[arg-type]
+                session,
+                2.0,
+            )
+            for i in range(2)
+        ]
+        fleet = Fleet(adapters, 3.0)
+        for name in fleet.records:
+            fleet.record_health(name, True, 1, 1)
+        with pytest.raises(GatewayError) as info:
+            await flip_role(fleet, "e1", Role.DECODE, 1.0)
     assert info.value.status == 502 and "HTTP 500" in info.value.message
     assert "SECRET" not in info.value.message and "SECRET" not in caplog.text
     assert "could not be restored" in caplog.text  # (the restore was refused as well, and logged)

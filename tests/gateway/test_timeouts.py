@@ -38,6 +38,7 @@ from tests.gateway.stub_engines import (
     one_event_then_stall,
     status_after,
 )
+from tests.support.local_app import serving
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -740,12 +741,7 @@ async def test_read_up_to_reads_no_more_than_its_limit() -> None:
     app = web.Application()
     app.router.add_get("/big", big)
     app.router.add_get("/chunked", chunked)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving(app) as port:
         import aiohttp
 
         async with aiohttp.ClientSession() as session:
@@ -756,5 +752,3 @@ async def test_read_up_to_reads_no_more_than_its_limit() -> None:
                 async with session.get(f"http://127.0.0.1:{port}{path}") as resp:
                     body, whole = await read_up_to(resp, 1 << 20)
                     assert len(body) == size and whole
-    finally:
-        await runner.cleanup()

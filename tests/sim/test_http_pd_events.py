@@ -18,6 +18,7 @@ import zmq
 from gateway.sim.kv_cache import prefix_hashes
 from tests.sim.helpers import MODEL, write_profile
 from tests.sim.test_http_api import metric, post, stream
+from tests.support.local_app import serving
 from tests.support.sim_process import SimProcess, start_sim_engine
 
 #: 1 ms link latency + 2000 tokens x 262,144 B / 10 GB/s = 53 ms of modelled transfer
@@ -291,29 +292,24 @@ async def test_a_kv_source_that_is_no_engine_is_a_clean_error_not_a_500(answer: 
 
     app = web.Application()
     app.router.add_post("/sim/kv/pull", pull)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    server = SimServer(SimConfig(profile=profile(), model=MODEL, time_scale=100.0, role="decode"))
-    await server.start()
-    try:
-        remote = {
-            "do_remote_prefill": True,
-            "remote_host": "127.0.0.1",
-            "remote_port": port,
-            "remote_request_id": "r",
-        }
-        for fields in (
-            {"kv_transfer_params": remote},
-            {"bootstrap_room": 1, "bootstrap_host": "127.0.0.1", "bootstrap_port": port},
-        ):
-            status, body = await post(
-                server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **fields}
-            )
-            assert status in (400, 502), body
-            assert isinstance(body, dict) and set(body["error"]) >= {"message", "code"}, body
-    finally:
-        await server.stop()
-        await runner.cleanup()
+    async with serving(app) as port:
+        server = SimServer(SimConfig(profile=profile(), model=MODEL, time_scale=100.0, role="decode"))
+        await server.start()
+        try:
+            remote = {
+                "do_remote_prefill": True,
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+                "remote_request_id": "r",
+            }
+            for fields in (
+                {"kv_transfer_params": remote},
+                {"bootstrap_room": 1, "bootstrap_host": "127.0.0.1", "bootstrap_port": port},
+            ):
+                status, body = await post(
+                    server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **fields}
+                )
+                assert status in (400, 502), body
+                assert isinstance(body, dict) and set(body["error"]) >= {"message", "code"}, body
+        finally:
+            await server.stop()
