@@ -475,6 +475,10 @@ def build_api(gateway: Gateway) -> FastAPI:
         every served model has a healthy engine, for alerting."""
         every = request.query_params.get("all", "") in ("1", "true")
         f = fleet()
+        # probes carry no key: with keys set, an anonymous caller learns whether the replica is
+        # ready, not which models it serves (GET /v1/models needs a client key)
+        auth = gateway.auth
+        named = not auth.admin_auth or auth.identify(dict(request.headers.raw)).role != "anonymous"
         models = sorted(f.models())
         flow = gateway.flow
         # (a model served disaggregated needs its decode engines as well; see DisaggregatedFlow)
@@ -489,9 +493,12 @@ def build_api(gateway: Gateway) -> FastAPI:
         elif not f.records:
             reason = "no engines configured"
         elif len(unroutable) == len(models) or (every and unroutable):
-            reason = f"no healthy engine for: {', '.join(unroutable)}"
+            which = ", ".join(unroutable) if named else f"{len(unroutable)} of {len(models)} models"
+            reason = f"no healthy engine for: {which}"
         if reason is not None:
             return _error_response(GatewayError(503, f"not ready: {reason}", code="not_ready"))
+        if not named:
+            return _json({"status": "ready", "models": len(models), "unroutable": len(unroutable)})
         return _json({"status": "ready", "models": models, "unroutable": unroutable})
 
     @get("/metrics")

@@ -763,7 +763,7 @@ class DispatchCore:
         the maturity of the holders not mature yet."""
         assert self.router.prefix is not None
         maturity = self.workers.maturity
-        engines = [e for e, r in self.fleet.records.items() if r.model == model and e in maturity]
+        engines = [r.engine_id for r in self.fleet.engines_of.get(model, ()) if r.engine_id in maturity]
         lookup = self.router.prefix.lookup(engines, now)
         if lookup is None:
             return None, {}

@@ -189,9 +189,10 @@ class CollocatedFlow:
                 if not tried or not self.fleet.has_healthy(request.model):
                     raise  # nothing serves the model any more: say so, not the last failure
                 break  # no other engine for a retry: report the engine's failure
-            self._decided(call, attempt, asked, asked_ns, suspended.value, record, None, tried)
-            tried.append(record.engine_id)
             try:
+                # (inside: a failure recording the decision must not keep the engine's seat)
+                self._decided(call, attempt, asked, asked_ns, suspended.value, record, None, tried)
+                tried.append(record.engine_id)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise out_of_time(settings.request_timeout_s)  # (it waited its time in the queue)
                 outcome = await serve_on(call, record, entry, deadline)
@@ -216,10 +217,27 @@ class CollocatedFlow:
         tried: list[str],
     ) -> None:
         """A placement came back: count a queue wait as not the gateway's own time, log the
-        decision for /dashboard and, when tracing, record its spans."""
+        decision for /dashboard and, when tracing, record its spans. Never raises: what only
+        observes a request must not fail it (nor leave the engine it was placed on reserved)."""
         waited = time.monotonic() - asked
         if queued:
             call.waited_s += waited
+        try:
+            self._record_decision(call, attempt, asked_ns, waited, queued, record, error, tried)
+        except Exception:
+            log.exception("recording a dispatch decision failed", extra={"request_id": call.client_rid})
+
+    def _record_decision(
+        self,
+        call: Call,
+        attempt: int,
+        asked_ns: int,
+        waited: float,
+        queued: bool,
+        record: EngineRecord | None,
+        error: GatewayError | None,
+        tried: list[str],
+    ) -> None:
         engine_id = record.engine_id if record is not None else None
         if self.decisions is not None:
             code = None if error is None else error.code or str(error.status)

@@ -85,3 +85,50 @@ def test_a_client_taking_nothing_does_not_hold_a_500_forever(monkeypatch: pytest
             assert wait_until(lambda: _requests_5xx(gw) - before == 1, timeout=5.0), (
                 "the handler of a 500 nobody reads never ended"
             )
+
+
+def test_a_failure_recording_the_decision_gives_the_engine_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug after the placement and before the engine is called (recording the decision) is a
+    500 like any other, and the seat the placement reserved is released with it."""
+    from gateway.serving.collocated import CollocatedFlow
+
+    real = CollocatedFlow._decided
+
+    def decided(self: CollocatedFlow, call: Any, attempt: int, *args: Any) -> None:
+        real(self, call, attempt, *args)
+        if args[3] is not None:  # (an engine was placed)
+            raise RuntimeError("a bug")
+
+    monkeypatch.setattr(CollocatedFlow, "_decided", decided)
+
+    async def answer(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    with StubEngine(answer) as engine, run_gateway(engines=[engine.entry("e0")]) as gw:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for _ in range(3):
+            response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+            assert response.status_code == 500
+        record = gw.gateway.fleet.records["e0"]
+        assert wait_until(lambda: record.in_flight == 0 and not record.running, timeout=5), record.running
+
+
+def test_a_failure_recording_the_decision_does_not_fail_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What only observes a request (the dashboard's decision log, its spans) must not fail it."""
+    from gateway.dashboard.decisions import DecisionLog
+
+    def add(self: DecisionLog, *args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(DecisionLog, "add", add)
+
+    async def answer(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    with StubEngine(answer) as engine, run_gateway(engines=[engine.entry("e0")]) as gw:
+        assert gw.gateway.decisions is not None
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+        assert response.status_code == 200, response.text
+        record = gw.gateway.fleet.records["e0"]
+        assert wait_until(lambda: record.in_flight == 0 and not record.running, timeout=5)

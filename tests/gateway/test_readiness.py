@@ -71,3 +71,24 @@ def test_a_stopped_dispatch_loop_is_not_ready(engine: HeaderEngine) -> None:
         r = httpx.get(gw.url + "/ready")
         assert r.status_code == 503
         assert r.json()["error"]["message"] == "not ready: the dispatch loop is not running"
+
+
+def test_with_keys_an_anonymous_probe_learns_readiness_not_model_names(engine: HeaderEngine) -> None:
+    """GET /v1/models needs a client key; /ready stays open for probes, so without a key it
+    counts the models instead of naming them."""
+    entries = [engine.entry("e0"), dead("gone", "secret-model")]
+    with run_gateway(engines=entries, monitor_interval_s=0.2, api_keys=["sk-client-1"]) as gw:
+        assert gw.gateway.fleet is not None
+        assert wait_until(lambda: not gw.gateway.fleet.has_healthy("secret-model"), timeout=10)
+        anonymous = httpx.get(gw.url + "/ready")
+        assert anonymous.status_code == 200
+        assert anonymous.json() == {"status": "ready", "models": 2, "unroutable": 1}
+        strict = httpx.get(gw.url + "/ready?all=1")
+        assert strict.status_code == 503 and "secret-model" not in strict.text
+        assert strict.json()["error"]["message"] == "not ready: no healthy engine for: 1 of 2 models"
+        keyed = httpx.get(gw.url + "/ready", headers={"Authorization": "Bearer sk-client-1"})
+        assert keyed.json() == {
+            "status": "ready",
+            "models": [MODEL, "secret-model"],
+            "unroutable": ["secret-model"],
+        }
