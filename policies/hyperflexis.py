@@ -55,6 +55,16 @@ class RunningRequest:
     prefilled: bool
 
 
+def tpot_floor(decode: Coeffs) -> float:
+    """TPOT targets below this are not planned for: eq.(2)'s step with one sequence and no
+    context, the fastest the engine decodes at all. Holding its other work back cannot meet such
+    a target, and planning for it did that for nothing: a stream claiming 1 ms (x-slo-tpot-ms: 1)
+    left its engine an eq.(5) budget of nothing and a hold of max_hold_s per turn, one request a
+    second, for as long as it ran."""
+    floor = predict_decode(decode, 0, 1)
+    return floor if floor > 0.0 else 0.0  # (a degenerate fit, or NaN: every target is planned)
+
+
 class RunningLoad(NamedTuple):
     """What Algorithm 1 reads of a worker's running requests, summed: the same decisions as the
     requests themselves (eq.(1) and eq.(2) depend on these sums only), without one object per
@@ -69,13 +79,16 @@ class RunningLoad(NamedTuple):
     waiting: int = 0
     waiting_tokens: int = 0
     waiting_squares: int = 0
-    #: the tightest TPOT among them (``inf`` when none runs)
+    #: the tightest TPOT among them that the engine can meet at all (:func:`tpot_floor`;
+    #: ``inf`` when none runs)
     min_tpot: float = math.inf
     #: the laxest TPOT among them (0 when none runs)
     max_tpot: float = 0.0
 
     @classmethod
-    def of(cls, running: Iterable[RunningRequest]) -> RunningLoad:
+    def of(cls, running: Iterable[RunningRequest], tpot_floor: float = 0.0) -> RunningLoad:
+        """The sums of ``running``; its tightest TPOT among those not below ``tpot_floor``
+        (:func:`tpot_floor`)."""
         count = context = waiting = waiting_tokens = waiting_squares = 0
         min_tpot, max_tpot = math.inf, 0.0
         for r in running:
@@ -85,7 +98,7 @@ class RunningLoad(NamedTuple):
                 waiting += 1
                 waiting_tokens += r.prompt_tokens
                 waiting_squares += r.prompt_tokens * r.prompt_tokens
-            if r.tpot_slo < min_tpot:
+            if tpot_floor <= r.tpot_slo < min_tpot:
                 min_tpot = r.tpot_slo
             if r.tpot_slo > max_tpot:
                 max_tpot = r.tpot_slo
@@ -130,13 +143,15 @@ class _Shadow:
         "min_tpot",
         "prefill_taken",
         "taken",
+        "tpot_floor",
         "waiting",
         "waiting_squares",
         "waiting_tokens",
     )
 
     def __init__(self, worker: WorkerView) -> None:
-        load = worker.load if worker.load is not None else RunningLoad.of(worker.running)
+        self.tpot_floor = tpot_floor(worker.decode_coeffs)
+        load = worker.load if worker.load is not None else RunningLoad.of(worker.running, self.tpot_floor)
         self.count = load.requests
         self.context_tokens = load.context_tokens
         self.waiting = load.waiting
@@ -161,7 +176,7 @@ class _Shadow:
         self.waiting += 1
         self.waiting_tokens += prompt_tokens
         self.waiting_squares += prompt_tokens * prompt_tokens
-        if tpot_slo < self.min_tpot:
+        if self.tpot_floor <= tpot_slo < self.min_tpot:
             self.min_tpot = tpot_slo
 
     def decode_step(self, coeffs: Coeffs) -> float:
@@ -1022,7 +1037,8 @@ def _budget_left(
 ) -> int:
     """Eq.(5)'s prompt tokens for the worker's turn, less what the turn took already, with the
     tightest targets among what runs there, the fleet and the turn's first candidate."""
-    tpot = min(shadow.min_tpot, item.tpot_slo) * params.tpot_plan
+    its_tpot = item.tpot_slo if item.tpot_slo >= shadow.tpot_floor else math.inf
+    tpot = min(shadow.min_tpot, its_tpot) * params.tpot_plan
     ttft = min(tightest_ttft_s, item.ttft_slo) * params.budget_ttft_share
     # a turn's prefill must also amortise within the longest hold (its maturity time is
     # E_p * TPOT / (TPOT - E_d)): with eq.(5)'s horizon alone a lax TTFT allowed prefills

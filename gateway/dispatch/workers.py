@@ -24,7 +24,7 @@ from itertools import islice
 from operator import mul
 
 from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
-from policies.hyperflexis import HyperFlexisParams, RunningLoad, WorkerView, shortened_maturity
+from policies.hyperflexis import HyperFlexisParams, RunningLoad, WorkerView, shortened_maturity, tpot_floor
 from policies.latency_fit import Coeffs
 
 #: an engine whose prefills take under this fraction of the time predicted for them may take
@@ -324,6 +324,8 @@ class HyperFlexisWorkers:
         # the running requests summed from what the fleet keeps as they come and go (their
         # token total, the prompts still waiting for prefill): no object per running request
         waiting = record.unprefilled.values()
+        prefill, decode = self.coefficients(record.engine_id)
+        floor = tpot_floor(decode)
         load = RunningLoad(
             # (other gateway replicas' requests there count in its batch and its seats; their
             # prompts' prefill and TPOT targets are not exchanged: the engine's scrape has them)
@@ -332,10 +334,12 @@ class HyperFlexisWorkers:
             len(waiting),
             sum(waiting),
             sum(map(mul, waiting, waiting)),
-            min(record.tpot_counts, default=math.inf),
+            tightest
+            if (tightest := min(record.tpot_counts, default=math.inf)) >= floor
+            # (a target below what the engine can do at all is not planned for: tpot_floor)
+            else min((t for t in record.tpot_counts if t >= floor), default=math.inf),
             max(record.tpot_counts, default=0.0),
         )
-        prefill, decode = self.coefficients(record.engine_id)
         free_kv = record.free_kv_tokens()
         return WorkerView(
             engine_id=record.engine_id,

@@ -1856,3 +1856,27 @@ def test_a_low_priority_request_is_served_under_sustained_higher_priority_load_o
         assert 3.1 <= placed["p3"] <= 3.6
         later = [rid for rid, at in placed.items() if rid != "p3" and at > placed["p3"]]
         assert later and all(int(rid.split("-")[1]) * 0.25 > 0.1 for rid in later)
+
+
+def test_a_worker_view_leaves_out_a_tpot_its_engine_cannot_meet_alone() -> None:
+    """What HyperFlexis plans an engine's turn for (its running requests' tightest TPOT) leaves
+    out targets below the engine's step for one sequence (policies.hyperflexis.tpot_floor): one
+    client's x-slo-tpot-ms: 1 held its engine to a request a second."""
+    from gateway.dispatch.workers import HyperFlexisWorkers
+    from policies.hyperflexis import tpot_floor
+
+    fleet = offline_fleet({"a": 1})
+    workers = HyperFlexisWorkers(fleet, lambda _: (DEFAULT_PREFILL, DEFAULT_DECODE), None)
+    (record,) = fleet.records.values()
+    floor = tpot_floor(DEFAULT_DECODE)
+    assert floor > 0.001
+    fleet.reserve(record.engine_id, "lax", RunningEntry(100, 50, 0.2, 0.0))
+    fleet.reserve(record.engine_id, "tight", RunningEntry(100, 50, floor * 1.01, 0.0))
+    view = workers._view(record, 0.0)
+    assert view.load is not None and view.load.min_tpot == floor * 1.01
+    fleet.reserve(record.engine_id, "claims", RunningEntry(100, 50, 0.001, 0.0))
+    view = workers._view(record, 0.0)
+    assert view.load is not None and view.load.min_tpot == floor * 1.01 and view.load.requests == 3
+    fleet.release(record.engine_id, "tight")
+    view = workers._view(record, 0.0)
+    assert view.load is not None and view.load.min_tpot == 0.2 and view.load.max_tpot == 0.2

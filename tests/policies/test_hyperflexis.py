@@ -176,15 +176,44 @@ def test_maturity_follows_algorithm_1_when_decoding_amortises_slowly() -> None:
 
 @pytest.mark.parametrize("max_hold", [0.7, 3.0])
 def test_busy_worker_is_held_for_max_hold_when_relax_is_negative(max_hold: float) -> None:
-    # A running request with TPOT 5 ms, below one decode step (E_d = 0.01 + 105e-6 + 1e-4 s):
+    # A running request with TPOT 10.2 ms: the engine decodes one sequence in 10.1 ms (so the
+    # target is met alone), but not with a second (E_d = 0.01 + 205e-6 + 2e-4 s once "a" joins):
     # eq.(5) gives no budget, but the first request of a turn is taken anyway (a long prompt must
-    # not starve). Algorithm 1's relax = 0.005 - E_d < 0 means "never mature": held max_hold_s.
-    slow = worker("w", running=(RunningRequest(100, 5, 0.005, True),))
+    # not starve). Algorithm 1's relax = 0.0102 - E_d < 0 means "never mature": held max_hold_s.
+    slow = worker("w", running=(RunningRequest(100, 5, 0.0102, True),))
     decision = dispatch(
         [req("a", tpot=0.5, ttft=5.0)], [slow], now=2.0, params=HyperFlexisParams(max_hold_s=max_hold)
     )
     assert [(a.request_id, a.feasible) for a in decision.assignments] == [("a", True)]
     assert decision.maturity["w"] == pytest.approx(2.0 + max_hold)
+
+
+@pytest.mark.parametrize("claimed", [0.001, 0.005, 0.0100999])
+@pytest.mark.parametrize("how", ["running", "load", "candidate"])
+def test_a_tpot_the_engine_cannot_meet_even_alone_is_not_planned_for(claimed: float, how: str) -> None:
+    """Below eq.(2)'s step for one sequence (10.1 ms here) no hold can meet a TPOT: a stream
+    claiming one (x-slo-tpot-ms: 1) must not leave its engine a budget of nothing and a hold of
+    max_hold_s per turn, one request a second; the engine plans as if it claimed nothing."""
+    lax = RunningRequest(100, 5, 0.1, True)
+    claiming = RunningRequest(100, 5, claimed, True)
+    queue = [req(f"q{i}", tpot=0.1, ttft=5.0) for i in range(8)]
+
+    def turn(tight: bool) -> tuple[list[str], float]:
+        running = (lax, claiming) if tight else (lax, lax)
+        if how == "running":
+            w = worker("w", running=running)
+        else:
+            w = dataclasses.replace(worker("w"), load=RunningLoad.of(running, 0.0101))
+        items = list(queue)
+        if how == "candidate":
+            w = worker("w", running=(lax,))
+            items = [req("c", tpot=claimed if tight else 0.1, ttft=5.0), *queue]
+        decision = dispatch(items, [w], now=2.0)
+        return [a.request_id for a in decision.assignments], decision.maturity["w"]
+
+    taken, maturity = turn(tight=True)
+    assert (taken, maturity) == turn(tight=False)
+    assert len(taken) > 1 and maturity < 2.0 + HyperFlexisParams().max_hold_s
 
 
 @pytest.mark.parametrize(("max_hold", "expected"), [(1.0, 1.0), (2.0, 1.05)])
