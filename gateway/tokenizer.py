@@ -21,6 +21,8 @@ from itertools import product
 from math import isqrt
 from typing import Any
 
+import orjson
+
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _CHUNKS = [
     "".join(p) for n in (1, 2, 3) for p in product(_LETTERS, repeat=n)
@@ -291,12 +293,50 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def apply_chat_template(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """ChatML: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then the assistant header."""
-    parts = [
-        f"<|im_start|>{m.get('role', 'user')}\n{_content_text(m.get('content'))}<|im_end|>\n"
-        for m in messages
-    ]
+def tools_content(tools: object) -> str:
+    """What the template writes for a request's ``tools`` (as Qwen's and Hermes' ChatML
+    templates do), as the content of a system turn ahead of the messages: each tool's JSON
+    within ``<tools>``; "" for no tools. Raises ``ValueError`` for tools that cannot be written
+    (nested too deep)."""
+    if not isinstance(tools, list) or not tools:
+        return ""
+    return "<tools>\n" + "\n".join(map(_json, tools)) + "\n</tools>"
+
+
+def tools_block(tools: object) -> str:
+    """The system turn of :func:`tools_content` ("" for no tools)."""
+    content = tools_content(tools)
+    return f"<|im_start|>system\n{content}<|im_end|>\n" if content else ""
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """A message's text as the template writes it: its content, then each call an assistant
+    turn made (``tool_calls``) as a ``<tool_call>`` element. Raises ``ValueError`` as
+    :func:`tools_block` does."""
+    return _content_text(message.get("content")) + tool_calls_text(message.get("tool_calls"))
+
+
+def tool_calls_text(calls: object) -> str:
+    """What the template writes after an assistant turn's content for its ``tool_calls``."""
+    if not isinstance(calls, list) or not calls:
+        return ""
+    return "".join(f"\n<tool_call>\n{_json(call)}\n</tool_call>" for call in calls)
+
+
+def _json(value: object) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise ValueError(f"cannot be written into the prompt: {exc}") from None
+
+
+def apply_chat_template(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tools: object = None
+) -> str:
+    """ChatML: the tools' system turn (:func:`tools_block`), ``<|im_start|>role\\ntext<|im_end|>\\n``
+    per message (:func:`message_text`), then the assistant header."""
+    parts = [tools_block(tools)]
+    parts += [f"<|im_start|>{m.get('role', 'user')}\n{message_text(m)}<|im_end|>\n" for m in messages]
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)

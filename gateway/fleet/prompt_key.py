@@ -49,7 +49,7 @@ import numpy.typing as npt
 
 from gateway.api.request_parse import truncation
 from gateway.fleet.block_hash import PromptBlocks, U64Array, as_tokens, root_key
-from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode
+from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode, tool_calls_text, tools_content
 
 #: characters of a prompt hashed at most (a 15 MB prompt is keyed by its first 4 MB)
 MAX_PROMPT_CHARS = 4_000_000
@@ -425,11 +425,23 @@ _MESSAGES = MessageTokens()
 _GENERATION_PROMPT = np.concatenate((_IM_START, np.array(encode("assistant\n"), dtype=np.uint16)))
 
 
-def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) -> U64Array:
-    """The chat's prompt as the engine tokenizes it (``encode(apply_chat_template(messages))``),
-    capped at about :data:`MAX_PROMPT_CHARS` characters of content."""
+def chat_token_ids(
+    messages: Sequence[Any], cache: MessageTokens | None = None, tools: object = None
+) -> U64Array:
+    """The chat's prompt as the engine tokenizes it
+    (``encode(apply_chat_template(messages, tools=tools))``), capped at about
+    :data:`MAX_PROMPT_CHARS` characters of content; empty for tools or tool calls the template
+    cannot write."""
     cache = _MESSAGES if cache is None else cache
     parts: list[U16Array] = []
+    try:
+        listed = tools_content(tools)
+    except ValueError:
+        return _EMPTY
+    if listed:
+        # the template's system turn ahead of the messages, keyed, capped and cached as one (an
+        # agent sends the same tools with every turn)
+        messages = [{"role": "system", "content": listed}, *messages]
     # the ids of consecutive short messages (not cached), made one array: an agent's chat has
     # hundreds, and an array per message costs more than its regex encoding
     short: list[int] = []
@@ -439,6 +451,11 @@ def chat_token_ids(messages: Sequence[Any], cache: MessageTokens | None = None) 
             return _EMPTY
         role = message.get("role", "user")
         content, whole = _content_text(message.get("content"))
+        if whole and message.get("tool_calls"):
+            try:
+                content += tool_calls_text(message["tool_calls"])
+            except ValueError:
+                return _EMPTY
         if not whole:
             # a part the gateway cannot tokenize (an image): its tokens are unknown, and a key
             # of the text alone gave requests alike but for their images one key, and the
@@ -483,11 +500,22 @@ def _chat_capped(messages: Sequence[Any], body: Mapping[str, Any]) -> bool:
     only when the body asks for truncation."""
     if truncation(body) is None:
         return False
-    total = 0
+    try:
+        total = len(tools_content(body.get("tools")))
+    except ValueError:
+        return False  # (not keyed at all)
     for message in messages:
         # (the text chat_token_ids keys, measured as it reads it: the repr of a content that is
         # not text was both wrong and, nested deep enough, a RecursionError)
-        total += len(_content_text(message.get("content") if isinstance(message, Mapping) else None)[0])
+        if not isinstance(message, Mapping):
+            continue
+        content, whole = _content_text(message.get("content"))
+        total += len(content)
+        if whole and message.get("tool_calls"):
+            try:
+                total += len(tool_calls_text(message["tool_calls"]))
+            except ValueError:
+                return False
     return total > MAX_PROMPT_CHARS
 
 
@@ -499,7 +527,7 @@ def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
         if kind == "chat":
             messages = body.get("messages")
             if isinstance(messages, list) and messages:
-                tokens = chat_token_ids(messages)
+                tokens = chat_token_ids(messages, tools=body.get("tools"))
                 return left_truncated(tokens, body, _chat_capped(messages, body)) if len(tokens) else None
             return None
         if kind == "completions":
@@ -535,8 +563,8 @@ def prompt_blocks(
     return PromptBlocks(tokens[:MAX_PROMPT_TOKENS], root_key(model, lora, salt), len(tokens))
 
 
-def reference_token_ids(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def reference_token_ids(messages: Sequence[Mapping[str, Any]], tools: object = None) -> list[int]:
     """The slow, obviously right reading (for tests): the template rendered, then encoded."""
     from gateway.tokenizer import apply_chat_template
 
-    return encode(apply_chat_template(messages))
+    return encode(apply_chat_template(messages, tools=tools))

@@ -328,7 +328,10 @@ class SimServer:
                 or not all(isinstance(m, dict) for m in messages)
             ):
                 raise BadRequest(400, "'messages' must be a non-empty list of objects", "messages")
-            return [encode(apply_chat_template(messages))]
+            try:
+                return [encode(apply_chat_template(messages, tools=body.get("tools")))]
+            except ValueError as exc:  # (tools or tool calls nested too deep to write)
+                raise BadRequest(400, f"the chat cannot be rendered: {exc}", "messages") from None
         prompt = body.get("prompt")
         batch: list[Any]
         if isinstance(prompt, str) or _token_ids(prompt):
@@ -910,7 +913,10 @@ class SimServer:
             problem = check_messages("messages", messages)  # (as the chat route checks them)
             if problem is not None:
                 return _error(400, problem, "messages")
-            tokens = encode(apply_chat_template(messages))
+            try:
+                tokens = encode(apply_chat_template(messages, tools=body.get("tools")))
+            except ValueError as exc:
+                return _error(400, f"the chat cannot be rendered: {exc}", "messages")
         elif isinstance(body.get("prompt"), str):
             tokens = encode(body["prompt"])
         else:

@@ -279,3 +279,41 @@ def test_a_request_for_a_model_nobody_serves_is_refused_before_its_prompt_is_key
         )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-priority", bad.text
         assert _hashed(httpx.get(gw.url + "/metrics").text) == before
+
+
+def test_tools_and_tool_calls_are_keyed_as_the_template_writes_them() -> None:
+    """The template writes the request's tools as a system turn ahead of the messages and an
+    assistant turn's calls after its content (the simulated engine's prompt and KV blocks have
+    them): keyed without them, every agent turn's key missed the blocks its engine held."""
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {}}},
+        }
+        for i in range(20)
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "tool_3", "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": english_text(500, seed=3)},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    cache = MessageTokens()
+    keyed = chat_token_ids(messages, cache, tools)
+    assert keyed.tolist() == reference_token_ids(messages, tools)
+    assert len(keyed) > len(reference_token_ids(messages)) + 20 * 10  # (the tools are in it)
+    body = {"messages": messages, "tools": tools}
+    chat = prompt_token_ids("chat", body)
+    assert chat is not None and chat.tolist() == reference_token_ids(messages, tools)
+    # the next turn sends the same tools: its key starts with this one's
+    turn = [*messages, {"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]
+    hits = cache.hits
+    again = chat_token_ids(turn, cache, tools)
+    assert again.tolist() == reference_token_ids(turn, tools) and cache.hits > hits
+    assert again[: len(keyed) - 3].tolist() == keyed[: len(keyed) - 3].tolist()
+    # tools the template cannot write: not keyed (the engine refuses such a body)
+    deep: object = "x"
+    for _ in range(300):
+        deep = [deep]
+    assert prompt_token_ids("chat", {"messages": messages, "tools": [deep]}) is None
+    assert prompt_token_ids("chat", {"messages": [{"role": "assistant", "tool_calls": [deep]}]}) is None

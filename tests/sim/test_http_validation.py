@@ -217,3 +217,31 @@ async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(engine: Sim
     body = {"max_tokens": 2, "prompt": list(range(1, 40)), "truncate_prompt_tokens": 5}
     status, answer = await post(engine.url + ROUTES["completion"], body)
     assert status == 200 and answer["usage"]["prompt_tokens"] == 5, answer
+
+
+async def test_tools_and_tool_calls_are_part_of_the_prompt(engine: SimProcess) -> None:
+    """As vLLM's chat templates write them: the tools a request lists and an assistant turn's
+    calls are prompt tokens (prefilled, in usage and in /tokenize); the gateway counts them too."""
+    from gateway.tokenizer import apply_chat_template, encode
+
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing"}}
+        for i in range(8)
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "tool_1", "arguments": "{}"}}
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "ok"},
+    ]
+    status, plain = await post(engine.url + ROUTES["chat"], {"max_tokens": 2, "messages": messages})
+    assert status == 200, plain
+    status, listed = await post(
+        engine.url + ROUTES["chat"], {"max_tokens": 2, "messages": messages, "tools": tools}
+    )
+    assert status == 200, listed
+    expected = len(encode(apply_chat_template(messages, tools=tools)))
+    assert listed["usage"]["prompt_tokens"] == expected > plain["usage"]["prompt_tokens"] + 8 * 5
+    assert plain["usage"]["prompt_tokens"] > len(encode(apply_chat_template(USER)))  # (the call)
+    status, counted = await post(engine.url + "/tokenize", {"messages": messages, "tools": tools})
+    assert status == 200 and counted["count"] == expected
