@@ -31,9 +31,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _up(port: int, engines: int, time_scale: str, **popen: Any) -> subprocess.Popen[Any]:
-    """``slogate up`` on ``port`` as a user starts it; its output merged into ``popen``'s stdout."""
-    argv = [sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--engines", str(engines)]
+def _up(engines: int, time_scale: str, **popen: Any) -> subprocess.Popen[Any]:
+    """``slogate up`` as a user starts it, on a port the system picks (its "listening" line says
+    which: :func:`_url`); its output merged into ``popen``'s stdout."""
+    argv = [sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--engines", str(engines)]
     return subprocess.Popen([*argv, "--time-scale", time_scale], stderr=subprocess.STDOUT, **popen)
 
 
@@ -50,6 +51,13 @@ def _until_listening(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> st
     return "".join(lines)
 
 
+def _url(output: str) -> str:
+    """The gateway's address, from its "listening" line in ``output``."""
+    found = re.search(r"slogate listening on (http://127\.0\.0\.1:\d+)", output)
+    assert found, output
+    return found.group(1)
+
+
 def _assert_gone(engines: list[int]) -> None:
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in engines) and time.monotonic() < deadline:
@@ -57,10 +65,10 @@ def _assert_gone(engines: list[int]) -> None:
     assert not any(_alive(p) for p in engines), "engine processes outlived slogate up"
 
 
-def _in_a_terminal(port: int) -> subprocess.Popen[str]:
+def _in_a_terminal() -> subprocess.Popen[str]:
     """``slogate up`` with one real-time engine in a process group of its own, as a shell gives
     the job it runs (a terminal's Ctrl-C signals that whole group)."""
-    return _up(port, 1, "1", stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return _up(1, "1", stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _model_once_listening(proc: subprocess.Popen[str]) -> tuple[str, str]:
@@ -78,16 +86,16 @@ def _model_once_listening(proc: subprocess.Popen[str]) -> tuple[str, str]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
     """SIGTERM stops everything cleanly; even SIGKILL (no cleanup runs) orphans nothing."""
-    port = free_port()
-    proc = _up(port, 2, "10", stdout=subprocess.PIPE, text=True)
+    proc = _up(2, "10", stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
         output = _until_listening(proc)
-        assert f"http://127.0.0.1:{port}" in output and "curl -s" in output, output
+        url = _url(output)
+        assert "curl -s" in output, output
         model = re.search(r"model '([^']+)'", output)
         assert model, output
         r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"{url}/v1/chat/completions",
             json={
                 "model": model.group(1),
                 "messages": [{"role": "user", "content": "Hello!"}],
@@ -108,16 +116,15 @@ def test_up_serves_and_leaves_no_engine_behind(sig: signal.Signals) -> None:
 def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> None:
     """A terminal's Ctrl-C signals its whole foreground process group. The engines were in it:
     they got SIGINT with the gateway and froze the stream it was draining (cut two minutes later)."""
-    port = free_port()
-    proc = _in_a_terminal(port)
+    proc = _in_a_terminal()
     engines: list[int] = []
     try:
-        _, model = _model_once_listening(proc)
+        output, model = _model_once_listening(proc)
         engines = _children(proc.pid)
         assert engines and all(os.getpgid(e) != os.getpgid(proc.pid) for e in engines)
         body = {"model": model, "prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
         events, done = 0, False
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"{_url(output)}/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=10) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
@@ -136,10 +143,9 @@ def test_ctrl_c_in_a_terminal_drains_the_open_stream_then_stops_everything() -> 
 
 def test_an_engine_that_dies_is_reported_and_reaped(tmp_path: Path) -> None:
     """An engine killed under `slogate up` stayed a zombie until up exited, with nothing said."""
-    port = free_port()
     log = tmp_path / "up.log"
     with log.open("w") as out:
-        proc = _up(port, 2, "10", stdout=out)
+        proc = _up(2, "10", stdout=out)
 
     def logged(text: str, within_s: float) -> bool:
         deadline = time.monotonic() + within_s
@@ -229,12 +235,11 @@ def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly()
     what is open now: the stream gets an error event that says why and [DONE], the engines stop,
     and the exit is clean. uvicorn's own second Ctrl-C skipped the gateway's shutdown and cut the
     stream without a word."""
-    port = free_port()
-    proc = _in_a_terminal(port)
+    proc = _in_a_terminal()
     assert proc.stdout is not None
     engines: list[int] = []
     try:
-        _, model = _model_once_listening(proc)
+        output, model = _model_once_listening(proc)
         engines = _children(proc.pid)
         assert engines  # (else the check that they are gone at the end would check nothing)
         body = {
@@ -245,7 +250,7 @@ def test_a_second_ctrl_c_ends_the_open_stream_with_an_answer_and_stops_cleanly()
             "stream": True,
         }
         lines: list[str] = []
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"{_url(output)}/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=10) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
@@ -287,7 +292,7 @@ def test_a_busy_port_is_one_line() -> None:
 
 
 def test_port_0_shows_the_port_it_got() -> None:
-    proc = _up(0, 1, "10", stdout=subprocess.PIPE, text=True)
+    proc = _up(1, "10", stdout=subprocess.PIPE, text=True)
     try:
         output = _until_listening(proc)
         got = re.search(r"slogate gateway on http://127\.0\.0\.1:(\d+)", output)
