@@ -114,6 +114,9 @@ class EngineRecord:
     #: a role change failed and so did telling the engine its old role again: which of the two
     #: it runs is unknown, so it stays out of rotation (draining) until a role flip succeeds
     role_unsure: bool = False
+    #: the role a flip under way is moving the engine to (None: no flip): it may end in that
+    #: role, keep its old one, or neither, so other flips' checks rely on it for nothing
+    role_target: Role | None = None
     #: out of rotation while it holds work and makes no progress (:func:`policies.stall.is_stalled`)
     stalled: bool = False
     #: a count that moves with every sign of progress (first tokens, streamed events, the

@@ -15,12 +15,21 @@ import logging
 import time
 from dataclasses import dataclass
 
+import aiohttp
+
 from gateway.api.errors import GatewayError
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import FRONT_ROLES, Fleet
 from policies.api import Role
 
 log = logging.getLogger("slogate.fleet.roles")
+
+
+def not_sent(exc: BaseException) -> bool:
+    """Whether a call failed before its request reached the engine (no connection made), so
+    the engine cannot have acted on it."""
+    return isinstance(exc, aiohttp.ClientConnectorError)
+
 
 #: how often a drain looks whether the engine's last request has left
 _DRAIN_POLL_S = 0.02
@@ -41,8 +50,12 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False
     record = fleet.records[engine_id]
     model = record.model
     others = [r for r in fleet.engines_of[model] if r.engine_id != engine_id]
+    # (an engine another flip is moving is draining, so serves in neither list)
     during = [(r.adapter.role, r.healthy and not r.draining) for r in others]
     after = [*during, (role, record.healthy)]
+    # ...but it may end up a prefill engine, which needs decode engines: a flip to prefill
+    # waiting on its engine's answer let a second flip take the model's last decode engine away
+    moving = [role for r in others if r.role_target is not None for role in (r.role_target, r.adapter.role)]
     if not any(r in FRONT_ROLES and up for r, up in after):
         raise GatewayError(
             409,
@@ -62,7 +75,22 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False
             'gap with "allow_gap": true',
             code="last_engine",
         )
-    if any(r is Role.PREFILL for r, _ in after) and not any(r is Role.DECODE and up for r, up in after):
+    if not allow_gap and record.adapter.role in FRONT_ROLES and record.adapters:
+        peers = [r for r in others if r.adapter.role in FRONT_ROLES and r.healthy and not r.draining]
+        alone = sorted(name for name in record.adapters if not any(name in p.adapters for p in peers))
+        if alone:
+            # (as the stall check keeps such an engine: out of rotation, those requests are refused)
+            named = ", ".join(repr(name) for name in alone[:5]) + (" and more" if len(alone) > 5 else "")
+            raise GatewayError(
+                409,
+                f"engine {engine_id} is the only engine in rotation with the LoRA adapter(s) {named} "
+                "loaded: while it drains, their requests would be refused. Load them on another "
+                'engine first, or accept the gap with "allow_gap": true',
+                code="last_engine",
+            )
+    if any(r is Role.PREFILL for r in (*(r for r, _ in after), *moving)) and not any(
+        r is Role.DECODE and up for r, up in after
+    ):
         raise GatewayError(
             409,
             f"model {model!r} has prefill engines but would have no decode engine in rotation: "
@@ -95,6 +123,7 @@ async def flip_role(
     check_flip(fleet, engine_id, role, allow_gap or unsure)
     started = time.monotonic()
     fleet.set_draining(engine_id, True)
+    record.role_target = role
     # this flip owns the engine now (a second request meanwhile is refused as a drain under way);
     # whatever ends it before the engine confirms a role leaves an unsure one as it was
     record.role_unsure = False
@@ -117,6 +146,12 @@ async def flip_role(
             left_unsure = True  # (told or not, nobody will know: as when the restore fails)
             raise
         except Exception as exc:  # the engine did not take it: it keeps serving as before
+            if not_sent(exc):
+                # never reached the engine (refused, unreachable): its role is the one it had,
+                # and it comes back in it; marked unsure, a short outage left it out for good
+                raise GatewayError(
+                    502, f"engine {engine_id} refused the role change: {describe_failure(exc)}"
+                ) from None
             # it may have taken it and failed to say so (an answer past the timeout): told its
             # old role again, so that the engine and the gateway agree on it (best effort)
             left_unsure = True  # (until the engine confirms it: a cancellation here leaves it so)
@@ -140,6 +175,7 @@ async def flip_role(
         fleet.set_role(engine_id, role)
         left_unsure = False
     finally:
+        record.role_target = None
         record.role_unsure = left_unsure
         if not left_unsure:
             fleet.set_draining(engine_id, False)

@@ -161,3 +161,74 @@ async def test_a_refused_role_change_never_shows_the_engine_s_key(caplog: pytest
     assert info.value.status == 502 and "HTTP 500" in info.value.message
     assert "SECRET" not in info.value.message and "SECRET" not in caplog.text
     assert "could not be restored" in caplog.text  # (the restore was refused as well, and logged)
+
+
+async def test_a_flip_waiting_on_its_engine_counts_for_the_checks_of_another_one() -> None:
+    """A flip to prefill waiting for its engine's answer still recorded its engine as collocated:
+    a second flip took the model's only decode engine away meanwhile, both succeeded, and the
+    model was left with a prefill engine and nothing to decode (every P/D request failed)."""
+    import asyncio
+
+    from gateway.fleet.roles import flip_role
+
+    fleet = _fleet("collocated", "collocated", "decode")
+    answer = asyncio.Event()
+
+    async def slow_switch(role: Role) -> None:
+        await answer.wait()
+
+    async def switch(role: Role) -> None:
+        return None
+
+    fleet.records["e0"].adapter.switch_role = slow_switch  # type: ignore[method-assign]
+    fleet.records["e2"].adapter.switch_role = switch  # type: ignore[method-assign]
+    first = asyncio.create_task(flip_role(fleet, "e0", Role.PREFILL, 1.0))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert fleet.records["e0"].draining and not first.done()
+    with pytest.raises(GatewayError) as info:
+        await flip_role(fleet, "e2", Role.COLLOCATED, 1.0)
+    assert info.value.status == 409 and "no decode engine" in info.value.message
+    answer.set()
+    assert (await first).role is Role.PREFILL
+    assert fleet.records["e2"].adapter.role is Role.DECODE and not fleet.records["e2"].draining
+    assert fleet.records["e0"].role_target is None
+    # with the flip over, its engine's role counts as any other's: e2 is still the only decoder
+    with pytest.raises(GatewayError):
+        await flip_role(fleet, "e2", Role.COLLOCATED, 1.0)
+
+
+async def test_a_role_change_that_never_reached_the_engine_leaves_it_in_rotation() -> None:
+    """Nothing listens at the engine's address: the change was never sent, so the engine has
+    its old role. Marked unsure (as when an answer is lost), it stayed out of rotation after it
+    came back, until someone flipped it again by hand."""
+    import aiohttp
+
+    from gateway.fleet.roles import flip_role
+    from tests.gateway.conftest import free_port
+
+    fleet = _fleet("collocated", "collocated")
+    record = fleet.records["e1"]
+    async with aiohttp.ClientSession() as session:
+        record.adapter.session = session
+        record.adapter.base_url = f"http://127.0.0.1:{free_port()}"  # (nothing listens there)
+        with pytest.raises(GatewayError) as info:
+            await flip_role(fleet, "e1", Role.DECODE, 1.0)
+    assert info.value.status == 502
+    assert not record.role_unsure and not record.draining and record.role_target is None
+    assert record.adapter.role is Role.COLLOCATED and fleet.in_front(record)
+
+
+def test_the_only_engine_with_a_lora_adapter_flips_only_when_the_gap_is_accepted() -> None:
+    """While it drains, and after it as a decode engine, that adapter's requests are refused
+    (the stall check already keeps such an engine in rotation)."""
+    fleet = _fleet("collocated", "collocated", "decode")
+    fleet.records["e0"].adapters = frozenset({"a1", "shared"})
+    fleet.records["e1"].adapters = frozenset({"shared"})
+    with pytest.raises(GatewayError) as info:
+        check_flip(fleet, "e0", Role.DECODE)
+    assert info.value.status == 409 and "'a1'" in info.value.message and "'shared'" not in info.value.message
+    check_flip(fleet, "e0", Role.DECODE, allow_gap=True)
+    check_flip(fleet, "e1", Role.DECODE)  # (its adapter is loaded on e0 too)
+    fleet.records["e1"].adapters = frozenset({"a1", "shared"})
+    check_flip(fleet, "e0", Role.PREFILL)

@@ -189,7 +189,14 @@ def test_algorithm3_a_busy_moment_resets_the_hold() -> None:
             (PoolSignals(P), PoolSignals(D)),
             [("wake", "x", "decode")],
         ),
-        # an engine draining to flip into prefill counts as pending there
+        # an engine draining to flip into prefill counts as pending there: at this load one more
+        # prefill engine is enough, and it is on its way (not counted, d2 flipped too)
+        (
+            [e("p0", P, load=24), e("d0", D, DR, load=1, to=P), e("d1", D, load=1), e("d2", D, load=1)],
+            (PoolSignals(P), PoolSignals(D)),
+            [],
+        ),
+        # ...and past what it covers, the next flip goes ahead
         (
             [e("p0", P, load=40), e("d0", D, DR, load=1, to=P), e("d1", D, load=1), e("d2", D, load=1)],
             (PoolSignals(P), PoolSignals(D)),
