@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -43,6 +42,7 @@ from gateway.dispatch.core import ClassLimits, DispatchCore
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.offline import offline_fleet
 from gateway.fleet.registry import Fleet, RunningEntry
+from gateway.report_json import report_json
 from gateway.router import Router
 from gateway.runtime import GcPauses, tune_gc
 from policies.api import EngineState, RequestView
@@ -475,7 +475,7 @@ def bench_dispatch_main(args: argparse.Namespace) -> int:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")
-    (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
+    (args.out / "points.json").write_text(report_json([asdict(p) for p in points], indent=2))
     plot(points, args.out / "dispatch_cost.png")
     print(f"wrote {args.out / 'table.md'}, {args.out / 'points.json'}, {args.out / 'dispatch_cost.png'}")
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from gateway.bench.harness import (
 )
 from gateway.procs import ChildProcess, spawn_listening
 from gateway.realengines.servers import RunningEngine, start_llamacpp, start_vllm
+from gateway.report_json import report_json
 from gateway.simulator.cli import positive_int
 
 MODEL = "bench-model"
@@ -891,7 +891,7 @@ def bench_overhead_main(args: argparse.Namespace) -> int:
     )
     print(render_table(result))
     if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
+        args.json.write_text(report_json(asdict(result), indent=2))
     return 0
 
 
@@ -931,5 +931,5 @@ def bench_dispatchers_main(args: argparse.Namespace) -> int:
             f"gateway CPU {result.cpu_ms_per_request[profile]:.3f} ms per request there"
         )
     if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
+        args.json.write_text(report_json(asdict(result), indent=2))
     return 0

@@ -20,7 +20,6 @@ Figures before this: 1,000,000 distinct blocks into 64 MiB, 60.5 MiB measured fr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import tracemalloc
@@ -33,6 +32,7 @@ from gateway.bench.harness import checks_table, progress
 from gateway.experiments.plotting import pyplot
 from gateway.fleet.block_hash import PromptBlocks, root_key
 from gateway.fleet.prefix_index import PrefixIndex
+from gateway.report_json import report_json
 
 BLOCK_SIZE = 16
 BLOCKS_PER_PROMPT = 64
@@ -260,7 +260,7 @@ def bench_prefix_memory_main(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table + "\n\n" + "\n".join(checks_table(checks)) + "\n")
-    (out / "cases.json").write_text(json.dumps([asdict(c) for c in cases], indent=1))
+    (out / "cases.json").write_text(report_json([asdict(c) for c in cases], indent=1))
     plot(cases, out / "prefix_memory.png")
     print(f"wrote {out / 'table.md'}, {out / 'cases.json'}, {out / 'prefix_memory.png'}")
     return 0 if all(ok for *_, ok in checks) else 1

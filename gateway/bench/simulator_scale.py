@@ -10,7 +10,6 @@ engines and 200,000 requests in under 10 minutes on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
+from gateway.report_json import report_json
 from gateway.simulator.scenario import Scenario, Simulation
 
 TARGET_S = 600.0
@@ -142,7 +142,7 @@ def bench_simulator_main(args: argparse.Namespace) -> int:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")
-    (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
+    (args.out / "points.json").write_text(report_json([asdict(p) for p in points], indent=2))
     png = args.out / "simulator_scale.png"
     plot(points, png)
     print(f"wrote {args.out / 'table.md'}, {args.out / 'points.json'} and {png}")

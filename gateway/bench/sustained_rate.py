@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import sys
@@ -42,6 +41,7 @@ from gateway.bench.harness import (
     spawn_zero_engine,
 )
 from gateway.procs import ChildProcess
+from gateway.report_json import report_json
 
 MODEL = "bench-rate"
 #: how much worse the second half's median through the gateway may be than the first's before its
@@ -366,7 +366,7 @@ def bench_rate_main(args: argparse.Namespace) -> int:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table + "\n")
-    (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
+    (args.out / "points.json").write_text(report_json([asdict(p) for p in points], indent=2))
     plot(points, args.out / "rate_latency.png")
     print(f"wrote {args.out / 'table.md'}, {args.out / 'points.json'}, {args.out / 'rate_latency.png'}")
     return 0

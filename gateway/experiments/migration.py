@@ -41,6 +41,7 @@ import orjson
 
 from gateway.experiments.replay import percentile
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+from gateway.report_json import report_json
 from gateway.sse import sse_data
 
 MODEL = "sim-model"
@@ -515,7 +516,7 @@ def migration_main(args: argparse.Namespace) -> int:
     print(render(killed, slow))
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"killed": killed, "slow": slow, "args": vars(args)}, default=str, indent=1)
+            report_json({"killed": killed, "slow": slow, "args": vars(args)}, default=str, indent=1)
         )
     return 0
 

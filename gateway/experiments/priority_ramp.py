@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, replay
 from gateway.experiments.runner import MODEL, Stack
 from gateway.experiments.workload import HYPERFLEXIS_4TASK, priority_ramp
+from gateway.report_json import report_json
 
 #: P0's TTFT upper bound in profiles/slo/priority.yaml (Table 1 medical_qa 0.7 s + 25 %)
 P0_TTFT_BOUND_S = 0.875
@@ -131,7 +131,7 @@ def ramp_main(args: argparse.Namespace) -> int:
     table = "\n".join(lines)
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
-    (args.out / "results.json").write_text(json.dumps(report, indent=2))
+    (args.out / "results.json").write_text(report_json(report, indent=2))
     png = args.out / "ttft_over_time.png"
     plot(results, png, args.duration)
     print(f"wrote {args.out / 'results.json'}, {args.out / 'table.txt'} and {png}")

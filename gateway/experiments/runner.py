@@ -22,6 +22,7 @@ from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, Summary, replay, summarize
 from gateway.experiments.workload import HYPERFLEXIS_2TASK, HYPERFLEXIS_4TASK, TaskSpec, poisson_workload
 from gateway.procs import ChildProcess, spawn_listening, spawn_sim_engine
+from gateway.report_json import report_json
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 PRIO_SUFFIX = "+prio"
@@ -311,7 +312,7 @@ def experiment_main(args: argparse.Namespace) -> int:
     print(table)
     (args.out / "table.txt").write_text(table + "\n")
     (args.out / "results.json").write_text(
-        json.dumps(
+        report_json(
             [
                 {
                     "policy": r.policy,

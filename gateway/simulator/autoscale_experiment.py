@@ -27,7 +27,6 @@ attains >= 90 % (the time to recover). Writes ``table.md``, ``points.json`` and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -39,6 +38,7 @@ from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import Outcome, summarize
 from gateway.experiments.workload import RequestSpec
 from gateway.experiments.workloads import load_workload
+from gateway.report_json import report_json
 from gateway.simulator.autoscale import AutoscaleConfig
 from gateway.simulator.capacity import engine_capacity
 from gateway.simulator.pool import run_jobs
@@ -376,7 +376,7 @@ def autoscale_main(args: argparse.Namespace) -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text + "\n")
-    (args.out / "points.json").write_text(json.dumps([asdict(p) for p in points], indent=1, default=str))
+    (args.out / "points.json").write_text(report_json([asdict(p) for p in points], indent=1, default=str))
     png = args.out / "autoscale.png"
     plot(points, png, f"burst with autoscaling: {fleet}, {args.profile} (simulated)")
     print(

@@ -12,7 +12,6 @@ priority scheduling, a strong SLO-aware baseline for any routing profile).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from gateway.experiments.replay import Outcome
 from gateway.experiments.runner import PRIO_SUFFIX, split_prio
 from gateway.experiments.workload import OUTPUT_BOUNDS
 from gateway.experiments.workloads import read_workload
+from gateway.report_json import report_json
 from gateway.simulator.autoscale import WARM_SOURCES, AutoscaleConfig
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.report import Row, plot_curves, row, table
@@ -335,7 +335,7 @@ def simulate_main(args: argparse.Namespace) -> int:
     text = table(rows)
     print(text)
     (args.out / "table.md").write_text(text + "\n")
-    (args.out / "points.json").write_text(json.dumps([_as_json(r) for r in rows], indent=2))
+    (args.out / "points.json").write_text(report_json([_as_json(r) for r in rows], indent=2))
     curves = args.out / "attainment_vs_qps.png"
     plot_curves(rows, curves, f"{args.workload}: {fleet} x {args.profile} (simulated)")
     written = [args.out / "table.md", args.out / "points.json", curves]

@@ -54,6 +54,14 @@ class EngineNode:
         if not self._stepping:
             self._step()
 
+    def release_held(self, request_id: str) -> None:
+        """The KV this prefill engine held for a request is free (its transfer ended, or it was
+        dropped): requests waiting for room may now be planned, so an idle engine steps again
+        (nothing else would wake it: its held KV had stopped it, not a lack of work)."""
+        self.model.release_held(request_id)
+        if not self._stepping:
+            self._step()
+
     def state(self) -> EngineState:
         """What a scrape of this engine's ``/metrics`` would tell the gateway now."""
         return engine_state(self.model)
@@ -70,8 +78,6 @@ class EngineNode:
                 self.clock.at(ready, self._wake_for_transfer)
             return
         self._stepping = True
-        self.steps += 1
-        self.busy_s += batch.duration
         self.clock.at(now + batch.duration, self._finish, batch)
 
     def _wake_for_transfer(self) -> None:
@@ -81,6 +87,10 @@ class EngineNode:
 
     def _finish(self, batch: Batch) -> None:
         now = self.clock.now
+        # (counted as it ends: a step still running when the run stops did not run, and counted
+        # as it began, an engine's busy share could pass 100 %)
+        self.steps += 1
+        self.busy_s += batch.duration
         result = self.model.finish(batch, now)
         if result.tokens:
             self.listener.on_tokens(self.engine_id, result.tokens, now)

@@ -166,9 +166,20 @@ class SimGateway:
             self._scrape(engine_id)
         else:
             self.fleet.touch(engine_id)  # (as the live monitor's tick: its staleness is re-read)
+            # the scrape gets no answer: the live monitor gives up after its timeout and says so
+            # (past stale_after_s, placements stop reading the frozen KV use)
+            self.clock.at(
+                self.clock.now + self.settings.scrape_timeout_s,
+                self._scrape_timed_out,
+                engine_id,
+                daemon=True,
+            )
         self.clock.at(
             self.clock.now + self.settings.monitor_interval_s, self._scrape_every, engine_id, daemon=True
         )
+
+    def _scrape_timed_out(self, engine_id: str) -> None:
+        self.fleet.scrape_failed(engine_id, self.clock.now)
 
     def _disturbed(self, kind: str) -> float | None:
         """The magnitude of a disturbance of ``kind`` in effect now, else None."""

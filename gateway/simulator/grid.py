@@ -13,7 +13,6 @@ The priority ramp (HyperFlexis Fig. 6) is one more cell, at its own rates.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
 from gateway.experiments.runner import split_prio
+from gateway.report_json import report_json
 from gateway.simulator.calibration import replay_live
 from gateway.simulator.capacity import engine_capacity
 from gateway.simulator.cli import add_disturb_argument, add_output_bound_argument
@@ -464,7 +464,7 @@ def grid_main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grid.md").write_text(text + "\n")
     (args.out / "grid.json").write_text(
-        json.dumps(
+        report_json(
             [
                 {
                     "cell": r.cell.name,

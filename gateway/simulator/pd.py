@@ -229,6 +229,9 @@ class PdGateway(SimGateway):
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
+        # (a prefill engine's KV events too: its blocks feed the prefix index, and the engine
+        # model keeps every event until someone drains them)
+        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens, relayed=True):
             return
         fleet = self.fleet
@@ -255,6 +258,7 @@ class PdGateway(SimGateway):
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
+        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._finished_late, engine_id, requests, relayed=True):
             return
         decodes = [r for r in requests if not r.prefill_only]
@@ -338,7 +342,7 @@ class PdGateway(SimGateway):
         if stage.decode_entry is None:  # two-stage: placed now
             engine_id = self._pick_decode(flight, stage.prefill_engine)
             if engine_id is None:  # no decode engine at all: the prefill's KV is dropped
-                self.engines[stage.prefill_engine].model.release_held(flight.rid)
+                self.engines[stage.prefill_engine].release_held(flight.rid)
                 self.stages.pop(flight.rid, None)
                 self._refused(flight, 503)
                 return
@@ -385,6 +389,6 @@ class PdGateway(SimGateway):
         self.clock.at(ready, self._transferred, engine_id, stage.prefill_engine, rid)
 
     def _transferred(self, engine_id: str, prefill_engine: str, rid: str) -> None:
-        self.engines[prefill_engine].model.release_held(rid)
+        self.engines[prefill_engine].release_held(rid)
         self.link_busy[engine_id] = False
         self._pump(engine_id)

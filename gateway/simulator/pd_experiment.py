@@ -38,7 +38,6 @@ comparisons are of placement alone.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import summarize
+from gateway.report_json import report_json
 from gateway.simulator.cli import pd_counts
 from gateway.simulator.disturbance import Disturbance
 from gateway.simulator.pool import run_jobs
@@ -459,7 +459,7 @@ def pd_main(args: argparse.Namespace) -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pd.md").write_text(text + "\n")
-    (args.out / "pd.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
+    (args.out / "pd.json").write_text(report_json([asdict(p) for p in points], indent=2))
     png = args.out / "pd.png"
     plot(points, png, f"P/D {p}:{d} x {args.profile}, {args.workload} (simulated)")
     print(f"[pd] done in {time.perf_counter() - started:.0f} s; wrote {args.out}/pd.md, pd.json, {png}")

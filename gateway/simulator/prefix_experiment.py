@@ -27,7 +27,6 @@ their mean (the range of hit rate and attainment beside it; max/mean load is the
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 from gateway.experiments.plotting import pyplot
 from gateway.experiments.replay import percentile, summarize
 from gateway.experiments.workload import RequestSpec
+from gateway.report_json import report_json
 from gateway.simulator.pool import run_jobs
 from gateway.simulator.scenario import Scenario, Simulation
 
@@ -429,7 +429,7 @@ def prefix_main(args: argparse.Namespace) -> int:
         ],
         "verdicts": verdicts,
     }
-    (args.out / "prefix.json").write_text(json.dumps(payload, indent=2))
+    (args.out / "prefix.json").write_text(report_json(payload, indent=2))
     png = args.out / "prefix.png"
     plot(points, png, f"prefix-aware routing: 4 engines x {args.kv_blocks} KV blocks (simulated)")
     print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,8 @@ class Simulation:
             )
             for i, engine in enumerate(settings.engines)
         ]
+        #: per engine slowed down: its own speed factor, and the factors of the windows open now
+        self._slowdowns: dict[str, tuple[float, list[float]]] = {}
         # (before the engines are attached: a disturbance from t = 0 covers their first scrape)
         for disturbance in scenario.disturbances:
             self._inject(disturbance)
@@ -260,14 +263,22 @@ class Simulation:
                 raise ValueError(
                     f"slow-engine: no engine {disturbance.engine!r} (engines: {', '.join(nodes)})"
                 )
-            model = (nodes[disturbance.engine] if disturbance.engine else self.nodes[0]).model
-            normal = model.slow_factor
+            node = nodes[disturbance.engine] if disturbance.engine else self.nodes[0]
+            model = node.model
+            # windows on one engine compound while they overlap, and each one's end takes back
+            # its own factor only (the engine's own speed, times those still open)
+            normal, open_windows = self._slowdowns.setdefault(node.engine_id, (model.slow_factor, []))
+            magnitude = disturbance.magnitude
 
-            def slow_down(factor: float) -> None:
-                model.slow_factor = factor
+            def slow_down(opening: bool) -> None:
+                if opening:
+                    open_windows.append(magnitude)
+                else:
+                    open_windows.remove(magnitude)
+                model.slow_factor = math.prod(open_windows, start=normal)
 
-            self.clock.at(disturbance.start_s, slow_down, normal * disturbance.magnitude)
-            self.clock.at(disturbance.end_s, slow_down, normal)
+            self.clock.at(disturbance.start_s, slow_down, True)
+            self.clock.at(disturbance.end_s, slow_down, False)
         else:
             self.gateway.disturbances.append(disturbance)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main
+from tests.support.strict_json import strict_json
 
 
 def test_bench_dispatch_smoke(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_bench_dispatch_smoke(tmp_path: Path) -> None:
         ]
     )
     assert code == 0
-    points = json.loads((out / "points.json").read_text())
+    points = strict_json((out / "points.json").read_text())
     assert {(p["dispatcher"], p["engines"]) for p in points} == {
         ("pipeline", 4),
         ("pipeline", 8),
@@ -68,7 +68,7 @@ def test_bench_dispatch_repeats_keep_the_median_run_whole(tmp_path: Path) -> Non
     out = tmp_path / "bench"
     argv = ["bench", "dispatch", "--engines", "4", "--queued", "40", "--seconds", "0.3", "--rate", "400"]
     assert main([*argv, "--dispatchers", "floor", "--repeats", "3", "--out", str(out)]) == 0
-    (point,) = json.loads((out / "points.json").read_text())
+    (point,) = strict_json((out / "points.json").read_text())
     runs = point["runs_us"]
     assert len(runs) == 3 and point["us_per_placement"] == sorted(runs)[1]
     assert " (runs " in (out / "table.md").read_text()

@@ -17,6 +17,7 @@ import pytest
 from gateway.bench.harness import cpu_seconds, kernel_seconds
 from gateway.bench.overhead import PacedResult, _median_run, render_table, run_overhead
 from gateway.cli import main
+from tests.support.strict_json import strict_json
 
 
 def test_overhead_benchmark_smoke() -> None:
@@ -199,7 +200,7 @@ def test_rate_benchmark_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "errors at 40/s" in out and "p50 through the gateway, second half vs first at 40/s" in out
-    (point,) = json.loads((tmp_path / "points.json").read_text())
+    (point,) = strict_json((tmp_path / "points.json").read_text())
     assert point["requests"] > 40 and point["errors"] == point["direct_errors"] == 0
     assert point["first_half_p50_ms"] > 0 and point["second_half_p99_ms"] > 0
     # (>= 0: the idle CPU subtracted is one noisy second's)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from gateway.cli import main as cli_main
 from gateway.experiments.replay import Outcome, percentile, summarize
 from gateway.experiments.runner import run_point
 from gateway.experiments.workload import HYPERFLEXIS_4TASK, RequestSpec, poisson_workload, priority_ramp
+from tests.support.strict_json import strict_json
 
 
 def test_workloads_have_the_requested_shape() -> None:
@@ -68,7 +68,7 @@ def test_attainment_cli_pools_repeated_runs(tmp_path: Path) -> None:
     argv = ["experiment", "attainment", "--policies", "round-robin", "--qps", "20", "--per-task", "2"]
     argv += ["--repeat", "2", "--out", str(tmp_path)]
     assert cli_main(argv) == 0
-    (row,) = json.loads((tmp_path / "results.json").read_text())
+    (row,) = strict_json((tmp_path / "results.json").read_text())
     assert row["requests"] == 16 and len(row["attainment_per_run"]) == 2  # 4 tasks x 2 x 2 seeds
     assert row["attainment"] == sum(row["attainment_per_run"]) / 2  # equal-sized runs pool to the mean
     assert "runs min-max" in (tmp_path / "table.txt").read_text()
@@ -80,7 +80,7 @@ def test_priority_ramp_smoke(tmp_path: Path) -> None:
     argv = ["experiment", "priority-ramp", "--policies", "hyperflexis", "--qps", "8", "--join-every", "0.5"]
     argv += ["--duration", "2.5", "--engines", "1", "--time-scale", "5", "--out", str(tmp_path)]
     assert cli_main(argv) == 0
-    report = json.loads((tmp_path / "results.json").read_text())
+    report = strict_json((tmp_path / "results.json").read_text())
     assert report["hyperflexis"] and (tmp_path / "ttft_over_time.png").stat().st_size > 1000
 
 

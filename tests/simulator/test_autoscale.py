@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
+from gateway.fleet.registry import RunningEntry
 from gateway.sim.profiles import load_profile
 from gateway.simulator.autoscale import AutoscaleConfig
 from gateway.simulator.autoscale_experiment import recovery, step_burst
@@ -39,6 +40,15 @@ def test_a_warm_engine_joins_after_its_peer_weight_load_and_is_routable_only_the
     fleet = sim.gateway.fleet
     assert fleet.records["sim-0"].healthy
     assert not fleet.records["sim-1"].healthy and not fleet.records["sim-2"].healthy
+    # when each engine was first given a request (the placement, on the virtual clock)
+    placed: dict[str, float] = {}
+    reserve = fleet.reserve
+
+    def reserving(engine_id: str, request_id: str, entry: RunningEntry) -> None:
+        placed.setdefault(engine_id, sim.clock.now)
+        reserve(engine_id, request_id, entry)
+
+    fleet.reserve = reserving  # type: ignore[method-assign]
     result = sim.run()
     report = result.autoscale
     assert report is not None
@@ -50,8 +60,7 @@ def test_a_warm_engine_joins_after_its_peer_weight_load_and_is_routable_only_the
     # nothing was served by an engine before it was ready
     assert result.served_by_engine[first.engine_id] > 0
     assert all(o.status == 200 for o in result.outcomes)
-    joined = min(o.start_s for o in result.outcomes if o.engine == first.engine_id)
-    assert joined >= ready[first.engine_id] - 1e-9 - 10  # (start_s is the client's send time)
+    assert ready[first.engine_id] <= placed[first.engine_id] < sim.clock.now
 
 
 def test_a_cold_start_takes_the_runtime_and_the_disk_load() -> None:

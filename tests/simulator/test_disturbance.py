@@ -40,10 +40,35 @@ def test_a_slow_engine_runs_slower_only_inside_its_window() -> None:
     assert mean(inside) > 2 * mean(before)
 
 
+@pytest.mark.parametrize(
+    ("windows", "expected"),
+    [
+        # back to back, the later listed first: the first window's start came before the second's
+        # end at t=20 and was undone by it (normal speed for the whole first window)
+        ((("slow-engine", 20.0, 30.0, 4.0), ("slow-engine", 10.0, 20.0, 2.0)), {15: 2.0, 25: 4.0, 35: 1.0}),
+        # overlapping: they compound, and each end takes back its own factor only
+        ((("slow-engine", 10.0, 40.0, 3.0), ("slow-engine", 20.0, 30.0, 5.0)), {15: 3.0, 25: 15.0, 35: 3.0}),
+    ],
+)
+def test_slow_engine_windows_on_one_engine_do_not_undo_each_other(
+    windows: tuple[tuple[str, float, float, float], ...], expected: dict[float, float]
+) -> None:
+    sim = Simulation(_base(duration_s=1.0, requests=1, disturbances=tuple(Disturbance(*w) for w in windows)))
+    model = sim.nodes[0].model
+    seen: dict[float, float] = {}
+    for at in expected:
+        sim.clock.at(at, lambda at=at: seen.__setitem__(at, model.slow_factor))
+    sim.clock.run()
+    assert seen == pytest.approx(expected)
+
+
 def test_stale_scrapes_freeze_what_the_gateway_knows_of_the_engines() -> None:
     sim = Simulation(_base(disturbances=(Disturbance("stale-scrapes", 5.0, 10**6, 0.0),)))
     sim.run()
     assert all(r.state_at < 6.0 for r in sim.gateway.fleet.records.values())
+    # as the live monitor marks it once its scrapes time out past stale_after_s: placements
+    # stop reading the frozen KV use (a busy engine's last reading kept it parked as full)
+    assert all(r.state_stale for r in sim.gateway.fleet.records.values())
     clean = Simulation(_base())
     clean.run()
     assert all(r.state_at > 30.0 for r in clean.gateway.fleet.records.values())

@@ -4,7 +4,6 @@ FIFO or RMLQ order; and the two commands at smoke scale."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from gateway.experiments.replay import summarize
 from gateway.simulator.pd import PdGateway
 from gateway.simulator.scenario import Scenario, Simulation
 from policies.latency_fit import predict_prefill
+from tests.support.strict_json import strict_json
 
 
 def _scenario(**kw: object) -> Scenario:
@@ -51,6 +51,9 @@ def test_every_request_prefills_on_a_prefill_engine_and_decodes_on_a_decode_engi
     assert all(r.in_flight == 0 and not r.unprefilled for r in gateway.fleet.records.values())
     assert result.served_by_engine["prefill-0"] + result.served_by_engine["prefill-1"] == 80
     assert result.cost_units > 0 and set(result.busy_by_engine) == set(nodes)
+    # every engine's KV events were read (the prefill engines' kept growing, one event per
+    # block stored, and never reached the prefix index)
+    assert all(not model.cache.events for model in nodes.values())
 
 
 def test_one_fleet_with_roles_front_pool_prefill_decode_pool_decode() -> None:
@@ -200,7 +203,7 @@ def test_simulate_pd_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     argv += ["--transfer-order", "rmlq", "--jobs", "1", "--out", str(out)]
     assert main(argv) == 0
     assert "P/D 1:1 (two-stage)" in capsys.readouterr().err
-    points = json.loads((out / "points.json").read_text())
+    points = strict_json((out / "points.json").read_text())
     assert sorted(p["policy"] for p in points) == ["hyperflexis", "round-robin"]
     assert all(p["requests"] == 30 for p in points)
 
@@ -222,7 +225,7 @@ def test_experiment_pd_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "| 150 | one-shot RR |" in table and "RMLQ transfers" in table and "Verdict" in table
     assert "### Decode placement where the decode stage matters" in table
     assert "| decode-1 2x slower (known), 3P:2D | 24 | one-shot least-load |" in table
-    points = json.loads((out / "pd.json").read_text())
+    points = strict_json((out / "pd.json").read_text())
     assert {p["series"] for p in points} == {
         "one-shot RR",
         "one-shot least-load",

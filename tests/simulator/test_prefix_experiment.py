@@ -4,7 +4,6 @@ the engines' own, and the verdict reads the points as the issue states its targe
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from gateway.simulator.prefix_experiment import (
     verdict,
 )
 from gateway.simulator.scenario import Simulation
+from tests.support.strict_json import strict_json
 
 
 def test_the_kv_cache_is_shrunk_on_the_engines_and_the_gateway_sees_it() -> None:
@@ -143,7 +143,7 @@ def test_the_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert "### prefix-sessions" in text and "### prefix-trap" in text and "**prefix-aware**" in text
     assert "mean of 2 seeds" in text and "Verdict (prefix-sessions, prefix-aware)" in text
     assert "hyperflexis-prefix" not in text  # one of ours by default, not run here: no verdict
-    data = json.loads((tmp_path / "prefix.json").read_text())
+    data = strict_json((tmp_path / "prefix.json").read_text())
     assert len(data["points"]) == 6 and data["kv_blocks"] == 512 and data["seeds"] == 2
     assert all(p["seeds"] == 2 and p["requests"] == 120 for p in data["points"])
     assert (tmp_path / "prefix.png").stat().st_size > 0

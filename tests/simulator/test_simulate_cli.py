@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main
 from gateway.simulator.cli import parse_rates
+from tests.support.strict_json import strict_json
 
 
 def test_a_small_comparison_writes_its_table_points_and_plot(
@@ -35,7 +35,7 @@ def test_a_small_comparison_writes_its_table_points_and_plot(
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "(6/6)" in captured.err  # progress per finished point
-    points = json.loads((out / "points.json").read_text())
+    points = strict_json((out / "points.json").read_text())
     assert sorted((p["policy"], p["qps"]) for p in points) == sorted(
         (p, q) for p in ("least-load", "least-load+prio", "hyperflexis") for q in (10.0, 20.0)
     )
@@ -65,7 +65,7 @@ def test_a_priority_ramp_is_classified_by_priority_and_plotted_over_time(tmp_pat
         str(out),
     ]
     assert main(argv) == 0
-    points = json.loads((out / "points.json").read_text())
+    points = strict_json((out / "points.json").read_text())
     assert {p["policy"] for p in points} == {"round-robin", "hyperflexis"}
     assert (out / "ttft_over_time_20qps.png").stat().st_size > 10_000
 
@@ -99,7 +99,7 @@ def test_the_scale_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixtur
         str(out),
     ]
     assert main(argv) == 0
-    points = json.loads((out / "points.json").read_text())
+    points = strict_json((out / "points.json").read_text())
     assert [(p["engines"], p["requests"]) for p in points] == [(1, 40), (2, 80)]
     assert all(p["events"] > p["requests"] and p["us_per_event"] > 0 for p in points)
     assert (out / "simulator_scale.png").stat().st_size > 5_000

@@ -203,3 +203,19 @@ def test_with_task_bounds_the_dispatcher_knows_a_bound_per_task_not_each_length(
     )
     with pytest.raises(ValueError, match="output_bound"):
         workload_for(dataclasses.replace(exact, output_bound="oracle"))
+
+
+def test_a_prefill_engine_whose_held_kv_frees_plans_again() -> None:
+    """A prefill engine keeps each prompt's KV until its transfer ends; with its cache full of
+    held KV it plans nothing and goes idle. Freed by the transfer's end, nothing woke it: the
+    waiting prefills started only at the next request sent there, or never."""
+    clock = EventQueue()
+    sink = _Collect()
+    node = EngineNode("e", profile(num_gpu_blocks=8, block_size=16), clock, sink)
+    clock.at(0.0, node.add, SimRequest("a", list(range(100)), 1, 0.0, prefill_only=True))
+    clock.at(0.5, node.add, SimRequest("b", list(range(200, 300)), 1, 0.5, prefill_only=True))
+    clock.at(2.0, node.release_held, "a")
+    clock.run()
+    assert "a" in sink.tokens and "b" in sink.tokens, (sink.tokens, node.model.has_work)
+    assert min(sink.tokens["b"]) > 2.0  # (it could not start before a's KV was freed)
+    assert node.steps == 2 and node.busy_s > 0
