@@ -126,7 +126,10 @@ class Calibrator:
         await cancel_and_wait(task)
 
     def _on_change(self, engine_id: str, what: str) -> None:
-        if what in ("release", "prefilled"):
+        # ("role": a drain began or ended, or the role changed; a flip needs no reservation to
+        # drain past the probes, and one that ended between two probes left a run measuring the
+        # engine across its flip, then in its new role)
+        if what in ("release", "prefilled", "role"):
             for watch in self._watches:
                 if watch.engine_id == engine_id:
                     watch.touched = True
@@ -199,7 +202,13 @@ class Calibrator:
     def _check(self, record: EngineRecord, watch: _Watch) -> None:
         # (a drain began: a role flip is coming, and the probes would meet it; ejected: each
         # probe left would wait out its timeout while every other engine waits for its turn)
-        if watch.touched or record.seats_taken() or record.draining or not record.healthy:
+        if (
+            watch.touched
+            or record.seats_taken()
+            or record.draining
+            or not record.healthy
+            or record.adapter.role is not Role.COLLOCATED
+        ):
             metrics.child(metrics.CALIBRATION_PROBES, record.engine_id, "interrupted").inc()
             raise Interrupted(record.engine_id)
 

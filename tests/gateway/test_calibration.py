@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -19,6 +20,7 @@ from gateway.fleet.calibration import PREFILL_REPEATS, PROMPT_TOKENS, Calibrator
 from gateway.fleet.registry import Fleet, RunningEntry
 from gateway.settings import load_settings
 from gateway.sim.profiles import load_profile
+from policies.api import Role
 from tests.gateway.gateway_thread import run_gateway, wait_until
 from tests.support.local_app import serving
 from tests.support.sim_process import SimProcess, start_sim_engine
@@ -257,3 +259,29 @@ async def test_a_probe_of_an_engine_streaming_without_end_fails_bounded() -> Non
         fleet.record_health("e0", False, 1, 1)  # ejected: the run stops at its next probe
         with pytest.raises(Interrupted):
             await calibrator.calibrate(record)
+
+
+async def test_a_flip_made_between_two_probes_interrupts_the_run(engine: SimProcess) -> None:
+    """A flip drains past the probes (they hold no reservation) and may be over before the next
+    probe looks: the run went on measuring the engine across its flip, then in its new role."""
+    async with aiohttp.ClientSession() as session:
+        fleet, _, calibrator = await setup(engine, session)
+        record = fleet.records["e0"]
+        flips = 0
+        real = calibrator._prefill
+
+        async def prefill(rec: Any, watch: Any, n: int) -> Any:
+            nonlocal flips
+            timed = await real(rec, watch, n)
+            if not flips:  # after the first probe, what a flip there and back does to the record
+                flips += 1
+                fleet.set_draining("e0", True)
+                fleet.set_role("e0", Role.DECODE)
+                fleet.set_role("e0", Role.COLLOCATED)
+                fleet.set_draining("e0", False)
+            return timed
+
+        calibrator._prefill = prefill  # type: ignore[method-assign]
+        with pytest.raises(Interrupted):
+            await calibrator.calibrate(record)
+        assert flips == 1 and record.adapter.role is Role.COLLOCATED and not record.draining
