@@ -470,7 +470,9 @@ class ThresholdScaler:
             # HPA's currentReplicas: the engines the pool has or is getting
             current = len(view.serving(role)) + view.pending(role)
             if math.isinf(util):
-                desired = current + 1
+                # demand and nothing serving: one engine, and no more while it comes up (with
+                # one loading, each decision of its cold start added another, up to the bound)
+                desired = current if view.pending(role) else current + 1
             elif abs(util - 1.0) <= p.tolerance:
                 desired = current
             else:

@@ -335,3 +335,16 @@ def test_threshold_asks_for_exactly_the_engines_demand_needs() -> None:
     assert (
         len(decision.actions) == 11 and "desired 25" in decision.actions[0].reason
     )  # (a step of max(11, 4))
+
+
+def test_threshold_with_nothing_serving_adds_one_engine_and_waits_for_it() -> None:
+    """Demand with no serving engine is infinite load: one engine is added, and while it loads
+    no more (each decision of a cold start added another, up to max_engines)."""
+    scaler = ThresholdScaler()
+    bounds = ScalingBounds({C: 0}, 10)
+    cold = [e(f"x{i}", phase=K) for i in range(5)]
+    decision = scaler.decide(view(cold, PoolSignals(C, queued=5)), ScalingState(), bounds)
+    assert kinds(decision.actions) == [("add", "x0", "collocated")]
+    loading = [e("x0", phase=L), *cold[1:]]
+    later = scaler.decide(view(loading, PoolSignals(C, queued=5), now=105.0), decision.state, bounds)
+    assert later.actions == ()
