@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 ALL_TAGS = ("weights", "kv_cache", "scheduling")
 SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
+#: the longest a sleep with mode=wait waits for running requests to finish (engine seconds)
+SLEEP_WAIT_S = 600.0
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -102,9 +104,17 @@ class AdminRoutes:
         if mode not in ("abort", "wait", "keep"):
             return _bad("mode must be abort, wait or keep", "mode")
         if mode == "wait":
+            busy = s.model.running or s.model.transferring
+            if busy and s.model.paused:
+                # (a paused engine's requests never finish: the call waited for good, and no new
+                # request was admitted meanwhile)
+                return _bad("the engine is paused: its requests cannot finish; wake it first", "mode", 409)
             s.model.admitting = False
+            deadline = asyncio.get_running_loop().time() + SLEEP_WAIT_S / s.scale
             try:
                 while s.model.running or s.model.transferring:
+                    if asyncio.get_running_loop().time() > deadline or s.model.paused:
+                        return _bad(f"requests still run after {SLEEP_WAIT_S:g} s; not asleep", "mode", 409)
                     await asyncio.sleep(0.005)
             finally:
                 s.model.admitting = True

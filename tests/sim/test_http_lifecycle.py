@@ -172,3 +172,24 @@ def test_sigterm_lets_an_open_stream_finish_and_exits_at_once() -> None:
                 done = done or line == "data: [DONE]"
         assert done and events == 41 + 1  # every token, then [DONE]
         assert engine.process.wait(30) == 0
+
+
+async def test_a_sleep_that_waits_for_requests_a_paused_engine_cannot_finish_answers_at_once(
+    fresh: SimProcess,
+) -> None:
+    """Paused (level 0, requests kept), the engine's running stream never ends: a sleep with
+    mode=wait waited for it for good, admitting no new request meanwhile."""
+    task = asyncio.create_task(
+        stream(fresh.url + "/v1/completions", {"prompt": "x", "max_tokens": 500, "ignore_eos": True})
+    )
+    await asyncio.sleep(0.2)
+    assert (await call("POST", fresh.url + "/sleep?level=0&mode=keep"))[0] == 200
+    status, body, seconds = await call(
+        "POST", fresh.url + "/sleep?level=1&mode=wait", timeout=aiohttp.ClientTimeout(total=5)
+    )
+    assert status == 409 and "paused" in body["error"]["message"] and seconds < 1  # type: ignore[index]
+    # it admits and serves again once awake, and the kept stream goes on to its end
+    assert (await call("POST", fresh.url + "/wake_up"))[0] == 200
+    assert (await post(fresh.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200
+    events, _, _ = await asyncio.wait_for(task, 30)
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
