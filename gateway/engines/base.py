@@ -188,6 +188,15 @@ class EngineAdapter:
     #: engine); others are refused by the role flip
     switches_role: ClassVar[bool] = False
 
+    def can_switch_role(self) -> str | None:
+        """Why this engine cannot change role while it runs (None: it can)."""
+        if not self.switches_role:
+            return (
+                f"{self.kind} engines cannot change role while they run (the role is a launch "
+                "setting, e.g. SGLang's --disaggregation-mode): restart it in the new role"
+            )
+        return None
+
     async def switch_role(self, role: Role) -> None:
         """Tell the engine it now serves as ``role`` (called drained, by the admin role flip).
 

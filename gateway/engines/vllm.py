@@ -107,12 +107,28 @@ class VllmAdapter(EngineAdapter):
     def parse_metrics(self, text: str) -> EngineState | None:
         return parse_vllm_metrics(text)
 
+    def can_switch_role(self) -> str | None:
+        # A vLLM engine changes side per request (its kv_transfer_params) when it runs a KV
+        # connector as kv_both: one configured in a P/D role, or with kv_transfer declared, is
+        # taken to. A plain collocated one was flipped with a 200 and nothing told: every prefill
+        # it then served came back without kv_transfer_params, a 502 each.
+        if self.config.role is Role.COLLOCATED and self.config.kv_transfer is None:
+            return (
+                "nothing says it runs a KV connector (vLLM --kv-transfer-config, kv_role kv_both), "
+                "which a prefill or decode engine needs: declare kv_transfer in its configuration "
+                "once it does"
+            )
+        return None
+
 
 class SimAdapter(VllmAdapter):
     """The simulated engine: vLLM's wire protocol; it takes the client's x-sim-* controls."""
 
     kind: ClassVar[str] = "sim"
     accepts_sim_headers: ClassVar[bool] = True
+
+    def can_switch_role(self) -> str | None:
+        return None  # (it serves any role: told by switch_role)
 
     async def switch_role(self, role: Role) -> None:
         """The simulated engine's bootstrap (SGLang-style) handling depends on its role."""

@@ -112,13 +112,9 @@ async def flip_role(
         raise GatewayError(409, f"engine {engine_id} is already being drained", code="draining")
     if before is role and not unsure:
         return RoleFlip(engine_id, before, role, 0.0)
-    if not record.adapter.switches_role:
-        raise GatewayError(
-            409,
-            f"engine {engine_id} ({record.adapter.kind}) cannot change role while it runs (its role is "
-            "a launch setting, e.g. SGLang's --disaggregation-mode): restart it in the new role",
-            code="role_fixed",
-        )
+    why_not = record.adapter.can_switch_role()
+    if why_not is not None:
+        raise GatewayError(409, f"engine {engine_id} ({record.adapter.kind}): {why_not}", code="role_fixed")
     # (an unsure engine is out of rotation already: mending it opens no gap)
     check_flip(fleet, engine_id, role, allow_gap or unsure)
     started = time.monotonic()

@@ -232,3 +232,38 @@ def test_the_only_engine_with_a_lora_adapter_flips_only_when_the_gap_is_accepted
     check_flip(fleet, "e1", Role.DECODE)  # (its adapter is loaded on e0 too)
     fleet.records["e1"].adapters = frozenset({"a1", "shared"})
     check_flip(fleet, "e0", Role.PREFILL)
+
+
+@pytest.mark.parametrize(
+    ("settings", "allowed"),
+    [
+        ({}, False),  # a plain collocated vLLM engine: nothing says it runs a KV connector
+        ({"kv_transfer": "nixl"}, True),  # declared: its kv_transfer_params say which side it is
+        ({"role": "decode"}, True),  # configured in a P/D role: it runs one
+    ],
+)
+async def test_a_vllm_engine_flips_only_when_it_is_known_to_run_a_kv_connector(
+    settings: dict[str, str], allowed: bool
+) -> None:
+    """A plain collocated vLLM engine was flipped to prefill with a 200 and nothing told: every
+    prefill it then served came back without kv_transfer_params (a 502 each)."""
+    from gateway.fleet.roles import flip_role
+
+    role = settings.get("role", "collocated")
+    others = [
+        EngineConfig(url="http://127.0.0.1:10001", kind="vllm", model="m", name="c1"),  # type: ignore[arg-type]
+        EngineConfig(url="http://127.0.0.1:10002", kind="vllm", model="m", name="d1", role="decode"),  # type: ignore[arg-type]
+        EngineConfig(url="http://127.0.0.1:10003", kind="vllm", model="m", name="p1", role="prefill"),  # type: ignore[arg-type]
+    ]
+    fleet = fleet_of(
+        [EngineConfig(url="http://127.0.0.1:10000", kind="vllm", model="m", name="e0", **settings), *others],  # type: ignore[arg-type]
+        3.0,
+    )
+    target = Role.PREFILL if role == "collocated" else Role.COLLOCATED
+    if allowed:
+        assert (await flip_role(fleet, "e0", target, 1.0)).role is target
+    else:
+        with pytest.raises(GatewayError) as info:
+            await flip_role(fleet, "e0", target, 1.0)
+        assert info.value.status == 409 and info.value.code == "role_fixed"
+        assert "kv_transfer" in info.value.message and fleet.records["e0"].adapter.role.value == role
