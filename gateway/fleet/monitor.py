@@ -125,6 +125,8 @@ class FleetMonitor:
         error = "" if ok else "health check failed"
         if ok and (why := self._not_serving(record)):
             ok, error = False, why  # (answering its health route, it still serves none of it)
+        if ok and not record.healthy and (why := await self._role_told(record)):
+            ok, error = False, why
         flipped = self.fleet.record_health(engine_id, ok, self.eject_after, self.readmit_after, error)
         if flipped:
             level = logging.INFO if record.healthy else logging.WARNING
@@ -149,6 +151,20 @@ class FleetMonitor:
                     gauge.remove(engine_id)
         metrics.ENGINE_IN_FLIGHT.labels(engine_id).set(record.in_flight)
         return ok
+
+    async def _role_told(self, record: EngineRecord) -> str:
+        """Before an ejected engine is re-admitted: one flipped away from its launch role is told
+        its role again (a restart put it back in the launch one: a simulated engine flipped to
+        prefill came back a decode engine, and every P/D request sent there waited out its KV
+        handover and failed). "" when done or not needed, else why not."""
+        adapter = record.adapter
+        if adapter.role is adapter.config.role or record.role_target is not None or record.role_unsure:
+            return ""  # (a flip under way, or one that failed, tells it itself)
+        try:
+            await adapter.switch_role(adapter.role)
+        except Exception as exc:
+            return f"its role ({adapter.role.value}) could not be set again: {describe_failure(exc)}"
+        return ""
 
     def _check_stall(self, record: EngineRecord) -> None:
         """Out of rotation while it holds work and shows no progress, back when it does."""

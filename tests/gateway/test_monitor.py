@@ -485,3 +485,41 @@ async def test_what_an_engine_reports_past_any_bound_is_published_bounded_and_an
     assert _reported_running() == 0.0
     assert metrics.REGISTRY.get_sample_value("slogate_engine_kv_usage", {"engine": "e"}) == 1.0
     assert record.state is not None and record.state.block_size is None
+
+
+async def test_an_engine_flipped_away_from_its_launch_role_is_told_it_again_before_it_returns(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A restart puts an engine back in its launch role: a simulated engine flipped to prefill came
+    back a decode engine and was re-admitted as a prefill one (every P/D request sent there
+    waited out its KV handover and failed). Told its role before it is re-admitted; not
+    re-admitted while that fails."""
+    from policies.api import Role
+
+    config = EngineConfig.model_validate(
+        {"url": "http://127.0.0.1:9", "kind": "sim", "model": "m", "name": "e", "role": "decode"}
+    )
+    fleet = Fleet([adapter_for(config, session, 1.0, scrape_timeout_s=0.3)], 5.0)
+    record = fleet.records["e"]
+    fleet.set_role("e", Role.PREFILL)  # (flipped, then it restarted: ejected meanwhile)
+    told: list[Role] = []
+    refuse = True
+
+    async def health() -> bool:
+        return True
+
+    async def switch_role(role: Role) -> None:
+        told.append(role)
+        if refuse:
+            raise aiohttp.ClientConnectionError("not yet")
+
+    record.adapter.health = health  # type: ignore[method-assign]
+    record.adapter.switch_role = switch_role  # type: ignore[method-assign]
+    monitor = FleetMonitor(fleet, 0.05, 1, 1, scrape_timeout_s=0.3)
+    assert not record.healthy
+    assert not await monitor.check_health(record) and not record.healthy
+    refuse = False
+    assert await monitor.check_health(record) and record.healthy
+    assert told == [Role.PREFILL, Role.PREFILL]
+    await monitor.check_health(record)  # (healthy: not told again on every check)
+    assert len(told) == 2
