@@ -141,7 +141,12 @@ class SimGateway:
         back, one busy relay: live, a loaded gateway reads them late too); the scrape is recorded
         with its send time and what was in flight then, as the live monitor records it."""
         state = self.engines[engine_id].state()
-        delay = (self._disturbed("relay-delay") or 0.0) if self.disturbances else 0.0
+        # (a stalled gateway reads the answers late too: the same loop handles them)
+        delay = (
+            (self._disturbed("relay-delay") or 0.0) + (self._disturbed("gateway-stall") or 0.0)
+            if self.disturbances
+            else 0.0
+        )
         # (the monitor's health check of the same tick: nothing to do at the engine, the path's
         # delay back)
         self.fleet.record_round_trip(engine_id, delay)
@@ -347,9 +352,10 @@ class SimGateway:
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
-        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens, relayed=True):
             return
+        # (read as the gateway handles the engine's news: a stalled one reads them late too)
+        self._kv_events(engine_id, now)
         flights = self.flights
         fleet = self.fleet
         for request, _ in tokens:
@@ -372,9 +378,10 @@ class SimGateway:
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
-        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._finished_late, engine_id, requests, relayed=True):
             return
+        # (read as the gateway handles the engine's news: a stalled one reads them late too)
+        self._kv_events(engine_id, now)
         for request in requests:
             flight = self.flights.pop(request.request_id, None)
             if flight is None:

@@ -229,11 +229,10 @@ class PdGateway(SimGateway):
     def on_tokens(
         self, engine_id: str, tokens: list[tuple[SimRequest, int]], now: float, deferred: bool = False
     ) -> None:
-        # (a prefill engine's KV events too: its blocks feed the prefix index, and the engine
-        # model keeps every event until someone drains them)
-        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._tokens_late, engine_id, tokens, relayed=True):
             return
+        # (read as the gateway handles the engine's news: a stalled one reads them late too)
+        self._kv_events(engine_id, now)
         fleet = self.fleet
         record = fleet.records[engine_id]
         for request, _ in tokens:
@@ -258,9 +257,10 @@ class PdGateway(SimGateway):
     def on_finished(
         self, engine_id: str, requests: list[SimRequest], now: float, deferred: bool = False
     ) -> None:
-        self._kv_events(engine_id, now)
         if not deferred and self._stalled(self._finished_late, engine_id, requests, relayed=True):
             return
+        # (read as the gateway handles the engine's news: a stalled one reads them late too)
+        self._kv_events(engine_id, now)
         decodes = [r for r in requests if not r.prefill_only]
         if decodes:
             super().on_finished(engine_id, decodes, now, True)

@@ -114,14 +114,13 @@ def test_what_a_window_held_back_is_not_overtaken_when_it_ends() -> None:
         assert all(o.tokens == o.spec.output_tokens for o in served), kind
 
 
-def test_a_relay_delay_brings_the_scrapes_answers_that_much_later_too() -> None:
+@pytest.mark.parametrize("kind", ["relay-delay", "gateway-stall"])
+def test_a_relay_delay_brings_the_scrapes_answers_that_much_later_too(kind: str) -> None:
     """The engine's metrics come back over the same path as its tokens: a scrape sent at t reads
     the engine as it was at t and reaches the gateway at t + delay (recorded with its send time,
     as the live monitor records it). Answered at once, a delayed token stream and a punctual
     scrape disagreed on every interval's step count, which no live gateway sees."""
-    sim = Simulation(
-        _base(qps=10, requests=100, disturbances=(Disturbance("relay-delay", 0.0, 10**6, 0.05),))
-    )
+    sim = Simulation(_base(qps=10, requests=100, disturbances=(Disturbance(kind, 0.0, 10**6, 0.05),)))
     seen: list[tuple[float, float, float]] = []  # (recorded at, sent at, the clock then)
     fleet = sim.gateway.fleet
     fleet.listeners.append(
