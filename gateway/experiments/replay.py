@@ -84,6 +84,10 @@ async def _one(
         "X-Sim-Output-Len": str(spec.output_tokens),
         "x-priority": str(spec.priority),
     }
+    if spec.session is not None:
+        # a conversation's turns say they are one (the offline simulator keys them so: the
+        # affinity scorer's session)
+        headers["x-session-id"] = spec.session
     if explicit_slo:
         headers["x-slo-task"] = spec.task
         # Targets in the engines' (scaled) time, so the gateway plans against what it observes.

@@ -78,6 +78,8 @@ def replay_live(scenario: Scenario) -> Summary:
             ("num_gpu_blocks", scenario.num_gpu_blocks, None),
             ("autoscale", scenario.autoscale, None),
             ("disaggregation", scenario.disaggregation, None),
+            # (the live stack's gateway checks its engines every second, its default)
+            ("monitor_interval_s", scenario.monitor_interval_s, 1.0),
         )
         if value != default
     ]
