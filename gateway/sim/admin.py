@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -69,6 +71,22 @@ async def _body(http: web.Request) -> dict[str, Any]:
     return data
 
 
+Handler = Callable[["AdminRoutes", web.Request], Awaitable[web.Response]]
+
+
+def _one_at_a_time(handler: Handler) -> Handler:
+    """Sleep, wake-up and weight loads run one after another: each sets what the engine's pause
+    and sleep state are when it ends, and interleaved, a wake-up ending its weight load unpaused
+    an engine put to sleep meanwhile (or in the middle of another load)."""
+
+    @functools.wraps(handler)
+    async def serialised(self: AdminRoutes, http: web.Request) -> web.Response:
+        async with self._lifecycle:
+            return await handler(self, http)
+
+    return serialised
+
+
 class AdminRoutes:
     """Handlers bound to one :class:`SimServer`; state lives on the server."""
 
@@ -76,6 +94,7 @@ class AdminRoutes:
         self.server = server
         self.asleep: set[str] = set()
         self.level = 0
+        self._lifecycle = asyncio.Lock()
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -92,6 +111,7 @@ class AdminRoutes:
     def sleep_state(self) -> str:
         return SLEEP_STATES[self.level] if self.asleep else "awake"
 
+    @_one_at_a_time
     async def sleep(self, http: web.Request) -> web.Response:
         s = self.server
         try:
@@ -132,6 +152,7 @@ class AdminRoutes:
         self.asleep |= {"scheduling"} if level == 0 else set(ALL_TAGS)
         return _json({"status": "sleeping", "level": level})
 
+    @_one_at_a_time
     async def wake_up(self, http: web.Request) -> web.Response:
         s = self.server
         tags = http.query.getall("tags", []) or list(ALL_TAGS)
@@ -173,6 +194,7 @@ class AdminRoutes:
         s.publish_kv_events()
         return _json({"success": True})
 
+    @_one_at_a_time
     async def load_weights(self, http: web.Request) -> web.Response:
         s = self.server
         body = await _body(http)

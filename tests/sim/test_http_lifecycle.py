@@ -193,3 +193,20 @@ async def test_a_sleep_that_waits_for_requests_a_paused_engine_cannot_finish_ans
     assert (await post(fresh.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))[0] == 200
     events, _, _ = await asyncio.wait_for(task, 30)
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_sleep_during_a_wake_up_s_weight_load_is_not_undone_by_it(fresh: SimProcess) -> None:
+    """The wake-up ended its modelled weight load by clearing the sleep state and unpausing the
+    engine, whatever had happened meanwhile: a sleep asked for during it was lost."""
+    assert (await call("POST", fresh.url + "/sleep?level=2"))[0] == 200
+    waking = asyncio.create_task(call("POST", fresh.url + "/wake_up"))  # (4.14 s / 20 of disk load)
+    await asyncio.sleep(0.05)
+    status, body, _ = await call("POST", fresh.url + "/sleep?level=1")
+    assert status == 200 and (await waking)[0] == 200
+    assert (await call("GET", fresh.url + "/is_sleeping"))[1] == {"is_sleeping": True}
+    # asleep: a request waits until the engine is woken
+    pending = asyncio.create_task(post(fresh.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))
+    await asyncio.sleep(0.2)
+    assert not pending.done()
+    assert (await call("POST", fresh.url + "/wake_up"))[0] == 200
+    assert (await asyncio.wait_for(pending, 10))[0] == 200
