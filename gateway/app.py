@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from gateway import metrics
 from gateway.api.auth import Authenticator, AuthError
 from gateway.api.errors import GatewayError, described, send_error
+from gateway.api.host_check import HostCheck
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dashboard.decisions import DecisionLog
@@ -305,6 +306,7 @@ class FrontDoor:
     def __init__(self, gateway: Gateway, api: FastAPI) -> None:
         self.gateway = gateway
         self.api = api
+        self._hosts = HostCheck(gateway.settings.host, gateway.settings.allowed_hosts)
 
     def begin_shutdown(self) -> None:
         """Called by the server as it stops accepting (see :class:`gateway.server.GatewayServer`)."""
@@ -316,6 +318,9 @@ class FrontDoor:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if self._hosts.names is not None and (refused := self._hosts.refusal(scope["headers"])):
+                await send_error(send, refused)
+                return
             kind = _DATA_ROUTES.get(scope["path"])
             proxy = self.gateway.proxy
             if kind is not None and proxy is not None:

@@ -437,6 +437,17 @@ class DisaggregatedFlow:
             self._decode_span(call, choice, len(candidates))
         return choice
 
+    def _decode_decided(self, call: Call, engine_id: str, tried: Sequence[str]) -> None:
+        """A decode placement in /dashboard's decision log, as every placement is (its span is
+        :meth:`place_decode`'s). Never raises: what only observes a request must not fail it."""
+        decisions = self.collocated.decisions
+        if decisions is None:
+            return
+        try:
+            decisions.add(call, len(tried) + 1, engine_id, None, 0.0, tuple(tried))
+        except Exception:
+            log.exception("recording a dispatch decision failed", extra={"request_id": call.client_rid})
+
     def _decode_span(self, call: Call, choice: DecodeChoice | None, candidates: int) -> None:
         assert call.span is not None
         attributes: dict[str, object] = {"slogate.stage": "decode", "slogate.decode.candidates": candidates}
@@ -520,6 +531,7 @@ class DisaggregatedFlow:
             choice = self.place_decode(call, prefill.engine_id, progress.decode_tried)
             if choice is None:
                 return outcome
+            self._decode_decided(call, choice.engine_id, progress.decode_tried)
             progress.decode_tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record, remote_kv=True, late=late)
@@ -647,16 +659,14 @@ class DisaggregatedFlow:
         deadline = None if call.request.stream else call.arrival + self.settings.request_timeout_s
         tried: list[str] = []
         failure = cause
-        decisions = self.collocated.decisions
-        for attempt in range(1, self.settings.dispatch_attempts + 1):
+        for _ in range(self.settings.dispatch_attempts):
             if deadline is not None and time.monotonic() >= deadline:
                 # (the prefills' or the last attempt's failure when they took the time)
                 raise failure if failure is not None else out_of_time(self.settings.request_timeout_s)
             choice = self.place_decode(call, None, tried)
             if choice is None:
                 break
-            if decisions is not None:  # (on /dashboard like every placement)
-                decisions.add(call, attempt, choice.engine_id, None, 0.0, tuple(tried))
+            self._decode_decided(call, choice.engine_id, tried)
             tried.append(choice.engine_id)
             record = self.fleet.records[choice.engine_id]
             entry = self._reserve(call, record)
@@ -683,6 +693,7 @@ class DisaggregatedFlow:
         if choice is None:
             self.collocated.dispatch.release(prefill.engine_id, call.rid)
             return self._no_decode_engine(call.request.model)  # (another pair may do)
+        self._decode_decided(call, choice.engine_id, progress.decode_tried)
         progress.decode_tried.append(choice.engine_id)
         decode = self.fleet.records[choice.engine_id]
         config = prefill.adapter.config

@@ -37,6 +37,7 @@ PD_KEYS = {"apiKeys": {"clientKeys": [PD_CLIENT_KEY], "adminKeys": [PD_ADMIN_KEY
 #: settings the chart sets itself rather than through gateway.config
 CHART_MANAGED = {
     "host": "SLOGATE_HOST env (0.0.0.0 in the pod)",
+    "allowed_hosts": "not checked in the pod: it listens on 0.0.0.0, reached by Service names",
     "port": "SLOGATE_PORT env from gateway.port",
     "engines": "gateway.engines + vllm.* + simEngines.*",
     "api_keys": "Secret (apiKeys.clientKeys / existingSecret)",

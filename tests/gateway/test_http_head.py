@@ -60,7 +60,7 @@ def test_a_head_past_the_limit_is_refused_with_a_431_as_it_arrives(gw: RunningGa
     """Refused as it arrives (the head never ends), and the answer is read: the connection is
     half-closed after it and what the client still sends is dropped, not reset."""
     with _connect(gw) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer ")
         for _ in range(50):  # 200 KB of one header value, 4 KB at a time
             sock.sendall(b"k" * 4096)
         status, fields, body = _answer(sock)
@@ -73,7 +73,7 @@ def test_a_trailer_past_the_limit_is_refused_too(gw: RunningGateway) -> None:
     piece all the same), after the head was judged."""
     with _connect(gw) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
         )
         for _ in range(50):
@@ -94,7 +94,7 @@ def test_a_connection_that_sends_nothing_is_closed(gw: RunningGateway) -> None:
 
 def test_a_431_names_the_limit_and_the_server_goes_on(gw: RunningGateway) -> None:
     with _connect(gw) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n")
         status, fields, body = _answer(sock)
     assert status == 431 and fields["content-type"] == "application/json"
     error = orjson.loads(body)["error"]
@@ -106,7 +106,7 @@ def test_a_431_names_the_limit_and_the_server_goes_on(gw: RunningGateway) -> Non
 def test_a_head_trickling_in_is_refused_with_a_408(gw: RunningGateway) -> None:
     with _connect(gw) as sock:
         started = time.monotonic()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # (its first byte: 0.5 s)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # (its first byte: 0.5 s)
         sock.sendall(b"X-Slow: 1\r\n")  # ...and the rest never comes
         status, _, body = _answer(sock)
     assert status == 408 and orjson.loads(body)["error"]["code"] == "request_timeout"
@@ -118,7 +118,7 @@ def test_heads_under_the_limit_and_large_bodies_are_not_counted_as_heads(gw: Run
     second request on the same connection, are bodies and a next head, not one long head."""
     body = orjson.dumps({"model": "not-served", "messages": [{"role": "user", "content": "x" * 2_000_000}]})
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"X-Pad: " + b"p" * (60 * 1024) + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
     )
     with _connect(gw) as sock:
@@ -138,7 +138,7 @@ def test_what_follows_a_refused_head_in_the_same_read_is_dropped_quietly(
     answered that with a 400 on the half-closed connection, which raised ("Cannot call write()
     after write_eof()") and logged a fatal transport error with its traceback."""
     with _connect(gw) as sock:
-        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n"
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\n\r\n"
         sock.sendall(head + b"GARBAGE\x01 / HTTP/1.1\r\n\r\n")
         status, _, body = _answer(sock)
     assert status == 431 and orjson.loads(body)["error"]["code"] == "request_header_too_large"
@@ -161,7 +161,7 @@ def test_a_head_refused_while_a_pipelined_answer_streams_ends_the_connection() -
 
     body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
     first = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     ) + body
     with StubEngine(slow_stream) as engine, run_gateway(engines=[engine.entry("e0")]) as running:
@@ -171,7 +171,7 @@ def test_a_head_refused_while_a_pipelined_answer_streams_ends_the_connection() -
             while b"t0 " not in data:  # the first answer is streaming
                 data += sock.recv(65536)
             started = time.monotonic()
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
             for _ in range(20):  # 80 KB of one header value, past the limit as it arrives
                 sock.sendall(b"b" * 4096)
             while chunk := sock.recv(65536):
@@ -247,8 +247,8 @@ def test_a_body_past_the_high_water_still_pauses_reading(recorder_url: str) -> N
 @pytest.mark.parametrize(
     "head",
     [
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n",
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Bad: a\x01b\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999999999999999999999\r\n\r\n",
         b"NOT HTTP AT ALL\r\n\r\n",
     ],
     ids=["control-byte", "length-past-64-bits", "not-http"],
@@ -301,7 +301,7 @@ def test_an_upgrade_to_what_is_not_served_is_logged_once_a_minute_not_once_a_req
         for _ in range(5):
             with _connect(gw) as sock:
                 sock.sendall(
-                    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+                    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
                 )
                 assert _one_answer(sock)[0] == 200
     assert any("Unsupported upgrade" in m for m in seen), seen  # (uvicorn still says so, once)
@@ -349,7 +349,7 @@ def test_a_body_still_arriving_after_its_answer_must_end_within_the_body_time(gw
     they come; uvicorn stops its keep-alive timer at any byte, so a client that sent one more
     and then nothing held the connection (and a file descriptor) for good, without a key."""
     with _connect(gw) as sock:
-        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n\r\n")
         status, _ = _one_answer(sock)
         assert status == 405
         started = time.monotonic()
@@ -360,13 +360,13 @@ def test_a_body_still_arriving_after_its_answer_must_end_within_the_body_time(gw
     # request, and idle, it is closed as a kept-alive one is (1 s here)
     with _connect(gw) as sock:
         for _ in range(2):
-            sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+            sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n\r\n")
             assert _one_answer(sock)[0] == 405
             sock.sendall(b"{}{}")
             time.sleep(0.7)  # (past the head's time: no timer of the body's left running)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert _one_answer(sock)[0] == 200
-        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n\r\n")
         assert _one_answer(sock)[0] == 405
         started = time.monotonic()
         sock.sendall(b"{}{}")
@@ -382,9 +382,11 @@ def test_a_request_after_an_early_answered_body_in_the_same_read_is_not_cut_by_k
     and the timer closed that request's connection in the middle of it."""
     chat = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
     with _connect(gw) as sock:
-        sock.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n\r\n")
         assert _one_answer(sock)[0] == 405
-        next_head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        next_head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        )
         sock.sendall(b"{}{}" + next_head + b"Content-Length: %d\r\n\r\n" % len(chat))
         time.sleep(1.5)  # (past the kept-alive wait, 1 s: the request is still arriving)
         sock.sendall(chat)
@@ -404,7 +406,7 @@ def test_a_client_that_pipelines_a_request_and_leaves_is_a_disconnect_not_a_500(
 
     caplog.set_level(logging.ERROR, logger="slogate")
     chat = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     request = head + b"Content-Length: %d\r\n\r\n" % len(chat) + chat
     with (
         StubEngine(events_every(0.2, 100)) as engine,

@@ -562,6 +562,39 @@ def test_a_request_served_whole_on_a_decode_engine_is_a_dashboard_decision(
     assert served.headers["x-slogate-engine"] in engines
 
 
+def test_a_disaggregated_request_s_decode_placement_is_a_dashboard_decision_too(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """Only the prefill's placement was logged: the dashboard showed a request that ran on d0
+    (its x-slogate-engine) as placed on p0. And a failure recording a decode placement must not
+    fail the request."""
+    from gateway.dashboard.decisions import DecisionLog
+
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        served = chat(gw, LONG, stream=False)
+        assert served.status_code == 200 and served.headers["x-slogate-engine"] in ("d0", "d1")
+        after = httpx.get(gw.url + "/dashboard/state").json()
+        mine = [d for d in after["decisions"] if d["request_id"] == served.headers["x-request-id"]]
+        assert {d["engine"] for d in mine} == {"p0", served.headers["x-slogate-engine"]} or {
+            d["engine"] for d in mine
+        } == {"p1", served.headers["x-slogate-engine"]}, mine
+        real = DecisionLog.add
+
+        def failing(
+            self: DecisionLog, call: object, attempt: int, engine_id: str | None, *args: object
+        ) -> None:
+            if engine_id in ("d0", "d1"):
+                raise RuntimeError("a bug")
+            real(self, call, attempt, engine_id, *args)  # type: ignore[arg-type]
+
+        DecisionLog.add = failing  # type: ignore[method-assign]
+        try:
+            again = chat(gw, LONG, stream=False)
+        finally:
+            DecisionLog.add = real  # type: ignore[method-assign]
+        assert again.status_code == 200, again.text
+
+
 def test_a_non_streamed_decode_that_dies_holding_its_kv_is_a_502_not_the_next_engines_400(
     fleet: dict[str, ChildProcess], tmp_path: Path
 ) -> None:

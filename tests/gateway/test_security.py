@@ -521,7 +521,7 @@ def test_a_role_flip_needs_a_json_body_and_a_running_gateway() -> None:
         host, port = gw.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(
-                b"POST /admin/engines/e0/role HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /admin/engines/e0/role HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:5].encode()
             )
             time.sleep(0.3)

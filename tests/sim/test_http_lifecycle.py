@@ -201,7 +201,7 @@ async def test_a_sleep_during_a_wake_up_s_weight_load_is_not_undone_by_it(fresh:
     assert (await call("POST", fresh.url + "/sleep?level=2"))[0] == 200
     waking = asyncio.create_task(call("POST", fresh.url + "/wake_up"))  # (4.14 s / 20 of disk load)
     await asyncio.sleep(0.05)
-    status, body, _ = await call("POST", fresh.url + "/sleep?level=1")
+    status, _, _ = await call("POST", fresh.url + "/sleep?level=1")
     assert status == 200 and (await waking)[0] == 200
     assert (await call("GET", fresh.url + "/is_sleeping"))[1] == {"is_sleeping": True}
     # asleep: a request waits until the engine is woken
