@@ -24,6 +24,9 @@ from policies.api import EngineState, Role
 
 #: engine ``priority`` values stay integers that every JSON parser reads exactly
 MAX_PRIORITY = (1 << 53) - 1
+#: engine priorities are deadlines in milliseconds since this instant on the wall clock
+#: (2026-01-01T00:00:00Z): every gateway replica sending to one engine counts from it
+PRIORITY_EPOCH_S = 1_767_225_600.0
 #: added to a late request's deadline (ms): later than any on-time deadline for ~11 days
 LATE_URGENCY_MS = 1_000_000_000
 #: the most a control answer (health, metrics, model list, slots) may hold: vLLM's metrics with
@@ -126,11 +129,11 @@ class EngineAdapter:
         return self.supports_priority_field and self.config.priority_scheduling
 
     def deadline_priority(self, deadline_s: float, late: bool = False) -> int:
-        """The body ``priority`` for a request due at ``deadline_s`` (its TTFT deadline, seconds on
-        the gateway's epoch) that makes the engine run the earliest deadline first, and a
-        ``late`` request (its TTFT lost when dispatched) after every on-time one: the order the
-        dispatcher planned, in which the late lane comes last. Kept an integer every JSON parser
-        reads exactly."""
+        """The body ``priority`` for a request due at ``deadline_s`` (its TTFT deadline, seconds
+        since :data:`PRIORITY_EPOCH_S`, or on the offline simulator's clock) that makes the engine
+        run the earliest deadline first, and a ``late`` request (its TTFT lost when dispatched)
+        after every on-time one: the order the dispatcher planned, in which the late lane comes
+        last. Kept an integer every JSON parser reads exactly."""
         urgency = int(deadline_s * 1000) + (LATE_URGENCY_MS if late else 0)
         return self.engine_priority(max(-MAX_PRIORITY, min(MAX_PRIORITY, urgency)))
 

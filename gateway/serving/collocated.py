@@ -35,7 +35,7 @@ from gateway.api.errors import GatewayError, encode_body
 from gateway.dashboard.decisions import DecisionLog
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
-from gateway.engines.base import read_up_to
+from gateway.engines.base import PRIORITY_EPOCH_S, read_up_to
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.open_files import out_of_sockets
@@ -109,6 +109,10 @@ Stage = Callable[[Call, EngineRecord, RunningEntry, float | None], Awaitable[int
 HANDOVER_FIELDS = frozenset(("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"))
 
 
+def _shared_offset() -> float:
+    return time.time() - time.monotonic() - PRIORITY_EPOCH_S
+
+
 class CollocatedFlow:
     def __init__(
         self,
@@ -134,7 +138,9 @@ class CollocatedFlow:
         self.decisions = decisions
         #: what the dispatch span and the decision log call the dispatcher
         self.dispatcher = dispatcher_name(settings)
-        self._epoch = time.monotonic()
+        #: what turns a deadline on the monotonic clock into seconds since PRIORITY_EPOCH_S on the
+        #: wall clock (read per request: the two clocks drift apart by seconds a day under NTP)
+        self.shared_offset: Callable[[], float] = _shared_offset
         # aiohttp's ``connect`` covers waiting for a pooled connection and opening a new one
         self._timeout = aiohttp.ClientTimeout(
             total=None,
@@ -305,9 +311,11 @@ class CollocatedFlow:
             request.body_edited = True  # a field was removed: only re-serialising can do that
         extra: dict[str, Any] = {}
         if adapter.accepts_priority:
-            # The engine orders its own queue by this: the request's TTFT deadline since the gateway
-            # started (a late one's after every on-time one), as the dispatcher ordered them.
-            deadline = call.arrival + call.target.ttft_s - self._epoch
+            # The engine orders its own queue by this: the request's TTFT deadline (a late one's
+            # after every on-time one), as the dispatcher ordered them; on a time base every
+            # replica shares (each counting from its own start, a replica started later sent
+            # smaller numbers, and a shared engine ran its requests first whatever their deadlines)
+            deadline = call.arrival + call.target.ttft_s + self.shared_offset()
             extra["priority"] = adapter.deadline_priority(deadline, late)
         stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
         if stream and not request.client_wants_usage:

@@ -563,7 +563,9 @@ class Migrator:
         # as the first engine was sent: the TTFT deadline (its first token is settled, so the
         # late lane has nothing left to protect)
         if adapter.accepts_priority:
-            body["priority"] = adapter.deadline_priority(call.arrival + call.target.ttft_s - self.flow._epoch)
+            body["priority"] = adapter.deadline_priority(
+                call.arrival + call.target.ttft_s + self.flow.shared_offset()
+            )
         return encode_body(body)
 
     def _headers(self, call: Call, record: EngineRecord) -> dict[str, str]:

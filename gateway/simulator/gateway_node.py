@@ -342,7 +342,7 @@ class SimGateway:
 
     @staticmethod
     def _engine_priority(flight: _Flight, record: EngineRecord) -> int:
-        """The live flow's engine priority: the TTFT deadline since the gateway started, a late
+        """The live flow's engine priority: the TTFT deadline (on the virtual clock), a late
         request's after every on-time one (0 for an engine that takes none)."""
         adapter = record.adapter
         if not adapter.accepts_priority:

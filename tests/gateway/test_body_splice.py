@@ -33,7 +33,7 @@ def record(kind: str, priority_scheduling: bool) -> EngineRecord:
 
 def flow() -> CollocatedFlow:
     made = CollocatedFlow.__new__(CollocatedFlow)
-    made._epoch = 0.0
+    made.shared_offset = lambda: 0.0  # (deadlines on the call's own clock: 10 s + 1 s)
     return made
 
 
@@ -119,3 +119,44 @@ def test_a_late_request_ranks_behind_every_on_time_one_on_a_deadline_scheduling_
         assert sign * late > sign * on_time + 86_400_000
     huge = record("vllm", True).adapter.deadline_priority(1e300, late=True)
     assert huge == (1 << 53) - 1  # still an integer every JSON parser reads exactly
+
+
+def test_every_replica_sends_one_engine_priorities_on_the_same_time_base(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each replica counted its deadlines from its own start: one started an hour later sent
+    numbers an hour smaller, and a shared engine ran its lax requests before an older replica's
+    urgent ones. Deadlines now count from one instant of the wall clock, read per request."""
+    import types
+
+    import gateway.serving.collocated as collocated
+    from gateway.engines.base import PRIORITY_EPOCH_S
+
+    wall = PRIORITY_EPOCH_S + 86_400.0  # (a day into the epoch)
+    engine = record("vllm", True)
+
+    def sent(booted_s_ago: float, ttft_s: float) -> int:
+        """The priority a replica on a machine booted that long ago sends for a request arriving
+        now with that TTFT target (the monotonic clock counts from boot)."""
+        monotonic = booted_s_ago
+        clock = types.SimpleNamespace(time=lambda: wall, monotonic=lambda: monotonic)
+        monkeypatch.setattr(collocated, "time", clock)
+        replica = CollocatedFlow.__new__(CollocatedFlow)
+        replica.shared_offset = collocated._shared_offset
+        target = SloTarget(ttft_s=ttft_s, tpot_s=0.1, slo_class="c", source=SloSource.TASK)
+        c = Call(
+            parse_request("chat", b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', 16),
+            "sg-1",
+            "c",
+            monotonic,
+            _noop,
+            target,
+            None,
+            (),
+            {},
+        )
+        return int(json.loads(replica.body_for(c, engine))["priority"])
+
+    urgent_on_old, lax_on_new = sent(3_600.0, 0.7), sent(5.0, 20.0)
+    assert urgent_on_old < lax_on_new  # (vLLM runs the lower first)
+    assert sent(3_600.0, 0.7) == sent(5.0, 0.7) == round((86_400.0 + 0.7) * 1000)
