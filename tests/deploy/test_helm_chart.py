@@ -435,6 +435,28 @@ def test_existing_secret_is_referenced_not_created(helm: HelmCall) -> None:
         assert ref["name"] == "team-keys" and ref["optional"] is True
 
 
+def test_required_keys_in_an_existing_secret_are_not_optional(helm: HelmCall) -> None:
+    """With keys required and an existing Secret, all three references were optional: a Secret
+    not there yet (or named wrong, or its keys spelt otherwise) started the gateway with no keys,
+    every route open. Now such a pod does not start."""
+    values = {
+        "apiKeys": {"existingSecret": "team-keys", "required": True},
+        "serviceMonitor": {"bearerTokenSecret": {"name": "s", "key": "k"}},
+    }
+    gateway = _by_kind(_render(helm, values), "Deployment")[0]
+    env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    refs = {
+        name: env[name]["valueFrom"]["secretKeyRef"]
+        for name in env
+        if name.endswith(("API_KEYS", "POLICIES"))
+    }
+    assert (
+        refs["SLOGATE_API_KEYS"]["optional"] is False and refs["SLOGATE_ADMIN_API_KEYS"]["optional"] is False
+    )
+    assert refs["SLOGATE_API_KEY_POLICIES"]["optional"] is True  # (policies are optional by nature)
+    assert {ref["name"] for ref in refs.values()} == {"team-keys"}
+
+
 def test_tracing_settings_and_otlp_headers(
     helm: HelmCall, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -659,7 +681,10 @@ def test_a_stopping_gateway_ends_what_is_open_before_the_kill(helm: HelmCall) ->
     # ... but one the pod's kill would cut short is refused (it rendered, and streams were cut)
     answer = helm("render", {"gateway": {"config": {"shutdown_grace_s": 300}}})
     assert not answer["ok"] and "shutdown_grace_s" in answer["error"], answer
-    assert _grace_env(helm, {"config": {"shutdown_grace_s": 115}}) is None  # (120 - 5: just fits)
+    # the kill came as the grace ended, when the gateway begins ending streams with an answer
+    answer = helm("render", {"gateway": {"config": {"shutdown_grace_s": 115}}})
+    assert not answer["ok"] and "5 s to end what is open" in answer["error"], answer
+    assert _grace_env(helm, {"config": {"shutdown_grace_s": 110}}) is None  # (120 - 5 - 5: just fits)
 
 
 def test_vllm_pods_are_locked_down_and_request_resources(helm: HelmCall) -> None:

@@ -164,8 +164,10 @@ fleet the gateway refuses at start-up (pods crash-looping instead of a failed in
 {{- /* a gateway grace the pod's kill cuts short: open streams were cut instead of ended with an
 answer saying so */ -}}
 {{- $grace := (($g.config | default dict).shutdown_grace_s) -}}
-{{- if and (not (kindIs "invalid" $grace)) (gt (float64 $grace) (float64 (sub (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)))) -}}
-{{- fail (printf "gateway.config.shutdown_grace_s (%v) must end before the pod is killed: at most gateway.terminationGracePeriodSeconds (%d) less gateway.preStopSleepSeconds (%d)" $grace (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
+{{- /* (and 5 s more: the time the gateway gives itself to end what is open with those answers,
+after the grace; uvicorn's own stop waits that long too, gateway/server.py SHUTDOWN_BACKSTOP_S) */ -}}
+{{- if and (not (kindIs "invalid" $grace)) (gt (float64 $grace) (float64 (sub (sub (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) 5))) -}}
+{{- fail (printf "gateway.config.shutdown_grace_s (%v) must end before the pod is killed, with 5 s to end what is open: at most gateway.terminationGracePeriodSeconds (%d) less gateway.preStopSleepSeconds (%d) less 5" $grace (int $g.terminationGracePeriodSeconds) (int $g.preStopSleepSeconds)) -}}
 {{- end -}}
 {{- end }}
 
