@@ -32,6 +32,7 @@ from typing import TypeVar
 import aiohttp
 
 from gateway import metrics
+from gateway.engines.base import ModelList
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.tasks import cancel_and_wait
 
@@ -227,9 +228,19 @@ class FleetMonitor:
         engine_id = record.engine_id
         if record.adapter.models_path is None:
             return False
+        adapter = record.adapter
+
+        async def fetch() -> ModelList | int | None:
+            try:
+                return await adapter.read_model_list()
+            except aiohttp.ClientResponseError as exc:
+                if exc.status in (401, 403):
+                    return exc.status  # (it answers, and refuses the gateway: see below)
+                raise
+
         ok, listed = await self._read(
             engine_id,
-            record.adapter.read_model_list,
+            fetch,
             self.adapter_errors,
             "reading the model list",
             "its LoRA adapters stay as last read",
@@ -237,9 +248,17 @@ class FleetMonitor:
         if not ok:
             return False
         self.adapter_errors.pop(engine_id, None)
+        unlisted = ""
+        if isinstance(listed, int):
+            # its health route needs no key, its API does: every request placed there came back
+            # refused, at once, so it looked the least loaded engine and drew the most
+            unlisted = (
+                f"it refuses the gateway's credentials (HTTP {listed} on its model list): check the "
+                "api_key configured for it"
+            )
+            listed = ModelList(record.adapters, None, (), record.max_model_len)
         adapters = frozenset() if listed is None else listed.adapters
         record.max_model_len = None if listed is None else listed.max_model_len
-        unlisted = ""
         if listed is not None and listed.serves_model is False:
             names = ", ".join(repr(name[:80]) for name in listed.names[:5]) or "none"
             more = f" and {len(listed.names) - 5} more" if len(listed.names) > 5 else ""

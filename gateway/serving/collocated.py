@@ -601,6 +601,18 @@ class CollocatedFlow:
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
             return upstream_error(status, body)
+        if status in (401, 403):
+            # the engine refuses the gateway's own credentials (its api_key here is wrong or was
+            # rotated there): not the client's to fix. Relayed as they came, the client read a
+            # 401 authentication_error of its own and the SDK gave up on its key; another engine
+            # may do (the monitor takes this one out: its model list is refused too)
+            metrics.UPSTREAM_RETRIES.labels("engine_auth").inc()
+            return GatewayError(
+                502,
+                f"engine {engine_id} refused the gateway's credentials (HTTP {status}); the api_key "
+                "configured for it may be wrong",
+                code="upstream_auth_failed",
+            )
         lora = call.request.lora
         if status == 404 and lora is not None and lora in record.adapters:
             # the adapter was unloaded since the engine's model list was last read: it leaves that

@@ -132,3 +132,27 @@ def test_a_failure_recording_the_decision_does_not_fail_the_request(monkeypatch:
         assert response.status_code == 200, response.text
         record = gw.gateway.fleet.records["e0"]
         assert wait_until(lambda: record.in_flight == 0 and not record.running, timeout=5)
+
+
+def test_an_engine_refusing_the_gateway_s_key_is_no_client_authentication_error() -> None:
+    """An engine's 401 (the key configured for it is wrong or was rotated there) reached the
+    client as its own authentication_error: the SDK gave up on a key that was fine. Now another
+    engine takes the request, and with none left it is a 502 naming the engine's refusal."""
+
+    async def refuse(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
+    async def answer(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with StubEngine(refuse) as wrong, StubEngine(answer) as right:
+        with run_gateway(engines=[wrong.entry("e0"), right.entry("e1")]) as gw:
+            for _ in range(4):
+                response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+                assert response.status_code == 200, response.text
+        with run_gateway(engines=[wrong.entry("e0")]) as gw:
+            response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            assert error["code"] == "upstream_auth_failed" and error["type"] != "authentication_error"

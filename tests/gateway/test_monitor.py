@@ -46,6 +46,8 @@ class FakeEngine(ThreadedApp):
         self.running = 3
         #: the model list's names (None: no model list, a 404)
         self.models: list[str] | None = None
+        #: the model list answers this status instead (an engine whose API needs another key)
+        self.models_status = 200
         self.sleeping = False
         #: the metrics lack the running and waiting gauges (an engine with its stats off)
         self.no_load_gauges = False
@@ -87,6 +89,8 @@ class FakeEngine(ThreadedApp):
             return web.Response(text=text + self.extra_metrics)
 
         async def models(_: web.Request) -> web.Response:
+            if self.models_status != 200:
+                return web.json_response({"error": "Unauthorized"}, status=self.models_status)
             if self.models is None:
                 return web.Response(status=404)
             return web.json_response(
@@ -523,3 +527,26 @@ async def test_an_engine_flipped_away_from_its_launch_role_is_told_it_again_befo
     assert told == [Role.PREFILL, Role.PREFILL]
     await monitor.check_health(record)  # (healthy: not told again on every check)
     assert len(told) == 2
+
+
+async def test_an_engine_that_refuses_the_gateway_s_key_is_out_of_rotation_until_it_takes_it(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    """vLLM's --api-key guards /v1/* and not /health: with the key configured for it wrong or
+    rotated, the engine stayed healthy, refused every request placed there at once, looked the
+    least loaded, and drew the most."""
+    config = EngineConfig.model_validate({"url": engine.url, "kind": "vllm", "model": "m", "name": "e"})
+    fleet = Fleet([adapter_for(config, session, 1.0, scrape_timeout_s=0.3)], 0.3)
+    monitor, record = FleetMonitor(fleet, 0.05, 1, 1, scrape_timeout_s=0.3), fleet.records["e"]
+    engine.models = ["m"]
+    await monitor.check_once(record)
+    assert record.healthy and record.unlisted == ""
+    for status in (401, 403):
+        engine.models_status = status
+        await monitor.check_once(record)
+        assert not record.healthy and "credentials" in record.unlisted and str(status) in record.unlisted
+        assert not await monitor.check_health(record)  # (its health route alone does not bring it back)
+    engine.models_status = 200
+    await monitor.check_once(record)
+    await monitor.check_once(record)
+    assert record.healthy and record.unlisted == ""
