@@ -541,8 +541,20 @@ class CollocatedFlow:
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
                 return await self.engine_refused(call, record, response, headers_at)
+            if response.content_type == "text/html":
+                # a page (a proxy's sign-in or maintenance page, a catch-all route), no completion:
+                # relayed, a plain answer reached the client as a 200 "completion" of HTML, and a
+                # stream as HTML cut at blank lines; another engine may do
+                metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
+                return GatewayError(
+                    502,
+                    f"engine {engine_id} answered with an HTML page, not a completion",
+                    code="upstream_failed",
+                )
             if request.stream and response.content_type == "application/json":
-                return await self.engine_did_not_stream(call, record, response, headers_at)
+                # (raised: it may be the whole answer, generated; another engine would generate it
+                # again, and again)
+                raise await self.engine_did_not_stream(call, record, response, headers_at)
             if request.stream:
                 return await relay_stream(
                     call, response, self.fleet, record, first_token_at, settings.idle_timeout_s, call.ledger

@@ -156,3 +156,60 @@ def test_an_engine_refusing_the_gateway_s_key_is_no_client_authentication_error(
             assert response.status_code == 502, response.text
             error = response.json()["error"]
             assert error["code"] == "upstream_auth_failed" and error["type"] != "authentication_error"
+
+
+def test_a_streamed_request_answered_whole_is_not_generated_again_elsewhere() -> None:
+    """An engine that ignores stream: true answers with the whole completion, generated: taken
+    as an engine's failure, the same request went to the next engine, which generated it again,
+    up to every attempt, and the client got a 502 all the same."""
+    posts = {"n": 0}
+
+    async def whole(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        posts["n"] += 1
+        return web.Response(body=completion_body("all of it"), content_type="application/json")
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with (
+        StubEngine(whole) as a,
+        StubEngine(whole) as b,
+        run_gateway(engines=[a.entry("e0"), b.entry("e1")]) as gw,
+    ):
+        response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+    assert response.status_code == 502 and "without a stream" in response.json()["error"]["message"]
+    assert posts["n"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_html_page_is_no_completion(stream: bool) -> None:
+    """A 200 page (a proxy's sign-in or maintenance page in front of an engine) was relayed as a
+    200 completion of HTML, or as a stream of it cut at blank lines: another engine takes the
+    request, and with none left it is a 502."""
+
+    async def page(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="<html><body>\n\nsign in</body></html>", content_type="text/html")
+
+    async def answer(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        if stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(
+                b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n'
+            )
+            return response
+        return web.Response(body=completion_body("x"), content_type="application/json")
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": stream,
+    }
+    with StubEngine(page) as proxy, StubEngine(answer) as right:
+        with run_gateway(engines=[proxy.entry("e0"), right.entry("e1")]) as gw:
+            for _ in range(4):
+                response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+                assert response.status_code == 200 and "sign in" not in response.text, response.text
+                assert ("[DONE]" in response.text) is stream and '"error"' not in response.text
+        with run_gateway(engines=[proxy.entry("e0")]) as gw:
+            response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+            assert response.status_code == 502 and "HTML page" in response.json()["error"]["message"]
