@@ -238,6 +238,7 @@ async def relay_stream(
                     b'"usage":' in complete
                     or b"[DONE]" in complete
                     or b'"error"' in complete
+                    or b"error:" in complete  # (llama.cpp's own error field: _engine_error_field)
                     or complete[:1] == b":"
                     or b"\n:" in complete  # (a comment line: no data line starts with a colon)
                 ):
@@ -376,6 +377,9 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         if event[:1] == b":" and _is_comment(event):
             kept.append(event + sep)  # a keep-alive comment: relayed, no output
             continue
+        if payload.startswith(b"error:"):
+            event = _engine_error_field(payload)
+            payload = sse_data(event)
         if b'"error"' in payload and _is_error(payload):
             if failed_at < 0:
                 failed_at = sum(map(len, kept))
@@ -397,6 +401,20 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
             content += failed_at < 0
         kept.append(event + sep)
     return b"".join(kept), done, len(kept), content, failed_at
+
+
+def _engine_error_field(event: bytes) -> bytes:
+    """An ``error: {...}`` event (llama-server builds of 2024-25 end a failed stream so, then
+    ``[DONE]``) as the ``data: {"error": {...}}`` event every OpenAI client reads: a client's SSE
+    parser ignores a field it does not know, so the stream looked like an empty completion and
+    the engine's message was lost (and the relay counted the event as output, a first token)."""
+    raw = event[6:].strip()
+    with contextlib.suppress(orjson.JSONDecodeError, orjson.JSONEncodeError):
+        said = orjson.loads(raw)
+        if isinstance(said, dict) and isinstance(said.get("message"), str):
+            return b"data: " + orjson.dumps({"error": said})
+    message = raw.decode(errors="replace")[:2000] or "the engine failed"
+    return b"data: " + orjson.dumps({"error": {"message": message, "type": "upstream_error"}})
 
 
 def _is_comment(event: bytes) -> bool:

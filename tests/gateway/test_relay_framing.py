@@ -544,3 +544,29 @@ def test_an_error_response_with_a_deeply_nested_message_keeps_its_status() -> No
     nested = b"[" * 1000 + b"]" * 1000
     error = upstream_error(503, b'{"error":{"message":' + nested + b',"code":"busy"}}')
     assert error.status == 503 and error.code == "busy" and len(error.message) <= 2000
+
+
+@pytest.mark.parametrize(
+    ("event", "said"),
+    [
+        (
+            b'error: {"code":400,"message":"the request exceeds the available context size","type":"exceed_context_size_error"}',
+            "the request exceeds the available context size",
+        ),
+        (b"error: engine on fire", "engine on fire"),
+        (b'error: {"message":' + b"[" * 300 + b"]" * 300 + b"}", None),  # (not JSON the gateway writes again)
+    ],
+)
+async def test_an_error_field_as_llama_server_sends_it_is_an_error_the_client_reads(
+    event: bytes, said: str | None
+) -> None:
+    """llama-server builds of 2024-25 end a failed stream with an ``error:`` field, then [DONE]:
+    relayed as it was, clients ignored the unknown field (an empty completion, the engine's
+    message lost) and the gateway counted it as output and served (200)."""
+    status, sent, call = await relay([TOKEN_EVENT, event + b"\n\ndata: [DONE]\n\n"])
+    assert status == 502 and call.content_events == 1
+    assert b"\nerror:" not in sent and not sent.startswith(b"error:")
+    (relayed,) = [line for line in sent.split(b"\n\n") if b'"error"' in line]
+    error = orjson.loads(relayed.removeprefix(b"data: "))["error"]
+    assert said is None or error["message"] == said
+    assert isinstance(error["message"], str) and sent.endswith(b"data: [DONE]\n\n")
