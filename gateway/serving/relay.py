@@ -64,6 +64,9 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
     redirect, or a status HTTP does not define (uvicorn has no status line for 600: the client's
     connection was dropped with nothing sent) is no completion, and not the client's to read."""
     message = body.decode(errors="replace")[:2000] or f"engine returned HTTP {status}"
+    if message.lstrip()[:1] == "<":
+        # an HTML page (a proxy's error page in front of the engine): its markup is no message
+        message = f"engine returned HTTP {status} (an HTML page: a proxy in front of it?)"
     if not 400 <= status <= 599:
         return GatewayError(502, f"engine answered HTTP {status}, not a completion", code="upstream_failed")
     code = None
