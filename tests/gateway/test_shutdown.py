@@ -161,7 +161,7 @@ def test_a_request_still_arriving_when_the_grace_ends_gets_a_503_not_a_500(
         host, port = gw.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=15) as client:
             client.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                 b"Content-Length: 1000\r\n\r\n" + b'{"model": "' + MODEL.encode()
             )
             # (uvicorn runs a task for it: its body is being read)

@@ -517,7 +517,7 @@ def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(
             client.settimeout(10)
             client.connect((host, int(port)))
             client.sendall(
-                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" % path.encode()
+                b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" % path.encode()
                 + b"Authorization: Bearer sk-admin\r\n"
                 + b'Content-Length: 100\r\n\r\n{"model":'
             )
@@ -533,7 +533,7 @@ def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout(
 def _upload_head(path: str, length: int | None, close: bool = False) -> bytes:
     framing = b"Transfer-Encoding: chunked\r\n" if length is None else b"Content-Length: %d\r\n" % length
     closing = b"Connection: close\r\n" if close else b""
-    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s%s\r\n" % (
+    return b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n%s%s\r\n" % (
         path.encode(),
         closing,
         framing,
