@@ -33,7 +33,14 @@ from gateway.api.host_check import HostCheck
 from gateway.api.proxy import Proxy
 from gateway.api.request_parse import RouteKind
 from gateway.dashboard.decisions import DecisionLog
-from gateway.dashboard.state import PAGE, PAGE_HEADERS, Attainment, dashboard_state, parse_state_query
+from gateway.dashboard.state import (
+    PAGE,
+    PAGE_HEADERS,
+    STATE_HEADERS,
+    Attainment,
+    dashboard_state,
+    parse_state_query,
+)
 from gateway.dispatch.build import RoutingProfile, build_core, build_prefix_routing, kv_event_feed
 from gateway.dispatch.loop import DispatchLoop
 from gateway.dispatch.slo_service import SloService
@@ -522,8 +529,10 @@ def build_api(gateway: Gateway) -> FastAPI:
             limit = parse_state_query(request.query_params, gateway.settings.dashboard_decisions)
             state = dashboard_state(gateway, gateway.attainment, limit)
         except GatewayError as error:
-            return _error_response(error)
-        return _json(state, headers={"cache-control": "no-store"})
+            refused = _error_response(error)
+            refused.headers.update(STATE_HEADERS)
+            return refused
+        return _json(state, headers=STATE_HEADERS)
 
     @get("/admin/engines")
     async def engines() -> Response:

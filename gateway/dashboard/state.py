@@ -29,13 +29,16 @@ from gateway.serving.collocated import dispatcher_name
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-__all__ = ["PAGE", "PAGE_HEADERS", "Attainment", "dashboard_state", "parse_state_query"]
+__all__ = ["PAGE", "PAGE_HEADERS", "STATE_HEADERS", "Attainment", "dashboard_state", "parse_state_query"]
 
 #: SLO outcomes that count as the gateway's result for a request; ``cancelled`` (the client left)
 #: is shown but is neither a hit nor a miss
 _JUDGED = ("met", "missed_ttft", "missed_tpot", "missed_latency", "rejected", "error")
 #: how far back "live" attainment looks
 WINDOW_S = 60.0
+#: the most decisions one answer carries, whatever the log keeps (100,000 at most): the page shows
+#: a few dozen, and 100,000 made and encoded at once held the event loop for a good part of a second
+MAX_DECISIONS = 1000
 
 
 def _load_page() -> tuple[bytes, str]:
@@ -59,9 +62,13 @@ PAGE, _POLICY = _load_page()
 PAGE_HEADERS = {
     "content-security-policy": _POLICY,
     "x-content-type-options": "nosniff",
+    # (frame-ancestors is in the policy; browsers that predate it read this instead)
+    "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",
     "cache-control": "no-store",
 }
+#: what the page's data route answers with, errors included
+STATE_HEADERS = {"x-content-type-options": "nosniff", "cache-control": "no-store"}
 
 
 def parse_state_query(query: Mapping[str, str], limit: int) -> int:
@@ -75,9 +82,13 @@ def parse_state_query(query: Mapping[str, str], limit: int) -> int:
     raw = query.get("decisions")
     if raw is None:
         return min(50, limit)
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 6:
+    if not raw.isascii() or not raw.isdigit():
         raise bad_request("decisions must be a whole number", "decisions")
-    return min(int(raw), limit)
+    # (as many digits as anyone sends: a whole number past what is kept is capped like any other,
+    # and the answer never holds more than MAX_DECISIONS, made and encoded on the event loop)
+    digits = raw.lstrip("0") or "0"
+    asked = int(digits) if len(digits) <= 7 else MAX_DECISIONS
+    return min(asked, limit, MAX_DECISIONS)
 
 
 class Attainment:

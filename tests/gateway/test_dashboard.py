@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.api.errors import GatewayError
-from gateway.dashboard.state import PAGE, parse_state_query
+from gateway.dashboard.state import MAX_DECISIONS, PAGE, parse_state_query
 from gateway.procs import ChildProcess
 from gateway.realengines.progress import progress_to, terminal_sink
 from tests.gateway.conftest import MODEL, engine_entry
@@ -99,6 +99,12 @@ def test_state_shows_fleet_classes_and_decisions(gateway: RunningGateway) -> Non
     assert all(d["engine"] in ("e0", "e1") and d["refused"] is None and d["attempt"] == 1 for d in latest)
     assert len(state(gateway, "?decisions=2").json()["decisions"]) == 2
     assert len(state(gateway, "?decisions=1000").json()["decisions"]) <= 40
+    # a number past the log (or past a few digits) is capped like any other, not refused; and no
+    # answer carries more than MAX_DECISIONS, whatever the log keeps
+    assert parse_state_query({"decisions": "1000000"}, 40) == 40
+    assert parse_state_query({"decisions": "9" * 40}, 40) == 40
+    assert parse_state_query({"decisions": "0000007"}, 40) == 7
+    assert parse_state_query({"decisions": "50000"}, 100_000) == MAX_DECISIONS
     # (the log holds 40 at most: the query's own cap is what bounds an answer below the log's)
     assert (
         parse_state_query({"decisions": "1000"}, 40) == 40 and parse_state_query({"decisions": "7"}, 40) == 7
@@ -234,6 +240,22 @@ def test_the_page_fetches_nothing_from_elsewhere(gateway: RunningGateway) -> Non
     assert "http://" not in html and "https://" not in html
     policy = r.headers["content-security-policy"]
     assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "unsafe-inline" not in policy
+    assert "frame-ancestors 'none'" in policy and r.headers["x-frame-options"] == "DENY"
+    assert r.headers["x-content-type-options"] == "nosniff" and r.headers["referrer-policy"] == "no-referrer"
+    # every script and style block the page has runs under the policy (a block the hashes missed
+    # left the page dead, and only the browser test, skipped without Chromium, would have seen it)
+    import base64
+    import hashlib
+
+    blocks = re.findall(r"<(script|style)\b[^>]*>(.*?)</\1>", html, re.S)
+    assert blocks
+    for _, block in blocks:
+        digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in policy
+    # the data route too, errors included: never read as anything but JSON
+    for query in ("", "?decisions=x"):
+        answer = httpx.get(gateway.url + "/dashboard/state" + query)
+        assert answer.headers["x-content-type-options"] == "nosniff", query
 
 
 # -- in a real browser ----------------------------------------------------------------------------
@@ -328,3 +350,52 @@ def test_a_failing_browser_session_is_an_error_not_a_skip() -> None:
     ):
         pass
     assert not issubclass(BrowserError, BrowserUnavailable)
+
+
+@pytest.mark.timeout(BROWSER_TIMEOUT_S)
+def test_a_poll_that_never_answers_is_shown_not_waited_for(
+    gateway: RunningGateway, browser: Chromium
+) -> None:
+    """A poll left unanswered (a stopped gateway, a half-open connection) was waited for: the
+    page stopped polling for good while it still read "updated ... every 2 s"."""
+    import asyncio
+
+    from aiohttp import web
+
+    from gateway.dashboard.state import PAGE_HEADERS
+    from tests.support.threaded_app import ThreadedApp
+
+    answer = state(gateway).content  # (a real state, for the first poll)
+
+    class Stuck(ThreadedApp):
+        thread_name = "stuck-dashboard"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.polls = 0
+            self._release = asyncio.Event()
+
+        async def before_cleanup(self) -> None:
+            self._release.set()
+
+        async def build(self) -> web.Application:
+            async def page(_: web.Request) -> web.Response:
+                return web.Response(body=PAGE, content_type="text/html", headers=PAGE_HEADERS)
+
+            async def data(_: web.Request) -> web.Response:
+                self.polls += 1
+                if self.polls > 1:
+                    await self._release.wait()
+                return web.Response(body=answer, content_type="application/json")
+
+            app = web.Application()
+            app.router.add_get("/dashboard", page)
+            app.router.add_get("/dashboard/state", data)
+            return app
+
+    with Stuck() as stuck:
+        browser.get(stuck.url + "/dashboard")
+        browser.wait_for("return Number(document.body.dataset.updates) >= 1")
+        browser.wait_for("return document.getElementById('status').className === 'bad'", 20)
+        assert "not answering" in browser.script("return document.getElementById('status').textContent")
+        assert stuck.polls >= 2
