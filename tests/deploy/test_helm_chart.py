@@ -38,6 +38,8 @@ PD_KEYS = {"apiKeys": {"clientKeys": [PD_CLIENT_KEY], "adminKeys": [PD_ADMIN_KEY
 CHART_MANAGED = {
     "host": "SLOGATE_HOST env (0.0.0.0 in the pod)",
     "allowed_hosts": "not checked in the pod: it listens on 0.0.0.0, reached by Service names",
+    "engine_tokenizers": "not offered: the pod mounts no tokenizer directory (read-only root, no extra "
+    "volumes), so every pod given one crash-looped at start; docker compose can mount one",
     "port": "SLOGATE_PORT env from gateway.port",
     "engines": "gateway.engines + vllm.* + simEngines.*",
     "api_keys": "Secret (apiKeys.clientKeys / existingSecret)",
@@ -974,3 +976,60 @@ def _serves_with_the_password_alone(container: dict[str, Any]) -> None:
     finally:
         server.terminate()
         server.wait(10)
+
+
+_QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _bytes(quantity: str) -> int:
+    for suffix, factor in _QUANTITY.items():
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * factor)
+    return int(quantity)
+
+
+@pytest.mark.parametrize("name", sorted(VALUES_FILES))
+def test_the_gateway_s_memory_budgets_fit_its_pod(helm: HelmCall, tmp_path: Path, name: str) -> None:
+    """The gateway's body budget defaulted to 1 GiB, the pod's whole limit (512 MiB in the demo):
+    slow uploads got it OOM-killed, with every stream on it, before it answered a single 503. What
+    it holds at once (bodies, prefix index) and 256 MiB for the rest must fit the limit."""
+    docs = _render(helm, _values(name) | (PD_KEYS if name == "pd" else {}))
+    settings = _gateway_config(docs, tmp_path)
+    gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-slogate"))
+    limit = _bytes(gateway["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    held = settings.max_body_memory_bytes + settings.prefix_index_bytes
+    assert held + (256 << 20) <= limit, (name, held, limit)
+
+
+def test_a_setting_the_pod_cannot_satisfy_is_refused_at_render(helm: HelmCall) -> None:
+    """engine_tokenizers names directories in the gateway's container: the pod mounts none, and
+    the gateway refuses a directory it cannot read, so every pod crash-looped (an install served
+    nothing, an upgrade stalled)."""
+    answer = helm("render", {"gateway": {"config": {"engine_tokenizers": {"qwen-7b": "/models/qwen-7b"}}}})
+    assert not answer["ok"], answer
+
+
+def test_secret_keys_that_read_as_other_yaml_types_stay_strings(helm: HelmCall) -> None:
+    """A Secret's key may be "0" or "true": written unquoted into the manifest it became a number
+    or a bool, and the API server refused the Deployment. One the Secret cannot have is refused at
+    render."""
+    engine = {"url": "http://e:8000", "model": "m", "api_key_secret": {"name": "engine-keys", "key": "0"}}
+    docs = _render(helm, {"gateway": {"engines": [engine]}})
+    gateway = next(d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-slogate"))
+    env = gateway["spec"]["template"]["spec"]["containers"][0]["env"]
+    refs = [
+        e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    ]
+    assert {"name": "engine-keys", "key": "0"} in refs
+    bad = {"url": "http://e:8000", "model": "m", "api_key_secret": {"name": "engine-keys", "key": "a: b"}}
+    assert not helm("render", {"gateway": {"engines": [bad]}})["ok"]
+
+
+def test_an_otlp_endpoint_with_credentials_is_refused(helm: HelmCall) -> None:
+    """It is written to the ConfigMap: a user:password in it sat there in clear (engine URLs with
+    one were refused already); the collector's credentials go in otlpHeaders, a Secret."""
+    with_password = {"gateway": {"config": {"otlp_endpoint": "https://u:tok@collector:4318/v1/traces"}}}
+    assert not helm("render", with_password)["ok"]
+    assert helm("render", {"gateway": {"config": {"otlp_endpoint": "https://collector:4318/v1/traces"}}})[
+        "ok"
+    ]
