@@ -321,7 +321,17 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
             prompt_tokens = sum(min(len(p), keep) for p in prompt)
         else:
             prompt_tokens = min(prompt_tokens, keep * max(1, prompts))
-    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    if (
+        kind == "completions"
+        and body.get("echo") is True
+        and type(body.get("max_tokens")) is int
+        and body["max_tokens"] == 0
+    ):
+        # scoring a prompt (its logprobs echoed, nothing generated), which vLLM and the legacy
+        # API accept; planned as one token (what its prefill costs is the whole of it)
+        max_tokens: int | None = 1
+    else:
+        max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
     if max_tokens is None and kind == "completions":
         # a completion without a bound gets the API's default, not the gateway's (placement,
         # KV reservations and migration planned 1024 tokens for an answer stopped at 16)

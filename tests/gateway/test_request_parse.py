@@ -442,3 +442,21 @@ def test_a_chat_s_tools_and_tool_calls_count_as_prompt() -> None:
     )
     deep = body(tools=[])[:-3] + b"[" * 300 + b"]" * 300 + b"}"  # (deeper than JSON is written)
     assert parse_request("chat", deep, 100).prompt_tokens == plain  # (counted as nothing)
+
+
+def test_scoring_a_prompt_with_echo_and_no_tokens_is_a_valid_completion() -> None:
+    """max_tokens 0 with echo returns the prompt's logprobs and generates nothing: vLLM and the
+    legacy completions API accept it (scoring, evaluation harnesses), the gateway answered 400.
+    Planned as one token; a chat's, or a completion's without echo, is still refused."""
+    scoring = {"model": "m", "prompt": "The cat", "max_tokens": 0, "echo": True, "logprobs": 1}
+    assert parse_request("completions", orjson.dumps(scoring), 1024).max_tokens == 1
+    for refused in (
+        {**scoring, "echo": False},
+        {**scoring, "max_tokens": False},
+        {**scoring, "max_tokens": 0.0},
+    ):
+        with pytest.raises(GatewayError):
+            parse_request("completions", orjson.dumps(refused), 1024)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "echo": True}
+    with pytest.raises(GatewayError):
+        parse_request("chat", orjson.dumps(chat), 1024)
