@@ -527,7 +527,8 @@ def build_api(gateway: Gateway) -> FastAPI:
     async def dashboard_data(request: Request) -> Response:
         try:
             limit = parse_state_query(request.query_params, gateway.settings.dashboard_decisions)
-            state = dashboard_state(gateway, gateway.attainment, limit)
+            full = gateway.auth.dashboard_in_full(dict(request.headers.raw))
+            state = dashboard_state(gateway, gateway.attainment, limit, full)
         except GatewayError as error:
             refused = _error_response(error)
             refused.headers.update(STATE_HEADERS)

@@ -539,7 +539,9 @@ class Settings(BaseSettings):
     state_store_timeout_s: float = Field(default=0.5, gt=0, le=30.0, description="per state store call")
 
     dashboard_public: bool = Field(
-        default=False, description="/dashboard needs no key even when keys are set (as metrics_public)"
+        default=False,
+        description="/dashboard needs no key even when keys are set (as metrics_public); without an "
+        "admin key it shows what /metrics does, not clients' request ids nor engines' errors",
     )
     dashboard_decisions: int = Field(
         default=200, ge=0, le=100_000, description="recent dispatch decisions /dashboard keeps (0: none)"

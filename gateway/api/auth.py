@@ -234,6 +234,18 @@ class Authenticator:
                 error.extra_headers = ((b"www-authenticate", _BASIC_CHALLENGE), *error.extra_headers)
             raise
 
+    def dashboard_in_full(self, headers: Mapping[bytes, bytes]) -> bool:
+        """Whether a caller of ``/dashboard`` sees clients' request ids and engines' errors: with
+        no keys set, anyone; else an admin key (Bearer or Basic), which ``dashboard_public`` does
+        not ask for: its public view is what ``/metrics`` shows."""
+        if not self.admin_auth:
+            return True
+        password = basic_password(headers.get(_AUTHORIZATION))
+        if password is not None:
+            headers = {_AUTHORIZATION: b"Bearer " + password}
+        entry = self._lookup(headers)
+        return entry is not None and entry.kind == "admin"
+
     @staticmethod
     def _unauthorized(headers: Mapping[bytes, bytes]) -> AuthError:
         if headers.get(_AUTHORIZATION) is None:

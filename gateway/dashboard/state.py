@@ -216,8 +216,12 @@ def _queues(gateway: Gateway) -> list[dict[str, Any]]:
     ]
 
 
-def dashboard_state(gateway: Gateway, attainment: Attainment, decisions: int) -> dict[str, Any]:
-    """Everything the page shows, as JSON-ready data."""
+def dashboard_state(
+    gateway: Gateway, attainment: Attainment, decisions: int, full: bool = True
+) -> dict[str, Any]:
+    """Everything the page shows, as JSON-ready data. Not ``full`` (a caller without an admin key
+    of a gateway with keys, ``dashboard_public``): what ``/metrics`` would show it, not the
+    clients' request ids or the engines' errors (which name internal addresses)."""
     if gateway.fleet is None:
         raise GatewayError(503, "gateway is starting", code="not_ready", retry_after_s=1.0)
     classes, window_s = _classes(gateway, attainment)
@@ -226,6 +230,12 @@ def dashboard_state(gateway: Gateway, attainment: Attainment, decisions: int) ->
     engines = _engines(gateway)
     queues = _queues(gateway)
     log = gateway.decisions
+    recent = [] if log is None else log.recent(decisions)
+    if not full:
+        for engine in engines:
+            engine["last_error"] = None if engine["last_error"] is None else "(needs a key)"
+        for decision in recent:
+            decision["client_request_id"] = None
     return {
         "time": time.time(),
         "uptime_s": round(time.time() - gateway.started_at, 3),
@@ -244,5 +254,5 @@ def dashboard_state(gateway: Gateway, attainment: Attainment, decisions: int) ->
         "queues": queues,
         "classes": classes,
         "window_s": round(window_s, 3) if math.isfinite(window_s) else None,
-        "decisions": [] if log is None else log.recent(decisions),
+        "decisions": recent,
     }

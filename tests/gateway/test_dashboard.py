@@ -227,6 +227,24 @@ def test_access_is_that_of_metrics(two_engines: list[ChildProcess]) -> None:
         assert httpx.get(gw.url + "/dashboard/state").status_code == 200
         assert httpx.get(gw.url + "/metrics").status_code == 401
         assert httpx.get(gw.url + "/admin/engines").status_code == 401
+        # public is what /metrics shows: not the clients' request ids nor the engines' errors
+        # (which name internal addresses); an admin key sees them
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        headers = {"Authorization": f"Bearer {CLIENT}", "X-Request-Id": "tenant-a-secret-42"}
+        assert (
+            httpx.post(gw.url + "/v1/chat/completions", json=chat, headers=headers, timeout=30).status_code
+            == 200
+        )
+        gw.gateway.fleet.records[
+            next(iter(gw.gateway.fleet.records))
+        ].last_error = "cannot reach 10.0.3.7:8000"
+        public = httpx.get(gw.url + "/dashboard/state").text
+        assert "tenant-a-secret-42" not in public and "10.0.3.7" not in public
+        for auth in (f"Bearer {ADMIN}", basic):
+            full = httpx.get(gw.url + "/dashboard/state", headers={"Authorization": auth}).text
+            assert "tenant-a-secret-42" in full and "10.0.3.7" in full, auth
+        client = httpx.get(gw.url + "/dashboard/state", headers={"Authorization": f"Bearer {CLIENT}"}).text
+        assert "tenant-a-secret-42" not in client
 
 
 def test_the_page_fetches_nothing_from_elsewhere(gateway: RunningGateway) -> None:
