@@ -189,8 +189,8 @@ SSE_EVENTS = Counter("slogate_sse_events_relayed", "SSE events relayed to client
 UPSTREAM_RETRIES = Counter(
     "slogate_upstream_retries",
     "Attempts that failed before the first byte in a way that allows another (connect, "
-    "stale_connection, overloaded, bad_gateway, cut, adapter_gone, engine_auth); another follows while "
-    "attempts and engines remain",
+    "stale_connection, overloaded, cut, adapter_gone, engine_auth); another follows while attempts and "
+    "engines remain",
     ["reason"],
     registry=REGISTRY,
 )

@@ -613,12 +613,6 @@ class CollocatedFlow:
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
             return upstream_error(status, body)
-        if status == 502:
-            # engines do not answer 502 themselves: a proxy in front of one could not reach it
-            # (restarting, say), so the request never did and another engine may take it (a
-            # 504 may have reached it, still working: not tried again)
-            metrics.UPSTREAM_RETRIES.labels("bad_gateway").inc()
-            return upstream_error(status, body)
         if status in (401, 403):
             # the engine refuses the gateway's own credentials (its api_key here is wrong or was
             # rotated there): not the client's to fix. Relayed as they came, the client read a

@@ -241,7 +241,10 @@ async def relay_stream(
                     b'"usage":' in complete
                     or b"[DONE]" in complete
                     or b'"error"' in complete
-                    or b"error:" in complete  # (llama.cpp's own error field: _engine_error_field)
+                    # (llama.cpp's own error field, _engine_error_field: a field starts a line, and
+                    # JSON escapes a newline in a string, so generated text never matches)
+                    or complete[:6] == b"error:"
+                    or b"\nerror:" in complete
                     or complete[:1] == b":"
                     or b"\n:" in complete  # (a comment line: no data line starts with a colon)
                 ):

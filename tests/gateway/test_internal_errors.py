@@ -215,23 +215,23 @@ def test_an_html_page_is_no_completion(stream: bool) -> None:
             assert response.status_code == 502 and "HTML page" in response.json()["error"]["message"]
 
 
-def test_a_proxy_s_502_in_front_of_an_engine_goes_to_another_engine() -> None:
-    """Engines do not answer 502: a proxy in front of one could not reach it, so the request
-    never did. It was not tried elsewhere, and the client read the proxy's HTML as the message."""
+def test_a_proxy_s_502_page_is_not_the_error_s_message() -> None:
+    """A proxy in front of an engine answered 502 with its HTML page, which reached the client as
+    the error's message. Not tried on another engine: behind a proxy a 502 may come after the
+    engine did the work (it died mid-answer), and another gateway as the engine answers 502 so."""
+    posts = {"n": 0}
 
     async def bad_gateway(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        posts["n"] += 1
         page = "<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>"
         return web.Response(status=502, text=page, content_type="text/html")
 
-    async def answer(_: StubEngine, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=completion_body("x"), content_type="application/json")
-
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    with StubEngine(bad_gateway) as proxy, StubEngine(answer) as right:
-        with run_gateway(engines=[proxy.entry("e0"), right.entry("e1")]) as gw:
-            for _ in range(4):
-                assert httpx.post(gw.url + CHAT, json=body, timeout=10).status_code == 200
-        with run_gateway(engines=[proxy.entry("e0")]) as gw:
-            response = httpx.post(gw.url + CHAT, json=body, timeout=10)
-            assert response.status_code == 502 and "<html" not in response.text
-            assert "HTML page" in response.json()["error"]["message"]
+    with (
+        StubEngine(bad_gateway) as a,
+        StubEngine(bad_gateway) as b,
+        run_gateway(engines=[a.entry("e0"), b.entry("e1")]) as gw,
+    ):
+        response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+    assert response.status_code == 502 and "<html" not in response.text
+    assert "HTML page" in response.json()["error"]["message"] and posts["n"] == 1
