@@ -283,9 +283,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     allowed_hosts: list[str] = Field(
         default_factory=list,
-        description="listening on a loopback address, the Host names (no port) it answers besides "
-        "localhost, *.localhost, 127.0.0.1 and ::1; '*' answers any (a web page that rebinds its own "
-        "name to 127.0.0.1 reaches a local gateway as same-origin otherwise)",
+        description="the Host names (no port) it answers a browser on besides localhost, "
+        "*.localhost, 127.0.0.1 and ::1: checked when it listens on a loopback address or this lists "
+        "any; '*' answers any (a web page that rebinds its own name to 127.0.0.1 reaches a local "
+        "gateway as same-origin otherwise). Requests no browser sent are never checked",
     )
     api_keys: list[str] = Field(default_factory=list, description="accepted client keys; empty = no auth")
     admin_api_keys: list[str] = Field(

@@ -55,13 +55,19 @@ class RunningRequest:
     prefilled: bool
 
 
+#: the share of eq.(2)'s one-sequence step below which no engine meets a TPOT (an engine that
+#: makes several tokens a step, speculative decoding, meets targets below one step's time; and
+#: before its fit converges the prior's step may be longer than the engine's)
+TPOT_FLOOR_SHARE = 0.25
+
+
 def tpot_floor(decode: Coeffs) -> float:
-    """TPOT targets below this are not planned for: eq.(2)'s step with one sequence and no
-    context, the fastest the engine decodes at all. Holding its other work back cannot meet such
-    a target, and planning for it did that for nothing: a stream claiming 1 ms (x-slo-tpot-ms: 1)
-    left its engine an eq.(5) budget of nothing and a hold of max_hold_s per turn, one request a
-    second, for as long as it ran."""
-    floor = predict_decode(decode, 0, 1)
+    """TPOT targets below this are not planned for: a quarter of eq.(2)'s step with one sequence
+    and no context (:data:`TPOT_FLOOR_SHARE`), faster than the engine decodes at all. Holding its
+    other work back cannot meet such a target, and planning for it did that for nothing: a stream
+    claiming 1 ms (x-slo-tpot-ms: 1) left its engine an eq.(5) budget of nothing and a hold of
+    max_hold_s per turn, one request a second, for as long as it ran."""
+    floor = TPOT_FLOOR_SHARE * predict_decode(decode, 0, 1)
     return floor if floor > 0.0 else 0.0  # (a degenerate fit, or NaN: every target is planned)
 
 

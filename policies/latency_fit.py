@@ -424,8 +424,13 @@ def token_budget(ttft_s: float, tpot_s: float, decode_step_s: float, a: float, b
     """
     if not tpot_s > decode_step_s or tpot_s <= 0.0:
         return 0
-    # TTFT*(TPOT - E_d) rather than TTFT*TPOT - TTFT*E_d: same value, and no inf - inf for TTFT = inf
-    numerator = ttft_s * (tpot_s - decode_step_s) - a * tpot_s
+    if tpot_s == math.inf:
+        # no TPOT to keep (nothing runs with one the engine can meet): the limit of the bound,
+        # the TTFT alone, (TTFT - a) / b (the formula's inf - inf read as no budget at all)
+        numerator, tpot_s = ttft_s - a, 1.0
+    else:
+        # TTFT*(TPOT - E_d) rather than TTFT*TPOT - TTFT*E_d: same value, and no inf - inf for TTFT = inf
+        numerator = ttft_s * (tpot_s - decode_step_s) - a * tpot_s
     if math.isnan(numerator) or numerator < 0.0:
         return 0
     if b <= 0.0:

@@ -552,9 +552,12 @@ class CollocatedFlow:
                     code="upstream_failed",
                 )
             if request.stream and response.content_type == "application/json":
-                # (raised: it may be the whole answer, generated; another engine would generate it
-                # again, and again)
-                raise await self.engine_did_not_stream(call, record, response, headers_at)
+                refused, whole = await self.engine_did_not_stream(call, record, response, headers_at)
+                if whole:
+                    # (the whole answer, generated: another engine would generate it again, and
+                    # again; an error object under a 200 may go to another engine)
+                    raise refused
+                return refused
             if request.stream:
                 return await relay_stream(
                     call, response, self.fleet, record, first_token_at, settings.idle_timeout_s, call.ledger
@@ -582,7 +585,7 @@ class CollocatedFlow:
 
     async def engine_did_not_stream(
         self, call: Call, record: EngineRecord, response: aiohttp.ClientResponse, deadline: float
-    ) -> GatewayError:
+    ) -> tuple[GatewayError, bool]:
         """A streamed request that the engine answered with a JSON body (an error object under a
         200, as some servers and proxies send, or a whole answer): an error that carries the
         engine's message, before any stream has begun (a stream would end with a bare "ended
@@ -590,11 +593,13 @@ class CollocatedFlow:
         body = await error_body(call, response, deadline)
         metrics.child(metrics.UPSTREAM_ERRORS, record.engine_id, "status").inc()
         reported = upstream_error(502, body)
-        return GatewayError(
+        refused = GatewayError(
             502,
             f"engine {record.engine_id} answered a streamed request without a stream: {reported.message}",
             code="upstream_failed",
         )
+        # and whether that was a completion (its choices), not an error object
+        return refused, b'"choices"' in body
 
     async def engine_refused(
         self,

@@ -133,6 +133,14 @@ def test_compose_gateway_settings_load() -> None:
     for name, engine in engines.items():
         assert engine.base_url == f"http://{name}:{services[name].port}"
         assert engine.kind == "sim"
+    # listening on 0.0.0.0 in its container, published on 127.0.0.1: browsers are answered on
+    # this machine's names and the service's only (DNS rebinding), which names it to check
+    from gateway.api.host_check import HostCheck
+
+    check = HostCheck(settings.host if settings.host != "127.0.0.1" else "0.0.0.0", settings.allowed_hosts)
+    browser = [(b"sec-fetch-site", b"same-origin")]
+    assert check.refusal([(b"host", b"attacker.example:8000"), *browser]) is not None
+    assert check.refusal([(b"host", b"localhost:8000"), *browser]) is None
 
 
 def test_compose_waits_for_the_gateways_shutdown_grace() -> None:

@@ -1,4 +1,4 @@
-"""A gateway listening on a loopback address answers this machine's names only (DNS rebinding)."""
+"""A gateway answers browsers on this machine's names only (DNS rebinding); others on any."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 
 from gateway.api.host_check import HostCheck
 from tests.gateway.gateway_thread import run_gateway
+
+BROWSER = [(b"sec-fetch-site", b"same-origin"), (b"sec-fetch-mode", b"cors")]
 
 
 @pytest.mark.parametrize(
@@ -25,31 +27,43 @@ from tests.gateway.gateway_thread import run_gateway
         (b"", False),
     ],
 )
-def test_the_names_a_loopback_gateway_answers(host: bytes, answered: bool) -> None:
+def test_the_names_a_loopback_gateway_answers_a_browser_on(host: bytes, answered: bool) -> None:
     check = HostCheck("127.0.0.1", ["gateway.internal"])
-    assert (check.refusal([(b"host", host)]) is None) is answered
-    assert check.refusal([]) is None  # (no Host: HTTP/1.0, no browser)
+    assert (check.refusal([(b"host", host), *BROWSER]) is None) is answered
+    assert check.refusal([(b"host", host), (b"origin", b"http://x")]) is None or not answered
+    # a request no browser sent (the SDK, a probe, a reverse proxy passing its public name)
+    assert check.refusal([(b"host", host)]) is None
+    assert check.refusal(BROWSER) is None  # (no Host: HTTP/1.0)
 
 
-def test_a_gateway_reached_by_name_by_design_checks_nothing() -> None:
-    assert HostCheck("0.0.0.0", []).names is None
+def test_where_it_is_checked() -> None:
+    assert HostCheck("0.0.0.0", []).names is None  # (reached by name by design: a cluster)
     assert HostCheck("10.0.0.5", []).names is None
     assert HostCheck("127.0.0.1", ["*"]).names is None
     assert HostCheck("::1", []).names is not None and HostCheck("localhost", []).names is not None
+    # a container on 0.0.0.0 published on 127.0.0.1 (docker compose): checked once names are listed
+    compose = HostCheck("0.0.0.0", ["gateway"])
+    assert compose.refusal([(b"host", b"evil.example"), *BROWSER]) is not None
+    assert compose.refusal([(b"host", b"localhost:8000"), *BROWSER]) is None
 
 
 def test_a_rebound_page_cannot_read_the_dashboard_or_call_the_api() -> None:
     """A page that rebinds its name to 127.0.0.1 reaches a local gateway as same-origin (no CORS
     preflight): with no keys set it read every tenant's decisions from /dashboard/state."""
+    browser = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}
     with run_gateway(engines=[]) as gw:
         for path, method in (
             ("/dashboard/state", "GET"),
             ("/v1/chat/completions", "POST"),
             ("/v1/models", "GET"),
         ):
-            r = httpx.request(method, gw.url + path, headers={"Host": "attacker.example:8000"}, json={})
+            headers = {"Host": "attacker.example:8000", **browser}
+            r = httpx.request(method, gw.url + path, headers=headers, json={})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", (path, r.text)
-        assert httpx.get(gw.url + "/health").status_code == 200  # (its own name: 127.0.0.1)
-        assert httpx.get(gw.url + "/health", headers={"Host": "localhost"}).status_code == 200
+        assert httpx.get(gw.url + "/dashboard/state", headers=browser).status_code == 200  # (127.0.0.1)
+        assert httpx.get(gw.url + "/health", headers={"Host": "localhost", **browser}).status_code == 200
+        # behind a local reverse proxy passing its public name: clients that are not browsers
+        assert httpx.get(gw.url + "/health", headers={"Host": "llm.example.com"}).status_code == 200
     with run_gateway(engines=[], allowed_hosts=["*"]) as gw:
-        assert httpx.get(gw.url + "/health", headers={"Host": "attacker.example"}).status_code == 200
+        headers = {"Host": "attacker.example", **browser}
+        assert httpx.get(gw.url + "/health", headers=headers).status_code == 200

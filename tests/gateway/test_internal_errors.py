@@ -235,3 +235,27 @@ def test_a_proxy_s_502_page_is_not_the_error_s_message() -> None:
         response = httpx.post(gw.url + CHAT, json=body, timeout=10)
     assert response.status_code == 502 and "<html" not in response.text
     assert "HTML page" in response.json()["error"]["message"] and posts["n"] == 1
+
+
+def test_a_streamed_request_refused_with_an_error_object_under_a_200_goes_to_another_engine() -> None:
+    """An error object under a 200 (as some servers and proxies send) is no answer generated:
+    another engine may take the request, as before a whole answer was told apart from it."""
+
+    async def refuse(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "overloaded", "type": "server_error"}})
+
+    async def stream(_: StubEngine, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n')
+        return response
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with (
+        StubEngine(refuse) as busy,
+        StubEngine(stream) as right,
+        run_gateway(engines=[busy.entry("e0"), right.entry("e1")]) as gw,
+    ):
+        for _ in range(4):
+            response = httpx.post(gw.url + CHAT, json=body, timeout=10)
+            assert response.status_code == 200 and "[DONE]" in response.text, response.text

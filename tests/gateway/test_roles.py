@@ -202,18 +202,22 @@ async def test_a_role_change_that_never_reached_the_engine_leaves_it_in_rotation
     """Nothing listens at the engine's address: the change was never sent, so the engine has
     its old role. Marked unsure (as when an answer is lost), it stayed out of rotation after it
     came back, until someone flipped it again by hand."""
+    import socket
+
     import aiohttp
 
     from gateway.fleet.roles import flip_role
-    from tests.gateway.conftest import free_port
 
     fleet = _fleet("collocated", "collocated")
     record = fleet.records["e1"]
-    async with aiohttp.ClientSession() as session:
-        record.adapter.session = session
-        record.adapter.base_url = f"http://127.0.0.1:{free_port()}"  # (nothing listens there)
-        with pytest.raises(GatewayError) as info:
-            await flip_role(fleet, "e1", Role.DECODE, 1.0)
+    # a port held bound and not listening: refused, and no other process can take it meanwhile
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        async with aiohttp.ClientSession() as session:
+            record.adapter.session = session
+            record.adapter.base_url = f"http://127.0.0.1:{held.getsockname()[1]}"
+            with pytest.raises(GatewayError) as info:
+                await flip_role(fleet, "e1", Role.DECODE, 1.0)
     assert info.value.status == 502
     assert not record.role_unsure and not record.draining and record.role_target is None
     assert record.adapter.role is Role.COLLOCATED and fleet.in_front(record)

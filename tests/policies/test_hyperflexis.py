@@ -23,6 +23,7 @@ from policies.hyperflexis import (
     admission_probability,
     dispatch,
     shortened_maturity,
+    tpot_floor,
 )
 from policies.queue_order import LateLast, OrderContext, QueuedRequest, make_order
 
@@ -188,12 +189,15 @@ def test_busy_worker_is_held_for_max_hold_when_relax_is_negative(max_hold: float
     assert decision.maturity["w"] == pytest.approx(2.0 + max_hold)
 
 
-@pytest.mark.parametrize("claimed", [0.001, 0.005, 0.0100999])
-@pytest.mark.parametrize("how", ["running", "load", "candidate"])
+@pytest.mark.parametrize("claimed", [0.0001, 0.001, 0.0025])
+@pytest.mark.parametrize("how", ["running", "load", "candidate", "idle"])
 def test_a_tpot_the_engine_cannot_meet_even_alone_is_not_planned_for(claimed: float, how: str) -> None:
-    """Below eq.(2)'s step for one sequence (10.1 ms here) no hold can meet a TPOT: a stream
-    claiming one (x-slo-tpot-ms: 1) must not leave its engine a budget of nothing and a hold of
-    max_hold_s per turn, one request a second; the engine plans as if it claimed nothing."""
+    """Below a quarter of eq.(2)'s step for one sequence (10.1 ms here: tpot_floor 2.525 ms) no
+    hold can meet a TPOT: a stream claiming one (x-slo-tpot-ms: 1) must not leave its engine a
+    budget of nothing and a hold of max_hold_s per turn, one request a second; the engine plans
+    as if it claimed nothing. An idle engine whose queue claims only such targets is bound by
+    their TTFT alone (an infinite TPOT read as no budget at all took one a turn)."""
+    assert claimed < tpot_floor(DECODE) < 0.0102
     lax = RunningRequest(100, 5, 0.1, True)
     claiming = RunningRequest(100, 5, claimed, True)
     queue = [req(f"q{i}", tpot=0.1, ttft=5.0) for i in range(8)]
@@ -203,11 +207,14 @@ def test_a_tpot_the_engine_cannot_meet_even_alone_is_not_planned_for(claimed: fl
         if how == "running":
             w = worker("w", running=running)
         else:
-            w = dataclasses.replace(worker("w"), load=RunningLoad.of(running, 0.0101))
+            w = dataclasses.replace(worker("w"), load=RunningLoad.of(running, tpot_floor(DECODE)))
         items = list(queue)
         if how == "candidate":
             w = worker("w", running=(lax,))
             items = [req("c", tpot=claimed if tight else 0.1, ttft=5.0), *queue]
+        if how == "idle":
+            w = worker("w")
+            items = [req(f"i{i}", tpot=claimed if tight else 1e9, ttft=5.0) for i in range(8)]
         decision = dispatch(items, [w], now=2.0)
         return [a.request_id for a in decision.assignments], decision.maturity["w"]
 

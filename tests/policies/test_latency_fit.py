@@ -294,6 +294,10 @@ def test_latency_model_refits_to_the_prior_when_the_ring_is_too_small() -> None:
         (1.0, 0.5, 0.1, 0.01, 0.0, UNBOUNDED_TOKENS),
         (math.inf, 0.5, 0.1, 0.01, 1e-4, UNBOUNDED_TOKENS),
         (1.0, 0.0, 0.0, 0.01, 1e-4, 0),
+        # no TPOT to keep: the TTFT alone, (1 - 0.02) / 1e-4 (the formula's inf - inf gave 0)
+        (1.0, math.inf, 0.05, 0.02, 1e-4, 9800),
+        (0.01, math.inf, 0.0, 0.02, 1e-4, 0),
+        (math.inf, math.inf, 0.0, 0.02, 1e-4, UNBOUNDED_TOKENS),
     ],
 )
 def test_token_budget(ttft: float, tpot: float, e_d: float, a: float, b: float, expected: int) -> None:
