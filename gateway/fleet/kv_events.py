@@ -61,7 +61,14 @@ REPLAY_SLICE = 32
 #: the largest message a KV-event socket takes, bytes: a batch is one engine step's events, and
 #: a step that stores a 128k-token prompt is about 1 MB of msgpack (its token ids); without a
 #: bound, one frame could take all the gateway's memory
-MAX_MESSAGE_BYTES = 32 << 20
+MAX_MESSAGE_BYTES = 8 << 20
+#: the most a replay may bring, bytes: past it the replay is given up (a resync, as a replay that
+#: times out): held whole, the replays of a fleet's engines after a gateway's start could take
+#: gigabytes at once (vLLM keeps 10,000 batches of each)
+MAX_REPLAY_BYTES = 64 << 20
+#: messages a subscriber's socket queues while the gateway is busy (with MAX_MESSAGE_BYTES, the
+#: most one engine's stream can hold in memory; a step's batch is a few KB)
+RECEIVE_QUEUE = 2_000
 _GPU_MEDIA = (None, "GPU")
 
 
@@ -144,9 +151,12 @@ def decode_event(raw: Any) -> Event | None:
     ev = _fields(raw)
     kind = ev.get("type")
     if kind == "AllBlocksCleared":
-        return Cleared()
+        # (a clear of another tier, the CPU offload's, leaves the GPU's blocks where they are)
+        return Cleared() if ev.get("medium") in _GPU_MEDIA else None
     if kind not in ("BlockStored", "BlockRemoved"):
-        raise EventDecodeError(f"unknown event type {kind!r}")
+        # (a kind a newer engine adds: skipped, as llm-d does; raised, every batch carrying one
+        # was thrown away whole, and the engine's precise index with it, for good)
+        return None
     if ev.get("medium") not in _GPU_MEDIA or ev.get("group_idx") not in (None, 0):
         return None
     try:
@@ -160,6 +170,11 @@ def decode_event(raw: Any) -> Event | None:
             raise EventDecodeError("BlockStored needs token_ids (a list) and block_size (an int >= 1)")
         lora = ev.get("lora_name")
         lora_name = lora if isinstance(lora, str) else None
+        if lora_name is None and ev.get("lora_id") not in (None, 0):
+            # an adapter's blocks named by id alone (older vLLM, SGLang): rooted as the base
+            # model's they drew the base model's requests to an engine holding none of its KV;
+            # the gateway keys requests by adapter name, so these cannot be matched: skipped
+            return None
         extra_keys = ev.get("extra_keys")
         keep = _text_only_blocks(extra_keys)
         if keep is not None:
@@ -353,7 +368,7 @@ class KVEventSubscriber:
 
     async def _session(self) -> None:
         sub = self._sub = self._socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         if self.source.bind:
             # (a connection this side drops is the engine's to make again, and it does)
@@ -483,11 +498,12 @@ class KVEventSubscriber:
         sock = self._replay
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
         got: list[tuple[int, bytes]] = []
+        held = 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_timeout_s
         while True:
             remaining = deadline - loop.time()
-            if remaining <= 0 or not await sock.poll(remaining * 1000):
+            if remaining <= 0 or held > MAX_REPLAY_BYTES or not await sock.poll(remaining * 1000):
                 sock.close(linger=0)
                 self._replay = None
                 return None
@@ -503,6 +519,7 @@ class KVEventSubscriber:
                 continue
             if seq_bytes == END_SEQ:
                 return got
+            held += len(payload)
             got.append((int.from_bytes(seq_bytes, "big"), payload))
 
 

@@ -14,6 +14,7 @@ Engines join the index with the fleet (model and, once scraped, block size from 
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -34,6 +35,8 @@ RouteListener = Callable[[str, int, "list[int] | None", "str | None"], None]
 #: requests attached and not yet detached beyond which the oldest are dropped: a front-door path
 #: that forgot to detach must cost a routing hint, never unbounded memory
 MAX_ATTACHED = 65_536
+#: an engine ejected this soon after a connection to it was refused had its process end (seconds)
+REFUSED_RECENTLY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +82,15 @@ class PrefixRouting:
         elif what == "health" and not record.healthy:
             # an ejected engine has most likely crashed or restarted: what was dispatched to it
             # is gone, and it would draw its old prompts back, to be prefilled from scratch, for
-            # the TTL. What its KV events reported stays: a restart shows in them (the sequence
-            # starts again: cleared and replayed), and a blip leaves its cache as it was
+            # the TTL. What its KV events reported stays (a restart shows in them: the sequence
+            # starts again, cleared and replayed; and a blip leaves its cache as it was), unless
+            # its connections were refused: its process ended, and until the new one publishes
+            # (if it ever does: events off, another endpoint) its old blocks drew every request
+            # of their prompts to a cold engine
             self.index.forget_dispatched(engine_id)
+            refused = record.adapter.refused_at
+            if refused and time.monotonic() - refused < REFUSED_RECENTLY_S:
+                self.index.drop_precise(engine_id)
 
     # -- the front door's side ---------------------------------------------------------------------
 

@@ -137,7 +137,6 @@ def test_decode_lora_salt_and_multimodal_extra_keys() -> None:
     [
         b"\xc1",
         msgpack.packb("nope"),
-        msgpack.packb([0.0, [{"type": "Nope"}]]),
         msgpack.packb([0.0, [{"type": "BlockStored"}]]),
     ],
 )
@@ -739,3 +738,32 @@ async def test_an_oversized_message_loses_one_batch_not_the_feed(ctx: zmq.asynci
             assert sub.stats.resyncs == 1 and _hits(index, a) == 0 and sub.last_seq == 2
     finally:
         await engine.close()
+
+
+def test_events_the_index_cannot_use_are_skipped_not_the_whole_batch() -> None:
+    """An event kind a newer engine adds raised: the batch was thrown away whole (its valid
+    events too) and the engine's precise index with it, batch after batch, for good. An adapter's
+    blocks named by id alone were indexed as the base model's, drawing its requests to an engine
+    holding none of their KV; a clear of the CPU tier cleared the GPU's blocks."""
+    from gateway.fleet.kv_events import apply_events
+
+    index = _index()
+    first, second, adapter = _prompt(300, 3), _prompt(600, 3), _prompt(900, 3)
+    events = decode_batch(
+        msgpack.packb(
+            [
+                time.time(),
+                [
+                    stored_map(first),
+                    {"type": "BlockUpdated", "block_hashes": [1]},
+                    stored_map(adapter, lora_id=7),
+                    {"type": "AllBlocksCleared", "medium": "CPU"},
+                    stored_map(second),
+                ],
+                0,
+            ],
+            use_bin_type=True,
+        )
+    )
+    apply_events(index, "e0", events, time.monotonic())
+    assert (_hits(index, first), _hits(index, second), _hits(index, adapter)) == (3, 3, 0)

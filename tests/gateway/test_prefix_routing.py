@@ -245,13 +245,21 @@ def test_an_ejected_engine_loses_its_prefix_credit() -> None:
     routing.attach("r2", prompt, None)
     cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=1.0).prefix.cached_tokens)  # type: ignore[union-attr]
     assert cached[chosen.engine_id] > 0
-    fleet.eject(chosen.engine_id, "connection refused")
-    fleet.record_health(chosen.engine_id, True, 1, 1)  # back (restarted)
+    fleet.eject(chosen.engine_id, "health check failed")  # a blip: no connection was refused
+    fleet.record_health(chosen.engine_id, True, 1, 1)  # back
     assert fleet.records[chosen.engine_id].healthy
     cached = dict(routing.annotate(_view("r2"), fleet.candidates(MODEL), now=2.0).prefix.cached_tokens)  # type: ignore[union-attr]
     assert cached[chosen.engine_id] == 0
     assert index.match_reported(reported, [chosen.engine_id])[chosen.engine_id] == len(reported) // 16
     assert index.stats.cleared == 0  # (that counts the engine's own AllBlocksCleared)
+    # refused connections: its process ended, and what its events said of its cache went with it
+    # (kept, until the new process published, its old blocks drew their prompts to a cold engine)
+    import time
+
+    fleet.records[chosen.engine_id].adapter.refused_at = time.monotonic()
+    fleet.eject(chosen.engine_id, "connection refused")
+    fleet.record_health(chosen.engine_id, True, 1, 1)  # back (restarted)
+    assert index.match_reported(reported, [chosen.engine_id])[chosen.engine_id] == 0
 
 
 def test_a_prompt_past_the_token_cap_is_keyed_by_its_head_and_scored_as_a_share_of_the_whole() -> None:
