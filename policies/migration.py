@@ -194,7 +194,19 @@ def unsupported(body: Mapping[str, Any]) -> str | None:
     stop = body.get("stop")
     if stop:
         return "text stop strings"
+    for name in _OUTPUT_PENALTIES:
+        value = body.get(name)
+        if value is not None and value is not False and value != 0:
+            # they weigh the tokens generated so far; resumed, those are prompt tokens, which
+            # these do not weigh: the continuation's logits differ, and the repetition they
+            # held back comes back
+            return f"{name} (it weighs the output so far, which a resumed stream sends as prompt)"
     return None
+
+
+#: sampling penalties vLLM computes over the output tokens only (its repetition_penalty weighs
+#: the prompt's too: resumed, the same tokens are weighed the same)
+_OUTPUT_PENALTIES = ("frequency_penalty", "presence_penalty")
 
 
 def tpot_slack(tpot_target_s: float, tokens_after_first: int, elapsed_s: float) -> float:

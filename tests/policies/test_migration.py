@@ -63,6 +63,11 @@ ON = MigrationSettings(limit=2, slack=True, slack_bound_s=1.0, min_remaining_tok
         ({"logprobs": 0}, "log-probabilities"),  # completions: the sampled token's log-probability
         ({"stop": ["\n"]}, "stop strings"),
         ({"stop": "END"}, "stop strings"),
+        # they weigh the output so far, which a resumed stream sends as prompt
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -0.2}, "presence_penalty"),
+        ({"frequency_penalty": 0, "presence_penalty": 0.0}, None),
+        ({"repetition_penalty": 1.2}, None),  # (vLLM's weighs the prompt too: the same resumed)
     ],
 )
 def test_unsupported(body: dict[str, Any], why: str | None) -> None:
