@@ -724,6 +724,8 @@ class Migrator:
                             finish = choice.get("finish_reason")
                             if finish is not None and not isinstance(finish, str):
                                 raise _Failed(f"a malformed finish reason: {payload[:200]!r}")
+                            if finish == "abort":  # (the engine aborted it: no end, see relay._ABORTED)
+                                raise _Failed("the engine aborted the request")
                             delta = choice.get("delta")
                             if isinstance(delta, dict) and any(delta.get(k) for k in PARSED_KEYS):
                                 # a restart on an engine that parses reasoning or tool calls: its

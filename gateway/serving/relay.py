@@ -241,6 +241,7 @@ async def relay_stream(
                     b'"usage":' in complete
                     or b"[DONE]" in complete
                     or b'"error"' in complete
+                    or _ABORTED in complete
                     # (llama.cpp's own error field, _engine_error_field: a field starts a line, and
                     # JSON escapes a newline in a string, so generated text never matches)
                     or complete[:6] == b"error:"
@@ -386,7 +387,7 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
         if payload.startswith(b"error:"):
             event = _engine_error_field(payload)
             payload = sse_data(event)
-        if b'"error"' in payload and _is_error(payload):
+        if (b'"error"' in payload and _is_error(payload)) or _ABORTED in payload:
             if failed_at < 0:
                 failed_at = sum(map(len, kept))
         elif b'"usage":' in payload and b'"usage":null' not in payload:
@@ -407,6 +408,12 @@ def _final_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool,
             content += failed_at < 0
         kept.append(event + sep)
     return b"".join(kept), done, len(kept), content, failed_at
+
+
+#: a choice the engine aborted (its own pause or abort, a sleep with mode=abort): no finished
+#: answer but a failure, which a migratable stream resumes elsewhere (taken for the end, the client
+#: got a truncated answer as a whole one)
+_ABORTED = b'"finish_reason":"abort"'
 
 
 def _engine_error_field(event: bytes) -> bytes:

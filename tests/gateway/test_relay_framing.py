@@ -18,6 +18,7 @@ from gateway.serving.call import Call
 from gateway.serving.relay import MAX_EVENT_BYTES, relay_stream, upstream_error
 from gateway.serving.stream_state import Cut, StreamLedger
 from gateway.sse import SseFramer
+from policies.migration import MigrationReason
 from policies.slo import SloSource, SloTarget
 
 TARGET = SloTarget(ttft_s=10.0, tpot_s=1.0, slo_class="c", source=SloSource.TASK)
@@ -570,3 +571,22 @@ async def test_an_error_field_as_llama_server_sends_it_is_an_error_the_client_re
     error = orjson.loads(relayed.removeprefix(b"data: "))["error"]
     assert said is None or error["message"] == said
     assert isinstance(error["message"], str) and sent.endswith(b"data: [DONE]\n\n")
+
+
+ABORT_EVENT = (
+    b'data: {"id":"c1","created":1,"model":"a","choices":[{"index":0,"text":"","token_ids":[],'
+    b'"finish_reason":"abort"}]}\n\n'
+)
+
+
+async def test_a_choice_the_engine_aborted_is_a_failure_not_a_finished_answer() -> None:
+    """An engine aborting its requests (its own pause or abort, a sleep with mode=abort) ends a
+    stream with finish_reason "abort": taken for the end, the client got a truncated answer as a
+    whole one (counted as served) and a migratable stream was never resumed."""
+    chunks = [TOKEN_EVENT, ABORT_EVENT + b"data: [DONE]\n\n"]
+    status, sent, call = await relay(chunks)
+    assert status == 502 and call.content_events == 1
+    ledger = StreamLedger()
+    outcome, sent, _, _ = await relay_on(chunks, ledger)
+    assert isinstance(outcome, Cut) and outcome.reason is MigrationReason.FAILURE
+    assert sent == TOKEN_EVENT and ledger.tokens() == [5] and not ledger.finished
