@@ -472,14 +472,17 @@ async def test_feed_stops_cleanly(ctx: zmq.asyncio.Context) -> None:
     index = _index()
     feed = KVEventFeed(index, [engine.source()])
     feed.start()
-    await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 5.0
+    while any(s._sub is None for s in feed.subscribers.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # (until each subscriber has its socket: else nothing is checked)
     tasks = [s._task for s in feed.subscribers.values()]
     sockets = [s._sub for s in feed.subscribers.values()]
     assert tasks and all(t is not None and not t.done() for t in tasks)
+    assert sockets and all(sock is not None and not sock.closed for sock in sockets)
     await asyncio.wait_for(feed.stop(), 2.0)
     # (stop() sets the attributes to None whatever happened: the task and socket themselves)
     assert all(t is not None and t.cancelled() for t in tasks)
-    assert all(sock is None or sock.closed for sock in sockets)
+    assert all(sock is not None and sock.closed for sock in sockets)
     await engine.close()
 
 
