@@ -22,7 +22,7 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -233,6 +233,24 @@ class CollocatedFlow:
         except Exception:
             log.exception("recording a dispatch decision failed", extra={"request_id": call.client_rid})
 
+    def log_decision(
+        self,
+        call: Call,
+        attempt: int,
+        engine_id: str | None,
+        refused: str | None,
+        queue_wait_s: float,
+        tried: Sequence[str],
+    ) -> None:
+        """A placement in /dashboard's decision log, when one is kept (every flow's placements
+        come here). Never raises: what only observes a request must not fail it."""
+        if self.decisions is None:
+            return
+        try:
+            self.decisions.add(call, attempt, engine_id, refused, queue_wait_s, tuple(tried))
+        except Exception:
+            log.exception("recording a dispatch decision failed", extra={"request_id": call.client_rid})
+
     def _record_decision(
         self,
         call: Call,
@@ -245,9 +263,8 @@ class CollocatedFlow:
         tried: list[str],
     ) -> None:
         engine_id = record.engine_id if record is not None else None
-        if self.decisions is not None:
-            code = None if error is None else error.code or str(error.status)
-            self.decisions.add(call, attempt, engine_id, code, waited if queued else 0.0, tuple(tried))
+        code = None if error is None else error.code or str(error.status)
+        self.log_decision(call, attempt, engine_id, code, waited if queued else 0.0, tried)
         span = call.span
         if span is None:
             return

@@ -439,14 +439,8 @@ class DisaggregatedFlow:
 
     def _decode_decided(self, call: Call, engine_id: str, tried: Sequence[str]) -> None:
         """A decode placement in /dashboard's decision log, as every placement is (its span is
-        :meth:`place_decode`'s). Never raises: what only observes a request must not fail it."""
-        decisions = self.collocated.decisions
-        if decisions is None:
-            return
-        try:
-            decisions.add(call, len(tried) + 1, engine_id, None, 0.0, tuple(tried))
-        except Exception:
-            log.exception("recording a dispatch decision failed", extra={"request_id": call.client_rid})
+        :meth:`place_decode`'s)."""
+        self.collocated.log_decision(call, len(tried) + 1, engine_id, None, 0.0, tried)
 
     def _decode_span(self, call: Call, choice: DecodeChoice | None, candidates: int) -> None:
         assert call.span is not None
