@@ -69,6 +69,7 @@ _DATA_ROUTES: dict[str, RouteKind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
 }
 
 
@@ -332,6 +333,9 @@ class FrontDoor:
             proxy = self.gateway.proxy
             if kind is not None and proxy is not None:
                 await proxy.handle(kind, scope, receive, send)
+                return
+            if scope["path"].startswith("/v1/responses/") and proxy is not None:
+                await proxy.handle_response_item(scope, receive, send)
                 return
             guard = _guard_for(scope["path"])
             if guard is not None:

@@ -221,7 +221,7 @@ class Router:
         """The pipeline's engine for ``request`` among healthy engines of its model, without
         those in ``exclude`` and, when ``max_load`` is set, those already that loaded."""
         now = time.monotonic() if now is None else now
-        if self._ranked and not exclude and request.lora is None:
+        if self._ranked and not exclude and request.lora is None and request.engine is None:
             t0 = time.perf_counter()
             routable, slots, least = self.fleet.least_ranked(request.model, now)
             if not slots or (max_load is not None and least >= max_load):
@@ -242,6 +242,8 @@ class Router:
         if request.lora is not None:
             # before the exclusions: a retry whose engines with the adapter all failed finds none
             candidates = self.with_lora(request.lora, candidates)
+        if request.engine is not None:
+            candidates = [e for e in candidates if e.engine_id == request.engine]
         if exclude:
             candidates = [e for e in candidates if e.engine_id not in exclude]
         if not candidates:

@@ -161,7 +161,8 @@ class RequestView:
     configured and the front door gave it the request's prompt blocks / session key; ``None``
     otherwise, and every scorer must then treat the engines alike. ``lora``: the LoRA adapter the
     request names (its body's ``model``; ``model`` is then the adapter's base model), ``None``
-    for a request to the base model itself.
+    for a request to the base model itself. ``engine``: the only engine that may serve it (a
+    Responses API request continuing a response that engine stored), ``None`` for any.
     """
 
     request_id: str
@@ -175,6 +176,7 @@ class RequestView:
     prefix: PrefixMatch | None = None
     affinity: Affinity | None = None
     lora: str | None = None
+    engine: str | None = None
 
 
 def estimated_load(engine: EngineSnapshot) -> float:

@@ -35,6 +35,7 @@ from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.serving.relay import count_usage, end_with_error
+from gateway.serving.responses import Responses
 from gateway.serving.watchdog import Watchdog, time_limit
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
@@ -98,8 +99,11 @@ class Proxy:
         auth: Authenticator,
         prefix: PrefixRouting | None = None,
         router: Router | None = None,
+        responses: Responses | None = None,
     ) -> None:
         self.settings = settings
+        #: where stored Responses API answers live (a gateway without one pins nothing)
+        self.responses = responses or Responses(fleet, flow.collocated.session, settings.request_timeout_s)
         self.fleet = fleet
         self.slo = slo
         self.flow = flow
@@ -304,9 +308,13 @@ class Proxy:
                 and headers.get(b"x-slogate-debug") in _DEBUG_ON
             ):
                 self.router.explain(rid, _decision_receiver(call))
+            if request.kind == "responses":
+                await self.responses.pin(call, call.tenant)
             self._receiving.pop(rid, None)  # (_serve keeps it with what is open)
             served = True
             status = await self._serve(call, receive)
+            if request.kind == "responses":
+                self.responses.finished(call, status, call.tenant)
         except GatewayError as error:
             self._receiving.pop(rid, None)  # (answering: not a request a cut should end)
             status, early_overhead_s = await self._answer_error(
@@ -368,6 +376,23 @@ class Proxy:
                 _end_request_span(span, call, model, status, outcome, error_code)
             if self.settings.log_requests:
                 log.info("request done", extra={**log_extra, "model": model, "status": status})
+
+    async def handle_response_item(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: relayed to the engine
+        that stored the response (:class:`gateway.serving.responses.Responses`)."""
+        status = 500
+        try:
+            identity = self.auth.client(dict(scope["headers"]))
+            status = await self.responses.handle_item(scope, receive, send, identity.tenant or "default")
+        except GatewayError as error:
+            status, _ = await self._answer_error(
+                send, error, None, time.monotonic(), 0.0, self._new_id().encode()
+            )
+        except TimeoutError:
+            status = 499
+            metrics.CLIENT_DISCONNECTS.inc()
+        finally:
+            metrics.deferred(metrics.REQUESTS, "responses_item", "-", "-", _status_class(status)).inc()
 
     async def _attach(self, call: Call, headers: dict[bytes, bytes]) -> None:
         """Hand the router the request's prompt blocks (the prefix index's key) and session key:

@@ -24,7 +24,7 @@ from gateway.api.errors import GatewayError, bad_request, described
 from gateway.tokenizer import estimate_tokens, estimate_total_tokens
 from policies.migration import batched_prompts, more_than_one
 
-RouteKind = Literal["chat", "completions", "embeddings"]
+RouteKind = Literal["chat", "completions", "embeddings", "responses"]
 #: a completion's output bound when its body gives none (the OpenAI API's default, and vLLM's)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -78,6 +78,12 @@ class ParsedRequest:
     n: int = 1
     #: chat: a message has a part other than text (an image, audio, a file)
     media: bool = False
+    #: responses: the body's ``previous_response_id`` (the conversation it continues, which only
+    #: the engine that stored that response has)
+    previous_response: str | None = None
+    #: responses: whether the engine keeps the answer (the body's ``store``, true by default), so
+    #: that a later request may continue from it
+    store: bool = True
 
     @property
     def body(self) -> dict[str, Any]:
@@ -110,6 +116,8 @@ class ParsedRequest:
             prompts=self.prompts,
             n=self.n,
             media=self.media,
+            previous_response=self.previous_response,
+            store=self.store,
         )
 
 
@@ -185,19 +193,7 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
             raise bad_request(
                 f"messages[{i}].role must be at most {MAX_ROLE_CHARS} characters", f"messages[{i}].role"
             )
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            # a part is text by its type (or no type), not by having a "text": an image part
-            # carrying one is still an image, and a prompt with one is not to be resent as text
-            text = [
-                p["text"]
-                for p in content
-                if isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type", "text") == "text"
-            ]
-            texts.extend(text)
-            media = media or len(text) < len(content)
+        media = _add_content(message.get("content"), texts, _CHAT_TEXT_PARTS) or media
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
             texts.append(_rendered(calls))  # (an assistant turn's calls: the template writes them)
@@ -207,6 +203,27 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
         # thousands of tokens, and counted as none its prefill was predicted far too short
         texts.append(_rendered(tools))
     return chat_prompt_estimate(len(messages), estimate_total_tokens(texts)), media
+
+
+#: chat content parts that are text (no type at all is text too)
+_CHAT_TEXT_PARTS: frozenset[str | None] = frozenset(("text", None))
+
+
+def _add_content(content: Any, texts: list[str], text_parts: frozenset[str | None]) -> bool:
+    """Add a message's text (a string, or its text parts) to ``texts``; True when it has a part
+    other than text. A part is text by its type, not by having a "text": an image part carrying
+    one is still an image, and a prompt with one is not to be resent as text."""
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        text = [
+            p["text"]
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type") in text_parts
+        ]
+        texts.extend(text)
+        return len(text) < len(content)
+    return False
 
 
 def _rendered(value: list[Any]) -> str:
@@ -222,6 +239,65 @@ def chat_prompt_estimate(messages: int, content_tokens: int) -> int:
     """The gateway's prompt-token estimate of a chat request: its contents plus what the chat
     template adds per message and for the assistant's turn (the offline simulator uses it too)."""
     return _MESSAGE_OVERHEAD_TOKENS * messages + 1 + content_tokens
+
+
+#: Responses API input parts that are text (a part of another type is an image or a file)
+_TEXT_PARTS: frozenset[str | None] = frozenset(
+    ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+)
+#: the longest ``previous_response_id`` taken (engines make ids of a few dozen characters)
+MAX_RESPONSE_ID_CHARS = 256
+
+
+def _responses_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
+    """A Responses API request's estimated prompt tokens (its instructions, input items and
+    tools, rendered by the chat template as chat messages are), and whether an input part is
+    other than text. What a ``previous_response_id`` adds is not in the body: the caller adds
+    what it knows of that response."""
+    texts: list[str] = []
+    items = 0
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("'instructions' must be a string", "instructions")
+        texts.append(instructions)
+        items += 1
+    value = body.get("input")
+    media = False
+    if isinstance(value, str):
+        texts.append(value)
+        items += 1
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise bad_request(
+                    f"input[{i}] must be an object (a message or another input item)", f"input[{i}]"
+                )
+            items += 1
+            media = _add_content(item.get("content"), texts, _TEXT_PARTS) or media
+            # a tool call and its output are written into the prompt as the template renders them
+            for key in ("arguments", "output"):
+                if isinstance(item.get(key), str):
+                    texts.append(item[key])
+    else:
+        raise bad_request("'input' must be a string or an array of input items", "input")
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        texts.append(_rendered(tools))
+    return chat_prompt_estimate(items, estimate_total_tokens(texts)), media
+
+
+def _previous_response(body: dict[str, Any]) -> str | None:
+    value = body.get("previous_response_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_RESPONSE_ID_CHARS:
+        raise bad_request(
+            f"'previous_response_id' must be a response id (a string of 1 to {MAX_RESPONSE_ID_CHARS} "
+            f"characters), got {described(value)}",
+            "previous_response_id",
+        )
+    return value
 
 
 def _completion_prompt_tokens(body: dict[str, Any]) -> int:
@@ -286,7 +362,9 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:
+        stream = False  # (null is the default, as vLLM reads it)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
@@ -306,6 +384,8 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
 
     if kind == "embeddings":
         return ParsedRequest(kind, raw, body, model, False, False, 0, _embedding_input_tokens(body), priority)
+    if kind == "responses":
+        return _responses_request(raw, body, model, stream, priority, default_max_tokens)
     media = False
     if kind == "chat":
         prompt_tokens, media = _chat_prompt_tokens(body)
@@ -352,4 +432,34 @@ def parse_request(kind: RouteKind, raw: bytes, default_max_tokens: int) -> Parse
         prompts=prompts,
         n=_count(body.get("n")),
         media=media,
+    )
+
+
+def _responses_request(
+    raw: bytes, body: dict[str, Any], model: str, stream: bool, priority: int | None, default_max_tokens: int
+) -> ParsedRequest:
+    prompt_tokens, media = _responses_prompt_tokens(body)
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise bad_request("'store' must be a boolean", "store")
+    if body.get("background") is True:
+        # (answered at once, it would run on its engine unseen by the gateway's placement, its
+        # queue and its SLO accounting)
+        raise bad_request("background responses are not supported by this gateway", "background")
+    return ParsedRequest(
+        "responses",
+        raw,
+        body,
+        model,
+        stream,
+        # (the final event always carries the usage: nothing to ask for, nothing to drop)
+        True,
+        _positive_int(body, "max_output_tokens") or default_max_tokens,
+        prompt_tokens,
+        priority,
+        user=_text_field(body, "user"),
+        cache_salt=_text_field(body, "cache_salt"),
+        media=media,
+        previous_response=_previous_response(body),
+        store=store is not False,
     )

@@ -321,6 +321,8 @@ class DispatchCore:
         self._plan_rows: dict[str, dict[str, _PlanRow]] = {}
         #: per model, when a request that had waited for an engine last left the queue
         self._waited_at: dict[str, float] = {}
+        #: a request pinned to one engine was submitted (see _bound_requests)
+        self._pinned_seen = False
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -426,6 +428,8 @@ class DispatchCore:
         rid = view.request_id
         if rid in self.tickets:
             raise ValueError(f"request id {rid!r} is already queued")
+        if view.engine is not None:
+            self._pinned_seen = True
         queue = self.queues.get(model)
         if self.hyperflexis is None and (queue is None or not len(queue)):
             record = self._choose(ticket, (), now)
@@ -470,7 +474,7 @@ class DispatchCore:
             if _rid_of(head) == rid or (
                 # with LoRA adapters a request of another adapter than the head's may go to
                 # other engines at once (_dispatch_other_engines): no capacity need free for it
-                self.fleet.adapter_bases and head is not None and head.view.lora != view.lora
+                self._bound_requests() and head is not None and _bound(head.view) != _bound(view)
             ):
                 self.wake()
             return None
@@ -598,10 +602,10 @@ class DispatchCore:
         ticket = self.tickets.get(request_id)
         if ticket is None or not self._forget(request_id, now):
             return False
-        if self.hyperflexis is None and self.fleet.adapter_bases:
-            # a pipeline with LoRA adapters looks a bounded way past a blocked head: one that
-            # left may bring a request engines can take within it now, which waited otherwise
-            # for the model's next engine event
+        if self.hyperflexis is None and self._bound_requests():
+            # a pipeline with LoRA adapters (or pinned requests) looks a bounded way past a
+            # blocked head: one that left may bring a request engines can take within it now,
+            # which waited otherwise for the model's next engine event
             self._dirty.add(ticket.item.view.model)
             self.wake()
         return True
@@ -623,7 +627,7 @@ class DispatchCore:
         failed: Exception | None = None
         for model, queue in self.queues.items():
             if len(queue) and queue.next_expiry() <= now:
-                if self.hyperflexis is None and self.fleet.adapter_bases:
+                if self.hyperflexis is None and self._bound_requests():
                     self._dirty.add(model)  # (as for a cancel: see cancel)
                 try:
                     for item in queue.expire(now):
@@ -682,7 +686,7 @@ class DispatchCore:
             if record is not None:
                 queue.pop(now, ctx)
                 self._assign(ticket, record, now)
-            elif not self.fleet.adapter_bases or not self._dispatch_other_engines(queue, ctx, item, now):
+            elif not self._bound_requests() or not self._dispatch_other_engines(queue, ctx, item, now):
                 return
 
     def _dispatch_other_engines(
@@ -691,21 +695,28 @@ class DispatchCore:
         """With LoRA adapters, requests of one model may go to different engines (an adapter's
         only to those that have it loaded): when the head has no engine, the first request behind
         it (within PIPELINE_LOOKAHEAD) that other engines could take goes, each set of engines in
-        queue order; True if one went. Without it, one adapter's backlog held its whole model."""
-        blocked = {head.view.lora}
+        queue order; True if one went. Without it, one adapter's backlog held its whole model.
+        Requests pinned to an engine (:attr:`RequestView.engine`) are bound the same way."""
+        blocked = {_bound(head.view)}
         for item in queue.head(now, ctx, PIPELINE_LOOKAHEAD):
-            lora = item.view.lora
-            if lora in blocked:
+            bound = _bound(item.view)
+            if bound in blocked:
                 continue
             ticket = self.tickets[item.view.request_id]
             record = self._choose(ticket, (), now, reserve=False)
             if record is None:
-                blocked.add(lora)
+                blocked.add(bound)
                 continue
             queue.remove(item.view.request_id)
             self._assign(ticket, record, now)
             return True
         return False
+
+    def _bound_requests(self) -> bool:
+        """Whether the model's requests may be bound to some of its engines (LoRA adapters loaded
+        on some only, or requests pinned to one): then a head that has no engine does not hold
+        back a request other engines could take."""
+        return bool(self.fleet.adapter_bases) or self._pinned_seen
 
     def _dispatch_hyperflexis(
         self,
@@ -1340,3 +1351,8 @@ class DispatchCore:
         self._refuse(found, "infeasible", error, now)
         self.wake()
         return True
+
+
+def _bound(view: RequestView) -> tuple[str | None, str | None]:
+    """The engines a request is bound to, as a key: its LoRA adapter's and its pinned engine."""
+    return view.lora, view.engine

@@ -98,6 +98,12 @@ class Call:
     decision: Decision | None = None
     #: the handler task's time limits on one timer (None: each limit makes its own)
     watchdog: Watchdog | None = None
+    #: SSE events relayed so far (a Responses stream's own error event is numbered after them)
+    sse_events: int = 0
+    #: a Responses API request: the id its engine gave the response (from the final event or the
+    #: body), and the engine it must run on (the one that stored the response it continues)
+    response_id: str | None = None
+    pinned: str | None = None
 
     @property
     def tpot_s(self) -> float | None:

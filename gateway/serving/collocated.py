@@ -100,6 +100,7 @@ PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
 }
 #: one placement's work: (call, engine placed, its reservation, the request's deadline or None)
 #: -> the status sent to the client, or a retryable error
@@ -170,6 +171,7 @@ class CollocatedFlow:
             task=target.slo_class,
             tenant=call.tenant,
             lora=request.lora,
+            engine=call.pinned,
         )
         settings = self.settings
         deadline = None if request.stream else call.arrival + settings.request_timeout_s
@@ -335,7 +337,7 @@ class CollocatedFlow:
             deadline = call.arrival + call.target.ttft_s + self.shared_offset()
             extra["priority"] = adapter.deadline_priority(deadline, late)
         stream = request.stream if overrides is None else bool(overrides.get("stream", request.stream))
-        if stream and not request.client_wants_usage:
+        if stream and not request.client_wants_usage:  # (a Responses stream always tells usage)
             extra["stream_options"] = {"include_usage": True}
         if stream and call.ledger is not None and call.ledger.tracking:
             extra["return_token_ids"] = True  # decode migration resumes from the relayed token ids
@@ -616,7 +618,7 @@ class CollocatedFlow:
             code="upstream_failed",
         )
         # and whether that was a completion (its choices), not an error object
-        return refused, b'"choices"' in body
+        return refused, b'"choices"' in body or b'"object":"response"' in body
 
     async def engine_refused(
         self,
@@ -662,7 +664,29 @@ class CollocatedFlow:
                 param="model",
                 code="model_not_supported",
             )
+        if status in (404, 405) and call.request.kind == "responses" and _route_missing(body):
+            # (a 404 of the API itself names a response it does not have: that one is relayed)
+            raise GatewayError(
+                400,
+                f"model {call.request.model!r} is not served with the Responses API (engine "
+                f"{engine_id} has no /v1/responses endpoint)",
+                param="model",
+                code="model_not_supported",
+            )
         raise upstream_error(status, body)
+
+
+def _route_missing(body: bytes) -> bool:
+    """Whether a 404 answer says the path is unknown (a web framework's own "Not Found"), not
+    that the API knows no such item (an OpenAI-shaped error with a message of its own)."""
+    text = body.strip()
+    if not text.startswith(b"{"):
+        return True  # (a plain-text or empty 404: no API answered)
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return True
+    return isinstance(data, dict) and data.get("detail") == "Not Found"
 
 
 async def error_body(

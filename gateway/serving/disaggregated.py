@@ -171,6 +171,21 @@ class DisaggregatedFlow:
                 code="n_not_supported" if several else "batch_not_supported",
             )
         several = several or batch
+        if request.kind == "responses":
+            # a Responses request is not handed over between engines (its answer is the engine's
+            # own typed events, its conversation stored where it ran): whole on a decode engine,
+            # which 'always' forbids
+            if always:
+                metrics.child(metrics.PD_REQUESTS, model, "failed").inc()
+                raise GatewayError(
+                    400,
+                    f"model {model!r} is served disaggregated only (mode always), which the "
+                    "Responses API is not: use /v1/chat/completions",
+                    param="model",
+                    code="model_not_supported",
+                )
+            metrics.child(metrics.PD_REQUESTS, model, "whole_on_decode").inc()
+            return await self._whole_on_decode(call, None)
         if request.kind == "embeddings" and always:
             # an embedding is a prefill and nothing else: whole on the front pool (a prefill
             # engine), as 'always' keeps every prompt off the decode engines

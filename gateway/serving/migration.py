@@ -198,7 +198,9 @@ class Migrator:
     def ledger(self, call: Call, record: EngineRecord) -> StreamLedger | None:
         """A ledger for a stream about to start on ``record`` (None: not a stream)."""
         request = call.request
-        if not request.stream or request.kind == "embeddings":
+        if not request.stream or request.kind in ("embeddings", "responses"):
+            # (a Responses stream is typed events over a conversation the engine may store: no
+            # continuation on another engine could carry on its numbering and its stored state)
             return None
         blocked = self._blocked(call, record)
         ledger = StreamLedger(blocked)

@@ -88,10 +88,26 @@ def record_usage(call: Call, usage: Any) -> None:
     kept, not counted. :func:`count_usage` counts it once, when the request ends."""
     if not isinstance(usage, dict):
         return
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        usage = _chat_usage(usage)
     call.usage = usage
     completion = usage.get("completion_tokens")
     if isinstance(completion, int) and not isinstance(completion, bool):
         call.completion_tokens = completion
+
+
+def _chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API usage (``input_tokens``, ``output_tokens`` and their details) under the
+    chat names the gateway counts by."""
+    details = usage.get("input_tokens_details")
+    chat: dict[str, Any] = {
+        "prompt_tokens": usage.get("input_tokens"),
+        "completion_tokens": usage.get("output_tokens"),
+        "total_tokens": usage.get("total_tokens"),
+    }
+    if isinstance(details, dict):
+        chat["prompt_tokens_details"] = {"cached_tokens": details.get("cached_tokens")}
+    return chat
 
 
 def count_usage(call: Call) -> None:
@@ -143,7 +159,10 @@ async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | Ga
         )
     if b'"usage"' in body:
         with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
-            record_usage(call, orjson.loads(body).get("usage"))
+            answer = orjson.loads(body)
+            record_usage(call, answer.get("usage"))
+            if call.request.kind == "responses":
+                call.response_id = _response_id(answer)
     call.finished_at = monotonic()
     return body
 
@@ -219,6 +238,8 @@ async def relay_stream(
     sending = False
     events = 0
     tracking = ledger is not None and ledger.tracking
+    # a Responses API stream: typed events, its end the response's final event (no [DONE])
+    responses = request.kind == "responses"
     moved: Cut | None = None
     errored = False  # the engine reported a failure in band (relayed as it came: no ledger)
     try:
@@ -235,9 +256,12 @@ async def relay_stream(
                 sep = framer.sep
                 now = monotonic()
                 failed_at = -1
+                if responses:
+                    complete, done, n, content, failed_at = _response_events(call, complete, sep)
+                    errored = errored or failed_at >= 0
                 # (a JSON string escapes its quotes: '"error"' is an event's own key or the
                 # "object" of an error response, never text)
-                if (
+                elif (
                     b'"usage":' in complete
                     or b"[DONE]" in complete
                     or b'"error"' in complete
@@ -252,7 +276,7 @@ async def relay_stream(
                     complete, done, n, content, failed_at = _final_events(call, complete, sep)
                 else:
                     n = content = complete.count(sep)
-                if content and not call.first_at and b'"role"' in complete:
+                if content and not call.first_at and not responses and b'"role"' in complete:
                     # vLLM's chat streams open with an event carrying only the role: no token (as
                     # one, every such stream's TPOT read (N - 1) / N of its real value)
                     content -= _role_only_events(complete, sep)
@@ -273,7 +297,7 @@ async def relay_stream(
                     # chunk; the quarter is added so a silence is cut late, never early
                     deadline.reschedule(clock() + idle_s + rearm_every)
                     rearmed_at = now
-                if failed_at >= 0:
+                if failed_at >= 0 and not responses:
                     # vLLM reports a failure mid-stream in band: an error event, then [DONE]. Not
                     # a finished answer: what came before it goes out, the rest is a failure
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
@@ -297,6 +321,7 @@ async def relay_stream(
                     if entry is not None:
                         fleet.add_generated(record, entry, content)
                 events += n
+                call.sse_events = events
                 if complete:
                     sending = True
                     await send({"type": "http.response.body", "body": complete, "more_body": True})
@@ -358,7 +383,7 @@ async def relay_stream(
     # the engine's part is over: its capacity goes back before a slow client takes the last bytes
     fleet.release(engine_id, call.rid)
     # (an engine's error event went out already: [DONE] after it if the engine closed without)
-    last = b"" if done else b"data: [DONE]\n\n"
+    last = b"" if done or responses else b"data: [DONE]\n\n"
     await send_bounded(call, {"type": "http.response.body", "body": last, "more_body": False}, idle_s)
     return 502 if errored else response.status
 
@@ -523,9 +548,102 @@ async def end_with_error(call: Call, error: GatewayError) -> None:
             await call.send(
                 {
                     "type": "http.response.body",
-                    "body": error.sse_event() + b"data: [DONE]\n\n",
+                    "body": stream_error(call, error),
                     "more_body": False,
                 }
             )
     except TimeoutError:
         raise ClientGone() from None
+
+
+# -- Responses API streams -------------------------------------------------------------------------
+
+#: a Responses stream's event types that end it: the response is done (whole, or cut by its
+#: token limit), or failed
+_RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
+#: every output event's type ends so (``response.output_text.delta``, a reasoning or a tool call's
+#: arguments delta): one an engine step. In JSON a quote inside text is escaped, so text never
+#: matches
+_DELTA = b'.delta"'
+
+
+def _response_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:
+    """:func:`_final_events` for a Responses API stream (``event: <type>`` then ``data: {...}``,
+    no ``[DONE]``): the bytes to relay, whether the stream ended, the events, how many carry
+    output, and where the first failure event begins (-1: none; the stream ends with it)."""
+    n = complete.count(sep)
+    content = complete.count(_DELTA)
+    if not (
+        b'"error"' in complete
+        or any(end in complete for end in _RESPONSE_ENDS)
+        or complete[:1] == b":"
+        or b"\n:" in complete
+    ):
+        return complete, False, n, content, -1
+    kept: list[bytes] = []
+    content = 0
+    for event in complete.split(sep)[:-1]:
+        if event[:1] == b":" and _is_comment(event):
+            kept.append(event + sep)
+            continue
+        payload = _event_data(event)
+        kind = _response_event_type(payload)
+        kept.append(event + sep)
+        if kind == "error" or kind == "response.failed":
+            return b"".join(kept), True, len(kept), content, sum(map(len, kept[:-1]))
+        if kind in ("response.completed", "response.incomplete"):
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                response = orjson.loads(payload).get("response")
+                if isinstance(response, dict):
+                    record_usage(call, response.get("usage"))
+                    call.response_id = _response_id(response)
+            call.usage_told = True
+            return b"".join(kept), True, len(kept), content, -1  # (nothing after the end is relayed)
+        content += _DELTA in event
+    return b"".join(kept), False, len(kept), content, -1
+
+
+def _event_data(event: bytes) -> bytes:
+    """The data of an SSE event that may open with an ``event:`` line (its type)."""
+    if event.startswith(b"data:"):
+        return sse_data(event)
+    at = event.find(b"\ndata:")
+    return sse_data(event[at + 1 :]) if at >= 0 else b""
+
+
+def _response_event_type(payload: bytes) -> str | None:
+    """A Responses stream event's type, read only from the events that may end it (an error
+    object without a type, as some servers write a failure, is an error)."""
+    if not payload.startswith(b"{"):
+        return None
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    kind = data.get("type")
+    if isinstance(kind, str):
+        return kind
+    return "error" if "error" in data and data["error"] is not None else None
+
+
+def _response_id(response: Any) -> str | None:
+    value = response.get("id") if isinstance(response, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def stream_error(call: Call, error: GatewayError) -> bytes:
+    """The last bytes of a started stream that ends with ``error``: for chat and completions an
+    error event and ``[DONE]``; for a Responses stream its ``error`` event (what the OpenAI SDK
+    reads as one), numbered after the events relayed."""
+    if call.request.kind != "responses":
+        return error.sse_event() + b"data: [DONE]\n\n"
+    event = {
+        "type": "error",
+        "code": error.code or str(error.status),
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": call.sse_events,
+    }
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

@@ -1,7 +1,8 @@
 """Stub engines for fault tests: real servers on 127.0.0.1, each on its own event loop in a thread.
 
-- :class:`StubEngine`: an aiohttp server whose data path does whatever a *behaviour* says (never
-  answer, send one event then stall, stream events at a pace, answer a status after a delay).
+- :class:`StubEngine`: an aiohttp server whose data path (chat, and the Responses API) does whatever
+  a *behaviour* says (never answer, send one event then stall, stream events at a pace, answer a
+  status after a delay, a Responses API stream that ends one way or another).
 - :class:`HeaderEngine`: a stub that keeps every request's headers and answers a short stream or
   a JSON body, optionally held until a gate opens.
 - :class:`Blackhole`: an address that answers health checks, then (after :meth:`Blackhole.freeze`)
@@ -107,6 +108,7 @@ class StubEngine(ThreadedApp):
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/responses", chat)
         app.router.add_get("/v1/models", models)
         return app
 
@@ -344,3 +346,103 @@ def _answer(head: bytes, body: bytes) -> bytes:
         len(payload),
         payload,
     )
+
+
+# -- the Responses API ---------------------------------------------------------------------------------
+
+
+def response_object(response_id: str, status: str, text: str = "", tokens: int = 0) -> dict[str, Any]:
+    """A Responses API ``response`` object as vLLM writes one (the fields the gateway reads)."""
+    output = [
+        {
+            "id": "msg_stub",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+    ]
+    usage = {
+        "input_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 7 + tokens,
+    }
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": 0,
+        "model": MODEL,
+        "status": status,
+        "error": None,
+        "output": output if status != "in_progress" else [],
+        "usage": usage if status != "in_progress" else None,
+    }
+
+
+def response_event(kind: str, sequence: int, **fields: Any) -> bytes:
+    data = {**fields, "sequence_number": sequence, "type": kind}
+    return f"event: {kind}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def responses_stream(deltas: int, end: str = "completed", gap_s: float = 0.002) -> Behaviour:
+    """A Responses API stream as vLLM sends one: created, in progress, an output item opened,
+    ``deltas`` text deltas ``gap_s`` apart, then by ``end``: ``completed`` (the item closed and
+    ``response.completed`` with usage), ``error`` (an error event, then the stream ends),
+    ``stall`` (nothing more, the connection held) or ``cut`` (the connection closed without an
+    end)."""
+
+    async def behaviour(engine: StubEngine, request: web.Request) -> web.StreamResponse:
+        rid = "resp_stub1"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        seq = 0
+
+        async def emit(kind: str, **fields: Any) -> None:
+            nonlocal seq
+            await response.write(response_event(kind, seq, **fields))
+            seq += 1
+
+        opened = response_object(rid, "in_progress")
+        await emit("response.created", response=opened)
+        await emit("response.in_progress", response=opened)
+        item = {
+            "id": "msg_stub",
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
+        await emit("response.output_item.added", item=item, output_index=0)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        await emit(
+            "response.content_part.added", part=part, item_id="msg_stub", output_index=0, content_index=0
+        )
+        text = ""
+        for i in range(deltas):
+            await asyncio.sleep(gap_s)
+            # (a delta whose text names the events that end a stream is still text)
+            delta = f'w{i} "response.completed" "error" .delta" '
+            text += delta
+            await emit(
+                "response.output_text.delta",
+                delta=delta,
+                item_id="msg_stub",
+                output_index=0,
+                content_index=0,
+                logprobs=[],
+            )
+        if end == "error":
+            await emit("error", code="InternalServerError", message="stub failed mid-stream", param=None)
+        elif end == "stall":
+            await engine.wait_forever()
+        elif end == "completed":
+            await emit(
+                "response.output_text.done", text=text, item_id="msg_stub", output_index=0, content_index=0
+            )
+            await emit("response.completed", response=response_object(rid, "completed", text, deltas))
+        await response.write_eof()
+        return response
+
+    return behaviour

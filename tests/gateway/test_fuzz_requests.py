@@ -501,7 +501,8 @@ def judge_body(kind: RouteKind, raw: bytes, pristine: bool) -> tuple[Verdict, di
     if not isinstance(body, dict):
         return "bad", None
     model = body.get("model")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # (null is the default, as vLLM reads it)
     options = body.get("stream_options")
     if (
         not isinstance(model, str)

@@ -460,3 +460,64 @@ def test_scoring_a_prompt_with_echo_and_no_tokens_is_a_valid_completion() -> Non
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "echo": True}
     with pytest.raises(GatewayError):
         parse_request("chat", orjson.dumps(chat), 1024)
+
+
+# -- the Responses API ----------------------------------------------------------------------------
+
+
+def responses(**kw: object) -> bytes:
+    return orjson.dumps({"model": "m", "input": "hello there", **kw})
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": 5}, "input"),
+        ({"input": None}, "input"),
+        ({"input": ["hi"]}, "input[0]"),
+        ({"instructions": ["be brief"]}, "instructions"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"store": "yes"}, "store"),
+        ({"background": True}, "background"),
+        ({"previous_response_id": ""}, "previous_response_id"),
+        ({"previous_response_id": "r" * 257}, "previous_response_id"),
+        ({"previous_response_id": 7}, "previous_response_id"),
+    ],
+)
+def test_responses_refuses_what_it_cannot_route(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(GatewayError) as refused:
+        parse_request("responses", responses(**fields), 64)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_responses_counts_instructions_input_items_and_tools() -> None:
+    plain = parse_request("responses", responses(), 64)
+    assert (
+        plain.max_tokens == 64
+        and plain.client_wants_usage
+        and plain.store
+        and plain.previous_response is None
+    )
+    long_text = "word " * 400
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": long_text}, {"type": "input_image"}]},
+        {"type": "function_call_output", "call_id": "c1", "output": long_text},
+    ]
+    rich = parse_request(
+        "responses",
+        responses(
+            input=items,
+            instructions=long_text,
+            max_output_tokens=9,
+            store=False,
+            previous_response_id="resp_1",
+            stream=None,
+        ),
+        64,
+    )
+    # three texts of ~400 tokens each (the image part is media, not text)
+    assert 3 * count_tokens(long_text) <= rich.prompt_tokens <= 3 * count_tokens(long_text) + 20
+    assert rich.media and rich.max_tokens == 9 and not rich.store and rich.previous_response == "resp_1"
+    assert not rich.stream
+    summary = rich.summary()
+    assert (summary.previous_response, summary.store) == ("resp_1", False)
