@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from gateway.open_files import raise_open_files_limit
 from gateway.sim.lora import parse_lora_modules
 from gateway.sim.profiles import EngineProfile, ProfileError, load_profile
+from gateway.sim.responses_store import DEFAULT_CAPACITY as DEFAULT_STORE_CAPACITY
 from gateway.sim.server import SimConfig, SimServer
 
 
@@ -31,6 +32,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
     return port
+
+
+def _store_size(text: str) -> int:
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of responses: {text!r}") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"a store holds 0 or more responses, got {size}")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-endpoint", help="ZMQ endpoint for KV events, e.g. tcp://*:5557")
     p.add_argument("--kv-events-topic", default="kv")
     p.add_argument("--engine-id", default="0", help="the 'engine' metric label and KV-transfer engine id")
+    p.add_argument(
+        "--responses-store-size",
+        type=_store_size,
+        default=DEFAULT_STORE_CAPACITY,
+        metavar="N",
+        help="Responses API store: keep the last N responses (retrieve, previous_response_id, "
+        "background); 0 turns it off, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1",
+    )
     p.add_argument(
         "--seed",
         type=int,
@@ -158,6 +177,7 @@ def sim_engine_main(argv: list[str]) -> int:
         seed=args.seed,
         embeddings=not args.no_embeddings,
         lora_modules=tuple(lora_modules.items()),
+        responses_store=args.responses_store_size,
     )
     raise_open_files_limit()
     with contextlib.suppress(KeyboardInterrupt):

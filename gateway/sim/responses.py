@@ -215,7 +215,20 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
     }
 
 
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
+class BadRequest(Exception):
+    """A request the engine answers with an error body instead of running it.
+
+    ``kind``: the error's ``type`` when vLLM names it otherwise than by its status (its request
+    models' "Bad Request", the Responses API's "invalid_request_error")."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.kind = kind
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
     kinds = {
         400: "BadRequestError",
         404: "NotFoundError",
@@ -226,7 +239,7 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
         {
             "error": {
                 "message": message,
-                "type": kinds.get(status, "InternalServerError"),
+                "type": kind or kinds.get(status, "InternalServerError"),
                 "param": param,
                 "code": status,
             }

@@ -9,7 +9,8 @@ Extensions beyond vLLM (documented in docs/sim-engine.md): body ``sim_output_len
 (``crash-after=N``: the engine crashes after this request's N-th token; ``hang``: this request
 never progresses; ``slow=F``: the engine runs F times slower); ``POST /sim/fault`` does the same
 engine-wide; ``POST /sim/load_weights`` models weight loading; ``POST /sim/kv/pull`` is the
-P->D KV side channel (the sim uses its HTTP address where vLLM uses NIXL's).
+P->D KV side channel (the sim uses its HTTP address where vLLM uses NIXL's). The Responses API
+(``/v1/responses``) is :mod:`gateway.sim.responses_routes`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ from gateway.sim.lora import LoraAdapters
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.output import sequence_state
 from gateway.sim.profiles import EngineProfile
-from gateway.sim.responses import OutputState, ResponseFormat, batch_deltas, error_body, usage_of
+from gateway.sim.responses import (
+    BadRequest,
+    OutputState,
+    ResponseFormat,
+    batch_deltas,
+    error_body,
+    usage_of,
+)
+from gateway.sim.responses_routes import ResponsesRoutes
+from gateway.sim.responses_store import DEFAULT_CAPACITY as DEFAULT_STORE_CAPACITY
 from gateway.sim.validation import COMPLETION_MAX_TOKENS, validate
 from gateway.sim.validation import messages as check_messages
 from gateway.tokenizer import VOCAB_SIZE, apply_chat_template, decode, encode
@@ -49,13 +59,6 @@ MAX_COMPLETION_PROMPTS = 1024
 MAX_SIM_OUTPUT_LEN = (1 << 31) - 1
 #: on stop, requests in progress may finish for this long before their connections are cut
 DRAIN_S = 10.0
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -102,6 +105,9 @@ class SimConfig:
     #: the engine's true speed relative to its profile (``--speed``): 2 runs every step in half
     #: the profile's time. What a gateway that learns its engines must find out for itself.
     speed: float = 1.0
+    #: the most Responses API responses kept (``--responses-store-size``); 0: none, as vLLM
+    #: without VLLM_ENABLE_RESPONSES_API_STORE
+    responses_store: int = DEFAULT_STORE_CAPACITY
 
 
 def _parse_fault_header(header: str | None) -> list[tuple[str, float]]:
@@ -144,6 +150,7 @@ class SimServer:
         self.crashed = False
         self.hung = False
         self.admin = AdminRoutes(self)
+        self.responses = ResponsesRoutes(self)
         self.loras = LoraAdapters(config.model, dict(config.lora_modules))
         self.url = ""
         self._wake = asyncio.Event()
@@ -274,6 +281,7 @@ class SimServer:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         self.admin.register(app)
+        self.responses.register(app)
         self.loras.register(app)
         return app
 
@@ -297,6 +305,7 @@ class SimServer:
         # shutdown timeout (a minute) cut them
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.responses.close()
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -366,7 +375,7 @@ class SimServer:
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON: {exc}")
         except BadRequest as exc:
-            return _error(exc.status, str(exc), exc.param)
+            return _error(exc.status, str(exc), exc.param, exc.kind)
         except ConnectionAbortedError as exc:  # the engine died under a non-streamed request
             return _error(500, f"EngineDeadError: {exc}")
 
@@ -570,12 +579,7 @@ class SimServer:
             return await self._complete(choices, fmt, room)
         finally:
             for choice in choices:
-                sim = choice.sim
-                self.channels.pop(sim.request_id, None)
-                self._crash_after.pop(sim.request_id, None)
-                if sim.phase is not Phase.FINISHED and sim.phase is not Phase.HELD:
-                    self.model.abort(sim.request_id)  # client went away: free the slot and its blocks
-                    self.wake_driver()
+                self.release(choice.sim)
 
     async def _embed(self, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """Each input is a prefill-only engine request (vLLM runs pooling the same way): it waits
@@ -635,6 +639,25 @@ class SimServer:
         prompt_tokens = sum(len(tokens) for tokens in prompts)
         data = emb.response_body(base_id, model or self.config.model, vectors, encoding, prompt_tokens)
         return web.Response(body=data, content_type="application/json")
+
+    def admit(self, sim: SimRequest, fault_header: str | None) -> Channel:
+        """Queue ``sim`` in the engine as a chat's request is queued, its ``X-Sim-Fault`` applied;
+        the channel is where the driver hands it its tokens. :meth:`release` must follow."""
+        self._apply_faults(_parse_fault_header(fault_header), sim)
+        channel = Channel()
+        self.channels[sim.request_id] = channel
+        self.model.add(sim)
+        self.wake_driver()
+        return channel
+
+    def release(self, sim: SimRequest) -> None:
+        """Forget ``sim``'s channel; one still in the engine (its client went away) is aborted, so
+        its sequence slot and KV blocks are freed."""
+        self.channels.pop(sim.request_id, None)
+        self._crash_after.pop(sim.request_id, None)
+        if sim.phase is not Phase.FINISHED and sim.phase is not Phase.HELD:
+            self.model.abort(sim.request_id)
+            self.wake_driver()
 
     def _apply_faults(self, faults: list[tuple[str, float]], sim: SimRequest) -> None:
         for name, value in faults:
@@ -940,9 +963,9 @@ def _json(data: Any) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None) -> web.Response:
     return web.Response(
-        status=status, body=error_body(status, message, param), content_type="application/json"
+        status=status, body=error_body(status, message, param, kind), content_type="application/json"
     )
 
 
