@@ -64,7 +64,7 @@ import numpy as np
 from gateway import metrics
 from gateway.api.request_parse import truncation
 from gateway.fleet.block_hash import U64Array
-from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, left_truncated, prompt_token_ids
+from gateway.fleet.prompt_key import MAX_PROMPT_CHARS, left_truncated, prompt_token_ids, responses_chat_body
 
 log = logging.getLogger("slogate.fleet")
 
@@ -366,6 +366,11 @@ class EngineTokenizer:
         other requests and for anything it cannot reproduce. Never raises (a Rust panic in the
         tokenizer included; KeyboardInterrupt, SystemExit and the like still do)."""
         try:
+            if kind == "responses":
+                chat = responses_chat_body(body)
+                if chat is None:
+                    return None
+                kind, body = "chat", chat
             if kind == "chat":
                 tokens: U64Array | None = self.chat_token_ids(body)
             elif kind == "completions":

@@ -49,6 +49,7 @@ import numpy.typing as npt
 
 from gateway.api.request_parse import truncation
 from gateway.fleet.block_hash import PromptBlocks, U64Array, as_tokens, root_key
+from gateway.responses_messages import conversation
 from gateway.tokenizer import SPECIAL_TOKENS, VOCAB_SIZE, encode, tool_calls_text, tools_content
 
 #: characters of a prompt hashed at most (a 15 MB prompt is keyed by its first 4 MB)
@@ -359,6 +360,10 @@ def encode_array(text: str) -> U64Array:
     return _joined(parts)
 
 
+#: content parts that are text (the Responses API's kinds too: vLLM parses them as text parts)
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
+
+
 def _content_text(content: Any) -> tuple[str, bool]:
     """A message's text, and whether that is all of it (False at a part that is not text: an
     image, audio, whose tokens the gateway cannot know)."""
@@ -369,7 +374,7 @@ def _content_text(content: Any) -> tuple[str, bool]:
     texts: list[str] = []
     for part in content:
         text = part.get("text") if isinstance(part, Mapping) else None
-        if not isinstance(text, str) or part.get("type", "text") != "text":
+        if not isinstance(text, str) or part.get("type", "text") not in _TEXT_PARTS:
             return "".join(texts), False
         texts.append(text)
     return "".join(texts), True
@@ -519,10 +524,28 @@ def _chat_capped(messages: Sequence[Any], body: Mapping[str, Any]) -> bool:
     return total > MAX_PROMPT_CHARS
 
 
+def responses_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Responses API request as the chat request its engine renders the prompt of (its
+    messages as vLLM builds them); None for one that continues another response (its prompt
+    opens with a conversation only its engine has), has tools, or whose input makes no messages."""
+    if body.get("previous_response_id") is not None or body.get("tools"):
+        # (the engine writes a Responses request's tools, of another shape than chat's, after
+        # converting them: not reproduced here)
+        return None
+    try:
+        messages = conversation(body, None, None)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return None
+    return {"messages": messages} if messages else None
+
+
 def prompt_token_ids(kind: str, body: Mapping[str, Any]) -> U64Array | None:
-    """Token ids of a chat or completions request's prompt (the first prompt of a batch of
-    them), as the engine keeps them (:func:`left_truncated`); None for other requests or a
+    """Token ids of a chat, completions or Responses API request's prompt (the first prompt of a
+    batch of them), as the engine keeps them (:func:`left_truncated`); None for other requests or a
     prompt the gateway cannot tokenize."""
+    if kind == "responses":
+        chat = responses_chat_body(body)
+        return None if chat is None else prompt_token_ids("chat", chat)
     try:
         if kind == "chat":
             messages = body.get("messages")

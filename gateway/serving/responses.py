@@ -9,7 +9,10 @@ response's engine as it relays the answer (:class:`ResponseHomes`) and pins a co
 (:attr:`policies.api.RequestView.engine`), planning its prompt with the conversation it carries.
 
 An id the gateway has not seen (another replica served it, or this one restarted) is looked for
-on the engines themselves, a ``GET`` to each at once: the one that answers 200 holds it.
+on the engines themselves, a ``GET`` to each at once: the one that answers 200 holds it. A
+response the gateway knows is another tenant's is answered as unknown (a 404); one it does not
+know is found for whoever asks first (its id, random and long, is what proves the asker's
+claim, as it is at the engine).
 """
 
 from __future__ import annotations
@@ -96,7 +99,9 @@ class Responses:
         if previous is None:
             return
         home = self.homes.get(previous)
-        if home is None or home.tenant != tenant:
+        if home is not None and home.tenant != tenant:
+            raise _not_found(previous)  # (another tenant's: as if it did not exist)
+        if home is None:
             found = await self._look_for(previous, request.model)
             if found is None:
                 raise _not_found(previous)
@@ -144,7 +149,9 @@ class Responses:
             refused.extra_headers = ((b"allow", b"POST" if cancel else b"GET"),)
             raise refused
         home = self.homes.get(response_id)
-        record = None if home is None or home.tenant != tenant else self.fleet.records.get(home.engine_id)
+        if home is not None and home.tenant != tenant:
+            raise _not_found(response_id)  # (another tenant's: as if it did not exist)
+        record = None if home is None else self.fleet.records.get(home.engine_id)
         if record is None:
             record = await self._look_for(response_id, None)
             if record is None:

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from gateway.responses_messages import UnsupportedItem, conversation
 from gateway.sim.engine import SimRequest
 from gateway.sim.responses import BadRequest, OutputState, batch_deltas, error_body
 from gateway.sim.responses_api import Echo, EventStream, echo_of, message_item, new_id, response_body, usage
 from gateway.sim.responses_input import (
     SCHEMA_ERROR,
     check_body,
-    conversation,
     sampling,
     schema_error,
     stops,
@@ -139,11 +139,14 @@ class ResponsesRoutes:
             previous = self.store.get(body["previous_response_id"])
             if previous is None:
                 raise not_found(body["previous_response_id"])
-        messages = conversation(
-            body,
-            previous.messages if previous is not None else None,
-            previous.body["output"] if previous is not None else None,
-        )
+        try:
+            messages = conversation(
+                body,
+                previous.messages if previous is not None else None,
+                previous.body["output"] if previous is not None else None,
+            )
+        except UnsupportedItem as exc:
+            raise vllm_error(str(exc), "input") from None
         prompt, max_tokens = self._prompt(messages, body.get("max_output_tokens"))
         temperature, top_p = sampling(body, max_tokens)
         priority = self.server._priority(body)

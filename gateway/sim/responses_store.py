@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.sim.responses_input import Message
+from gateway.responses_messages import Message
 
 #: what ``--responses-store-size`` defaults to
 DEFAULT_CAPACITY = 4096

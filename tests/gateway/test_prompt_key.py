@@ -319,3 +319,39 @@ def test_content_that_is_not_text_nested_deep_is_not_keyed_rather_than_a_500() -
         "chat", {"messages": [{"role": "user", "content": parts}], "truncate_prompt_tokens": 5}
     )
     assert whole is not None and kept is not None and kept.tolist() == whole.tolist()[-5:]
+
+
+def test_a_responses_request_is_keyed_as_its_engine_renders_it() -> None:
+    """A Responses request's prompt is the chat template over the messages vLLM makes of its
+    instructions and input; one that continues another response, or has tools, is not keyed."""
+    from gateway.responses_messages import conversation
+    from gateway.tokenizer import apply_chat_template
+
+    long_text = GENERATORS["mixed"](400, 3)
+    bodies = [
+        {"input": "hello there"},
+        {"instructions": "be brief", "input": long_text},
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": long_text}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                {"role": "user", "content": "and then?"},
+            ]
+        },
+    ]
+    for body in bodies:
+        keyed = prompt_token_ids("responses", body)
+        assert keyed is not None, body
+        assert keyed.tolist() == encode(apply_chat_template(conversation(body, None, None))), body
+    as_chat = prompt_token_ids(
+        "chat",
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": long_text}]},
+    )
+    assert as_chat is not None and prompt_token_ids("responses", bodies[1]).tolist() == as_chat.tolist()  # type: ignore[union-attr]
+    assert prompt_token_ids("responses", {"input": "hi", "previous_response_id": "resp_1"}) is None
+    assert (
+        prompt_token_ids("responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}]}) is None
+    )
+    assert (
+        prompt_token_ids("responses", {"input": [{"type": "function_call"}]}) is None
+    )  # (malformed: not keyed)

@@ -1,0 +1,115 @@
+"""The Responses API with the official openai SDK, through the gateway, in front of two simulated
+engines that store their responses as vLLM does (``VLLM_ENABLE_RESPONSES_API_STORE=1``): answers
+streamed and not, a conversation continued with ``previous_response_id`` always on the engine
+that stored it (least load would spread it), even once the gateway has forgotten where that was,
+reads and cancels of a stored response, and the refusals a client meets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.procs import ChildProcess
+from gateway.serving.responses import ResponseHomes
+from tests.gateway.conftest import MODEL, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway
+from tests.gateway.test_timeouts import metric
+
+
+@pytest.fixture(scope="module")
+def gw(two_engines: list[ChildProcess]) -> Iterator[RunningGateway]:
+    with run_gateway(engines=[engine_entry(e) for e in two_engines], monitor_interval_s=0.2) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(gw: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _create(client: openai.OpenAI, **kw: object) -> tuple[openai.types.responses.Response, str]:
+    """A response and the engine that served it."""
+    raw = client.responses.with_raw_response.create(model=MODEL, max_output_tokens=6, **kw)  # type: ignore[call-overload]
+    return raw.parse(), raw.headers["x-slogate-engine"]
+
+
+def test_a_response_streamed_and_not(client: openai.OpenAI, gw: RunningGateway) -> None:
+    ttft0 = metric(gw, "slogate_time_to_first_token_seconds_count", model=MODEL, slo_class="default")
+    tokens0 = metric(gw, "slogate_tokens_total", model=MODEL, kind="completion")
+    whole, _ = _create(client, input="Say something short.")
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage is not None and whole.usage.input_tokens > 0
+    with client.responses.stream(model=MODEL, input="Say something short.", max_output_tokens=6) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert deltas and "".join(deltas) == final.output_text
+    assert final.usage is not None and final.usage.input_tokens == whole.usage.input_tokens
+    assert (
+        metric(gw, "slogate_time_to_first_token_seconds_count", model=MODEL, slo_class="default") == ttft0 + 1
+    )
+    counted = metric(gw, "slogate_tokens_total", model=MODEL, kind="completion") - tokens0
+    assert counted == whole.usage.output_tokens + final.usage.output_tokens
+
+
+def test_a_conversation_stays_on_the_engine_that_stored_it(client: openai.OpenAI, gw: RunningGateway) -> None:
+    first, home = _create(client, input="Remember the word teal.")
+    previous, inputs = first, [first.usage.input_tokens if first.usage else 0]
+    for turn in range(5):
+        answer, engine = _create(client, input=f"And now turn {turn}?", previous_response_id=previous.id)
+        assert engine == home, f"turn {turn} went to {engine}, its conversation is on {home}"
+        assert answer.previous_response_id == previous.id and answer.usage is not None
+        inputs.append(answer.usage.input_tokens)
+        previous = answer
+    # each turn's prompt carries the conversation so far (the engine built it from its store)
+    assert inputs == sorted(inputs) and inputs[-1] > inputs[0] + 5 * 4
+    # stored responses are read (and cancelled) where they live
+    read = client.responses.retrieve(first.id)
+    assert read.id == first.id and read.output_text == first.output_text
+    with pytest.raises(openai.BadRequestError) as synchronous:
+        client.responses.cancel(first.id)
+    assert "synchronous" in synchronous.value.message
+
+
+def test_the_engine_is_found_again_once_the_gateway_forgot(client: openai.OpenAI, gw: RunningGateway) -> None:
+    """A replica that did not serve the first turn, or one restarted, knows nothing of it: the
+    engines are asked."""
+    first, home = _create(client, input="Remember the word plum.")
+    assert gw.gateway.proxy is not None
+    gw.gateway.proxy.responses.homes = ResponseHomes()
+    for turn in range(3):
+        _, engine = _create(client, input=f"turn {turn}", previous_response_id=first.id)
+        assert engine == home
+    gw.gateway.proxy.responses.homes = ResponseHomes()
+    assert client.responses.retrieve(first.id).id == first.id
+
+
+def test_unknown_and_unstored_responses_are_404s(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as unknown:
+        _create(client, input="hi", previous_response_id="resp_" + "0" * 32)
+    assert unknown.value.body["code"] == "response_not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_" + "1" * 32)
+    unstored, _ = _create(client, input="Forget this.", store=False)
+    with pytest.raises(openai.NotFoundError):
+        _create(client, input="What did I say?", previous_response_id=unstored.id)
+
+
+def test_what_the_gateway_refuses(gw: RunningGateway) -> None:
+    background = httpx.post(
+        gw.url + "/v1/responses", json={"model": MODEL, "input": "x", "background": True}, timeout=10
+    )
+    assert background.status_code == 400 and background.json()["error"]["param"] == "background"
+    bad_input = httpx.post(gw.url + "/v1/responses", json={"model": MODEL, "input": 5}, timeout=10)
+    assert bad_input.status_code == 400 and bad_input.json()["error"]["param"] == "input"
+    unknown_model = httpx.post(gw.url + "/v1/responses", json={"model": "nope", "input": "x"}, timeout=10)
+    assert unknown_model.status_code == 404 and unknown_model.json()["error"]["code"] == "model_not_found"
+    for path, method in (("/v1/responses/resp_x", "POST"), ("/v1/responses/resp_x/cancel", "GET")):
+        wrong = httpx.request(method, gw.url + path, timeout=10)
+        assert wrong.status_code == 405 and "allow" in wrong.headers, path
+    odd = httpx.get(gw.url + "/v1/responses/" + "%2F..%2Fmetrics", timeout=10)
+    assert odd.status_code == 404 and odd.json()["error"]
+    replay = httpx.get(gw.url + "/v1/responses/resp_x?stream=true", timeout=10)
+    assert replay.status_code in (400, 404)
