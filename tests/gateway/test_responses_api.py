@@ -113,3 +113,19 @@ def test_what_the_gateway_refuses(gw: RunningGateway) -> None:
     assert odd.status_code == 404 and odd.json()["error"]
     replay = httpx.get(gw.url + "/v1/responses/resp_x?stream=true", timeout=10)
     assert replay.status_code in (400, 404)
+
+
+def test_a_tenant_cannot_read_or_continue_another_tenants_response(two_engines: list[ChildProcess]) -> None:
+    keys = {"sk-team-a-0123456789": {"tenant": "a"}, "sk-team-b-0123456789": {"tenant": "b"}}
+    with run_gateway(
+        engines=[engine_entry(e) for e in two_engines], api_keys=list(keys), api_key_policies=keys
+    ) as gw:
+        team_a, team_b = (openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) for key in keys)
+        theirs, _ = _create(team_a, input="A secret of team a.")
+        with pytest.raises(openai.NotFoundError):
+            team_b.responses.retrieve(theirs.id)
+        with pytest.raises(openai.NotFoundError):
+            _create(team_b, input="What was it?", previous_response_id=theirs.id)
+        assert team_a.responses.retrieve(theirs.id).output_text == theirs.output_text
+        anonymous = httpx.get(gw.url + f"/v1/responses/{theirs.id}", timeout=10)
+        assert anonymous.status_code == 401
