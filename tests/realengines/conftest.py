@@ -53,6 +53,8 @@ LLAMACPP_NAME = "tiny-llamacpp"
 VLLM_KV_NAME = "tiny-vllm-kv"  # a name of the FCFS server, which publishes KV events
 VLLM_PD_NAME = "tiny-vllm-pd"  # served by the P/D pair's prefill and decode server
 
+#: the Responses API keeps its answers (for previous_response_id) only with this set
+RESPONSES_STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 TIER_TIMEOUT = 2400  # seconds, per test including session-fixture setup
 
 _memory_report: dict[str, dict[str, float]] = {}
@@ -129,7 +131,7 @@ def vllm_servers(_vllm_kv_port: int) -> Iterator[dict[str, RunningEngine]]:
             extra_args=VLLM_ARGS,
             aliases=(VLLM_SHARED_NAME, VLLM_KV_NAME),
             kv_events_endpoint=f"tcp://*:{_vllm_kv_port}",
-            env={"VLLM_SERVER_DEV_MODE": "1"},
+            env={"VLLM_SERVER_DEV_MODE": "1", **RESPONSES_STORE},
             wait=False,
         )
         servers["priority"] = start_vllm(
@@ -137,6 +139,7 @@ def vllm_servers(_vllm_kv_port: int) -> Iterator[dict[str, RunningEngine]]:
             scheduling_policy="priority",
             extra_args=VLLM_ARGS,
             aliases=(VLLM_SHARED_NAME,),
+            env=RESPONSES_STORE,
             wait=False,
         )
         progress("waiting for the two vLLM servers to start (about a minute)")

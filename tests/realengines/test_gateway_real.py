@@ -431,3 +431,34 @@ def test_killed_engine_is_ejected_and_requests_keep_succeeding(tmp_path: Path) -
     finally:
         a.stop()
         b.stop()
+
+
+def test_sdk_responses_stream_continue_and_read_on_real_vllm(gateway: RunningGateway) -> None:
+    """The Responses API on real vLLM servers (with their response store on): the answer
+    streamed and not is the same at temperature 0, and a conversation continued with
+    previous_response_id stays on the server that stored it (the other one answers 404: it never
+    saw that response), its prompt growing by the turns the server kept."""
+    sdk = client(gateway)
+    ask: dict[str, Any] = {"model": VLLM_SHARED_NAME, "max_output_tokens": 8, "temperature": 0}
+    raw = sdk.responses.with_raw_response.create(input="hello there", **ask)
+    first, home = raw.parse(), raw.headers["x-slogate-engine"]
+    assert first.status in ("completed", "incomplete") and first.usage is not None
+    with sdk.responses.stream(input="hello there", **ask) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    assert "".join(deltas) == streamed.output_text == first.output_text
+    assert streamed.usage is not None and streamed.usage.input_tokens == first.usage.input_tokens
+    previous, inputs = first, [first.usage.input_tokens]
+    for turn in range(3):
+        raw = sdk.responses.with_raw_response.create(
+            input=f"and turn {turn}?", previous_response_id=previous.id, **ask
+        )
+        answer = raw.parse()
+        assert raw.headers["x-slogate-engine"] == home, f"turn {turn} left {home}"
+        assert answer.usage is not None and answer.usage.input_tokens > inputs[-1]
+        inputs.append(answer.usage.input_tokens)
+        previous = answer
+    assert sdk.responses.retrieve(first.id).output_text == first.output_text
+    other = next(e for e in gateway_view(gateway) if e.startswith("vllm") and e != home)
+    url = gateway_view(gateway)[other]["url"]
+    assert httpx.get(f"{url}/v1/responses/{first.id}", timeout=10).status_code == 404
