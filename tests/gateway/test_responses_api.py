@@ -7,10 +7,14 @@ reads and cancels of a stored response, and the refusals a client meets."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.procs import ChildProcess
 from gateway.serving.responses import ResponseHomes
@@ -129,3 +133,76 @@ def test_a_tenant_cannot_read_or_continue_another_tenants_response(two_engines: 
         assert team_a.responses.retrieve(theirs.id).output_text == theirs.output_text
         anonymous = httpx.get(gw.url + f"/v1/responses/{theirs.id}", timeout=10)
         assert anonymous.status_code == 401
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+_ITEMS = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])
+            | _ANY,
+            "role": st.sampled_from(["user", "assistant", "system", "developer"]) | _ANY,
+            "content": st.text(max_size=20)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "type": st.sampled_from(["input_text", "input_image"]) | _ANY,
+                        "text": st.text(max_size=10) | _ANY,
+                    }
+                ),
+                max_size=2,
+            )
+            | _ANY,
+            "call_id": _ANY,
+            "output": _ANY,
+        },
+    )
+    | _ANY,
+    max_size=3,
+)
+_FIELDS = {
+    "model": st.just(MODEL) | _ANY,
+    "input": st.text(max_size=30) | _ITEMS | _ANY,
+    "instructions": st.text(max_size=20) | _ANY,
+    "max_output_tokens": st.integers(-2, 8) | _ANY,
+    "stream": st.booleans() | _ANY,
+    "store": st.booleans() | _ANY,
+    "previous_response_id": st.sampled_from(["resp_" + "0" * 32, ""]) | _ANY,
+    "temperature": st.floats(-1, 3) | _ANY,
+    "priority": st.integers(-3, 3) | _ANY,
+    "tools": _ANY,
+}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    st.fixed_dictionaries(
+        {"model": st.just(MODEL), "input": _FIELDS["input"]},
+        optional={k: v for k, v in _FIELDS.items() if k not in ("model", "input")},
+    )
+    | st.dictionaries(st.sampled_from(list(_FIELDS)), _ANY, max_size=5)
+)
+def test_any_body_gets_an_answer_or_an_openai_error_never_a_500(
+    gw: RunningGateway, body: dict[str, Any]
+) -> None:
+    try:
+        raw = orjson.dumps(body)
+    except (TypeError, orjson.JSONEncodeError):
+        raw = b'{"model": 1}'
+    answer = httpx.post(
+        gw.url + "/v1/responses", content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert answer.status_code < 500 or answer.status_code == 503, answer.text[:500]
+    if answer.status_code != 200:
+        error = answer.json()["error"]
+        assert isinstance(error["message"], str) and error["message"], answer.text[:500]
+    elif answer.headers["content-type"].startswith("text/event-stream"):
+        events = [e for e in answer.content.split(b"\n\n") if e]
+        assert events and b'"response.completed"' in events[-1], answer.text[-500:]
+    else:
+        assert answer.json()["object"] == "response"
