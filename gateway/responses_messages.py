@@ -105,7 +105,9 @@ def _input_messages(items: list[dict[str, Any]]) -> list[Message]:
             else:
                 messages.append({"role": "assistant", "content": text})
         else:
-            messages.append(item)  # (as given, as vLLM passes a message on)
+            # as given, as vLLM passes a message on; a copy, which the turns after it may fill
+            # (the client's body is not this function's to change)
+            messages.append(dict(item))
     return messages
 
 

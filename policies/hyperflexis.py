@@ -497,6 +497,7 @@ def dispatch(
     soon: Mapping[str, tuple[float, int]] | None = None,
     adapters_held: frozenset[str] = frozenset(),
     engine_classes: Callable[[], Mapping[str, tuple[float, int]]] | None = None,
+    pinned: bool = False,
 ) -> HyperFlexisDecision:
     """Run Algorithm 1 once over the workers whose maturity time has come.
 
@@ -518,6 +519,10 @@ def dispatch(
 
     ``queue_min_need``: the least KV (prompt + output bound) any queued request needs, when the
     caller keeps it (0 otherwise); a busy worker with less free takes nothing, without a scan.
+
+    ``pinned``: the queue may hold requests pinned to one engine (``RequestView.engine``): a
+    worker of another engine leaves them, as it leaves a LoRA adapter's request to the engines
+    that hold it.
 
     ``engine_classes`` (with ``params.tpot_segregation``): each engine of the pool (workers of
     this call included) with the TPOT target most of its running requests have (``inf``: idle)
@@ -582,6 +587,7 @@ def dispatch(
         soon or {},
         loads,
         adapters_held,
+        bool(adapters_held) or pinned,
         engine_classes if params.tpot_segregation else None,
         {},
     )
@@ -657,6 +663,8 @@ class _Turn(NamedTuple):
     loads: dict[str, int]
     #: LoRA adapters loaded on some engine in rotation: a request for one goes only to those
     adapters_held: frozenset[str]
+    #: requests may be bound to some engines (adapters held, or requests pinned to an engine)
+    bound: bool
     #: each engine's TPOT class (see :func:`dispatch`), read once when first needed into ``memo``
     engine_classes: Callable[[], Mapping[str, tuple[float, int]]] | None
     memo: dict[str, Mapping[str, tuple[float, int]]]
@@ -674,6 +682,7 @@ def _fill_worker(
     tightest_ttft_s, late_last, queue_min_need = turn.tightest_ttft_s, turn.late_last, turn.queue_min_need
     cached = turn.cached
     adapters_held = turn.adapters_held
+    bound = turn.bound
     engine_id = worker.engine_id
     left = False
     coeffs = worker.prefill_coeffs
@@ -737,7 +746,7 @@ def _fill_worker(
     # the lane), in the same order and with the same arithmetic; anything else goes to the full
     # tests. (A worker running more than one TPOT class reads every candidate's class.)
     mixed_classes = segregate and tpot_hi > ratio * tpot_lo
-    tight = TIGHT_SCAN and not adapters_held and cached is None and not mixed_classes
+    tight = TIGHT_SCAN and not bound and cached is None and not mixed_classes
     lo = ratio * tpot_lo
     i = 0
     while i < len(items) or grow():
@@ -773,7 +782,7 @@ def _fill_worker(
             budget_left = _budget_left(worker, shadow, item, decode_s, tightest_ttft_s, params)
             done = budget_left <= 0 and took
         view = item.view
-        if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
+        if bound and _elsewhere(view, worker, adapters_held):
             # its LoRA adapter is loaded elsewhere (not here: this engine would answer 404); like
             # slack, that says nothing about what else may fit, so an arrival may wake this worker
             slack_bound = True
@@ -783,8 +792,10 @@ def _fill_worker(
         if (
             segregate
             and (tpot_hi > ratio * tpot_lo or its_tpot > ratio * tpot_lo or tpot_hi > ratio * its_tpot)
-            # (a LoRA request goes where its adapter is, whatever the classes)
+            # (a LoRA request goes where its adapter is, a pinned one to its engine, whatever
+            # the classes)
             and not (adapters_held and view.lora is not None)
+            and view.engine is None
             and now < view.arrival + segregate_wait * item.ttft_slo
             and _class_elsewhere(
                 turn, engine_id, its_tpot, prompt + view.max_output_tokens, prompt > budget_left, decode_s
@@ -876,7 +887,7 @@ def _fill_worker(
                 chosen = {item.view.request_id for item, *_ in admitted}
             if view.request_id in chosen:
                 continue
-            if adapters_held and _adapter_elsewhere(view, worker, adapters_held):
+            if bound and _elsewhere(view, worker, adapters_held):
                 continue
             prompt = view.prompt_tokens
             need_kv = prompt + view.max_output_tokens
@@ -906,9 +917,7 @@ def _fill_worker(
         # (common, and accepted by vLLM) would otherwise never fit anywhere and only time out.
         # (the first request this engine may serve: one whose LoRA adapter another engine has
         # is not this one's to take, idle or not, and must not hold back the rest)
-        head = next(
-            (c for c in candidates.items if not _adapter_elsewhere(c.view, worker, adapters_held)), None
-        )
+        head = next((c for c in candidates.items if not _elsewhere(c.view, worker, adapters_held)), None)
         if head is None:
             return admitted, late_at, False, True, left
         prompt = kv_prompt = head.view.prompt_tokens
@@ -964,6 +973,13 @@ def _class_elsewhere(
     return any(
         e != engine_id and kv >= need_kv and (low <= c <= high or (idle_counts and c == math.inf))
         for e, (c, kv) in classes.items()
+    )
+
+
+def _elsewhere(view: RequestView, worker: WorkerView, adapters_held: frozenset[str]) -> bool:
+    """The request is pinned to another engine, or names a LoRA adapter held elsewhere only."""
+    return (view.engine is not None and view.engine != worker.engine_id) or _adapter_elsewhere(
+        view, worker, adapters_held
     )
 
 
@@ -1089,6 +1105,7 @@ def _alone(
         not worker.maturity <= now  # (as dispatch's turn order reads it: NaN is not mature)
         or (cached is not None and params.prefix_preference)
         or (adapters_held and view.lora is not None)
+        or view.engine is not None
     ):
         return None
     shadow = _Shadow(worker)

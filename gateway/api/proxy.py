@@ -103,7 +103,9 @@ class Proxy:
     ) -> None:
         self.settings = settings
         #: where stored Responses API answers live (a gateway without one pins nothing)
-        self.responses = responses or Responses(fleet, flow.collocated.session, settings.request_timeout_s)
+        self.responses = responses or Responses(
+            fleet, flow.collocated.session, settings.headers_timeout_s, settings.idle_timeout_s
+        )
         self.fleet = fleet
         self.slo = slo
         self.flow = flow
@@ -381,17 +383,33 @@ class Proxy:
         """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: relayed to the engine
         that stored the response (:class:`gateway.serving.responses.Responses`)."""
         status = 500
+        rid = self._new_id()
+        task = asyncio.current_task()
+        assert task is not None
+        self._receiving[rid] = task  # (a shutdown's cut ends it: see cut_open)
         try:
+            if self.cut:
+                raise _shutting_down()
             identity = self.auth.client(dict(scope["headers"]))
             status = await self.responses.handle_item(scope, receive, send, identity.tenant or "default")
         except GatewayError as error:
-            status, _ = await self._answer_error(
-                send, error, None, time.monotonic(), 0.0, self._new_id().encode()
-            )
-        except TimeoutError:
+            status, _ = await self._answer_error(send, error, None, time.monotonic(), 0.0, rid.encode())
+        except TimeoutError:  # (a client that took nothing of the answer)
             status = 499
             metrics.CLIENT_DISCONNECTS.inc()
+        except asyncio.CancelledError:
+            if not self.cut:
+                raise
+            task.uncancel()
+            status, _ = await self._answer_error(
+                send, _shutting_down(), None, time.monotonic(), 0.0, rid.encode()
+            )
+        except Exception:
+            log.exception("internal error", extra={"gateway_request_id": rid})
+            internal = GatewayError(500, "internal gateway error; see its log", code="internal_error")
+            status, _ = await self._answer_error(send, internal, None, time.monotonic(), 0.0, rid.encode())
         finally:
+            self._receiving.pop(rid, None)
             metrics.deferred(metrics.REQUESTS, "responses_item", "-", "-", _status_class(status)).inc()
 
     async def _attach(self, call: Call, headers: dict[bytes, bytes]) -> None:

@@ -14,6 +14,7 @@ messages or token ids (C-level where it can be).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -247,6 +248,9 @@ _TEXT_PARTS: frozenset[str | None] = frozenset(
 )
 #: the longest ``previous_response_id`` taken (engines make ids of a few dozen characters)
 MAX_RESPONSE_ID_CHARS = 256
+#: what a response id may be: engines make ``resp_`` and hex digits. It goes into engine URLs
+#: (a read of the response): no character a path, query or fragment could be made of
+RESPONSE_ID = re.compile(rf"[A-Za-z0-9_:-]{{1,{MAX_RESPONSE_ID_CHARS}}}")
 
 
 def _responses_prompt_tokens(body: dict[str, Any]) -> tuple[int, bool]:
@@ -291,10 +295,10 @@ def _previous_response(body: dict[str, Any]) -> str | None:
     value = body.get("previous_response_id")
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > MAX_RESPONSE_ID_CHARS:
+    if not isinstance(value, str) or RESPONSE_ID.fullmatch(value) is None:
         raise bad_request(
-            f"'previous_response_id' must be a response id (a string of 1 to {MAX_RESPONSE_ID_CHARS} "
-            f"characters), got {described(value)}",
+            f"'previous_response_id' must be a response id (1 to {MAX_RESPONSE_ID_CHARS} letters, "
+            f"digits, '_', '-' or ':'), got {described(value)}",
             "previous_response_id",
         )
     return value
@@ -442,10 +446,13 @@ def _responses_request(
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise bad_request("'store' must be a boolean", "store")
-    if body.get("background") is True:
+    if body.get("background") not in (None, False):
         # (answered at once, it would run on its engine unseen by the gateway's placement, its
-        # queue and its SLO accounting)
+        # queue and its SLO accounting; any value but false, which an engine may read as true)
         raise bad_request("background responses are not supported by this gateway", "background")
+    if body.get("request_id") is not None:
+        # (an engine names the response by it: a client choosing it could take another's id)
+        raise bad_request("'request_id' is chosen by the engine behind this gateway", "request_id")
     return ParsedRequest(
         "responses",
         raw,

@@ -323,6 +323,8 @@ class DispatchCore:
         self._waited_at: dict[str, float] = {}
         #: a request pinned to one engine was submitted (see _bound_requests)
         self._pinned_seen = False
+        #: queued requests pinned to each engine: refused at once when it leaves rotation
+        self._pinned_to: dict[str, set[str]] = {}
         fleet.listeners.append(self._on_engine_change)
 
     def ticket(
@@ -430,6 +432,9 @@ class DispatchCore:
             raise ValueError(f"request id {rid!r} is already queued")
         if view.engine is not None:
             self._pinned_seen = True
+            home = self.fleet.records.get(view.engine)
+            if home is None or not self.fleet.in_front(home):
+                raise _pinned_engine_left(view.engine)
         queue = self.queues.get(model)
         if self.hyperflexis is None and (queue is None or not len(queue)):
             record = self._choose(ticket, (), now)
@@ -565,6 +570,8 @@ class DispatchCore:
         ctx = self.context(model, now)
         queue.push(ticket.item, now, ctx)
         self.tickets[rid] = ticket
+        if view.engine is not None:
+            self._pinned_to.setdefault(view.engine, set()).add(rid)
         self.queued_per_class[bucket] = self.queued_per_class.get(bucket, 0) + 1
         deadlines = self._class_deadlines.get(bucket)
         if deadlines is not None:
@@ -849,6 +856,7 @@ class DispatchCore:
             soon,
             self._adapters_held(model),
             lambda: self._tpot_classes(model),
+            self._pinned_seen,
         )
         for assignment in decision.assignments:
             if arrival is not None:  # (the only request this turn could take)
@@ -1106,6 +1114,13 @@ class DispatchCore:
                 self._refuse(rid, "no_engine", error, None)
             self.wake()
             return
+        if what in ("health", "role") and engine_id in self._pinned_to and not self.fleet.in_front(record):
+            # requests only this engine can serve (it stored what they continue) would wait out
+            # their queue timeout for it: told now, as for a model left without engines
+            error = _pinned_engine_left(engine_id)
+            for rid in list(self._pinned_to[engine_id]):
+                self._refuse(rid, "no_engine", error, None)
+            self.wake()
         if hyperflexis and what in ("adapters", "health", "role") and self.fleet.adapter_bases:
             # a worker parked for slack left a LoRA request to an engine holding its adapter:
             # that engine may just have left rotation or unloaded it (only arrivals woke them)
@@ -1223,6 +1238,13 @@ class DispatchCore:
         ticket = self.tickets.pop(rid, None)
         if ticket is None:
             return False
+        pinned = ticket.item.view.engine
+        if pinned is not None:
+            waiting = self._pinned_to.get(pinned)
+            if waiting is not None:
+                waiting.discard(rid)
+                if not waiting:
+                    del self._pinned_to[pinned]
         if ticket.batch is not None:
             key = (*ticket.batch, ticket.item.view.model)
             members = self._batches.get(key)
@@ -1351,6 +1373,16 @@ class DispatchCore:
         self._refuse(found, "infeasible", error, now)
         self.wake()
         return True
+
+
+def _pinned_engine_left(engine_id: str) -> GatewayError:
+    return GatewayError(
+        503,
+        f"engine {engine_id}, which holds the response this request continues, is out of rotation; "
+        "retry later",
+        code="engine_unavailable",
+        retry_after_s=5.0,
+    )
 
 
 def _bound(view: RequestView) -> tuple[str | None, str | None]:

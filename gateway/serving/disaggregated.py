@@ -420,6 +420,8 @@ class DisaggregatedFlow:
         pool: Sequence[EngineSnapshot] = fleet.decode_pool(call.request.model)
         if call.request.lora is not None:  # (a LoRA adapter's request: engines that have it)
             pool = self.collocated.dispatch.core.router.with_lora(call.request.lora, pool)
+        if call.pinned is not None:  # (a Responses continuation: the engine that stored it only)
+            pool = [snap for snap in pool if snap.engine_id == call.pinned]
         context = call.request.prompt_tokens if context_tokens is None else context_tokens
         judged = self.slo.decode_judged([s.engine_id for s in pool], context)
         for snap in pool:

@@ -562,9 +562,18 @@ async def end_with_error(call: Call, error: GatewayError) -> None:
 #: token limit), or failed
 _RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
 #: every output event's type ends so (``response.output_text.delta``, a reasoning or a tool call's
-#: arguments delta): one an engine step. In JSON a quote inside text is escaped, so text never
-#: matches
+#: arguments delta): one an engine step. Counted on the ``event:`` lines, which JSON text cannot
+#: fake (it has no raw newline); ``_DELTA`` within the data only for a server that writes no
+#: ``event:`` lines (where a client's text ending in ".delta" would count too)
+_DELTA_LINE = b".delta\n"
+_DELTA_LINE_CRLF = b".delta\r\n"
 _DELTA = b'.delta"'
+
+
+def _deltas(events: bytes) -> int:
+    if b"event:" in events:
+        return events.count(_DELTA_LINE) + events.count(_DELTA_LINE_CRLF)
+    return events.count(_DELTA)
 
 
 def _response_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bool, int, int, int]:
@@ -572,7 +581,7 @@ def _response_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bo
     no ``[DONE]``): the bytes to relay, whether the stream ended, the events, how many carry
     output, and where the first failure event begins (-1: none; the stream ends with it)."""
     n = complete.count(sep)
-    content = complete.count(_DELTA)
+    content = _deltas(complete)
     if not (
         b'"error"' in complete
         or any(end in complete for end in _RESPONSE_ENDS)
@@ -581,16 +590,16 @@ def _response_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bo
     ):
         return complete, False, n, content, -1
     kept: list[bytes] = []
-    content = 0
+    content = comments = 0
     for event in complete.split(sep)[:-1]:
+        kept.append(event + sep)
         if event[:1] == b":" and _is_comment(event):
-            kept.append(event + sep)
+            comments += 1  # (relayed; no event of the response, nor numbered as one)
             continue
         payload = _event_data(event)
         kind = _response_event_type(payload)
-        kept.append(event + sep)
         if kind == "error" or kind == "response.failed":
-            return b"".join(kept), True, len(kept), content, sum(map(len, kept[:-1]))
+            return b"".join(kept), True, len(kept) - comments, content, sum(map(len, kept[:-1]))
         if kind in ("response.completed", "response.incomplete"):
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 response = orjson.loads(payload).get("response")
@@ -598,9 +607,10 @@ def _response_events(call: Call, complete: bytes, sep: bytes) -> tuple[bytes, bo
                     record_usage(call, response.get("usage"))
                     call.response_id = _response_id(response)
             call.usage_told = True
-            return b"".join(kept), True, len(kept), content, -1  # (nothing after the end is relayed)
-        content += _DELTA in event
-    return b"".join(kept), False, len(kept), content, -1
+            # (nothing after the end is relayed)
+            return b"".join(kept), True, len(kept) - comments, content, -1
+        content += kind is not None and kind.endswith(".delta")
+    return b"".join(kept), False, len(kept) - comments, content, -1
 
 
 def _event_data(event: bytes) -> bytes:
@@ -612,8 +622,8 @@ def _event_data(event: bytes) -> bytes:
 
 
 def _response_event_type(payload: bytes) -> str | None:
-    """A Responses stream event's type, read only from the events that may end it (an error
-    object without a type, as some servers write a failure, is an error)."""
+    """A Responses stream event's type, from its data (read only for the few chunks that may end
+    the stream; an error object without a type, as some servers write a failure, is an error)."""
     if not payload.startswith(b"{"):
         return None
     try:

@@ -24,13 +24,16 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, quote
 
 import aiohttp
 
 from gateway.api.errors import GatewayError
+from gateway.api.request_parse import RESPONSE_ID
 from gateway.engines.base import read_up_to
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, Receive, Scope, Send
+from gateway.serving.relay import upstream_error
 
 log = logging.getLogger("slogate.responses")
 
@@ -39,9 +42,9 @@ MAX_HOMES = 100_000
 #: how long the engines are given to say whether they hold an unknown response
 LOOKUP_TIMEOUT_S = 2.0
 #: the largest answer of a read of a stored response (its whole output)
-MAX_ITEM_BYTES = 64 << 20
-#: what a response id may be in a path (engines make ``resp_`` and 32 hex digits or the like)
-_ITEM_PATH = re.compile(r"/v1/responses/([A-Za-z0-9_.:-]{1,256})(/cancel)?/?")
+MAX_ITEM_BYTES = 16 << 20
+#: a stored response's routes: its id as a previous_response_id may be (RESPONSE_ID)
+_ITEM_PATH = re.compile(rf"/v1/responses/({RESPONSE_ID.pattern})(/cancel)?/?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +84,15 @@ class Responses:
     """Pins continuations to the engine of the response they continue, remembers where answers
     are stored, and serves ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
 
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    def __init__(
+        self, fleet: Fleet, session: aiohttp.ClientSession, timeout_s: float, client_timeout_s: float
+    ) -> None:
         self.fleet = fleet
         self.session = session
-        #: bounds a read or cancel of a stored response (the engine answers from memory)
+        #: bounds a read or cancel of a stored response at its engine (answered from memory)
         self.timeout_s = timeout_s
+        #: ...and the client's taking of the answer
+        self.client_timeout_s = client_timeout_s
         self.homes = ResponseHomes()
 
     # -- POST /v1/responses ------------------------------------------------------------------------
@@ -100,16 +107,24 @@ class Responses:
             return
         home = self.homes.get(previous)
         if home is not None and home.tenant != tenant:
-            raise _not_found(previous)  # (another tenant's: as if it did not exist)
+            raise _not_found(previous, "previous_response_id")  # (another tenant's: as if unknown)
         if home is None:
-            found = await self._look_for(previous, request.model)
-            if found is None:
-                raise _not_found(previous)
+            found = await self._find(previous, request.model, "previous_response_id")
             home = Home(found.engine_id, found.model, tenant, 0)
             self.homes.remember(previous, home)
         record = self.fleet.records.get(home.engine_id)
-        if record is None or record.model != request.model:
-            raise _not_found(previous, f" (engine {home.engine_id} that stored it is gone)")
+        if record is None:
+            raise _not_found(
+                previous, "previous_response_id", f" (engine {home.engine_id} that stored it is gone)"
+            )
+        if record.model != request.model:
+            raise GatewayError(
+                400,
+                f"response {previous!r} was made by model {record.model!r}; a continuation of it "
+                f"must name that model, not {request.model!r}",
+                param="model",
+                code="model_mismatch",
+            )
         if not (self.fleet.in_front(record) or self.fleet.in_decode_pool(record)):
             raise GatewayError(
                 503,
@@ -127,6 +142,9 @@ class Responses:
         request = call.request
         if status != 200 or not request.store or call.response_id is None or call.engine_id is None:
             return
+        known = self.homes.get(call.response_id)
+        if known is not None and known.tenant != tenant:
+            return  # (an engine that reuses ids must not hand one tenant's to another)
         usage = call.usage or {}
         tokens = _count(usage.get("prompt_tokens")) + _count(usage.get("completion_tokens"))
         self.homes.remember(call.response_id, Home(call.engine_id, request.model, tenant, tokens))
@@ -137,7 +155,7 @@ class Responses:
         """Relay a read or cancel of a stored response to its engine; returns the status sent."""
         matched = _ITEM_PATH.fullmatch(scope["path"])
         if matched is None:
-            raise GatewayError(404, f"no such route: {scope['path'][:200]}", code="not_found")
+            raise GatewayError(404, f"no such route: {scope['path'][:200]!r}", code="not_found")
         response_id, cancel = matched.group(1), matched.group(2) is not None
         method = scope["method"]
         if method != ("POST" if cancel else "GET"):
@@ -148,20 +166,19 @@ class Responses:
             )
             refused.extra_headers = ((b"allow", b"POST" if cancel else b"GET"),)
             raise refused
-        home = self.homes.get(response_id)
-        if home is not None and home.tenant != tenant:
-            raise _not_found(response_id)  # (another tenant's: as if it did not exist)
-        record = None if home is None else self.fleet.records.get(home.engine_id)
-        if record is None:
-            record = await self._look_for(response_id, None)
-            if record is None:
-                raise _not_found(response_id)
-            self.homes.remember(response_id, Home(record.engine_id, record.model, tenant, 0))
-        if b"stream=true" in scope.get("query_string", b"").lower():
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if any(v.lower() not in ("false", "0", "") for v in query.get("stream", ())):
             # (replaying a stored response's events is for background responses, which the
             # gateway does not take: see gateway/api/request_parse.py)
             raise GatewayError(400, "streaming a stored response is not supported", param="stream")
-        path = f"/v1/responses/{response_id}" + ("/cancel" if cancel else "")
+        home = self.homes.get(response_id)
+        if home is not None and home.tenant != tenant:
+            raise _not_found(response_id, "response_id")  # (another tenant's: as if unknown)
+        record = None if home is None else self.fleet.records.get(home.engine_id)
+        if record is None:
+            record = await self._find(response_id, None, "response_id")
+            self.homes.remember(response_id, Home(record.engine_id, record.model, tenant, 0))
+        path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         url = record.adapter.url(path)
         headers = record.adapter.upstream_headers(f"read-{response_id}")
         try:
@@ -179,10 +196,20 @@ class Responses:
             ) from None
         if not whole:
             raise GatewayError(502, f"engine {record.engine_id} answered too much", code="upstream_too_large")
-        if status >= 400 and kind != "application/json":
+        if status in (401, 403):
+            # (the engine refuses the gateway's own credentials: not the client's key)
             raise GatewayError(
-                status if status < 600 else 502, f"engine {record.engine_id} answered HTTP {status}"
+                502,
+                f"engine {record.engine_id} refused the gateway's credentials",
+                code="upstream_auth_failed",
             )
+        if status != 200:
+            # (said as an OpenAI error whatever the engine wrote: its JSON error, a framework's
+            # {"detail": ...}, a page)
+            error = upstream_error(status, body)
+            if status == 404:
+                error.param, error.code = "response_id", "response_not_found"
+            raise error
         start = {
             "type": "http.response.start",
             "status": status,
@@ -191,61 +218,66 @@ class Responses:
                 (b"x-slogate-engine", record.engine_id.encode()),
             ],
         }
-        async with asyncio.timeout(self.timeout_s):  # (a client that takes nothing is gone)
+        async with asyncio.timeout(self.client_timeout_s):  # (a client that takes nothing is gone)
             await send(start)
             await send({"type": "http.response.body", "body": body})
         return status
 
     # -- finding an unknown response -------------------------------------------------------------
 
-    async def _look_for(self, response_id: str, model: str | None) -> EngineRecord | None:
-        """The engine (of ``model``, or any) that answers a read of the response with a 200."""
-        records = [
-            # (a draining engine still holds what it stored)
-            r
-            for r in self.fleet.records.values()
-            if (model is None or r.model == model) and r.healthy
-        ]
-        if not records:
-            return None
+    async def _find(self, response_id: str, model: str | None, param: str) -> EngineRecord:
+        """The engine (of ``model``, or any) that answers a read of the response with a 200: a
+        404 when every engine that could hold it said it does not, a 503 when one could not
+        tell (it did not answer in time, failed, or is out of rotation: the response may be
+        there)."""
+        records = [r for r in self.fleet.records.values() if model is None or r.model == model]
+        # (a draining engine still holds what it stored; an unhealthy one cannot be asked)
+        asked = [r for r in records if r.healthy]
+        unsure = len(asked) < len(records)
+        loop = asyncio.get_running_loop()
 
-        async def holds(record: EngineRecord) -> bool:
-            url = record.adapter.url(f"/v1/responses/{response_id}")
+        async def holds(record: EngineRecord) -> bool | None:
+            url = record.adapter.url(f"/v1/responses/{quote(response_id, safe='')}")
             headers = record.adapter.upstream_headers(f"find-{response_id}")
             try:
                 async with self.session.get(url, headers=headers) as answer:
-                    return answer.status == 200
-            except aiohttp.ClientError:
-                return False
+                    return True if answer.status == 200 else False if answer.status == 404 else None
+            except (aiohttp.ClientError, OSError):
+                return None
 
-        tasks = {asyncio.ensure_future(holds(r)): r for r in records}
+        tasks = {loop.create_task(holds(r)): r for r in asked}
         try:
             deadline = time.monotonic() + LOOKUP_TIMEOUT_S
             pending = set(tasks)
             while pending:
-                done, pending = await asyncio.wait(
-                    pending,
-                    timeout=max(0.0, deadline - time.monotonic()),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                left = max(0.0, deadline - time.monotonic())
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
-                    return None
+                    unsure = True  # (some did not answer in time)
+                    break
                 for task in done:
-                    if not task.cancelled() and task.exception() is None and task.result():
+                    verdict = None if task.cancelled() or task.exception() is not None else task.result()
+                    if verdict:
                         return tasks[task]
-            return None
+                    unsure = unsure or verdict is None
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if unsure:
+            raise GatewayError(
+                503,
+                f"response {response_id!r} could not be looked for on every engine that may hold it; "
+                "retry later",
+                code="engine_unavailable",
+                retry_after_s=2.0,
+            )
+        raise _not_found(response_id, param)
 
 
-def _not_found(response_id: str, why: str = "") -> GatewayError:
+def _not_found(response_id: str, param: str, why: str = "") -> GatewayError:
     return GatewayError(
-        404,
-        f"Response with id {response_id[:256]!r} not found{why}.",
-        param="previous_response_id",
-        code="response_not_found",
+        404, f"Response with id {response_id[:256]!r} not found{why}.", param=param, code="response_not_found"
     )
 
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from gateway.engines.vllm import parse_vllm_metrics
+from gateway.fleet.registry import RunningEntry
 from gateway.procs import ChildProcess, spawn_sim_engine
 from profiles import PROFILES_DIR
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry, free_port
@@ -776,3 +777,35 @@ def test_only_what_every_engine_that_may_serve_it_would_refuse_is_refused_up_fro
         assert (
             flow._decode_refusal(call("chat", max_tokens=8, min_tokens=9)) is not None
         )  # (no engine takes it)
+
+
+def test_a_responses_conversation_stays_on_its_decode_engine(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """A Responses request on a P/D model runs whole on a decode engine, and its continuations on
+    the one that stored it (decode placement spreads requests otherwise); mode always refuses it."""
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "conditional"))) as gw:
+        ask = {"model": MODEL, "max_output_tokens": 4}
+        first = httpx.post(gw.url + "/v1/responses", json={**ask, "input": LONG}, timeout=30)
+        assert first.status_code == 200, first.text
+        home, previous = first.headers["x-slogate-engine"], first.json()["id"]
+        assert home in ("d0", "d1")
+        # the home engine busier than the other (as the gateway counts): decode placement alone
+        # would now choose the other one
+        fleet_state = gw.gateway.fleet
+        assert fleet_state is not None
+        for i in range(6):
+            fleet_state.reserve(home, f"busy-{i}", RunningEntry(1000, 500, 0.1, 0.0))
+        for turn in range(4):
+            answer = httpx.post(
+                gw.url + "/v1/responses",
+                json={**ask, "input": f"turn {turn}", "previous_response_id": previous},
+                timeout=30,
+            )
+            assert answer.status_code == 200 and answer.headers["x-slogate-engine"] == home, answer.text
+            previous = answer.json()["id"]
+        for i in range(6):
+            fleet_state.release(home, f"busy-{i}")
+    with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
+        refused = httpx.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_supported"

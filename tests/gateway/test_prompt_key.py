@@ -355,3 +355,20 @@ def test_a_responses_request_is_keyed_as_its_engine_renders_it() -> None:
     assert (
         prompt_token_ids("responses", {"input": [{"type": "function_call"}]}) is None
     )  # (malformed: not keyed)
+
+
+def test_keying_a_responses_request_leaves_its_body_as_it_came() -> None:
+    """The conversion to chat messages fills the assistant turn a call follows: on a copy, never
+    on the client's own item (which goes to the engine when the body is written again)."""
+    import copy
+
+    body = {
+        "input": [
+            {"role": "assistant", "content": []},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"role": "user", "content": "go on"},
+        ]
+    }
+    before = copy.deepcopy(body)
+    prompt_token_ids("responses", body)
+    assert body == before

@@ -90,13 +90,14 @@ def test_the_engine_is_found_again_once_the_gateway_forgot(client: openai.OpenAI
     assert client.responses.retrieve(first.id).id == first.id
 
 
-def test_unknown_and_unstored_responses_are_404s(client: openai.OpenAI) -> None:
+def test_unknown_and_unstored_responses_are_404s(client: openai.OpenAI, gw: RunningGateway) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         _create(client, input="hi", previous_response_id="resp_" + "0" * 32)
     assert unknown.value.body["code"] == "response_not_found"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_" + "1" * 32)
     unstored, _ = _create(client, input="Forget this.", store=False)
+    assert gw.gateway.proxy is not None and gw.gateway.proxy.responses.homes.get(unstored.id) is None
     with pytest.raises(openai.NotFoundError):
         _create(client, input="What did I say?", previous_response_id=unstored.id)
 
@@ -115,8 +116,18 @@ def test_what_the_gateway_refuses(gw: RunningGateway) -> None:
         assert wrong.status_code == 405 and "allow" in wrong.headers, path
     odd = httpx.get(gw.url + "/v1/responses/" + "%2F..%2Fmetrics", timeout=10)
     assert odd.status_code == 404 and odd.json()["error"]
-    replay = httpx.get(gw.url + "/v1/responses/resp_x?stream=true", timeout=10)
-    assert replay.status_code in (400, 404)
+    stored = httpx.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x", "max_output_tokens": 2})
+    for query in ("stream=true", "stream=1"):
+        replay = httpx.get(gw.url + f"/v1/responses/{stored.json()['id']}?{query}", timeout=10)
+        assert replay.status_code == 400 and replay.json()["error"]["param"] == "stream", query
+    for sneaky in ("../../health", "x?a=1", "x#f", "%2e%2e/metrics", "a/b"):
+        refused = httpx.post(
+            gw.url + "/v1/responses",
+            json={"model": MODEL, "input": "x", "previous_response_id": sneaky},
+            timeout=10,
+        )
+        assert refused.status_code == 400, sneaky
+        assert refused.json()["error"]["param"] == "previous_response_id", sneaky
 
 
 def test_a_tenant_cannot_read_or_continue_another_tenants_response(two_engines: list[ChildProcess]) -> None:
@@ -130,6 +141,8 @@ def test_a_tenant_cannot_read_or_continue_another_tenants_response(two_engines: 
             team_b.responses.retrieve(theirs.id)
         with pytest.raises(openai.NotFoundError):
             _create(team_b, input="What was it?", previous_response_id=theirs.id)
+        with pytest.raises(openai.NotFoundError):
+            team_b.responses.cancel(theirs.id)
         assert team_a.responses.retrieve(theirs.id).output_text == theirs.output_text
         anonymous = httpx.get(gw.url + f"/v1/responses/{theirs.id}", timeout=10)
         assert anonymous.status_code == 401

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import httpx
 import openai
@@ -201,13 +202,21 @@ def _call() -> Call:
 
 def test_the_event_reader_counts_deltas_and_reads_the_end() -> None:
     call = _call()
-    opened = response_event("response.created", 0, response=response_object("resp_a", "in_progress"))
+    # the response echoes what the client sent (its metadata, instructions): text that ends in
+    # ".delta" there, or in a delta, is no output event
+    echoed = {**response_object("resp_a", "in_progress"), "metadata": {"tag": "v2.delta"}}
+    opened = response_event("response.created", 0, response=echoed)
     deltas = b"".join(
-        response_event("response.output_text.delta", i + 1, delta='say "error" .delta"') for i in range(3)
+        response_event("response.output_text.delta", i + 1, delta='say "error" .delta"' if i else "e.delta")
+        for i in range(3)
     )
     end = response_event("response.completed", 4, response=response_object("resp_a", "completed", "x", 3))
     # (a read of deltas alone takes the fast path: no JSON decoded)
-    assert _response_events(call, deltas, b"\n\n") == (deltas, False, 3, 3, -1)
+    with mock.patch("gateway.serving.relay._response_event_type", side_effect=AssertionError("decoded")):
+        assert _response_events(call, deltas, b"\n\n") == (deltas, False, 3, 3, -1)
+    crlf = deltas.replace(b"\n", b"\r\n")
+    assert _response_events(call, crlf, b"\r\n\r\n")[3] == 3
+    assert _response_events(call, opened, b"\n\n")[3] == 0
     relayed, done, n, content, failed_at = _response_events(
         call, opened + deltas + end + b": ping\n\n", b"\n\n"
     )
