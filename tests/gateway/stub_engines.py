@@ -386,12 +386,14 @@ def response_event(kind: str, sequence: int, **fields: Any) -> bytes:
     return f"event: {kind}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def responses_stream(deltas: int, end: str = "completed", gap_s: float = 0.002) -> Behaviour:
+def responses_stream(
+    deltas: int, end: str = "completed", gap_s: float = 0.002, ping: bool = False
+) -> Behaviour:
     """A Responses API stream as vLLM sends one: created, in progress, an output item opened,
     ``deltas`` text deltas ``gap_s`` apart, then by ``end``: ``completed`` (the item closed and
     ``response.completed`` with usage), ``error`` (an error event, then the stream ends),
     ``stall`` (nothing more, the connection held) or ``cut`` (the connection closed without an
-    end)."""
+    end); ``ping``: a keep-alive comment after the first event."""
 
     async def behaviour(engine: StubEngine, request: web.Request) -> web.StreamResponse:
         rid = "resp_stub1"
@@ -406,6 +408,8 @@ def responses_stream(deltas: int, end: str = "completed", gap_s: float = 0.002) 
 
         opened = response_object(rid, "in_progress")
         await emit("response.created", response=opened)
+        if ping:
+            await response.write(b": ping\n\n")  # (a keep-alive comment: no event, nor numbered)
         await emit("response.in_progress", response=opened)
         item = {
             "id": "msg_stub",

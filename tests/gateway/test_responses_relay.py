@@ -5,9 +5,11 @@ OpenAI SDK reads (never chat's ``[DONE]``), its engine request closed and its se
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 from unittest import mock
 
 import httpx
@@ -18,7 +20,7 @@ from aiohttp import web
 
 from gateway.serving.call import Call
 from gateway.serving.relay import _response_events
-from tests.gateway.conftest import MODEL
+from tests.gateway.conftest import MODEL, free_port
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import (
     StubEngine,
@@ -27,6 +29,7 @@ from tests.gateway.stub_engines import (
     responses_stream,
 )
 from tests.gateway.test_timeouts import QUIET_MONITOR, metric
+from tests.support.threaded_app import ThreadedApp
 
 RESPONSES = "/v1/responses"
 
@@ -35,10 +38,16 @@ def body(stream: bool = True, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "input": "hello there", "max_output_tokens": 8, "stream": stream, **extra}
 
 
+def body_of(**extra: Any) -> dict[str, Any]:
+    return body(stream=False, **extra)
+
+
 def events_of(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
     """The (event line, data) pairs of a Responses stream; asserts each is framed as vLLM frames."""
     out = []
     for event in raw.split(b"\n\n")[:-1]:
+        if event.startswith(b":"):
+            continue  # (a keep-alive comment)
         head, data = event.split(b"\n", 1)
         assert head.startswith(b"event: ") and data.startswith(b"data: "), event
         out.append((head[7:].decode(), orjson.loads(data[6:])))
@@ -126,7 +135,10 @@ def test_an_engine_error_event_ends_the_stream_as_a_failure(
 
 @pytest.mark.parametrize(
     "stub_gateway",
-    [(responses_stream(1, end="stall"), {"idle_timeout_s": 1.0}), (responses_stream(2, end="cut"), {})],
+    [
+        (responses_stream(1, end="stall", ping=True), {"idle_timeout_s": 1.0}),
+        (responses_stream(2, end="cut"), {}),
+    ],
     indirect=True,
     ids=["stall", "cut"],
 )
@@ -231,3 +243,114 @@ def test_the_event_reader_counts_deltas_and_reads_the_end() -> None:
     failed = response_event("error", 2, code="x", message="boom", param=None)
     relayed, done, n, content, failed_at = _response_events(_call(), opened + failed + deltas, b"\n\n")
     assert relayed == opened + failed and done and failed_at == len(opened) and content == 0
+
+
+class ReadsEngine(ThreadedApp):
+    """Stores one response (``resp_known``, made by any POST) and answers a read of it with
+    ``status``: an engine whose reads fail in the ways the gateway must say as OpenAI errors."""
+
+    thread_name = "reads-engine"
+    runner_options: ClassVar[dict[str, Any]] = {"handler_cancellation": True, "shutdown_timeout": 1.0}
+
+    def __init__(self, status: int, body: bytes, content_type: str, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.status, self.body, self.content_type = status, body, content_type
+        self.delay_s = delay_s
+
+    async def build(self) -> web.Application:
+        async def create(_: web.Request) -> web.Response:
+            return web.json_response(response_object("resp_known", "completed", "ok", 1))
+
+        async def read(request: web.Request) -> web.Response:
+            if request.match_info["rid"] != "resp_known":
+                return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
+            await asyncio.sleep(self.delay_s)
+            return web.Response(status=self.status, body=self.body, content_type=self.content_type)
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/responses", create)
+        app.router.add_get("/v1/responses/{rid}", read)
+        app.router.add_get("/v1/models", models)
+        return app
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "content_type", "expected", "code"),
+    [
+        (
+            401,
+            b'{"error": {"message": "bad key", "code": 401}}',
+            "application/json",
+            502,
+            "upstream_auth_failed",
+        ),
+        (500, b"<html>oops</html>", "text/html", 500, None),
+        (405, b'{"detail": "Method Not Allowed"}', "application/json", 405, None),
+    ],
+)
+def test_a_failed_read_is_said_as_an_openai_error(
+    status: int, body: bytes, content_type: str, expected: int, code: str | None
+) -> None:
+    with (
+        ReadsEngine(status, body, content_type) as engine,
+        run_gateway(
+            engines=[{"url": engine.url, "kind": "openai", "model": MODEL, "name": "reads"}], **QUIET_MONITOR
+        ) as gw,
+    ):
+        assert httpx.post(gw.url + RESPONSES, json=body_of(), timeout=10).status_code == 200
+        answer = httpx.get(gw.url + "/v1/responses/resp_known", timeout=10)
+        assert answer.status_code == expected, answer.text
+        error = answer.json()["error"]
+        assert isinstance(error["message"], str) and "<html>" not in error["message"]
+        if code is not None:
+            assert error["code"] == code
+
+
+def test_an_unknown_response_an_engine_could_not_be_asked_about_is_a_503() -> None:
+    with (
+        ReadsEngine(200, b"{}", "application/json") as engine,
+        run_gateway(
+            engines=[
+                {"url": engine.url, "kind": "openai", "model": MODEL, "name": "reads"},
+                {"url": f"http://127.0.0.1:{free_port()}", "kind": "openai", "model": MODEL, "name": "down"},
+            ],
+            **QUIET_MONITOR,
+        ) as gw,
+    ):
+        wait_until(lambda: not gw.gateway.fleet.records["down"].healthy, 10)  # type: ignore[union-attr]
+        unsure = httpx.post(gw.url + RESPONSES, json=body_of(previous_response_id="resp_other"), timeout=10)
+        assert unsure.status_code == 503 and unsure.json()["error"]["code"] == "engine_unavailable", (
+            unsure.text
+        )
+        assert "retry-after" in unsure.headers
+        read = httpx.get(gw.url + "/v1/responses/resp_other", timeout=10)
+        assert read.status_code == 503
+
+
+def test_a_read_open_when_a_shutdowns_grace_ends_gets_a_503_and_later_ones_too() -> None:
+    with (
+        ReadsEngine(200, b"{}", "application/json", delay_s=30.0) as engine,
+        run_gateway(
+            engines=[{"url": engine.url, "kind": "openai", "model": MODEL, "name": "reads"}], **QUIET_MONITOR
+        ) as gw,
+    ):
+        assert httpx.post(gw.url + RESPONSES, json=body_of(), timeout=10).status_code == 200
+        answers: list[httpx.Response] = []
+        reader = threading.Thread(
+            target=lambda: answers.append(httpx.get(gw.url + "/v1/responses/resp_known", timeout=20))
+        )
+        reader.start()
+        proxy = gw.gateway.proxy
+        assert proxy is not None
+        assert wait_until(lambda: proxy.open_requests == 1, 10)
+        ended: list[int] = []
+        loop = gw.gateway.dispatch._task.get_loop()  # type: ignore[union-attr]
+        loop.call_soon_threadsafe(lambda: ended.append(proxy.cut_open()))
+        reader.join(15)
+        assert ended == [1] and answers and answers[0].status_code == 503, answers
+        assert answers[0].json()["error"]["code"] == "shutting_down"
+        late = httpx.get(gw.url + "/v1/responses/resp_known", timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
