@@ -56,6 +56,7 @@ from gateway.runtime import LoopLagProbe, export_gc_pauses
 from gateway.serving.call import Receive, Scope, Send
 from gateway.serving.collocated import CollocatedFlow
 from gateway.serving.disaggregated import DisaggregatedFlow
+from gateway.serving.responses import Responses
 from gateway.settings import Settings, settings_warnings, without_credentials
 from gateway.state.redis_store import RedisStore
 from gateway.state.replica_load import ReplicaLoad
@@ -222,7 +223,19 @@ class Gateway:
             fresh_session=self.fresh_session,
         )
         flow = self.flow = DisaggregatedFlow(self.fleet, collocated, self.slo, self.routing.dispatcher)
-        self.proxy = Proxy(s, self.fleet, self.slo, flow, self.auth, self.prefix, self.dispatch.core.router)
+        # (replicas share where each stored Responses API answer is: a continuation through
+        # another replica goes to its engine at once)
+        responses = Responses(
+            self.fleet,
+            self.session,
+            s.headers_timeout_s,
+            s.idle_timeout_s,
+            self.replicas.store if self.replicas is not None else None,
+            s.state_namespace,
+        )
+        self.proxy = Proxy(
+            s, self.fleet, self.slo, flow, self.auth, self.prefix, self.dispatch.core.router, responses
+        )
         if s.calibration:
             self.calibrator = Calibrator(
                 self.fleet, self.slo.latency, self.session, interval_s=s.calibration_interval_s
@@ -271,6 +284,7 @@ class Gateway:
         if self.proxy is not None:
             self.proxy.parser.close()
             self.proxy.keyer.close()
+            await self.proxy.responses.close()  # (before the store closes)
         if self.dispatch is not None:
             await self.dispatch.stop()
         if self.monitor is not None:

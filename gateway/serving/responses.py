@@ -8,8 +8,9 @@ simulated engine) keeps each one, and a later request naming it as ``previous_re
 response's engine as it relays the answer (:class:`ResponseHomes`) and pins a continuation to it
 (:attr:`policies.api.RequestView.engine`), planning its prompt with the conversation it carries.
 
-An id the gateway has not seen (another replica served it, or this one restarted) is looked for
-on the engines themselves, a ``GET`` to each at once: the one that answers 200 holds it. A
+Replicas sharing a state store (Redis) share these homes. An id the gateway has not seen (another
+replica served it without a shared store, or this one restarted) is looked for on the engines
+themselves, a ``GET`` to each at once: the one that answers 200 holds it. A
 response the gateway knows is another tenant's is answered as unknown (a 404); one it does not
 know is found for whoever asks first (its id, random and long, is what proves the asker's
 claim, as it is at the engine).
@@ -27,6 +28,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 import aiohttp
+import orjson
 
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import RESPONSE_ID
@@ -34,11 +36,15 @@ from gateway.engines.base import read_up_to
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, Receive, Scope, Send
 from gateway.serving.relay import upstream_error
+from gateway.state.store import StateStore, StoreError
 
 log = logging.getLogger("slogate.responses")
 
 #: stored responses whose engines are remembered (an LRU: the oldest are looked for again)
 MAX_HOMES = 100_000
+#: how long the shared store keeps where a response is stored (engines keep theirs in memory,
+#: until they restart)
+HOME_TTL_S = 24 * 3600.0
 #: how long the engines are given to say whether they hold an unknown response
 LOOKUP_TIMEOUT_S = 2.0
 #: the largest answer of a read of a stored response (its whole output)
@@ -82,10 +88,20 @@ class ResponseHomes:
 
 class Responses:
     """Pins continuations to the engine of the response they continue, remembers where answers
-    are stored, and serves ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
+    are stored, and serves ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``.
+
+    With a shared ``store`` (gateway replicas over Redis) every replica writes where its answers
+    are stored, and reads there what it does not know before asking the engines: a continuation
+    through another replica goes to its engine at once, and stays its tenant's."""
 
     def __init__(
-        self, fleet: Fleet, session: aiohttp.ClientSession, timeout_s: float, client_timeout_s: float
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        timeout_s: float,
+        client_timeout_s: float,
+        store: StateStore | None = None,
+        namespace: str = "slogate",
     ) -> None:
         self.fleet = fleet
         self.session = session
@@ -94,6 +110,10 @@ class Responses:
         #: ...and the client's taking of the answer
         self.client_timeout_s = client_timeout_s
         self.homes = ResponseHomes()
+        self.store = store
+        self._key_prefix = f"{{{namespace}}}:response:"
+        #: writes to the store under way (kept: a task nothing holds may be collected mid-way)
+        self._writes: set[asyncio.Task[None]] = set()
 
     # -- POST /v1/responses ------------------------------------------------------------------------
 
@@ -105,13 +125,13 @@ class Responses:
         previous = request.previous_response
         if previous is None:
             return
-        home = self.homes.get(previous)
+        home = await self._home(previous)
         if home is not None and home.tenant != tenant:
             raise _not_found(previous, "previous_response_id")  # (another tenant's: as if unknown)
         if home is None:
             found = await self._find(previous, request.model, "previous_response_id")
             home = Home(found.engine_id, found.model, tenant, 0)
-            self.homes.remember(previous, home)
+            self._remember(previous, home)
         record = self.fleet.records.get(home.engine_id)
         if record is None:
             raise _not_found(
@@ -147,7 +167,43 @@ class Responses:
             return  # (an engine that reuses ids must not hand one tenant's to another)
         usage = call.usage or {}
         tokens = _count(usage.get("prompt_tokens")) + _count(usage.get("completion_tokens"))
-        self.homes.remember(call.response_id, Home(call.engine_id, request.model, tenant, tokens))
+        self._remember(call.response_id, Home(call.engine_id, request.model, tenant, tokens))
+
+    def _remember(self, response_id: str, home: Home) -> None:
+        self.homes.remember(response_id, home)
+        if self.store is None:
+            return
+        value = orjson.dumps({"e": home.engine_id, "m": home.model, "t": home.tenant, "k": home.tokens})
+        task = asyncio.get_running_loop().create_task(self._write(response_id, value))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, response_id: str, value: bytes) -> None:
+        assert self.store is not None
+        try:
+            await self.store.put(self._key_prefix + response_id, value, HOME_TTL_S)
+        except StoreError as exc:  # (a replica that asks later looks on the engines instead)
+            log.debug("response %s not written to the state store: %s", response_id, exc)
+
+    async def _home(self, response_id: str) -> Home | None:
+        """Where the response is stored: as this replica knows it, else as the shared store does."""
+        home = self.homes.get(response_id)
+        if home is not None or self.store is None:
+            return home
+        try:
+            (value,) = await self.store.get_many([self._key_prefix + response_id])
+        except StoreError as exc:
+            log.debug("response %s not read from the state store: %s", response_id, exc)
+            return None
+        home = _decoded_home(value)
+        if home is not None:
+            self.homes.remember(response_id, home)
+        return home
+
+    async def close(self) -> None:
+        """Wait for the store writes under way (bounded by the store's own timeout)."""
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     # -- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------
 
@@ -171,13 +227,13 @@ class Responses:
             # (replaying a stored response's events is for background responses, which the
             # gateway does not take: see gateway/api/request_parse.py)
             raise GatewayError(400, "streaming a stored response is not supported", param="stream")
-        home = self.homes.get(response_id)
+        home = await self._home(response_id)
         if home is not None and home.tenant != tenant:
             raise _not_found(response_id, "response_id")  # (another tenant's: as if unknown)
         record = None if home is None else self.fleet.records.get(home.engine_id)
         if record is None:
             record = await self._find(response_id, None, "response_id")
-            self.homes.remember(response_id, Home(record.engine_id, record.model, tenant, 0))
+            self._remember(response_id, Home(record.engine_id, record.model, tenant, 0))
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         url = record.adapter.url(path)
         headers = record.adapter.upstream_headers(f"read-{response_id}")
@@ -279,6 +335,23 @@ def _not_found(response_id: str, param: str, why: str = "") -> GatewayError:
     return GatewayError(
         404, f"Response with id {response_id[:256]!r} not found{why}.", param=param, code="response_not_found"
     )
+
+
+def _decoded_home(value: bytes | None) -> Home | None:
+    """A home as the store holds it (written by any replica, of any version: what is not one is
+    none)."""
+    if value is None:
+        return None
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    engine, model, tenant, tokens = data.get("e"), data.get("m"), data.get("t"), data.get("k")
+    if not (isinstance(engine, str) and isinstance(model, str) and isinstance(tenant, str)):
+        return None
+    return Home(engine, model, tenant, _count(tokens))
 
 
 def _count(value: Any) -> int:

@@ -299,3 +299,60 @@ def test_a_replica_started_after_a_sessions_turn_sends_the_next_one_to_its_engin
         finally:
             for gate in gates.values():
                 gate.set()
+
+
+def test_a_stored_response_is_continued_and_kept_its_tenants_through_any_replica(
+    redis_server: RedisServer,
+) -> None:
+    """Replicas share where each stored Responses API answer is: a continuation through the
+    other replica goes to the engine that stored it, and another tenant is told it does not
+    exist there too (looking on the engines instead, the first to ask would have been let in)."""
+    from gateway.procs import spawn_sim_engine
+    from tests.gateway.conftest import SIM_ARGS, engine_entry
+
+    keys = {"sk-team-a-0123456789": {"tenant": "a"}, "sk-team-b-0123456789": {"tenant": "b"}}
+    shared: dict[str, Any] = {
+        "state_store": "redis",
+        "redis_url": redis_server.url,
+        "replica_sync_interval_s": 0.05,
+        "api_keys": list(keys),
+        "api_key_policies": keys,
+    }
+    with (
+        spawn_sim_engine(*SIM_ARGS, name="s0") as s0,
+        spawn_sim_engine(*SIM_ARGS, name="s1") as s1,
+        run_gateway(engines=[engine_entry(s0), engine_entry(s1)], replica_id="gw-a", **shared) as a,
+        run_gateway(engines=[engine_entry(s0), engine_entry(s1)], replica_id="gw-b", **shared) as b,
+    ):
+        team_a = {"authorization": "Bearer sk-team-a-0123456789"}
+        team_b = {"authorization": "Bearer sk-team-b-0123456789"}
+        ask = {"model": MODEL, "max_output_tokens": 3}
+        first = httpx.post(
+            a.url + "/v1/responses", json={**ask, "input": "hello"}, headers=team_a, timeout=30
+        )
+        assert first.status_code == 200, first.text
+        home, rid = first.headers["x-slogate-engine"], first.json()["id"]
+
+        def known_to_b() -> bool:
+            proxy = b.gateway.proxy
+            assert proxy is not None
+            return proxy.responses.homes.get(rid) is not None
+
+        stranger = httpx.post(
+            b.url + "/v1/responses",
+            json={**ask, "input": "x", "previous_response_id": rid},
+            headers=team_b,
+            timeout=30,
+        )
+        assert stranger.status_code == 404, stranger.text
+        assert httpx.get(b.url + f"/v1/responses/{rid}", headers=team_b, timeout=30).status_code == 404
+        for turn in range(3):
+            answer = httpx.post(
+                b.url + "/v1/responses",
+                json={**ask, "input": f"turn {turn}", "previous_response_id": rid},
+                headers=team_a,
+                timeout=30,
+            )
+            assert answer.status_code == 200 and answer.headers["x-slogate-engine"] == home, answer.text
+            rid = answer.json()["id"]
+        assert known_to_b()
