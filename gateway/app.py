@@ -287,6 +287,8 @@ class Gateway:
             await self.proxy.responses.close()  # (before the store closes)
         if self.dispatch is not None:
             await self.dispatch.stop()
+        if self.flow is not None:
+            self.flow.collocated.outliers.close()
         if self.monitor is not None:
             await self.monitor.stop()
         if self.routes is not None:
@@ -571,6 +573,7 @@ def build_api(gateway: Gateway) -> FastAPI:
                     "draining": r.draining,  # (a role flip under way)
                     "role_unsure": r.role_unsure,  # (a failed flip left its role unknown)
                     "stalled": r.stalled,  # (work held, no progress: out of rotation)
+                    "ejected": r.tripped,  # (failed requests in a row: out of rotation for a while)
                     "in_flight": r.in_flight,
                     # (other gateway replicas' requests there, as last exchanged: docs/replicas.md)
                     "other_replicas_in_flight": r.remote_in_flight,

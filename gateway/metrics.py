@@ -353,6 +353,19 @@ REPLICA_ROUTES = Counter(
 ENGINE_HEALTHY = Gauge(
     "slogate_engine_healthy", "1 when the engine is in rotation", ["engine"], registry=REGISTRY
 )
+ENGINE_EJECTED = Gauge(
+    "slogate_engine_ejected",
+    "1 while the engine is out of rotation after failed requests in a row (outlier ejection: "
+    "outlier_consecutive_failures)",
+    ["engine"],
+    registry=REGISTRY,
+)
+ENGINE_EJECTIONS = Counter(
+    "slogate_engine_ejections",
+    "Outlier ejections: an engine taken out of rotation after failed requests in a row",
+    ["engine"],
+    registry=REGISTRY,
+)
 ENGINE_STALLED = Gauge(
     "slogate_engine_stalled",
     "1 while the engine is out of rotation for a stall: work held, no progress (stall_after_s)",

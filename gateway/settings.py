@@ -35,6 +35,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.api import Role
+from policies.outliers import OutlierParams
 from profiles import PROFILES_DIR as DEFAULT_PROFILES_DIR
 
 _log = logging.getLogger("slogate.settings")
@@ -341,6 +342,17 @@ class Settings(BaseSettings):
         "or work counter moving) for this long is taken out of rotation until it does or holds "
         "nothing, unless it is its model's last engine in rotation; 0 = off",
     )
+    outlier_consecutive_failures: int = Field(
+        default=5,
+        ge=0,
+        description="an engine whose requests fail this many times in a row (5xx answers, cut or "
+        "stalled streams, timeouts) is taken out of rotation for outlier_ejection_s, doubled for "
+        "each ejection in a row up to outlier_max_ejection_s; never more than "
+        "outlier_max_ejected_percent of a pool, nor its last engine; 0 = off",
+    )
+    outlier_ejection_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    outlier_max_ejection_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    outlier_max_ejected_percent: float = Field(default=50.0, ge=0, le=100, allow_inf_nan=False)
     readmit_after_successes: int = Field(default=1, ge=1)
 
     latency_step_gap_s: float = Field(
@@ -649,6 +661,20 @@ class Settings(BaseSettings):
                 "pip install 'slogate[otlp]' (or set tracing_exporter: console)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _outlier_times_ordered(self) -> Settings:
+        if self.outlier_ejection_s > self.outlier_max_ejection_s:
+            raise ValueError("outlier_ejection_s must not exceed outlier_max_ejection_s")
+        return self
+
+    def outlier_params(self) -> OutlierParams:
+        return OutlierParams(
+            self.outlier_consecutive_failures,
+            self.outlier_ejection_s,
+            self.outlier_max_ejection_s,
+            self.outlier_max_ejected_percent / 100.0,
+        )
 
     @model_validator(mode="after")
     def _store_reachable_by_url(self) -> Settings:

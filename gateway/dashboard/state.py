@@ -190,6 +190,7 @@ def _engines(gateway: Gateway) -> list[dict[str, Any]]:
                 # out of rotation while healthy: being drained (a role flip) or stalled
                 "draining": record.draining,
                 "stalled": record.stalled,
+                "ejected": record.tripped,
                 "role_unsure": record.role_unsure,
                 "in_rotation": fleet.in_front(record) or fleet.in_decode_pool(record),
                 "in_flight": record.in_flight,

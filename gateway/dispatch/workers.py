@@ -283,7 +283,12 @@ class HyperFlexisWorkers:
         :attr:`prefill_ratio`) now, at its end, not at the next arrival or step."""
         engine_id = record.engine_id
         model = record.model
-        in_front = record.adapter.role in FRONT_ROLES and not record.draining and not record.stalled
+        in_front = (
+            record.adapter.role in FRONT_ROLES
+            and not record.draining
+            and not record.stalled
+            and not record.tripped
+        )
         if what in ("role", "health"):
             # restarted or reassigned: measured afresh (not by a first token from before)
             self.prefill_ratio.pop(engine_id, None)

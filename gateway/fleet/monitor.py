@@ -139,8 +139,8 @@ class FleetMonitor:
                 extra={"engine": engine_id, "reason": error},
             )
         self._check_stall(record)
-        # in rotation: healthy and not draining (for a role flip or a scale-in) nor stalled
-        in_rotation = record.healthy and not record.draining and not record.stalled
+        # in rotation: healthy and not draining (for a role flip or a scale-in), stalled nor ejected
+        in_rotation = record.healthy and not record.draining and not record.stalled and not record.tripped
         metrics.ENGINE_HEALTHY.labels(engine_id).set(1.0 if in_rotation else 0.0)
         if not record.healthy:
             # what it last reported no longer holds: no series rather than a dead engine's last

@@ -119,6 +119,8 @@ class EngineRecord:
     role_target: Role | None = None
     #: out of rotation while it holds work and makes no progress (:func:`policies.stall.is_stalled`)
     stalled: bool = False
+    #: out of rotation for a while after failed requests in a row (:mod:`gateway.serving.outliers`)
+    tripped: bool = False
     #: a count that moves with every sign of progress (first tokens, streamed events, the
     #: engine's own work counters): read by the stall check, cheap on the relay's path
     progress: int = 0
@@ -472,6 +474,7 @@ class Fleet:
                     and snap.role in FRONT_ROLES
                     and not record.draining
                     and not record.stalled
+                    and not record.tripped
                 ):
                     self._routable_slot[record.index] = len(routable)
                     routable.append(snap)
@@ -721,6 +724,7 @@ class Fleet:
             record.healthy
             and not record.draining
             and not record.stalled
+            and not record.tripped
             and record.adapter.role in FRONT_ROLES
         )
 
@@ -730,6 +734,7 @@ class Fleet:
             record.healthy
             and not record.draining
             and not record.stalled
+            and not record.tripped
             and record.adapter.role is Role.DECODE
         )
 
@@ -766,32 +771,42 @@ class Fleet:
         self._restore_needed(record.model)
 
     def _restore_needed(self, model: str) -> None:
-        """A stall only moves work between a pool's engines, never refuses it: a stalled engine
-        comes back once no other engine of its pool in rotation could take its work (none left,
-        or none with one of its LoRA adapters), as :meth:`check_stall` would not have marked it
-        then (a false alarm, say one long prefill with nothing else to stream, would otherwise
-        be an outage). Decided for every stalled engine before any returns."""
+        """A stall (or an outlier ejection) only moves work between a pool's engines, never
+        refuses it: a stalled or ejected engine comes back once no other engine of its pool in
+        rotation could take its work (none left, or none with one of its LoRA adapters), as
+        :meth:`check_stall` would not have marked it then (a false alarm, say one long prefill
+        with nothing else to stream, would otherwise be an outage). Decided for every such
+        engine before any returns."""
         engines = self.engines_of.get(model, ())
         needed = [
             other
             for other in engines
-            if other.stalled
+            if (other.stalled or other.tripped)
             and other.healthy
             and not other.draining
             and (not (peers := self.peers(other)) or self._sole_holder(other, peers))
         ]
         for other in needed:
             self.set_stalled(other.engine_id, False)
+            self.set_tripped(other.engine_id, False)
 
     def set_stalled(self, engine_id: str, stalled: bool) -> None:
         """Take the engine out of rotation for a stall (see :meth:`check_stall`) or back in."""
+        self._set_out(engine_id, "stalled", stalled)
+
+    def _set_out(self, engine_id: str, flag: str, value: bool) -> None:
+        """Set one of the flags that take an engine out of rotation (stalled, tripped, draining)."""
         record = self.records[engine_id]
-        if record.stalled == stalled:
+        if getattr(record, flag) == value:
             return
         before = self.in_front(record)
-        record.stalled = stalled
+        setattr(record, flag, value)
         self._membership_changed(record, before)
         self._notify(engine_id, "role")  # (as for a drain: out of rotation, or back with a fresh look)
+
+    def set_tripped(self, engine_id: str, tripped: bool) -> None:
+        """Take the engine out of rotation after failed requests in a row, or back in."""
+        self._set_out(engine_id, "tripped", tripped)
 
     def check_stall(self, engine_id: str, now: float, after_s: float) -> bool:
         """Mark the engine stalled, or no longer, by :func:`policies.stall.is_stalled`; True when
@@ -845,13 +860,7 @@ class Fleet:
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """Take the engine out of rotation (no new work; what runs there finishes) or back in."""
-        record = self.records[engine_id]
-        if record.draining == draining:
-            return
-        before = self.in_front(record)
-        record.draining = draining
-        self._membership_changed(record, before)
-        self._notify(engine_id, "role")
+        self._set_out(engine_id, "draining", draining)
 
     def set_role(self, engine_id: str, role: Role) -> None:
         """The engine now serves as ``role`` (after the admin flip drained it)."""

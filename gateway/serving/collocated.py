@@ -41,6 +41,7 @@ from gateway.fleet.registry import EngineRecord, Fleet, RunningEntry
 from gateway.open_files import out_of_sockets
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.migration import Migrator
+from gateway.serving.outliers import OutlierEjector
 from gateway.serving.relay import MAX_ERROR_BYTES, answer_plain, read_plain, relay_stream, upstream_error
 from gateway.serving.stream_state import Cut
 from gateway.serving.watchdog import time_limit_at
@@ -150,6 +151,8 @@ class CollocatedFlow:
         )
         #: decode migration (resumes cut streams on other engines); None when migration_limit is 0
         self.migration = Migrator(self) if settings.migration_limit > 0 else None
+        #: takes an engine whose requests fail in a row out of rotation for a while
+        self.outliers = OutlierEjector(fleet, settings.outlier_params())
 
     async def serve(self, call: Call, stage: Stage | None = None) -> int:
         """Place and relay ``call``; returns the status sent, raises GatewayError before any byte.
@@ -402,9 +405,11 @@ class CollocatedFlow:
         except BaseException as exc:
             if up is not None:
                 end_upstream(up, call, exc)
+            self.outliers.judge(engine_id, exc)
             raise
         if up is not None:
             end_upstream(up, call, outcome)
+        self.outliers.judge(engine_id, outcome)
         if isinstance(outcome, Cut):  # the stream started and left this engine: resume it elsewhere
             assert self.migration is not None
             self.dispatch.release(engine_id, call.rid)  # this engine's part is over (idempotent)
@@ -636,6 +641,13 @@ class CollocatedFlow:
         status = response.status
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
+            return upstream_error(status, body)
+        if status == 500:
+            # the engine's own failure, before anything reached the client: another engine may
+            # do (bounded by dispatch_attempts; an engine that fails every request is taken out
+            # of rotation by the outlier ejection). Not a 502 or 504: behind a proxy those may
+            # come after the engine did the work, and a gateway as the engine retried already
+            metrics.UPSTREAM_RETRIES.labels("engine_error").inc()
             return upstream_error(status, body)
         if status in (401, 403):
             # the engine refuses the gateway's own credentials (its api_key here is wrong or was

@@ -210,7 +210,7 @@ def test_any_json_either_parses_or_is_a_clean_400() -> None:
         if kind == "embeddings":
             assert (parsed.stream, parsed.max_tokens) == (False, 0)
         else:
-            assert parsed.stream == data.get("stream", False)
+            assert parsed.stream == (data.get("stream") or False)  # (null: the default, as vLLM reads it)
             # a completion without a bound gets the API's 16, a chat the gateway's (10 here)
             default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completions" else 10
             assert parsed.max_tokens == (data.get("max_tokens") or default)

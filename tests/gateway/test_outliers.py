@@ -1,0 +1,97 @@
+"""Outlier ejection against real servers: an engine whose health route answers while every
+completion fails (a 500) is no longer the least loaded engine every request tries first. Its
+failures are retried on another engine, and after ``outlier_consecutive_failures`` of them in a
+row it is out of rotation for ``outlier_ejection_s``, then on probation (one more failure: out
+again, for twice as long). Never the last engine of a pool, nor more than its share."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.api.errors import GatewayError
+from gateway.procs import ChildProcess
+from gateway.serving.outliers import verdict
+from gateway.serving.stream_state import Cut
+from policies.migration import MigrationReason
+from tests.gateway.conftest import MODEL, BrokenEngine, engine_entry
+from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
+from tests.gateway.test_timeouts import QUIET_MONITOR, metric
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+OUTLIERS: dict[str, Any] = {
+    **QUIET_MONITOR,
+    "outlier_consecutive_failures": 3,
+    "outlier_ejection_s": 1.0,
+    "outlier_max_ejection_s": 5.0,
+}
+
+
+def broken_entry(engine: BrokenEngine, name: str) -> dict[str, object]:
+    # (kind vllm: its health route answers, its completions fail)
+    return {"url": engine.url, "kind": "vllm", "model": MODEL, "name": name}
+
+
+@pytest.fixture()
+def broken_and_good(two_engines: list[ChildProcess]) -> Iterator[tuple[BrokenEngine, RunningGateway]]:
+    with (
+        BrokenEngine(500) as broken,
+        run_gateway(engines=[engine_entry(two_engines[0]), broken_entry(broken, "broken")], **OUTLIERS) as gw,
+    ):
+        yield broken, gw
+
+
+def ejected(gw: RunningGateway, name: str) -> bool:
+    return bool({e["id"]: e for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}[name]["ejected"])
+
+
+def test_a_failing_engine_is_retried_around_then_taken_out_then_on_probation(
+    broken_and_good: tuple[BrokenEngine, RunningGateway],
+) -> None:
+    broken, gw = broken_and_good
+    for _ in range(10):
+        answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert answer.status_code == 200, answer.text  # (its 500s retried on the other engine)
+    # least load sent every request there first until the third failure in a row took it out
+    assert len(broken.received) == 3
+    assert metric(gw, "slogate_engine_ejections_total", engine="broken") == 1.0
+    assert wait_until(lambda: not ejected(gw, "broken"), 5)
+    assert metric(gw, "slogate_engine_ejected", engine="broken") == 0.0
+    # back on probation: its next failure takes it out again at once, for twice as long
+    for _ in range(5):
+        assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    out_at = time.monotonic()
+    assert len(broken.received) == 4
+    assert metric(gw, "slogate_engine_ejections_total", engine="broken") == 2.0
+    assert wait_until(lambda: not ejected(gw, "broken"), 10)
+    assert time.monotonic() - out_at >= 1.5  # (2 s; a slow machine only makes it later)
+
+
+def test_never_the_last_engine_nor_more_than_half_of_a_pool() -> None:
+    with BrokenEngine(500) as one, BrokenEngine(500) as other:
+        with run_gateway(engines=[broken_entry(one, "one"), broken_entry(other, "other")], **OUTLIERS) as gw:
+            for _ in range(12):
+                answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+                assert answer.status_code == 500 and answer.json()["error"]["message"] == "engine exploded"
+            # (every request fails on both: one of the two is out, the other stays in rotation)
+            assert sorted([ejected(gw, "one"), ejected(gw, "other")]) == [False, True]
+        with run_gateway(engines=[broken_entry(one, "alone")], **OUTLIERS) as gw:
+            for _ in range(6):
+                assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 500
+            assert not ejected(gw, "alone")
+
+
+def test_what_counts_against_an_engine() -> None:
+    assert verdict(200) is True and verdict(502) is False and verdict(504) is False
+    assert verdict(GatewayError(400, "bad prompt")) is True  # (the engine answered: the client's fault)
+    assert verdict(GatewayError(500, "engine exploded")) is False
+    assert verdict(GatewayError(502, "cut", code="upstream_failed")) is False
+    assert verdict(GatewayError(503, "busy")) is None  # (overloaded: no fault)
+    assert verdict(GatewayError(502, "key", code="upstream_auth_failed")) is None
+    assert verdict(Cut(MigrationReason.STALL, "e", None)) is False
+    assert verdict(Cut(MigrationReason.SLACK, "e", None)) is None
+    assert verdict(ConnectionResetError()) is None  # (a client that left, a cancellation)
