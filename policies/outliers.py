@@ -43,4 +43,8 @@ def ejection_s(params: OutlierParams, ejections: int) -> float:
 def may_eject(params: OutlierParams, out_already: int, pool: int) -> bool:
     """Whether one more engine of a pool of ``pool`` engines (healthy and not draining), of which
     ``out_already`` are out of rotation (stalled or ejected), may be ejected."""
-    return params.consecutive_failures > 0 and pool > 1 and out_already + 1 <= params.max_ejected_share * pool
+    return (
+        params.consecutive_failures > 0
+        and out_already + 1 < pool  # (one at least stays in rotation)
+        and out_already + 1 <= params.max_ejected_share * pool
+    )

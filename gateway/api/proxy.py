@@ -369,6 +369,7 @@ class Proxy:
                 metrics.deferred(metrics.REQUEST_LATENCY, model, slo_class).observe(latency)
             outcome = None
             if call is not None:
+                self.flow.collocated.outliers.settle(call, status)
                 count_usage(call)
                 outcome = self.slo.account(call, status)
                 _observe(call, kind, model, status)

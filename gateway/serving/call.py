@@ -104,6 +104,9 @@ class Call:
     #: body), and the engine it must run on (the one that stored the response it continues)
     response_id: str | None = None
     pinned: str | None = None
+    #: engines this request failed on before anything reached the client (a retry followed):
+    #: counted against them only if it is served elsewhere (gateway.serving.outliers)
+    failed_on: list[str] | None = None
 
     @property
     def tpot_s(self) -> float | None:

@@ -405,11 +405,11 @@ class CollocatedFlow:
         except BaseException as exc:
             if up is not None:
                 end_upstream(up, call, exc)
-            self.outliers.judge(engine_id, exc)
+            self.outliers.judge_raised(engine_id, exc)
             raise
         if up is not None:
             end_upstream(up, call, outcome)
-        self.outliers.judge(engine_id, outcome)
+        self.outliers.judge(engine_id, outcome, call)
         if isinstance(outcome, Cut):  # the stream started and left this engine: resume it elsewhere
             assert self.migration is not None
             self.dispatch.release(engine_id, call.rid)  # this engine's part is over (idempotent)
@@ -642,11 +642,12 @@ class CollocatedFlow:
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
             return upstream_error(status, body)
-        if status == 500:
+        if status == 500 and not call.prefill_dispatched_at:
             # the engine's own failure, before anything reached the client: another engine may
             # do (bounded by dispatch_attempts; an engine that fails every request is taken out
             # of rotation by the outlier ejection). Not a 502 or 504: behind a proxy those may
-            # come after the engine did the work, and a gateway as the engine retried already
+            # come after the engine did the work, and a gateway as the engine retried already.
+            # Nor a P/D decode stage's: the engine may have read the KV, which no other holds
             metrics.UPSTREAM_RETRIES.labels("engine_error").inc()
             return upstream_error(status, body)
         if status in (401, 403):

@@ -344,6 +344,8 @@ class DisaggregatedFlow:
         outcome: bytes | GatewayError | BaseException = GatewayError(502, "prefill did not run")
         try:
             outcome = await self._prefill_read(call, record, url, payload, headers, finish_at, count_wait, up)
+            # (the prefill engine judged as a whole request's: an answer, or a retryable failure)
+            collocated.outliers.judge(engine_id, 200 if isinstance(outcome, bytes) else outcome, call)
             if isinstance(outcome, bytes):
                 self.fleet.mark_prefilled(engine_id, call.rid)
                 # (a bootstrap prefill answers once its KV has reached the decode engine: its time

@@ -17,6 +17,7 @@ import logging
 from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.fleet.registry import Fleet
+from gateway.serving.call import Call
 from gateway.serving.stream_state import Cut
 from policies.api import Role
 from policies.migration import MigrationReason
@@ -34,8 +35,10 @@ ENGINE_FAULTS = frozenset(
 
 
 def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
-    """What a request's outcome says of its engine: True it answered, False it failed, None
-    nothing (the client left, the engine was overloaded or refused the gateway's key)."""
+    """What an attempt's outcome says of its engine: True it answered, False it failed, None
+    nothing (the client left, the engine was overloaded or refused the gateway's key). An
+    exception raised out of an attempt says only that the engine answered (a 4xx: the client's);
+    a raised 5xx may be the request's own doing or its shared deadline's."""
     if isinstance(outcome, Cut):
         return None if outcome.reason is MigrationReason.SLACK else False
     if isinstance(outcome, int):
@@ -51,6 +54,10 @@ def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
     return None
 
 
+def raised_verdict(exc: BaseException) -> bool | None:
+    return True if isinstance(exc, GatewayError) and 400 <= exc.status < 500 else None
+
+
 class OutlierEjector:
     def __init__(self, fleet: Fleet, params: OutlierParams) -> None:
         self.fleet = fleet
@@ -61,13 +68,35 @@ class OutlierEjector:
         self._ejections: dict[str, int] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
 
-    def judge(self, engine_id: str, outcome: int | GatewayError | Cut | BaseException) -> None:
+    def judge(self, engine_id: str, outcome: int | GatewayError | Cut, call: Call) -> None:
+        """An attempt of ``call`` on the engine ended so. A failure before anything reached the
+        client (a retryable error) waits for the request's end (:meth:`settle`): a request that
+        fails on every engine it tries is likely at fault itself, not they."""
         said = verdict(outcome)
         if said is True:
             self._streak.pop(engine_id, None)
             self._ejections.pop(engine_id, None)
         elif said is False:
-            self._failed(engine_id)
+            if isinstance(outcome, GatewayError):
+                if call.failed_on is None:
+                    call.failed_on = []
+                call.failed_on.append(engine_id)
+            else:
+                self._failed(engine_id)
+
+    def judge_raised(self, engine_id: str, exc: BaseException) -> None:
+        """An attempt raised ``exc`` (a final answer, a client that left, a cancellation)."""
+        if raised_verdict(exc):
+            self._streak.pop(engine_id, None)
+            self._ejections.pop(engine_id, None)
+
+    def settle(self, call: Call, status: int) -> None:
+        """The request ended with ``status``: the engines it failed on before being served
+        elsewhere count those failures (not when no engine served it)."""
+        failed, call.failed_on = call.failed_on, None
+        if failed and 200 <= status < 300:
+            for engine_id in failed:
+                self._failed(engine_id)
 
     def _failed(self, engine_id: str) -> None:
         params = self.params
@@ -75,8 +104,8 @@ class OutlierEjector:
             return
         streak = self._streak[engine_id] = self._streak.get(engine_id, 0) + 1
         record = self.fleet.records.get(engine_id)
-        if streak < params.consecutive_failures or record is None or record.tripped:
-            return
+        if streak < params.consecutive_failures or record is None or record.tripped or not record.healthy:
+            return  # (an unhealthy one is the monitor's: it re-admits it when it answers again)
         decode = record.adapter.role is Role.DECODE
         pool = [
             other
@@ -86,11 +115,11 @@ class OutlierEjector:
         out = sum(1 for other in pool if (other.stalled or other.tripped) and other is not record)
         if not may_eject(params, out, len(pool)):
             return  # (it keeps failing requests: a retry takes them elsewhere)
-        ejections = self._ejections[engine_id] = self._ejections.get(engine_id, 0) + 1
-        seconds = ejection_s(params, ejections)
         self.fleet.set_tripped(engine_id, True)
         if not record.tripped:
             return  # (the last of its pool that could take its work: restored at once)
+        ejections = self._ejections[engine_id] = self._ejections.get(engine_id, 0) + 1
+        seconds = ejection_s(params, ejections)
         metrics.ENGINE_EJECTIONS.labels(engine_id).inc()
         metrics.ENGINE_EJECTED.labels(engine_id).set(1.0)
         log.warning(
@@ -107,12 +136,14 @@ class OutlierEjector:
 
     def _readmit(self, engine_id: str) -> None:
         self._timers.pop(engine_id, None)
+        metrics.ENGINE_EJECTED.labels(engine_id).set(0.0)
+        record = self.fleet.records.get(engine_id)
+        if record is None or not record.tripped:
+            return  # (back already: its pool needed it, and it has been judged since)
         # on probation: the next failure takes it out again (for longer), a success clears it
         self._streak[engine_id] = max(0, self.params.consecutive_failures - 1)
-        metrics.ENGINE_EJECTED.labels(engine_id).set(0.0)
-        if engine_id in self.fleet.records:
-            self.fleet.set_tripped(engine_id, False)
-            log.info("engine %s back in rotation after its ejection", engine_id, extra={"engine": engine_id})
+        self.fleet.set_tripped(engine_id, False)
+        log.info("engine %s back in rotation after its ejection", engine_id, extra={"engine": engine_id})
 
     def close(self) -> None:
         for timer in self._timers.values():

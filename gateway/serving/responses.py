@@ -128,15 +128,15 @@ class Responses:
         home = await self._home(previous)
         if home is not None and home.tenant != tenant:
             raise _not_found(previous, "previous_response_id")  # (another tenant's: as if unknown)
-        if home is None:
+        if home is None or home.engine_id not in self.fleet.records:
+            # (unknown here, or known by an engine id this replica does not have: another
+            # replica's configuration names it otherwise, or it left the fleet). Remembered by
+            # this replica only: only the replica that served an answer writes where it is, so
+            # what another asks cannot overwrite its tenant
             found = await self._find(previous, request.model, "previous_response_id")
-            home = Home(found.engine_id, found.model, tenant, 0)
-            self._remember(previous, home)
-        record = self.fleet.records.get(home.engine_id)
-        if record is None:
-            raise _not_found(
-                previous, "previous_response_id", f" (engine {home.engine_id} that stored it is gone)"
-            )
+            home = Home(found.engine_id, found.model, tenant, home.tokens if home is not None else 0)
+            self.homes.remember(previous, home)
+        record = self.fleet.records[home.engine_id]
         if record.model != request.model:
             raise GatewayError(
                 400,
@@ -233,7 +233,7 @@ class Responses:
         record = None if home is None else self.fleet.records.get(home.engine_id)
         if record is None:
             record = await self._find(response_id, None, "response_id")
-            self._remember(response_id, Home(record.engine_id, record.model, tenant, 0))
+            self.homes.remember(response_id, Home(record.engine_id, record.model, tenant, 0))  # (as in pin)
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         url = record.adapter.url(path)
         headers = record.adapter.upstream_headers(f"read-{response_id}")

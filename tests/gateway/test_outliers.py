@@ -6,6 +6,7 @@ again, for twice as long). Never the last engine of a pool, nor more than its sh
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,8 @@ import pytest
 
 from gateway.api.errors import GatewayError
 from gateway.procs import ChildProcess
-from gateway.serving.outliers import verdict
+from gateway.serving.call import ClientGone
+from gateway.serving.outliers import raised_verdict, verdict
 from gateway.serving.stream_state import Cut
 from policies.migration import MigrationReason
 from tests.gateway.conftest import MODEL, BrokenEngine, engine_entry
@@ -71,18 +73,24 @@ def test_a_failing_engine_is_retried_around_then_taken_out_then_on_probation(
     assert time.monotonic() - out_at >= 1.5  # (2 s; a slow machine only makes it later)
 
 
-def test_never_the_last_engine_nor_more_than_half_of_a_pool() -> None:
+def test_never_more_than_half_of_a_pool_and_not_for_what_fails_everywhere(
+    two_engines: list[ChildProcess],
+) -> None:
     with BrokenEngine(500) as one, BrokenEngine(500) as other:
+        engines = [engine_entry(two_engines[0]), broken_entry(one, "one"), broken_entry(other, "other")]
+        with run_gateway(engines=engines, **OUTLIERS) as gw:
+            for _ in range(12):
+                assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+            # both fail every request, served elsewhere: half of three is one, the other stays
+            assert sorted([ejected(gw, "one"), ejected(gw, "other")]) == [False, True]
         with run_gateway(engines=[broken_entry(one, "one"), broken_entry(other, "other")], **OUTLIERS) as gw:
+            before = metric(gw, "slogate_engine_ejections_total", engine="one")
             for _ in range(12):
                 answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
                 assert answer.status_code == 500 and answer.json()["error"]["message"] == "engine exploded"
-            # (every request fails on both: one of the two is out, the other stays in rotation)
-            assert sorted([ejected(gw, "one"), ejected(gw, "other")]) == [False, True]
-        with run_gateway(engines=[broken_entry(one, "alone")], **OUTLIERS) as gw:
-            for _ in range(6):
-                assert httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 500
-            assert not ejected(gw, "alone")
+            # (failing on every engine it tries, a request is as likely at fault as they are)
+            assert not ejected(gw, "one") and not ejected(gw, "other")
+            assert metric(gw, "slogate_engine_ejections_total", engine="one") == before
 
 
 def test_what_counts_against_an_engine() -> None:
@@ -94,4 +102,5 @@ def test_what_counts_against_an_engine() -> None:
     assert verdict(GatewayError(502, "key", code="upstream_auth_failed")) is None
     assert verdict(Cut(MigrationReason.STALL, "e", None)) is False
     assert verdict(Cut(MigrationReason.SLACK, "e", None)) is None
-    assert verdict(ConnectionResetError()) is None  # (a client that left, a cancellation)
+    assert raised_verdict(ClientGone()) is None and raised_verdict(asyncio.CancelledError()) is None
+    assert raised_verdict(GatewayError(404, "no such adapter")) is True

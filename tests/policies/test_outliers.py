@@ -20,7 +20,8 @@ def test_each_ejection_in_a_row_lasts_twice_as_long_up_to_the_cap() -> None:
         (0.5, 0, 1, False),  # (the last engine of a pool is never ejected)
         (0.5, 1, 4, True),
         (0.5, 2, 4, False),
-        (1.0, 2, 3, True),
+        (1.0, 1, 3, True),
+        (1.0, 2, 3, False),  # (whatever the share, one stays)
         (0.0, 0, 10, False),
     ],
 )

@@ -4,6 +4,7 @@ one engine, and the one that waits is placed as soon as the other replica's requ
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -332,12 +333,18 @@ def test_a_stored_response_is_continued_and_kept_its_tenants_through_any_replica
         )
         assert first.status_code == 200, first.text
         home, rid = first.headers["x-slogate-engine"], first.json()["id"]
+        first_rid = rid
+        proxy_b = b.gateway.proxy
+        assert proxy_b is not None and proxy_b.responses.store is not None
+        loop_b = b.gateway.dispatch._task.get_loop()  # type: ignore[union-attr]
+        key = proxy_b.responses._key_prefix + rid
 
-        def known_to_b() -> bool:
-            proxy = b.gateway.proxy
-            assert proxy is not None
-            return proxy.responses.homes.get(rid) is not None
+        def in_store() -> bool:
+            assert proxy_b.responses.store is not None
+            read = asyncio.run_coroutine_threadsafe(proxy_b.responses.store.get_many([key]), loop_b)
+            return read.result(5)[0] is not None
 
+        assert wait_until(in_store, 5)  # (a's write is its own task, after its answer)
         stranger = httpx.post(
             b.url + "/v1/responses",
             json={**ask, "input": "x", "previous_response_id": rid},
@@ -355,4 +362,7 @@ def test_a_stored_response_is_continued_and_kept_its_tenants_through_any_replica
             )
             assert answer.status_code == 200 and answer.headers["x-slogate-engine"] == home, answer.text
             rid = answer.json()["id"]
-        assert known_to_b()
+        # b took the first answer's home from the store (its conversation's tokens with it), not
+        # from asking the engines (which tell only where, not how long)
+        known = proxy_b.responses.homes.get(first_rid)
+        assert known is not None and known.engine_id == home and known.tokens > 0
