@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway import metrics
 from gateway.api.errors import GatewayError
 from gateway.procs import ChildProcess
 from gateway.serving.call import ClientGone
@@ -104,3 +105,42 @@ def test_what_counts_against_an_engine() -> None:
     assert verdict(Cut(MigrationReason.SLACK, "e", None)) is None
     assert raised_verdict(ClientGone()) is None and raised_verdict(asyncio.CancelledError()) is None
     assert raised_verdict(GatewayError(404, "no such adapter")) is True
+
+
+def _ejector(engines: int, **params: Any) -> tuple[Any, Any]:
+    from gateway.dispatch.offline import offline_fleet
+    from gateway.serving.outliers import OutlierEjector
+    from policies.outliers import OutlierParams
+
+    fleet = offline_fleet({MODEL: engines})
+    return fleet, OutlierEjector(fleet, OutlierParams(**{"consecutive_failures": 3, **params}))
+
+
+async def test_a_readmission_timer_that_fires_after_the_pool_took_the_engine_back_does_nothing() -> None:
+    fleet, ejector = _ejector(3)
+    failing = f"{MODEL}-0"
+    for _ in range(3):
+        ejector._failed(failing)
+    assert fleet.records[failing].tripped
+    # the others leave: the pool takes it back (it is all there is), and it serves again
+    fleet.eject(f"{MODEL}-1", "gone")
+    fleet.eject(f"{MODEL}-2", "gone")
+    assert not fleet.records[failing].tripped
+    fleet.record_health(f"{MODEL}-1", True, 1, 1)
+    fleet.record_health(f"{MODEL}-2", True, 1, 1)
+    ejector.judge(failing, 200, None)
+    ejector._readmit(failing)  # (its timer, late)
+    ejector._failed(failing)  # one failure: not on probation, so not out again
+    assert not fleet.records[failing].tripped
+    ejector.close()
+
+
+def test_an_ejection_its_pool_undoes_at_once_is_not_counted() -> None:
+    fleet, ejector = _ejector(2, max_ejected_share=1.0)
+    only = f"{MODEL}-0"
+    fleet.set_adapters(only, frozenset({"adapter-x"}))  # (the only engine with it)
+    before = metrics.ENGINE_EJECTIONS.labels(only)._value.get()
+    for _ in range(6):
+        ejector._failed(only)
+    assert not fleet.records[only].tripped
+    assert metrics.ENGINE_EJECTIONS.labels(only)._value.get() == before and only not in ejector._ejections
