@@ -400,7 +400,7 @@ class CollocatedFlow:
         up = self.upstream_span(call, record, url, headers) if call.span is not None else None
         try:
             outcome = await self._exchange(
-                call, record, url, payload, headers, headers_at, first_token_at, up
+                call, record, url, payload, headers, headers_at, first_token_at, up, overrides is not None
             )
         except BaseException as exc:
             if up is not None:
@@ -548,8 +548,10 @@ class CollocatedFlow:
         headers_at: float,
         first_token_at: float,
         up: Span | None,
+        decode_stage: bool = False,
     ) -> int | GatewayError | Cut:
-        """Send the request to the engine and relay its answer (see :meth:`attempt`)."""
+        """Send the request to the engine and relay its answer (see :meth:`attempt`);
+        ``decode_stage``: a P/D decode stage's (its engine may read the KV handed over)."""
         request = call.request
         engine_id = record.engine_id
         settings = self.settings
@@ -564,7 +566,9 @@ class CollocatedFlow:
             up.set_attribute("http.response.status_code", response.status)
         try:
             if response.status != 200:  # (any other status is no answer: engine_refused)
-                return await self.engine_refused(call, record, response, headers_at)
+                return await self.engine_refused(
+                    call, record, response, headers_at, retry_500=not decode_stage
+                )
             if response.content_type == "text/html":
                 # a page (a proxy's sign-in or maintenance page, a catch-all route), no completion:
                 # relayed, a plain answer reached the client as a 200 "completion" of HTML, and a
@@ -632,9 +636,11 @@ class CollocatedFlow:
         response: aiohttp.ClientResponse,
         deadline: float,
         count_wait: bool = True,
+        retry_500: bool = True,
     ) -> GatewayError:
         """The error an engine's refusal (any status but 200) comes to; ``count_wait`` as for
-        :meth:`post`."""
+        :meth:`post`; ``retry_500``: the engine's own 500 may go to another engine (not a P/D
+        decode stage's: the engine may have read the KV handed over, which no other holds)."""
         engine_id = record.engine_id
         body = await error_body(call, response, deadline, count_wait)
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "status").inc()
@@ -642,12 +648,11 @@ class CollocatedFlow:
         if status == 503:  # overloaded or asleep: another engine may do
             metrics.UPSTREAM_RETRIES.labels("overloaded").inc()
             return upstream_error(status, body)
-        if status == 500 and not call.prefill_dispatched_at:
+        if status == 500 and retry_500:
             # the engine's own failure, before anything reached the client: another engine may
             # do (bounded by dispatch_attempts; an engine that fails every request is taken out
             # of rotation by the outlier ejection). Not a 502 or 504: behind a proxy those may
-            # come after the engine did the work, and a gateway as the engine retried already.
-            # Nor a P/D decode stage's: the engine may have read the KV, which no other holds
+            # come after the engine did the work, and a gateway as the engine retried already
             metrics.UPSTREAM_RETRIES.labels("engine_error").inc()
             return upstream_error(status, body)
         if status in (401, 403):

@@ -36,9 +36,9 @@ ENGINE_FAULTS = frozenset(
 
 def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
     """What an attempt's outcome says of its engine: True it answered, False it failed, None
-    nothing (the client left, the engine was overloaded or refused the gateway's key). An
-    exception raised out of an attempt says only that the engine answered (a 4xx: the client's);
-    a raised 5xx may be the request's own doing or its shared deadline's."""
+    nothing (the client left, the engine was overloaded or refused the gateway's key). Of an
+    exception raised out of an attempt (:func:`raised_verdict`) only a 4xx (the engine answered)
+    and the engine's own final 500 say anything: a raised timeout may be the shared deadline's."""
     if isinstance(outcome, Cut):
         return None if outcome.reason is MigrationReason.SLACK else False
     if isinstance(outcome, int):
@@ -55,7 +55,12 @@ def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
 
 
 def raised_verdict(exc: BaseException) -> bool | None:
-    return True if isinstance(exc, GatewayError) and 400 <= exc.status < 500 else None
+    if not isinstance(exc, GatewayError):
+        return None  # (a client that left, a cancellation)
+    if 400 <= exc.status < 500:
+        return True
+    # the engine's own 500, final (a P/D decode stage's: not retried, its KV handed over)
+    return False if exc.status == 500 and exc.code is None else None
 
 
 class OutlierEjector:
@@ -86,9 +91,12 @@ class OutlierEjector:
 
     def judge_raised(self, engine_id: str, exc: BaseException) -> None:
         """An attempt raised ``exc`` (a final answer, a client that left, a cancellation)."""
-        if raised_verdict(exc):
+        said = raised_verdict(exc)
+        if said is True:
             self._streak.pop(engine_id, None)
             self._ejections.pop(engine_id, None)
+        elif said is False:
+            self._failed(engine_id)
 
     def settle(self, call: Call, status: int) -> None:
         """The request ended with ``status``: the engines it failed on before being served

@@ -809,3 +809,29 @@ def test_a_responses_conversation_stays_on_its_decode_engine(
     with run_gateway(engines=pd_entries(fleet), routing_profile=str(profile(tmp_path, "always"))) as gw:
         refused = httpx.post(gw.url + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_supported"
+
+
+def test_a_decode_engines_500_is_final_and_a_failing_prefill_engine_is_ejected(
+    fleet: dict[str, ChildProcess], tmp_path: Path
+) -> None:
+    """A decode engine's 500 is not retried on another decode engine (it may have read the KV
+    handed over, which no other holds); a prefill engine answering 500 to every prefill is
+    retried around, then taken out of rotation."""
+    from tests.gateway.conftest import BrokenEngine
+
+    outliers = {"outlier_consecutive_failures": 3, "outlier_ejection_s": 60.0}
+    with BrokenEngine(500) as broken:
+        entry = {"url": broken.url, "kind": "vllm", "model": MODEL, "name": "dx", "role": "decode"}
+        engines = [engine_entry(fleet["p0"], role="prefill"), entry, engine_entry(fleet["d1"], role="decode")]
+        with run_gateway(engines=engines, routing_profile=str(profile(tmp_path, "always")), **outliers) as gw:
+            statuses = [chat(gw, LONG, False, max_tokens=4).status_code for _ in range(8)]
+            assert set(statuses) <= {200, 500} and statuses.count(500) == len(broken.received) >= 1, statuses
+        entry = {"url": broken.url, "kind": "vllm", "model": MODEL, "name": "px", "role": "prefill"}
+        engines = [entry, engine_entry(fleet["p1"], role="prefill"), engine_entry(fleet["d0"], role="decode")]
+        seen = len(broken.received)
+        with run_gateway(engines=engines, routing_profile=str(profile(tmp_path, "always")), **outliers) as gw:
+            for _ in range(8):
+                assert chat(gw, LONG, False, max_tokens=4).status_code == 200
+            assert len(broken.received) - seen == 3  # (then out of rotation)
+            state = {e["id"]: e for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+            assert state["px"]["ejected"]
