@@ -161,10 +161,14 @@ class Calibrator:
     def _idle(record: EngineRecord) -> bool:
         # (a draining engine is about to change role: its probes would meet the flip)
         # (no request of any gateway replica's there, as last heard: seats_taken counts theirs)
+        # (nor one out of rotation for a stall or failed requests: its probes would wait out
+        # their timeouts, or fail, while every other engine waits for its turn)
         return (
             record.healthy
             and not record.seats_taken()
             and not record.draining
+            and not record.stalled
+            and not record.tripped
             and record.adapter.role is Role.COLLOCATED
         )
 
@@ -206,6 +210,8 @@ class Calibrator:
             watch.touched
             or record.seats_taken()
             or record.draining
+            or record.stalled
+            or record.tripped
             or not record.healthy
             or record.adapter.role is not Role.COLLOCATED
         ):

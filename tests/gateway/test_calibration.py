@@ -285,3 +285,13 @@ async def test_a_flip_made_between_two_probes_interrupts_the_run(engine: SimProc
         with pytest.raises(Interrupted):
             await calibrator.calibrate(record)
         assert flips == 1 and record.adapter.role is Role.COLLOCATED and not record.draining
+
+
+def test_an_engine_out_of_rotation_for_a_stall_or_failed_requests_is_not_probed() -> None:
+    from gateway.dispatch.offline import offline_fleet
+
+    fleet = offline_fleet({"m": 3})
+    stalled, tripped, fine = (fleet.records[f"m-{i}"] for i in range(3))
+    fleet.set_stalled(stalled.engine_id, True)
+    fleet.set_tripped(tripped.engine_id, True)
+    assert [Calibrator._idle(r) for r in (stalled, tripped, fine)] == [False, False, True]
