@@ -133,8 +133,8 @@ class Responses:
             # replica's configuration names it otherwise, or it left the fleet). Remembered by
             # this replica only: only the replica that served an answer writes where it is, so
             # what another asks cannot overwrite its tenant
-            found = await self._find(previous, request.model, "previous_response_id")
-            home = Home(found.engine_id, found.model, tenant, home.tokens if home is not None else 0)
+            found, tokens = await self._find(previous, request.model, "previous_response_id")
+            home = Home(found.engine_id, found.model, tenant, tokens)
             self.homes.remember(previous, home)
         record = self.fleet.records[home.engine_id]
         if record.model != request.model:
@@ -232,8 +232,10 @@ class Responses:
             raise _not_found(response_id, "response_id")  # (another tenant's: as if unknown)
         record = None if home is None else self.fleet.records.get(home.engine_id)
         if record is None:
-            record = await self._find(response_id, None, "response_id")
-            self.homes.remember(response_id, Home(record.engine_id, record.model, tenant, 0))  # (as in pin)
+            record, tokens = await self._find(response_id, None, "response_id")
+            self.homes.remember(
+                response_id, Home(record.engine_id, record.model, tenant, tokens)
+            )  # (as in pin)
         path = f"/v1/responses/{quote(response_id, safe='')}" + ("/cancel" if cancel else "")
         url = record.adapter.url(path)
         headers = record.adapter.upstream_headers(f"read-{response_id}")
@@ -281,25 +283,28 @@ class Responses:
 
     # -- finding an unknown response -------------------------------------------------------------
 
-    async def _find(self, response_id: str, model: str | None, param: str) -> EngineRecord:
-        """The engine (of ``model``, or any) that answers a read of the response with a 200: a
-        404 when every engine that could hold it said it does not, a 503 when one could not
-        tell (it did not answer in time, failed, or is out of rotation: the response may be
-        there)."""
+    async def _find(self, response_id: str, model: str | None, param: str) -> tuple[EngineRecord, int]:
+        """The engine (of ``model``, or any) that answers a read of the response with a 200, and
+        the conversation's tokens its answer tells (its usage): a 404 when every engine that
+        could hold it said it does not, a 503 when one could not tell (it did not answer in time,
+        failed, or is out of rotation: the response may be there)."""
         records = [r for r in self.fleet.records.values() if model is None or r.model == model]
         # (a draining engine still holds what it stored; an unhealthy one cannot be asked)
         asked = [r for r in records if r.healthy]
         unsure = len(asked) < len(records)
         loop = asyncio.get_running_loop()
 
-        async def holds(record: EngineRecord) -> bool | None:
+        async def holds(record: EngineRecord) -> tuple[bool | None, int]:
             url = record.adapter.url(f"/v1/responses/{quote(response_id, safe='')}")
             headers = record.adapter.upstream_headers(f"find-{response_id}")
             try:
                 async with self.session.get(url, headers=headers) as answer:
-                    return True if answer.status == 200 else False if answer.status == 404 else None
+                    if answer.status != 200:
+                        return (False if answer.status == 404 else None), 0
+                    body, _ = await read_up_to(answer, MAX_ITEM_BYTES)
+                    return True, _conversation_tokens(body)
             except (aiohttp.ClientError, OSError):
-                return None
+                return None, 0
 
         tasks = {loop.create_task(holds(r)): r for r in asked}
         try:
@@ -312,9 +317,11 @@ class Responses:
                     unsure = True  # (some did not answer in time)
                     break
                 for task in done:
-                    verdict = None if task.cancelled() or task.exception() is not None else task.result()
+                    verdict, tokens = (
+                        (None, 0) if task.cancelled() or task.exception() is not None else task.result()
+                    )
                     if verdict:
-                        return tasks[task]
+                        return tasks[task], tokens
                     unsure = unsure or verdict is None
         finally:
             for task in tasks:
@@ -335,6 +342,17 @@ def _not_found(response_id: str, param: str, why: str = "") -> GatewayError:
     return GatewayError(
         404, f"Response with id {response_id[:256]!r} not found{why}.", param=param, code="response_not_found"
     )
+
+
+def _conversation_tokens(body: bytes) -> int:
+    """A stored response's input and output tokens, from its usage (0 when it tells none)."""
+    try:
+        usage = orjson.loads(body).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return 0
+    if not isinstance(usage, dict):
+        return 0
+    return _count(usage.get("input_tokens")) + _count(usage.get("output_tokens"))
 
 
 def _decoded_home(value: bytes | None) -> Home | None:

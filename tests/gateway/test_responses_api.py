@@ -86,6 +86,10 @@ def test_the_engine_is_found_again_once_the_gateway_forgot(client: openai.OpenAI
     for turn in range(3):
         _, engine = _create(client, input=f"turn {turn}", previous_response_id=first.id)
         assert engine == home
+    # the engine's answer tells how long the conversation is: the continuation is planned with it
+    found = gw.gateway.proxy.responses.homes.get(first.id)
+    assert first.usage is not None and found is not None
+    assert found.tokens == first.usage.input_tokens + first.usage.output_tokens
     gw.gateway.proxy.responses.homes = ResponseHomes()
     assert client.responses.retrieve(first.id).id == first.id
 
