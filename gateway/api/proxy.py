@@ -137,6 +137,7 @@ class Proxy:
         self._receiving: dict[str, asyncio.Task[Any]] = {}
         #: a shutdown's grace ran out: what is still open is ended, later requests are refused
         self.cut = False
+        fleet.listeners.append(self._on_engine_change)
 
     @property
     def open_requests(self) -> int:
@@ -159,6 +160,22 @@ class Proxy:
         for task in receiving:
             task.cancel()
         return len(open_now) + len(receiving)
+
+    def _on_engine_change(self, engine_id: str, what: str) -> None:
+        """An engine marked stalled: its migratable streams waiting on it are resumed elsewhere
+        now, not after idle_timeout_s of silence each (``stall_after_s`` said it is no silence
+        between two slow steps but an engine that has stopped)."""
+        if what != "role":
+            return
+        record = self.fleet.records.get(engine_id)
+        if record is None or not record.stalled:
+            return
+        cut = 0
+        for call, _ in self._open.values():
+            if call.engine_id == engine_id and call.ledger is not None and call.first_at:
+                cut += call.ledger.cut_for_stall()
+        if cut:
+            log.warning("engine %s stalled: %d streams resumed elsewhere", engine_id, cut)
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's

@@ -244,6 +244,8 @@ async def relay_stream(
     errored = False  # the engine reported a failure in band (relayed as it came: no ledger)
     try:
         async with time_limit_at(call.watchdog, first_token_at) as deadline:
+            if tracking:
+                ledger.deadline = deadline  # type: ignore[union-attr]
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany
@@ -324,8 +326,12 @@ async def relay_stream(
                 call.sse_events = events
                 if complete:
                     sending = True
+                    if tracking:
+                        ledger.deadline = None  # type: ignore[union-attr]  # (not waiting on the engine)
                     await send({"type": "http.response.body", "body": complete, "more_body": True})
                     sending = False
+                    if tracking:
+                        ledger.deadline = deadline  # type: ignore[union-attr]
                 if done:
                     break  # an engine that holds the connection open after [DONE] is not waited for
                 if moved is not None:  # (a failure in band: its events before it are in the ledger)
@@ -364,6 +370,8 @@ async def relay_stream(
         return 502
     finally:
         metrics.SSE_EVENTS.inc(events)
+        if ledger is not None:
+            ledger.deadline = None
     if moved is not None:
         return moved
     if not done and not errored:

@@ -15,6 +15,7 @@ serving flow hands it to :mod:`gateway.serving.migration`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,7 @@ class StreamLedger:
     __slots__ = (
         "blocked",
         "bound_s",
+        "deadline",
         "finished",
         "first_chunk",
         "generated",
@@ -123,6 +125,10 @@ class StreamLedger:
         #: called when the slack trigger should be consulted: the engine reserved for the move,
         #: or None to stay
         self.mover: Callable[[], Awaitable[EngineRecord | None]] | None = None
+        #: the relay's time limit while it waits for the first engine's next event (None while
+        #: it sends to the client, or once it is done): moved to now to cut the stream at once
+        #: when its engine is marked stalled (:meth:`cut_for_stall`)
+        self.deadline: Any = None
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -281,6 +287,19 @@ class StreamLedger:
             return None
         self.next_check = now + max(SLACK_RECHECK_S, self.bound_s / 2)
         return await self.mover()
+
+    def cut_for_stall(self) -> bool:
+        """End the wait for the stalled engine's next event now (the relay then returns a stall
+        cut, and the stream is resumed elsewhere); False when the relay is not waiting on it."""
+        deadline = self.deadline
+        if deadline is None or not self.tracking:
+            return False
+        self.deadline = None
+        try:
+            deadline.reschedule(asyncio.get_running_loop().time())
+        except RuntimeError:
+            return False  # (its limit ran out just now: the stream is being cut already)
+        return True
 
     def cut(
         self,

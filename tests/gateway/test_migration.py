@@ -284,6 +284,32 @@ def test_migration_limit_is_respected(healthy: list[ChildProcess]) -> None:
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
 
 
+def test_a_stream_on_an_engine_marked_stalled_moves_at_once_with_the_exact_output(
+    healthy: list[ChildProcess],
+) -> None:
+    """An engine that stops mid-stream: once the stall check marks it (stall_after_s), its
+    streams are resumed elsewhere at once, not after idle_timeout_s of silence each."""
+    body = chat_body("a stalled engine", 200)
+    ref = reference(healthy[0], CHAT, body)
+    with gateway(healthy, migration_limit=2, stall_after_s=1.0, idle_timeout_s=60.0) as gw:
+        stalls = metric(gw, "slogate_migrations_total", reason="stall")
+        with httpx.stream("POST", gw.url + CHAT, json=body, timeout=90) as r:
+            first = r.headers["x-slogate-engine"]
+            chunks: list[bytes] = []
+            raw_chunks = r.iter_raw()
+            while b"".join(chunks).count(b"data:") < 5:
+                chunks.append(next(raw_chunks))
+            sim_fault(next(e for e in healthy if e.name == first), {"mode": "hang"})
+            hung_at = time.monotonic()
+            chunks.extend(raw_chunks)
+        waited = time.monotonic() - hung_at
+        got = parse(r.status_code, first, b"".join(chunks))
+        assert_exact(got, ref, 200)
+        assert waited < 20.0, waited  # (idle_timeout_s is 60 s)
+        assert metric(gw, "slogate_migrations_total", reason="stall") == stalls + 1
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
 @pytest.mark.parametrize(
     ("extra", "why"),
     [
