@@ -176,6 +176,9 @@ class Proxy:
                 cut += call.ledger.cut_for_stall()
         if cut:
             log.warning("engine %s stalled: %d streams resumed elsewhere", engine_id, cut)
+            # its streams gone, it would hold nothing and be back in rotation at the next check,
+            # emptier than any, while it is still hung: it stays out for an ejection's time
+            self.flow.collocated.outliers.eject(engine_id, "stalled with streams on it")
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's

@@ -36,9 +36,8 @@ ENGINE_FAULTS = frozenset(
 
 def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
     """What an attempt's outcome says of its engine: True it answered, False it failed, None
-    nothing (the client left, the engine was overloaded or refused the gateway's key). Of an
-    exception raised out of an attempt (:func:`raised_verdict`) only a 4xx (the engine answered)
-    and the engine's own final 500 say anything: a raised timeout may be the shared deadline's."""
+    nothing (the client left, the engine was overloaded or refused the gateway's key); for an
+    exception raised out of an attempt see :func:`raised_verdict`."""
     if isinstance(outcome, Cut):
         return None if outcome.reason is MigrationReason.SLACK else False
     if isinstance(outcome, int):
@@ -55,12 +54,10 @@ def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
 
 
 def raised_verdict(exc: BaseException) -> bool | None:
-    if not isinstance(exc, GatewayError):
-        return None  # (a client that left, a cancellation)
-    if 400 <= exc.status < 500:
-        return True
-    # the engine's own 500, final (a P/D decode stage's: not retried, its KV handed over)
-    return False if exc.status == 500 and exc.code is None else None
+    """A 4xx (the engine answered: the client's fault) clears; nothing raised counts against an
+    engine: a final 5xx (a P/D decode stage's 500, a shared deadline's timeout) may be the
+    request's own doing, and with no other engine trying it there is no telling."""
+    return True if isinstance(exc, GatewayError) and 400 <= exc.status < 500 else None
 
 
 class OutlierEjector:
@@ -91,12 +88,9 @@ class OutlierEjector:
 
     def judge_raised(self, engine_id: str, exc: BaseException) -> None:
         """An attempt raised ``exc`` (a final answer, a client that left, a cancellation)."""
-        said = raised_verdict(exc)
-        if said is True:
+        if raised_verdict(exc):
             self._streak.pop(engine_id, None)
             self._ejections.pop(engine_id, None)
-        elif said is False:
-            self._failed(engine_id)
 
     def settle(self, call: Call, status: int) -> None:
         """The request ended with ``status``: the engines it failed on before being served
@@ -111,8 +105,14 @@ class OutlierEjector:
         if params.consecutive_failures <= 0:
             return
         streak = self._streak[engine_id] = self._streak.get(engine_id, 0) + 1
+        if streak >= params.consecutive_failures:
+            self.eject(engine_id, f"{streak} failed requests in a row")
+
+    def eject(self, engine_id: str, why: str) -> None:
+        """Take the engine out of rotation for its ejection time, within the pool's share."""
+        params = self.params
         record = self.fleet.records.get(engine_id)
-        if streak < params.consecutive_failures or record is None or record.tripped or not record.healthy:
+        if params.consecutive_failures <= 0 or record is None or record.tripped or not record.healthy:
             return  # (an unhealthy one is the monitor's: it re-admits it when it answers again)
         decode = record.adapter.role is Role.DECODE
         pool = [
@@ -131,11 +131,7 @@ class OutlierEjector:
         metrics.ENGINE_EJECTIONS.labels(engine_id).inc()
         metrics.ENGINE_EJECTED.labels(engine_id).set(1.0)
         log.warning(
-            "engine %s out of rotation for %.1f s: %d failed requests in a row",
-            engine_id,
-            seconds,
-            streak,
-            extra={"engine": engine_id},
+            "engine %s out of rotation for %.1f s: %s", engine_id, seconds, why, extra={"engine": engine_id}
         )
         timer = self._timers.pop(engine_id, None)
         if timer is not None:

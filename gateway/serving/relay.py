@@ -292,6 +292,8 @@ async def relay_stream(
                     )
                     if call.upstream_span is not None:
                         call.upstream_span.add_event(EVENT_FIRST_TOKEN)
+                if content and tracking:
+                    ledger.stall_cut = False  # type: ignore[union-attr]  # (it is no longer stalled)
                 if content and call.first_at and now - rearmed_at > rearm_every:
                     # (by content from the first token on: a keep-alive comment, before it or
                     # after, held a stalled stream and its engine for as long as they came)
@@ -328,10 +330,15 @@ async def relay_stream(
                     sending = True
                     if tracking:
                         ledger.deadline = None  # type: ignore[union-attr]  # (not waiting on the engine)
+                        if ledger.stall_cut:  # type: ignore[union-attr]
+                            # (a cut asked for just before these bytes came: not in the send)
+                            deadline.reschedule(clock() + idle_s)
                     await send({"type": "http.response.body", "body": complete, "more_body": True})
                     sending = False
                     if tracking:
                         ledger.deadline = deadline  # type: ignore[union-attr]
+                        if ledger.stall_cut:  # type: ignore[union-attr]
+                            deadline.reschedule(clock())  # the cut held back during the send
                 if done:
                     break  # an engine that holds the connection open after [DONE] is not waited for
                 if moved is not None:  # (a failure in band: its events before it are in the ledger)
@@ -344,6 +351,8 @@ async def relay_stream(
                         moved = Cut(MigrationReason.SLACK, engine_id, None, placed)
                         break
     except TimeoutError:
+        if ledger is not None:
+            ledger.deadline = None  # (the limit is over: what follows has limits of its own)
         if sending:
             metrics.SLOW_CLIENTS.inc()
             log.info("client stopped reading; stream ended", extra={"request_id": call.client_rid})
@@ -356,12 +365,16 @@ async def relay_stream(
         await end_with_error(call, error)
         return 504
     except OversizedEvent:
+        if ledger is not None:
+            ledger.deadline = None
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         await end_with_error(
             call, GatewayError(502, f"engine {engine_id} sent an oversized event", code="upstream_failed")
         )
         return 502
     except aiohttp.ClientError as exc:
+        if ledger is not None:
+            ledger.deadline = None
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         error = GatewayError(502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed")
         if ledger is not None:

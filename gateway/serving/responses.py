@@ -45,6 +45,9 @@ MAX_HOMES = 100_000
 #: how long the shared store keeps where a response is stored (engines keep theirs in memory,
 #: until they restart)
 HOME_TTL_S = 24 * 3600.0
+#: a found response's answer is read for its usage only this long, and this far (its length)
+TOKENS_READ_S = 0.5
+TOKENS_READ_BYTES = 1 << 20
 #: how long the engines are given to say whether they hold an unknown response
 LOOKUP_TIMEOUT_S = 2.0
 #: the largest answer of a read of a stored response (its whole output)
@@ -301,8 +304,13 @@ class Responses:
                 async with self.session.get(url, headers=headers) as answer:
                     if answer.status != 200:
                         return (False if answer.status == 404 else None), 0
-                    body, _ = await read_up_to(answer, MAX_ITEM_BYTES)
-                    return True, _conversation_tokens(body)
+                    # it holds it; how long the conversation is, only if its answer says so soon
+                    try:
+                        async with asyncio.timeout(TOKENS_READ_S):
+                            body, whole = await read_up_to(answer, TOKENS_READ_BYTES)
+                    except (aiohttp.ClientError, TimeoutError):
+                        return True, 0
+                    return True, _conversation_tokens(body) if whole else 0
             except (aiohttp.ClientError, OSError):
                 return None, 0
 

@@ -16,6 +16,7 @@ serving flow hands it to :mod:`gateway.serving.migration`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,7 @@ class StreamLedger:
         "next_check",
         "prompt_ids",
         "resume",
+        "stall_cut",
         "t_first",
         "tpot_s",
         "tracking",
@@ -129,6 +131,8 @@ class StreamLedger:
         #: it sends to the client, or once it is done): moved to now to cut the stream at once
         #: when its engine is marked stalled (:meth:`cut_for_stall`)
         self.deadline: Any = None
+        #: a cut for a stall was asked for (held back while the relay sends; undone by content)
+        self.stall_cut = False
 
     # -- recording --------------------------------------------------------------------------------
 
@@ -290,15 +294,16 @@ class StreamLedger:
 
     def cut_for_stall(self) -> bool:
         """End the wait for the stalled engine's next event now (the relay then returns a stall
-        cut, and the stream is resumed elsewhere); False when the relay is not waiting on it."""
-        deadline = self.deadline
-        if deadline is None or not self.tracking:
+        cut, and the stream is resumed elsewhere); a relay sending to its client is cut once
+        that send is done. False when the stream cannot be resumed."""
+        if not self.tracking:
             return False
-        self.deadline = None
-        try:
-            deadline.reschedule(asyncio.get_running_loop().time())
-        except RuntimeError:
-            return False  # (its limit ran out just now: the stream is being cut already)
+        self.stall_cut = True
+        deadline = self.deadline
+        if deadline is not None:
+            # (a limit that ran out just now: the stream is being cut already)
+            with contextlib.suppress(RuntimeError):
+                deadline.reschedule(asyncio.get_running_loop().time())
         return True
 
     def cut(

@@ -307,6 +307,9 @@ def test_a_stream_on_an_engine_marked_stalled_moves_at_once_with_the_exact_outpu
         assert_exact(got, ref, 200)
         assert waited < 20.0, waited  # (idle_timeout_s is 60 s)
         assert metric(gw, "slogate_migrations_total", reason="stall") == stalls + 1
+        # emptied of its streams it would look idle, and be back in rotation at the next check
+        fleet = gw.gateway.fleet
+        assert fleet is not None and fleet.records[first].tripped
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
 
 
