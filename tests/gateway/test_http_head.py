@@ -172,10 +172,15 @@ def test_a_head_refused_while_a_pipelined_answer_streams_ends_the_connection() -
                 data += sock.recv(65536)
             started = time.monotonic()
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
-            for _ in range(20):  # 80 KB of one header value, past the limit as it arrives
-                sock.sendall(b"b" * 4096)
-            while chunk := sock.recv(65536):
-                data += chunk
+            try:
+                for _ in range(20):  # 80 KB of one header value, past the limit as it arrives
+                    sock.sendall(b"b" * 4096)
+                while chunk := sock.recv(65536):
+                    data += chunk
+            except (ConnectionResetError, BrokenPipeError):
+                # (ended while the client was still sending: on a loaded machine the server's
+                # close can come before the rest of the head, and the kernel resets)
+                pass
         assert time.monotonic() - started < 3.0  # ended at the refusal, not after the stream's 10 s
         assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 431" not in data
         assert b"[DONE]" not in data
