@@ -142,15 +142,6 @@ class DispatchLoop:
         engine; HyperFlexis's workers take their model's queued requests whatever adapters they
         have, so its placements are corrected here."""
         view = ticket.item.view
-        pinned = view.engine
-        if pinned is not None and record.engine_id != pinned:
-            # a request only one engine can serve (it continues a conversation that engine
-            # stored), taken by another's HyperFlexis worker: it goes there at once, as a retry
-            # would (or is refused when that engine has left)
-            now = self.clock()
-            self.release(record.engine_id, view.request_id)
-            others = [r.engine_id for r in self.fleet.engines_of.get(view.model, ()) if r.engine_id != pinned]
-            return self.core.retry(ticket, others, now)
         lora = view.lora
         if lora is None or lora in record.adapters or not self.core.router.lora.required:
             return record

@@ -69,6 +69,15 @@ async def read_up_to(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, b
     return bytes(body[:limit]), False
 
 
+def json_object(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` decoded when it is a JSON object; None for anything else (not JSON, an array...)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def control_json(body: bytes) -> Any:
     """A control answer's JSON (ValueError when it is none)."""
     return orjson.loads(body)

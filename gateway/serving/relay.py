@@ -24,7 +24,7 @@ import orjson
 
 from gateway import metrics
 from gateway.api.errors import GatewayError
-from gateway.engines.base import read_up_to
+from gateway.engines.base import json_object, read_up_to
 from gateway.fleet.monitor import describe_failure
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, ClientGone, overhead_header
@@ -325,7 +325,6 @@ async def relay_stream(
                     if entry is not None:
                         fleet.add_generated(record, entry, content)
                 events += n
-                call.sse_events = events
                 if complete:
                     sending = True
                     if tracking:
@@ -351,6 +350,7 @@ async def relay_stream(
                         moved = Cut(MigrationReason.SLACK, engine_id, None, placed)
                         break
     except TimeoutError:
+        call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None  # (the limit is over: what follows has limits of its own)
         if sending:
@@ -365,6 +365,7 @@ async def relay_stream(
         await end_with_error(call, error)
         return 504
     except OversizedEvent:
+        call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
@@ -373,6 +374,7 @@ async def relay_stream(
         )
         return 502
     except aiohttp.ClientError as exc:
+        call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
@@ -383,6 +385,7 @@ async def relay_stream(
         return 502
     finally:
         metrics.SSE_EVENTS.inc(events)
+        call.sse_events = events
         if ledger is not None:
             ledger.deadline = None
     if moved is not None:
@@ -537,11 +540,8 @@ def _is_error(payload: bytes) -> bool:
         return True
     if not head.startswith(b'{"object"'):
         return False
-    try:
-        data = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(data, dict) and data.get("object") == "error"
+    data = json_object(payload)
+    return data is not None and data.get("object") == "error"
 
 
 def _error_message(event: bytes) -> str:
@@ -645,13 +645,8 @@ def _event_data(event: bytes) -> bytes:
 def _response_event_type(payload: bytes) -> str | None:
     """A Responses stream event's type, from its data (read only for the few chunks that may end
     the stream; an error object without a type, as some servers write a failure, is an error)."""
-    if not payload.startswith(b"{"):
-        return None
-    try:
-        data = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
+    data = json_object(payload) if payload.startswith(b"{") else None
+    if data is None:
         return None
     kind = data.get("type")
     if isinstance(kind, str):

@@ -32,7 +32,7 @@ import orjson
 
 from gateway.api.errors import GatewayError
 from gateway.api.request_parse import RESPONSE_ID
-from gateway.engines.base import read_up_to
+from gateway.engines.base import json_object, read_up_to
 from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.serving.call import Call, Receive, Scope, Send
 from gateway.serving.relay import upstream_error
@@ -354,10 +354,7 @@ def _not_found(response_id: str, param: str, why: str = "") -> GatewayError:
 
 def _conversation_tokens(body: bytes) -> int:
     """A stored response's input and output tokens, from its usage (0 when it tells none)."""
-    try:
-        usage = orjson.loads(body).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
-        return 0
+    usage = (json_object(body) or {}).get("usage")
     if not isinstance(usage, dict):
         return 0
     return _count(usage.get("input_tokens")) + _count(usage.get("output_tokens"))
@@ -366,13 +363,8 @@ def _conversation_tokens(body: bytes) -> int:
 def _decoded_home(value: bytes | None) -> Home | None:
     """A home as the store holds it (written by any replica, of any version: what is not one is
     none)."""
-    if value is None:
-        return None
-    try:
-        data = orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(data, dict):
+    data = None if value is None else json_object(value)
+    if data is None:
         return None
     engine, model, tenant, tokens = data.get("e"), data.get("m"), data.get("t"), data.get("k")
     if not (isinstance(engine, str) and isinstance(model, str) and isinstance(tenant, str)):
