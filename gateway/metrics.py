@@ -189,15 +189,16 @@ SSE_EVENTS = Counter("slogate_sse_events_relayed", "SSE events relayed to client
 UPSTREAM_RETRIES = Counter(
     "slogate_upstream_retries",
     "Attempts that failed before the first byte in a way that allows another (connect, "
-    "stale_connection, overloaded, cut, adapter_gone, engine_auth); another follows while attempts and "
-    "engines remain",
+    "stale_connection, overloaded, cut, adapter_gone, engine_auth, stalled: its engine was found stalled "
+    "before the answer began); another follows while attempts and engines remain",
     ["reason"],
     registry=REGISTRY,
 )
 UPSTREAM_ERRORS = Counter(
     "slogate_upstream_errors",
     "Upstream failures by engine and kind (connect, connect_timeout, protocol, status, stream_cut, timeout, "
-    "too_large: a whole answer past what the gateway holds)",
+    "stalled: a wait ended when the engine was found stalled, too_large: a whole answer past what the "
+    "gateway holds)",
     ["engine", "kind"],
     registry=REGISTRY,
 )

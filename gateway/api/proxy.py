@@ -163,22 +163,33 @@ class Proxy:
 
     def _on_engine_change(self, engine_id: str, what: str) -> None:
         """An engine marked stalled: its migratable streams waiting on it are resumed elsewhere
-        now, not after idle_timeout_s of silence each (``stall_after_s`` said it is no silence
-        between two slow steps but an engine that has stopped)."""
+        now, not after idle_timeout_s of silence each, and requests waiting on it with nothing of
+        their answer sent yet are tried elsewhere now, not after first_token_timeout_s or
+        request_timeout_s (``stall_after_s`` said it is no slow step but an engine that has
+        stopped)."""
         if what != "role":
             return
         record = self.fleet.records.get(engine_id)
         if record is None or not record.stalled:
             return
-        cut = 0
+        cut = retried = 0
+        now = time.monotonic()
         for call, _ in self._open.values():
-            if call.engine_id == engine_id and call.ledger is not None and call.first_at:
+            if call.engine_id != engine_id:
+                continue
+            if call.ledger is not None and call.first_at:
                 cut += call.ledger.cut_for_stall()
-        if cut:
-            log.warning("engine %s stalled: %d streams resumed elsewhere", engine_id, cut)
+            elif call.request.stream or record.counts_steps(now, self.settings.stall_after_s):
+                # (a plain request on an engine without a fresh step counter shows nothing until
+                # it ends: it is no sign of the stall, and may be running)
+                retried += call.cut_stalled_wait()
+        if cut or retried:
+            log.warning(
+                "engine %s stalled: %d streams resumed, %d requests tried elsewhere", engine_id, cut, retried
+            )
             # its streams gone, it would hold nothing and be back in rotation at the next check,
             # emptier than any, while it is still hung: it stays out for an ejection's time
-            self.flow.collocated.outliers.eject(engine_id, "stalled with streams on it")
+            self.flow.collocated.outliers.eject(engine_id, "stalled with requests on it")
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's
@@ -503,6 +514,13 @@ class Proxy:
         self.slo.started(call.priority)
         try:
             return await self.flow.serve(call)
+        except GatewayError as error:
+            if not (call.started and call.request.stream):
+                raise
+            # the headers went out with an attempt cut for its engine's stall before its first
+            # event, and no later attempt could answer: the client is told in the stream
+            await end_with_error(call, error)
+            return error.status
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled() and watcher.result():
                 relay.uncancel()

@@ -194,6 +194,14 @@ class EngineRecord:
         used = max(tokens, reported - self.in_flight_tokens_at_scrape - self.remote_tokens_at_scrape + tokens)
         return max(0, capacity - used)
 
+    def counts_steps(self, now: float, within_s: float) -> bool:
+        """Whether a non-streamed request here shows its progress: the engine publishes a step
+        counter, read less than ``within_s`` ago. Without one (an OpenAI-compatible server,
+        SGLang) such a request says nothing until it ends; nor while its scrapes fail (a busy
+        engine's slow /metrics is no stall)."""
+        timing = None if self.state is None else self.state.timing
+        return timing is not None and timing.steps is not None and now - self.state_at < within_s
+
     def seats_taken(self) -> int:
         """Requests on the engine from every gateway replica (this one's, the others' as last
         exchanged): what ``max_engine_load`` bounds."""
@@ -817,11 +825,7 @@ class Fleet:
             record.progress_seen = record.progress
             record.progress_at = now
         state = record.state
-        timing = None if state is None else state.timing
-        # A non-streamed request shows progress only when it ends: on an engine without a step
-        # counter (an OpenAI-compatible server, SGLang) it says nothing until then; nor on one
-        # whose scrapes fail (its counter is read by them: a busy engine's slow /metrics is no stall)
-        counted = timing is not None and timing.steps is not None and now - record.state_at < after_s
+        counted = record.counts_steps(now, after_s)
         sent = [
             max(e.dispatched_at, e.ready_at)
             for e in record.running.values()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.api.request_parse import ParsedRequest
 from gateway.fleet.registry import RunningEntry
-from gateway.serving.watchdog import Watchdog
+from gateway.serving.watchdog import Limit, Watchdog
 from policies.slo import SloTarget
 
 if TYPE_CHECKING:
@@ -107,6 +108,36 @@ class Call:
     #: engines this request failed on before anything reached the client (a retry followed):
     #: counted against them only if it is served elsewhere (gateway.serving.outliers)
     failed_on: list[str] | None = None
+    #: the time limit of the current attempt's wait on its engine while nothing of the answer has
+    #: reached the client (the engine's headers, a whole answer, a stream's first event): run out
+    #: at once by :meth:`cut_stalled_wait` (None: no such wait, or not one to cut)
+    engine_wait: Limit | None = None
+    #: that wait was cut because its engine was marked stalled: the attempt ends in a retryable
+    #: error, whatever comes from the engine after (reset for each attempt)
+    stall_cut: bool = False
+
+    def wait_on_engine(self, limit: Limit) -> None:
+        """``limit`` bounds the attempt's wait on its engine now (see :attr:`engine_wait`). A cut
+        made during an earlier wait of the attempt that ended before the cut ran its limit out
+        (the engine's headers came in the same loop turn) applies to this one."""
+        self.engine_wait = limit
+        if self.stall_cut:
+            with contextlib.suppress(RuntimeError):
+                limit.reschedule(asyncio.get_running_loop().time())
+
+    def cut_stalled_wait(self) -> bool:
+        """The engine of this call's attempt was marked stalled: end its wait on that engine now,
+        when nothing of the answer has reached the client, so the request is tried elsewhere
+        (the stall check found no progress on the engine for ``stall_after_s``: waiting out
+        ``first_token_timeout_s`` for it hung the request). False when there is no such wait."""
+        wait = self.engine_wait
+        if wait is None or self.stall_cut:
+            return False
+        self.stall_cut = True
+        # (a limit that ran out just now refuses: the wait is ending already)
+        with contextlib.suppress(RuntimeError):
+            wait.reschedule(asyncio.get_running_loop().time())
+        return True
 
     @property
     def tpot_s(self) -> float | None:

@@ -6,7 +6,9 @@ refused the connection (it is ejected), its pooled connection turned out closed 
 (``dispatch_attempts``) and, for non-streamed requests, in total time (``request_timeout_s`` from
 arrival, across every attempt). A timeout after the request reached an engine is never retried:
 the engine may still be working on it, and repeating it would double the work it was too slow
-for. Failing to get a connection in time is retried: nothing was sent.
+for. Failing to get a connection in time is retried: nothing was sent. So is a wait the gateway
+ends because the engine was found stalled (:meth:`Call.cut_stalled_wait`) while nothing of the
+answer had reached the client: that engine is doing no work, and waiting hung the request.
 
 Timeouts: getting a connection (``pool_timeout_s`` waiting for a pooled one plus
 ``connect_timeout_s`` opening one: aiohttp bounds both together), response headers of a stream
@@ -42,7 +44,14 @@ from gateway.open_files import out_of_sockets
 from gateway.serving.call import Call, ClientGone
 from gateway.serving.migration import Migrator
 from gateway.serving.outliers import OutlierEjector
-from gateway.serving.relay import MAX_ERROR_BYTES, answer_plain, read_plain, relay_stream, upstream_error
+from gateway.serving.relay import (
+    MAX_ERROR_BYTES,
+    answer_plain,
+    read_plain,
+    relay_stream,
+    stalled_error,
+    upstream_error,
+)
 from gateway.serving.stream_state import Cut
 from gateway.serving.watchdog import time_limit_at
 from gateway.settings import Settings
@@ -388,6 +397,7 @@ class CollocatedFlow:
         call.dispatched_at = entry.dispatched_at = time.monotonic()
         call.engine_id = engine_id
         call.entry = entry
+        call.stall_cut = False
         metrics.deferred(metrics.DISPATCHES, engine_id).inc()
         loop = asyncio.get_running_loop()
         settings = self.settings
@@ -445,18 +455,23 @@ class CollocatedFlow:
         headers: dict[str, str],
         headers_at: float,
         count_wait: bool = True,
+        cuttable: bool = False,
     ) -> aiohttp.ClientResponse | GatewayError:
         """POST to the engine until its response headers; a retryable failure comes back as a
         GatewayError (connecting failed, the engine closed a pooled connection twice, a malformed
         answer); a timeout after the request reached the engine raises (never retried).
         ``count_wait``: the wait is not the gateway's own time (False for a request sent beside
-        another, whose wait is counted once)."""
+        another, whose wait is counted once). ``cuttable``: the wait for the headers is the
+        call's wait on its engine (:attr:`Call.engine_wait`), cut when the engine is marked
+        stalled: that is retryable."""
         engine_id = record.engine_id
         sent_at = time.monotonic()
         try:
             for fresh in (False, True):
                 try:
-                    async with time_limit_at(call.watchdog, headers_at):
+                    async with time_limit_at(call.watchdog, headers_at) as limit:
+                        if cuttable:
+                            call.wait_on_engine(limit)
                         # (never redirects: the engine's key would go with the request elsewhere)
                         response = await (self.fresh_session if fresh else self.session).post(
                             url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
@@ -515,6 +530,8 @@ class CollocatedFlow:
                     )
                 except TimeoutError:
                     call.upstream_reached = True
+                    if cuttable and call.stall_cut:
+                        return stalled_error(engine_id)
                     metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                     raise GatewayError(
                         504, f"engine {engine_id} did not answer in time", code="upstream_timeout"
@@ -534,6 +551,8 @@ class CollocatedFlow:
                         502, f"engine {engine_id} sent a malformed answer", code="upstream_failed"
                     )
         finally:
+            if cuttable:
+                call.engine_wait = None
             if count_wait:
                 call.waited_s += time.monotonic() - sent_at  # connecting and the engine's headers
         raise AssertionError("unreachable: the second try returns or raises")
@@ -556,7 +575,9 @@ class CollocatedFlow:
         engine_id = record.engine_id
         settings = self.settings
         call.upstream_answered = call.upstream_reached = False
-        response = await self.post(call, record, url, payload, headers, headers_at)
+        # (a decode stage's wait is not cut for a stall: its engine may have read the KV handed over)
+        cuttable = not decode_stage
+        response = await self.post(call, record, url, payload, headers, headers_at, cuttable=cuttable)
         if isinstance(response, GatewayError):
             return response
         # (an answer on a fresh connection after a stale pooled one: the stale one was not read)
@@ -588,18 +609,30 @@ class CollocatedFlow:
                 return refused
             if request.stream:
                 return await relay_stream(
-                    call, response, self.fleet, record, first_token_at, settings.idle_timeout_s, call.ledger
+                    call,
+                    response,
+                    self.fleet,
+                    record,
+                    first_token_at,
+                    settings.idle_timeout_s,
+                    call.ledger,
+                    cuttable,
                 )
             read_at = time.monotonic()
             try:
-                async with time_limit_at(call.watchdog, first_token_at):
+                async with time_limit_at(call.watchdog, first_token_at) as limit:
+                    if cuttable:
+                        call.wait_on_engine(limit)
                     body = await read_plain(call, response)
             except TimeoutError:
+                if cuttable and call.stall_cut:
+                    return stalled_error(engine_id)
                 metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                 raise GatewayError(
                     504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
                 ) from None
             finally:
+                call.engine_wait = None
                 call.waited_s += time.monotonic() - read_at  # the engine writing its answer
             if isinstance(body, GatewayError):
                 return body

@@ -134,6 +134,14 @@ MAX_PLAIN_BYTES = 256 << 20
 MAX_ERROR_BYTES = 64 << 10
 
 
+def stalled_error(engine_id: str) -> GatewayError:
+    """The retryable error of an attempt whose wait was cut because its engine was marked stalled
+    (:meth:`Call.cut_stalled_wait`); counted as such."""
+    metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stalled").inc()
+    metrics.UPSTREAM_RETRIES.labels("stalled").inc()
+    return GatewayError(504, f"engine {engine_id} stalled before it answered", code="upstream_timeout")
+
+
 async def read_plain(call: Call, response: aiohttp.ClientResponse) -> bytes | GatewayError:
     """Read a whole JSON answer; a cut while reading it is retryable (the client saw nothing).
     The caller bounds the read with the request's deadline."""
@@ -202,37 +210,42 @@ async def relay_stream(
     first_token_at: float,
     idle_s: float,
     ledger: StreamLedger | None = None,
-) -> int | Cut:
+    cuttable: bool = False,
+) -> int | Cut | GatewayError:
     """Relay an SSE stream until ``[DONE]``; returns the status the client was given.
 
     ``first_token_at`` is the loop-time deadline for the first event. Raises :class:`ClientGone`
     when the client stopped reading for ``idle_s``. With a ``ledger`` (a stream that may migrate)
     every relayed chunk is recorded in it, and an engine failure, a stall after the first event or
     a slack move returns a :class:`Cut` instead of ending the stream: the caller resumes it or
-    ends it with the error the cut carries.
+    ends it with the error the cut carries. ``cuttable``: until its first event the wait may be
+    cut for a stalled engine (:meth:`Call.cut_stalled_wait`); it then returns a retryable error
+    (the stream's headers may have gone out, from this attempt or one cut before it, but no event:
+    the next attempt's events are the client's whole answer).
     """
     send = call.send
     request = call.request
     entry = call.entry
     engine_id = call.engine_id or ""
-    overhead = overhead_header(call, monotonic())
-    # bounded like every later send: behind a large answer on the same connection (HTTP/1.1
-    # pipelining) that the client is not reading, even the headers wait for the socket to drain
-    await send_bounded(
-        call,
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": [
-                *SSE_HEADERS,
-                *call.reply_headers,
-                (b"x-slogate-engine", engine_id.encode()),
-                overhead,
-            ],
-        },
-        idle_s,
-    )
-    call.started = True
+    if not call.started:  # (an attempt after a stalled one that sent only the headers: sent)
+        overhead = overhead_header(call, monotonic())
+        # bounded like every later send: behind a large answer on the same connection (HTTP/1.1
+        # pipelining) that the client is not reading, even the headers wait for the socket to drain
+        await send_bounded(
+            call,
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [
+                    *SSE_HEADERS,
+                    *call.reply_headers,
+                    (b"x-slogate-engine", engine_id.encode()),
+                    overhead,
+                ],
+            },
+            idle_s,
+        )
+        call.started = True
     clock = asyncio.get_running_loop().time
     done = False
     sending = False
@@ -246,6 +259,8 @@ async def relay_stream(
         async with time_limit_at(call.watchdog, first_token_at) as deadline:
             if tracking:
                 ledger.deadline = deadline  # type: ignore[union-attr]
+            if cuttable:
+                call.wait_on_engine(deadline)
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany
@@ -255,6 +270,9 @@ async def relay_stream(
                 complete = frame(chunk)
                 if not complete:
                     continue
+                if cuttable and call.stall_cut:
+                    # (cut while this came: the attempt is over, nothing of it is counted or sent)
+                    return stalled_error(engine_id)
                 sep = framer.sep
                 now = monotonic()
                 failed_at = -1
@@ -326,6 +344,7 @@ async def relay_stream(
                         fleet.add_generated(record, entry, content)
                 events += n
                 if complete:
+                    call.engine_wait = None  # (an event goes out: no longer cut for a stall)
                     sending = True
                     if tracking:
                         ledger.deadline = None  # type: ignore[union-attr]  # (not waiting on the engine)
@@ -350,9 +369,12 @@ async def relay_stream(
                         moved = Cut(MigrationReason.SLACK, engine_id, None, placed)
                         break
     except TimeoutError:
+        call.engine_wait = None  # (a cut now would run out the error event's send limit instead)
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None  # (the limit is over: what follows has limits of its own)
+        if cuttable and call.stall_cut:  # (before its first event, so not while sending)
+            return stalled_error(engine_id)
         if sending:
             metrics.SLOW_CLIENTS.inc()
             log.info("client stopped reading; stream ended", extra={"request_id": call.client_rid})
@@ -365,6 +387,7 @@ async def relay_stream(
         await end_with_error(call, error)
         return 504
     except OversizedEvent:
+        call.engine_wait = None
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
@@ -374,6 +397,7 @@ async def relay_stream(
         )
         return 502
     except aiohttp.ClientError as exc:
+        call.engine_wait = None
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
@@ -384,12 +408,16 @@ async def relay_stream(
         await end_with_error(call, error)
         return 502
     finally:
+        call.engine_wait = None
         metrics.SSE_EVENTS.inc(events)
         call.sse_events = events
         if ledger is not None:
             ledger.deadline = None
     if moved is not None:
         return moved
+    if cuttable and call.stall_cut:
+        # (the engine closed as the cut came: nothing went out, so it is tried elsewhere all the same)
+        return stalled_error(engine_id)
     if not done and not errored:
         metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
         error = GatewayError(

@@ -8,7 +8,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +28,7 @@ from policies.api import EngineState, EngineTiming, Role
 from policies.stall import is_stalled
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
-from tests.gateway.stub_engines import StubEngine, never_answer
+from tests.gateway.stub_engines import StubEngine, never_answer, one_event_then_stall
 
 AFTER = 15.0
 
@@ -301,24 +301,48 @@ def _stalls(metrics: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _dispatches(gw: RunningGateway, engine: str) -> float:
+    """Requests the gateway has sent to ``engine`` (its attempts, retried ones included)."""
+    text = httpx.get(gw.url + "/metrics").text
+    found = re.search(rf'^slogate_dispatches_total{{engine="{engine}"}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _until_held(
+    hang: StubEngine, post: Callable[[], None], threads: list[threading.Thread], held: int
+) -> int:
+    """``post`` in a thread of its own, one at a time, until the stub holds ``held`` requests (the
+    others go to the other engine and are answered); returns how many were started."""
+    started = 0
+    deadline = time.monotonic() + 10
+    while len(hang.received) < held and time.monotonic() < deadline:
+        threads.append(threading.Thread(target=post))
+        threads[-1].start()
+        started += 1
+        threads[-1].join(0.5)
+    assert len(hang.received) == held
+    return started
+
+
 def _engines(gw: RunningGateway) -> dict[str, dict[str, Any]]:
     return {e["id"]: e for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
 
 
 @pytest.mark.parametrize("profile", ["round-robin", "least-load", "hyperflexis"])
 def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) -> None:
-    """One request hangs on an engine that passes its health checks; once that engine is found
-    stalled, every new request goes to the other (round robin sent it every second request, each
-    to wait out its headers limit), and it is back in rotation when it holds nothing."""
+    """One stream hangs after its first event on an engine that passes its health checks (not
+    cut: without migration nothing resumes it); once that engine is found stalled, every new
+    request goes to the other (round robin sent it every second request, each to wait out its
+    limits), and it is back in rotation when it holds nothing."""
     settings: dict[str, Any] = {
         "routing_profile": profile,
         "monitor_interval_s": 0.1,
         "stall_after_s": 0.5,
-        "headers_timeout_s": 4.0,
+        "idle_timeout_s": 4.0,
         "dispatch_attempts": 1,
     }
     with (
-        StubEngine(never_answer) as hang,
+        StubEngine(one_event_then_stall) as hang,
         run_gateway(engines=[hang.entry("a-hang"), engine_entry(sim)], **settings) as gw,
     ):
         url = gw.url + "/v1/chat/completions"
@@ -332,12 +356,7 @@ def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) 
         stalls_before = _stalls(httpx.get(gw.url + "/metrics").text)
         try:
             # one request at a time until the stub holds one (the others the engine answers)
-            deadline = time.monotonic() + 10
-            while not hang.received and time.monotonic() < deadline:
-                threads.append(threading.Thread(target=post))
-                threads[-1].start()
-                threads[-1].join(0.5)
-            assert len(hang.received) == 1
+            _until_held(hang, post, threads, 1)
             assert wait_until(lambda: _engines(gw)["a-hang"]["stalled"], timeout=10)
             assert _engines(gw)["a-hang"]["healthy"]  # (its health checks pass all along)
             answered = len(answers)
@@ -352,16 +371,118 @@ def test_new_work_goes_around_a_stalled_engine(sim: ChildProcess, profile: str) 
         finally:
             for thread in threads:
                 thread.join(30)
-        # the held request ended by its own limit; holding nothing, its engine is back in rotation
-        assert len(answers) == answered + 1 and answers[-1].status_code == 504
+        # the held stream ended by its own limit (an error event after its first); holding
+        # nothing, its engine is back in rotation
+        assert len(answers) == answered + 1 and answers[-1].status_code == 200
+        assert "stalled between events" in answers[-1].text, answers[-1].text
         assert wait_until(lambda: not _engines(gw)["a-hang"]["stalled"], timeout=5)
         assert 'slogate_engine_stalled{engine="a-hang"} 0.0' in httpx.get(gw.url + "/metrics").text
 
 
-def test_new_decodes_go_around_a_stalled_decode_engine() -> None:
-    """P/D: a decode engine that hangs (healthy, its steps stopped) holds one stream; once it is
-    found stalled every new decode goes to the other decode engine, and it is back in rotation
-    once it makes progress again."""
+@pytest.mark.parametrize("profile", ["round-robin", "hyperflexis"])
+def test_a_stream_waiting_for_its_headers_on_a_stalled_engine_is_answered_at_once(
+    sim: ChildProcess, profile: str
+) -> None:
+    """A stream waiting for an engine's headers when the engine is found stalled is tried
+    elsewhere at once (here with no attempt left: a 504, not after its 20 s headers limit); the
+    engine, holding nothing then, is out of rotation for an ejection's time (it would otherwise be
+    back at the next check while still hung), and new work goes around it."""
+    settings: dict[str, Any] = {
+        "routing_profile": profile,
+        "monitor_interval_s": 0.1,
+        "stall_after_s": 0.5,
+        "headers_timeout_s": 20.0,
+        "dispatch_attempts": 1,
+        "outlier_ejection_s": 5.0,
+    }
+    with (
+        StubEngine(never_answer) as hang,
+        run_gateway(engines=[hang.entry("a-hang"), engine_entry(sim)], **settings) as gw,
+    ):
+        url = gw.url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        answers: list[httpx.Response] = []
+
+        def post() -> None:
+            answers.append(httpx.post(url, json={**body, "stream": True}, timeout=30))
+
+        threads: list[threading.Thread] = []
+        try:
+            _until_held(hang, post, threads, 1)
+            held_at, answered = time.monotonic(), len(answers)
+            assert wait_until(lambda: len(answers) == answered + 1, timeout=10)
+            assert time.monotonic() - held_at < 10.0  # (the headers limit is 20 s)
+            assert answers[-1].status_code == 504, answers[-1].text
+            assert "stalled before it answered" in answers[-1].text
+            assert _engines(gw)["a-hang"]["ejected"] and _engines(gw)["a-hang"]["healthy"]
+            with ThreadPoolExecutor(8) as pool:
+                statuses = list(
+                    pool.map(lambda _: httpx.post(url, json=body, timeout=30).status_code, range(8))
+                )
+            assert statuses == [200] * 8 and len(hang.received) == 1
+        finally:
+            for thread in threads:
+                thread.join(30)
+        assert wait_until(lambda: not _engines(gw)["a-hang"]["ejected"], timeout=15)
+
+
+def test_a_plain_request_on_an_engine_without_step_counters_is_not_cut_for_a_stall(sim: ChildProcess) -> None:
+    """A non-streamed request on an engine that publishes no step counter shows nothing until it
+    ends, so it is no sign of a stall, and may be running: when a stream there makes the engine
+    stalled, the stream is tried elsewhere and the plain request keeps its own limit."""
+    settings: dict[str, Any] = {
+        "routing_profile": "round-robin",
+        "monitor_interval_s": 0.1,
+        "stall_after_s": 0.5,
+        "request_timeout_s": 5.0,
+        "headers_timeout_s": 20.0,
+    }
+    with (
+        StubEngine(never_answer) as hang,
+        run_gateway(engines=[hang.entry("a-hang"), engine_entry(sim)], **settings) as gw,
+    ):
+        url = gw.url + "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        plain: list[tuple[float, httpx.Response]] = []
+        streams: list[httpx.Response] = []
+
+        def post_plain() -> None:
+            answer = httpx.post(url, json=body, timeout=30)
+            plain.append((time.monotonic(), answer))
+
+        def post_stream() -> None:
+            streams.append(httpx.post(url, json={**body, "stream": True}, timeout=30))
+
+        threads: list[threading.Thread] = []
+        sent: dict[Callable[[], None], int] = {}
+        try:
+            for target, held in ((post_plain, 1), (post_stream, 2)):
+                sent[target] = _until_held(hang, target, threads, held)
+            stream_held_at = time.monotonic()
+            # the stream held there: tried on the sim once the stub is found stalled
+            assert wait_until(lambda: len(streams) == sent[post_stream], timeout=10)
+            assert time.monotonic() - stream_held_at < 5.0
+            assert all(r.status_code == 200 and r.text.rstrip().endswith("[DONE]") for r in streams)
+            assert all('"error"' not in r.text for r in streams)
+            assert len(plain) == sent[post_plain] - 1  # (the held one still waits)
+            assert all(r.status_code == 200 for _, r in plain)
+        finally:
+            for thread in threads:
+                thread.join(30)
+        # the plain one held by the stub waited out its own limit (5 s from its arrival)
+        assert len(plain) == sent[post_plain]
+        ended, answer = plain[-1]
+        assert answer.status_code == 504 and "in time" in answer.text, answer.text
+        assert ended - stream_held_at > 1.0
+
+
+@pytest.mark.parametrize("attempts", [2, 1])
+def test_new_decodes_go_around_a_stalled_decode_engine(attempts: int) -> None:
+    """P/D: a decode engine that hangs (healthy, its steps stopped) holds one stream (a short
+    prompt, served whole on a decode engine); once it is found stalled that stream, which has
+    had no event, is served by the other decode engine at once, every new decode goes there too
+    while the hung one is out of rotation for an ejection's time, and it is back after that. With
+    one attempt, the held stream (its headers sent, no event) ends at once with an error event."""
     with (
         spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="sp") as prefill,
         spawn_sim_engine(*SIM_ARGS, "--role", "decode", name="sd0") as d0,
@@ -374,7 +495,9 @@ def test_new_decodes_go_around_a_stalled_decode_engine() -> None:
             ],
             monitor_interval_s=0.1,
             stall_after_s=0.5,
-            dispatch_attempts=1,
+            outlier_ejection_s=3.0,
+            first_token_timeout_s=60.0,
+            dispatch_attempts=attempts,
         ) as gw,
     ):
         httpx.post(d0.url + "/sim/fault", json={"mode": "hang"}).raise_for_status()
@@ -394,8 +517,18 @@ def test_new_decodes_go_around_a_stalled_decode_engine() -> None:
                 threads[-1].start()
                 threads[-1].join(0.5)
             assert _engines(gw)["sd0"]["in_flight"] == 1
-            assert wait_until(lambda: _engines(gw)["sd0"]["stalled"], timeout=10)
-            assert _engines(gw)["sd0"]["healthy"]
+            held_at, answered = time.monotonic(), len(answers)
+            assert wait_until(lambda: len(answers) == answered + 1, timeout=20)
+            assert time.monotonic() - held_at < 20.0  # (its first-token limit is 60 s)
+            held = answers.pop()
+            assert held.status_code == 200 and held.text.rstrip().endswith("data: [DONE]"), held.text
+            if attempts == 1:
+                assert "stalled before it answered" in held.text, held.text
+            else:
+                assert '"error"' not in held.text
+            assert _engines(gw)["sd0"]["ejected"] and _engines(gw)["sd0"]["healthy"]
+            assert _engines(gw)["sd0"]["in_flight"] == 0
+            dispatched = _dispatches(gw, "sd0")
             with ThreadPoolExecutor(8) as pool:
                 served = list(
                     pool.map(
@@ -404,11 +537,12 @@ def test_new_decodes_go_around_a_stalled_decode_engine() -> None:
                     )
                 )
             assert served == ["sd1"] * 8, served
-            assert _engines(gw)["sd0"]["in_flight"] == 1
+            assert _dispatches(gw, "sd0") == dispatched  # (none went there first)
             httpx.post(d0.url + "/sim/fault", json={"clear": True}).raise_for_status()
-            assert wait_until(lambda: not _engines(gw)["sd0"]["stalled"], timeout=10)
+            assert wait_until(lambda: not _engines(gw)["sd0"]["ejected"], timeout=10)
+            assert not _engines(gw)["sd0"]["stalled"]
         finally:
             for thread in threads:
                 thread.join(30)
-        assert answers and all(a.status_code == 200 for a in answers)
-        assert answers[-1].text.rstrip().endswith("data: [DONE]")
+        # (any stream before the held one was served whole)
+        assert all(a.status_code == 200 and a.text.rstrip().endswith("data: [DONE]") for a in answers)
