@@ -7,6 +7,14 @@ cut, an answer that did not come in time); a success is any answer the engine ga
 client's). What says nothing of the engine (a client that left, an overloaded engine's 503, the
 gateway's own shortage) counts for neither. Back in rotation after its time, an engine is on
 probation: one more failure takes it out again, for twice as long; one success clears it.
+
+A failure another engine may still mend (a retry follows) counts only if it does: a request that
+fails on every engine it tries is likely at fault itself (:meth:`OutlierEjector.settle`). A final
+failure, which no other engine tries (a P/D decode stage's 500, a shared deadline's timeout),
+counts as it comes, as an Envoy-style consecutive-5xx rule counts them: left out, a decode engine
+answering 500 to every request was never taken out, and decode placement, which always found it
+least loaded (it failed at once), sent it every request of the model. Only failures in a row
+count (any answer clears them), and never more than the pool's share is out.
 """
 
 from __future__ import annotations
@@ -54,10 +62,13 @@ def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
 
 
 def raised_verdict(exc: BaseException) -> bool | None:
-    """A 4xx (the engine answered: the client's fault) clears; nothing raised counts against an
-    engine: a final 5xx (a P/D decode stage's 500, a shared deadline's timeout) may be the
-    request's own doing, and with no other engine trying it there is no telling."""
-    return True if isinstance(exc, GatewayError) and 400 <= exc.status < 500 else None
+    """What an exception raised out of an attempt says of its engine: a 4xx (the engine answered:
+    the client's fault) clears, a final 5xx of the engine's (a P/D decode stage's 500, a shared
+    deadline's timeout) fails, anything else (a client that left, a cancellation, the gateway's
+    own shortage or an overloaded engine's 503) says nothing."""
+    if not isinstance(exc, GatewayError):
+        return None
+    return True if 400 <= exc.status < 500 else verdict(exc) if exc.status >= 500 else None
 
 
 class OutlierEjector:
@@ -88,9 +99,12 @@ class OutlierEjector:
 
     def judge_raised(self, engine_id: str, exc: BaseException) -> None:
         """An attempt raised ``exc`` (a final answer, a client that left, a cancellation)."""
-        if raised_verdict(exc):
+        said = raised_verdict(exc)
+        if said is True:
             self._streak.pop(engine_id, None)
             self._ejections.pop(engine_id, None)
+        elif said is False:
+            self._failed(engine_id)
 
     def settle(self, call: Call, status: int) -> None:
         """The request ended with ``status``: the engines it failed on before being served

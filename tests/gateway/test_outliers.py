@@ -144,3 +144,24 @@ def test_an_ejection_its_pool_undoes_at_once_is_not_counted() -> None:
         ejector._failed(only)
     assert not fleet.records[only].tripped
     assert metrics.ENGINE_EJECTIONS.labels(only)._value.get() == before and only not in ejector._ejections
+
+
+async def test_final_failures_in_a_row_count_as_they_come() -> None:
+    """A final 5xx (no other engine tries the request: a P/D decode stage's 500, a shared
+    deadline's timeout) counts as it comes; only failures in a row, which any answer clears."""
+    fleet, ejector = _ejector(3)
+    failing = f"{MODEL}-0"
+    exploded = GatewayError(500, "engine exploded")
+    assert raised_verdict(exploded) is False
+    assert raised_verdict(GatewayError(504, "late", code="upstream_timeout")) is False
+    assert raised_verdict(GatewayError(503, "short", code="gateway_overloaded")) is None
+    assert raised_verdict(GatewayError(503, "busy")) is None  # (overloaded: no fault)
+    for _ in range(2):
+        ejector.judge_raised(failing, exploded)
+    ejector.judge(failing, 200, None)  # (an answer: the two were not in a row with the next)
+    for _ in range(2):
+        ejector.judge_raised(failing, exploded)
+        assert not fleet.records[failing].tripped
+    ejector.judge_raised(failing, exploded)
+    assert fleet.records[failing].tripped
+    ejector.close()

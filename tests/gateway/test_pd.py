@@ -815,8 +815,9 @@ def test_a_decode_engines_500_is_final_and_a_failing_prefill_engine_is_ejected(
     fleet: dict[str, ChildProcess], tmp_path: Path
 ) -> None:
     """A decode engine's 500 is not retried on another decode engine (it may have read the KV
-    handed over, which no other holds); a prefill engine answering 500 to every prefill is
-    retried around, then taken out of rotation."""
+    handed over, which no other holds), but one answering 500 to every decode while the other
+    answers is taken out of rotation (its failures are its own, not the requests'); a prefill
+    engine answering 500 to every prefill is retried around, then taken out of rotation."""
     from tests.gateway.conftest import BrokenEngine
 
     outliers = {"outlier_consecutive_failures": 3, "outlier_ejection_s": 60.0}
@@ -824,8 +825,17 @@ def test_a_decode_engines_500_is_final_and_a_failing_prefill_engine_is_ejected(
         entry = {"url": broken.url, "kind": "vllm", "model": MODEL, "name": "dx", "role": "decode"}
         engines = [engine_entry(fleet["p0"], role="prefill"), entry, engine_entry(fleet["d1"], role="decode")]
         with run_gateway(engines=engines, routing_profile=str(profile(tmp_path, "always")), **outliers) as gw:
-            statuses = [chat(gw, LONG, False, max_tokens=4).status_code for _ in range(8)]
-            assert set(statuses) <= {200, 500} and statuses.count(500) == len(broken.received) >= 1, statuses
+            statuses: list[int] = []
+            for _ in range(3):  # (four at once: decode placement spreads them over both)
+                with ThreadPoolExecutor(4) as pool:
+                    answers = pool.map(lambda _: chat(gw, LONG, False, max_tokens=4).status_code, range(4))
+                    statuses.extend(answers)
+            assert set(statuses) <= {200, 500} and statuses.count(500) == len(broken.received) >= 3, statuses
+            state = {e["id"]: e for e in httpx.get(gw.url + "/admin/engines").json()["engines"]}
+            assert state["dx"]["ejected"], statuses
+            seen = len(broken.received)
+            assert all(chat(gw, LONG, False, max_tokens=4).status_code == 200 for _ in range(4))
+            assert len(broken.received) == seen
         entry = {"url": broken.url, "kind": "vllm", "model": MODEL, "name": "px", "role": "prefill"}
         engines = [entry, engine_entry(fleet["p1"], role="prefill"), engine_entry(fleet["d0"], role="decode")]
         seen = len(broken.received)
