@@ -676,8 +676,11 @@ class Migrator:
         # (its first event may echo the prompt it was given: the client's ids and the output's)
         prompt = len(state.prompt_ids) + base if state is not None else call.request.prompt_tokens
         framer = SseFramer(event_limit(prompt))
+        # (while it waits on this engine, a stall mark on it cuts the wait: Proxy._on_engine_change)
+        ledger.stall_cut = False
         try:
             async with time_limit_at(call.watchdog, first_at) as deadline:
+                ledger.deadline = deadline
                 read = response.content.readany
                 while chunk := await read():
                     complete = framer.feed(chunk)
@@ -756,6 +759,7 @@ class Migrator:
                         deadline.reschedule(clock() + idle_s)
                     content = len(out) - announced
                     if content:
+                        ledger.stall_cut = False  # (it is no longer stalled)
                         if not started:
                             started = True
                             fleet.mark_prefilled(engine_id, call.rid)
@@ -770,9 +774,13 @@ class Migrator:
                         call.content_events += content
                         fleet.add_generated(record, entry, content)
                     if out:
+                        ledger.deadline = None  # (not waiting on the engine: a cut waits for the send)
                         sending = True
                         await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                         sending = False
+                        ledger.deadline = deadline
+                        if ledger.stall_cut:
+                            deadline.reschedule(clock())  # the cut held back during the send
                         metrics.SSE_EVENTS.inc(len(out))  # (as the first engine's relay counts)
                     if failed is not None:
                         raise failed
@@ -796,6 +804,8 @@ class Migrator:
                 502, f"engine {engine_id} failed mid-stream: {exc!r}", code="upstream_failed"
             )
             return Cut(MigrationReason.FAILURE, engine_id, error)
+        finally:
+            ledger.deadline = None
         if not done or state is None:
             metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "stream_cut").inc()
             error = GatewayError(

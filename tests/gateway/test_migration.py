@@ -313,6 +313,36 @@ def test_a_stream_on_an_engine_marked_stalled_moves_at_once_with_the_exact_outpu
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
 
 
+def test_a_continuation_on_an_engine_marked_stalled_moves_at_once(healthy: list[ChildProcess]) -> None:
+    """The first engine cuts the stream; every other engine hangs. The continuation on the second
+    is cut when the stall check marks that engine, resumed on the third, cut there too, and the
+    stream ends with the limit's error within seconds, not after idle_timeout_s of silence on each
+    (a continuation used to wait that out: the stall mark cut only a first engine's stream)."""
+    body = chat_body("a continuation on a hung engine", 200)
+    ref = reference(healthy[0], CHAT, body)
+    with gateway(
+        healthy, migration_limit=2, stall_after_s=1.0, idle_timeout_s=60.0, first_token_timeout_s=60.0
+    ) as gw:
+        stalls = metric(gw, "slogate_migrations_total", reason="stall")
+        started = time.monotonic()
+        with httpx.stream(
+            "POST", gw.url + CHAT, json=body, headers={"X-Sim-Fault": "crash-after=30"}, timeout=90
+        ) as r:
+            first = r.headers["x-slogate-engine"]
+            for engine in healthy:
+                if engine.name != first:
+                    sim_fault(engine, {"mode": "hang"})
+            raw = r.read()
+        took = time.monotonic() - started
+        got = parse(r.status_code, first, raw)
+        assert got.error is not None and got.done
+        assert "migration limit (2) reached" in got.error["message"], got.error
+        assert got.token_ids == ref.token_ids[: len(got.token_ids)] and len(got.token_ids) >= 25
+        assert took < 30.0, took  # (idle_timeout_s is 60 s on each of the two)
+        assert metric(gw, "slogate_migrations_total", reason="stall") == stalls + 1
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
 @pytest.mark.parametrize(
     ("extra", "why"),
     [
