@@ -19,7 +19,7 @@ import aiohttp
 
 from gateway.api.errors import GatewayError
 from gateway.fleet.monitor import describe_failure
-from gateway.fleet.registry import FRONT_ROLES, Fleet
+from gateway.fleet.registry import FRONT_ROLES, EngineRecord, Fleet
 from policies.api import Role
 
 log = logging.getLogger("slogate.fleet.roles")
@@ -50,8 +50,10 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False
     record = fleet.records[engine_id]
     model = record.model
     others = [r for r in fleet.engines_of[model] if r.engine_id != engine_id]
-    # (an engine another flip is moving is draining, so serves in neither list)
-    during = [(r.adapter.role, r.healthy and not r.draining) for r in others]
+    # (an engine another flip is moving is draining, so serves in neither list; nor does one out
+    # of rotation for a stall or failed requests: counted, a flip left the model only an engine
+    # answering 500s, which the pool then took back as its last)
+    during = [(r.adapter.role, _in_rotation(r)) for r in others]
     after = [*during, (role, record.healthy)]
     # ...but it may end up a prefill engine, which needs decode engines: a flip to prefill
     # waiting on its engine's answer let a second flip take the model's last decode engine away
@@ -76,7 +78,7 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False
             code="last_engine",
         )
     if not allow_gap and record.adapter.role in FRONT_ROLES and record.adapters:
-        peers = [r for r in others if r.adapter.role in FRONT_ROLES and r.healthy and not r.draining]
+        peers = [r for r in others if r.adapter.role in FRONT_ROLES and _in_rotation(r)]
         alone = sorted(name for name in record.adapters if not any(name in p.adapters for p in peers))
         if alone:
             # (as the stall check keeps such an engine: out of rotation, those requests are refused)
@@ -97,6 +99,10 @@ def check_flip(fleet: Fleet, engine_id: str, role: Role, allow_gap: bool = False
             "add or heal one first",
             code="last_engine",
         )
+
+
+def _in_rotation(record: EngineRecord) -> bool:
+    return record.healthy and not record.draining and not record.stalled and not record.tripped
 
 
 async def flip_role(

@@ -271,3 +271,27 @@ async def test_a_vllm_engine_flips_only_when_it_is_known_to_run_a_kv_connector(
             await flip_role(fleet, "e0", target, 1.0)
         assert info.value.status == 409 and info.value.code == "role_fixed"
         assert "kv_transfer" in info.value.message and fleet.records["e0"].adapter.role.value == role
+
+
+@pytest.mark.parametrize("out", ["stalled", "ejected"])
+def test_an_engine_out_of_rotation_does_not_count_as_the_one_left(out: str) -> None:
+    """An engine out for a stall or for failed requests takes nothing: counted as in rotation, a
+    flip left the model only that engine (which its pool then took back as its last)."""
+
+    def mark(fleet, engine_id: str) -> None:  # type: ignore[no-untyped-def]
+        if out == "stalled":
+            fleet.set_stalled(engine_id, True)
+        else:
+            fleet.set_tripped(engine_id, True)
+        assert getattr(fleet.records[engine_id], "stalled" if out == "stalled" else "tripped")
+
+    fleet = _fleet("collocated", "collocated")
+    mark(fleet, "e1")
+    with pytest.raises(GatewayError) as info:
+        check_flip(fleet, "e0", Role.DECODE)
+    assert info.value.status == 409
+    fleet = _fleet("prefill", "decode", "decode")
+    mark(fleet, "e2")
+    with pytest.raises(GatewayError):  # (the other decode engine is out: none would be left)
+        check_flip(fleet, "e1", Role.COLLOCATED, allow_gap=True)
+    check_flip(_fleet("prefill", "decode", "decode"), "e1", Role.COLLOCATED, allow_gap=True)
