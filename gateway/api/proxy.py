@@ -30,7 +30,7 @@ from gateway.dispatch.slo_service import SloService, header_text
 from gateway.fleet.engine_tokenizer import PromptKeyer
 from gateway.fleet.prefix_routing import PrefixRouting
 from gateway.fleet.prompt_key import prompt_blocks
-from gateway.fleet.registry import Fleet
+from gateway.fleet.registry import EngineRecord, Fleet
 from gateway.router import Decision, Router
 from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Scope, Send, overhead_header
 from gateway.serving.disaggregated import DisaggregatedFlow
@@ -39,7 +39,9 @@ from gateway.serving.responses import Responses
 from gateway.serving.watchdog import Watchdog, time_limit
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
+from policies.latency_fit import predict_prefill
 from policies.plugins.affinity import affinity_key
+from policies.stall import may_try_elsewhere
 
 log = logging.getLogger("slogate.proxy")
 
@@ -102,6 +104,8 @@ class Proxy:
         responses: Responses | None = None,
     ) -> None:
         self.settings = settings
+        #: engines whose stalled requests are being moved (the ejection notifies again)
+        self._sweeping: set[str] = set()
         #: where stored Responses API answers live (a gateway without one pins nothing)
         self.responses = responses or Responses(
             fleet, flow.collocated.session, settings.headers_timeout_s, settings.idle_timeout_s
@@ -163,33 +167,53 @@ class Proxy:
 
     def _on_engine_change(self, engine_id: str, what: str) -> None:
         """An engine marked stalled: its migratable streams waiting on it are resumed elsewhere
-        now, not after idle_timeout_s of silence each, and requests waiting on it with nothing of
-        their answer sent yet are tried elsewhere now, not after first_token_timeout_s or
-        request_timeout_s (``stall_after_s`` said it is no slow step but an engine that has
-        stopped)."""
-        if what != "role":
-            return
+        now, not after idle_timeout_s of silence each, and the requests waiting on it with nothing
+        of their answer sent yet that may go elsewhere (:func:`policies.stall.may_try_elsewhere`)
+        are tried on another engine now, not after first_token_timeout_s or request_timeout_s
+        (``stall_after_s`` said it is no slow step but an engine that has stopped)."""
+        if what != "role" or engine_id in self._sweeping:
+            return  # (the ejection below tells of the engine again)
         record = self.fleet.records.get(engine_id)
         if record is None or not record.stalled:
             return
-        cut = retried = 0
-        now = time.monotonic()
+        self._sweeping.add(engine_id)
+        try:
+            self._sweep_stalled(record)
+        finally:
+            self._sweeping.discard(engine_id)
+
+    def _sweep_stalled(self, record: EngineRecord) -> None:
+        engine_id = record.engine_id
+        after_s = self.settings.stall_after_s
+        counts_steps = record.counts_steps(time.monotonic(), after_s)
+        prefill = self.slo.coefficients(engine_id)[0]
+        outliers = self.flow.collocated.outliers
+        resumed = 0
+        waiting: list[Call] = []
         for call, _ in self._open.values():
             if call.engine_id != engine_id:
                 continue
             if call.ledger is not None and call.first_at:
-                cut += call.ledger.cut_for_stall()
-            elif call.request.stream or record.counts_steps(now, self.settings.stall_after_s):
-                # (a plain request on an engine without a fresh step counter shows nothing until
-                # it ends: it is no sign of the stall, and may be running)
-                retried += call.cut_stalled_wait()
-        if cut or retried:
-            log.warning(
-                "engine %s stalled: %d streams resumed, %d requests tried elsewhere", engine_id, cut, retried
-            )
-            # its streams gone, it would hold nothing and be back in rotation at the next check,
+                resumed += call.ledger.cut_for_stall()
+            elif call.engine_wait is not None and may_try_elsewhere(
+                stream=call.request.stream,
+                engine_counts_steps=counts_steps,
+                pinned=call.pinned is not None,
+                cut_before=call.stall_cuts > 0,
+                predicted_prefill_s=predict_prefill(prefill, (call.request.prompt_tokens,)),
+                after_s=after_s,
+            ):
+                waiting.append(call)
+        if resumed or waiting:
+            # its work gone, it would hold nothing and be back in rotation at the next check,
             # emptier than any, while it is still hung: it stays out for an ejection's time
-            self.flow.collocated.outliers.eject(engine_id, "stalled with requests on it")
+            outliers.eject(engine_id, "stalled with requests on it")
+        # (kept in rotation, as when ejections are off or its pool has its share out, the waits
+        # stay: emptied, it would take new requests and hold each for stall_after_s again)
+        retried = sum(call.cut_stalled_wait() for call in waiting) if record.tripped else 0
+        if resumed or retried:
+            message = "engine %s stalled: %d streams resumed, %d requests tried elsewhere"
+            log.warning(message, engine_id, resumed, retried)
 
     def _parse_tokenizers(self) -> Mapping[str, str] | None:
         """What the parsing worker keys prompts with, by the body's ``model`` (an adapter's
@@ -519,6 +543,8 @@ class Proxy:
                 raise
             # the headers went out with an attempt cut for its engine's stall before its first
             # event, and no later attempt could answer: the client is told in the stream
+            if error.code == NO_HEALTHY_ENGINE:
+                metrics.NO_ENGINE.labels(call.request.model).inc()
             await end_with_error(call, error)
             return error.status
         except asyncio.CancelledError:

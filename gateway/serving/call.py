@@ -115,6 +115,8 @@ class Call:
     #: that wait was cut because its engine was marked stalled: the attempt ends in a retryable
     #: error, whatever comes from the engine after (reset for each attempt)
     stall_cut: bool = False
+    #: waits of this request cut for a stall, over all its attempts
+    stall_cuts: int = 0
 
     def wait_on_engine(self, limit: Limit) -> None:
         """``limit`` bounds the attempt's wait on its engine now (see :attr:`engine_wait`). A cut
@@ -134,6 +136,7 @@ class Call:
         if wait is None or self.stall_cut:
             return False
         self.stall_cut = True
+        self.stall_cuts += 1
         # (a limit that ran out just now refuses: the wait is ending already)
         with contextlib.suppress(RuntimeError):
             wait.reschedule(asyncio.get_running_loop().time())

@@ -227,6 +227,9 @@ async def relay_stream(
     request = call.request
     entry = call.entry
     engine_id = call.engine_id or ""
+    if cuttable and call.stall_cut:
+        # (cut as the engine's headers came: no start for the client, whose answer goes elsewhere)
+        return stalled_error(engine_id)
     if not call.started:  # (an attempt after a stalled one that sent only the headers: sent)
         overhead = overhead_header(call, monotonic())
         # bounded like every later send: behind a large answer on the same connection (HTTP/1.1

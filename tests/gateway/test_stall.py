@@ -25,7 +25,7 @@ from gateway.procs import ChildProcess, spawn_sim_engine
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.settings import EngineConfig
 from policies.api import EngineState, EngineTiming, Role
-from policies.stall import is_stalled
+from policies.stall import is_stalled, may_try_elsewhere
 from tests.gateway.conftest import MODEL, SIM_ARGS, engine_entry
 from tests.gateway.gateway_thread import RunningGateway, run_gateway, wait_until
 from tests.gateway.stub_engines import StubEngine, never_answer, one_event_then_stall
@@ -510,16 +510,18 @@ def test_new_decodes_go_around_a_stalled_decode_engine(attempts: int) -> None:
 
         threads: list[threading.Thread] = []
         try:
-            # (ties go to the first decode engine in fleet order: the hung one takes the first)
-            deadline = time.monotonic() + 10
-            while not _engines(gw)["sd0"]["in_flight"] and time.monotonic() < deadline:
+            # one at a time, each answered before the next, until one went to the hung engine
+            # first (ties go to the first decode engine in fleet order: most likely the first)
+            deadline = time.monotonic() + 20
+            before = _dispatches(gw, "sd0")  # (the registry is the process's: earlier tests count)
+            sent_at = time.monotonic()
+            while _dispatches(gw, "sd0") == before and time.monotonic() < deadline:
                 threads.append(threading.Thread(target=post))
+                sent_at = time.monotonic()
                 threads[-1].start()
-                threads[-1].join(0.5)
-            assert _engines(gw)["sd0"]["in_flight"] == 1
-            held_at, answered = time.monotonic(), len(answers)
-            assert wait_until(lambda: len(answers) == answered + 1, timeout=20)
-            assert time.monotonic() - held_at < 20.0  # (its first-token limit is 60 s)
+                threads[-1].join(20)
+            assert _dispatches(gw, "sd0") == before + 1
+            assert time.monotonic() - sent_at < 20.0  # (its first-token limit is 60 s)
             held = answers.pop()
             assert held.status_code == 200 and held.text.rstrip().endswith("data: [DONE]"), held.text
             if attempts == 1:
@@ -546,3 +548,25 @@ def test_new_decodes_go_around_a_stalled_decode_engine(attempts: int) -> None:
                 thread.join(30)
         # (any stream before the held one was served whole)
         assert all(a.status_code == 200 and a.text.rstrip().endswith("data: [DONE]") for a in answers)
+
+
+def test_what_a_stalled_engine_gives_up_to_other_engines() -> None:
+    """A request waiting on an engine just marked stalled goes elsewhere unless it cannot (pinned)
+    or may itself be what looks like the stall."""
+    go = {
+        "stream": True,
+        "engine_counts_steps": False,
+        "pinned": False,
+        "cut_before": False,
+        "predicted_prefill_s": 1.0,
+        "after_s": AFTER,
+    }
+    assert may_try_elsewhere(**go)  # type: ignore[arg-type]
+    assert may_try_elsewhere(**{**go, "stream": False, "engine_counts_steps": True})  # type: ignore[arg-type]
+    # a plain request on an engine that counts no steps shows nothing until it ends
+    assert not may_try_elsewhere(**{**go, "stream": False})  # type: ignore[arg-type]
+    assert not may_try_elsewhere(**{**go, "pinned": True})  # type: ignore[arg-type]  # (nowhere else)
+    assert not may_try_elsewhere(**{**go, "cut_before": True})  # type: ignore[arg-type]
+    # a prompt whose prefill alone takes the stall's time looks stalled wherever it goes
+    assert not may_try_elsewhere(**{**go, "predicted_prefill_s": AFTER})  # type: ignore[arg-type]
+    assert may_try_elsewhere(**{**go, "predicted_prefill_s": AFTER * 0.99})  # type: ignore[arg-type]

@@ -48,15 +48,13 @@ def hung(engines: list[ChildProcess]) -> Iterator[list[ChildProcess]]:
 
 
 def gateway(engines: list[ChildProcess], **settings: Any) -> Any:
+    limits = {name: LONG_S for name in ("first_token_timeout_s", "headers_timeout_s", "request_timeout_s")}
     return run_gateway(
         engines=[engine_entry(e) for e in engines],
         monitor_interval_s=0.2,
         stall_after_s=1.0,
-        first_token_timeout_s=LONG_S,
-        headers_timeout_s=LONG_S,
-        request_timeout_s=LONG_S,
         idle_timeout_s=LONG_S,
-        **settings,
+        **{**limits, **settings},
     )
 
 
@@ -139,4 +137,22 @@ def test_a_stream_whose_retry_cannot_be_placed_ends_with_an_error_event(hung: li
         assert failed.error is not None and failed.done and not failed.text, failed
         assert "stalled before it answered" in failed.error["message"], failed.error
         assert took < ALLOWED_S, took
+        assert wait_until(lambda: capacity_is_released(gw), timeout=5)
+
+
+def test_an_engine_that_would_stay_in_rotation_keeps_its_requests(hung: list[ChildProcess]) -> None:
+    """With ejections off, the hung engine emptied of its requests would be back in rotation at
+    the next check and hold each new one for stall_after_s again: what it holds keeps its own
+    limits (here a 3 s first-token limit) and it stays out of rotation for the stall meanwhile."""
+    with gateway(hung, outlier_consecutive_failures=0, first_token_timeout_s=3.0) as gw:
+        retries = metric(gw, "slogate_upstream_retries_total", reason="stalled")
+        answers = concurrently(gw, [body(True, 20)] * 2)
+        streams = [parse(r.status_code, r.headers.get("x-slogate-engine", ""), r.content) for r in answers]
+        held = [s for s in streams if s.engine == "s0"]
+        assert len(held) == 1 and held[0].error is not None, streams
+        assert "sent no first token" in held[0].error["message"]
+        assert all(s.error is None and s.done for s in streams if s.engine == "s1")
+        assert metric(gw, "slogate_upstream_retries_total", reason="stalled") == retries
+        fleet = gw.gateway.fleet
+        assert fleet is not None and not fleet.records["s0"].tripped
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
