@@ -10,11 +10,12 @@ probation: one more failure takes it out again, for twice as long; one success c
 
 A failure another engine may still mend (a retry follows) counts only if it does: a request that
 fails on every engine it tries is likely at fault itself (:meth:`OutlierEjector.settle`). A final
-failure, which no other engine tries (a P/D decode stage's 500, a shared deadline's timeout),
-counts as it comes, as an Envoy-style consecutive-5xx rule counts them: left out, a decode engine
-answering 500 to every request was never taken out, and decode placement, which always found it
-least loaded (it failed at once), sent it every request of the model. Only failures in a row
-count (any answer clears them), and never more than the pool's share is out.
+500, which no other engine tries (a P/D decode stage's: the engine may have read the KV handed
+over), counts as it comes, as an Envoy-style consecutive-5xx rule counts it: left out, a decode
+engine answering 500 to every request was never taken out, and decode placement, which always
+found it least loaded (it failed at once), sent it every request of the model. Only failures in a
+row count (any answer clears them), and never more than the pool's share is out. Other final
+errors count for no engine (:func:`raised_verdict`).
 """
 
 from __future__ import annotations
@@ -63,12 +64,17 @@ def verdict(outcome: int | GatewayError | Cut | BaseException) -> bool | None:
 
 def raised_verdict(exc: BaseException) -> bool | None:
     """What an exception raised out of an attempt says of its engine: a 4xx (the engine answered:
-    the client's fault) clears, a final 5xx of the engine's (a P/D decode stage's 500, a shared
-    deadline's timeout) fails, anything else (a client that left, a cancellation, the gateway's
-    own shortage or an overloaded engine's 503) says nothing."""
+    the client's fault) clears; the engine's own 500 (a P/D decode stage's, final) fails; anything
+    else says nothing: a client that left, a cancellation, the gateway's own shortage, an
+    overloaded engine's 503, and the final 502s and 504s, which are not the engine's alone (a
+    shared deadline's timeout blames whichever engine got the time left after the queue and
+    earlier attempts, an answer past the gateway's size limit is the client's asking, a proxy's
+    502 or 504 may come after the engine did its work)."""
     if not isinstance(exc, GatewayError):
         return None
-    return True if 400 <= exc.status < 500 else verdict(exc) if exc.status >= 500 else None
+    if 400 <= exc.status < 500:
+        return True
+    return False if exc.status == 500 and exc.code not in NOT_THE_ENGINES else None
 
 
 class OutlierEjector:

@@ -147,13 +147,15 @@ def test_an_ejection_its_pool_undoes_at_once_is_not_counted() -> None:
 
 
 async def test_final_failures_in_a_row_count_as_they_come() -> None:
-    """A final 5xx (no other engine tries the request: a P/D decode stage's 500, a shared
-    deadline's timeout) counts as it comes; only failures in a row, which any answer clears."""
+    """A final 500 (no other engine tries the request: a P/D decode stage's) counts as it comes;
+    only failures in a row, which any answer clears. Final 502s and 504s are not the engine's
+    alone (a shared deadline's timeout, an answer past the gateway's limit, a proxy's)."""
     fleet, ejector = _ejector(3)
     failing = f"{MODEL}-0"
     exploded = GatewayError(500, "engine exploded")
     assert raised_verdict(exploded) is False
-    assert raised_verdict(GatewayError(504, "late", code="upstream_timeout")) is False
+    assert raised_verdict(GatewayError(504, "late", code="upstream_timeout")) is None
+    assert raised_verdict(GatewayError(502, "too big", code="upstream_too_large")) is None
     assert raised_verdict(GatewayError(503, "short", code="gateway_overloaded")) is None
     assert raised_verdict(GatewayError(503, "busy")) is None  # (overloaded: no fault)
     for _ in range(2):

@@ -815,8 +815,9 @@ def test_a_decode_engines_500_is_final_and_a_failing_prefill_engine_is_ejected(
     fleet: dict[str, ChildProcess], tmp_path: Path
 ) -> None:
     """A decode engine's 500 is not retried on another decode engine (it may have read the KV
-    handed over, which no other holds), but one answering 500 to every decode while the other
-    answers is taken out of rotation (its failures are its own, not the requests'); a prefill
+    handed over, which no other holds), but one answering 500 to every decode is taken out of
+    rotation after its failures in a row (an Envoy-style rule: the gateway cannot tell its
+    failures from the requests' own, but it may not let it take every request); a prefill
     engine answering 500 to every prefill is retried around, then taken out of rotation."""
     from tests.gateway.conftest import BrokenEngine
 
