@@ -191,17 +191,19 @@ class Proxy:
         resumed = 0
         waiting: list[Call] = []
         for call, _ in self._open.values():
-            if call.engine_id != engine_id:
-                continue
-            if call.ledger is not None and call.first_at:
+            if call.engine_id == engine_id and call.ledger is not None and call.first_at:
                 resumed += call.ledger.cut_for_stall()
-            elif call.engine_wait is not None and may_try_elsewhere(
-                stream=call.request.stream,
-                engine_counts_steps=counts_steps,
-                pinned=call.pinned is not None,
-                cut_before=call.stall_cuts > 0,
-                predicted_prefill_s=predict_prefill(prefill, (call.request.prompt_tokens,)),
-                after_s=after_s,
+            elif (
+                call.engine_wait is not None
+                and call.wait_engine == engine_id
+                and may_try_elsewhere(
+                    stream=call.wait_streamed,
+                    engine_counts_steps=counts_steps,
+                    pinned=call.pinned is not None,
+                    cut_before=call.stall_cuts > 0,
+                    predicted_prefill_s=predict_prefill(prefill, (call.request.prompt_tokens,)),
+                    after_s=after_s,
+                )
             ):
                 waiting.append(call)
         if resumed or waiting:

@@ -112,17 +112,23 @@ class Call:
     #: reached the client (the engine's headers, a whole answer, a stream's first event): run out
     #: at once by :meth:`cut_stalled_wait` (None: no such wait, or not one to cut)
     engine_wait: Limit | None = None
+    #: the engine of that wait (a P/D request's prefill engine while it waits on its prefill),
+    #: and whether what it waits for shows progress before it ends (a stream's first event)
+    wait_engine: str | None = None
+    wait_streamed: bool = False
     #: that wait was cut because its engine was marked stalled: the attempt ends in a retryable
     #: error, whatever comes from the engine after (reset for each attempt)
     stall_cut: bool = False
     #: waits of this request cut for a stall, over all its attempts
     stall_cuts: int = 0
 
-    def wait_on_engine(self, limit: Limit) -> None:
-        """``limit`` bounds the attempt's wait on its engine now (see :attr:`engine_wait`). A cut
-        made during an earlier wait of the attempt that ended before the cut ran its limit out
+    def wait_on_engine(self, limit: Limit, engine_id: str, streamed: bool) -> None:
+        """``limit`` bounds the attempt's wait on ``engine_id`` now (see :attr:`engine_wait`). A
+        cut made during an earlier wait of the attempt that ended before the cut ran its limit out
         (the engine's headers came in the same loop turn) applies to this one."""
         self.engine_wait = limit
+        self.wait_engine = engine_id
+        self.wait_streamed = streamed
         if self.stall_cut:
             with contextlib.suppress(RuntimeError):
                 limit.reschedule(asyncio.get_running_loop().time())

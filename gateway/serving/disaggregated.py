@@ -337,6 +337,7 @@ class DisaggregatedFlow:
             finish_at = min(finish_at, loop.time() + (deadline - time.monotonic()))
         entry.dispatched_at = time.monotonic()
         entry.alone_since = alone_since(record)
+        call.stall_cut = False  # (a cut of the last prefill's wait is not this one's)
         if not call.prefill_dispatched_at:
             call.prefill_dispatched_at = entry.dispatched_at
         metrics.deferred(metrics.DISPATCHES, engine_id).inc()
@@ -373,7 +374,10 @@ class DisaggregatedFlow:
     ) -> bytes | GatewayError:
         engine_id = record.engine_id
         try:
-            response = await self.collocated.post(call, record, url, payload, headers, finish_at, count_wait)
+            # (cut when the prefill engine is marked stalled: retried elsewhere, as a timeout is)
+            response = await self.collocated.post(
+                call, record, url, payload, headers, finish_at, count_wait, cuttable=True, prefill=True
+            )
         except GatewayError as error:
             if error.code != "upstream_timeout":
                 raise

@@ -263,7 +263,7 @@ async def relay_stream(
             if tracking:
                 ledger.deadline = deadline  # type: ignore[union-attr]
             if cuttable:
-                call.wait_on_engine(deadline)
+                call.wait_on_engine(deadline, engine_id, True)
             rearmed_at = 0.0
             rearm_every = min(0.25, idle_s / 4)
             read = response.content.readany

@@ -341,6 +341,38 @@ def test_failed_prefill_falls_back_or_errors_and_never_leaves_a_decode_waiting(
         assert all(not r.running for r in gw.gateway.fleet.records.values())
 
 
+@pytest.mark.parametrize("kv_transfer", ["nixl", "bootstrap"])
+def test_prefills_on_a_stalled_prefill_engine_are_tried_on_another_at_once(
+    fleet: dict[str, ChildProcess], tmp_path: Path, kv_transfer: str
+) -> None:
+    """A prefill engine hangs (healthy, its steps stopped): once the stall check marks it, the
+    prefills waiting on it go to the other prefill engine with new decodes (bootstrap: the decode
+    sent beside it, still waiting for its KV, is closed), not after first_token_timeout_s. Four
+    streams at once, two there."""
+    with run_gateway(engines=[engine_entry(fleet["c0"])]) as gw:
+        reference = answer_of(chat(gw, LONG, True), True)
+    httpx.post(fleet["p0"].url + "/sim/fault", json={"mode": "hang"}).raise_for_status()
+    try:
+        with run_gateway(
+            engines=pd_entries(fleet, kv_transfer),
+            routing_profile=str(profile(tmp_path, "always")),
+            stall_after_s=1.0,
+            monitor_interval_s=0.2,
+            first_token_timeout_s=60.0,
+        ) as gw:
+            started = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _: chat(gw, LONG, True), range(4)))
+            assert time.monotonic() - started < 20.0  # (the first-token limit is 60 s)
+            assert [answer_of(a, True)[0] for a in answers] == [reference[0]] * 4
+            assert all(a.headers.get("x-slogate-prefill-engine") != "p0" for a in answers if a.headers)
+            fleet_state = gw.gateway.fleet
+            assert fleet_state is not None and fleet_state.records["p0"].tripped
+            assert wait_until(lambda: all(not r.running for r in fleet_state.records.values()), timeout=5)
+    finally:
+        httpx.post(fleet["p0"].url + "/sim/fault", json={"clear": True}).raise_for_status()
+
+
 def test_prefill_engine_killed_mid_prefill_falls_back(fleet: dict[str, ChildProcess], tmp_path: Path) -> None:
     with spawn_sim_engine(*SIM_ARGS, "--role", "prefill", name="pkill") as victim:
         engines = [engine_entry(victim, role="prefill"), engine_entry(fleet["d1"], role="decode")]
