@@ -36,6 +36,7 @@ from gateway.serving.call import OVERHEAD_HEADER, Call, ClientGone, Receive, Sco
 from gateway.serving.disaggregated import DisaggregatedFlow
 from gateway.serving.relay import count_usage, end_with_error
 from gateway.serving.responses import Responses
+from gateway.serving.stream_state import StreamLedger
 from gateway.serving.watchdog import Watchdog, time_limit
 from gateway.settings import Settings
 from gateway.tracing import Span, fail, now_ns
@@ -188,11 +189,12 @@ class Proxy:
         counts_steps = record.counts_steps(time.monotonic(), after_s)
         prefill = self.slo.coefficients(engine_id)[0]
         outliers = self.flow.collocated.outliers
-        resumed = 0
+        streams: list[StreamLedger] = []
         waiting: list[Call] = []
         for call, _ in self._open.values():
             if call.engine_id == engine_id and call.ledger is not None and call.first_at:
-                resumed += call.ledger.cut_for_stall()
+                if call.ledger.tracking:  # (one that cannot migrate keeps its idle limit)
+                    streams.append(call.ledger)
             elif (
                 call.engine_wait is not None
                 and call.wait_engine == engine_id
@@ -206,13 +208,17 @@ class Proxy:
                 )
             ):
                 waiting.append(call)
-        if resumed or waiting:
-            # its work gone, it would hold nothing and be back in rotation at the next check,
-            # emptier than any, while it is still hung: it stays out for an ejection's time
-            outliers.eject(engine_id, "stalled with requests on it")
-        # (kept in rotation, as when ejections are off or its pool has its share out, the waits
-        # stay: emptied, it would take new requests and hold each for stall_after_s again)
-        retried = sum(call.cut_stalled_wait() for call in waiting) if record.tripped else 0
+        if not streams and not waiting:
+            return
+        # its work gone, it would hold nothing and be back in rotation at the next check, emptier
+        # than any, while it is still hung: it stays out for an ejection's time. Kept in rotation
+        # (ejections off, or its pool's share out), what it holds stays: emptied, it would take
+        # new requests and hold each for stall_after_s again
+        outliers.eject(engine_id, "stalled with requests on it")
+        if not record.tripped:
+            return
+        resumed = sum(ledger.cut_for_stall() for ledger in streams)
+        retried = sum(call.cut_stalled_wait() for call in waiting)
         if resumed or retried:
             message = "engine %s stalled: %d streams resumed, %d requests tried elsewhere"
             log.warning(message, engine_id, resumed, retried)

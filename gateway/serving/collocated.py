@@ -456,7 +456,6 @@ class CollocatedFlow:
         headers_at: float,
         count_wait: bool = True,
         cuttable: bool = False,
-        prefill: bool = False,
     ) -> aiohttp.ClientResponse | GatewayError:
         """POST to the engine until its response headers; a retryable failure comes back as a
         GatewayError (connecting failed, the engine closed a pooled connection twice, a malformed
@@ -464,7 +463,7 @@ class CollocatedFlow:
         ``count_wait``: the wait is not the gateway's own time (False for a request sent beside
         another, whose wait is counted once). ``cuttable``: the wait for the headers is the
         call's wait on its engine (:attr:`Call.engine_wait`), cut when the engine is marked
-        stalled: that is retryable. ``prefill``: a P/D prefill's (a plain request)."""
+        stalled: that is retryable."""
         engine_id = record.engine_id
         sent_at = time.monotonic()
         try:
@@ -472,7 +471,7 @@ class CollocatedFlow:
                 try:
                     async with time_limit_at(call.watchdog, headers_at) as limit:
                         if cuttable:
-                            call.wait_on_engine(limit, engine_id, call.request.stream and not prefill)
+                            call.wait_on_engine(limit, engine_id, call.request.stream)
                         # (never redirects: the engine's key would go with the request elsewhere)
                         response = await (self.fresh_session if fresh else self.session).post(
                             url, data=payload, headers=headers, timeout=self._timeout, allow_redirects=False
@@ -633,7 +632,8 @@ class CollocatedFlow:
                     504, f"engine {engine_id} did not finish in time", code="upstream_timeout"
                 ) from None
             finally:
-                call.engine_wait = None
+                if cuttable:  # (a P/D decode's read must not drop its prefill's wait, in another task)
+                    call.engine_wait = None
                 call.waited_s += time.monotonic() - read_at  # the engine writing its answer
             if isinstance(body, GatewayError):
                 return body

@@ -60,7 +60,7 @@ from gateway.serving.collocated import (
     end_upstream,
     out_of_time,
 )
-from gateway.serving.relay import end_with_error
+from gateway.serving.relay import end_with_error, stalled_error
 from gateway.serving.watchdog import time_limit_at
 from gateway.tasks import cancel_and_wait
 from gateway.tracing import SPAN_DISPATCH, Span, Tracing
@@ -376,7 +376,7 @@ class DisaggregatedFlow:
         try:
             # (cut when the prefill engine is marked stalled: retried elsewhere, as a timeout is)
             response = await self.collocated.post(
-                call, record, url, payload, headers, finish_at, count_wait, cuttable=True, prefill=True
+                call, record, url, payload, headers, finish_at, count_wait, cuttable=True
             )
         except GatewayError as error:
             if error.code != "upstream_timeout":
@@ -391,9 +391,13 @@ class DisaggregatedFlow:
                 return await self.collocated.engine_refused(call, record, response, finish_at, count_wait)
             started = time.monotonic()  # (post counted the wait for the headers)
             try:
-                async with time_limit_at(call.watchdog, finish_at):
+                async with time_limit_at(call.watchdog, finish_at) as limit:
+                    # (the same wait on the engine as its headers': a cut made as they came holds)
+                    call.wait_on_engine(limit, engine_id, call.request.stream)
                     return await response.read()
             except TimeoutError:
+                if call.stall_cut:
+                    return stalled_error(engine_id)
                 metrics.child(metrics.UPSTREAM_ERRORS, engine_id, "timeout").inc()
                 return GatewayError(
                     504, f"prefill engine {engine_id} did not finish in time", code="upstream_timeout"
@@ -404,6 +408,7 @@ class DisaggregatedFlow:
                     502, f"prefill engine {engine_id} failed: {exc!r}", code="upstream_failed"
                 )
             finally:
+                call.engine_wait = None
                 if count_wait:
                     call.waited_s += time.monotonic() - started  # the engine computing the prefill
         finally:

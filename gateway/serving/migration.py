@@ -592,6 +592,7 @@ class Migrator:
             return exc  # (a body that cannot be written again: no engine would get it)
         headers = self._headers(call, record)
         call.engine_id = record.engine_id
+        ledger.stall_cut = False  # (a cut of the engine it left is not this one's)
         call.entry = entry
         entry.dispatched_at = time.monotonic()
         metrics.deferred(metrics.DISPATCHES, record.engine_id).inc()
@@ -677,10 +678,11 @@ class Migrator:
         prompt = len(state.prompt_ids) + base if state is not None else call.request.prompt_tokens
         framer = SseFramer(event_limit(prompt))
         # (while it waits on this engine, a stall mark on it cuts the wait: Proxy._on_engine_change)
-        ledger.stall_cut = False
         try:
             async with time_limit_at(call.watchdog, first_at) as deadline:
                 ledger.deadline = deadline
+                if ledger.stall_cut:  # (marked while it waited for the engine's headers)
+                    deadline.reschedule(clock())
                 read = response.content.readany
                 while chunk := await read():
                     complete = framer.feed(chunk)

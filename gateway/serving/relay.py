@@ -347,7 +347,8 @@ async def relay_stream(
                         fleet.add_generated(record, entry, content)
                 events += n
                 if complete:
-                    call.engine_wait = None  # (an event goes out: no longer cut for a stall)
+                    if cuttable:  # (an event goes out: no longer cut for a stall)
+                        call.engine_wait = None
                     sending = True
                     if tracking:
                         ledger.deadline = None  # type: ignore[union-attr]  # (not waiting on the engine)
@@ -372,7 +373,8 @@ async def relay_stream(
                         moved = Cut(MigrationReason.SLACK, engine_id, None, placed)
                         break
     except TimeoutError:
-        call.engine_wait = None  # (a cut now would run out the error event's send limit instead)
+        if cuttable:  # (a cut now would run out the error event's send limit instead)
+            call.engine_wait = None
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None  # (the limit is over: what follows has limits of its own)
@@ -390,7 +392,8 @@ async def relay_stream(
         await end_with_error(call, error)
         return 504
     except OversizedEvent:
-        call.engine_wait = None
+        if cuttable:
+            call.engine_wait = None
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
@@ -400,7 +403,8 @@ async def relay_stream(
         )
         return 502
     except aiohttp.ClientError as exc:
-        call.engine_wait = None
+        if cuttable:
+            call.engine_wait = None
         call.sse_events = events  # (the error event is numbered after them)
         if ledger is not None:
             ledger.deadline = None
@@ -411,7 +415,8 @@ async def relay_stream(
         await end_with_error(call, error)
         return 502
     finally:
-        call.engine_wait = None
+        if cuttable:
+            call.engine_wait = None
         metrics.SSE_EVENTS.inc(events)
         call.sse_events = events
         if ledger is not None:

@@ -315,9 +315,10 @@ def test_a_stream_on_an_engine_marked_stalled_moves_at_once_with_the_exact_outpu
 
 def test_a_continuation_on_an_engine_marked_stalled_moves_at_once(healthy: list[ChildProcess]) -> None:
     """The first engine cuts the stream; every other engine hangs. The continuation on the second
-    is cut when the stall check marks that engine, resumed on the third, cut there too, and the
-    stream ends with the limit's error within seconds, not after idle_timeout_s of silence on each
-    (a continuation used to wait that out: the stall mark cut only a first engine's stream)."""
+    is cut when the stall check marks that engine, resumed on the third, cut there too once the
+    second is back from its ejection (the last engine in rotation is never marked), and the stream
+    ends with the limit's error within 30 s, not after idle_timeout_s of silence on each (a
+    continuation used to wait that out: the stall mark cut only a first engine's stream)."""
     body = chat_body("a continuation on a hung engine", 200)
     ref = reference(healthy[0], CHAT, body)
     with gateway(

@@ -146,13 +146,21 @@ def test_an_engine_that_would_stay_in_rotation_keeps_its_requests(hung: list[Chi
     limits (here a 3 s first-token limit) and it stays out of rotation for the stall meanwhile."""
     with gateway(hung, outlier_consecutive_failures=0, first_token_timeout_s=3.0) as gw:
         retries = metric(gw, "slogate_upstream_retries_total", reason="stalled")
-        answers = concurrently(gw, [body(True, 20)] * 2)
+        fleet = gw.gateway.fleet
+        assert fleet is not None
+        seen_stalled: list[bool] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as watch:
+            watching = watch.submit(
+                lambda: seen_stalled.append(wait_until(lambda: fleet.records["s0"].stalled, 5))
+            )
+            answers = concurrently(gw, [body(True, 20)] * 2)
+            watching.result()
+        assert seen_stalled == [True]  # (out of rotation for the stall while it held the stream)
         streams = [parse(r.status_code, r.headers.get("x-slogate-engine", ""), r.content) for r in answers]
         held = [s for s in streams if s.engine == "s0"]
         assert len(held) == 1 and held[0].error is not None, streams
         assert "sent no first token" in held[0].error["message"]
         assert all(s.error is None and s.done for s in streams if s.engine == "s1")
         assert metric(gw, "slogate_upstream_retries_total", reason="stalled") == retries
-        fleet = gw.gateway.fleet
-        assert fleet is not None and not fleet.records["s0"].tripped
+        assert not fleet.records["s0"].tripped
         assert wait_until(lambda: capacity_is_released(gw), timeout=5)
