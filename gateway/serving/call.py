@@ -130,8 +130,7 @@ class Call:
         self.wait_engine = engine_id
         self.wait_streamed = streamed
         if self.stall_cut:
-            with contextlib.suppress(RuntimeError):
-                limit.reschedule(asyncio.get_running_loop().time())
+            _run_out(limit)
 
     def cut_stalled_wait(self) -> bool:
         """The engine of this call's attempt was marked stalled: end its wait on that engine now,
@@ -143,9 +142,7 @@ class Call:
             return False
         self.stall_cut = True
         self.stall_cuts += 1
-        # (a limit that ran out just now refuses: the wait is ending already)
-        with contextlib.suppress(RuntimeError):
-            wait.reschedule(asyncio.get_running_loop().time())
+        _run_out(wait)
         return True
 
     @property
@@ -164,6 +161,12 @@ class Call:
         if steps <= 1.0:
             return None
         return (self.last_at - self.first_at) / (steps - 1.0)
+
+
+def _run_out(limit: Limit) -> None:
+    """End ``limit`` now (one that ran out just now refuses: its wait is ending already)."""
+    with contextlib.suppress(RuntimeError):
+        limit.reschedule(asyncio.get_running_loop().time())
 
 
 OVERHEAD_HEADER = b"x-slogate-overhead-ms"

@@ -133,6 +133,21 @@ def sim_fault(engine: ChildProcess, fault: dict[str, Any]) -> None:
     httpx.post(engine.url + "/sim/fault", json=fault, timeout=5).raise_for_status()
 
 
+def crash_then_hang_the_others(
+    gw: RunningGateway, engines: list[ChildProcess], body: dict[str, Any], timeout: float
+) -> Stream:
+    """A stream whose first engine cuts it after 29 tokens, every other engine hung meanwhile."""
+    with httpx.stream(
+        "POST", gw.url + CHAT, json=body, headers={"X-Sim-Fault": "crash-after=30"}, timeout=timeout
+    ) as r:
+        first = r.headers["x-slogate-engine"]
+        for engine in engines:
+            if engine.name != first:
+                sim_fault(engine, {"mode": "hang"})
+        raw = r.read()
+    return parse(r.status_code, first, raw)
+
+
 def finished_requests(metrics_text: str) -> float:
     """``vllm:request_success_total`` summed over its labels."""
     found = re.findall(r"^vllm:request_success_total(?:{[^}]*})? (\S+)$", metrics_text, re.MULTILINE)
@@ -266,15 +281,7 @@ def test_migration_limit_is_respected(healthy: list[ChildProcess]) -> None:
     with gateway(healthy, **settings) as gw:
         failures = metric(gw, "slogate_migrations_total", reason="failure")
         stalls = metric(gw, "slogate_migrations_total", reason="stall")
-        with httpx.stream(
-            "POST", gw.url + CHAT, json=body, headers={"X-Sim-Fault": "crash-after=30"}, timeout=30
-        ) as r:
-            first = r.headers["x-slogate-engine"]
-            for engine in healthy:
-                if engine.name != first:
-                    sim_fault(engine, {"mode": "hang"})
-            raw = r.read()
-        got = parse(r.status_code, first, raw)
+        got = crash_then_hang_the_others(gw, healthy, body, timeout=30)
         assert got.error is not None and got.done
         assert "migration limit (1) reached" in got.error["message"], got.error
         assert got.token_ids == ref.token_ids[: len(got.token_ids)] and len(got.token_ids) >= 25
@@ -326,16 +333,8 @@ def test_a_continuation_on_an_engine_marked_stalled_moves_at_once(healthy: list[
     ) as gw:
         stalls = metric(gw, "slogate_migrations_total", reason="stall")
         started = time.monotonic()
-        with httpx.stream(
-            "POST", gw.url + CHAT, json=body, headers={"X-Sim-Fault": "crash-after=30"}, timeout=90
-        ) as r:
-            first = r.headers["x-slogate-engine"]
-            for engine in healthy:
-                if engine.name != first:
-                    sim_fault(engine, {"mode": "hang"})
-            raw = r.read()
+        got = crash_then_hang_the_others(gw, healthy, body, timeout=90)
         took = time.monotonic() - started
-        got = parse(r.status_code, first, raw)
         assert got.error is not None and got.done
         assert "migration limit (2) reached" in got.error["message"], got.error
         assert got.token_ids == ref.token_ids[: len(got.token_ids)] and len(got.token_ids) >= 25
